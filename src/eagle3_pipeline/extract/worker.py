@@ -1,0 +1,281 @@
+"""The extract child process: `python -m eagle3_pipeline.extract.worker JOB.json`.
+
+Owns the engine side of the extract stage. Reads the job file (`ExtractJob`, written by
+`extract/shards.py`), the tokenized dataset and the target model; builds ONE `vllm.LLM` with the
+native `extract_hidden_states` speculative method and our connector (`extract/connector.py`), then
+for each shard of the job, in order:
+  1. prefills the shard's rows (token ids in, `max_tokens=1`),
+  2. reads each request's file from `kv_transfer_params["hidden_states_path"]` (in `scratch_dir`),
+  3. checks it against the row (token ids, [T, L, H]) and writes our record
+     `hidden_states_dir/hs_{row}.safetensors` atomically (bf16, or fp8 + per-token scales),
+  4. deletes vLLM's file, then prints one `shard_done` event (proc.emit_event) for the parent.
+Also prints an `engine_ready` event with the engine start-up time. Any exception prints the full
+traceback and exits non-zero. Test hook: env EAGLE3_TEST_KILL_AFTER_SHARDS=n makes the process
+SIGKILL itself right after its n-th `shard_done` event.
+Nothing heavy is imported at module level: the parent imports `ExtractJob` and `to_record` from here.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from eagle3_pipeline.contracts import FP8_MAX, HS_KEY, SCALES_KEY, TOKENS_KEY, ContractError
+from eagle3_pipeline.proc import emit_event
+
+KILL_AFTER_ENV = "EAGLE3_TEST_KILL_AFTER_SHARDS"
+CONNECTOR_NAME = "Eagle3HiddenStatesConnector"
+CONNECTOR_MODULE = "eagle3_pipeline.extract.connector"
+
+
+class ShardSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    index: int
+    row_start: int  # inclusive
+    row_end: int    # exclusive
+
+
+class ExtractJob(BaseModel):
+    """Everything the child needs; written as JSON by the parent, one per attempt."""
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    tokenizer: str
+    revision: str | None = None
+    dtype: str = "bfloat16"
+    trust_remote_code: bool = False
+    layer_ids: list[int]            # aux ids + N, ascending
+    hidden_size: int                # H, to check records
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.3
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    enforce_eager: bool = True
+    omp_threads_bind: str | None = "all"
+    tokenized_dir: str
+    hidden_states_dir: str          # final records hs_{row}.safetensors
+    scratch_dir: str                # vLLM's per-request files; deleted as they are consumed
+    storage_dtype: Literal["bf16", "fp8"] = "bf16"
+    attempt: int = 1                # tags temporary file names
+    shards: list[ShardSpec]
+    file_timeout_s: float = 300.0   # how long to wait for vLLM's file of one request
+    nudge_after_s: float = 2.0      # then drive an extra engine step (see _await_files)
+
+
+def record_name(row: int) -> str:
+    return f"hs_{row}.safetensors"
+
+
+def to_record(hidden_states, token_ids, storage_dtype: str) -> dict:
+    """Our record from vLLM's tensors: `hidden_states` [T, L, H] (any float dtype), `token_ids` [T].
+    bf16: hidden_states bf16[T, L, H]. fp8: float8_e4m3fn[T, L, H] + hidden_states_scales fp32[T, 1, 1]
+    with scale = per-token absmax / 448 (dequantize: hs.float() * scale)."""
+    import torch
+
+    rec = {TOKENS_KEY: token_ids.to(torch.int64).contiguous()}  # [T]
+    if storage_dtype == "bf16":
+        rec[HS_KEY] = hidden_states.to(torch.bfloat16).contiguous()  # [T, L, H]
+    elif storage_dtype == "fp8":
+        x = hidden_states.float()  # [T, L, H]
+        absmax = x.abs().amax(dim=(1, 2), keepdim=True)  # [T, 1, 1]
+        scales = (absmax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)  # [T, 1, 1]
+        rec[HS_KEY] = (x / scales).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).contiguous()  # [T, L, H]
+        rec[SCALES_KEY] = scales.contiguous()
+    else:
+        raise ContractError(f"storage dtype {storage_dtype!r}: expected 'bf16' or 'fp8'")
+    return rec
+
+
+def cpu_bind_spec(setting: str, tp: int, cpus: list[int]) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `setting`: 'all' = every core this process may use, split into
+    `tp` equal groups joined by '|' (one per TP rank); anything else is passed through."""
+    if setting != "all":
+        return setting
+    cpus = sorted(cpus)
+    per = max(1, len(cpus) // tp)
+    groups = [cpus[i * per:(i + 1) * per] or cpus[-1:] for i in range(tp)]
+    return "|".join(",".join(map(str, g)) for g in groups)
+
+
+# ---------------------------------------------------------------- engine side (child only)
+
+def _build_llm(job: ExtractJob, max_model_len: int):
+    from vllm import LLM
+
+    kwargs = dict(
+        model=job.model, tokenizer=job.tokenizer, revision=job.revision, dtype=job.dtype,
+        trust_remote_code=job.trust_remote_code, tensor_parallel_size=job.tensor_parallel_size,
+        gpu_memory_utilization=job.gpu_memory_utilization, max_num_seqs=job.max_num_seqs,
+        max_model_len=max_model_len, enforce_eager=job.enforce_eager,
+        enable_chunked_prefill=False, enable_prefix_caching=False, seed=0,
+        speculative_config={
+            "method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": job.layer_ids}},
+        },
+        kv_transfer_config={
+            "kv_connector": CONNECTOR_NAME, "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": job.scratch_dir},
+        },
+    )
+    if job.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = job.max_num_batched_tokens
+    return LLM(**kwargs)
+
+
+def _load_file(path: str) -> dict:
+    """vLLM's file once complete: on CPU our connector renames it into place when done; on CUDA the
+    parent connector writes in place under an exclusive lock on `path.lock`, so wait on that lock."""
+    from safetensors.torch import load_file
+
+    lock = path + ".lock"
+    if os.path.exists(lock):
+        with open(lock) as lf:
+            fcntl.flock(lf, fcntl.LOCK_SH)
+            return load_file(path, device="cpu")
+    return load_file(path, device="cpu")
+
+
+def _remove(path: str) -> None:
+    for p in (path, path + ".lock"):
+        try:
+            os.remove(p)
+        except FileNotFoundError:
+            pass
+
+
+class _Engine:
+    """The LLM plus the one workaround it needs: a request's file may be written on the *next*
+    engine step (the connector writes when the scheduler hands it the finished request), which with
+    the in-process engine might never come. `_await_files` waits, and after `nudge_after_s` drives
+    steps with a one-token request whose own file is removed later."""
+
+    def __init__(self, llm, job: ExtractJob, nudge_token: int):
+        from vllm import SamplingParams
+
+        self.llm, self.job = llm, job
+        self.params = SamplingParams(max_tokens=1, temperature=0.0)
+        self.nudge_token = nudge_token
+        self.nudge_files: list[str] = []
+
+    def prefill(self, rows: list[list[int]]) -> list[str]:
+        outs = self.llm.generate([{"prompt_token_ids": ids} for ids in rows], self.params, use_tqdm=False)
+        paths = []
+        for i, out in enumerate(outs):
+            params = out.kv_transfer_params or {}
+            if "hidden_states_path" not in params:
+                raise RuntimeError(f"request {out.request_id} (batch position {i}): vLLM returned no "
+                                   f"hidden_states_path in kv_transfer_params={params!r}; is the "
+                                   f"extract_hidden_states method + {CONNECTOR_NAME} active?")
+            paths.append(params["hidden_states_path"])
+        return paths
+
+    def await_files(self, paths: list[str]) -> None:
+        t0 = last_nudge = time.time()
+        while missing := [p for p in paths if not os.path.exists(p)]:
+            now = time.time()
+            if now - t0 > self.job.file_timeout_s:
+                raise TimeoutError(f"{len(missing)} hidden-state file(s) not written by vLLM after "
+                                   f"{self.job.file_timeout_s:.0f}s, e.g. {missing[0]}")
+            if now - last_nudge > self.job.nudge_after_s:
+                print(f"extract worker: {len(missing)} file(s) not written yet; driving another engine step",
+                      flush=True)
+                self.nudge_files += self.prefill([[self.nudge_token]])
+                last_nudge = time.time()
+            time.sleep(0.01)
+
+    def drop_nudge_files(self) -> None:
+        for p in self.nudge_files:
+            _remove(p)
+
+
+def _run_shard(engine: _Engine, ds, job: ExtractJob, shard: ShardSpec) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from eagle3_pipeline.store import atomic_write
+
+    t0 = time.time()
+    rows = ds.select(range(shard.row_start, shard.row_end))
+    input_ids: list[list[int]] = rows["input_ids"]
+    sample_ids = rows["sample_id"] if "sample_id" in rows.column_names else [None] * len(rows)
+    paths = engine.prefill(input_ids)
+    engine.await_files(paths)
+    hs_dir = Path(job.hidden_states_dir)
+    L, H = len(job.layer_ids), job.hidden_size
+    files, tokens = [], 0
+    meta = {"layer_ids": ",".join(map(str, job.layer_ids)), "storage_dtype": job.storage_dtype}
+    for k, (ids, sid, path) in enumerate(zip(input_ids, sample_ids, paths)):
+        row = shard.row_start + k
+        who = f"{record_name(row)} (row {row}, sample {sid})"
+        data = _load_file(path)
+        hs, tok = data["hidden_states"], data["token_ids"]  # [T, L, H], [T]
+        expect = torch.tensor(ids, dtype=torch.int64)  # [T]
+        if tok.shape != expect.shape or not torch.equal(tok.to(torch.int64), expect):
+            n = min(len(tok), len(expect))
+            diff = next((i for i in range(n) if int(tok[i]) != int(expect[i])), n)
+            raise ContractError(f"{who}: vLLM token_ids differ from the tokenized row: expected "
+                                f"[{len(expect)}], found [{len(tok)}], first difference at position {diff}")
+        if tuple(hs.shape) != (len(ids), L, H):
+            raise ContractError(f"{who}: layers {job.layer_ids}: hidden_states expected "
+                                f"{[len(ids), L, H]}, found {list(hs.shape)} (file {path})")
+        rec = to_record(hs, tok, job.storage_dtype)
+        name = record_name(row)
+        atomic_write(hs_dir / name, lambda p: save_file(rec, str(p), metadata=meta), tag=str(job.attempt))
+        _remove(path)
+        files.append(name)
+        tokens += len(ids)
+    emit_event(kind="shard_done", shard=shard.index, files=files, tokens=tokens,
+               seconds=round(time.time() - t0, 4))
+
+
+def main(argv: list[str]) -> int:
+    job = ExtractJob.model_validate_json(Path(argv[0]).read_text())
+    t_start = time.time()
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() and job.omp_threads_bind:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_spec(
+            job.omp_threads_bind, job.tensor_parallel_size, list(os.sched_getaffinity(0)))
+        print(f"extract worker: VLLM_CPU_OMP_THREADS_BIND={os.environ['VLLM_CPU_OMP_THREADS_BIND']}", flush=True)
+
+    import datasets
+
+    ds = datasets.load_from_disk(job.tokenized_dir)
+    for s in job.shards:
+        if not 0 <= s.row_start < s.row_end <= len(ds):
+            raise ContractError(f"shard {s.index}: rows [{s.row_start}, {s.row_end}) outside the "
+                                f"tokenized dataset of {len(ds)} rows ({job.tokenized_dir})")
+    max_len = max(max(ds.select(range(s.row_start, s.row_end))["seq_len"]) for s in job.shards)
+    Path(job.scratch_dir).mkdir(parents=True, exist_ok=True)
+    Path(job.hidden_states_dir).mkdir(parents=True, exist_ok=True)
+
+    llm = _build_llm(job, max_model_len=int(max_len) + 1)
+    emit_event(kind="engine_ready", seconds=round(time.time() - t_start, 2))
+    engine = _Engine(llm, job, nudge_token=int(ds[job.shards[0].row_start]["input_ids"][0]))
+    kill_after = int(os.environ.get(KILL_AFTER_ENV, "0") or 0)
+    for n, shard in enumerate(job.shards, start=1):
+        _run_shard(engine, ds, job, shard)
+        if kill_after and n >= kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)  # test hook: die like an OOM kill, mid-group
+    engine.drop_nudge_files()  # any still unwritten go with scratch_dir, which the parent removes
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        rc = main(sys.argv[1:])
+    except BaseException:  # noqa: BLE001 - the parent needs the whole story, whatever it was
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    sys.exit(rc)

@@ -1,0 +1,116 @@
+"""The gpu-gate: no leftover engine of ours holds the machine, and the visible GPUs are free.
+
+Reads the process table (psutil) and, where `nvidia-smi` exists, per-GPU used memory. Finds our
+leftover engine processes by the marker that proc.run_child puts in every child's environment
+(CHILD_MARKER_ENV) and by command line (`eagle3_pipeline.*_worker`, vLLM engine cores started by
+them), ends them (SIGTERM, then SIGKILL), and fails loud when it cannot free them or when GPU memory
+stays above the threshold. Never cached: it runs every time.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+
+from pydantic import BaseModel
+
+from eagle3_pipeline.proc import CHILD_MARKER_ENV
+
+WORKER_MODULES = ("eagle3_pipeline.extract.worker", "eagle3_pipeline.train_worker", "eagle3_pipeline.evaluate_worker")
+
+
+class GpuGateFailed(RuntimeError):
+    pass
+
+
+class GpuGateResult(BaseModel):
+    leftovers_found: list[str]
+    killed: list[int]
+    gpus: list[dict]
+    passed: bool
+
+
+def _ours(p) -> str | None:
+    """A description if `p` is an engine process of ours, else None."""
+    try:
+        if p.pid == os.getpid() or p.pid in {a.pid for a in _self_ancestors()}:
+            return None
+        cmd = " ".join(p.cmdline())
+        if any(m in cmd for m in WORKER_MODULES):
+            return f"pid {p.pid}: {cmd[:120]}"
+        env = p.environ()
+        if CHILD_MARKER_ENV in env:
+            return f"pid {p.pid} ({env[CHILD_MARKER_ENV]}): {cmd[:120]}"
+    except Exception:  # process vanished or is not ours to read
+        return None
+    return None
+
+
+def _self_ancestors():
+    import psutil
+
+    return psutil.Process().parents()
+
+
+def find_leftovers() -> list:
+    import psutil
+
+    return [p for p in psutil.process_iter() if _ours(p)]
+
+
+def gpu_memory() -> list[dict]:
+    """[{index, used_mib, total_mib}] from nvidia-smi; [] where there is no nvidia-smi."""
+    if not shutil.which("nvidia-smi"):
+        return []
+    out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used,memory.total", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    gpus = []
+    for line in out.strip().splitlines():
+        idx, used, total = (x.strip() for x in line.split(","))
+        gpus.append({"index": int(idx), "used_mib": int(used), "total_mib": int(total)})
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        keep = {int(x) for x in visible.split(",") if x.strip().isdigit()}
+        gpus = [g for g in gpus if g["index"] in keep]
+    return gpus
+
+
+def gpu_gate(kill: bool = True, max_used_mib: int = 2048, wait_s: float = 30.0, log=print) -> GpuGateResult:
+    """End our leftover engines, then check GPU memory; raise GpuGateFailed if the machine stays busy."""
+    import psutil
+
+    leftovers = find_leftovers()
+    found = [_ours(p) or str(p.pid) for p in leftovers]
+    killed = []
+    if leftovers and kill:
+        for p in leftovers:
+            log(f"gpu-gate: ending leftover {found[leftovers.index(p)]}")
+            try:
+                p.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(leftovers, timeout=10)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(alive, timeout=10)
+        killed = [p.pid for p in leftovers if p not in alive]
+        if alive:
+            raise GpuGateFailed(f"gpu-gate: could not end leftover engine processes: {[p.pid for p in alive]}")
+    elif leftovers:
+        raise GpuGateFailed(f"gpu-gate: leftover engine processes: {found}")
+    gpus = gpu_memory()
+    deadline = time.time() + wait_s
+    while any(g["used_mib"] > max_used_mib for g in gpus) and time.time() < deadline:
+        time.sleep(2)  # memory is released a moment after the process exits
+        gpus = gpu_memory()
+    busy = [g for g in gpus if g["used_mib"] > max_used_mib]
+    if busy:
+        raise GpuGateFailed("gpu-gate: GPU memory still in use: " + ", ".join(
+            f"GPU {g['index']}: {g['used_mib']} of {g['total_mib']} MiB" for g in busy))
+    log(f"gpu-gate: {len(found)} leftovers ended, {len(gpus)} GPUs checked" + (" (no nvidia-smi)" if not gpus else ""))
+    return GpuGateResult(leftovers_found=found, killed=killed, gpus=gpus, passed=True)

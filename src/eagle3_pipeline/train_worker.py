@@ -1,0 +1,315 @@
+"""Child process of the train stage: `python -m eagle3_pipeline.train_worker JOB.json`.
+
+Runs speculators' EAGLE-3 draft model and Trainer on offline data, in its own process (started by
+`train.train_draft` / `train.make_untrained_draft` through `proc.run_child`), so that accelerator
+memory is released when it exits. JOB.json (written by train.py) names every input and output.
+
+mode "train" reads:  tokenized_dir (datasets.save_to_disk: input_ids, loss_mask, seq_len, ...),
+                     hidden_states_dir/hs_{i}.safetensors (token_ids [T], hidden_states [T, L, H]),
+                     vocab_dir (d2t/t2d), the target model dir (embeddings, lm_head, final norm).
+             writes: save_path/<epoch>/{config.json, model.safetensors (+d2t, t2d), optimizer/scheduler
+                     state, training_state.json, val_metrics.json}, save_path/checkpoint_best -> <epoch>,
+                     metrics.jsonl (one JSON line per optimizer step / validation pass), result.json.
+             Resumes from the last epoch checkpoint in save_path (speculators' own resume logic).
+mode "untrained" writes a randomly initialised draft of the same architecture to out_dir.
+
+Structured progress goes to the parent as `proc.emit_event` lines: {"kind": "train_step" | "val" |
+"done", ...}. Device "cpu" installs a small shim (speculators' trainer assumes an accelerator):
+the trainer's device is "cpu" (autocast on cpu in bf16), `torch.accelerator.synchronize` is a no-op,
+and checkpoints are loaded to "cpu"; draft attention is sdpa/eager and the loss is speculators' eager
+implementation. Device "cuda" uses speculators untouched (flex attention, fused Triton losses).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+from eagle3_pipeline.proc import emit_event
+from eagle3_pipeline.store import write_json
+
+ATTN_IMPL = {"sdpa": "sdpa", "eager": "eager", "flex_attention": "simple_flex_attention"}
+log = logging.getLogger("eagle3_pipeline.train_worker")
+
+
+def _is_rank0() -> bool:
+    from speculators.train.distributed import get_rank
+
+    return get_rank() == 0
+
+
+def _install_cpu_shim() -> None:
+    """Let speculators' single-process trainer run without an accelerator (see module docstring)."""
+    import torch
+    import speculators.train.checkpointer as ckpt
+
+    if not torch.accelerator.is_available():
+        torch.accelerator.synchronize = lambda *a, **k: None  # the step timer calls it around every phase
+    ckpt.get_current_device = lambda: "cpu"  # resume: load model/optimizer state onto the cpu
+
+
+def _setup_logging() -> None:
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    h = logging.StreamHandler(sys.stdout)
+    h.setFormatter(fmt)
+    for name in ("speculators", "eagle3_pipeline"):
+        lg = logging.getLogger(name)
+        lg.setLevel(logging.INFO)
+        lg.addHandler(h)
+        lg.propagate = False
+
+
+class _MetricSink(logging.Handler):
+    """Receives the dicts speculators' Trainer logs to `speculators.metrics`; writes metrics.jsonl
+    and forwards each record to the parent as an event."""
+
+    def __init__(self, path: Path, ttt_steps: int):
+        super().__init__(logging.INFO)
+        self.path = Path(path)
+        self.ttt_steps = ttt_steps
+        self.last_train: dict | None = None
+
+    def _per_step(self, m: dict, key: str, suffix: str = "") -> list[float | None]:
+        return [m.get(f"{key}_{k}{suffix}") for k in range(self.ttt_steps)]
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.msg
+        if not isinstance(msg, dict):
+            return
+        if "train" in msg:
+            m, prof = msg["train"], msg.get("profile") or {}
+            step_s = prof.get("step_ms", 0.0) / 1000.0
+            tokens = round(prof.get("tokens_per_s", 0.0) * step_s)
+            lr = msg.get("lr")
+            line = {"kind": "train_step", "step": msg.get("global_step"), "epoch": msg.get("epoch"),
+                    "loss": m.get("loss"), "loss_per_step": self._per_step(m, "loss"),
+                    "acc": self._per_step(m, "full_acc"), "cond_acc": self._per_step(m, "cond_acc"),
+                    "lr": lr if not isinstance(lr, dict) else max(lr.values()),
+                    "tokens": tokens, "step_s": step_s,
+                    "tokens_per_s": prof.get("tokens_per_s"), "error_records": m.get("error_records")}
+            self.last_train = line
+        elif "val" in msg:
+            m = msg["val"]
+            line = {"kind": "val", "epoch": msg.get("epoch"), "loss": m.get("loss_epoch"),
+                    "loss_per_step": self._per_step(m, "loss", "_epoch"),
+                    "acc": self._per_step(m, "full_acc", "_epoch"), "cond_acc": self._per_step(m, "cond_acc", "_epoch")}
+        else:
+            return
+        line = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in line.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+        emit_event(**line)
+
+
+def _trim_metrics(path: Path, global_step: int, epoch: int) -> None:
+    """On resume, drop metric lines from steps the checkpoint does not contain (they are replayed)."""
+    if not path.exists():
+        return
+    keep = []
+    for raw in path.read_text().splitlines():
+        try:
+            d = json.loads(raw)
+        except json.JSONDecodeError:
+            continue
+        if (d.get("kind") == "train_step" and d.get("step", 0) < global_step) or \
+           (d.get("kind") == "val" and d.get("epoch", 0) < epoch):
+            keep.append(raw)
+    path.write_text("".join(k + "\n" for k in keep))
+
+
+def _summarise(path: Path) -> dict:
+    """Totals over metrics.jsonl (all attempts): steps, first/final loss, tokens, tokens/s."""
+    steps = []
+    vals = []
+    if path.exists():
+        for raw in path.read_text().splitlines():
+            d = json.loads(raw)
+            (steps if d["kind"] == "train_step" else vals).append(d)
+    tokens = sum(d.get("tokens") or 0 for d in steps)
+    secs = sum(d.get("step_s") or 0.0 for d in steps)
+    return {"logged_steps": len(steps), "first_loss": steps[0]["loss"] if steps else None,
+            "final_loss": steps[-1]["loss"] if steps else None,
+            "final_acc": steps[-1]["acc"] if steps else None,
+            "val_loss": vals[-1]["loss"] if vals else None, "val_acc": vals[-1]["acc"] if vals else None,
+            "tokens": tokens, "train_seconds": secs, "tokens_per_s": tokens / secs if secs > 0 else 0.0}
+
+
+def build_draft(job: dict):
+    """speculators' Eagle3DraftModel for the target, as `speculators train` builds it by default
+    (llama decoder, norm_before_fc, norm_output, norm_before_residual), except that every draft layer
+    uses full attention (classic EAGLE-3; vLLM then serves it without sliding-window layers)."""
+    import numpy as np
+    import torch
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from speculators.train.cli import create_transformer_layer_config
+
+    cfg, target = job["train"], job["target"]
+    d2t_path, t2d_path = job["d2t_path"], job["t2d_path"]
+    d2t = torch.from_numpy(np.load(d2t_path, allow_pickle=False))  # [K] offsets
+    t2d = torch.from_numpy(np.load(t2d_path, allow_pickle=False))  # [V] bool
+    n = cfg["draft_layers"]
+    tl_config = create_transformer_layer_config(
+        verifier_name_or_path=target["model"], num_layers=n, draft_arch="llama", hidden_act="silu",
+        sliding_window=cfg["max_seq_len"], full_attention_indices=list(range(n)),
+        trust_remote_code=target["trust_remote_code"])
+    return Eagle3DraftModel.from_training_args(
+        verifier_config=tl_config, t2d=t2d, d2t=d2t, verifier_name_or_path=target["model"],
+        trust_remote_code=target["trust_remote_code"], target_layer_ids=job["aux_layer_ids"],
+        draft_vocab_size=int(d2t.shape[0]), norm_before_residual=True, norm_before_fc=True, fc_norm=False,
+        norm_output=True, embed_requires_grad=False, ttt_steps=cfg["ttt_steps"],
+        draft_attn_impl=ATTN_IMPL[cfg["attention"]])
+
+
+def _loaders(job: dict, hidden_size: int, num_aux: int):
+    """speculators' ArrowDataset over our tokenized rows + hs files, split train/val by row index
+    (the last val_ratio of the rows), packed into rows of max_seq_len tokens by its multipack sampler."""
+    import torch
+    from datasets import load_from_disk
+    from hs_connectors import FileTransfer
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import ArrowDataset, CollateFn
+    from speculators.train.distributed import get_dp_rank, get_dp_size
+    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
+    from torch.utils.data import DataLoader
+
+    cfg = job["train"]
+    n_rows = len(load_from_disk(job["tokenized_dir"]))
+    n_train = int(n_rows * (1 - cfg["val_ratio"]))
+    if n_train < 1 or n_rows - n_train < 1:
+        raise ValueError(f"{job['tokenized_dir']}: {n_rows} rows cannot be split into train and validation "
+                         f"with train.val_ratio={cfg['val_ratio']} (each needs at least one row)")
+    transfer = FileTransfer(Path(job["hidden_states_dir"]))
+
+    def dataset(split: str):
+        ds = ArrowDataset(max_len=cfg["max_seq_len"], datapath=job["tokenized_dir"], transfer=transfer,
+                          on_missing="raise", train_ratio=1 - cfg["val_ratio"], split=split,
+                          hidden_states_dtype=torch.bfloat16)
+        # speculators' prepare-data saves torch-formatted rows; ours may be plain: read the two columns it uses as tensors
+        ds.data = ds.data.with_format("torch", columns=["input_ids", "loss_mask"])
+        return ds
+
+    workers = cfg["num_workers"]
+
+    def loader(ds, seed: int):
+        sampler = MultipackDistributedBatchSamplerV2(
+            batch_max_length=cfg["max_seq_len"], lengths=ds.approx_lengths, num_replicas=get_dp_size(),
+            rank=get_dp_rank(), seed=seed)
+        return DataLoader(
+            ds, batch_sampler=sampler, num_workers=workers, prefetch_factor=4 if workers else None,
+            pin_memory=cfg["device"] == "cuda",
+            collate_fn=CollateFn(cfg["max_seq_len"], hidden_size, num_target_layers=num_aux,
+                                 dtype=torch.bfloat16, preprocess=shift_batch),
+            persistent_workers=workers > 0, multiprocessing_context="spawn" if workers else None)
+
+    return loader(dataset("train"), cfg["seed"]), loader(dataset("val"), 0)
+
+
+def run_train(job: dict) -> dict:
+    import torch
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from speculators.train.cli import set_seed
+    from speculators.train.trainer import Trainer, TrainerConfig
+
+    cfg = job["train"]
+    cpu = cfg["device"] == "cpu"
+    save_path = Path(job["save_path"])
+    metrics_path = Path(job["metrics_path"])
+    set_seed(cfg["seed"])
+    model = build_draft(job)
+    hidden_size = model.config.transformer_layer_config.hidden_size
+    train_loader, val_loader = _loaders(job, hidden_size, len(job["aux_layer_ids"]))
+    train_kwargs, val_kwargs = Eagle3DraftModel.get_trainer_kwargs(
+        loss_fn=cfg["loss"], loss_implementation="eager" if cpu else "fused",
+        ttt_steps=cfg["ttt_steps"], ttt_step_loss_decay=cfg["ttt_step_loss_decay"])
+
+    class CpuTrainer(Trainer):
+        def setup_model(self):  # speculators moves the model to the local rank (an accelerator index)
+            self.local_rank = torch.device("cpu")  # type: ignore[assignment]
+            self.device_type = "cpu"
+            super().setup_model()
+
+    trainer_cls = CpuTrainer if cpu else Trainer
+    trainer = trainer_cls(model, TrainerConfig(
+        lr=cfg["lr"], num_epochs=cfg["epochs"], save_path=str(save_path), resume_from_checkpoint=True,
+        train_call_kwargs=train_kwargs, val_call_kwargs=val_kwargs, optimizer=cfg["optimizer"],
+        checkpoint_freq=1, save_best=False, hidden_states_dtype=torch.bfloat16, log_freq=1,
+        max_steps=cfg["max_steps"]), train_loader, val_loader)
+    resumed_from = trainer.checkpointer.previous_epoch
+    if _is_rank0():
+        _trim_metrics(metrics_path, trainer.global_step, trainer.current_epoch)
+        emit_event(kind="start", resumed_from_epoch=resumed_from, global_step=trainer.global_step,
+                   epochs=cfg["epochs"], train_batches_per_epoch=len(train_loader),
+                   val_batches=len(val_loader), params_trainable=sum(
+                       p.numel() for p in model.parameters() if p.requires_grad))
+    sink = _MetricSink(metrics_path, cfg["ttt_steps"])
+    mlog = logging.getLogger("speculators.metrics")
+    mlog.setLevel(logging.INFO)
+    mlog.propagate = False
+    if _is_rank0():
+        mlog.addHandler(sink)
+    t0 = time.time()
+    trainer.run_training()
+    wall = time.time() - t0
+
+    best = save_path / "checkpoint_best"
+    last = type(trainer.checkpointer)(save_path).previous_epoch  # speculators' own scan of <epoch>/ dirs
+    if last < 0:
+        raise RuntimeError(f"{save_path}: training finished without writing any epoch checkpoint")
+    if _is_rank0() and not best.exists():  # no validation improvement recorded (e.g. NaN val loss): use the last epoch
+        if best.is_symlink():
+            best.unlink()
+        best.symlink_to(str(last), target_is_directory=True)
+    summary = _summarise(metrics_path)
+    return {"steps": trainer.global_step, "epochs_done": last + 1, "resumed_from_epoch": resumed_from,
+            "checkpoint_best": str(best), "checkpoint_best_epoch": int(os.readlink(best)),
+            "checkpoint_last": str(save_path / str(last)), "metrics": str(metrics_path),
+            "wall_seconds_this_attempt": wall, **summary}
+
+
+def run_untrained(job: dict) -> dict:
+    """A randomly initialised draft (verifier embeddings / lm_head rows / norm copied as in training),
+    saved in bf16 exactly like speculators' `--dry-run`."""
+    import torch
+    from speculators.train.checkpointer import patch_config_dtype
+    from speculators.train.cli import set_seed
+
+    set_seed(job["train"]["seed"])
+    model = build_draft(job)
+    model.to(torch.bfloat16)
+    out = Path(job["out_dir"])
+    model.save_pretrained(out)
+    patch_config_dtype(out / "config.json", torch.bfloat16)
+    return {"checkpoint": str(out)}
+
+
+MODES = {"train": run_train, "untrained": run_untrained}
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python -m eagle3_pipeline.train_worker JOB.json", file=sys.stderr)
+        return 2
+    job = json.loads(Path(argv[1]).read_text())
+    _setup_logging()
+    from speculators.train.distributed import maybe_destroy_distributed, maybe_setup_distributed
+
+    if job["train"]["device"] == "cpu":
+        _install_cpu_shim()
+    maybe_setup_distributed()
+    try:
+        result = MODES[job["mode"]](job)
+        if _is_rank0():
+            write_json(Path(job["result_path"]), result)
+            emit_event(kind="done", **{k: v for k, v in result.items() if not isinstance(v, dict)})
+    finally:
+        maybe_destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,1 @@
+"""The verify gate: structure of every record, numeric reference against HF transformers."""

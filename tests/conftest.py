@@ -1,0 +1,84 @@
+"""Session fixtures: the tiny target (built once), a tiny pipeline config on a temporary store, and
+the stage records that several integration tests share (one prepare, one extraction per session)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_target() -> Path:
+    """The embedded tiny target model dir; built (≈3 min) when the Makefile has not built it yet."""
+    path = Path(os.environ.get("EAGLE3_TINY_TARGET", ROOT / ".cache" / "tiny-target"))
+    if not (path / "tiny_target.json").exists():
+        from eagle3_pipeline.tiny.target import TinyTargetConfig, build_tiny_target
+
+        build_tiny_target(TinyTargetConfig(), path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def store_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("store")
+
+
+@pytest.fixture(scope="session")
+def tiny_config(tiny_target, store_root):
+    """configs/tiny-cpu.yaml, the real config, made smaller only where it makes tests faster."""
+    from eagle3_pipeline.config import load_config
+
+    corpus = tiny_target / "corpus"
+    return load_config(ROOT / "configs" / "tiny-cpu.yaml", [
+        f"store={store_root}", f"target.model={tiny_target}",
+        f"prepare.sources=[{{path: {corpus / 'sharegpt.jsonl'}, limit: 200}}, {{path: {corpus / 'openai.jsonl'}, limit: 200}}]",
+        "prepare.heldout_rows=16", "extract.rows_per_shard=96", "evaluate.num_prompts=16", "train.epochs=2",
+    ])
+
+
+@pytest.fixture(scope="session")
+def prepared(tiny_config) -> dict:
+    from eagle3_pipeline.stages import stage_prepare
+
+    return stage_prepare(tiny_config)
+
+
+@pytest.fixture(scope="session")
+def tokenized(prepared) -> Path:
+    return Path(prepared["tokenized"])
+
+
+@pytest.fixture(scope="session")
+def preflighted(tiny_config, prepared) -> dict:
+    from eagle3_pipeline.stages import stage_preflight
+
+    return stage_preflight(tiny_config, prepared)
+
+
+@pytest.fixture(scope="session")
+def extracted(tiny_config, prepared, preflighted) -> SimpleNamespace:
+    """One real vLLM extraction of the tiny prepared data, shared by the session."""
+    from eagle3_pipeline.stages import stage_extract
+
+    rec = stage_extract(tiny_config, prepared, preflighted)
+    return SimpleNamespace(record=rec, tokenized=Path(prepared["tokenized"]), hidden_states=Path(rec["hidden_states_dir"]),
+                           dir=Path(rec["dir"]), layer_ids=preflighted["layer_ids"],
+                           hidden_size=preflighted["dims"]["hidden_size"], content_key=rec["content_key"])
+
+
+@pytest.fixture(scope="session")
+def prefect_harness(tmp_path_factory):
+    """One temporary Prefect server (SQLite) per test session, with its own PREFECT_HOME."""
+    os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect-home"))
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield

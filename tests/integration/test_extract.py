@@ -1,0 +1,261 @@
+"""The extract stage for real: vLLM on CPU with the tiny target, our connector, the child process and
+the manifest. Three engine starts in all (an uninterrupted run, a run killed after its first shard,
+its retry), shared by the module; everything else reuses their outputs or starts no engine.
+Reads the session fixtures `tiny_target` and `tokenized` (tests/conftest.py) and uses its first
+ROWS rows only.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from eagle3_pipeline.config import ExtractConfig, TargetConfig
+from eagle3_pipeline.extract import shards as shards_mod
+from eagle3_pipeline.extract.shards import (
+    ExtractFailed,
+    Manifest,
+    extract,
+    extract_group,
+    plan_shards,
+)
+from eagle3_pipeline.extract.worker import KILL_AFTER_ENV, ExtractJob, ShardSpec, to_record
+from eagle3_pipeline.proc import ChildFailed, python_child
+
+ROWS, ROWS_PER_SHARD = 12, 4  # 3 shards
+LAYER_IDS = [2, 4, 5, 8]      # the default for the 8-layer tiny target: [2, N//2, N-3] + N
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def _cfg(**kw) -> ExtractConfig:
+    return ExtractConfig(rows_per_shard=ROWS_PER_SHARD, timeout_s=600, **kw)
+
+
+@pytest.fixture(scope="module")
+def small_tokenized(tokenized, tmp_path_factory) -> Path:
+    import datasets
+
+    out = tmp_path_factory.mktemp("extract-tok") / "tokenized"
+    datasets.load_from_disk(str(tokenized)).select(range(ROWS)).save_to_disk(str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target) -> TargetConfig:
+    return TargetConfig(model=str(tiny_target), tokenizer=str(tiny_target))
+
+
+@pytest.fixture(scope="module")
+def full_run(small_tokenized, target, tmp_path_factory) -> SimpleNamespace:
+    """One uninterrupted extraction of all shards."""
+    out = tmp_path_factory.mktemp("extract-a") / "v"
+    lines: list[str] = []
+    t0 = time.time()
+    res = extract(_cfg(), target, small_tokenized, out, log=lines.append, content_key="test-key")
+    print(f"full extract run: {time.time() - t0:.1f}s wall; {res.tokens} tokens at {res.tokens_per_s} tok/s; "
+          + "; ".join(x for x in lines if x.startswith("extract:")))
+    return SimpleNamespace(out=out, result=res, lines=lines)
+
+
+@pytest.fixture(scope="module")
+def killed_and_retried(small_tokenized, target, tmp_path_factory) -> SimpleNamespace:
+    """A child that SIGKILLs itself after its first shard, then a plain retry."""
+    out = tmp_path_factory.mktemp("extract-b") / "v"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(KILL_AFTER_ENV, "1")
+        with pytest.raises(ExtractFailed) as err:
+            extract(_cfg(), target, small_tokenized, out, log=lambda _: None, content_key="test-key")
+    after_kill = Manifest(out).read()
+    mtimes = {p.name: p.stat().st_mtime_ns for p in (out / "hidden_states").iterdir()}
+    lines: list[str] = []
+    res = extract(_cfg(), target, small_tokenized, out, log=lines.append, content_key="test-key")
+    return SimpleNamespace(out=out, error=str(err.value), after_kill=after_kill, mtimes_after_kill=mtimes,
+                           result=res, lines=lines)
+
+
+def _load(path: Path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    return load_file(str(path)), meta
+
+
+def test_plan_shards_covers_rows_once():
+    plan = plan_shards(10, 4)
+    assert [(s.row_start, s.row_end) for s in plan] == [(0, 4), (4, 8), (8, 10)]
+    assert plan_shards(0, 4) == []
+    with pytest.raises(ValueError):
+        plan_shards(10, 0)
+
+
+def test_records_follow_the_contract(full_run, small_tokenized):
+    import datasets
+    import torch
+
+    ds = datasets.load_from_disk(str(small_tokenized))
+    res = full_run.result
+    assert res.layer_ids == LAYER_IDS
+    assert (res.shards_total, res.shards_published) == (3, 3)
+    assert res.tokens == sum(ds["seq_len"]) and res.tokens_per_s > 0
+    hs_dir = Path(res.hidden_states_dir)
+    files = sorted(hs_dir.iterdir(), key=lambda p: int(p.stem.split("_")[1]))
+    assert [p.name for p in files] == [f"hs_{i}.safetensors" for i in range(ROWS)]
+    assert res.bytes_on_disk == sum(p.stat().st_size for p in files)
+    for i, p in enumerate(files):
+        rec, meta = _load(p)
+        ids = ds[i]["input_ids"]
+        assert set(rec) == {"hidden_states", "token_ids"}, p
+        assert rec["token_ids"].dtype == torch.int64 and rec["token_ids"].tolist() == ids, p
+        assert rec["hidden_states"].dtype == torch.bfloat16, p
+        assert tuple(rec["hidden_states"].shape) == (len(ids), len(LAYER_IDS), 128), p  # [T, L, H]
+        assert torch.isfinite(rec["hidden_states"].float()).all(), p
+        assert meta["layer_ids"] == "2,4,5,8"
+    m = Manifest(full_run.out).read()
+    assert m["content_key"] == "test-key" and m["layer_ids"] == LAYER_IDS
+    assert set(m["tools"]) >= {"vllm", "torch", "speculators"} and m["tools"]["vllm"]
+    assert [s["status"] for s in m["shards"]] == ["published"] * 3
+    assert all(s["attempts"] == 1 and s["error"] is None for s in m["shards"])
+    from eagle3_pipeline.store import sha256_file
+
+    for s in m["shards"]:
+        assert s["tokens"] == sum(ds["seq_len"][s["row_start"]:s["row_end"]])
+        for name, sha in s["files"].items():
+            assert sha256_file(hs_dir / name) == sha
+    assert m["children"][0]["engine_start_s"] > 0
+    assert any("engine ready" in x for x in full_run.lines)
+
+
+def test_layers_match_hf_transformers(full_run, small_tokenized, tiny_target):
+    """Layer id k == HF output_hidden_states[k]; id N == the last decoder layer's output before the
+    final norm (HF's hidden_states[N] is after it, so it is taken with a hook)."""
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32).eval()
+    captured = {}
+    hook = model.model.layers[-1].register_forward_hook(
+        lambda mod, args, out: captured.__setitem__("last", out[0] if isinstance(out, tuple) else out))
+    ds = datasets.load_from_disk(str(small_tokenized))
+    try:
+        for row in (0, ROWS - 1):
+            rec, _ = _load(Path(full_run.result.hidden_states_dir) / f"hs_{row}.safetensors")
+            ids = torch.tensor(ds[row]["input_ids"])[None]  # [1, T]
+            with torch.no_grad():
+                out = model(ids, output_hidden_states=True)
+            refs = [out.hidden_states[k][0] for k in LAYER_IDS[:-1]] + [captured["last"][0]]  # each [T, H]
+            for j, (k, ref) in enumerate(zip(LAYER_IDS, refs)):
+                got = rec["hidden_states"][:, j].float()  # [T, H]
+                cos = torch.nn.functional.cosine_similarity(got, ref, dim=-1)  # [T]
+                assert cos.min() > 0.99, f"hs_{row}: layer {k}: min cosine {cos.min():.4f} vs HF"
+    finally:
+        hook.remove()
+
+
+def test_second_call_with_everything_published_starts_no_child(full_run, small_tokenized, target, monkeypatch):
+    def no_child(*a, **k):
+        raise AssertionError("a child was started although every shard is published")
+
+    monkeypatch.setattr(shards_mod, "run_child", no_child)
+    lines: list[str] = []
+    recs = extract_group(_cfg(), target, small_tokenized, full_run.out, [0, 1, 2], log=lines.append,
+                         content_key="test-key")
+    assert [r.status for r in recs] == ["published"] * 3 and all(r.reused for r in recs)
+    assert extract(_cfg(), target, small_tokenized, full_run.out, log=lines.append,
+                   content_key="test-key") == full_run.result
+    assert len(Manifest(full_run.out).read()["children"]) == 1
+
+
+def test_damaged_file_sends_only_its_shard_back(full_run, small_tokenized, target, tmp_path, monkeypatch):
+    """A published shard whose file no longer hashes to the manifest is extracted again; the others
+    are not. (The child is faked here: it records its job and fails.)"""
+    out = tmp_path / "v"
+    shutil.copytree(full_run.out, out)
+    victim = out / "hidden_states" / "hs_5.safetensors"  # row 5 -> shard 1
+    blob = bytearray(victim.read_bytes())
+    blob[-1] ^= 0xFF
+    victim.write_bytes(bytes(blob))
+    jobs = []
+
+    def fake_child(argv, **kw):
+        jobs.append(ExtractJob.model_validate_json(Path(argv[-1]).read_text()))
+        raise ChildFailed("fake child: exited with code 1; last output:\nboom")
+
+    monkeypatch.setattr(shards_mod, "run_child", fake_child)
+    lines: list[str] = []
+    with pytest.raises(ExtractFailed, match=r"(?s)shards \[1\] not published.*boom"):
+        extract_group(_cfg(), target, small_tokenized, out, [0, 1, 2], log=lines.append, content_key="test-key")
+    assert [s.index for s in jobs[0].shards] == [1]
+    assert any("hs_5.safetensors no longer hashes" in x for x in lines)
+    m = Manifest(out).read()
+    assert [s["status"] for s in m["shards"]] == ["published", "failed", "published"]
+    assert "boom" in m["shards"][1]["error"] and m["shards"][1]["attempts"] == 2
+    assert not (out / ".scratch").exists()
+
+
+def test_wrong_content_key_is_refused(full_run, small_tokenized, target):
+    with pytest.raises(ExtractFailed, match="belongs to content key 'test-key'"):
+        extract(_cfg(), target, small_tokenized, full_run.out, log=lambda _: None, content_key="other")
+
+
+def test_sigkill_mid_group_then_retry_publishes_the_rest(killed_and_retried, full_run):
+    kr = killed_and_retried
+    assert "shards [1, 2] not published" in kr.error and "code -9" in kr.error, kr.error
+    assert [s["status"] for s in kr.after_kill["shards"]] == ["published", "failed", "failed"]
+    assert "code -9" in kr.after_kill["shards"][1]["error"]
+    assert kr.result.shards_published == 3
+    m = Manifest(kr.out).read()
+    assert [c["shards"] for c in m["children"]] == [[0, 1, 2], [1, 2]]
+    assert [s["attempts"] for s in m["shards"]] == [1, 2, 2]
+    hs = kr.out / "hidden_states"
+    for i in range(ROWS_PER_SHARD):  # shard 0 was left alone by the retry
+        assert hs.joinpath(f"hs_{i}.safetensors").stat().st_mtime_ns == kr.mtimes_after_kill[f"hs_{i}.safetensors"]
+    ref = Path(full_run.result.hidden_states_dir)
+    for i in range(ROWS):
+        name = f"hs_{i}.safetensors"
+        assert hs.joinpath(name).read_bytes() == ref.joinpath(name).read_bytes(), f"{name} differs from the uninterrupted run"
+
+
+def test_no_temporary_files_are_left(full_run, killed_and_retried):
+    for out in (full_run.out, killed_and_retried.out):
+        assert not list(out.rglob("*.tmp-*")), list(out.rglob("*.tmp-*"))
+        assert not (out / ".scratch").exists()
+        assert sorted(p.suffix for p in (out / "hidden_states").iterdir()) == [".safetensors"] * ROWS
+
+
+def test_fp8_records_carry_per_token_scales():
+    import torch
+
+    torch.manual_seed(0)
+    hs = torch.randn(7, 4, 128, dtype=torch.bfloat16) * torch.linspace(0.01, 300, 7)[:, None, None]  # [T, L, H]
+    hs[3] = 0  # an all-zero token must not divide by zero
+    tok = torch.arange(7)
+    rec = to_record(hs, tok, "fp8")
+    assert rec["hidden_states"].dtype == torch.float8_e4m3fn and tuple(rec["hidden_states"].shape) == (7, 4, 128)
+    assert rec["hidden_states_scales"].dtype == torch.float32 and tuple(rec["hidden_states_scales"].shape) == (7, 1, 1)
+    back = rec["hidden_states"].float() * rec["hidden_states_scales"]  # [T, L, H]
+    err = (back - hs.float()).abs().amax(dim=(1, 2)) / hs.float().abs().amax(dim=(1, 2)).clamp(min=1e-30)
+    assert err.max() < 0.07 and back[3].abs().max() == 0
+    bf = to_record(hs, tok, "bf16")
+    assert set(bf) == {"hidden_states", "token_ids"} and bf["hidden_states"].dtype == torch.bfloat16
+
+
+def test_worker_failure_prints_the_traceback(small_tokenized, tiny_target, tmp_path):
+    job = ExtractJob(model=str(tiny_target), tokenizer=str(tiny_target), layer_ids=LAYER_IDS, hidden_size=128,
+                     tokenized_dir=str(small_tokenized), hidden_states_dir=str(tmp_path / "hs"),
+                     scratch_dir=str(tmp_path / "scratch"), shards=[ShardSpec(index=0, row_start=0, row_end=999)])
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(job.model_dump()))
+    proc = subprocess.run(python_child("eagle3_pipeline.extract.worker", str(path)), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "Traceback" in proc.stderr and "rows [0, 999) outside the tokenized dataset of 12 rows" in proc.stderr

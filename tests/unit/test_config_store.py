@@ -1,0 +1,60 @@
+import json
+import os
+
+import pytest
+from pydantic import ValidationError
+
+from eagle3_pipeline.config import load_config
+from eagle3_pipeline.contracts import ContractError, resolve_layer_ids
+from eagle3_pipeline.store import atomic_write, atomic_write_text, content_key, write_json
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+
+
+def test_real_configs_load_and_overrides_apply():
+    for cfg_file in (ROOT / "configs").glob("*.yaml"):
+        load_config(cfg_file)
+    cfg = load_config(ROOT / "configs/tiny-cpu.yaml", ["train.epochs=7", "extract.layer_ids=[1, 3, 5]"])
+    assert cfg.train.epochs == 7 and cfg.extract.layer_ids == [1, 3, 5]
+    assert cfg.target.tokenizer == cfg.target.model
+
+
+def test_config_typo_fails_loudly():
+    with pytest.raises(ValidationError, match="epochz"):
+        load_config(ROOT / "configs/tiny-cpu.yaml", ["train.epochz=3"])
+    with pytest.raises(ValueError, match="key=value"):
+        load_config(ROOT / "configs/tiny-cpu.yaml", ["train.epochs"])
+
+
+def test_content_key_is_order_independent_and_sensitive():
+    assert content_key({"a": 1, "b": [1, 2]}) == content_key({"b": [1, 2], "a": 1})
+    assert content_key({"a": 1}) != content_key({"a": 2})
+
+
+def test_atomic_write_never_leaves_partial_file(tmp_path):
+    target = tmp_path / "x.json"
+    write_json(target, {"ok": 1})
+
+    def boom(p):
+        p.write_text('{"half": ')
+        raise RuntimeError("killed mid-write")
+
+    with pytest.raises(RuntimeError):
+        atomic_write(target, boom)
+    assert json.loads(target.read_text()) == {"ok": 1}  # the old file is intact
+    assert [p.name for p in tmp_path.iterdir()] == ["x.json"]  # no temp file left
+    atomic_write_text(target, "new")
+    assert target.read_text() == "new"
+
+
+@pytest.mark.parametrize("n_layers,ids,expected", [
+    (8, None, [2, 4, 5, 8]), (61, None, [2, 30, 58, 61]), (32, [3, 16, 29], [3, 16, 29, 32])])
+def test_layer_ids_default_and_explicit(n_layers, ids, expected):
+    assert resolve_layer_ids(n_layers, ids) == expected
+
+
+@pytest.mark.parametrize("ids,msg", [([2, 2, 5], "duplicates"), ([5, 2], "ascending"), ([2, 8], "out of range"),
+                                     ([-1, 3], "out of range"), ([], "at least one")])
+def test_layer_ids_invalid(ids, msg):
+    with pytest.raises(ContractError, match=msg):
+        resolve_layer_ids(8, ids)

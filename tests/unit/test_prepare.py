@@ -1,0 +1,68 @@
+"""prepare: every input row ends up in the output, the held-out set or the quarantine, with its reason."""
+
+import json
+from pathlib import Path
+
+from eagle3_pipeline.config import PrepareConfig, SourceConfig, TargetConfig
+from eagle3_pipeline.data.prepare import prepare
+
+
+def _good(i):
+    return {"id": f"g{i}", "messages": [{"role": "user", "content": f"What is {i} + 1?"},
+                                        {"role": "assistant", "content": f"{i} + 1 = {i + 1}."}]}
+
+
+BAD = [  # (json line, reason fragment)
+    ('{"id": "x1", "messages": [{"role": "user", "content": "hi"', "malformed JSON"),
+    (json.dumps({"id": "x2", "messages": [{"content": "hi"}, {"role": "assistant", "content": "yo"}]}), "missing role"),
+    (json.dumps({"id": "x3", "messages": [{"role": "wizard", "content": "hi"}]}), "unknown role"),
+    (json.dumps({"id": "x4", "messages": [{"role": "user", "content": "  "}, {"role": "assistant", "content": "a"}]}), "empty content"),
+    (json.dumps({"id": "x5", "messages": [{"role": "user", "content": 42}, {"role": "assistant", "content": "a"}]}), "malformed row"),
+    (json.dumps({"id": "x6", "messages": [{"role": "user", "content": "hello"}]}), "no assistant turn"),
+    (json.dumps({"id": "x7", "messages": [{"role": "user", "content": "long " * 400}, {"role": "assistant", "content": "ok"}]}), "over-length prompt"),
+    (json.dumps({"id": "g0", "messages": [{"role": "user", "content": "dup"}, {"role": "assistant", "content": "dup"}]}), "duplicate id"),
+    (json.dumps({"id": "x9", "input_ids": [1, 2, 99999], "loss_mask": [0, 1, 1]}), "outside the tokenizer's vocab"),
+    (json.dumps({"id": "x10", "input_ids": [1, 2], "loss_mask": [0]}), "loss_mask"),
+    (json.dumps({"id": "x11", "text": "plain"}), "unknown format"),
+]
+
+
+def test_quarantine_invariant_and_reasons(tiny_target, tmp_path):
+    src = tmp_path / "mixed.jsonl"
+    lines = [json.dumps(_good(i)) for i in range(30)] + [b for b, _ in BAD]
+    src.write_text("\n".join(lines) + "\n")
+    sharegpt = tmp_path / "sg.json"  # a .json file in ShareGPT format, with list-of-parts elsewhere
+    sharegpt.write_text(json.dumps([{"id": "s1", "conversations": [{"from": "system", "value": "be brief"},
+                                    {"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}]))
+    parts = tmp_path / "parts.jsonl"
+    parts.write_text(json.dumps({"id": "p1", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "tool", "content": "result"}, {"role": "assistant", "content": "done"}]}) + "\n")
+    cfg = PrepareConfig(sources=[SourceConfig(path=str(src)), SourceConfig(path=str(sharegpt)),
+                                 SourceConfig(path=str(parts))], max_length=64, heldout_rows=3)
+    res = prepare(cfg, TargetConfig(model=str(tiny_target), tokenizer=str(tiny_target)), tmp_path / "store")
+    assert res.rows_in == 30 + len(BAD) + 2
+    assert res.rows_in == res.rows_out + res.rows_heldout + res.rows_quarantined
+    assert res.rows_heldout == 3 and res.rows_quarantined == len(BAD)
+    q = [json.loads(line) for line in Path(res.quarantine).read_text().splitlines()]
+    for (_, why), rec in zip(BAD, sorted(q, key=lambda r: r["row"])):
+        assert why in rec["reason"], (why, rec)
+        assert rec["source"].endswith("mixed.jsonl")
+    from datasets import load_from_disk
+
+    ds = load_from_disk(res.tokenized)
+    assert ds.features["input_ids"].feature.dtype == "int64" and ds.features["seq_len"].dtype == "int64"
+    assert all(len(r["input_ids"]) == r["seq_len"] == len(r["loss_mask"]) and sum(r["loss_mask"]) > 0 for r in ds)
+    assert {"s1", "p1"} <= set(ds["sample_id"]) | {json.loads(h)["sample_id"] for h in Path(res.heldout).read_text().splitlines()}
+
+
+def test_same_inputs_same_version_new_template_new_version(tiny_target, tmp_path):
+    src = tmp_path / "a.jsonl"
+    src.write_text("".join(json.dumps(_good(i)) + "\n" for i in range(10)))
+    cfg = PrepareConfig(sources=[SourceConfig(path=str(src))], heldout_rows=2)
+    tgt = TargetConfig(model=str(tiny_target))
+    first = prepare(cfg, tgt, tmp_path / "store")
+    again = prepare(cfg, tgt, tmp_path / "store")
+    assert again.cached and again.version == first.version
+    other = prepare(cfg.model_copy(update={"max_length": 100}), tgt, tmp_path / "store")
+    assert other.version != first.version and Path(first.tokenized).exists()
