@@ -106,6 +106,17 @@ class EvaluateConfig(Strict):
     max_tokens: int = 64
     min_acceptance_length: float = 1.0
     baseline: bool = True
+    check_lossless: bool = Field(True, description="also decode greedily without speculation and compare tokens "
+                                 "(one more target load in the same child)")
+    lossless_gate: bool = Field(False, description="fail the gate on a lossless mismatch (bf16 near-ties can flip "
+                                "an argmax between batched verification and one-token decoding)")
+    sample_texts: int = Field(4, description="generated texts of the first N prompts kept in the record")
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.3
+    max_model_len: int | None = Field(None, description="default: longest prompt + max_tokens + drafts")
+    enforce_eager: bool = True
+    omp_threads_bind: str | None = Field("all", description="CPU only: VLLM_CPU_OMP_THREADS_BIND; 'all' = every core")
+    timeout_s: float = Field(3600.0, description="deadline of the evaluate child (all its engine loads together)")
 
 
 class PipelineConfig(Strict):

@@ -32,10 +32,10 @@ class GpuGateResult(BaseModel):
     passed: bool
 
 
-def _ours(p) -> str | None:
-    """A description if `p` is an engine process of ours, else None."""
+def _ours(p, protected: set[int]) -> str | None:
+    """A description if `p` is an engine process of ours (and not one this process is using), else None."""
     try:
-        if p.pid == os.getpid() or p.pid in {a.pid for a in _self_ancestors()}:
+        if p.pid in protected:
             return None
         cmd = " ".join(p.cmdline())
         if any(m in cmd for m in WORKER_MODULES):
@@ -48,16 +48,21 @@ def _ours(p) -> str | None:
     return None
 
 
-def _self_ancestors():
+def _protected() -> set[int]:
+    """This process, its ancestors and its live descendants (engines this run is using right now)."""
     import psutil
 
-    return psutil.Process().parents()
+    me = psutil.Process()
+    return {me.pid} | {a.pid for a in me.parents()} | {c.pid for c in me.children(recursive=True)}
 
 
-def find_leftovers() -> list:
+def find_leftovers() -> list[tuple[object, str]]:
+    """(process, description) of every leftover engine process of ours."""
     import psutil
 
-    return [p for p in psutil.process_iter() if _ours(p)]
+    protected = _protected()
+    found = ((p, _ours(p, protected)) for p in psutil.process_iter())
+    return [(p, d) for p, d in found if d]
 
 
 def gpu_memory() -> list[dict]:
@@ -81,12 +86,13 @@ def gpu_gate(kill: bool = True, max_used_mib: int = 2048, wait_s: float = 30.0, 
     """End our leftover engines, then check GPU memory; raise GpuGateFailed if the machine stays busy."""
     import psutil
 
-    leftovers = find_leftovers()
-    found = [_ours(p) or str(p.pid) for p in leftovers]
+    pairs = find_leftovers()
+    leftovers = [p for p, _ in pairs]
+    found = [d for _, d in pairs]
     killed = []
     if leftovers and kill:
-        for p in leftovers:
-            log(f"gpu-gate: ending leftover {found[leftovers.index(p)]}")
+        for p, desc in pairs:
+            log(f"gpu-gate: ending leftover {desc}")
             try:
                 p.terminate()
             except psutil.NoSuchProcess:

@@ -89,7 +89,7 @@ class _MetricSink(logging.Handler):
             line = {"kind": "train_step", "step": msg.get("global_step"), "epoch": msg.get("epoch"),
                     "loss": m.get("loss"), "loss_per_step": self._per_step(m, "loss"),
                     "acc": self._per_step(m, "full_acc"), "cond_acc": self._per_step(m, "cond_acc"),
-                    "lr": lr if not isinstance(lr, dict) else max(lr.values()),
+                    "lr": lr if not isinstance(lr, dict) else lr.get("AdamW", next(iter(lr.values()))),
                     "tokens": tokens, "step_s": step_s,
                     "tokens_per_s": prof.get("tokens_per_s"), "error_records": m.get("error_records")}
             self.last_train = line
@@ -237,7 +237,7 @@ def run_train(job: dict) -> dict:
     trainer = trainer_cls(model, TrainerConfig(
         lr=cfg["lr"], num_epochs=cfg["epochs"], save_path=str(save_path), resume_from_checkpoint=True,
         train_call_kwargs=train_kwargs, val_call_kwargs=val_kwargs, optimizer=cfg["optimizer"],
-        checkpoint_freq=1, save_best=False, hidden_states_dtype=torch.bfloat16, log_freq=1,
+        muon_lr=cfg["lr"], checkpoint_freq=1, save_best=False, hidden_states_dtype=torch.bfloat16, log_freq=1,
         max_steps=cfg["max_steps"]), train_loader, val_loader)
     resumed_from = trainer.checkpointer.previous_epoch
     if _is_rank0():
