@@ -1,0 +1,189 @@
+"""The evaluate child process: `python -m eagle3_pipeline.evaluate_worker JOB.json`.
+
+Owns the engine side of the evaluate stage. Reads the job file (`EvalJob`, written by
+`evaluate.py`) and the target model and draft checkpoints it names. For each run of the job, in
+order, it builds one `vllm.LLM` (the target, with `speculative_config={"method": "eagle3", ...}` for a
+draft run, without one for the `plain` reference run), decodes every prompt greedily (temperature 0,
+`max_tokens`), reads vLLM's speculative-decoding counters before and after (so the numbers are this
+run's own, whatever the process-wide Prometheus registry held before), shuts the engine down and
+writes `<out_dir>/<label>.result.json` (`RunOutput`: counters, timings, generated token ids and the
+first texts). Runs share the process, so the Python/vLLM imports are paid once; each run still
+loads the target, because one engine holds one speculative config.
+Prints an `engine_ready` and a `run_done` event per run (proc.emit_event). Any exception prints the
+full traceback, an `error` event naming the run, and exits non-zero.
+Nothing heavy is imported at module level: the parent imports `EvalJob` and `RunOutput` from here.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from eagle3_pipeline.proc import emit_event
+
+PLAIN = "plain"  # label of the run without speculation (the lossless reference)
+DRAFTS = "vllm:spec_decode_num_drafts"
+DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
+ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+class EvalRunSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    label: str
+    draft_dir: str | None  # None: plain greedy decoding of the target alone
+    num_speculative_tokens: int = 0
+
+
+class EvalJob(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    tokenizer: str | None = None
+    revision: str | None = None
+    dtype: str = "bfloat16"
+    trust_remote_code: bool = False
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.3
+    max_model_len: int
+    enforce_eager: bool = True
+    omp_threads_bind: str | None = "all"
+    max_tokens: int
+    sample_texts: int = 4
+    prompts: list[list[int]]
+    runs: list[EvalRunSpec]
+    out_dir: str
+
+
+class RunOutput(BaseModel):
+    """What one run measured; counters are deltas over this run's generate call."""
+    model_config = ConfigDict(extra="forbid")
+    label: str
+    draft_dir: str | None
+    num_speculative_tokens: int
+    engine_start_s: float
+    generate_s: float
+    prompt_tokens: int
+    generated_tokens: int
+    drafts: int
+    draft_tokens: int
+    accepted_tokens: int
+    accepted_per_position: list[int]
+    token_ids: list[list[int]]  # generated ids per prompt, prompt order
+    texts: list[str]  # generated text of the first `sample_texts` prompts
+
+
+def result_path(out_dir: str | Path, label: str) -> Path:
+    return Path(out_dir) / f"{label}.result.json"
+
+
+def read_spec_counters(metrics) -> dict:
+    """Sum vLLM's speculative-decoding counters over all label sets (engines) of a
+    `LLM.get_metrics()` snapshot: drafts, draft_tokens, accepted, per_pos (list, one per position)."""
+    out = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
+    names = {DRAFTS: "drafts", DRAFT_TOKENS: "draft_tokens", ACCEPTED: "accepted"}
+    for m in metrics:
+        if m.name in names and hasattr(m, "value"):
+            out[names[m.name]] += int(m.value)
+        elif m.name == ACCEPTED_PER_POS and hasattr(m, "values"):
+            vals = [int(v) for v in m.values]
+            per = out["per_pos"] + [0] * max(0, len(vals) - len(out["per_pos"]))
+            out["per_pos"] = [a + (vals[i] if i < len(vals) else 0) for i, a in enumerate(per)]
+    return out
+
+
+def _delta(after: dict, before: dict, k: int) -> dict:
+    pos_a = after["per_pos"] + [0] * max(0, k - len(after["per_pos"]))
+    pos_b = before["per_pos"] + [0] * max(0, len(pos_a) - len(before["per_pos"]))
+    return {"drafts": after["drafts"] - before["drafts"],
+            "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
+            "accepted": after["accepted"] - before["accepted"],
+            "per_pos": [a - b for a, b in zip(pos_a, pos_b, strict=False)][: max(k, 0)]}
+
+
+# ---------------------------------------------------------------- engine side (child only)
+
+def _build_llm(job: EvalJob, run: EvalRunSpec):
+    from vllm import LLM
+
+    spec = None
+    if run.draft_dir is not None:
+        spec = {"method": "eagle3", "model": run.draft_dir, "num_speculative_tokens": run.num_speculative_tokens}
+    return LLM(model=job.model, tokenizer=job.tokenizer or job.model, revision=job.revision, dtype=job.dtype,
+               trust_remote_code=job.trust_remote_code, tensor_parallel_size=job.tensor_parallel_size,
+               gpu_memory_utilization=job.gpu_memory_utilization, max_model_len=job.max_model_len,
+               enforce_eager=job.enforce_eager, speculative_config=spec, seed=0,
+               disable_log_stats=False)  # get_metrics() asserts that stats are on
+
+
+def _shutdown(llm) -> None:
+    """Stop the engine processes now (not whenever the garbage collector gets to it), so the next
+    run's engine has the memory."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+    del llm
+    gc.collect()
+
+
+def _run(job: EvalJob, run: EvalRunSpec) -> RunOutput:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.time()
+    llm = _build_llm(job, run)
+    start_s = time.time() - t0
+    emit_event(kind="engine_ready", label=run.label, seconds=round(start_s, 3))
+    try:
+        before = read_spec_counters(llm.get_metrics())
+        params = SamplingParams(temperature=0.0, max_tokens=job.max_tokens)
+        t1 = time.time()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job.prompts], params, use_tqdm=False)
+        gen_s = time.time() - t1
+        d = _delta(read_spec_counters(llm.get_metrics()), before, run.num_speculative_tokens)
+    finally:
+        _shutdown(llm)
+    token_ids = [list(o.outputs[0].token_ids) for o in outs]
+    return RunOutput(
+        label=run.label, draft_dir=run.draft_dir, num_speculative_tokens=run.num_speculative_tokens,
+        engine_start_s=round(start_s, 3), generate_s=round(gen_s, 4),
+        prompt_tokens=sum(len(p) for p in job.prompts), generated_tokens=sum(len(t) for t in token_ids),
+        drafts=d["drafts"], draft_tokens=d["draft_tokens"], accepted_tokens=d["accepted"],
+        accepted_per_position=d["per_pos"], token_ids=token_ids,
+        texts=[o.outputs[0].text for o in outs[: job.sample_texts]])
+
+
+def main(argv: list[str]) -> int:
+    job = EvalJob.model_validate_json(Path(argv[0]).read_text())
+    from vllm.platforms import current_platform
+
+    from eagle3_pipeline.extract.worker import cpu_bind_spec
+
+    if current_platform.is_cpu() and job.omp_threads_bind:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_spec(
+            job.omp_threads_bind, job.tensor_parallel_size, list(os.sched_getaffinity(0)))
+        print(f"evaluate worker: VLLM_CPU_OMP_THREADS_BIND={os.environ['VLLM_CPU_OMP_THREADS_BIND']}", flush=True)
+    from eagle3_pipeline.store import write_json
+
+    for run in job.runs:
+        try:
+            out = _run(job, run)
+        except BaseException as e:
+            traceback.print_exc()
+            sys.stderr.flush()
+            emit_event(kind="error", label=run.label, draft_dir=run.draft_dir,
+                       error=f"{type(e).__name__}: {e}"[:4000] or type(e).__name__)
+            return 1
+        write_json(result_path(job.out_dir, run.label), out.model_dump(mode="json"))
+        emit_event(kind="run_done", label=run.label, drafts=out.drafts, accepted=out.accepted_tokens,
+                   generated_tokens=out.generated_tokens, generate_s=out.generate_s)
+    return 0
+
+
+if __name__ == "__main__":  # vLLM's spawned engine processes re-import this module: keep the work here
+    sys.exit(main(sys.argv[1:]))
