@@ -33,9 +33,11 @@ class TargetConfig(Strict):
 
 
 class SourceConfig(Strict):
-    path: str
+    path: str = Field(description="file, directory, save_to_disk dir, or a hub dataset name (org/name)")
     format: Literal["auto", "sharegpt", "openai", "pretokenized"] = "auto"
-    limit: int | None = None
+    limit: int | None = Field(None, description="use at most this many rows of the source")
+    split: str = "train"
+    revision: str | None = None
 
 
 class PrepareConfig(Strict):
@@ -45,6 +47,7 @@ class PrepareConfig(Strict):
     min_supervised_tokens: int = 1
     rows_per: Literal["conversation", "turn"] = "conversation"
     heldout_rows: int = Field(16, description="conversations kept out of training for evaluate")
+    chunk_rows: int = Field(1000, description="input rows per content-keyed chunk (a refresh redoes only changed chunks)")
 
 
 class ExtractConfig(Strict):

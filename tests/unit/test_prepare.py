@@ -66,3 +66,58 @@ def test_same_inputs_same_version_new_template_new_version(tiny_target, tmp_path
     assert again.cached and again.version == first.version
     other = prepare(cfg.model_copy(update={"max_length": 100}), tgt, tmp_path / "store")
     assert other.version != first.version and Path(first.tokenized).exists()
+
+
+def test_refresh_with_appended_rows_tokenizes_only_new_chunks(tiny_target, tmp_path):
+    src = tmp_path / "daily.jsonl"
+    src.write_text("".join(json.dumps(_good(i)) + "\n" for i in range(25)))
+    cfg = PrepareConfig(sources=[SourceConfig(path=str(src))], heldout_rows=2, chunk_rows=10)
+    tgt = TargetConfig(model=str(tiny_target))
+    first = prepare(cfg, tgt, tmp_path / "store")
+    assert (first.chunks_total, first.chunks_computed) == (3, 3)
+    chunk_dir = tmp_path / "store" / "default" / "_chunks"
+    mtimes = {p.name: (p / "rows.parquet").stat().st_mtime_ns for p in chunk_dir.iterdir()}
+    with src.open("a") as f:  # the nightly refresh appends 12 rows
+        f.write("".join(json.dumps(_good(i)) + "\n" for i in range(25, 37)))
+    second = prepare(cfg, tgt, tmp_path / "store")
+    # chunks [0,10) and [10,20) are unchanged; [20,30) changed (it grew), [30,37) is new
+    assert (second.chunks_total, second.chunks_computed) == (4, 2)
+    assert second.version != first.version and Path(first.tokenized).exists()
+    assert second.rows_in == 37 == second.rows_out + second.rows_heldout + second.rows_quarantined
+    now = {p.name: (p / "rows.parquet").stat().st_mtime_ns for p in chunk_dir.iterdir()}
+    assert all(now[k] == mtimes[k] for k in mtimes)  # no old chunk was rewritten
+    assert len(set(now) - set(mtimes)) == 2  # exactly two new chunks were written
+
+
+def test_rows_per_turn_keeps_the_invariant_in_source_rows(tiny_target, tmp_path):
+    conv = {"id": "m1", "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                                     {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]}
+    src = tmp_path / "t.jsonl"
+    src.write_text(json.dumps(conv) + "\n" + "".join(json.dumps(_good(i)) + "\n" for i in range(5)))
+    cfg = PrepareConfig(sources=[SourceConfig(path=str(src))], heldout_rows=0, rows_per="turn")
+    res = prepare(cfg, TargetConfig(model=str(tiny_target)), tmp_path / "store")
+    assert res.rows_out == 7 and res.rows_out_sources == 6 == res.rows_in
+    from datasets import load_from_disk
+
+    assert {"m1#0", "m1#1"} <= set(load_from_disk(res.tokenized)["sample_id"])
+
+
+def test_hub_dataset_offline_error_names_the_dataset(tiny_target, tmp_path, monkeypatch):
+    import pytest
+
+    from eagle3_pipeline.data.formats import SourceError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = PrepareConfig(sources=[SourceConfig(path="someorg/chat-data", split="train", revision="v2")])
+    with pytest.raises(SourceError, match="someorg/chat-data.*hub.*split 'train', revision 'v2'"):
+        prepare(cfg, TargetConfig(model=str(tiny_target)), tmp_path / "store")
+
+
+def test_missing_local_source_is_a_clear_error(tiny_target, tmp_path):
+    import pytest
+
+    from eagle3_pipeline.data.formats import SourceError
+
+    cfg = PrepareConfig(sources=[SourceConfig(path=str(tmp_path / "nope.jsonl"))])
+    with pytest.raises(SourceError, match="nope.jsonl does not exist"):
+        prepare(cfg, TargetConfig(model=str(tiny_target)), tmp_path / "store")

@@ -108,68 +108,113 @@ def normalise(rec: dict, fmt: str, source: str, row: int) -> Conversation | Pret
         return Rejected(source, row, f"malformed row: {e}", rec)
 
 
-def _records(path: Path) -> Iterator[tuple[int, dict | None, str | None]]:
-    """(row, record, error) for each row of a file; error set for unreadable rows."""
+@dataclass
+class RawRow:
+    """One input row before parsing: `rec` is the decoded object, or `err` says why it could not be."""
+    source: str
+    row: int
+    rec: dict | None
+    err: str | None
+    blob: bytes  # what identifies the row's content (for content-keyed chunks)
+
+
+def _records(path: Path) -> Iterator[RawRow]:
+    src = str(path)
     if path.suffix == ".jsonl":
-        with path.open() as f:
+        with path.open("rb") as f:
             for i, line in enumerate(f):
                 if not line.strip():
                     continue
                 try:
                     rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield i, None, f"malformed JSON line: {e.msg} at column {e.colno}"
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    yield RawRow(src, i, None, f"malformed JSON line: {e}", line)
                     continue
-                yield (i, rec, None) if isinstance(rec, dict) else (i, None, "JSON line is not an object")
+                yield RawRow(src, i, rec, None if isinstance(rec, dict) else "JSON line is not an object", line)
     elif path.suffix == ".json":
-        data = json.loads(path.read_text())
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            yield RawRow(src, 0, None, f"malformed JSON file: {e}", path.read_bytes()[:4096])
+            return
         for i, rec in enumerate(data if isinstance(data, list) else [data]):
-            yield (i, rec, None) if isinstance(rec, dict) else (i, None, "JSON row is not an object")
+            blob = json.dumps(rec, sort_keys=True, default=str).encode()
+            yield RawRow(src, i, rec, None if isinstance(rec, dict) else "JSON row is not an object", blob)
     elif path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
         for i, rec in enumerate(pq.read_table(path).to_pylist()):
-            yield i, rec, None
+            yield RawRow(src, i, rec, None, json.dumps(rec, sort_keys=True, default=str).encode())
+    elif path.is_dir():
+        from datasets import load_from_disk
+
+        for i, rec in enumerate(load_from_disk(src)):
+            yield RawRow(src, i, rec, None, json.dumps(rec, sort_keys=True, default=str).encode())
     else:
         raise ValueError(f"{path}: unsupported file type (expected {', '.join(FILE_SUFFIXES)})")
+
+
+def _hub_rows(name: str, split: str, revision: str | None) -> Iterator[RawRow]:
+    from datasets import load_dataset
+
+    try:
+        ds = load_dataset(name, split=split, revision=revision)
+    except Exception as e:
+        raise SourceError(f"dataset source {name!r} is not a local path, and loading it from the Hugging Face "
+                          f"hub (split {split!r}, revision {revision!r}) failed: {type(e).__name__}: {e}") from e
+    for i, rec in enumerate(ds):
+        yield RawRow(f"hub:{name}@{revision or 'main'}/{split}", i, rec, None,
+                     json.dumps(rec, sort_keys=True, default=str).encode())
+
+
+class SourceError(ValueError):
+    """A source that cannot be opened at all (missing path, hub unreachable)."""
+
+
+def looks_like_hub_name(path: str) -> bool:
+    parts = path.split("/")
+    return len(parts) == 2 and all(parts) and not path.startswith((".", "/", "~")) and not Path(path).suffix
 
 
 def source_files(path: str | Path) -> list[Path]:
     """The files a source names: a file, a directory of files, or a save_to_disk directory (itself)."""
     p = Path(path)
     if not p.exists():
-        raise FileNotFoundError(f"dataset source {path!s} does not exist")
+        raise SourceError(f"dataset source {path!s} does not exist")
     if p.is_dir() and ((p / "dataset_info.json").exists() or (p / "state.json").exists()):
         return [p]
     if p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.suffix in FILE_SUFFIXES and f.is_file())
         if not files:
-            raise FileNotFoundError(f"dataset source {path!s}: no {'/'.join(FILE_SUFFIXES)} files inside")
+            raise SourceError(f"dataset source {path!s}: no {'/'.join(FILE_SUFFIXES)} files inside")
         return files
     return [p]
+
+
+def raw_rows(path: str, limit: int | None = None, split: str = "train", revision: str | None = None
+             ) -> Iterator[RawRow]:
+    """Every row of a source (local file, directory, save_to_disk dir, or hub name), at most `limit`."""
+    if not Path(path).exists() and looks_like_hub_name(path):
+        it = _hub_rows(path, split, revision)
+    else:
+        it = (r for f in source_files(path) for r in _records(f))
+    for n, r in enumerate(it):
+        if limit is not None and n >= limit:
+            return
+        yield r
+
+
+def parse_row(raw: RawRow, fmt: str = "auto") -> Conversation | Pretokenized | Rejected:
+    if raw.err:
+        return Rejected(raw.source, raw.row, raw.err, raw.blob.decode(errors="replace")[:2000])
+    kind = fmt if fmt != "auto" else detect_format(raw.rec)
+    if kind is None:
+        return Rejected(raw.source, raw.row, f"unknown format: keys {sorted(raw.rec)[:8]}", raw.rec)
+    return normalise(raw.rec, kind, raw.source, raw.row)
 
 
 def read_source(path: str | Path, fmt: str = "auto", limit: int | None = None
                 ) -> Iterator[Conversation | Pretokenized | Rejected]:
     """Every row of a source, normalised or rejected, at most `limit` rows in all."""
-    n = 0
-    for f in source_files(path):
-        if f.is_dir():
-            from datasets import load_from_disk
-
-            ds = load_from_disk(str(f))
-            rows: Iterator = ((i, r, None) for i, r in enumerate(ds))
-        else:
-            rows = _records(f)
-        for i, rec, err in rows:
-            if limit is not None and n >= limit:
-                return
-            n += 1
-            if err:
-                yield Rejected(str(f), i, err, None)
-                continue
-            kind = fmt if fmt != "auto" else detect_format(rec)
-            if kind is None:
-                yield Rejected(str(f), i, f"unknown format: keys {sorted(rec)[:8]}", rec)
-                continue
-            yield normalise(rec, kind, str(f), i)
+    for raw in raw_rows(str(path), limit):
+        yield parse_row(raw, fmt)

@@ -1,13 +1,17 @@
 """The prepare stage: chat rows in -> tokenized Arrow dataset, token frequencies, quarantine.
 
-Reads the configured sources (data/formats.py) and the tokenizer with its chat template. Writes,
-under <store>/<dataset>/<tokenized-version>/ (store.py layout):
+Reads the configured sources (data/formats.py) and the tokenizer with its chat template. Input is
+processed in content-keyed chunks of `chunk_rows` source rows: a chunk's key hashes its raw rows,
+its source and position, and every tokenization parameter, and its output is kept under
+`<store>/<dataset>/_chunks/<key>/`, so a refresh that appends rows re-tokenizes only the new chunks.
+The version (a content key over all chunk keys and the held-out count) then gets, under
+<store>/<dataset>/<tokenized-version>/:
   tokenized/             datasets.save_to_disk: input_ids int64[T], loss_mask int64[T], seq_len, sample_id
   token_freq.safetensors counts int64[V]: how often each token id is supervised (loss_mask == 1)
-  heldout.jsonl          conversations kept out of training (first user prompt ids + reference answer)
-  quarantine.jsonl       every rejected row: source file, row, reason
-  prepare.json           counts and the version's inputs; its presence marks the version complete
-Invariant: rows_in == rows_out + rows_heldout + rows_quarantined (counted per source row).
+  heldout.jsonl          conversations kept out of training (first prompt's ids + reference answer)
+  quarantine.jsonl       every rejected row: source file, row, reason (and the raw row)
+  prepare.json           counts and the chunk keys; its presence marks the version complete
+Invariant: rows_in == rows_out_sources + rows_heldout + rows_quarantined (counted in source rows).
 """
 
 from __future__ import annotations
@@ -15,16 +19,19 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 from pydantic import BaseModel
 
-from eagle3_pipeline.config import PrepareConfig, TargetConfig
+from eagle3_pipeline.config import PrepareConfig, SourceConfig, TargetConfig
 from eagle3_pipeline.data.chat import TemplateMismatch, encode_conversation, render
-from eagle3_pipeline.data.formats import Conversation, Pretokenized, Rejected, read_source
-from eagle3_pipeline.store import atomic_write_text, content_key, dir_fingerprint, read_json, slug, write_json
+from eagle3_pipeline.data.formats import Conversation, RawRow, Rejected, parse_row, raw_rows
+from eagle3_pipeline.store import atomic_write, atomic_write_text, content_key, dir_fingerprint, read_json, slug, write_json
 
 TOKENIZER_FILES = ("tokenizer*.json", "special_tokens_map.json", "*.jinja", "*.model", "vocab*", "merges.txt")
+ROW_COLUMNS = ("sample_id", "conv_id", "input_ids", "loss_mask", "seq_len", "truncated", "prompt_ids", "reference",
+               "source", "row")
 
 
 class PrepareResult(BaseModel):
@@ -36,12 +43,17 @@ class PrepareResult(BaseModel):
     quarantine: str
     rows_in: int
     rows_out: int
+    rows_out_sources: int
     rows_heldout: int
     rows_quarantined: int
     rows_truncated: int
+    turns_dropped: int
     tokens: int
     supervised_tokens: int
     quarantine_reasons: dict[str, int]
+    length_histogram: dict[str, int]
+    chunks_total: int
+    chunks_computed: int
     cached: bool = False
 
 
@@ -52,135 +64,213 @@ def load_tokenizer(target: TargetConfig):
                                          trust_remote_code=target.trust_remote_code)
 
 
-def prepare_version(cfg: PrepareConfig, target: TargetConfig, tokenizer) -> str:
-    """Content key of everything that determines the prepared bytes."""
-    return content_key({
-        "sources": [{"fp": dir_fingerprint(Path(s.path)), "format": s.format, "limit": s.limit} for s in cfg.sources],
-        "tokenizer": dir_fingerprint(Path(target.tokenizer), TOKENIZER_FILES) if Path(target.tokenizer).exists()
-        else f"{target.tokenizer}@{target.revision}",
-        "template": tokenizer.chat_template,
-        "max_length": cfg.max_length, "min_supervised": cfg.min_supervised_tokens,
-        "rows_per": cfg.rows_per, "heldout": cfg.heldout_rows,
-    })
+def tokenization_key(cfg: PrepareConfig, target: TargetConfig, tokenizer) -> str:
+    """Everything except the rows that determines a chunk's bytes."""
+    tok_id = (dir_fingerprint(Path(target.tokenizer), TOKENIZER_FILES) if Path(target.tokenizer).exists()
+              else f"{target.tokenizer}@{target.revision}")
+    return content_key({"tokenizer": tok_id, "template": tokenizer.chat_template, "max_length": cfg.max_length,
+                        "min_supervised": cfg.min_supervised_tokens, "rows_per": cfg.rows_per})
 
 
-def _heldout_ids(convs: list[Conversation], n: int) -> set[str]:
-    """A stable choice: the n conversations whose id hashes lowest (independent of input order)."""
-    order = sorted(convs, key=lambda c: hashlib.sha256(c.sample_id.encode()).hexdigest())
-    return {c.sample_id for c in order[:n]}
+def _chunks(src: SourceConfig, size: int) -> Iterator[list[RawRow]]:
+    buf: list[RawRow] = []
+    for r in raw_rows(src.path, src.limit, src.split, src.revision):
+        buf.append(r)
+        if len(buf) == size:
+            yield buf
+            buf = []
+    if buf:
+        yield buf
+
+
+def _chunk_key(tok_key: str, src: SourceConfig, rows: list[RawRow]) -> str:
+    h = hashlib.sha256(f"{tok_key}|{src.format}|{rows[0].source}|{rows[0].row}".encode())
+    for r in rows:
+        h.update(len(r.blob).to_bytes(8, "little"))
+        h.update(r.blob)
+    return h.hexdigest()[:16]
+
+
+def _encode_chunk(rows: list[RawRow], fmt: str, tok, cfg: PrepareConfig) -> tuple[dict[str, list], list[dict], int]:
+    """Tokenize one chunk: output columns, rejected rows, and the number of turns dropped."""
+    cols: dict[str, list] = {k: [] for k in ROW_COLUMNS}
+    rejected: list[dict] = []
+    dropped = 0
+    vocab = len(tok)
+
+    def reject(item, reason: str, raw=None, partial: bool = False):
+        rejected.append({"source": item.source, "row": item.row, "reason": reason, "raw": raw, "partial": partial})
+
+    for raw in rows:
+        item = parse_row(raw, fmt)
+        if isinstance(item, Rejected):
+            rejected.append({"source": item.source, "row": item.row, "reason": item.reason, "raw": item.raw,
+                             "partial": False})
+            continue
+        prompt_ids, reference = None, None
+        if isinstance(item, Conversation):
+            try:
+                encoded = encode_conversation(tok, item.messages, cfg.rows_per)
+                first = next(i for i, m in enumerate(item.messages) if m["role"] == "assistant")
+                prompt_ids = tok(render(tok, item.messages[:first], add_generation_prompt=True),
+                                 add_special_tokens=False)["input_ids"]
+                reference = item.messages[first]["content"]
+            except TemplateMismatch as e:
+                reject(item, f"template: {e}", raw.rec)
+                continue
+            except Exception as e:  # tokenizer errors on odd input: keep the row and the reason
+                reject(item, f"tokenizer error: {type(e).__name__}: {e}", raw.rec)
+                continue
+            pieces = [(item.sample_id if r.turn_index is None else f"{item.sample_id}#{r.turn_index}",
+                       r.input_ids, r.loss_mask) for r in encoded]
+        else:
+            pieces = [(item.sample_id, item.input_ids, item.loss_mask)]
+        kept = 0
+        for sid, ids, mask in pieces:
+            truncated = len(ids) > cfg.max_length
+            ids, mask = ids[: cfg.max_length], mask[: cfg.max_length]
+            why = None
+            if sum(mask) < cfg.min_supervised_tokens:
+                why = (f"over-length prompt: {sum(mask)} supervised tokens within max_length {cfg.max_length} "
+                       f"(minimum {cfg.min_supervised_tokens})")
+            elif any(not 0 <= t < vocab for t in ids):
+                why = f"token ids {[t for t in ids if not 0 <= t < vocab][:5]} outside the tokenizer's vocab of {vocab}"
+            if why:
+                if len(pieces) > 1:
+                    dropped += 1
+                    reject(item, f"turn {sid}: {why}", None, partial=True)
+                else:
+                    reject(item, why, raw.rec)
+                continue
+            kept += 1
+            for k, v in zip(ROW_COLUMNS, (sid, item.sample_id, ids, mask, len(ids), truncated, prompt_ids, reference,
+                                          item.source, item.row)):
+                cols[k].append(v)
+        if pieces and not kept and len(pieces) > 1:
+            reject(item, "every assistant turn dropped (see the turn entries)", raw.rec)
+    return cols, rejected, dropped
+
+
+def _chunk(store: Path, key: str, rows: list[RawRow], fmt: str, tok, cfg: PrepareConfig) -> tuple[Path, bool]:
+    """The chunk's directory, computed now (True) or found complete in the store (False)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    d = store / "_chunks" / key
+    if (d / "chunk.json").exists():
+        return d, False
+    cols, rejected, dropped = _encode_chunk(rows, fmt, tok, cfg)
+    schema = pa.schema([("sample_id", pa.string()), ("conv_id", pa.string()), ("input_ids", pa.list_(pa.int64())),
+                        ("loss_mask", pa.list_(pa.int64())), ("seq_len", pa.int64()), ("truncated", pa.bool_()),
+                        ("prompt_ids", pa.list_(pa.int64())), ("reference", pa.string()), ("source", pa.string()),
+                        ("row", pa.int64())])
+    table = pa.Table.from_pydict(cols, schema=schema)
+    atomic_write(d / "rows.parquet", lambda p: pq.write_table(table, str(p)))
+    atomic_write_text(d / "rejected.jsonl", "".join(json.dumps(r, default=str) + "\n" for r in rejected))
+    write_json(d / "chunk.json", {"rows_in": len(rows), "rows_out": table.num_rows, "rejected": len(rejected),
+                                  "turns_dropped": dropped})
+    return d, True
 
 
 def prepare(cfg: PrepareConfig, target: TargetConfig, store_root: Path, log=print) -> PrepareResult:
     """Run the prepare stage, or return the complete version already in the store."""
     tok = load_tokenizer(target)
-    version = prepare_version(cfg, target, tok)
-    out = Path(store_root) / slug(cfg.dataset) / version
+    tok_key = tokenization_key(cfg, target, tok)
+    store = Path(store_root) / slug(cfg.dataset)
+    chunk_dirs: list[Path] = []
+    computed = 0
+    for src in cfg.sources:
+        for rows in _chunks(src, cfg.chunk_rows):
+            d, fresh = _chunk(store, _chunk_key(tok_key, src, rows), rows, src.format, tok, cfg)
+            chunk_dirs.append(d)
+            computed += fresh
+    version = content_key({"tok": tok_key, "chunks": [d.name for d in chunk_dirs], "heldout": cfg.heldout_rows})
+    out = store / version
     done = read_json(out / "prepare.json")
     if done is not None:
         log(f"prepare: version {version} already complete at {out}")
         return PrepareResult(**{**done, "cached": True})
-
-    rejected: list[Rejected] = []
-    convs: list[Conversation] = []
-    pretok: list[Pretokenized] = []
-    seen: set[str] = set()
-    rows_in = 0
-    for src in cfg.sources:
-        for item in read_source(src.path, src.format, src.limit):
-            rows_in += 1
-            if isinstance(item, Rejected):
-                rejected.append(item)
-            elif item.sample_id in seen:
-                rejected.append(Rejected(item.source, item.row, f"duplicate id {item.sample_id!r}"))
-            else:
-                seen.add(item.sample_id)
-                (convs if isinstance(item, Conversation) else pretok).append(item)
-
-    held = _heldout_ids(convs, cfg.heldout_rows)
-    cols: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": [], "sample_id": []}
-    heldout_lines, truncated = [], 0
-    vocab = len(tok)
-    counts = [0] * vocab
-
-    def add_row(sample_id: str, ids: list[int], mask: list[int], where: tuple[str, int]) -> None:
-        nonlocal truncated
-        if len(ids) > cfg.max_length:
-            ids, mask = ids[: cfg.max_length], mask[: cfg.max_length]
-            truncated += 1
-        if sum(mask) < cfg.min_supervised_tokens:
-            rejected.append(Rejected(*where, f"over-length prompt: {sum(mask)} supervised tokens within "
-                                             f"max_length {cfg.max_length} (minimum {cfg.min_supervised_tokens})"))
-            return
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            rejected.append(Rejected(*where, f"token ids {bad[:5]} outside the tokenizer's vocab of {vocab}"))
-            return
-        cols["input_ids"].append(ids)
-        cols["loss_mask"].append(mask)
-        cols["seq_len"].append(len(ids))
-        cols["sample_id"].append(sample_id)
-        for t, m in zip(ids, mask):
-            counts[t] += m
-
-    for c in convs:
-        where = (c.source, c.row)
-        if c.sample_id in held:
-            first = next(i for i, m in enumerate(c.messages) if m["role"] == "assistant")
-            prompt = render(tok, c.messages[:first], add_generation_prompt=True)
-            heldout_lines.append(json.dumps({
-                "sample_id": c.sample_id, "prompt_ids": tok(prompt, add_special_tokens=False)["input_ids"],
-                "reference": c.messages[first]["content"]}))
-            continue
-        try:
-            rows = encode_conversation(tok, c.messages, cfg.rows_per)
-        except TemplateMismatch as e:
-            rejected.append(Rejected(*where, f"template: {e}"))
-            continue
-        except Exception as e:  # tokenizer errors on odd input: keep the row and the reason
-            rejected.append(Rejected(*where, f"tokenizer error: {type(e).__name__}: {e}"))
-            continue
-        for r in rows:
-            sid = c.sample_id if r.turn_index is None else f"{c.sample_id}#{r.turn_index}"
-            add_row(sid, r.input_ids, r.loss_mask, where)
-    for p in pretok:
-        add_row(p.sample_id, p.input_ids, p.loss_mask, (p.source, p.row))
-
-    _write_outputs(out, cols, counts, heldout_lines, rejected)
-    reasons: dict[str, int] = {}
-    for r in rejected:
-        key = r.reason.split(":")[0]
-        reasons[key] = reasons.get(key, 0) + 1
-    res = PrepareResult(
-        version=version, dir=str(out.resolve()), tokenized=str((out / "tokenized").resolve()),
-        token_freq=str((out / "token_freq.safetensors").resolve()), heldout=str((out / "heldout.jsonl").resolve()),
-        quarantine=str((out / "quarantine.jsonl").resolve()), rows_in=rows_in, rows_out=len(cols["seq_len"]),
-        rows_heldout=len(heldout_lines), rows_quarantined=len(rejected), rows_truncated=truncated,
-        tokens=sum(cols["seq_len"]), supervised_tokens=sum(counts), quarantine_reasons=reasons)
-    write_json(out / "prepare.json", res.model_dump())
+    log(f"prepare: {len(chunk_dirs)} chunks, {computed} tokenized now, {len(chunk_dirs) - computed} reused")
+    res = _assemble(cfg, chunk_dirs, computed, out, version, len(tok))
     log(f"prepare: {res.rows_in} rows in, {res.rows_out} out, {res.rows_heldout} held out, "
         f"{res.rows_quarantined} quarantined, {res.tokens} tokens -> {out}")
     return res
 
 
-def _write_outputs(out: Path, cols: dict, counts: list[int], heldout: list[str], rejected: list[Rejected]) -> None:
+def _assemble(cfg: PrepareConfig, chunk_dirs: list[Path], computed: int, out: Path, version: str,
+              vocab: int) -> PrepareResult:
+    """Concatenate chunks; drop duplicate ids (later ones quarantined); pick the held-out conversations."""
     import datasets
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
     import torch
     from safetensors.torch import save_file
 
-    from eagle3_pipeline.store import atomic_write
-
-    out.mkdir(parents=True, exist_ok=True)
+    metas = [read_json(d / "chunk.json") for d in chunk_dirs]
+    rejected = [json.loads(line) for d in chunk_dirs for line in (d / "rejected.jsonl").read_text().splitlines()]
+    table = pa.concat_tables([pq.read_table(d / "rows.parquet") for d in chunk_dirs]) if chunk_dirs else None
+    keep_idx, owner, dup_rows = [], {}, set()
+    conv_ids = table["conv_id"].to_pylist() if table is not None else []
+    where = list(zip(table["source"].to_pylist(), table["row"].to_pylist())) if table is not None else []
+    for i, (cid, w) in enumerate(zip(conv_ids, where)):
+        first = owner.setdefault(cid, w)
+        if first != w:
+            if w not in dup_rows:
+                dup_rows.add(w)
+                rejected.append({"source": w[0], "row": w[1], "reason": f"duplicate id {cid!r} (first at {first[0]} "
+                                 f"row {first[1]})", "raw": None, "partial": False})
+            continue
+        keep_idx.append(i)
+    table = table.take(keep_idx) if table is not None else None
+    heldout_lines, held = [], set()
+    if table is not None and cfg.heldout_rows:
+        convs = {}
+        for cid, p, ref in zip(table["conv_id"].to_pylist(), table["prompt_ids"].to_pylist(), table["reference"].to_pylist()):
+            if p is not None and cid not in convs:
+                convs[cid] = (p, ref)
+        for cid in sorted(convs, key=lambda c: hashlib.sha256(c.encode()).hexdigest())[: cfg.heldout_rows]:
+            held.add(cid)
+            heldout_lines.append(json.dumps({"sample_id": cid, "prompt_ids": convs[cid][0], "reference": convs[cid][1]}))
+        table = table.filter(pc.invert(pc.is_in(table["conv_id"], pa.array(sorted(held), pa.string()))))
+    n_out = table.num_rows if table is not None else 0
     features = datasets.Features({
         "input_ids": datasets.Sequence(datasets.Value("int64")), "loss_mask": datasets.Sequence(datasets.Value("int64")),
         "seq_len": datasets.Value("int64"), "sample_id": datasets.Value("string")})
+    cols = ({k: table[k].to_pylist() for k in ("input_ids", "loss_mask", "seq_len", "sample_id")} if n_out
+            else {k: [] for k in features})
+    counts = np.zeros(vocab, dtype=np.int64)
+    if n_out:
+        ids = pc.list_flatten(table["input_ids"]).to_numpy()
+        mask = pc.list_flatten(table["loss_mask"]).to_numpy()
+        counts = np.bincount(ids, weights=mask, minlength=vocab).astype(np.int64)[:vocab]
+    out.mkdir(parents=True, exist_ok=True)
     tmp = out / "tokenized.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     datasets.Dataset.from_dict(cols, features=features).save_to_disk(str(tmp))
     shutil.rmtree(out / "tokenized", ignore_errors=True)
     tmp.rename(out / "tokenized")
-    atomic_write(out / "token_freq.safetensors",
-                 lambda p: save_file({"counts": torch.tensor(counts, dtype=torch.int64)}, str(p)))
-    atomic_write_text(out / "heldout.jsonl", "".join(line + "\n" for line in heldout))
-    atomic_write_text(out / "quarantine.jsonl", "".join(
-        json.dumps({"source": r.source, "row": r.row, "reason": r.reason, "raw": r.raw}, default=str) + "\n"
-        for r in rejected))
+    atomic_write(out / "token_freq.safetensors", lambda p: save_file({"counts": torch.from_numpy(counts)}, str(p)))
+    atomic_write_text(out / "heldout.jsonl", "".join(line + "\n" for line in heldout_lines))
+    atomic_write_text(out / "quarantine.jsonl", "".join(json.dumps(r, default=str) + "\n" for r in rejected))
+    full = [r for r in rejected if not r.get("partial")]
+    reasons: dict[str, int] = {}
+    for r in rejected:
+        key = r["reason"].split(":")[0] if not r.get("partial") else "turn dropped"
+        reasons[key] = reasons.get(key, 0) + 1
+    seq = cols["seq_len"]
+    edges = [0, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 1 << 30]
+    hist = {f"{a}-{b - 1}" if b < 1 << 30 else f">={a}": sum(a <= s < b for s in seq) for a, b in zip(edges, edges[1:])}
+    res = PrepareResult(
+        version=version, dir=str(out.resolve()), tokenized=str((out / "tokenized").resolve()),
+        token_freq=str((out / "token_freq.safetensors").resolve()), heldout=str((out / "heldout.jsonl").resolve()),
+        quarantine=str((out / "quarantine.jsonl").resolve()), rows_in=sum(m["rows_in"] for m in metas),
+        rows_out=n_out, rows_out_sources=len(set(zip(table["source"].to_pylist(), table["row"].to_pylist()))) if n_out else 0,
+        rows_heldout=len(heldout_lines), rows_quarantined=len(full),
+        rows_truncated=int(sum(table["truncated"].to_pylist())) if n_out else 0,
+        turns_dropped=sum(m["turns_dropped"] for m in metas), tokens=int(sum(seq)), supervised_tokens=int(counts.sum()),
+        quarantine_reasons=reasons, length_histogram={k: v for k, v in hist.items() if v},
+        chunks_total=len(chunk_dirs), chunks_computed=computed)
+    write_json(out / "prepare.json", res.model_dump())
+    return res
