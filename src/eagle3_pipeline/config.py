@@ -47,6 +47,7 @@ class PrepareConfig(Strict):
     min_supervised_tokens: int = 1
     rows_per: Literal["conversation", "turn"] = "conversation"
     heldout_rows: int = Field(16, description="conversations kept out of training for evaluate")
+    num_proc: int = Field(1, description="processes that tokenize chunks in parallel")
     chunk_rows: int = Field(1000, description="input rows per content-keyed chunk (a refresh redoes only changed chunks)")
 
 

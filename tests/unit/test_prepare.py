@@ -121,3 +121,15 @@ def test_missing_local_source_is_a_clear_error(tiny_target, tmp_path):
     cfg = PrepareConfig(sources=[SourceConfig(path=str(tmp_path / "nope.jsonl"))])
     with pytest.raises(SourceError, match="nope.jsonl does not exist"):
         prepare(cfg, TargetConfig(model=str(tiny_target)), tmp_path / "store")
+
+
+def test_two_processes_give_the_same_bytes(tiny_target, tmp_path):
+    from datasets import load_from_disk
+
+    src = tmp_path / "a.jsonl"
+    src.write_text("".join(json.dumps(_good(i)) + "\n" for i in range(30)))
+    tgt = TargetConfig(model=str(tiny_target))
+    one = prepare(PrepareConfig(sources=[SourceConfig(path=str(src))], chunk_rows=8), tgt, tmp_path / "s1")
+    two = prepare(PrepareConfig(sources=[SourceConfig(path=str(src))], chunk_rows=8, num_proc=2), tgt, tmp_path / "s2")
+    assert one.version == two.version
+    assert load_from_disk(one.tokenized).to_dict() == load_from_disk(two.tokenized).to_dict()

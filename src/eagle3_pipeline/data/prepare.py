@@ -172,18 +172,34 @@ def _chunk(store: Path, key: str, rows: list[RawRow], fmt: str, tok, cfg: Prepar
     return d, True
 
 
+_WORKER: dict = {}
+
+
+def _worker_init(target: TargetConfig) -> None:
+    _WORKER["tok"] = load_tokenizer(target)
+
+
+def _worker_chunk(args) -> tuple[Path, bool]:
+    store, key, rows, fmt, cfg = args
+    return _chunk(store, key, rows, fmt, _WORKER["tok"], cfg)
+
+
 def prepare(cfg: PrepareConfig, target: TargetConfig, store_root: Path, log=print) -> PrepareResult:
     """Run the prepare stage, or return the complete version already in the store."""
     tok = load_tokenizer(target)
     tok_key = tokenization_key(cfg, target, tok)
     store = Path(store_root) / slug(cfg.dataset)
-    chunk_dirs: list[Path] = []
-    computed = 0
-    for src in cfg.sources:
-        for rows in _chunks(src, cfg.chunk_rows):
-            d, fresh = _chunk(store, _chunk_key(tok_key, src, rows), rows, src.format, tok, cfg)
-            chunk_dirs.append(d)
-            computed += fresh
+    jobs = ((store, _chunk_key(tok_key, src, rows), rows, src.format, cfg)
+            for src in cfg.sources for rows in _chunks(src, cfg.chunk_rows))
+    if cfg.num_proc > 1:
+        import multiprocessing as mp
+
+        with mp.get_context("spawn").Pool(cfg.num_proc, _worker_init, (target,)) as pool:
+            done = list(pool.imap(_worker_chunk, jobs))
+    else:
+        done = [_chunk(store, key, rows, fmt, tok, c) for store, key, rows, fmt, c in jobs]
+    chunk_dirs = [d for d, _ in done]
+    computed = sum(fresh for _, fresh in done)
     version = content_key({"tok": tok_key, "chunks": [d.name for d in chunk_dirs], "heldout": cfg.heldout_rows})
     out = store / version
     done = read_json(out / "prepare.json")
