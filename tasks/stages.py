@@ -23,9 +23,13 @@ def _log():
 @task(name="prepare", cache_policy=NO_CACHE, tags=["cpu"])
 def prepare(cfg: PipelineConfig) -> dict:
     rec = stages.stage_prepare(cfg, log=_log())
-    create_table_artifact(key=f"prepare-{_k(cfg.prepare.dataset)}", table=[
-        {k: rec[k] for k in ("version", "rows_in", "rows_out", "rows_heldout", "rows_quarantined", "rows_truncated", "tokens")}],
-        description=f"prepare of dataset {cfg.prepare.dataset}")
+    counts = [{"what": k, "value": rec[k]} for k in ("version", "rows_in", "rows_out", "rows_heldout", "rows_quarantined",
+                                                      "rows_truncated", "turns_dropped", "tokens", "chunks_computed")]
+    hist = [{"what": f"rows of {k} tokens", "value": v} for k, v in rec["length_histogram"].items()]
+    reasons = [{"what": f"quarantined: {r['source']} row {r['row']}", "value": r["reason"]}
+               for r in stages.first_quarantined(rec, 10)]
+    create_table_artifact(key=f"prepare-{_k(cfg.prepare.dataset)}", table=counts + hist + reasons,
+                          description=f"prepare of dataset {cfg.prepare.dataset}: counts, lengths, first quarantine reasons")
     return rec
 
 

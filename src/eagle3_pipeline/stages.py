@@ -23,6 +23,18 @@ def stage_prepare(cfg: PipelineConfig, log=print) -> dict:
     return prepare(cfg.prepare, cfg.target, Path(cfg.store), log=log).model_dump()
 
 
+def first_quarantined(prep: dict, n: int) -> list[dict]:
+    """The first `n` quarantine entries (source, row, reason) of a prepare record."""
+    out = []
+    with open(prep["quarantine"]) as f:
+        for line in f:
+            if len(out) >= n:
+                break
+            r = json.loads(line)
+            out.append({"source": r["source"], "row": r["row"], "reason": r["reason"]})
+    return out
+
+
 def stage_preflight(cfg: PipelineConfig, prep: dict, log=print) -> dict:
     from eagle3_pipeline.preflight import preflight
 

@@ -25,7 +25,7 @@ from eagle3_pipeline.extract.shards import (
     extract_group,
     plan_shards,
 )
-from eagle3_pipeline.extract.worker import KILL_AFTER_ENV, ExtractJob, ShardSpec, to_record
+from eagle3_pipeline.extract.worker import KILL_AFTER_ENV, RECORD_META_KEY, ExtractJob, ShardSpec, to_record
 from eagle3_pipeline.proc import ChildFailed, python_child
 
 ROWS, ROWS_PER_SHARD = 12, 4  # 3 shards
@@ -118,7 +118,7 @@ def test_records_follow_the_contract(full_run, small_tokenized):
         assert rec["hidden_states"].dtype == torch.bfloat16, p
         assert tuple(rec["hidden_states"].shape) == (len(ids), len(LAYER_IDS), 128), p  # [T, L, H]
         assert torch.isfinite(rec["hidden_states"].float()).all(), p
-        assert meta["layer_ids"] == "2,4,5,8"
+        assert json.loads(meta[RECORD_META_KEY]) == {"layer_ids": LAYER_IDS, "storage_dtype": "bf16"}
     m = Manifest(full_run.out).read()
     assert m["content_key"] == "test-key" and m["layer_ids"] == LAYER_IDS
     assert set(m["tools"]) >= {"vllm", "torch", "speculators"} and m["tools"]["vllm"]

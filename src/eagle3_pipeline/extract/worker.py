@@ -18,6 +18,7 @@ Nothing heavy is imported at module level: the parent imports `ExtractJob` and `
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import signal
 import sys
@@ -32,6 +33,7 @@ from eagle3_pipeline.contracts import FP8_MAX, HS_KEY, SCALES_KEY, TOKENS_KEY, C
 from eagle3_pipeline.proc import emit_event
 
 KILL_AFTER_ENV = "EAGLE3_TEST_KILL_AFTER_SHARDS"
+RECORD_META_KEY = "eagle3_record"  # safetensors metadata: {"layer_ids": [...], "storage_dtype": ...}
 CONNECTOR_NAME = "Eagle3HiddenStatesConnector"
 CONNECTOR_MODULE = "eagle3_pipeline.extract.connector"
 
@@ -211,7 +213,10 @@ def _run_shard(engine: _Engine, ds, job: ExtractJob, shard: ShardSpec) -> None:
     hs_dir = Path(job.hidden_states_dir)
     L, H = len(job.layer_ids), job.hidden_size
     files, tokens = [], 0
-    meta = {"layer_ids": ",".join(map(str, job.layer_ids)), "storage_dtype": job.storage_dtype}
+    # One metadata key: safetensors orders several keys at random (a Rust HashMap), and the
+    # bytes of a record must not depend on the process that wrote it.
+    meta = {RECORD_META_KEY: json.dumps({"layer_ids": job.layer_ids, "storage_dtype": job.storage_dtype},
+                                        sort_keys=True)}
     for k, (ids, sid, path) in enumerate(zip(input_ids, sample_ids, paths)):
         row = shard.row_start + k
         who = f"{record_name(row)} (row {row}, sample {sid})"
