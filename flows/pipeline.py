@@ -10,13 +10,14 @@ from prefect import flow
 
 from eagle3_pipeline.config import PipelineConfig
 from eagle3_pipeline.preflight import installed_versions
-from eagle3_pipeline.runs import RunDir
+from eagle3_pipeline.runs import RunDir, create_run_dir
 from tasks import stages as t
 
 
 @flow(name="pipeline", log_prints=True)
-def pipeline(config: PipelineConfig, run_dir: str) -> dict:
-    run = RunDir(Path(run_dir))
+def pipeline(config: PipelineConfig, output_dir: str = "runs", run_dir: str | None = None) -> dict:
+    """The whole pipeline. `run_dir` defaults to a new `<output_dir>/<run-id>/` (what a UI run gets)."""
+    run = RunDir(Path(run_dir) if run_dir else create_run_dir(Path(output_dir), config))
     recs: dict[str, dict] = {}
     error = None
     try:
