@@ -36,5 +36,5 @@ def pipeline(config: PipelineConfig, output_dir: str = "runs", run_dir: str | No
         raise
     finally:
         rec = run.report_record(config, recs, installed_versions(), error)
-        t.report(str(run.path), rec, recs.get("train", {}).get("metrics_path"))
+        t.report(str(run.path), rec, recs.get("train", {}).get("metrics"))
     return rec

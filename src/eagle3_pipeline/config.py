@@ -65,6 +65,8 @@ class ExtractConfig(Strict):
     omp_threads_bind: str | None = Field("all", description="CPU only: VLLM_CPU_OMP_THREADS_BIND; 'all' = every core")
     scratch_dir: str | None = Field(None, description="fast local dir for vLLM's per-request files; "
                                     "default <extract version dir>/.scratch")
+    engine_in_process: bool | None = Field(None, description="vLLM engine core inside the extract child "
+                                           "(VLLM_ENABLE_V1_MULTIPROCESSING=0); None = on CPU with TP 1")
 
 
 class VerifyConfig(Strict):

@@ -35,7 +35,7 @@ from pydantic import BaseModel
 from eagle3_pipeline.config import TargetConfig, TrainConfig
 from eagle3_pipeline.contracts import HS_KEY, TOKENS_KEY, ContractError, resolve_layer_ids
 from eagle3_pipeline.proc import python_child, run_child
-from eagle3_pipeline.store import read_json, write_json
+from eagle3_pipeline.store import read_json, sha256_file, write_json
 from eagle3_pipeline.vocab import load_vocab, vocab_paths
 
 WORKER = "eagle3_pipeline.train_worker"
@@ -124,6 +124,19 @@ def _move_incomplete_checkpoints(save_path: Path, log: Callable[[str], None]) ->
             link.unlink()
 
 
+def _check_resume_spec(out_dir: Path, save_path: Path, spec: dict) -> None:
+    """Checkpoints in `save_path` must have been trained for the same draft (architecture, vocab,
+    layers); otherwise resuming would silently load the old d2t/t2d and weights. Records the spec."""
+    path = out_dir / "train_spec.json"
+    old = read_json(path)
+    has_ckpt = save_path.is_dir() and any(d.name.isdigit() for d in save_path.iterdir())
+    if old is not None and has_ckpt and old != spec:
+        diff = {k: (old.get(k), spec.get(k)) for k in sorted(set(old) | set(spec)) if old.get(k) != spec.get(k)}
+        raise ValueError(f"{save_path}: holds checkpoints of a different draft, cannot resume; "
+                         f"differs in {diff} (checkpoint, now). Use a new output dir.")
+    write_json(path, spec)
+
+
 def _format_event(ev: dict) -> str | None:
     def f(x, spec=".3f"):
         return "-" if x is None else format(x, spec)
@@ -131,8 +144,11 @@ def _format_event(ev: dict) -> str | None:
     kind = ev.get("kind")
     if kind == "train_step":
         acc = " ".join(f(a, ".2f") for a in ev.get("acc") or [])
+        dropped = ev.get("error_records") or 0
         return (f"train: step {ev.get('step')} epoch {ev.get('epoch')} loss {f(ev.get('loss'))} "
-                f"acc[{acc}] {f(ev.get('tokens_per_s'), '.0f')} tok/s")
+                f"acc[{acc}] {f(ev.get('tokens_per_s'), '.0f')} tok/s"
+                + (f"; WARNING {dropped:.0f} rows dropped (hidden states missing or token_ids != input_ids)"
+                   if dropped else ""))
     if kind == "val":
         acc = " ".join(f(a, ".2f") for a in ev.get("acc") or [])
         return f"train: validation epoch {ev.get('epoch')} loss {f(ev.get('loss'))} acc[{acc}]"
@@ -141,7 +157,7 @@ def _format_event(ev: dict) -> str | None:
                 f"{ev.get('train_batches_per_epoch')} packed rows/epoch, {ev.get('val_batches')} for validation, "
                 f"{ev.get('params_trainable')} trainable parameters")
     if kind == "done":
-        return f"train: done, {ev.get('steps', '')} steps"
+        return f"train: done, {ev['steps']} steps" if "steps" in ev else "train: done"
     return None
 
 
@@ -155,6 +171,7 @@ def _argv(cfg: TrainConfig, job_path: Path) -> list[str]:
 def _run_worker(job: dict, job_path: Path, cfg: TrainConfig, log: Callable[[str], None],
                 log_path: Path | None, timeout_s: float) -> dict:
     write_json(job_path, job)
+    Path(job["result_path"]).unlink(missing_ok=True)  # never report a previous attempt's result
 
     def on_event(ev: dict):
         line = _format_event(ev)
@@ -183,6 +200,9 @@ def train_draft(cfg: TrainConfig, target: TargetConfig, tokenized_dir: Path, hid
     save_path = out_dir / "checkpoints"
     _move_incomplete_checkpoints(save_path, log)
     out_dir.mkdir(parents=True, exist_ok=True)
+    _check_resume_spec(out_dir, save_path, {
+        "target": target.model, "aux_layer_ids": aux, "draft_layers": cfg.draft_layers,
+        "d2t_sha256": sha256_file(d2t_path), "t2d_sha256": sha256_file(t2d_path)})
     log(f"train: {rows} rows, aux layers {aux} (+ final {dims['num_layers']}), draft vocab "
         f"{d2t_path.name}, device {cfg.device}, attention {cfg.attention}, {cfg.epochs} epochs -> {save_path}")
     job = {"mode": "train", "train": cfg.model_dump(mode="json"), "target": target.model_dump(mode="json"),
@@ -256,6 +276,9 @@ def export_check(checkpoint_dir: Path, vocab_dir: Path, target_model_dir: Path) 
         raise ExportCheckError(f"{cfg_path}: eagle_aux_hidden_state_layer_ids {aux} not within [0, {n}]")
 
     w = load_file(str(st_path))
+    ref_d2t, ref_t2d = load_vocab(vocab_dir, v)
+    if k == v and "d2t" not in w and "t2d" not in w:  # full target vocab: speculators stores no mapping
+        w = {**w, "d2t": torch.from_numpy(ref_d2t), "t2d": torch.from_numpy(ref_t2d)}
     for name in ("d2t", "t2d"):
         if name not in w:
             raise ExportCheckError(f"{st_path}: tensor {name!r} missing (vLLM needs it to map draft ids to target ids)")
@@ -264,7 +287,6 @@ def export_check(checkpoint_dir: Path, vocab_dir: Path, target_model_dir: Path) 
         raise ExportCheckError(f"{st_path}: d2t expected int64[{k}] (draft_vocab_size), found {d2t.dtype}{list(d2t.shape)}")
     if list(t2d.shape) != [v] or t2d.dtype != torch.bool:
         raise ExportCheckError(f"{st_path}: t2d expected bool[{v}] (target vocab), found {t2d.dtype}{list(t2d.shape)}")
-    ref_d2t, ref_t2d = load_vocab(vocab_dir, v)
     for name, got, ref in (("d2t", d2t.numpy(), ref_d2t), ("t2d", t2d.numpy(), ref_t2d)):
         if got.shape != ref.shape:
             raise ExportCheckError(f"{st_path}: {name} shape {list(got.shape)}, {vocab_dir} has {list(ref.shape)}")

@@ -91,7 +91,7 @@ def inputs(tmp_path_factory):
 
 
 def _cfg(**kw) -> TrainConfig:
-    base = dict(epochs=2, lr=3e-3, max_seq_len=512, draft_layers=1, ttt_steps=3, attention="sdpa",
+    base = dict(epochs=2, lr=1e-2, max_seq_len=512, draft_layers=1, ttt_steps=3, attention="sdpa",
                 device="cpu", val_ratio=0.15, timeout_s=900)
     return TrainConfig(**{**base, **kw})
 
@@ -178,3 +178,25 @@ def test_untrained_draft_has_same_architecture(trained, inputs, tmp_path):
     wa, wb = load_file(str(out / "model.safetensors")), load_file(str(trained.res.checkpoint_best / "model.safetensors"))
     assert set(wa) == set(wb) and all(wa[k].shape == wb[k].shape for k in wa)
     assert not torch.equal(wa["fc.weight"], wb["fc.weight"])
+
+
+def test_incomplete_checkpoint_is_moved_aside_and_spec_guards_resume(tmp_path):
+    from eagle3_pipeline.train import _check_resume_spec, _move_incomplete_checkpoints
+
+    save = tmp_path / "checkpoints"
+    for epoch, files in ((0, ("config.json", "model.safetensors", "optimizer_state_dict.pt", "training_state.json")),
+                         (1, ("config.json",))):
+        (save / str(epoch)).mkdir(parents=True)
+        for f in files:
+            (save / str(epoch) / f).write_text("x")
+    (save / "checkpoint_best").symlink_to("1")
+    lines: list[str] = []
+    _move_incomplete_checkpoints(save, lines.append)
+    names = sorted(p.name for p in save.iterdir())
+    assert names[0] == "0" and names[1].startswith("1.incomplete-") and len(names) == 2
+    assert "incomplete" in lines[0]
+    spec = {"target": "t", "aux_layer_ids": [2, 4, 5], "d2t_sha256": "a"}
+    _check_resume_spec(tmp_path, save, spec)
+    _check_resume_spec(tmp_path, save, spec)  # same draft: fine
+    with pytest.raises(ValueError, match="d2t_sha256"):
+        _check_resume_spec(tmp_path, save, {**spec, "d2t_sha256": "b"})
