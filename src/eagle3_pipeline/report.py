@@ -50,19 +50,24 @@ def _plots(run_dir: Path, report: dict, metrics_path: Path | None) -> list[str]:
     plots = run_dir / "plots"
     plots.mkdir(parents=True, exist_ok=True)
     if metrics_path and Path(metrics_path).exists():
-        rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
-        rows = [r for r in rows if "loss" in r]
+        recs = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+        rows = [r for r in recs if r.get("kind", "train_step") == "train_step" and "loss" in r]
+        vals = [r for r in recs if r.get("kind") == "val"]
         if rows:
             fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
             steps = [r.get("step", i) for i, r in enumerate(rows)]
-            axes[0].plot(steps, [r["loss"] for r in rows])
-            axes[0].set(title="draft training loss", xlabel="step", ylabel="loss")
-            acc_keys = sorted({k for r in rows for k in r if k.startswith("acc")})
-            for k in acc_keys:
-                axes[1].plot([s for s, r in zip(steps, rows) if k in r], [r[k] for r in rows if k in r], label=k)
+            axes[0].plot(steps, [r["loss"] for r in rows], label="train")
+            if vals:  # one validation pass per epoch, drawn at the last step of that epoch
+                last = {r.get("epoch"): s for s, r in zip(steps, rows)}
+                axes[0].plot([last.get(v["epoch"], 0) for v in vals], [v["loss"] for v in vals], "o-", label="validation")
+                axes[0].legend(fontsize=8)
+            axes[0].set(title="draft training loss (sum over TTT steps)", xlabel="step", ylabel="loss")
+            n_ttt = max((len(r.get("acc") or []) for r in rows), default=0)
+            for k in range(n_ttt):
+                axes[1].plot(steps, [(r.get("acc") or [None] * n_ttt)[k] for r in rows], label=f"TTT step {k + 1}")
             axes[1].set(title="accuracy per TTT step", xlabel="step", ylim=(0, 1))
-            if acc_keys:
-                axes[1].legend(fontsize=7)
+            if n_ttt:
+                axes[1].legend(fontsize=8)
             fig.tight_layout()
             fig.savefig(plots / "train_loss.png", dpi=90)
             plt.close(fig)
@@ -77,6 +82,7 @@ def _plots(run_dir: Path, report: dict, metrics_path: Path | None) -> list[str]:
         if base:
             ax.bar([x + 0.2 for x in list(xs)[: len(base)]], base, width=0.4,
                    label=f"untrained (τ={ev.get('acceptance_length_untrained') or 0:.2f})")
+        ax.set_xticks(list(xs))
         ax.set(title="acceptance rate per draft position", xlabel="position", ylabel="accepted / drafts", ylim=(0, 1))
         ax.legend(fontsize=8)
         fig.tight_layout()
