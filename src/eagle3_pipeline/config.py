@@ -123,6 +123,9 @@ class EvaluateConfig(Strict):
     enforce_eager: bool = True
     omp_threads_bind: str | None = Field("all", description="CPU only: VLLM_CPU_OMP_THREADS_BIND; 'all' = every core")
     timeout_s: float = Field(3600.0, description="deadline of the evaluate child (all its engine loads together)")
+    engine_in_process: bool | None = Field(None, description="vLLM engine core inside the evaluate child "
+                                           "(VLLM_ENABLE_V1_MULTIPROCESSING=0, passive OpenMP waits); "
+                                           "None = on a CPU build of vLLM with TP 1")
 
 
 class PipelineConfig(Strict):

@@ -10,7 +10,9 @@ layer's output before the final norm.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 HS_KEY, TOKENS_KEY, SCALES_KEY = "hidden_states", "token_ids", "hidden_states_scales"
 STORAGE_DTYPES = {"bf16": "BF16", "fp8": "F8_E4M3"}  # safetensors dtype names
@@ -54,3 +56,33 @@ class RecordSpec:
     @property
     def st_dtype(self) -> str:
         return STORAGE_DTYPES[self.storage_dtype]
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The target's language-model dims (the `text_config` of a multimodal wrapper such as Kimi-K2.5)."""
+    num_layers: int   # N decoder layers
+    hidden_size: int  # H
+    vocab_size: int   # V
+    head_dim: int
+    model_type: str
+
+
+def model_dims(target) -> ModelDims:
+    """Dims of `target` (a TargetConfig) from its config.json; hub names go through AutoConfig.
+    Never loads weights."""
+    local = Path(target.model) / "config.json"
+    if local.is_file():
+        cfg = json.loads(local.read_text())
+    else:
+        from transformers import AutoConfig  # lazy: hub names only
+
+        cfg = AutoConfig.from_pretrained(target.model, revision=target.revision,
+                                         trust_remote_code=target.trust_remote_code).to_dict()
+    text = cfg.get("text_config") or cfg
+    missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if k not in text]
+    if missing:
+        raise ContractError(f"{target.model}: model config has no {missing}; cannot place layer ids")
+    heads = text.get("num_attention_heads") or 1
+    return ModelDims(int(text["num_hidden_layers"]), int(text["hidden_size"]), int(text["vocab_size"]),
+                     int(text.get("head_dim") or text["hidden_size"] // heads), str(text.get("model_type", "?")))

@@ -2,9 +2,11 @@
 
 Reads the process table (psutil) and, where `nvidia-smi` exists, per-GPU used memory. Finds our
 leftover engine processes by the marker that proc.run_child puts in every child's environment
-(CHILD_MARKER_ENV) and by command line (`eagle3_pipeline.*_worker`, vLLM engine cores started by
-them), ends them (SIGTERM, then SIGKILL), and fails loud when it cannot free them or when GPU memory
-stays above the threshold. Never cached: it runs every time.
+(CHILD_MARKER_ENV, inherited by vLLM's engine cores and workers) and by command line: a marked
+process is a leftover when the process that launched it (LAUNCHER_ENV) is gone. Engines whose
+launcher is alive belong to a running pipeline (e.g. a sibling shard group) and are reported, not
+touched. Leftovers are ended (SIGTERM, then SIGKILL); the gate fails loud when it cannot free them or
+when GPU memory stays above the threshold. Never cached: it runs every time.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 
 from pydantic import BaseModel
 
-from eagle3_pipeline.proc import CHILD_MARKER_ENV
+from eagle3_pipeline.proc import CHILD_MARKER_ENV, LAUNCHER_ENV
 
 WORKER_MODULES = ("eagle3_pipeline.extract.worker", "eagle3_pipeline.train_worker", "eagle3_pipeline.evaluate_worker")
 
@@ -32,17 +34,21 @@ class GpuGateResult(BaseModel):
     passed: bool
 
 
-def _ours(p, protected: set[int]) -> str | None:
-    """A description if `p` is an engine process of ours (and not one this process is using), else None."""
+def _ours(p, protected: set[int], dead_launchers: set[int]) -> str | None:
+    """A description if `p` is a leftover engine process of ours, else None."""
+    import psutil
+
     try:
         if p.pid in protected:
             return None
-        cmd = " ".join(p.cmdline())
-        if any(m in cmd for m in WORKER_MODULES):
-            return f"pid {p.pid}: {cmd[:120]}"
         env = p.environ()
-        if CHILD_MARKER_ENV in env:
-            return f"pid {p.pid} ({env[CHILD_MARKER_ENV]}): {cmd[:120]}"
+        cmd = " ".join(p.cmdline())
+        if CHILD_MARKER_ENV not in env and not any(m in cmd for m in WORKER_MODULES):
+            return None
+        launcher = env.get(LAUNCHER_ENV, "")
+        if launcher.isdigit() and psutil.pid_exists(int(launcher)) and int(launcher) not in dead_launchers:
+            return None  # a live pipeline's engine
+        return f"pid {p.pid} ({env.get(CHILD_MARKER_ENV, 'worker')}, launcher {launcher or '?'} gone): {cmd[:120]}"
     except Exception:  # process vanished or is not ours to read
         return None
     return None
@@ -61,7 +67,8 @@ def find_leftovers() -> list[tuple[object, str]]:
     import psutil
 
     protected = _protected()
-    found = ((p, _ours(p, protected)) for p in psutil.process_iter())
+    zombies = {p.pid for p in psutil.process_iter(["status"]) if p.info["status"] == psutil.STATUS_ZOMBIE}
+    found = ((p, _ours(p, protected, zombies)) for p in psutil.process_iter())
     return [(p, d) for p, d in found if d]
 
 

@@ -10,14 +10,13 @@ from __future__ import annotations
 import importlib
 import importlib.metadata as md
 import inspect
-import json
 import shutil
 from pathlib import Path
 
 from pydantic import BaseModel
 
 from eagle3_pipeline.config import PipelineConfig
-from eagle3_pipeline.contracts import ContractError, resolve_layer_ids
+from eagle3_pipeline.contracts import ContractError, model_dims, resolve_layer_ids
 
 # (vllm distribution, vllm, torch, speculators) combinations this pipeline was tested with.
 TESTED = {
@@ -41,18 +40,10 @@ class PreflightFailed(RuntimeError):
     pass
 
 
-class ModelDims(BaseModel):
-    num_layers: int
-    hidden_size: int
-    vocab_size: int
-    head_dim: int
-    model_type: str
-
-
 class PreflightResult(BaseModel):
     versions: dict[str, str | None]
     flavour: str
-    dims: ModelDims
+    dims: dict
     layer_ids: list[int]
     estimated_bytes: int
     free_bytes: int
@@ -67,21 +58,6 @@ def installed_versions() -> dict[str, str | None]:
         except md.PackageNotFoundError:
             out[name] = None
     return out
-
-
-def model_dims(model_dir: str) -> ModelDims:
-    """Dims from config.json (the text config of multimodal wrappers such as Kimi-K2.5)."""
-    path = Path(model_dir) / "config.json"
-    if not path.exists():
-        raise PreflightFailed(f"model config {path} not found")
-    cfg = json.loads(path.read_text())
-    cfg = cfg.get("text_config", cfg)
-    missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if k not in cfg]
-    if missing:
-        raise PreflightFailed(f"{path}: keys {missing} missing")
-    return ModelDims(num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"], vocab_size=cfg["vocab_size"],
-                     head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg.get("num_attention_heads", 1),
-                     model_type=cfg.get("model_type", "?"))
 
 
 def _check_api(module: str, attr: str, params: tuple[str, ...]) -> str | None:
@@ -115,9 +91,9 @@ def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=prin
         if err:
             problems.append(f"{name}: {err}")
     try:
-        dims = model_dims(cfg.target.model)
-    except PreflightFailed as e:
-        raise PreflightFailed(f"preflight: {e}") from None
+        dims = model_dims(cfg.target)
+    except (ContractError, OSError, ValueError) as e:
+        raise PreflightFailed(f"preflight: model config of {cfg.target.model} unreadable: {e}") from None
     layer_ids: list[int] = []
     try:
         layer_ids = resolve_layer_ids(dims.num_layers, cfg.extract.layer_ids)
@@ -141,5 +117,5 @@ def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=prin
         raise PreflightFailed("preflight failed:\n  " + "\n  ".join(problems))
     log(f"preflight: {flavour} stack {versions}, {dims.num_layers} layers, hidden {dims.hidden_size}, "
         f"layer ids {layer_ids}, ~{estimated / 2**20:.1f} MiB to write")
-    return PreflightResult(versions=versions, flavour=flavour, dims=dims, layer_ids=layer_ids,
+    return PreflightResult(versions=versions, flavour=flavour, dims=dims.__dict__, layer_ids=layer_ids,
                            estimated_bytes=estimated, free_bytes=free, warnings=warnings)

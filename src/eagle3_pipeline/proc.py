@@ -25,6 +25,8 @@ from pathlib import Path
 EVENT_PREFIX = "@@eagle3-event "
 # Marker put in the environment of every child so that gpu-gate can find leftovers of ours.
 CHILD_MARKER_ENV = "EAGLE3_PIPELINE_CHILD"
+# The pid of the process that launched the child: a child whose launcher is gone is a leftover.
+LAUNCHER_ENV = "EAGLE3_PIPELINE_LAUNCHER"
 
 
 class ChildFailed(RuntimeError):
@@ -83,10 +85,11 @@ def run_child(
 ) -> ChildResult:
     """Run `argv` to completion under a deadline. Raises ChildFailed (with the output tail) on a
     non-zero exit or timeout when `check`; the process group is always gone when this returns."""
-    full_env = {**os.environ, **(env or {}), CHILD_MARKER_ENV: name, "PYTHONUNBUFFERED": "1"}
-    log_f = open(log_path, "a", buffering=1) if log_path else None  # noqa: SIM115
+    full_env = {**os.environ, **(env or {}), CHILD_MARKER_ENV: name, LAUNCHER_ENV: str(os.getpid()),
+                "PYTHONUNBUFFERED": "1"}
     if log_path:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+    log_f = open(log_path, "a", buffering=1) if log_path else None  # noqa: SIM115
     t0 = time.time()
     tail: deque[str] = deque(maxlen=tail_lines)
     events: list[dict] = []

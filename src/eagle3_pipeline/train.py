@@ -33,7 +33,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from eagle3_pipeline.config import TargetConfig, TrainConfig
-from eagle3_pipeline.contracts import HS_KEY, TOKENS_KEY, ContractError, resolve_layer_ids
+from eagle3_pipeline.contracts import HS_KEY, TOKENS_KEY, ContractError, model_dims, resolve_layer_ids
 from eagle3_pipeline.proc import python_child, run_child
 from eagle3_pipeline.store import read_json, sha256_file, write_json
 from eagle3_pipeline.vocab import load_vocab, vocab_paths
@@ -59,15 +59,6 @@ class TrainResult(BaseModel):
     checkpoint_best: Path
     checkpoint_last: Path
     metrics: Path
-
-
-def _target_dims(target: TargetConfig) -> dict:
-    """num_hidden_layers, hidden_size, vocab_size of the target (text config of multimodal models)."""
-    from transformers import AutoConfig
-
-    c = AutoConfig.from_pretrained(target.model, revision=target.revision, trust_remote_code=target.trust_remote_code)
-    c = getattr(c, "text_config", c)
-    return {"num_layers": c.num_hidden_layers, "hidden_size": c.hidden_size, "vocab_size": c.vocab_size}
 
 
 def aux_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
@@ -192,7 +183,7 @@ def train_draft(cfg: TrainConfig, target: TargetConfig, tokenized_dir: Path, hid
     """Train (or resume training) the EAGLE-3 draft; see the module docstring for files.
     `layer_ids` are the captured layer ids, with or without the final layer N at the end."""
     out_dir = Path(out_dir)
-    dims = _target_dims(target)
+    dims = model_dims(target).__dict__
     aux = aux_layer_ids(layer_ids, dims["num_layers"])
     load_vocab(vocab_dir, dims["vocab_size"])  # raises on an inconsistent vocab before any work
     d2t_path, t2d_path = vocab_paths(vocab_dir)
@@ -227,7 +218,7 @@ def make_untrained_draft(target: TargetConfig, vocab_dir: Path, layer_ids: list[
     """Write a randomly initialised draft (same architecture and vocab as `train_draft` would train;
     verifier embeddings / lm_head rows copied) to `out_dir`, replacing it atomically. Returns out_dir."""
     out_dir = Path(out_dir)
-    dims = _target_dims(target)
+    dims = model_dims(target).__dict__
     aux = aux_layer_ids(layer_ids, dims["num_layers"])
     load_vocab(vocab_dir, dims["vocab_size"])
     d2t_path, t2d_path = vocab_paths(vocab_dir)

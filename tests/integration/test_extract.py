@@ -11,6 +11,7 @@ import json
 import shutil
 import subprocess
 import time
+import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -64,20 +65,39 @@ def full_run(small_tokenized, target, tmp_path_factory) -> SimpleNamespace:
     return SimpleNamespace(out=out, result=res, lines=lines)
 
 
+def _processes_with_env(key: str, value: str) -> list[int]:
+    import psutil
+
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get(key) == value:
+                found.append(p.pid)
+        except (psutil.Error, OSError):
+            pass
+    return found
+
+
 @pytest.fixture(scope="module")
 def killed_and_retried(small_tokenized, target, tmp_path_factory) -> SimpleNamespace:
-    """A child that SIGKILLs itself after its first shard, then a plain retry."""
+    """A child that SIGKILLs itself after its first shard, then a plain retry. The killed child runs
+    vLLM's engine core as a separate process (the production layout), so this also checks that no
+    engine process outlives the attempt; the retry uses the CPU default (in-process engine core)."""
     out = tmp_path_factory.mktemp("extract-b") / "v"
+    tag = f"extract-kill-{uuid.uuid4().hex}"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(KILL_AFTER_ENV, "1")
+        mp.setenv("EAGLE3_TEST_TAG", tag)  # inherited by the child and every engine process under it
         with pytest.raises(ExtractFailed) as err:
-            extract(_cfg(), target, small_tokenized, out, log=lambda _: None, content_key="test-key")
+            extract(_cfg(engine_in_process=False), target, small_tokenized, out, log=lambda _: None,
+                    content_key="test-key")
+    survivors = _processes_with_env("EAGLE3_TEST_TAG", tag)
     after_kill = Manifest(out).read()
     mtimes = {p.name: p.stat().st_mtime_ns for p in (out / "hidden_states").iterdir()}
     lines: list[str] = []
     res = extract(_cfg(), target, small_tokenized, out, log=lines.append, content_key="test-key")
     return SimpleNamespace(out=out, error=str(err.value), after_kill=after_kill, mtimes_after_kill=mtimes,
-                           result=res, lines=lines)
+                           result=res, lines=lines, survivors=survivors)
 
 
 def _load(path: Path):
@@ -212,6 +232,7 @@ def test_sigkill_mid_group_then_retry_publishes_the_rest(killed_and_retried, ful
     assert "shards [1, 2] not published" in kr.error and "code -9" in kr.error, kr.error
     assert [s["status"] for s in kr.after_kill["shards"]] == ["published", "failed", "failed"]
     assert "code -9" in kr.after_kill["shards"][1]["error"]
+    assert kr.survivors == [], f"engine processes outlived the killed child: {kr.survivors}"
     assert kr.result.shards_published == 3
     m = Manifest(kr.out).read()
     assert [c["shards"] for c in m["children"]] == [[0, 1, 2], [1, 2]]
@@ -232,7 +253,7 @@ def test_no_temporary_files_are_left(full_run, killed_and_retried):
         assert sorted(p.suffix for p in (out / "hidden_states").iterdir()) == [".safetensors"] * ROWS
 
 
-def test_fp8_records_carry_per_token_scales():
+def test_fp8_records_carry_per_token_scales(tmp_path):
     import torch
 
     torch.manual_seed(0)
@@ -245,6 +266,12 @@ def test_fp8_records_carry_per_token_scales():
     back = rec["hidden_states"].float() * rec["hidden_states_scales"]  # [T, L, H]
     err = (back - hs.float()).abs().amax(dim=(1, 2)) / hs.float().abs().amax(dim=(1, 2)).clamp(min=1e-30)
     assert err.max() < 0.07 and back[3].abs().max() == 0
+    from safetensors.torch import load_file, save_file
+
+    save_file(rec, str(tmp_path / "hs_0.safetensors"))
+    again = load_file(str(tmp_path / "hs_0.safetensors"))
+    assert all(again[k].dtype == rec[k].dtype and torch.equal(again[k].view(torch.uint8), rec[k].view(torch.uint8))
+               for k in ("hidden_states", "token_ids"))
     bf = to_record(hs, tok, "bf16")
     assert set(bf) == {"hidden_states", "token_ids"} and bf["hidden_states"].dtype == torch.bfloat16
 

@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from eagle3_pipeline.gpu import find_leftovers, gpu_gate
-from eagle3_pipeline.proc import CHILD_MARKER_ENV, ChildFailed, run_child
+from eagle3_pipeline.proc import CHILD_MARKER_ENV, LAUNCHER_ENV, ChildFailed, run_child
 
 GRANDCHILD = """
 import subprocess, sys, time
@@ -56,10 +56,18 @@ def test_gpu_gate_ends_a_leftover_engine_of_ours():
             psutil.Process(pid).kill()
 
 
-def test_gpu_gate_leaves_other_processes_alone():
+def test_gpu_gate_leaves_live_pipelines_and_other_processes_alone():
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    # an engine of a sibling pipeline: marked, and its launcher (here `other`) is alive
+    env = {**os.environ, CHILD_MARKER_ENV: "extract-sibling", LAUNCHER_ENV: str(other.pid)}
+    out = subprocess.run(["bash", "-c", f"{sys.executable} -c 'import time; time.sleep(30)' >/dev/null 2>&1 & echo $!"],
+                         env=env, capture_output=True, text=True, check=True)
+    sibling = int(out.stdout.strip())
     try:
+        time.sleep(0.5)
         res = gpu_gate(log=lambda m: None)
         assert other.poll() is None and other.pid not in res.killed
+        assert sibling not in res.killed and psutil.pid_exists(sibling)
     finally:
         other.kill()
+        psutil.Process(sibling).kill()

@@ -8,7 +8,8 @@ Owns, inside one extract version dir `out_dir` (<store>/.../<model>/<extract-ver
                          running different shard groups of the same version can share it
   hidden_states/         hs_{row}.safetensors, written by the child (extract/worker.py)
   jobs/extract-<a>.json  the job file of child attempt a;  logs/extract-<a>.log its output
-  .scratch/extract-<a>/  vLLM's per-request files while child a runs (removed when it exits)
+  .scratch/extract-<a>/  vLLM's per-request files while child a runs (removed when it exits, as are
+                         records it left half-written: hidden_states/*.tmp-<a>-*)
 Reads the tokenized dataset (row count only) and the target's config.json.
 A shard is `published` only after the child reported it done and all its files are hashed into
 the manifest; a later call skips a published shard whose files still hash to the manifest.
@@ -183,7 +184,7 @@ def _job(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, hs_dir: 
         max_num_batched_tokens=cfg.max_num_batched_tokens, enforce_eager=cfg.enforce_eager,
         omp_threads_bind=cfg.omp_threads_bind, tokenized_dir=str(Path(tokenized_dir).resolve()),
         hidden_states_dir=str(hs_dir.resolve()), scratch_dir=str(scratch.resolve()),
-        storage_dtype=cfg.storage_dtype, attempt=attempt,
+        storage_dtype=cfg.storage_dtype, attempt=attempt, engine_in_process=cfg.engine_in_process,
         shards=[ShardSpec(**s.model_dump()) for s in shards])
 
 
@@ -280,6 +281,8 @@ def _run_group(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, ou
         raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        for tmp in hs_dir.glob(f"*.tmp-{attempt}-*"):  # a record cut off mid-write by a kill (ours only)
+            tmp.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             scratch.parent.rmdir()  # only when empty: another group may be using its own scratch
     missing = [s.index for s in shards if s.index not in published]
