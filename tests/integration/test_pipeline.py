@@ -39,3 +39,38 @@ def test_report_contract_and_numbers(pipeline_run, tiny_config):
     for k in ("tokenized", "hidden_states", "manifest", "vocab", "checkpoint", "report_md", "target_model"):
         assert rep["artifacts"][k] and Path(rep["artifacts"][k]).exists(), k
     assert (run_dir / "plots" / "acceptance.png").exists() and (run_dir / "plots" / "train_loss.png").exists()
+
+
+def test_corrupted_extraction_stops_before_training_and_rerun_repairs(pipeline_run, tiny_config, tmp_path):
+    """The `[0]` bug in one file: verify fails the run before train; the bad file is moved aside, and
+    the next extract re-does exactly its shard."""
+    from safetensors.torch import load_file, save_file
+
+    from eagle3_pipeline.runs import create_run_dir
+    from eagle3_pipeline.stages import stage_extract, stage_preflight, stage_prepare, stage_verify
+    from flows.pipeline import pipeline
+
+    _, rep = pipeline_run
+    hs_dir = Path(rep["artifacts"]["hidden_states"])
+    victim = hs_dir / "hs_5.safetensors"
+    rec = load_file(str(victim))
+    save_file({**rec, "hidden_states": rec["hidden_states"][0]}, str(victim))  # [T, L, H] -> [L, H]
+    run_dir = create_run_dir(tmp_path, tiny_config)
+    with pytest.raises(Exception, match="verify failed"):
+        pipeline(config=tiny_config, run_dir=str(run_dir))
+    bad = json.loads((run_dir / "report.json").read_text())
+    assert bad["status"] == "failed" and "hs_5.safetensors (row 5" in bad["error"]
+    assert "found [4, 128]" in bad["error"]
+    assert "train" not in bad["stages"] and "evaluate" not in bad["stages"]
+    assert not victim.exists() and (hs_dir.parent / "hidden_states_failed" / "hs_5.safetensors").exists()
+
+    manifest = Path(rep["artifacts"]["manifest"])
+    attempts_before = [s["attempts"] for s in json.loads(manifest.read_text())["shards"]]
+    prep = stage_prepare(tiny_config)
+    pre = stage_preflight(tiny_config, prep)
+    ext = stage_extract(tiny_config, prep, pre)
+    attempts_after = [s["attempts"] for s in json.loads(manifest.read_text())["shards"]]
+    k = 5 // tiny_config.extract.rows_per_shard  # the shard holding row 5
+    assert [a - b for a, b in zip(attempts_after, attempts_before)] == [int(i == k) for i in range(len(attempts_before))]
+    assert victim.exists() and ext["shards_published"] == ext["shards_total"]
+    assert stage_verify(tiny_config, prep, pre, ext)["passed"]

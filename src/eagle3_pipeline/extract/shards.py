@@ -342,3 +342,19 @@ def summarize(out_dir: Path) -> ExtractResult:
                          bytes_on_disk=sum(s["bytes"] for s in pub),
                          hidden_states_dir=str((Path(out_dir) / "hidden_states").resolve()),
                          manifest=str(man.path.resolve()))
+
+
+def mark_rows_failed(out_dir: Path, rows: list[int], reason: str) -> list[int]:
+    """Mark the shards holding `rows` failed (verify found their files bad); returns the shard ids.
+    The next extract call re-extracts exactly these shards."""
+    man = Manifest(out_dir)
+    if not man.path.exists():
+        return []
+    hit = []
+    with man.edit() as m:
+        for s in m.get("shards", []):
+            bad = [r for r in rows if s["row_start"] <= r < s["row_end"]]
+            if bad:
+                s["status"], s["error"] = "failed", f"{reason}: rows {bad}"
+                hit.append(s["index"])
+    return hit

@@ -64,6 +64,10 @@ def verify(cfg: VerifyConfig, target: TargetConfig, tokenized_dir: Path, extract
                 failed_dir.mkdir(exist_ok=True)
                 shutil.move(str(f), str(failed_dir / f.name))
                 moved.append(str(failed_dir / f.name))
+        from eagle3_pipeline.extract.shards import mark_rows_failed
+
+        shards = mark_rows_failed(Path(extract_dir), bad_rows, "verify failed")
+        log(f"verify: moved {len(moved)} files to {failed_dir}; shards {shards} marked failed for re-extraction")
     res = VerifyResult(
         content_key=content_key, passed=not problems and st.files_checked > 0, samples_checked=st.files_checked,
         tokens_checked=st.tokens_checked, reference_max_rel_err=ref.max_rel_err, reference_min_cosine=ref.min_cosine,
