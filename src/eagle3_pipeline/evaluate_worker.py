@@ -8,7 +8,8 @@ draft run, without one for the `plain` reference run), decodes every prompt gree
 run's own, whatever the process-wide Prometheus registry held before), shuts the engine down and
 writes `<out_dir>/<label>.result.json` (`RunOutput`: counters, timings, generated token ids and the
 first texts). Runs share the process, so the Python/vLLM imports are paid once; each run still
-loads the target, because one engine holds one speculative config.
+loads the target, because one engine holds one speculative config. The parent decides where the
+engine core runs (`evaluate.engine_env`: in this process on CPU, via VLLM_ENABLE_V1_MULTIPROCESSING=0).
 Prints an `engine_ready` and a `run_done` event per run (proc.emit_event). Any exception prints the
 full traceback, an `error` event naming the run, and exits non-zero.
 Nothing heavy is imported at module level: the parent imports `EvalJob` and `RunOutput` from here.
@@ -52,7 +53,6 @@ class EvalJob(BaseModel):
     gpu_memory_utilization: float = 0.3
     max_model_len: int
     enforce_eager: bool = True
-    omp_threads_bind: str | None = "all"
     max_tokens: int
     sample_texts: int = 4
     prompts: list[list[int]]
@@ -160,14 +160,10 @@ def _run(job: EvalJob, run: EvalRunSpec) -> RunOutput:
 
 def main(argv: list[str]) -> int:
     job = EvalJob.model_validate_json(Path(argv[0]).read_text())
-    from vllm.platforms import current_platform
+    print(f"evaluate worker: VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND')}, "
+          f"in-process engine core: {os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING') == '0'}", flush=True)
+    import psutil
 
-    from eagle3_pipeline.extract.worker import cpu_bind_spec
-
-    if current_platform.is_cpu() and job.omp_threads_bind:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_spec(
-            job.omp_threads_bind, job.tensor_parallel_size, list(os.sched_getaffinity(0)))
-        print(f"evaluate worker: VLLM_CPU_OMP_THREADS_BIND={os.environ['VLLM_CPU_OMP_THREADS_BIND']}", flush=True)
     from eagle3_pipeline.store import write_json
 
     for run in job.runs:
@@ -180,6 +176,8 @@ def main(argv: list[str]) -> int:
                        error=f"{type(e).__name__}: {e}"[:4000] or type(e).__name__)
             return 1
         write_json(result_path(job.out_dir, run.label), out.model_dump(mode="json"))
+        rss = psutil.Process().memory_info().rss / 2**30
+        print(f"evaluate worker: {run.label} done, engine shut down, worker RSS {rss:.2f} GiB", flush=True)
         emit_event(kind="run_done", label=run.label, drafts=out.drafts, accepted=out.accepted_tokens,
                    generated_tokens=out.generated_tokens, generate_s=out.generate_s)
     return 0

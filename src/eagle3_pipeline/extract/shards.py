@@ -37,6 +37,7 @@ from eagle3_pipeline.config import ExtractConfig, TargetConfig
 from eagle3_pipeline.contracts import resolve_layer_ids
 from eagle3_pipeline.extract.layers import model_dims
 from eagle3_pipeline.extract.worker import ExtractJob, ShardSpec, record_name
+from eagle3_pipeline.engine_env import engine_env
 from eagle3_pipeline.proc import ChildFailed, python_child, run_child
 from eagle3_pipeline.store import read_json, sha256_file, write_json
 
@@ -182,9 +183,9 @@ def _job(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, hs_dir: 
         hidden_size=hidden_size, tensor_parallel_size=cfg.tensor_parallel_size,
         gpu_memory_utilization=cfg.gpu_memory_utilization, max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens, enforce_eager=cfg.enforce_eager,
-        omp_threads_bind=cfg.omp_threads_bind, tokenized_dir=str(Path(tokenized_dir).resolve()),
+        tokenized_dir=str(Path(tokenized_dir).resolve()),
         hidden_states_dir=str(hs_dir.resolve()), scratch_dir=str(scratch.resolve()),
-        storage_dtype=cfg.storage_dtype, attempt=attempt, engine_in_process=cfg.engine_in_process,
+        storage_dtype=cfg.storage_dtype, attempt=attempt,
         shards=[ShardSpec(**s.model_dump()) for s in shards])
 
 
@@ -273,7 +274,8 @@ def _run_group(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, ou
     t0 = time.time()
     try:
         run_child(python_child(WORKER_MODULE, str(job_path)), name=f"extract-{attempt}",
-                  timeout_s=cfg.timeout_s, log_path=log_path, on_line=log, on_event=on_event)
+                  timeout_s=cfg.timeout_s, log_path=log_path, on_line=log, on_event=on_event,
+                  env=engine_env(cfg.engine_in_process, cfg.tensor_parallel_size, cfg.omp_threads_bind))
     except ChildFailed as e:
         error = str(e)
     except BaseException as e:  # cancelled: the child is gone (run_child killed it); record, re-raise

@@ -60,7 +60,6 @@ class ExtractJob(BaseModel):
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
     enforce_eager: bool = True
-    omp_threads_bind: str | None = "all"
     tokenized_dir: str
     hidden_states_dir: str          # final records hs_{row}.safetensors
     scratch_dir: str                # vLLM's per-request files; deleted as they are consumed
@@ -69,7 +68,6 @@ class ExtractJob(BaseModel):
     shards: list[ShardSpec]
     file_timeout_s: float = 300.0   # how long to wait for vLLM's file of one request
     nudge_after_s: float = 2.0      # separate engine core: then send a one-token request (see _Engine)
-    engine_in_process: bool | None = None  # None: in-process engine core on CPU with TP 1
 
 
 def record_name(row: int) -> str:
@@ -94,17 +92,6 @@ def to_record(hidden_states, token_ids, storage_dtype: str) -> dict:
     else:
         raise ContractError(f"storage dtype {storage_dtype!r}: expected 'bf16' or 'fp8'")
     return rec
-
-
-def cpu_bind_spec(setting: str, tp: int, cpus: list[int]) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for `setting`: 'all' = every core this process may use, split into
-    `tp` equal groups joined by '|' (one per TP rank); anything else is passed through."""
-    if setting != "all":
-        return setting
-    cpus = sorted(cpus)
-    per = max(1, len(cpus) // tp)
-    groups = [cpus[i * per:(i + 1) * per] or cpus[-1:] for i in range(tp)]
-    return "|".join(",".join(map(str, g)) for g in groups)
 
 
 # ---------------------------------------------------------------- engine side (child only)
@@ -251,17 +238,9 @@ def _run_shard(engine: _Engine, ds, job: ExtractJob, shard: ShardSpec) -> None:
 def main(argv: list[str]) -> int:
     job = ExtractJob.model_validate_json(Path(argv[0]).read_text())
     t_start = time.time()
-    from vllm.platforms import current_platform
-
-    in_process = job.engine_in_process
-    if in_process is None:
-        in_process = current_platform.is_cpu() and job.tensor_parallel_size == 1
-    if in_process:  # saves two process start-ups (engine core + worker): 22 s instead of 60 s here
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if current_platform.is_cpu() and job.omp_threads_bind:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_spec(
-            job.omp_threads_bind, job.tensor_parallel_size, list(os.sched_getaffinity(0)))
-        print(f"extract worker: VLLM_CPU_OMP_THREADS_BIND={os.environ['VLLM_CPU_OMP_THREADS_BIND']}", flush=True)
+    # engine_env.py (in the parent) decided the in-process engine core and the OpenMP settings
+    print(f"extract worker: VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND')}, "
+          f"in-process engine core: {os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING') == '0'}", flush=True)
 
     import datasets
 

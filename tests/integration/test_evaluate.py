@@ -1,0 +1,189 @@
+"""evaluate stage on CPU, for real: vLLM serves EAGLE-3 drafts of the tiny target in a child process.
+
+The drafts are randomly initialised speculators checkpoints (tests/helpers_draft.py), so nothing is
+accepted and τ is exactly 1: these tests check the plumbing (counters, per-position rates, the
+lossless comparison with plain greedy decoding, the gate, errors), not the trainer's quality.
+One child with three engines (trained, untrained, plain; engine core in process, ≈ 25 s) is shared by
+the module; the broken-weights cases cost one child each (≈ 15 s in process, ≈ 50 s with engine
+processes).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from eagle3_pipeline.config import EvaluateConfig, TargetConfig
+from eagle3_pipeline.evaluate import (
+    EvaluateError,
+    EvaluateGateFailed,
+    EvaluateReport,
+    InvalidDraftError,
+    LosslessMismatch,
+    check_gate,
+    evaluate_draft,
+    evaluate_pair,
+    validate_draft_dir,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers_draft import make_random_draft  # noqa: E402
+
+K = 3
+
+
+def chat_prompts(model_dir: Path, n: int) -> list[list[int]]:
+    """The first user turn(s) of the corpus' conversations, rendered with the chat template and its
+    generation prompt, as token ids (the template adds the bos token itself)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    out = []
+    for line in (model_dir / "corpus" / "openai.jsonl").read_text().splitlines():
+        msgs = []
+        for m in json.loads(line)["messages"]:
+            if m["role"] == "assistant":
+                break
+            msgs.append(m)
+        text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        out.append(tok(text, add_special_tokens=False)["input_ids"])
+        if len(out) == n:
+            break
+    return out
+
+
+@pytest.fixture(scope="module")
+def drafts(tiny_target, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("drafts")
+    return {"a": make_random_draft(tiny_target, root / "a", seed=0),
+            "b": make_random_draft(tiny_target, root / "b", seed=1)}
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target) -> TargetConfig:
+    return TargetConfig(model=str(tiny_target))
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_target) -> list[list[int]]:
+    return chat_prompts(tiny_target, 8)
+
+
+@pytest.fixture(scope="module")
+def eval_cfg() -> EvaluateConfig:
+    return EvaluateConfig(num_prompts=8, num_speculative_tokens=K, max_tokens=32, min_acceptance_length=1.0,
+                          check_lossless=True, timeout_s=900)
+
+
+@pytest.fixture(scope="module")
+def pair(eval_cfg, target, drafts, prompts, tmp_path_factory) -> tuple[EvaluateReport, Path, float]:
+    out = tmp_path_factory.mktemp("evaluate")
+    t0 = time.time()
+    rep = evaluate_pair(eval_cfg, target, drafts["a"], drafts["b"], prompts, out, log=print)
+    return rep, out, time.time() - t0
+
+
+@pytest.mark.timeout(1200)
+def test_pair_measures_acceptance(pair, prompts):
+    rep, out, _ = pair
+    for r in (rep.trained, rep.untrained):
+        assert r is not None
+        assert r.acceptance_length >= 1.0
+        assert len(r.per_position_acceptance) == K
+        assert all(0.0 <= p <= 1.0 for p in r.per_position_acceptance)
+        # a token at position k+1 can only be accepted after position k was: rates do not grow
+        # (up to drafts cut short at max_tokens)
+        assert all(b <= a + 0.05 for a, b in zip(r.per_position_acceptance, r.per_position_acceptance[1:]))
+        assert r.acceptance_length == pytest.approx(1.0 + r.accepted_tokens / r.drafts)
+        assert r.acceptance_length == pytest.approx(1.0 + sum(r.per_position_acceptance))
+        assert r.drafts > 0 and r.draft_tokens == K * r.drafts
+        assert r.generated_tokens > 0 and r.prompts == len(prompts)
+        assert r.sample_texts and all(isinstance(t, str) for t in r.sample_texts)
+        # greedy speculative decoding must reproduce plain greedy decoding token for token
+        assert r.lossless_checked == len(prompts)
+        assert r.lossless_mismatches == [], r.lossless_mismatches
+    assert rep.acceptance_length == rep.trained.acceptance_length
+    assert rep.acceptance_length_untrained == rep.untrained.acceptance_length
+    assert rep.per_position_acceptance == rep.trained.per_position_acceptance
+    assert rep.passed and rep.lossless_ok
+    saved = json.loads((out / "evaluate.json").read_text())
+    assert saved["acceptance_length"] == rep.acceptance_length
+    for label in ("trained", "untrained", "plain"):
+        assert (out / f"{label}.result.json").is_file()
+    assert (out / "evaluate.log").stat().st_size > 0
+
+
+@pytest.mark.timeout(1200)
+def test_gate_fails_above_measured_tau(pair, eval_cfg):
+    rep, _, _ = pair
+    check_gate(rep, eval_cfg)  # floor 1.0 <= τ
+    strict = eval_cfg.model_copy(update={"min_acceptance_length": rep.acceptance_length + 0.5})
+    with pytest.raises(EvaluateGateFailed, match="below evaluate.min_acceptance_length") as ei:
+        check_gate(rep, strict)
+    assert f"τ={rep.acceptance_length:.3f}" in str(ei.value) and "per position" in str(ei.value)
+
+
+@pytest.mark.timeout(1200)
+def test_lossless_gate(pair, eval_cfg):
+    rep, _, _ = pair
+    bad = rep.model_copy(deep=True)
+    bad.trained.lossless_mismatches = [LosslessMismatch(prompt=3, position=5, expected=7, found=9)]
+    bad.lossless_ok = False
+    check_gate(bad, eval_cfg)  # reported, not gated by default
+    with pytest.raises(EvaluateGateFailed, match="prompt 3, generated position 5: expected token 7, found 9"):
+        check_gate(bad, eval_cfg.model_copy(update={"lossless_gate": True}))
+
+
+def test_invalid_draft_dirs_fail_before_any_engine(tmp_path, target, drafts, prompts, eval_cfg):
+    with pytest.raises(InvalidDraftError, match="no such directory"):
+        evaluate_draft(eval_cfg, target, tmp_path / "missing", prompts, tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InvalidDraftError, match="no config.json"):
+        evaluate_draft(eval_cfg, target, tmp_path / "empty", prompts, tmp_path / "out")
+    wrong = tmp_path / "wrong-hidden"
+    shutil.copytree(drafts["a"], wrong)
+    cfg = json.loads((wrong / "config.json").read_text())
+    cfg["transformer_layer_config"]["hidden_size"] = 256
+    (wrong / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InvalidDraftError, match="hidden size 256, target .* has 128"):
+        validate_draft_dir(wrong, target)
+    no_weights = tmp_path / "no-weights"
+    shutil.copytree(drafts["a"], no_weights)
+    (no_weights / "model.safetensors").unlink()
+    with pytest.raises(InvalidDraftError, match="no weights"):
+        evaluate_pair(eval_cfg, target, drafts["a"], no_weights, prompts, tmp_path / "out")
+    assert not (tmp_path / "out" / "evaluate.log").exists(), "invalid drafts must be refused before an engine starts"
+
+
+def test_engine_env():
+    from eagle3_pipeline.evaluate import engine_env
+
+    assert engine_env(EvaluateConfig(engine_in_process=False)) == {}
+    env = engine_env(EvaluateConfig(engine_in_process=True))
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and "OMP_WAIT_POLICY" in env
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("in_process", [None, False], ids=["default-engine", "engine-processes"])
+def test_broken_draft_weights_fail_with_the_cause(tmp_path, target, drafts, prompts, in_process):
+    """A checkpoint that passes the config checks but whose tensors do not fit: vLLM's engine fails in
+    the child; the error names the run, the draft and vLLM's root cause (also when the engine core
+    runs in processes of its own and vLLM re-raises a generic "initialization failed")."""
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(drafts["a"], broken)
+    sd = load_file(broken / "model.safetensors")
+    sd["fc.weight"] = sd["fc.weight"][:, :256].contiguous()  # [H, 3H] -> [H, 2H]
+    save_file(sd, broken / "model.safetensors", metadata={"format": "pt"})
+    cfg = EvaluateConfig(num_prompts=2, max_tokens=4, check_lossless=False, timeout_s=400, engine_in_process=in_process)
+    with pytest.raises(EvaluateError) as ei:
+        evaluate_draft(cfg, target, broken, prompts, tmp_path / "out")
+    msg = str(ei.value)
+    assert "trained run" in msg and str(broken) in msg
+    assert "size" in msg and "256" in msg  # vLLM's weight-shape assertion, not just "engine failed"
