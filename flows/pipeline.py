@@ -11,6 +11,7 @@ from prefect import flow
 from eagle3_pipeline.config import PipelineConfig
 from eagle3_pipeline.preflight import installed_versions
 from eagle3_pipeline.runs import RunDir, create_run_dir
+from flows.extract import extract
 from tasks import stages as t
 
 
@@ -24,7 +25,7 @@ def pipeline(config: PipelineConfig, output_dir: str = "runs", run_dir: str | No
         recs["prepare"] = prep = t.prepare(config)
         recs["preflight"] = pre = t.preflight(config, prep)
         t.gpu_gate("before-extract")
-        recs["extract"] = ext = t.extract(config, prep, pre)
+        recs["extract"] = ext = extract(config, prep, pre)
         t.gpu_gate("after-extract")
         recs["verify"] = t.verify(config, prep, pre, ext)
         recs["vocab"] = voc = t.vocab(config, prep, pre, ext)

@@ -43,9 +43,53 @@ def gpu_gate(where: str) -> dict:
     return stages.stage_gpu_gate(where, log=_log())
 
 
-@task(name="extract", cache_policy=NO_CACHE, tags=["gpu"], retries=1, retry_delay_seconds=5)
-def extract(cfg: PipelineConfig, prep: dict, pre: dict) -> dict:
-    return stages.stage_extract(cfg, prep, pre, log=_log())
+@task(name="extract-plan", cache_policy=NO_CACHE)
+def extract_plan(cfg: PipelineConfig, prep: dict, pre: dict) -> dict:
+    return stages.stage_extract_plan(cfg, prep, pre)
+
+
+def _group_key(ctx, params) -> str:
+    return "extract-group-" + stages.group_state_key(params["plan"], params["shard_ids"])
+
+
+@task(name="extract-group", cache_key_fn=_group_key, persist_result=True, result_serializer="json",
+      tags=["gpu"], task_run_name="extract-shards-{shard_ids}")
+def extract_group(cfg: PipelineConfig, prep: dict, plan: dict, shard_ids: list[int], force: bool = False) -> list[dict]:
+    """One engine child for these shards; each shard is published (and counted in the progress
+    artifact) the moment it is complete. Cached by content key + shard ids (see group_state_key)."""
+    progress = _Progress(plan, shard_ids)
+    return stages.stage_extract_group(cfg, prep, plan, shard_ids, force, log=_log(), on_shard=progress.shard_done)
+
+
+@task(name="extract-summary", cache_policy=NO_CACHE)
+def extract_summary(plan: dict) -> dict:
+    rec = stages.stage_extract_summary(plan)
+    create_table_artifact(key=f"extract-manifest-{plan['content_key']}", table=[
+        {k: rec[k] for k in ("shards_total", "shards_published", "tokens", "tokens_per_s", "bytes_on_disk")}],
+        description=f"extract version {plan['content_key']} ({plan['dir']})")
+    return rec
+
+
+class _Progress:
+    """A Prefect progress artifact per group, moved forward as shard_done events arrive (these come on
+    the child-output thread, so failures to report are logged, never raised)."""
+
+    def __init__(self, plan: dict, shard_ids: list[int]):
+        from prefect.artifacts import create_progress_artifact
+
+        self.total, self.done, self.tokens = len(shard_ids), 0, 0
+        self.log = _log()
+        self.id = create_progress_artifact(progress=0.0, description=f"extract shards {shard_ids} of {plan['dir']}")
+
+    def shard_done(self, ev: dict) -> None:
+        from prefect.artifacts import update_progress_artifact
+
+        self.done += 1
+        self.tokens += ev["tokens"]
+        try:
+            update_progress_artifact(self.id, progress=100.0 * self.done / self.total)
+        except Exception as e:  # noqa: BLE001
+            self.log(f"progress artifact not updated: {type(e).__name__}: {e}")
 
 
 @task(name="verify", cache_policy=NO_CACHE)

@@ -54,6 +54,9 @@ class PrepareConfig(Strict):
 class ExtractConfig(Strict):
     layer_ids: list[int] | None = Field(None, description="aux layer ids; default [2, N//2, N-3]; N is appended")
     rows_per_shard: int = 64
+    shards_per_group: int | None = Field(None, description="shards one engine child runs (one model load); "
+                                                             "None = all remaining shards in one group")
+    parallel_groups: int = Field(1, description=">1: groups fan out to the extract-group deployment (GPU pool)")
     tensor_parallel_size: int = 1
     storage_dtype: Literal["bf16", "fp8"] = "bf16"
     gpu_memory_utilization: float = 0.3

@@ -54,12 +54,54 @@ def _extract_location(cfg: PipelineConfig, prep: dict, pre: dict) -> tuple[str, 
     return key, extract_dir(Path(prep["dir"]), cfg.target.model, key)
 
 
-def stage_extract(cfg: PipelineConfig, prep: dict, pre: dict, log=print) -> dict:
-    from eagle3_pipeline.extract.shards import extract
+def stage_extract_plan(cfg: PipelineConfig, prep: dict, pre: dict) -> dict:
+    """Where the extract version lives and how its shards are grouped (one engine child per group)."""
+    import datasets
+
+    from eagle3_pipeline.extract.shards import plan_shards
 
     key, out = _extract_location(cfg, prep, pre)
-    res = extract(cfg.extract, cfg.target, Path(prep["tokenized"]), out, log=log, content_key=key)
-    return {**res.model_dump(mode="json"), "content_key": key, "dir": str(out.resolve())}
+    rows = datasets.load_from_disk(prep["tokenized"]).num_rows
+    ids = [s.index for s in plan_shards(rows, cfg.extract.rows_per_shard)]
+    per = cfg.extract.shards_per_group or max(1, len(ids))
+    return {"content_key": key, "dir": str(out.resolve()), "rows": rows,
+            "groups": [ids[i:i + per] for i in range(0, len(ids), per)]}
+
+
+def group_state_key(plan: dict, shard_ids: list[int]) -> str:
+    """Cache key of one shard group: the content key, the shard ids and how often verify has marked
+    any of them failed. A group that completed keeps its key (a retried flow run answers it from
+    cache); a shard that verify rejected changes it, so exactly that group runs again."""
+    from eagle3_pipeline.store import read_json
+
+    man = read_json(Path(plan["dir"]) / "manifest.json", default={}) or {}
+    entries = {s["index"]: s for s in man.get("shards", [])}
+    inval = [entries.get(k, {}).get("invalidations", 0) for k in shard_ids]
+    return content_key({"extract": plan["content_key"], "shards": shard_ids, "invalidations": inval})
+
+
+def stage_extract_group(cfg: PipelineConfig, prep: dict, plan: dict, shard_ids: list[int], force: bool = False,
+                        log=print, on_shard=None) -> list[dict]:
+    from eagle3_pipeline.extract.shards import extract_group
+
+    recs = extract_group(cfg.extract, cfg.target, Path(prep["tokenized"]), Path(plan["dir"]), shard_ids, log=log,
+                         force=force, content_key=plan["content_key"], on_shard=on_shard)
+    return [r.model_dump(mode="json") for r in recs]
+
+
+def stage_extract_summary(plan: dict) -> dict:
+    from eagle3_pipeline.extract.shards import summarize
+
+    return {**summarize(Path(plan["dir"])).model_dump(mode="json"), "content_key": plan["content_key"],
+            "dir": plan["dir"]}
+
+
+def stage_extract(cfg: PipelineConfig, prep: dict, pre: dict, log=print) -> dict:
+    """The whole extract stage without Prefect: every group in turn (tests, `eagle3 extract`)."""
+    plan = stage_extract_plan(cfg, prep, pre)
+    for group in plan["groups"]:
+        stage_extract_group(cfg, prep, plan, group, log=log)
+    return stage_extract_summary(plan)
 
 
 def stage_verify(cfg: PipelineConfig, prep: dict, pre: dict, ext: dict, log=print) -> dict:

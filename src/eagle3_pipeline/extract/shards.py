@@ -191,7 +191,7 @@ def _job(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, hs_dir: 
 
 def extract_group(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, out_dir: Path,
                   shard_ids: list[int], *, log: Callable[[str], None], force: bool = False,
-                  content_key: str) -> list[ShardRecord]:
+                  content_key: str, on_shard: Callable[[dict], None] | None = None) -> list[ShardRecord]:
     """Publish the shards `shard_ids` of `out_dir`, starting at most one engine child for those not
     already published (all of them when `force`). Returns their records in shard order. Raises
     ExtractFailed naming the unpublished shards and the child's error tail; the shards it did
@@ -221,7 +221,7 @@ def extract_group(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path,
         todo.append(k)
     if todo:
         _run_group(cfg, target, tokenized_dir, out_dir, [plan[k] for k in todo], layer_ids,
-                   dims.hidden_size, man, log)
+                   dims.hidden_size, man, log, on_shard)
     else:
         log(f"extract: all {len(wanted)} requested shards already published; no engine started")
     entries = man.read()["shards"]
@@ -230,7 +230,7 @@ def extract_group(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path,
 
 def _run_group(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, out_dir: Path,
                shards: list[Shard], layer_ids: list[int], hidden_size: int, man: Manifest,
-               log: Callable[[str], None]) -> None:
+               log: Callable[[str], None], on_shard: Callable[[dict], None] | None = None) -> None:
     hs_dir = out_dir / "hidden_states"
     owner = f"{socket.gethostname()}:{os.getpid()}"
     with man.edit() as m:
@@ -265,6 +265,8 @@ def _run_group(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, ou
                 _publish(man, hs_dir, by_index[k], ev)
                 published.add(k)
                 log(f"extract: shard {k} published ({ev['tokens']} tokens in {ev['seconds']:.2f}s)")
+                if on_shard:
+                    on_shard({"shard": k, "tokens": ev["tokens"], "seconds": ev["seconds"]})
         except Exception as e:  # noqa: BLE001
             k = ev.get("shard", -1)
             publish_errors[int(k)] = f"publishing shard {k} failed: {type(e).__name__}: {e}"
@@ -358,5 +360,6 @@ def mark_rows_failed(out_dir: Path, rows: list[int], reason: str) -> list[int]:
             bad = [r for r in rows if s["row_start"] <= r < s["row_end"]]
             if bad:
                 s["status"], s["error"] = "failed", f"{reason}: rows {bad}"
+                s["invalidations"] = s.get("invalidations", 0) + 1  # changes the group's cache key
                 hit.append(s["index"])
     return hit

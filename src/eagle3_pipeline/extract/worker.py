@@ -33,6 +33,10 @@ from eagle3_pipeline.contracts import FP8_MAX, HS_KEY, SCALES_KEY, TOKENS_KEY, C
 from eagle3_pipeline.proc import emit_event
 
 KILL_AFTER_ENV = "EAGLE3_TEST_KILL_AFTER_SHARDS"
+# Fault injection (tests, chaos drills): "3,7" makes shards 3 and 7 fail with an error, once per
+# marker file: the file `<hidden_states_dir>/../.fail-shard-<k>` is created on the first failure, so
+# a retry of the same shard succeeds (a transient fault, as a lost node would be).
+FAIL_SHARDS_ENV = "EAGLE3_TEST_FAIL_SHARDS"
 RECORD_META_KEY = "eagle3_record"  # safetensors metadata: {"layer_ids": [...], "storage_dtype": ...}
 CONNECTOR_NAME = "Eagle3HiddenStatesConnector"
 CONNECTOR_MODULE = "eagle3_pipeline.extract.connector"
@@ -257,7 +261,12 @@ def main(argv: list[str]) -> int:
     emit_event(kind="engine_ready", seconds=round(time.time() - t_start, 2))
     engine = _Engine(llm, job, nudge_token=int(ds[job.shards[0].row_start]["input_ids"][0]))
     kill_after = int(os.environ.get(KILL_AFTER_ENV, "0") or 0)
+    fail = {int(x) for x in os.environ.get(FAIL_SHARDS_ENV, "").split(",") if x.strip()}
     for n, shard in enumerate(job.shards, start=1):
+        marker = Path(job.hidden_states_dir).parent / f".fail-shard-{shard.index}"
+        if shard.index in fail and not marker.exists():
+            marker.touch()
+            raise RuntimeError(f"injected fault in shard {shard.index} ({FAIL_SHARDS_ENV})")
         _run_shard(engine, ds, job, shard)
         if kill_after and n >= kill_after:
             os.kill(os.getpid(), signal.SIGKILL)  # test hook: die like an OOM kill, mid-group

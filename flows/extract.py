@@ -1,0 +1,29 @@
+"""The extract flow: plan shard groups, run one `extract-group` task per group (one engine child
+each, published shard by shard), then summarise the manifest. A group that completed in an earlier
+run of the same content is answered from Prefect's cache, so a retried flow run, `eagle3
+rerun-failed` or the `rerun-failed` flow executes exactly the groups with unpublished shards."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from eagle3_pipeline.config import PipelineConfig
+from eagle3_pipeline.extract.shards import ExtractFailed
+from tasks import stages as t
+
+
+@flow(name="extract")
+def extract(config: PipelineConfig, prep: dict, pre: dict, force_shards: list[int] | None = None) -> dict:
+    plan = t.extract_plan(config, prep, pre)
+    force = set(force_shards or [])
+    failed = []
+    for group in plan["groups"]:
+        forced = bool(force & set(group))
+        run = t.extract_group.with_options(retries=config.extract.retries, retry_delay_seconds=5, refresh_cache=forced)
+        state = run(config, prep, plan, group, forced, return_state=True)
+        if state.is_failed():
+            failed.append(f"shards {group}: {state.message}")
+    if failed:
+        raise ExtractFailed(f"{len(failed)} of {len(plan['groups'])} shard groups failed "
+                            f"(their finished shards stay published; a re-run does the rest):\n  " + "\n  ".join(failed))
+    return t.extract_summary(plan)
