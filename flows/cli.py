@@ -67,6 +67,51 @@ def prepare(config: ConfigOpt, set_: SetOpt = None) -> None:
     console.print_json(data={k: rec[k] for k in ("version", "dir", "rows_in", "rows_out", "rows_quarantined", "tokens")})
 
 
+@app.command("rerun-failed")
+def rerun_failed(config: ConfigOpt, set_: SetOpt = None,
+                 force_shards: Annotated[list[int] | None, typer.Option("--force-shard", help="re-extract this shard even if published")] = None) -> None:
+    """Re-extract the failed/unpublished shards of this config's extract version, then verify."""
+    from eagle3_pipeline.config import load_config
+    from flows.rerun_failed import rerun_failed as flow_
+
+    try:
+        rec = flow_(config=load_config(config, set_ or []), force_shards=force_shards or [])
+    except Exception as e:
+        console.print(f"[red bold]rerun-failed:[/] {type(e).__name__}: {e}")
+        raise typer.Exit(1) from None
+    console.print(f"[green]verified[/] {rec['samples_checked']} records, reference max rel err {rec['reference_max_rel_err']}")
+
+
+@app.command()
+def extract(config: ConfigOpt, set_: SetOpt = None) -> None:
+    """Prepare (from the store when unchanged), preflight, and extract with a live progress bar."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from eagle3_pipeline import stages
+    from eagle3_pipeline.config import load_config
+
+    cfg = load_config(config, set_ or [])
+    prep = stages.stage_prepare(cfg, log=console.print)
+    pre = stages.stage_preflight(cfg, prep, log=console.print)
+    plan = stages.stage_extract_plan(cfg, prep, pre)
+    n = sum(len(g) for g in plan["groups"])
+    with Progress(TextColumn("extract"), BarColumn(), TextColumn("{task.completed}/{task.total} shards"),
+                  TextColumn("{task.fields[tps]} tok/s"), TimeElapsedColumn(), TextColumn("ETA"),
+                  TimeRemainingColumn(), console=console) as bar:
+        job = bar.add_task("extract", total=n, tps="-")
+        seen = {"tokens": 0, "seconds": 0.0}
+
+        def on_shard(ev: dict) -> None:
+            seen["tokens"] += ev["tokens"]
+            seen["seconds"] += ev["seconds"]
+            bar.update(job, advance=1, tps=f"{seen['tokens'] / max(seen['seconds'], 1e-9):,.0f}")
+
+        for group in plan["groups"]:
+            recs = stages.stage_extract_group(cfg, prep, plan, group, log=bar.console.print, on_shard=on_shard)
+            bar.update(job, advance=sum(r["reused"] for r in recs))
+    console.print_json(data=stages.stage_extract_summary(plan))
+
+
 @app.command()
 def status(output_dir: Annotated[Path, typer.Option()] = Path("runs")) -> None:
     """Show the latest run's report summary."""

@@ -160,14 +160,6 @@ def test_invalid_draft_dirs_fail_before_any_engine(tmp_path, target, drafts, pro
     assert not (tmp_path / "out" / "evaluate.log").exists(), "invalid drafts must be refused before an engine starts"
 
 
-def test_engine_env():
-    from eagle3_pipeline.evaluate import engine_env
-
-    assert engine_env(EvaluateConfig(engine_in_process=False)) == {}
-    env = engine_env(EvaluateConfig(engine_in_process=True))
-    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and "OMP_WAIT_POLICY" in env
-
-
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("in_process", [None, False], ids=["default-engine", "engine-processes"])
 def test_broken_draft_weights_fail_with_the_cause(tmp_path, target, drafts, prompts, in_process):

@@ -1,0 +1,21 @@
+"""The rerun-failed flow: re-extract the failed or unpublished shards of a config's extract version,
+then verify. Prepare is answered from the store (same content, same version); extract groups that
+completed before are answered from Prefect's cache; only groups holding unpublished shards run."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from eagle3_pipeline.config import PipelineConfig
+from flows.extract import extract
+from tasks import stages as t
+
+
+@flow(name="rerun-failed")
+def rerun_failed(config: PipelineConfig, force_shards: list[int] | None = None) -> dict:
+    prep = t.prepare(config)
+    pre = t.preflight(config, prep)
+    t.gpu_gate("before-extract")
+    ext = extract(config, prep, pre, force_shards=force_shards)
+    t.gpu_gate("after-extract")
+    return t.verify(config, prep, pre, ext)
