@@ -71,10 +71,11 @@ def aux_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
 
 def _check_inputs(tokenized_dir: Path, hidden_states_dir: Path, num_captured: int, hidden_size: int) -> int:
     """Every row has its hs file; the first and last files have [T, L, H] as expected. Returns rows."""
-    from datasets import load_from_disk
     from safetensors import safe_open
 
-    ds = load_from_disk(str(tokenized_dir))
+    from eagle3_pipeline.data.prepare import load_tokenized
+
+    ds = load_tokenized(tokenized_dir)
     missing_cols = {"input_ids", "loss_mask", "seq_len"} - set(ds.column_names)
     if missing_cols:
         raise ContractError(f"{tokenized_dir}: missing columns {sorted(missing_cols)} (found {ds.column_names})")

@@ -189,8 +189,6 @@ def _loaders(job: dict, hidden_size: int, num_aux: int):
         ds = ArrowDataset(max_len=cfg["max_seq_len"], datapath=job["tokenized_dir"], transfer=transfer,
                           on_missing="raise", train_ratio=1 - cfg["val_ratio"], split=split,
                           hidden_states_dtype=torch.bfloat16)
-        # speculators' prepare-data saves torch-formatted rows; ours may be plain: read the two columns it uses as tensors
-        ds.data = ds.data.with_format("torch", columns=["input_ids", "loss_mask"])
         return ds
 
     workers = cfg["num_workers"]

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from eagle3_pipeline.config import ExtractConfig, TargetConfig
+from eagle3_pipeline.data.prepare import load_tokenized
 from eagle3_pipeline.extract import shards as shards_mod
 from eagle3_pipeline.extract.shards import (
     ExtractFailed,
@@ -121,7 +122,7 @@ def test_records_follow_the_contract(full_run, small_tokenized):
     import datasets
     import torch
 
-    ds = datasets.load_from_disk(str(small_tokenized))
+    ds = load_tokenized(small_tokenized)
     res = full_run.result
     assert res.layer_ids == LAYER_IDS
     assert (res.shards_total, res.shards_published) == (3, 3)
@@ -165,7 +166,7 @@ def test_layers_match_hf_transformers(full_run, small_tokenized, tiny_target):
     captured = {}
     hook = model.model.layers[-1].register_forward_hook(
         lambda mod, args, out: captured.__setitem__("last", out[0] if isinstance(out, tuple) else out))
-    ds = datasets.load_from_disk(str(small_tokenized))
+    ds = load_tokenized(small_tokenized)
     try:
         for row in (0, ROWS - 1):
             rec, _ = _load(Path(full_run.result.hidden_states_dir) / f"hs_{row}.safetensors")

@@ -9,9 +9,9 @@ def test_speculators_arrow_dataset_reads_our_files(extracted):
 
     ds = ArrowDataset(max_len=4096, datapath=str(extracted.tokenized), transfer=FileTransfer(extracted.hidden_states),
                       on_missing="raise")
-    from datasets import load_from_disk
+    from eagle3_pipeline.data.prepare import load_tokenized
 
-    ours = load_from_disk(str(extracted.tokenized))
+    ours = load_tokenized(extracted.tokenized)
     assert len(ds) == len(ours) and ds.approx_lengths == ours["seq_len"]
     H, n_aux = extracted.hidden_size, len(extracted.layer_ids) - 1
     for i in (0, len(ds) // 2, len(ds) - 1):

@@ -48,9 +48,9 @@ def test_quarantine_invariant_and_reasons(tiny_target, tmp_path):
     for (_, why), rec in zip(BAD, sorted(q, key=lambda r: r["row"])):
         assert why in rec["reason"], (why, rec)
         assert rec["source"].endswith("mixed.jsonl")
-    from datasets import load_from_disk
+    from eagle3_pipeline.data.prepare import load_tokenized
 
-    ds = load_from_disk(res.tokenized)
+    ds = load_tokenized(res.tokenized)
     assert ds.features["input_ids"].feature.dtype == "int64" and ds.features["seq_len"].dtype == "int64"
     assert all(len(r["input_ids"]) == r["seq_len"] == len(r["loss_mask"]) and sum(r["loss_mask"]) > 0 for r in ds)
     assert {"s1", "p1"} <= set(ds["sample_id"]) | {json.loads(h)["sample_id"] for h in Path(res.heldout).read_text().splitlines()}
@@ -97,9 +97,9 @@ def test_rows_per_turn_keeps_the_invariant_in_source_rows(tiny_target, tmp_path)
     cfg = PrepareConfig(sources=[SourceConfig(path=str(src))], heldout_rows=0, rows_per="turn")
     res = prepare(cfg, TargetConfig(model=str(tiny_target)), tmp_path / "store")
     assert res.rows_out == 7 and res.rows_out_sources == 6 == res.rows_in
-    from datasets import load_from_disk
+    from eagle3_pipeline.data.prepare import load_tokenized
 
-    assert {"m1#0", "m1#1"} <= set(load_from_disk(res.tokenized)["sample_id"])
+    assert {"m1#0", "m1#1"} <= set(load_tokenized(res.tokenized)["sample_id"])
 
 
 def test_hub_dataset_offline_error_names_the_dataset(tiny_target, tmp_path, monkeypatch):
@@ -124,7 +124,7 @@ def test_missing_local_source_is_a_clear_error(tiny_target, tmp_path):
 
 
 def test_two_processes_give_the_same_bytes(tiny_target, tmp_path):
-    from datasets import load_from_disk
+    from eagle3_pipeline.data.prepare import load_tokenized
 
     src = tmp_path / "a.jsonl"
     src.write_text("".join(json.dumps(_good(i)) + "\n" for i in range(30)))
@@ -132,4 +132,4 @@ def test_two_processes_give_the_same_bytes(tiny_target, tmp_path):
     one = prepare(PrepareConfig(sources=[SourceConfig(path=str(src))], chunk_rows=8), tgt, tmp_path / "s1")
     two = prepare(PrepareConfig(sources=[SourceConfig(path=str(src))], chunk_rows=8, num_proc=2), tgt, tmp_path / "s2")
     assert one.version == two.version
-    assert load_from_disk(one.tokenized).to_dict() == load_from_disk(two.tokenized).to_dict()
+    assert load_tokenized(one.tokenized).to_dict() == load_tokenized(two.tokenized).to_dict()

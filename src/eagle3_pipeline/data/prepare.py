@@ -57,6 +57,14 @@ class PrepareResult(BaseModel):
     cached: bool = False
 
 
+def load_tokenized(path):
+    """The tokenized dataset with plain Python rows. On disk it is torch-formatted, as speculators'
+    own prepare-data saves it, so that its trainer reads our directory unchanged."""
+    from datasets import load_from_disk
+
+    return load_from_disk(str(path)).with_format(None)
+
+
 def load_tokenizer(target: TargetConfig):
     from transformers import AutoTokenizer
 
@@ -264,7 +272,9 @@ def _assemble(cfg: PrepareConfig, chunk_dirs: list[Path], computed: int, out: Pa
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "tokenized.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    datasets.Dataset.from_dict(cols, features=features).save_to_disk(str(tmp))
+    ds = datasets.Dataset.from_dict(cols, features=features)
+    ds.set_format(type="torch")  # speculators' convention (its prepare-data does the same)
+    ds.save_to_disk(str(tmp))
     shutil.rmtree(out / "tokenized", ignore_errors=True)
     tmp.rename(out / "tokenized")
     atomic_write(out / "token_freq.safetensors", lambda p: save_file({"counts": torch.from_numpy(counts)}, str(p)))

@@ -246,9 +246,9 @@ def main(argv: list[str]) -> int:
     print(f"extract worker: VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND')}, "
           f"in-process engine core: {os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING') == '0'}", flush=True)
 
-    import datasets
+    from eagle3_pipeline.data.prepare import load_tokenized
 
-    ds = datasets.load_from_disk(job.tokenized_dir)
+    ds = load_tokenized(job.tokenized_dir)
     for s in job.shards:
         if not 0 <= s.row_start < s.row_end <= len(ds):
             raise ContractError(f"shard {s.index}: rows [{s.row_start}, {s.row_end}) outside the "

@@ -14,6 +14,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from eagle3_pipeline.config import TargetConfig, VerifyConfig
+from eagle3_pipeline.data.prepare import load_tokenized
 from eagle3_pipeline.store import read_json, write_json
 from eagle3_pipeline.verify.reference import ReferenceResult, choose_rows, reference_check
 from eagle3_pipeline.verify.structure import LayerStats, verify_structure
@@ -41,15 +42,13 @@ class VerifyResult(BaseModel):
 def verify(cfg: VerifyConfig, target: TargetConfig, tokenized_dir: Path, extract_dir: Path, layer_ids: list[int],
            hidden_size: int, storage_dtype: str, rows_per_shard: int, content_key: str, log=print) -> VerifyResult:
     """Check everything, record the result in `verify.json`, and return it (the caller raises on failure)."""
-    from datasets import load_from_disk
-
     hs_dir = Path(extract_dir) / "hidden_states"
     st = verify_structure(tokenized_dir, hs_dir, layer_ids, hidden_size, storage_dtype, log=log)
     ref = ReferenceResult(samples_checked=[], max_rel_err=None, min_cosine=None, per_layer_max_rel_err={},
                           problems=[], skipped="reference_samples is 0")
     if cfg.reference_samples > 0 and st.files_checked:
         good = set(range(st.files_checked)) - set(st.bad_rows)
-        seq_lens = load_from_disk(str(tokenized_dir))["seq_len"]
+        seq_lens = load_tokenized(tokenized_dir)["seq_len"]
         rows = [r for r in choose_rows(seq_lens, cfg.reference_samples, rows_per_shard) if r in good]
         ref = reference_check(target.model, tokenized_dir, hs_dir, layer_ids, rows, storage_dtype,
                               target.trust_remote_code, log=log)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from eagle3_pipeline.data.prepare import load_tokenized
+
 MIN_COSINE = 0.99
 MAX_REL_ERR = 0.10
 
@@ -49,7 +51,6 @@ def reference_check(model_dir: str, tokenized_dir: Path, hidden_states_dir: Path
                     rows: list[int], storage_dtype: str = "bf16", trust_remote_code: bool = False,
                     log=print) -> ReferenceResult:
     import torch
-    from datasets import load_from_disk
     from safetensors.torch import load_file
 
     try:
@@ -68,7 +69,7 @@ def reference_check(model_dir: str, tokenized_dir: Path, hidden_states_dir: Path
     captured = {}
     hook = layers[-1].register_forward_hook(
         lambda mod, inp, out: captured.__setitem__("last", out[0] if isinstance(out, tuple) else out))
-    ds = load_from_disk(str(tokenized_dir))
+    ds = load_tokenized(tokenized_dir)
     problems, bad_rows, worst, worst_cos = [], set(), {}, 1.0
     try:
         for i in rows:

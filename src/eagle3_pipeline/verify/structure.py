@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from eagle3_pipeline.data.prepare import load_tokenized
 from eagle3_pipeline.contracts import HS_KEY, SCALES_KEY, TOKENS_KEY, RecordSpec
 
 
@@ -108,9 +109,7 @@ def verify_structure(tokenized_dir: Path, hidden_states_dir: Path, layer_ids: li
                      storage_dtype: str = "bf16", rows: list[int] | None = None, log=print) -> StructureResult:
     """Check every record (or `rows`) and gather per-layer statistics over the good ones."""
     import torch
-    from datasets import load_from_disk
-
-    ds = load_from_disk(str(tokenized_dir))
+    ds = load_tokenized(tokenized_dir)
     spec = RecordSpec(len(layer_ids), hidden_size, storage_dtype)
     rows = list(range(len(ds))) if rows is None else rows
     problems: list[str] = []
