@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from prefect import flow
 
+from eagle3_pipeline import stages
 from eagle3_pipeline.config import PipelineConfig
 from eagle3_pipeline.extract.shards import ExtractFailed
 from tasks import stages as t
@@ -19,7 +20,8 @@ def extract(config: PipelineConfig, prep: dict, pre: dict, force_shards: list[in
     failed = []
     for group in plan["groups"]:
         forced = bool(force & set(group))
-        run = t.extract_group.with_options(retries=config.extract.retries, retry_delay_seconds=5, refresh_cache=forced)
+        refresh = forced or bool(stages.unpublished(plan, group))
+        run = t.extract_group.with_options(retries=config.extract.retries, retry_delay_seconds=5, refresh_cache=refresh)
         state = run(config, prep, plan, group, forced, return_state=True)
         if state.is_failed():
             failed.append(f"shards {group}: {state.message}")

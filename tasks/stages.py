@@ -49,14 +49,15 @@ def extract_plan(cfg: PipelineConfig, prep: dict, pre: dict) -> dict:
 
 
 def _group_key(ctx, params) -> str:
-    return "extract-group-" + stages.group_state_key(params["plan"], params["shard_ids"])
+    return "extract-group-" + stages.group_cache_key(params["plan"], params["shard_ids"])
 
 
 @task(name="extract-group", cache_key_fn=_group_key, persist_result=True, result_serializer="json",
       tags=["gpu"], task_run_name="extract-shards-{shard_ids}")
 def extract_group(cfg: PipelineConfig, prep: dict, plan: dict, shard_ids: list[int], force: bool = False) -> list[dict]:
     """One engine child for these shards; each shard is published (and counted in the progress
-    artifact) the moment it is complete. Cached by content key + shard ids (see group_state_key)."""
+    artifact) the moment it is complete. Cached by content key + directory + shard ids; the flow
+    refreshes the cache of any group with unpublished shards (stages.unpublished)."""
     progress = _Progress(plan, shard_ids)
     return stages.stage_extract_group(cfg, prep, plan, shard_ids, force, log=_log(), on_shard=progress.shard_done)
 

@@ -68,16 +68,20 @@ def stage_extract_plan(cfg: PipelineConfig, prep: dict, pre: dict) -> dict:
             "groups": [ids[i:i + per] for i in range(0, len(ids), per)]}
 
 
-def group_state_key(plan: dict, shard_ids: list[int]) -> str:
-    """Cache key of one shard group: the content key, the shard ids and how often verify has marked
-    any of them failed. A group that completed keeps its key (a retried flow run answers it from
-    cache); a shard that verify rejected changes it, so exactly that group runs again."""
+def group_cache_key(plan: dict, shard_ids: list[int]) -> str:
+    """Cache key of one shard group: the extract content key, its directory and the shard ids."""
+    return content_key({"extract": plan["content_key"], "dir": plan["dir"], "shards": shard_ids})
+
+
+def unpublished(plan: dict, shard_ids: list[int]) -> list[int]:
+    """Shards of the group that the manifest does not list as published (all when there is none).
+    Prefect's cache may only answer a group none of whose shards is here: a shard that verify
+    marked failed, or a store that was wiped, makes its group run again."""
     from eagle3_pipeline.store import read_json
 
     man = read_json(Path(plan["dir"]) / "manifest.json", default={}) or {}
-    entries = {s["index"]: s for s in man.get("shards", [])}
-    inval = [entries.get(k, {}).get("invalidations", 0) for k in shard_ids]
-    return content_key({"extract": plan["content_key"], "shards": shard_ids, "invalidations": inval})
+    status = {s["index"]: s["status"] for s in man.get("shards", [])}
+    return [k for k in shard_ids if status.get(k) != "published"]
 
 
 def stage_extract_group(cfg: PipelineConfig, prep: dict, plan: dict, shard_ids: list[int], force: bool = False,

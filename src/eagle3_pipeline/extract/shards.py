@@ -360,6 +360,5 @@ def mark_rows_failed(out_dir: Path, rows: list[int], reason: str) -> list[int]:
             bad = [r for r in rows if s["row_start"] <= r < s["row_end"]]
             if bad:
                 s["status"], s["error"] = "failed", f"{reason}: rows {bad}"
-                s["invalidations"] = s.get("invalidations", 0) + 1  # changes the group's cache key
                 hit.append(s["index"])
     return hit
