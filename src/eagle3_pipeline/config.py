@@ -70,11 +70,27 @@ class ExtractConfig(Strict):
                                     "default <extract version dir>/.scratch")
     engine_in_process: bool | None = Field(None, description="vLLM engine core inside the extract child "
                                            "(VLLM_ENABLE_V1_MULTIPROCESSING=0); None = on CPU with TP 1")
+    connector_module: str = Field("eagle3_pipeline.extract.connector",
+                                  description="module of the vLLM KV connector that writes hidden states")
+    connector_name: str = Field("Eagle3HiddenStatesConnector", description="class name of that connector")
 
 
 class VerifyConfig(Strict):
     reference_samples: int = Field(4, description="rows re-computed with HF transformers (0 = skip, noted)")
     move_bad_files: bool = Field(True, description="move failing files to hidden_states_failed/ (never deleted)")
+    norm_bounds_samples: int = Field(64, ge=0, description="per-layer mean-token-norm bounds are learned from the "
+                                     "first N good files (median/MAD in log space); 0 = no norm check")
+    norm_bounds_factor: float = Field(10.0, gt=0, description="bounds = median x/÷ exp(factor * 1.4826 * MAD) "
+                                      "of the log mean token norms")
+    norm_bounds_min_ratio: float = Field(1.5, ge=1.0, description="the bounds are never tighter than "
+                                         "median x/÷ this ratio")
+    invariance_samples: int = Field(4, ge=0, description="rows re-extracted alone (batch of one, one engine "
+                                    "child) and compared with the stored batched files (0 = skip, noted)")
+    invariance_max_rel_err: float = Field(0.02, gt=0, description="per layer, relative L2 error allowed between "
+                                          "batched and alone (bf16; fp8 storage uses 4x)")
+    invariance_min_cosine: float = Field(0.999, description="per token, cosine allowed between batched and "
+                                         "alone (bf16; fp8 storage: 1 - 4 x (1 - this))")
+    workers: int | None = Field(None, ge=1, description="threads reading and checking files; None = CPU count (max 8)")
 
 
 class VocabConfig(Strict):
@@ -97,6 +113,12 @@ class TrainConfig(Strict):
     max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps (smoke runs)")
     num_workers: int = Field(0, ge=0, description="data-loader worker processes (0 on CPU)")
     num_gpus: int = Field(1, ge=1, description="cuda only: >1 launches the worker with torchrun (DDP)")
+    fsdp: bool = Field(False, description="cuda with num_gpus > 1: shard parameters with FSDP (speculators' "
+                       "--fsdp-shard) instead of replicating them (DDP); for drafts too large for one GPU")
+    gradient_checkpointing: bool = Field(False, description="recompute draft-layer activations in backward "
+                                         "(less memory for long rows, ~30-50% slower backward)")
+    log_freq: int = Field(1, ge=1, description="log metrics every N optimizer steps; each logged step synchronizes "
+                          "the accelerator, so use ~10+ on GPUs")
     timeout_s: float = 24 * 3600.0
 
     @model_validator(mode="after")
@@ -106,6 +128,9 @@ class TrainConfig(Strict):
                              "use sdpa or eager on CPU")
         if self.device == "cpu" and self.num_gpus != 1:
             raise ValueError(f"train.num_gpus={self.num_gpus} needs train.device=cuda")
+        if self.fsdp and (self.device != "cuda" or self.num_gpus < 2):
+            raise ValueError(f"train.fsdp=true needs train.device=cuda and train.num_gpus >= 2 (torchrun); found "
+                             f"device={self.device}, num_gpus={self.num_gpus}")
         return self
 
 

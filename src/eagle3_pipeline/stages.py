@@ -50,7 +50,8 @@ def stage_gpu_gate(where: str, log=print) -> dict:
 
 def _extract_location(cfg: PipelineConfig, prep: dict, pre: dict) -> tuple[str, Path]:
     key = extract_key(prep["version"], model_fingerprint(cfg.target.model, cfg.target.revision),
-                      pre["layer_ids"], cfg.extract.storage_dtype)
+                      pre["layer_ids"], cfg.extract.storage_dtype,
+                      f"{cfg.extract.connector_module}.{cfg.extract.connector_name}")
     return key, extract_dir(Path(prep["dir"]), cfg.target.model, key)
 
 
@@ -113,7 +114,7 @@ def stage_verify(cfg: PipelineConfig, prep: dict, pre: dict, ext: dict, log=prin
 
     res = verify(cfg.verify, cfg.target, Path(prep["tokenized"]), Path(ext["dir"]), pre["layer_ids"],
                  pre["dims"]["hidden_size"], cfg.extract.storage_dtype, cfg.extract.rows_per_shard,
-                 ext["content_key"], log=log)
+                 ext["content_key"], log=log, extract_cfg=cfg.extract)
     check_gate(res)
     return res.model_dump()
 

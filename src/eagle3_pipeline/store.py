@@ -98,9 +98,10 @@ def model_fingerprint(model: str, revision: str | None = None) -> str:
     return h.hexdigest()[:16]
 
 
-def extract_key(prepare_version: str, model_fp: str, layer_ids: list[int], storage_dtype: str) -> str:
+def extract_key(prepare_version: str, model_fp: str, layer_ids: list[int], storage_dtype: str,
+                connector: str = "eagle3_pipeline.extract.connector.Eagle3HiddenStatesConnector") -> str:
     return content_key({"tokenized": prepare_version, "model": model_fp, "layers": list(layer_ids),
-                        "storage": storage_dtype})
+                        "storage": storage_dtype, "connector": connector})
 
 
 def extract_dir(prepare_dir: Path, model: str, key: str) -> Path:

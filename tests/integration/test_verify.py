@@ -1,15 +1,24 @@
 """The verify gate catches real corruptions of real extracted files, each with a precise message,
-and passes the clean extraction."""
+and passes the clean extraction: structure, norm bounds, the HF reference, and batch invariance
+(with a deliberately broken connector and a broken layer-id config run through the real engine)."""
 
+import json
+import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle3_pipeline.config import VerifyConfig
+from eagle3_pipeline.verify.gate import verify
+from eagle3_pipeline.verify.invariance import extract_rows, invariance_rows
 from eagle3_pipeline.verify.reference import choose_rows, reference_check
-from eagle3_pipeline.verify.structure import verify_structure
+from eagle3_pipeline.verify.structure import learn_norm_bounds, verify_structure
+
+TESTS = Path(__file__).resolve().parents[1]
 
 ROWS = [0, 1, 2]
 
@@ -37,6 +46,11 @@ def test_clean_extraction_passes(extracted):
     assert res.passed, res.problems[:5]
     assert [s.layer_id for s in res.layer_stats] == extracted.layer_ids
     assert all(s.std > 0 for s in res.layer_stats)
+    n = len(list(extracted.hidden_states.glob("hs_*.safetensors")))
+    assert res.files_checked == n and res.norm_bounds_files == min(64, n) and res.norm_bounds_skipped is None
+    for s in res.layer_stats:
+        assert s.files == n and s.tokens == res.tokens_checked == extracted.record["tokens"]
+        assert s.min < s.mean < s.max and s.norm_lo < s.norm_median < s.norm_hi and s.norm_outliers == 0
 
 
 CORRUPTIONS = {
@@ -113,3 +127,160 @@ def test_reference_sample_choice_covers_extremes_and_shards():
     lens = [10, 50, 3, 7, 99, 20, 30, 40]
     rows = choose_rows(lens, 4, rows_per_shard=3)
     assert 4 in rows and 2 in rows and len({r // 3 for r in rows}) >= 2
+
+
+def test_fp8_records(extracted, hs_copy):
+    """fp8 storage: a real record quantized by the worker's own `to_record` passes as fp8; without its
+    scales, or a bf16 record checked as fp8, is caught."""
+    from eagle3_pipeline.extract.worker import to_record
+
+    for r in ROWS:
+        _rewrite(hs_copy / f"hs_{r}.safetensors", lambda rec: to_record(rec["hidden_states"], rec["token_ids"], "fp8"))
+    fp8 = lambda: verify_structure(extracted.tokenized, hs_copy, extracted.layer_ids, extracted.hidden_size, "fp8",
+                                   rows=ROWS, log=lambda m: None)
+    res = fp8()
+    assert res.passed, res.problems
+    bf = _check(extracted, extracted.hidden_states)
+    for a, b in zip(res.layer_stats, bf.layer_stats):  # dequantized statistics agree with the bf16 ones
+        assert abs(a.mean_token_norm - b.mean_token_norm) < 0.02 * b.mean_token_norm
+    _rewrite(hs_copy / "hs_1.safetensors", lambda rec: {k: v for k, v in rec.items() if k != "hidden_states_scales"})
+    bf16 = load_file(str(extracted.hidden_states / "hs_2.safetensors"))["hidden_states"]
+    _rewrite(hs_copy / "hs_2.safetensors", lambda rec: {**rec, "hidden_states": bf16})  # bf16 values, fp8 configured
+    res = fp8()
+    assert res.bad_rows == [1, 2]
+    assert any(p.startswith("hs_1.safetensors (row 1, sample ") and "key 'hidden_states_scales' missing" in p
+               for p in res.problems), res.problems
+    assert any(p.startswith("hs_2.safetensors (row 2, sample ")
+               and "dtype expected torch.float8_e4m3fn, found torch.bfloat16" in p for p in res.problems), res.problems
+
+
+NORM_FILES = 40
+
+
+def test_norm_outlier_is_caught(extracted, tmp_path):
+    """One layer scaled x50 (structurally perfect) is caught by the bounds learned from the first files,
+    inside and after the learning window; the clean copy passes; statistics leave the outliers out."""
+    d = tmp_path / "hidden_states"
+    d.mkdir()
+    for r in range(NORM_FILES):
+        shutil.copy(extracted.hidden_states / f"hs_{r}.safetensors", d)
+    check = lambda: verify_structure(extracted.tokenized, d, extracted.layer_ids, extracted.hidden_size,
+                                     rows=list(range(NORM_FILES)), log=lambda m: None, norm_samples=32)
+    clean = check()
+    assert clean.passed and clean.norm_bounds_files == 32, clean.problems
+    def scale(li):
+        def fn(rec):
+            hs = rec["hidden_states"].clone()
+            hs[:, li] *= 50
+            return {**rec, "hidden_states": hs}
+        return fn
+
+    _rewrite(d / "hs_35.safetensors", scale(1))  # after the learning window
+    _rewrite(d / "hs_3.safetensors", scale(3))   # inside it
+    res = check()
+    assert res.bad_rows == [3, 35], res.problems
+    assert len(res.problems) == 2
+    for p, r, lid in zip(res.problems, (3, 35), (extracted.layer_ids[3], extracted.layer_ids[1])):
+        assert p.startswith(f"hs_{r}.safetensors (row {r}, sample ") and f": layer {lid}: mean token norm " in p, p
+        assert "outside the bounds [" in p and "learned from the first 32 good files (median " in p, p
+        value, med = float(p.split("mean token norm ")[1].split()[0]), float(p.split("(median ")[1].split(",")[0])
+        assert 30 < value / med < 80, p
+    stats = {s.layer_id: s for s in res.layer_stats}
+    clean_stats = {s.layer_id: s for s in clean.layer_stats}
+    assert stats[extracted.layer_ids[1]].norm_outliers == 1 and stats[extracted.layer_ids[1]].files == NORM_FILES - 2
+    assert stats[extracted.layer_ids[1]].max <= clean_stats[extracted.layer_ids[1]].max  # outliers left out
+
+
+def test_norm_bounds_are_robust():
+    """Median/MAD in log space: a few wild files among the learning ones do not move the bounds much."""
+    rng = np.random.default_rng(0)
+    norms = np.exp(rng.normal(np.log(20.0), 0.05, size=(64, 2)))
+    norms[[3, 9], 0] *= 50
+    med, lo, hi, n = learn_norm_bounds(norms, 64, factor=10.0, min_ratio=1.5)
+    assert n == 64 and abs(med[0] / 20 - 1) < 0.05 and hi[0] < 50 * lo[0] < 20 * 50
+    assert (lo < norms[10]).all() and (norms[10] < hi).all() and norms[3, 0] > hi[0]
+
+
+def test_invariance_rows_avoid_first_of_batch():
+    lens = [5] * 100
+    lens[7] = 50
+    rows = invariance_rows(lens, 4, rows_per_shard=32)
+    assert 7 in rows and len(rows) == 4 and all(r % 32 for r in rows)
+    assert invariance_rows(lens, 3, 32, good={7, 8, 9}) == [7, 8, 9]
+
+
+def _copy_extract(extracted, tmp_path) -> Path:
+    out = tmp_path / "extract"
+    shutil.copytree(extracted.hidden_states, out / "hidden_states")
+    return out
+
+
+def test_gate_passes_clean_data_with_invariance_and_records_stats(extracted, tiny_config, tmp_path):
+    """The whole gate on a copy of the clean extraction: reference + a real batch-of-one re-extraction;
+    verify.json and report.json carry the statistics."""
+    from eagle3_pipeline.report import build_report
+
+    out = _copy_extract(extracted, tmp_path)
+    cfg = VerifyConfig(reference_samples=2, invariance_samples=3)
+    res = verify(cfg, tiny_config.target, extracted.tokenized, out, extracted.layer_ids, extracted.hidden_size,
+                 "bf16", tiny_config.extract.rows_per_shard, extracted.content_key, log=lambda m: None,
+                 extract_cfg=tiny_config.extract)
+    assert res.passed, res.problems
+    assert len(res.invariance_samples) == 3 and res.invariance_skipped is None
+    assert res.invariance_max_rel_err < cfg.invariance_max_rel_err and res.invariance_min_cosine > 0.999
+    rec = json.loads((out / "verify.json").read_text())
+    assert [s["layer_id"] for s in rec["layer_stats"]] == extracted.layer_ids
+    assert all(s["tokens"] == extracted.record["tokens"] and s["norm_hi"] > s["norm_lo"] for s in rec["layer_stats"])
+    report = build_report("r", {}, {}, {"verify": res.model_dump()}, {}, "ok")
+    assert report["stages"]["verify"]["passed"] is True
+    assert report["stages"]["verify"]["details"]["layer_stats"] == rec["layer_stats"]
+    assert not (out / ".scratch").exists() or not any((out / ".scratch").iterdir())  # the child's files are gone
+    assert (out / "logs" / "verify-invariance.log").exists()
+
+
+def test_broken_connector_is_caught_by_batch_invariance(extracted, tiny_config, tmp_path, monkeypatch):
+    """A connector that reads every request but the first of an engine step one token late writes
+    structurally perfect records from batches; the gate's batch-of-one re-extraction with the same
+    connector disagrees and says how."""
+    import datasets
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    rows = 96
+    tok = tmp_path / "tokenized"
+    datasets.load_from_disk(str(extracted.tokenized)).select(range(rows)).save_to_disk(str(tok))
+    broken = tiny_config.extract.model_copy(update={"connector_module": "broken_connector",
+                                                    "connector_name": "OffsetDriftConnector"})
+    out = tmp_path / "extract"
+    extract_rows(broken, tiny_config.target, tok, [(0, rows)], out, extracted.layer_ids, extracted.hidden_size,
+                 log=lambda m: None)  # one shard: batches of up to max_num_seqs requests
+    structure = verify_structure(tok, out / "hidden_states", extracted.layer_ids, extracted.hidden_size,
+                                 log=lambda m: None)
+    assert structure.passed, structure.problems[:3]  # nothing structural to see
+    res = verify(VerifyConfig(reference_samples=0, invariance_samples=3), tiny_config.target, tok, out,
+                 extracted.layer_ids, extracted.hidden_size, "bf16", rows, "broken-connector-test",
+                 log=lambda m: None, extract_cfg=broken)
+    assert not res.passed and res.bad_rows, res.problems
+    assert set(res.bad_rows) <= set(res.invariance_samples)
+    for r in res.bad_rows:
+        msgs = [p for p in res.problems if p.startswith(f"hs_{r}.safetensors (row {r}, sample ")]
+        assert [m.split(": layer ")[1].split(":")[0] for m in msgs] == [str(k) for k in extracted.layer_ids], msgs
+        assert all("batched extraction differs from the same sample extracted alone (batch of one)" in m
+                   and "shifted by +1 token (token t holds token t+1)" in m for m in msgs), msgs
+    assert sorted(Path(p).name for p in res.moved_files) == [f"hs_{r}.safetensors" for r in res.bad_rows]
+
+
+def test_layer_off_by_one_from_a_broken_extraction_config(extracted, tiny_config, tmp_path):
+    """The engine asked for 1-based aux layer ids ([3, 5, 6] for [2, 4, 5]): the records are structurally
+    perfect, the reference names every shifted layer."""
+    wrong = [k + 1 for k in extracted.layer_ids[:-1]] + extracted.layer_ids[-1:]
+    hs = extract_rows(tiny_config.extract, tiny_config.target, extracted.tokenized, [(0, 8)], tmp_path / "x",
+                      wrong, extracted.hidden_size, log=lambda m: None)
+    assert _check(extracted, hs, rows=list(range(8))).passed
+    ref = reference_check(str(tiny_config.target.model), extracted.tokenized, hs, extracted.layer_ids, [1, 5],
+                          log=lambda m: None)
+    assert ref.bad_rows == [1, 5]
+    for r in (1, 5):
+        for lid in extracted.layer_ids[:-1]:
+            assert any(p.startswith(f"hs_{r} (sample ") and f"layer {lid} differs from the reference" in p
+                       for p in ref.problems), ref.problems
+    assert not any(f"layer {extracted.layer_ids[-1]} differs" in p for p in ref.problems)  # the final layer is right

@@ -186,6 +186,7 @@ def _job(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, hs_dir: 
         tokenized_dir=str(Path(tokenized_dir).resolve()),
         hidden_states_dir=str(hs_dir.resolve()), scratch_dir=str(scratch.resolve()),
         storage_dtype=cfg.storage_dtype, attempt=attempt,
+        connector_module=cfg.connector_module, connector_name=cfg.connector_name,
         shards=[ShardSpec(**s.model_dump()) for s in shards])
 
 

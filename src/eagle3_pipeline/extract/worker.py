@@ -2,7 +2,8 @@
 
 Owns the engine side of the extract stage. Reads the job file (`ExtractJob`, written by
 `extract/shards.py`), the tokenized dataset and the target model; builds ONE `vllm.LLM` with the
-native `extract_hidden_states` speculative method and our connector (`extract/connector.py`), then
+native `extract_hidden_states` speculative method and the job's connector (default ours,
+`extract/connector.py`; `ExtractConfig.connector_*`), then
 for each shard of the job, in order:
   1. prefills the shard's rows (token ids in, `max_tokens=1`),
   2. reads each request's file from `kv_transfer_params["hidden_states_path"]` (in `scratch_dir`),
@@ -72,6 +73,8 @@ class ExtractJob(BaseModel):
     shards: list[ShardSpec]
     file_timeout_s: float = 300.0   # how long to wait for vLLM's file of one request
     nudge_after_s: float = 2.0      # separate engine core: then send a one-token request (see _Engine)
+    connector_module: str = CONNECTOR_MODULE  # the vLLM KV connector that writes each request's file
+    connector_name: str = CONNECTOR_NAME      # (ExtractConfig.connector_*; tests load deliberately broken ones)
 
 
 def record_name(row: int) -> str:
@@ -114,7 +117,7 @@ def _build_llm(job: ExtractJob, max_model_len: int):
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": job.layer_ids}},
         },
         kv_transfer_config={
-            "kv_connector": CONNECTOR_NAME, "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_connector": job.connector_name, "kv_connector_module_path": job.connector_module,
             "kv_role": "kv_producer",
             "kv_connector_extra_config": {"shared_storage_path": job.scratch_dir},
         },
@@ -171,7 +174,7 @@ class _Engine:
             if "hidden_states_path" not in params:
                 raise RuntimeError(f"request {out.request_id} (batch position {i}): vLLM returned no "
                                    f"hidden_states_path in kv_transfer_params={params!r}; is the "
-                                   f"extract_hidden_states method + {CONNECTOR_NAME} active?")
+                                   f"extract_hidden_states method + {self.job.connector_name} active?")
             paths.append(params["hidden_states_path"])
         return paths
 

@@ -1,0 +1,122 @@
+"""Verify throughput: the structure check of every record (verify/structure.py: parse, token ids,
+[T, L, H], dtype, finite, zero/identical layers, statistics, norm bounds) against a raw sequential
+read of the same files (`cat` to /dev/null), both with a warm page cache. Goal: ratio >= 0.8.
+
+Usage: .venv/bin/python bench/verify_throughput.py [--config configs/tiny-cpu.yaml] [--store .cache/bench/verify]
+           [--repeats 5] [--synthetic-hidden 4096]
+Data sets:
+  tiny    the real extraction of the config (1,600 rows of the embedded tiny default; extracted once
+          into --store with one vLLM engine, then reused: the store is content-addressed)
+  synth   --synthetic-hidden H: 16 records of 512 tokens x 4 layers x H, random bf16 values, with a
+          matching tokenized dataset (per-file overhead negligible: the per-value cost shows)
+Each timing is the median of --repeats runs; cat and verify alternate inside one invocation (the
+machine's noise is shared). The first run of each is a discarded warm-up (page cache, imports).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_data(config: str, store: str) -> dict:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.stages import stage_extract, stage_preflight, stage_prepare
+
+    tiny = ROOT / ".cache" / "tiny-target"
+    cfg = load_config(config, [f"store={store}", f"target.model={tiny}",
+                               f"prepare.sources=[{{path: {tiny / 'corpus' / 'sharegpt.jsonl'}, limit: 800}}, "
+                               f"{{path: {tiny / 'corpus' / 'openai.jsonl'}, limit: 800}}]"])
+    prep = stage_prepare(cfg, log=lambda m: None)
+    pre = stage_preflight(cfg, prep, log=lambda m: None)
+    ext = stage_extract(cfg, prep, pre, log=lambda m: None)
+    return {"tokenized": prep["tokenized"], "hs": ext["hidden_states_dir"], "layer_ids": pre["layer_ids"],
+            "hidden": pre["dims"]["hidden_size"]}
+
+
+def synthetic_data(store: str, hidden: int, files: int = 16, tokens: int = 512) -> dict:
+    import datasets
+    import torch
+    from safetensors.torch import save_file
+
+    d = Path(store) / f"synthetic-h{hidden}"
+    tok, hs = d / "tokenized", d / "hidden_states"
+    if not (d / "done").exists():
+        g = torch.Generator().manual_seed(0)
+        ids = [torch.randint(3, 900, (tokens,), generator=g) for _ in range(files)]
+        datasets.Dataset.from_dict({"input_ids": [i.tolist() for i in ids], "loss_mask": [[1] * tokens] * files,
+                                    "seq_len": [tokens] * files,
+                                    "sample_id": [f"synth-{k}" for k in range(files)]}).save_to_disk(str(tok))
+        hs.mkdir(parents=True, exist_ok=True)
+        for k in range(files):
+            x = (torch.randn(tokens, 4, hidden, generator=g) * torch.tensor([1.0, 2.0, 3.0, 4.0])[None, :, None])
+            save_file({"hidden_states": x.to(torch.bfloat16), "token_ids": ids[k]}, str(hs / f"hs_{k}.safetensors"))
+        (d / "done").touch()
+    return {"tokenized": str(tok), "hs": str(hs), "layer_ids": [1, 2, 3, 4], "hidden": hidden}
+
+
+def bench(name: str, data: dict, repeats: int, workers: list[int]) -> list[tuple]:
+    from eagle3_pipeline.verify.structure import verify_structure
+
+    files = sorted(Path(data["hs"]).glob("hs_*.safetensors"))
+    nbytes = sum(f.stat().st_size for f in files)
+
+    def cat() -> float:
+        t0 = time.perf_counter()
+        subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
+        return time.perf_counter() - t0
+
+    def ver(w: int) -> float:
+        t0 = time.perf_counter()
+        res = verify_structure(Path(data["tokenized"]), Path(data["hs"]), data["layer_ids"], data["hidden"],
+                               log=lambda m: None, workers=w)
+        dt = time.perf_counter() - t0
+        assert res.passed, res.problems[:3]
+        return dt
+
+    times: dict[str, list[float]] = {"cat": []} | {f"verify, {w} worker{'s' * (w > 1)}": [] for w in workers}
+    for k in range(repeats + 1):  # alternate; the first round warms the cache and the imports
+        row = {"cat": cat()} | {f"verify, {w} worker{'s' * (w > 1)}": ver(w) for w in workers}
+        if k:
+            for m, t in row.items():
+                times[m].append(t)
+    base = statistics.median(times["cat"])
+    return [(name, m, len(files), nbytes, statistics.median(ts), base / statistics.median(ts))
+            for m, ts in times.items()]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default=str(ROOT / "configs" / "tiny-cpu.yaml"))
+    ap.add_argument("--store", default=str(ROOT / ".cache" / "bench" / "verify"))
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--synthetic-hidden", type=int, default=4096, help="0 = no synthetic data set")
+    ap.add_argument("--workers", default="1,2", help="verify worker threads to time, comma-separated")
+    args = ap.parse_args()
+    workers = [int(w) for w in args.workers.split(",")]
+    rows = bench("tiny (real extraction)", tiny_data(args.config, args.store), args.repeats, workers)
+    if args.synthetic_hidden:
+        rows += bench(f"synthetic H={args.synthetic_hidden}", synthetic_data(args.store, args.synthetic_hidden),
+                      args.repeats, workers)
+    t = Table(title=f"verify throughput vs cat (warm page cache, median of {args.repeats}, {os.cpu_count()} CPUs)")
+    for c in ("data", "method", "files", "MB", "seconds", "MB/s", "ratio vs cat"):
+        t.add_column(c, justify="right")
+    for name, m, n, b, s, r in rows:
+        t.add_row(name, m, str(n), f"{b / 1e6:.1f}", f"{s:.3f}", f"{b / 1e6 / s:,.0f}", f"{r:.2f}")
+    Console().print(t)
+    print(json.dumps([dict(zip(("data", "method", "files", "bytes", "seconds", "ratio"), r)) for r in rows]))
+
+
+if __name__ == "__main__":
+    main()
