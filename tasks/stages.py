@@ -4,9 +4,27 @@ Each task is one core call plus what Prefect adds: logging through the run logge
 timeouts and artifacts. Gates (preflight, gpu-gate, verify, evaluate) use NO_CACHE: they must run
 every time. Stages whose bytes are content-addressed (prepare, extract, vocab, train) answer repeated
 work from the run store itself, which checks hashes; Prefect's cache is not trusted with that.
+
+Prefect-side records (README "Operations"):
+- GPU ownership: every task that loads the target or the draft (extract-group, verify, train,
+  evaluate) holds one slot of the global concurrency limit `gpu-node` (env EAGLE3_GPU_LIMIT), taken
+  with strict=True: a missing limit fails the task instead of silently running unguarded. Create it
+  once per server with one slot per GPU node (`prefect gcl create gpu-node --limit <nodes>`). A run
+  started outside a worker (the `eagle3` CLI, in-process tests) is its own single node: it creates
+  the limit with 1 slot when it is missing; runs of deployments never create it.
+- Keyed artifacts, one key per dataset and target model (`<what>-<dataset>-<model>`), so every run
+  adds a version under the same key: extract (manifest summary), verify (per-layer statistics),
+  train (metrics), evaluate (acceptance), store (links into the run store); prepare-<dataset>.
+- Events: `eagle3.dataset.published` when prepare wrote a new tokenized version and
+  `eagle3.draft.exported` after train (see EVENTS below).
 """
 
 from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
@@ -14,6 +32,16 @@ from prefect.cache_policies import NO_CACHE
 
 from eagle3_pipeline import stages
 from eagle3_pipeline.config import PipelineConfig
+from eagle3_pipeline.store import slug
+
+GPU_LIMIT = os.environ.get("EAGLE3_GPU_LIMIT", "gpu-node")
+DATASET_PUBLISHED = "eagle3.dataset.published"
+DRAFT_EXPORTED = "eagle3.draft.exported"
+# `eagle3.dataset.published` carries `eagle3.training`: `in-run` from the flows that go on to train
+# what they prepare (TRAINING_FLOWS), `no` from other flows (rerun-failed), and `wanted` from
+# `python -m deployments.publish`, the one value the pipeline deployment's trigger (prefect.yaml)
+# answers with a pipeline run: training on publication is asked for, never implied.
+TRAINING_FLOWS = frozenset({"pipeline", "refresh"})
 
 
 def _log():
@@ -30,6 +58,8 @@ def prepare(cfg: PipelineConfig) -> dict:
                for r in stages.first_quarantined(rec, 10)]
     create_table_artifact(key=f"prepare-{_k(cfg.prepare.dataset)}", table=counts + hist + reasons,
                           description=f"prepare of dataset {cfg.prepare.dataset}: counts, lengths, first quarantine reasons")
+    if not rec.get("cached"):
+        publish_dataset_event(cfg, rec)
     return rec
 
 
@@ -59,15 +89,23 @@ def extract_group(cfg: PipelineConfig, prep: dict, plan: dict, shard_ids: list[i
     artifact) the moment it is complete. Cached by content key + directory + shard ids; the flow
     refreshes the cache of any group with unpublished shards (stages.unpublished)."""
     progress = _Progress(plan, shard_ids)
-    return stages.stage_extract_group(cfg, prep, plan, shard_ids, force, log=_log(), on_shard=progress.shard_done)
+    with gpu_slot():
+        return stages.stage_extract_group(cfg, prep, plan, shard_ids, force, log=_log(), on_shard=progress.shard_done)
 
 
 @task(name="extract-summary", cache_policy=NO_CACHE)
-def extract_summary(plan: dict) -> dict:
+def extract_summary(cfg: PipelineConfig, plan: dict) -> dict:
+    from eagle3_pipeline.extract.shards import Manifest
+
     rec = stages.stage_extract_summary(plan)
-    create_table_artifact(key=f"extract-manifest-{plan['content_key']}", table=[
-        {k: rec[k] for k in ("shards_total", "shards_published", "tokens", "tokens_per_s", "bytes_on_disk")}],
-        description=f"extract version {plan['content_key']} ({plan['dir']})")
+    shards = Manifest(Path(plan["dir"])).read()["shards"]
+    status = {st: sum(s["status"] == st for s in shards) for st in sorted({s["status"] for s in shards})}
+    create_table_artifact(key=_record_key("extract", cfg), table=[{
+        "extract_version": plan["content_key"],
+        **{k: rec[k] for k in ("shards_total", "shards_published", "tokens", "tokens_per_s", "bytes_on_disk")},
+        "attempts": sum(s.get("attempts", 0) for s in shards),
+        "status": ", ".join(f"{k}: {v}" for k, v in status.items()), "manifest": rec["manifest"]}],
+        description=f"extract manifest of {cfg.prepare.dataset} on {cfg.target.model} ({plan['dir']})")
     return rec
 
 
@@ -95,9 +133,11 @@ class _Progress:
 
 @task(name="verify", cache_policy=NO_CACHE)
 def verify(cfg: PipelineConfig, prep: dict, pre: dict, ext: dict) -> dict:
-    rec = stages.stage_verify(cfg, prep, pre, ext, log=_log())
-    create_table_artifact(key=f"verify-stats-{ext['content_key']}", table=rec["layer_stats"],
-                          description=f"per-layer statistics of {rec['tokens_checked']} tokens")
+    with gpu_slot():  # the reference check loads the target
+        rec = stages.stage_verify(cfg, prep, pre, ext, log=_log())
+    create_table_artifact(key=_record_key("verify", cfg), table=rec["layer_stats"], description=(
+        f"per-layer statistics of {rec['tokens_checked']} tokens of extract version {ext['content_key']}; "
+        f"{rec['samples_checked']} records checked, reference max rel err {rec['reference_max_rel_err']}"))
     return rec
 
 
@@ -108,15 +148,31 @@ def vocab(cfg: PipelineConfig, prep: dict, pre: dict, ext: dict) -> dict:
 
 @task(name="train", cache_policy=NO_CACHE, tags=["gpu"])
 def train(cfg: PipelineConfig, prep: dict, pre: dict, ext: dict, voc: dict) -> dict:
-    return stages.stage_train(cfg, prep, pre, ext, voc, log=_log())
+    with gpu_slot():
+        rec = stages.stage_train(cfg, prep, pre, ext, voc, log=_log())
+    create_table_artifact(key=_record_key("train", cfg), table=[{
+        "train_key": Path(rec["dir"]).name, "extract_version": ext["content_key"],
+        **{k: rec.get(k) for k in ("steps", "epochs_done", "first_loss", "final_loss", "val_loss", "final_acc",
+                                   "tokens", "tokens_per_s", "resumed_from_epoch", "checkpoint_best")}}],
+        description=f"draft training on {cfg.prepare.dataset} for {cfg.target.model}")
+    _emit(DRAFT_EXPORTED, cfg, {"prefect.resource.id": f"eagle3.draft.{_k(cfg.prepare.dataset)}.{_model(cfg)}."
+                                f"{Path(rec['dir']).name}", "prefect.resource.name": f"draft {Path(rec['dir']).name}",
+                                "eagle3.version": prep["version"], "eagle3.extract-version": ext["content_key"]},
+          {"checkpoint": str(rec["checkpoint_best"]), "steps": rec.get("steps"), "final_loss": rec.get("final_loss"),
+           "val_loss": rec.get("val_loss"), "dir": rec["dir"]})
+    return rec
 
 
 @task(name="evaluate", cache_policy=NO_CACHE, tags=["gpu"])
 def evaluate(cfg: PipelineConfig, prep: dict, pre: dict, voc: dict, tr: dict, run_dir: str) -> dict:
-    rec = stages.stage_evaluate(cfg, prep, pre, voc, tr, run_dir, log=_log())
-    create_markdown_artifact(key=f"evaluate-{_k(cfg.name)}", markdown=(
-        f"τ = **{rec['acceptance_length']:.3f}** (untrained {rec.get('acceptance_length_untrained')}), "
-        f"per position {rec['per_position_acceptance']}"), description="acceptance length")
+    with gpu_slot():
+        rec = stages.stage_evaluate(cfg, prep, pre, voc, tr, run_dir, log=_log())
+    create_table_artifact(key=_record_key("evaluate", cfg), table=[{
+        "run_dir": run_dir, "checkpoint": str(tr.get("checkpoint_best")),
+        **{k: rec.get(k) for k in ("acceptance_length", "acceptance_length_untrained", "per_position_acceptance",
+                                   "min_acceptance_length", "passed", "lossless_ok")}}],
+        description=(f"τ = {rec['acceptance_length']:.3f} (untrained {rec.get('acceptance_length_untrained')}) "
+                     f"on {cfg.evaluate.num_prompts} held-out prompts of {cfg.prepare.dataset}"))
     return rec
 
 
@@ -129,7 +185,116 @@ def report(run_dir: str, report_rec: dict, metrics_path: str | None) -> dict:
     paths = write_report(Path(run_dir), report_rec, Path(metrics_path) if metrics_path else None)
     create_markdown_artifact(key=f"report-{_k(report_rec['config']['name'])}",
                              markdown=Path(paths["report_md"]).read_text(), description=f"run {report_rec['run_id']}")
+    cfg = report_rec["config"]
+    links = {**report_rec["artifacts"], "report_md": paths.get("report_md"), "run_dir": run_dir}
+    create_markdown_artifact(
+        key=f"store-{_k(cfg['prepare']['dataset'])}-{_k(slug(cfg['target']['model']))}",
+        markdown="| what | where |\n|---|---|\n" + "\n".join(
+            f"| {k} | [{v}]({_uri(v)}) |" for k, v in links.items() if isinstance(v, str) and v),
+        description=f"run {report_rec['run_id']} ({report_rec['status']}): where its data and draft are")
     return paths
+
+
+@task(name="record-refresh", cache_policy=NO_CACHE)
+def record_refresh(cfg: PipelineConfig, prep: dict, draft: str | None, changed: bool) -> None:
+    """What a refresh found: a versioned record per dataset and model."""
+    create_table_artifact(key=_record_key("refresh", cfg), table=[{
+        "version": prep["version"], "new_version": not prep.get("cached"), "rows_out": prep["rows_out"],
+        "tokens": prep["tokens"], "existing_draft": draft, "trains": changed}],
+        description=f"refresh of {cfg.prepare.dataset} for {cfg.target.model}: "
+                    + ("training a draft" if changed else "unchanged, draft exists"))
+
+
+# ------------------------------------------------------------------ Prefect-side helpers
+
+
+def ensure_gpu_limit(slots: int = 1, name: str | None = None) -> int:
+    """Create the GPU global concurrency limit if it is missing; returns its slot count."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    name = name or GPU_LIMIT
+    with get_client(sync_client=True) as client:
+        try:
+            return client.read_global_concurrency_limit_by_name(name).limit
+        except ObjectNotFound:
+            pass
+        with contextlib.suppress(ObjectAlreadyExists):  # another process won the race
+            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=slots))
+        _logger().warning(f"created the global concurrency limit {name!r} with {slots} slot(s) for this "
+                                 f"local run; for several GPU nodes: prefect gcl update {name} --limit <nodes>")
+        return client.read_global_concurrency_limit_by_name(name).limit
+
+
+def _logger():
+    from prefect.exceptions import MissingContextError
+    from prefect.logging import get_logger
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return get_logger("eagle3")
+
+
+_ENSURED: set[tuple[str, str]] = set()  # (api url, limit) this process already made sure of
+
+
+@contextlib.contextmanager
+def gpu_slot() -> Iterator[None]:
+    """Hold one slot of the GPU limit while the body runs (strict: a missing limit is an error)."""
+    from prefect.concurrency._asyncio import ConcurrencySlotAcquisitionError
+    from prefect.concurrency.sync import concurrency
+
+    if not os.environ.get("PREFECT__FLOW_RUN_ID"):  # not started by a worker: this process is the node
+        from prefect.settings import get_current_settings
+
+        key = (str(get_current_settings().api.url), GPU_LIMIT)
+        if key not in _ENSURED:
+            ensure_gpu_limit(1)
+            _ENSURED.add(key)
+    try:
+        with concurrency(GPU_LIMIT, occupy=1, strict=True):
+            yield
+    except ConcurrencySlotAcquisitionError as e:
+        raise RuntimeError(f"no slot of the global concurrency limit {GPU_LIMIT!r}: {e}. Create it once per "
+                           f"server, one slot per GPU node: prefect gcl create {GPU_LIMIT} --limit <nodes>") from e
+
+
+def publish_dataset_event(cfg: PipelineConfig, prep: dict, training: str | None = None) -> None:
+    """Emit `eagle3.dataset.published` for a prepared version; `training` (see TRAINING_FLOWS)
+    defaults to `in-run` or `no` by the name of the running flow."""
+    if training is None:
+        from prefect.runtime import flow_run
+
+        training = "in-run" if flow_run.get_flow_name() in TRAINING_FLOWS else "no"
+    _emit(DATASET_PUBLISHED, cfg, {
+        "prefect.resource.id": f"eagle3.dataset.{_k(cfg.prepare.dataset)}.{prep['version']}",
+        "prefect.resource.name": f"{cfg.prepare.dataset}@{prep['version']}", "eagle3.version": prep["version"],
+        "eagle3.training": training},
+        {"config": cfg.model_dump(mode="json"), "dir": prep["dir"], "tokenized": prep["tokenized"],
+         **{k: prep.get(k) for k in ("rows_in", "rows_out", "rows_quarantined", "tokens")}})
+
+
+def _emit(event: str, cfg: PipelineConfig, resource: dict[str, str], payload: dict) -> None:
+    from prefect.events import emit_event
+
+    emit_event(event=event, resource={**resource, "eagle3.dataset": cfg.prepare.dataset,
+                                      "eagle3.model": cfg.target.model, "eagle3.config": cfg.name},
+               payload=payload)
+
+
+def _record_key(what: str, cfg: PipelineConfig) -> str:
+    """One artifact key per record kind, dataset and target model: each run adds a version."""
+    return f"{what}-{_k(cfg.prepare.dataset)}-{_model(cfg)}"
+
+
+def _model(cfg: PipelineConfig) -> str:
+    return _k(slug(cfg.target.model))
+
+
+def _uri(v: str) -> str:
+    return v if "://" in v else Path(v).resolve().as_uri()
 
 
 def _k(s: str) -> str:
