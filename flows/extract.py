@@ -1,7 +1,12 @@
-"""The extract flow: plan shard groups, run one `extract-group` task per group (one engine child
-each, published shard by shard), then summarise the manifest. A group that completed in an earlier
-run of the same content is answered from Prefect's cache, so a retried flow run, `eagle3
-rerun-failed` or the `rerun-failed` flow executes exactly the groups with unpublished shards."""
+"""The extract flow: plan shard groups, extract each group (one engine child per group, published
+shard by shard), then summarise the manifest.
+
+parallel_groups == 1: one cached `extract-group` task per group in this process. A group that
+completed in an earlier run of the same content is answered from Prefect's cache (unless the
+manifest says one of its shards is not published), so a retried flow run, `eagle3 rerun-failed` or
+the `rerun-failed` flow executes exactly the groups with unpublished shards.
+parallel_groups > 1: the groups with unpublished shards fan out as runs of the `extract-group`
+deployment (one node each; flows/fanout.py), at most parallel_groups at a time."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from prefect import flow
 from eagle3_pipeline import stages
 from eagle3_pipeline.config import PipelineConfig
 from eagle3_pipeline.extract.shards import ExtractFailed
+from flows.fanout import run_groups_as_deployments
 from tasks import stages as t
 
 
@@ -17,15 +23,19 @@ from tasks import stages as t
 def extract(config: PipelineConfig, prep: dict, pre: dict, force_shards: list[int] | None = None) -> dict:
     plan = t.extract_plan(config, prep, pre)
     force = set(force_shards or [])
-    failed = []
-    for group in plan["groups"]:
-        forced = bool(force & set(group))
-        refresh = forced or bool(stages.unpublished(plan, group))
-        run = t.extract_group.with_options(retries=config.extract.retries, retry_delay_seconds=5, refresh_cache=refresh)
-        state = run(config, prep, plan, group, forced, return_state=True)
-        if state.is_failed():
-            failed.append(f"shards {group}: {state.message}")
+    if config.extract.parallel_groups > 1:
+        failed = run_groups_as_deployments(config, prep, plan, force)
+    else:
+        failed = []
+        for group in plan["groups"]:
+            forced = bool(force & set(group))
+            refresh = forced or bool(stages.unpublished(plan, group))
+            run = t.extract_group.with_options(retries=config.extract.retries, retry_delay_seconds=5,
+                                               refresh_cache=refresh)
+            state = run(config, prep, plan, group, forced, return_state=True)
+            if state.is_failed():
+                failed.append(f"shards {group}: {state.message}")
     if failed:
         raise ExtractFailed(f"{len(failed)} of {len(plan['groups'])} shard groups failed "
                             f"(their finished shards stay published; a re-run does the rest):\n  " + "\n  ".join(failed))
-    return t.extract_summary(plan)
+    return t.extract_summary(config, plan)

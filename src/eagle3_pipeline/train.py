@@ -12,7 +12,10 @@ Writes out_dir/checkpoints/<epoch>/{config.json, model.safetensors (with d2t, t2
        step: loss, per-TTT-step accuracy, tokens/s; a line per validation pass),
        out_dir/train.log (the child's full output), out_dir/train_job.json, out_dir/train_result.json.
 A rerun with the same out_dir resumes from the last complete epoch checkpoint; an epoch directory
-left incomplete by a killed attempt is moved aside first (renamed `<epoch>.incomplete-<time>`).
+left incomplete by a killed attempt is moved aside first (renamed `<epoch>.incomplete-<time>`), and so
+is speculators' `interrupted/` save of a stopped attempt (never resumed from; the worker fails an
+attempt that ends with one). Before returning, `train_draft` runs `export_check` on checkpoint_best,
+so a draft with a wrong d2t/t2d or verifier weights never reaches evaluate or a server.
 
 What speculators copies from the verifier (and export_check verifies): `embed_tokens.weight` (frozen,
 the full [V, H] matrix) and `lm_head.weight` = the verifier's lm_head rows of the draft vocab ([K, H],
@@ -59,6 +62,7 @@ class TrainResult(BaseModel):
     checkpoint_best: Path
     checkpoint_last: Path
     metrics: Path
+    export_checked: bool  # export_check passed on checkpoint_best (False: target is not a local directory)
 
 
 def aux_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
@@ -104,6 +108,11 @@ def _move_incomplete_checkpoints(save_path: Path, log: Callable[[str], None]) ->
     """An epoch dir without all of CKPT_FILES (a killed save) would be resumed from: move it aside."""
     if not save_path.is_dir():
         return
+    interrupted = save_path / "interrupted"  # speculators' save on SIGTERM/SIGINT; a new one means this attempt was stopped
+    if interrupted.is_dir() and not interrupted.is_symlink():
+        dest = interrupted.with_name(f"interrupted.{int(time.time())}")
+        log(f"train: {interrupted} (saved by a stopped attempt; not resumed from) moved to {dest.name}")
+        interrupted.rename(dest)
     for d in sorted(save_path.iterdir()):
         if d.is_dir() and not d.is_symlink() and d.name.isdigit():
             absent = [f for f in CKPT_FILES if not (d / f).exists()]
@@ -147,21 +156,21 @@ def _format_event(ev: dict) -> str | None:
     if kind == "start":
         return (f"train: start (resumed from epoch {ev.get('resumed_from_epoch')}, step {ev.get('global_step')}); "
                 f"{ev.get('train_batches_per_epoch')} packed rows/epoch, {ev.get('val_batches')} for validation, "
-                f"{ev.get('params_trainable')} trainable parameters")
+                f"{ev.get('params_trainable')} trainable parameters, {ev.get('threads')} threads")
     if kind == "done":
         return f"train: done, {ev['steps']} steps" if "steps" in ev else "train: done"
     return None
 
 
-def _argv(cfg: TrainConfig, job_path: Path) -> list[str]:
-    if cfg.device == "cuda" and cfg.num_gpus > 1:
+def _argv(cfg: TrainConfig, job_path: Path, distributed: bool = True) -> list[str]:
+    if distributed and cfg.device == "cuda" and cfg.num_gpus > 1:
         return [sys.executable, "-u", "-m", "torch.distributed.run", "--standalone",
                 f"--nproc_per_node={cfg.num_gpus}", "-m", WORKER, str(job_path)]
     return python_child(WORKER, str(job_path))
 
 
 def _run_worker(job: dict, job_path: Path, cfg: TrainConfig, log: Callable[[str], None],
-                log_path: Path | None, timeout_s: float) -> dict:
+                log_path: Path | None, timeout_s: float, distributed: bool = True) -> dict:
     write_json(job_path, job)
     Path(job["result_path"]).unlink(missing_ok=True)  # never report a previous attempt's result
 
@@ -170,7 +179,7 @@ def _run_worker(job: dict, job_path: Path, cfg: TrainConfig, log: Callable[[str]
         if line:
             log(line)
 
-    run_child(_argv(cfg, job_path), name="train", timeout_s=timeout_s, log_path=log_path, on_line=log,
+    run_child(_argv(cfg, job_path, distributed), name="train", timeout_s=timeout_s, log_path=log_path, on_line=log,
               on_event=on_event, env={"TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false"})
     result = read_json(Path(job["result_path"]))
     if result is None:
@@ -205,12 +214,20 @@ def train_draft(cfg: TrainConfig, target: TargetConfig, tokenized_dir: Path, hid
            "metrics_path": str((out_dir / "metrics.jsonl").resolve()),
            "result_path": str((out_dir / "train_result.json").resolve())}
     res = _run_worker(job, out_dir / "train_job.json", cfg, log, out_dir / "train.log", cfg.timeout_s)
+    best = Path(res["checkpoint_best"])
+    checked = Path(target.model).is_dir()
+    if checked:  # the exported draft must be the one we meant before anything serves it
+        export_check(best, vocab_dir, Path(target.model))
+        log(f"train: export check passed for {best} (-> epoch {res.get('checkpoint_best_epoch')}): d2t/t2d equal "
+            f"{d2t_path.name}/{t2d_path.name}, shapes, verifier embeddings and lm_head rows")
+    else:
+        log(f"train: export check skipped: target {target.model} is not a local directory")
     return TrainResult(
         steps=res["steps"], final_loss=res["final_loss"], first_loss=res["first_loss"], val_loss=res["val_loss"],
         final_acc=res["final_acc"], tokens_per_s=res["tokens_per_s"], tokens=res["tokens"],
         epochs_done=res["epochs_done"], resumed_from_epoch=res["resumed_from_epoch"],
-        checkpoint_best=Path(res["checkpoint_best"]), checkpoint_last=Path(res["checkpoint_last"]),
-        metrics=Path(res["metrics"]))
+        checkpoint_best=best, checkpoint_last=Path(res["checkpoint_last"]),
+        metrics=Path(res["metrics"]), export_checked=checked)
 
 
 def make_untrained_draft(target: TargetConfig, vocab_dir: Path, layer_ids: list[int], out_dir: Path,
@@ -229,7 +246,7 @@ def make_untrained_draft(target: TargetConfig, vocab_dir: Path, layer_ids: list[
         job = {"mode": "untrained", "train": cfg.model_dump(mode="json"), "target": target.model_dump(mode="json"),
                "d2t_path": str(d2t_path.resolve()), "t2d_path": str(t2d_path.resolve()), "aux_layer_ids": aux,
                "out_dir": str(staging), "result_path": str(Path(tmp) / "result.json")}
-        _run_worker(job, Path(tmp) / "job.json", cfg, log, None, timeout_s)
+        _run_worker(job, Path(tmp) / "job.json", cfg, log, None, timeout_s, distributed=False)  # one process writes it
         if out_dir.exists():
             shutil.rmtree(out_dir)
         staging.rename(out_dir)

@@ -17,7 +17,16 @@ Structured progress goes to the parent as `proc.emit_event` lines: {"kind": "tra
 "done", ...}. Device "cpu" installs a small shim (speculators' trainer assumes an accelerator):
 the trainer's device is "cpu" (autocast on cpu in bf16), `torch.accelerator.synchronize` is a no-op,
 and checkpoints are loaded to "cpu"; draft attention is sdpa/eager and the loss is speculators' eager
-implementation. Device "cuda" uses speculators untouched (flex attention, fused Triton losses).
+implementation. Device "cuda" uses speculators untouched (flex attention, fused Triton losses); with
+num_gpus > 1 the parent starts this module under torchrun, every rank trains (DDP, or FSDP with
+`train.fsdp`), and only rank 0 writes metrics, events and the result.
+
+Test hook (fault injection, like the extract worker's): with KILL_ENV set to `step:<epoch>:<n>` the
+process SIGKILLs itself right after the n-th logged optimizer step of epoch <epoch> (0-based); with
+`save:<epoch>` it SIGKILLs itself in the middle of saving that epoch's checkpoint (weights and
+optimizer written, training_state.json not yet); with `term:<epoch>:<n>` it sends itself SIGTERM
+there instead (a preemption: speculators saves `interrupted/` and returns normally, and this worker
+must still fail the attempt). Nothing is cleaned up: that is the point.
 """
 
 from __future__ import annotations
@@ -26,15 +35,42 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from eagle3_pipeline.proc import emit_event
 from eagle3_pipeline.store import write_json
 
 ATTN_IMPL = {"sdpa": "sdpa", "eager": "eager", "flex_attention": "simple_flex_attention"}
+KILL_ENV = "EAGLE3_TRAIN_KILL_AT"
+# speculators' step profiler phases (ms), kept per step in metrics.jsonl: where a step's time went
+# (fetch = waiting for the data loader, incl. the previous step's logging)
+PHASES = ("fetch_ms", "fwd_ms", "bwd_ms", "opt_ms")
 log = logging.getLogger("eagle3_pipeline.train_worker")
+
+
+def _kill_self(why: str) -> None:
+    log.warning("%s: SIGKILL (injected fault, %s)", why, KILL_ENV)
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _parse_kill(spec: str | None) -> tuple[str, int, int] | None:
+    """KILL_ENV -> ("step" | "term", epoch, n) | ("save", epoch, 0) | None."""
+    if not spec:
+        return None
+    parts = spec.split(":")
+    try:
+        if parts[0] in ("step", "term") and len(parts) == 3:
+            return parts[0], int(parts[1]), int(parts[2])
+        if parts[0] == "save" and len(parts) == 2:
+            return "save", int(parts[1]), 0
+    except ValueError:
+        pass
+    raise ValueError(f"{KILL_ENV}={spec!r}: expected 'step:<epoch>:<n>', 'term:<epoch>:<n>' or 'save:<epoch>'")
 
 
 def _is_rank0() -> bool:
@@ -68,11 +104,13 @@ class _MetricSink(logging.Handler):
     """Receives the dicts speculators' Trainer logs to `speculators.metrics`; writes metrics.jsonl
     and forwards each record to the parent as an event."""
 
-    def __init__(self, path: Path, ttt_steps: int):
+    def __init__(self, path: Path, ttt_steps: int, kill: tuple[str, int, int] | None = None):
         super().__init__(logging.INFO)
         self.path = Path(path)
         self.ttt_steps = ttt_steps
         self.last_train: dict | None = None
+        self.kill = kill if kill and kill[0] in ("step", "term") else None
+        self.steps_in_kill_epoch = 0
 
     def _per_step(self, m: dict, key: str, suffix: str = "") -> list[float | None]:
         return [m.get(f"{key}_{k}{suffix}") for k in range(self.ttt_steps)]
@@ -91,7 +129,8 @@ class _MetricSink(logging.Handler):
                     "acc": self._per_step(m, "full_acc"), "cond_acc": self._per_step(m, "cond_acc"),
                     "lr": lr if not isinstance(lr, dict) else lr.get("AdamW", next(iter(lr.values()))),
                     "tokens": tokens, "step_s": step_s,
-                    "tokens_per_s": prof.get("tokens_per_s"), "error_records": m.get("error_records")}
+                    "tokens_per_s": prof.get("tokens_per_s"), "error_records": m.get("error_records"),
+                    **{k: prof.get(k) for k in PHASES}}
             self.last_train = line
         elif "val" in msg:
             m = msg["val"]
@@ -104,6 +143,16 @@ class _MetricSink(logging.Handler):
         with open(self.path, "a") as f:
             f.write(json.dumps(line) + "\n")
         emit_event(**line)
+        if self.kill and line["kind"] == "train_step" and line["epoch"] == self.kill[1]:
+            self.steps_in_kill_epoch += 1
+            if self.steps_in_kill_epoch >= self.kill[2]:
+                where = f"after step {line['step']} (step {self.steps_in_kill_epoch} of epoch {line['epoch']})"
+                if self.kill[0] == "term":
+                    self.kill = None
+                    log.warning("%s: SIGTERM (injected fault, %s)", where, KILL_ENV)
+                    os.kill(os.getpid(), signal.SIGTERM)  # speculators' handler raises from here
+                else:
+                    _kill_self(where)
 
 
 def _trim_metrics(path: Path, global_step: int, epoch: int) -> None:
@@ -166,16 +215,17 @@ def build_draft(job: dict):
 
 
 def _loaders(job: dict, hidden_size: int, num_aux: int):
-    """speculators' ArrowDataset over our tokenized rows + hs files, split train/val by row index
-    (the last val_ratio of the rows), packed into rows of max_seq_len tokens by its multipack sampler."""
+    """speculators' own train/val loaders (`create_train_val_loaders`, what `speculators train` uses):
+    its ArrowDataset over our tokenized rows + hs files, split by row index (the last val_ratio of
+    the rows for validation), packed into rows of max_seq_len tokens by its multipack sampler.
+    A row without its hidden-state file raises (never generated on demand from a vLLM server).
+    Files are read through hs_connectors' FP8Transfer: bf16 files pass unchanged, fp8 files
+    (extract.storage_dtype=fp8: + hidden_states_scales) are dequantized to bf16 per token."""
     import torch
     from datasets import load_from_disk
-    from hs_connectors import FileTransfer
+    from hs_connectors.transfer import FP8Transfer
     from speculators.models.eagle3.data import shift_batch
-    from speculators.train.data import ArrowDataset, CollateFn
-    from speculators.train.distributed import get_dp_rank, get_dp_size
-    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
-    from torch.utils.data import DataLoader
+    from speculators.train.dataloader import create_train_val_loaders
 
     cfg = job["train"]
     n_rows = len(load_from_disk(job["tokenized_dir"]))
@@ -183,28 +233,26 @@ def _loaders(job: dict, hidden_size: int, num_aux: int):
     if n_train < 1 or n_rows - n_train < 1:
         raise ValueError(f"{job['tokenized_dir']}: {n_rows} rows cannot be split into train and validation "
                          f"with train.val_ratio={cfg['val_ratio']} (each needs at least one row)")
-    transfer = FileTransfer(Path(job["hidden_states_dir"]))
+    return create_train_val_loaders(
+        data_path=job["tokenized_dir"], total_seq_len=cfg["max_seq_len"], hidden_states_dtype=torch.bfloat16,
+        transfer=FP8Transfer(Path(job["hidden_states_dir"]), torch.bfloat16), vllm_endpoint="", on_missing="raise",
+        verifier_name_or_path=job["target"]["model"], request_timeout=None, max_retries=0,
+        generation_validation_retries=0, max_consecutive_generation_failures=1, hidden_size=hidden_size,
+        num_target_layers=num_aux, num_workers=cfg["num_workers"], prefetch_factor=4, preprocess=shift_batch,
+        train_data_ratio=1 - cfg["val_ratio"], seed=cfg["seed"])
 
-    def dataset(split: str):
-        ds = ArrowDataset(max_len=cfg["max_seq_len"], datapath=job["tokenized_dir"], transfer=transfer,
-                          on_missing="raise", train_ratio=1 - cfg["val_ratio"], split=split,
-                          hidden_states_dtype=torch.bfloat16)
-        return ds
 
-    workers = cfg["num_workers"]
+def _install_save_kill(trainer, epoch: int) -> None:
+    """KILL_ENV=save:<epoch>: die after that epoch's weights/optimizer are written, before its
+    training_state.json (the last file speculators writes for a checkpoint)."""
+    orig = trainer._save_training_state
 
-    def loader(ds, seed: int):
-        sampler = MultipackDistributedBatchSamplerV2(
-            batch_max_length=cfg["max_seq_len"], lengths=ds.approx_lengths, num_replicas=get_dp_size(),
-            rank=get_dp_rank(), seed=seed)
-        return DataLoader(
-            ds, batch_sampler=sampler, num_workers=workers, prefetch_factor=4 if workers else None,
-            pin_memory=cfg["device"] == "cuda",
-            collate_fn=CollateFn(cfg["max_seq_len"], hidden_size, num_target_layers=num_aux,
-                                 dtype=torch.bfloat16, preprocess=shift_batch),
-            persistent_workers=workers > 0, multiprocessing_context="spawn" if workers else None)
+    def save_training_state(ep: int, local_step: int) -> None:
+        if ep == epoch:
+            _kill_self(f"while saving the checkpoint of epoch {ep}")
+        orig(ep, local_step)
 
-    return loader(dataset("train"), cfg["seed"]), loader(dataset("val"), 0)
+    trainer._save_training_state = save_training_state
 
 
 def run_train(job: dict) -> dict:
@@ -215,6 +263,7 @@ def run_train(job: dict) -> dict:
 
     cfg = job["train"]
     cpu = cfg["device"] == "cpu"
+    kill = _parse_kill(os.environ.get(KILL_ENV))
     save_path = Path(job["save_path"])
     metrics_path = Path(job["metrics_path"])
     set_seed(cfg["seed"])
@@ -235,30 +284,39 @@ def run_train(job: dict) -> dict:
     trainer = trainer_cls(model, TrainerConfig(
         lr=cfg["lr"], num_epochs=cfg["epochs"], save_path=str(save_path), resume_from_checkpoint=True,
         train_call_kwargs=train_kwargs, val_call_kwargs=val_kwargs, optimizer=cfg["optimizer"],
-        muon_lr=cfg["lr"], checkpoint_freq=1, save_best=False, hidden_states_dtype=torch.bfloat16, log_freq=1,
+        muon_lr=cfg["lr"], checkpoint_freq=1, save_best=False, hidden_states_dtype=torch.bfloat16,
+        log_freq=cfg["log_freq"], fsdp_shard=cfg["fsdp"], gradient_checkpointing=cfg["gradient_checkpointing"],
         max_steps=cfg["max_steps"]), train_loader, val_loader)
+    if kill and kill[0] == "save":
+        _install_save_kill(trainer, kill[1])
     resumed_from = trainer.checkpointer.previous_epoch
-    if _is_rank0():
+    rank0 = _is_rank0()
+    if rank0:
         _trim_metrics(metrics_path, trainer.global_step, trainer.current_epoch)
         emit_event(kind="start", resumed_from_epoch=resumed_from, global_step=trainer.global_step,
                    epochs=cfg["epochs"], train_batches_per_epoch=len(train_loader),
-                   val_batches=len(val_loader), params_trainable=sum(
+                   val_batches=len(val_loader), threads=torch.get_num_threads(), params_trainable=sum(
                        p.numel() for p in model.parameters() if p.requires_grad))
-    sink = _MetricSink(metrics_path, cfg["ttt_steps"])
     mlog = logging.getLogger("speculators.metrics")
     mlog.setLevel(logging.INFO)
     mlog.propagate = False
-    if _is_rank0():
-        mlog.addHandler(sink)
+    if rank0:
+        mlog.addHandler(_MetricSink(metrics_path, cfg["ttt_steps"], kill))
     t0 = time.time()
     trainer.run_training()
     wall = time.time() - t0
+    if not rank0:  # every rank has passed speculators' final barrier; rank 0 reports
+        return {}
 
+    if (save_path / "interrupted").is_dir():  # speculators caught SIGTERM/SIGINT, saved this, and returned
+        raise RuntimeError(f"training was interrupted by a signal at step {trainer.global_step}; its partial save "
+                           f"{save_path / 'interrupted'} is not resumed from (the next attempt resumes from the last "
+                           f"epoch checkpoint)")
     best = save_path / "checkpoint_best"
     last = type(trainer.checkpointer)(save_path).previous_epoch  # speculators' own scan of <epoch>/ dirs
     if last < 0:
         raise RuntimeError(f"{save_path}: training finished without writing any epoch checkpoint")
-    if _is_rank0() and not best.exists():  # no validation improvement recorded (e.g. NaN val loss): use the last epoch
+    if not best.exists():  # no validation improvement recorded (e.g. NaN val loss): use the last epoch
         if best.is_symlink():
             best.unlink()
         best.symlink_to(str(last), target_is_directory=True)
@@ -298,6 +356,7 @@ def main(argv: list[str]) -> int:
 
     if job["train"]["device"] == "cpu":
         _install_cpu_shim()
+        warnings.filterwarnings("ignore", message=".*'pin_memory' argument is set as true but no accelerator")
     maybe_setup_distributed()
     try:
         result = MODES[job["mode"]](job)

@@ -1,16 +1,15 @@
-"""train stage on CPU, for real: speculators' EAGLE-3 trainer in a child process on a tiny dataset.
+"""train stage on CPU, for real: speculators' EAGLE-3 trainer in a child process on the session's
+extracted data (tests/conftest.py: the tiny target, prepared with its chat template, hidden states
+extracted by vLLM) and the vocab stage's d2t/t2d.
 
-Until the session fixtures (`tiny_target`, `extracted`) exist, the inputs are built here: chat rows
-from the tiny target's corpus, tokenized with its chat template (loss mask on assistant content and
-its end-of-turn token), hidden states from HF transformers (`hidden_states[k]` for the aux ids; the
-last decoder layer's output before the final norm for id N, via a forward hook) in the offline
-format, and the draft vocab from the counts of supervised tokens.
+One module-scoped training run (2 epochs, ≈ 70 optimizer steps of 512-token packed rows, ≈ 20-40 s on
+2 cores) is shared by the checks of metrics, checkpoint, export check, resume and serving; the
+killed-training test and the untrained draft run children of their own.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,75 +18,21 @@ import numpy as np
 import pytest
 import torch
 
-from eagle3_pipeline.config import TargetConfig, TrainConfig, VocabConfig
-from eagle3_pipeline.train import ExportCheckError, export_check, make_untrained_draft, train_draft
-from eagle3_pipeline.vocab import build_vocab
-
-TINY_TARGET = Path(os.environ.get("EAGLE3_TINY_TARGET", "/tmp/tt150"))
-
-
-def build_offline_inputs(model_dir: Path, out: Path, rows: int, layer_ids: list[int]) -> SimpleNamespace:
-    """tokenized/ + hidden_states/ + token_freq.safetensors in `out` from the model's own corpus."""
-    from datasets import Dataset
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    corpus = model_dir / "corpus" / "openai.jsonl"
-    convs = [json.loads(line)["messages"] for line in corpus.read_text().splitlines()[:rows]]
-    data = {"input_ids": [], "loss_mask": [], "seq_len": [], "sample_id": []}
-    for i, msgs in enumerate(convs):
-        ids, mask = [tok.bos_token_id], [0]
-        for m in msgs:
-            head = tok(f"<|{m['role']}|>\n", add_special_tokens=False)["input_ids"]
-            body = tok(m["content"] + "<|end|>", add_special_tokens=False)["input_ids"]
-            nl = tok("\n", add_special_tokens=False)["input_ids"]
-            sup = 1 if m["role"] == "assistant" else 0
-            ids += head + body + nl
-            mask += [0] * len(head) + [sup] * len(body) + [0] * len(nl)
-        data["input_ids"].append(ids)
-        data["loss_mask"].append(mask)
-        data["seq_len"].append(len(ids))
-        data["sample_id"].append(f"conv-{i}")
-    tokenized = out / "tokenized"
-    Dataset.from_dict(data).save_to_disk(str(tokenized))
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    n = model.config.num_hidden_layers
-    captured = {}
-    hook = model.model.layers[-1].register_forward_hook(lambda _m, _i, o: captured.__setitem__(
-        "last", o[0] if isinstance(o, tuple) else o))
-    hs_dir = out / "hidden_states"
-    hs_dir.mkdir(parents=True)
-    with torch.no_grad():
-        for i, ids in enumerate(data["input_ids"]):
-            x = torch.tensor([ids])
-            o = model(x, output_hidden_states=True)
-            layers = [o.hidden_states[k][0] for k in layer_ids[:-1]] + [captured["last"][0]]
-            assert layer_ids[-1] == n
-            hs = torch.stack(layers, dim=1).to(torch.bfloat16).contiguous()  # [T, L, H]
-            save_file({"hidden_states": hs, "token_ids": x[0].clone()}, str(hs_dir / f"hs_{i}.safetensors"))
-    hook.remove()
-    counts = np.zeros(model.config.vocab_size, dtype=np.int64)  # [V]
-    for ids, mask in zip(data["input_ids"], data["loss_mask"], strict=True):
-        np.add.at(counts, np.asarray(ids)[np.asarray(mask, dtype=bool)], 1)
-    from safetensors.numpy import save_file as save_np
-
-    save_np({"counts": counts}, str(out / "token_freq.safetensors"))
-    return SimpleNamespace(tokenized=tokenized, hidden_states=hs_dir, layer_ids=layer_ids,
-                           token_freq=out / "token_freq.safetensors", eos=tok.eos_token_id,
-                           vocab_size=model.config.vocab_size)
+from eagle3_pipeline.config import EvaluateConfig, TargetConfig, TrainConfig
+from eagle3_pipeline.proc import ChildFailed
+from eagle3_pipeline.train import CKPT_FILES, ExportCheckError, export_check, make_untrained_draft, train_draft
+from eagle3_pipeline.train_worker import KILL_ENV
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
-    if not (TINY_TARGET / "config.json").exists():
-        pytest.skip(f"tiny target model not built at {TINY_TARGET}")
-    out = tmp_path_factory.mktemp("train-inputs")
-    ex = build_offline_inputs(TINY_TARGET, out, rows=48, layer_ids=[2, 4, 5, 8])
-    vocab = build_vocab(VocabConfig(draft_vocab_size=256), ex.token_freq, ex.vocab_size, out / "vocab", [ex.eos])
-    assert vocab.coverage > 0.9
-    return SimpleNamespace(**vars(ex), vocab_dir=out / "vocab", target=TargetConfig(model=str(TINY_TARGET)))
+def inputs(tiny_config, tiny_target, prepared, preflighted, extracted):
+    from eagle3_pipeline.stages import stage_vocab
+
+    voc = stage_vocab(tiny_config, prepared, preflighted, extracted.record, log=lambda _: None)
+    assert voc["coverage"] > 0.9
+    return SimpleNamespace(tokenized=extracted.tokenized, hidden_states=extracted.hidden_states,
+                           layer_ids=extracted.layer_ids, vocab_dir=Path(voc["dir"]), k=voc["draft_vocab_size"],
+                           model_dir=tiny_target, target=TargetConfig(model=str(tiny_target)), prepared=prepared)
 
 
 def _cfg(**kw) -> TrainConfig:
@@ -130,8 +75,8 @@ def test_checkpoint_is_a_servable_speculators_draft(trained, inputs):
         assert {"d2t", "t2d", "fc.weight", "lm_head.weight"} <= set(f.keys())
     conf = json.loads((best / "config.json").read_text())
     assert conf["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
-    assert conf["draft_vocab_size"] == 256
-    export_check(best, inputs.vocab_dir, TINY_TARGET)
+    assert conf["draft_vocab_size"] == inputs.k
+    export_check(best, inputs.vocab_dir, inputs.model_dir)
 
 
 def test_export_check_catches_altered_d2t(trained, inputs, tmp_path):
@@ -144,14 +89,14 @@ def test_export_check_catches_altered_d2t(trained, inputs, tmp_path):
     w["d2t"][7] += 1
     save_file(w, str(bad / "model.safetensors"))
     with pytest.raises(ExportCheckError, match="d2t differs .* index 7"):
-        export_check(bad, inputs.vocab_dir, TINY_TARGET)
+        export_check(bad, inputs.vocab_dir, inputs.model_dir)
     # and a draft whose lm_head no longer matches the target's rows
     w = load_file(str(trained.res.checkpoint_best / "model.safetensors"))
     w["lm_head.weight"] = w["lm_head.weight"].clone()
     w["lm_head.weight"][3] *= 2
     save_file(w, str(bad / "model.safetensors"))
     with pytest.raises(ExportCheckError, match="lm_head.weight differs .* row 3"):
-        export_check(bad, inputs.vocab_dir, TINY_TARGET)
+        export_check(bad, inputs.vocab_dir, inputs.model_dir)
 
 
 def test_resume_continues_from_last_epoch(trained, inputs):
@@ -162,13 +107,13 @@ def test_resume_continues_from_last_epoch(trained, inputs):
     assert trained.res.steps < res.steps < trained.res.steps * 2
     rows = [json.loads(x) for x in (trained.out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["kind"] == "train_step"] == list(range(res.steps))
-    export_check(res.checkpoint_best, inputs.vocab_dir, TINY_TARGET)
+    export_check(res.checkpoint_best, inputs.vocab_dir, inputs.model_dir)
 
 
 def test_untrained_draft_has_same_architecture(trained, inputs, tmp_path):
     out = make_untrained_draft(inputs.target, inputs.vocab_dir, inputs.layer_ids, tmp_path / "untrained",
                                _cfg(), log=lambda _: None)
-    export_check(out, inputs.vocab_dir, TINY_TARGET)
+    export_check(out, inputs.vocab_dir, inputs.model_dir)
     a = json.loads((out / "config.json").read_text())
     b = json.loads((trained.res.checkpoint_best / "config.json").read_text())
     for key in ("draft_vocab_size", "eagle_aux_hidden_state_layer_ids", "norm_before_fc", "norm_output"):
@@ -200,3 +145,128 @@ def test_incomplete_checkpoint_is_moved_aside_and_spec_guards_resume(tmp_path):
     _check_resume_spec(tmp_path, save, spec)  # same draft: fine
     with pytest.raises(ValueError, match="d2t_sha256"):
         _check_resume_spec(tmp_path, save, {**spec, "d2t_sha256": "b"})
+
+
+def test_step_lines_reach_the_log_callback(trained):
+    """The per-step line the Prefect run logger gets (train_draft's `log`): step, epoch, loss,
+    full-sequence accuracy per TTT step and throughput, one line per logged optimizer step."""
+    import re
+
+    pat = re.compile(r"^train: step (\d+) epoch (\d+) loss (\d+\.\d{3}) acc\[(\d\.\d\d) (\d\.\d\d) (\d\.\d\d)\] "
+                     r"(\d+) tok/s$")
+    steps = [m for m in map(pat.match, trained.lines) if m]
+    assert [int(m.group(1)) for m in steps] == list(range(trained.res.steps))
+    assert any(x.startswith("train: validation epoch 1 loss ") for x in trained.lines)
+    assert any(x.startswith("train: export check passed for ") for x in trained.lines)
+    assert trained.res.export_checked
+
+
+def _ckpt_complete(d: Path) -> bool:
+    return d.is_dir() and all((d / f).exists() for f in CKPT_FILES)
+
+
+def test_killed_training_resumes_from_last_complete_checkpoint(inputs, tmp_path, monkeypatch):
+    """SIGTERM (preemption), SIGKILL mid-epoch (no chance to save anything), then SIGKILL in the middle
+    of writing an epoch checkpoint; each rerun of train_draft resumes from the last *complete* epoch
+    checkpoint, the metrics stay one line per step without gaps or duplicates, and the final draft
+    passes export_check."""
+    out = tmp_path / "run"
+    cfg = _cfg(epochs=3)
+    args = (cfg, inputs.target, inputs.tokenized, inputs.hidden_states, inputs.vocab_dir, inputs.layer_ids, out)
+    save = out / "checkpoints"
+
+    def metric_steps() -> list[int]:
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        return [r["step"] for r in rows if r["kind"] == "train_step"]
+
+    # attempt 0: SIGTERM (a preemption) at the 2nd step: speculators saves `interrupted/` and returns as
+    # if done; the attempt must fail anyway, and its partial save is never resumed from
+    monkeypatch.setenv(KILL_ENV, "term:0:2")
+    with pytest.raises(ChildFailed, match="training was interrupted"):
+        train_draft(*args, log=lambda _: None)
+    assert (save / "interrupted" / "model.safetensors").exists() and not (save / "0").exists()
+    assert not (out / "train_result.json").exists()
+
+    # attempt 1: starts afresh; killed after the 3rd step of epoch 1 (0-based): epoch 0's checkpoint is all there is
+    monkeypatch.setenv(KILL_ENV, "step:1:3")
+    lines: list[str] = []
+    with pytest.raises(ChildFailed, match="exited with code -9"):
+        train_draft(*args, log=lines.append)
+    assert any("interrupted" in x and "moved to" in x for x in lines)
+    assert any("resumed from epoch -1, step 0" in x for x in lines)
+    assert _ckpt_complete(save / "0") and not (save / "1").exists()
+    per_epoch = json.loads((save / "0" / "training_state.json").read_text())["global_step"]
+    assert per_epoch >= 4
+    assert metric_steps() == list(range(per_epoch + 3))
+
+    # attempt 2: resumes from epoch 0, killed while writing epoch 1's checkpoint (weights on disk,
+    # training_state.json not): a directory that looks like a checkpoint but is not complete
+    monkeypatch.setenv(KILL_ENV, "save:1")
+    lines = []
+    with pytest.raises(ChildFailed, match="exited with code -9"):
+        train_draft(*args, log=lines.append)
+    assert any(f"resumed from epoch 0, step {per_epoch}" in x for x in lines)
+    assert (save / "1" / "model.safetensors").exists() and not _ckpt_complete(save / "1")
+    assert metric_steps() == list(range(2 * per_epoch))
+
+    # attempt 3: the incomplete epoch 1 is moved aside, training resumes from epoch 0 and finishes
+    monkeypatch.delenv(KILL_ENV)
+    lines = []
+    res = train_draft(*args, log=lines.append)
+    assert any("is incomplete" in x and "not resumed from" in x for x in lines)
+    assert any(f"resumed from epoch 0, step {per_epoch}" in x for x in lines)
+    assert res.resumed_from_epoch == 0 and res.epochs_done == 3
+    assert res.steps == 3 * per_epoch
+    assert metric_steps() == list(range(res.steps))  # replayed steps replaced, nothing missing
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows if r["kind"] == "val"] == [0, 1, 2]
+    assert [p.name for p in save.iterdir() if p.name.startswith("1.incomplete-")]
+    assert all(_ckpt_complete(save / str(e)) for e in range(3)) and res.checkpoint_last == save / "2"
+    assert res.export_checked
+    export_check(res.checkpoint_last, inputs.vocab_dir, inputs.model_dir)
+
+
+@pytest.mark.timeout(900)
+def test_trained_checkpoint_is_served_by_vllm(trained, inputs, tmp_path):
+    """The exported checkpoint_best of train_draft, served by vLLM as the EAGLE-3 draft of the tiny
+    target on held-out prompts: drafts are accepted (τ well above the untrained 1.0x), and greedy
+    speculative decoding reproduces the target's own greedy tokens."""
+    from eagle3_pipeline.evaluate import evaluate_draft
+    from eagle3_pipeline.stages import heldout_prompts
+
+    cfg = EvaluateConfig(num_prompts=8, num_speculative_tokens=3, max_tokens=32, check_lossless=True, timeout_s=600)
+    r = evaluate_draft(cfg, inputs.target, trained.res.checkpoint_best, heldout_prompts(inputs.prepared, 8),
+                       tmp_path / "eval", log=print)
+    assert r.drafts > 0 and r.accepted_tokens > 0
+    assert r.acceptance_length > 1.5, r
+    assert r.per_position_acceptance[0] > 0.3
+    assert r.lossless_mismatches == [], r.lossless_mismatches
+
+
+def test_fp8_hidden_states_are_dequantized_for_training(inputs, tmp_path):
+    """extract.storage_dtype=fp8 files (float8 + per-token scales) reach the draft as bf16 hidden
+    states equal to the bf16 files' up to fp8 rounding: the train worker's loaders dequantize them."""
+    from safetensors.torch import load_file, save_file
+
+    from eagle3_pipeline.extract.worker import to_record
+    from eagle3_pipeline.train_worker import _loaders
+
+    fp8_dir = tmp_path / "hidden_states_fp8"
+    fp8_dir.mkdir()
+    for p in inputs.hidden_states.glob("hs_*.safetensors"):
+        rec = load_file(str(p))
+        save_file(to_record(rec["hidden_states"], rec["token_ids"], "fp8"), str(fp8_dir / p.name))
+    hidden = json.loads((inputs.model_dir / "config.json").read_text())["hidden_size"]
+
+    def first_batch(hs_dir: Path) -> dict:
+        job = {"train": _cfg().model_dump(mode="json"), "target": inputs.target.model_dump(mode="json"),
+               "tokenized_dir": str(inputs.tokenized), "hidden_states_dir": str(hs_dir)}
+        train_loader, _ = _loaders(job, hidden, len(inputs.layer_ids) - 1)
+        return next(iter(train_loader))
+
+    a, b = first_batch(inputs.hidden_states), first_batch(fp8_dir)
+    assert torch.equal(a["input_ids"], b["input_ids"]) and b["hidden_states"].dtype == torch.bfloat16
+    for key in ("hidden_states", "verifier_last_hidden_states"):
+        x, y = a[key].float(), b[key].float()
+        rel = ((x - y).norm() / x.norm()).item()
+        assert rel < 0.05, f"{key}: relative error {rel:.4f} between bf16 and dequantized fp8"

@@ -1,0 +1,19 @@
+"""The extract-group flow: one group of shards, one engine child, on whichever node the work pool
+places it (a Kubernetes job with 8 GPUs, or a local process worker). The unit the extract flow fans
+out with `run_deployment` when `extract.parallel_groups > 1`; the task inside is the same cached
+`extract-group` task the in-process path runs, with the same cache key and GPU slot."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from eagle3_pipeline import stages
+from eagle3_pipeline.config import PipelineConfig
+from tasks import stages as t
+
+
+@flow(name="extract-group", log_prints=True)
+def extract_group(config: PipelineConfig, prep: dict, plan: dict, shard_ids: list[int], force: bool = False) -> list[dict]:
+    refresh = force or bool(stages.unpublished(plan, shard_ids))
+    run = t.extract_group.with_options(retries=config.extract.retries, retry_delay_seconds=5, refresh_cache=refresh)
+    return run(config, prep, plan, shard_ids, force)

@@ -1,0 +1,49 @@
+"""The refresh flow (the scheduled deployment): re-prepare the sources; when that data and config
+already have a trained draft, stop there; otherwise run the pipeline on it, which extracts only the
+shards not yet published, verifies, trains and evaluates.
+
+Every parameter is top-level because a schedule replaces whole parameters: a schedule sets
+`config_path`, `overrides` (`key.sub=value`, as `eagle3 --set`) and/or `sources` (replaces
+prepare.sources). Prepare is content-addressed, so unchanged sources reproduce the same version
+(seconds, nothing published); changed sources publish a new version (event
+`eagle3.dataset.published`) and train a new draft."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import flow
+
+from eagle3_pipeline import stages
+from eagle3_pipeline.config import PipelineConfig, SourceConfig, load_config
+from eagle3_pipeline.store import read_json
+from flows.pipeline import pipeline
+from tasks import stages as t
+
+
+@flow(name="refresh", log_prints=True)
+def refresh(config_path: str = "configs/tiny-cpu.yaml", overrides: list[str] | None = None,
+            sources: list[SourceConfig] | None = None, output_dir: str = "runs", retrain: bool = False) -> dict:
+    config = load_config(config_path, overrides or [])
+    if sources:
+        config.prepare.sources = sources
+    prep = t.prepare(config)
+    pre = t.preflight(config, prep)
+    draft = trained_draft(config, prep, pre)
+    t.record_refresh(config, prep, draft, changed=retrain or draft is None)
+    if draft and not retrain:
+        print(f"refresh: {config.prepare.dataset}@{prep['version']} unchanged; its draft is {draft}")
+        return {"changed": False, "version": prep["version"], "draft": draft}
+    rec = pipeline(config=config, output_dir=output_dir)
+    return {"changed": True, "version": prep["version"], "draft": rec["artifacts"]["checkpoint"], "run_id": rec["run_id"]}
+
+
+def trained_draft(config: PipelineConfig, prep: dict, pre: dict) -> str | None:
+    """checkpoint_best of the draft already trained on exactly this data and config, if any. Follows
+    the train stage's location (eagle3_pipeline.stages: <extract dir>/train/<train key>/)."""
+    plan = stages.stage_extract_plan(config, prep, pre)
+    vocab_dir = Path(plan["dir"]) / "vocab" / f"K{config.vocab.draft_vocab_size}"
+    key = stages.train_key(config, {"content_key": plan["content_key"]}, {"dir": str(vocab_dir.resolve())})
+    res = read_json(Path(plan["dir"]) / "train" / key / "train_result.json")
+    best = res and res.get("checkpoint_best")
+    return str(best) if best and Path(best).exists() else None

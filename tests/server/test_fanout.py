@@ -1,0 +1,59 @@
+"""Multi-node extraction on a real server: with extract.parallel_groups=2 the extract flow fans its
+shard groups out as `extract-group` deployment runs, and two process workers (queue `gpu`, one run
+each) play two GPU nodes. The nodes lose shard 2 once (EAGLE3_TEST_FAIL_SHARDS): the failed group
+fails the stage naming its flow run and link; the UI's Retry re-submits only that group."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from helpers_server import read_events, ui_retry, ui_run, wait_final
+
+
+def _group_runs(client, dataset: str):
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    dep = client.read_deployment_by_name("extract-group/extract-group")
+    runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep.id])),
+                                 sort=FlowRunSort.EXPECTED_START_TIME_ASC)
+    return [r for r in runs if r.parameters["config"]["prepare"]["dataset"] == dataset]
+
+
+def test_fanout_to_two_nodes_failed_group_and_retry(client, controller, nodes, server_config, prefect_server):
+    cfg = server_config("fanout", "sharegpt.jsonl", "extract.parallel_groups=2")
+    t0 = time.time()
+    fr = ui_run(client, "rerun-failed/rerun-failed", {"config": cfg.model_dump(mode="json")})
+    first = wait_final(client, fr.id, 600, [controller, *nodes])
+
+    assert first.state.is_failed(), first.state
+    groups = _group_runs(client, "fanout")
+    assert sorted(r.parameters["shard_ids"] for r in groups) == [[0, 1], [2, 3]]
+    by_shards = {tuple(r.parameters["shard_ids"]): r for r in groups}
+    bad = by_shards[(2, 3)]
+    assert by_shards[(0, 1)].state.is_completed() and bad.state.is_failed()
+    msg = first.state.message
+    assert "shards [2, 3]: flow run" in msg and str(bad.id) in msg and f"{prefect_server.ui}/runs/flow-run/{bad.id}" in msg
+    # two nodes: each group ran on its own worker, at the same time
+    logs = {w.name: w.log.read_text(errors="replace") for w in nodes}
+    ran_on = {k: [n for n, text in logs.items() if str(r.id) in text] for k, r in by_shards.items()}
+    assert sorted(sum(ran_on.values(), [])) == ["node-a", "node-b"], ran_on
+    a, b = by_shards.values()
+    assert a.start_time < b.end_time and b.start_time < a.end_time, [(r.start_time, r.end_time) for r in groups]
+
+    t1 = ui_retry(client, fr.id, controller)
+    second = wait_final(client, fr.id, 600, [controller, *nodes], since=t1)
+    assert second.state.is_completed(), second.state.message
+    groups = _group_runs(client, "fanout")
+    assert [r.parameters["shard_ids"] for r in groups if r.id not in {a.id, b.id}] == [[2, 3]]
+    assert all(r.state.is_completed() for r in groups if r.id not in {a.id, b.id})
+    man = json.loads((Path(groups[0].parameters["plan"]["dir"]) / "manifest.json").read_text())
+    assert [(s["status"], s["attempts"]) for s in man["shards"]] == [("published", 1)] * 2 + [("published", 2)] * 2
+    # rerun-failed published this version without training it: the event says so, and the
+    # train-on-publish automation (it answers `wanted` only) started no pipeline run
+    (ev,) = read_events(client, "eagle3.dataset.published", {"eagle3.dataset": "fanout"}, t0)
+    assert ev.resource["eagle3.training"] == "no"
+    assert not [r for r in client.read_flow_runs() if r.parameters.get("config", {}).get("name") == "srv-fanout"
+                and client.read_flow(r.flow_id).name == "pipeline"]
