@@ -77,7 +77,10 @@ def extracted(tiny_config, prepared, preflighted) -> SimpleNamespace:
 @pytest.fixture(scope="session")
 def prefect_harness(tmp_path_factory):
     """One temporary Prefect server (SQLite) per test session, with its own PREFECT_HOME."""
-    os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect-home"))
+    home = tmp_path_factory.mktemp("prefect-home")
+    os.environ["PREFECT_HOME"] = str(home)
+    # Prefect 3.7 keeps persisted results in ~/.prefect/storage whatever PREFECT_HOME says
+    os.environ["PREFECT_LOCAL_STORAGE_PATH"] = str(home / "storage")
     from prefect.testing.utilities import prefect_test_harness
 
     with prefect_test_harness(server_startup_timeout=120):

@@ -63,15 +63,18 @@ def stage_extract_plan(cfg: PipelineConfig, prep: dict, pre: dict) -> dict:
 
     key, out = _extract_location(cfg, prep, pre)
     rows = datasets.load_from_disk(prep["tokenized"]).num_rows
-    ids = [s.index for s in plan_shards(rows, cfg.extract.rows_per_shard)]
+    shards = plan_shards(rows, cfg.extract.rows_per_shard)
+    ids = [s.index for s in shards]
     per = cfg.extract.shards_per_group or max(1, len(ids))
     return {"content_key": key, "dir": str(out.resolve()), "rows": rows,
+            "ranges": {str(s.index): [s.row_start, s.row_end] for s in shards},
             "groups": [ids[i:i + per] for i in range(0, len(ids), per)]}
 
 
 def group_cache_key(plan: dict, shard_ids: list[int]) -> str:
     """Cache key of one shard group: the extract content key, its directory and the shard ids."""
-    return content_key({"extract": plan["content_key"], "dir": plan["dir"], "shards": shard_ids})
+    return content_key({"extract": plan["content_key"], "dir": plan["dir"], "shards": shard_ids,
+                        "ranges": [plan["ranges"][str(k)] for k in shard_ids]})
 
 
 def unpublished(plan: dict, shard_ids: list[int]) -> list[int]:
@@ -81,8 +84,9 @@ def unpublished(plan: dict, shard_ids: list[int]) -> list[int]:
     from eagle3_pipeline.store import read_json
 
     man = read_json(Path(plan["dir"]) / "manifest.json", default={}) or {}
-    status = {s["index"]: s["status"] for s in man.get("shards", [])}
-    return [k for k in shard_ids if status.get(k) != "published"]
+    done = {s["index"] for s in man.get("shards", []) if s["status"] == "published"
+            and [s["row_start"], s["row_end"]] == plan["ranges"].get(str(s["index"]))}
+    return [k for k in shard_ids if k not in done]
 
 
 def stage_extract_group(cfg: PipelineConfig, prep: dict, plan: dict, shard_ids: list[int], force: bool = False,
