@@ -14,7 +14,7 @@ ratio ours ÷ speculators (goal >= 0.95) of
 and the median per-step fetch/forward/backward/optimizer times of speculators' step profiler.
 On a shared machine the wall-clock numbers swing by 2-4x with other load; the median-step and
 CPU-time ratios are the ones to read there. Same seed and data => both sides report the same loss.
-Usage: .venv/bin/python bench/train_vs_speculators.py [--rounds 2] [--epochs 1] [--max-seq-len 1024]
+Usage: .venv/bin/python bench/train_vs_speculators.py [--rounds 2] [--epochs 1] [--max-seq-len 1024] [--max-steps N]
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def run_ours(d: dict, out: Path, args) -> dict:
     from eagle3_pipeline.train import train_draft
 
     cfg = d["cfg"].train.model_copy(update={"epochs": args.epochs, "lr": args.lr, "max_seq_len": args.max_seq_len,
-                                            "val_ratio": args.val_ratio})
+                                            "val_ratio": args.val_ratio, "max_steps": args.max_steps})
     t0, c0 = time.time(), _child_cpu_s()
     res = train_draft(cfg, d["cfg"].target, Path(d["prep"]["tokenized"]), Path(d["ext"]["hidden_states_dir"]),
                       Path(d["voc"]["dir"]), d["pre"]["layer_ids"], out, log=lambda _: None)
@@ -92,7 +92,7 @@ def run_theirs(d: dict, out: Path, args) -> dict:
     metrics = out / "metrics.jsonl"
     argv = speculators_train_argv(Path(d["cfg"].target.model).resolve(), Path(d["prep"]["tokenized"]),
                                   Path(d["ext"]["hidden_states_dir"]), Path(d["voc"]["dir"]), aux, out / "checkpoints",
-                                  seq_len=args.max_seq_len, epochs=args.epochs, lr=args.lr,
+                                  seq_len=args.max_seq_len, epochs=args.epochs, lr=args.lr, max_steps=args.max_steps,
                                   seed=d["cfg"].train.seed, val_ratio=args.val_ratio)
     t0, c0 = time.time(), _child_cpu_s()
     run_child(argv, name="speculators-train", timeout_s=3600, log_path=out / "train.log",
@@ -118,6 +118,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--max-seq-len", type=int, default=1024)
     ap.add_argument("--val-ratio", type=float, default=0.1)
+    ap.add_argument("--max-steps", type=int, default=None, help="stop each run after this many steps (more, shorter rounds)")
     ap.add_argument("--work", default=str(ROOT / ".cache" / "bench-train"))
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
