@@ -20,22 +20,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pydantic import BaseModel
 
 from eagle3_pipeline.config import ExtractConfig, TargetConfig, VerifyConfig
+from eagle3_pipeline.verify.reference import ReferenceResult
 
 MAX_SHIFT = 4  # shifts tried when explaining a mismatch
 FP8_SLACK = 4.0  # fp8 storage: tolerances this many times looser (3 mantissa bits instead of 7)
 
 
-class InvarianceResult(BaseModel):
-    samples_checked: list[int]
-    max_rel_err: float | None
-    min_cosine: float | None
-    per_layer_max_rel_err: dict[int, float]
-    problems: list[str]
-    bad_rows: list[int] = []
-    skipped: str | None = None
+class InvarianceResult(ReferenceResult):
+    """The same per-layer comparison as the reference check, against the batch-of-one extraction."""
     seconds: float = 0.0
 
 
