@@ -156,10 +156,12 @@ def test_published_dataset_starts_the_pipeline(client, deployed, server_config):
         while not runs and time.time() < deadline:
             time.sleep(1)
             runs = _pipeline_runs(client, "published")
-        assert len(runs) == 1, f"no pipeline run {time.time() - t0:.0f}s after the published event"
+        arrived = read_events(client, "eagle3.dataset.published", {"eagle3.dataset": "published"}, t0)
+        assert len(runs) == 1, (f"no pipeline run {time.time() - t0:.0f}s after the published event "
+                                f"({len(arrived)} such events reached the server)")
         assert runs[0].parameters["config"] == cfg.model_dump(mode="json")
         assert runs[0].state.is_scheduled()
-        (ev,) = read_events(client, "eagle3.dataset.published", {"eagle3.dataset": "published"}, t0)
+        (ev,) = arrived
         assert ev.resource["eagle3.version"] == prep["version"] and ev.resource["eagle3.training"] == "wanted"
         client.delete_flow_run(runs[0].id)
     finally:
