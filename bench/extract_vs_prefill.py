@@ -4,8 +4,10 @@ weights: throughput does not depend on what the weights learned).
 Prints, measured side by side in one run and alternated to spread machine noise:
   1. extraction tokens/s ÷ plain prefill tokens/s on the same engine settings (goal >= 0.9);
   2. bytes/token and max relative error of bf16 vs fp8 storage;
-  3. per-shard Prefect overhead: a flow of one task per already-published shard vs direct calls.
-Usage: .venv/bin/python bench/extract_vs_prefill.py [--rows 800] [--rounds 2]
+  3. extraction ÷ speculators' `generate-offline-data` against `vllm serve` with our connector (vLLM's
+     example connector is CUDA-only), same model, rows and engine settings.
+Usage: .venv/bin/python bench/extract_vs_prefill.py [--rows 800] [--rounds 2] [--no-speculators]
+(per-shard Prefect overhead: bench/prefect_overhead.py)
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 console = Console()
+from bench_results import record  # noqa: E402  (bench/ is sys.path[0])
 
 
 def build_bench_target(out: Path, tiny: Path) -> Path:
@@ -60,11 +63,82 @@ def prefill(model: Path, tokenized: str, rows: int, cfg) -> float:
     return ev["tokens"] / ev["seconds"]
 
 
+def speculators_offline(model: Path, tokenized: str, rows: int, cfg, out: Path) -> float:
+    """speculators' own path on the same engine settings: `vllm serve` configured for
+    `extract_hidden_states` with our connector (vLLM's example connector is CUDA-only), then
+    `speculators generate-offline-data` against it. Tokens/s of the client run, server start excluded."""
+    import socket
+    import subprocess
+    import urllib.request
+
+    from eagle3_pipeline.data.prepare import load_tokenized
+    from eagle3_pipeline.engine_env import engine_env
+    from eagle3_pipeline.config import TargetConfig
+    from eagle3_pipeline.extract.layers import captured_layer_ids
+
+    ids = load_tokenized(tokenized)["input_ids"][:rows]
+    tokens = sum(map(len, ids))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    scratch = out / "scratch"
+    shutil.rmtree(out, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    layers = captured_layer_ids(cfg, TargetConfig(model=str(model)))  # what our extraction captures
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}}}
+    kv = {"kv_connector": cfg.connector_name, "kv_connector_module_path": cfg.connector_module,
+          "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": str(scratch)}}
+    bin_ = Path(sys.executable).parent
+    env = {**os.environ, **engine_env(cfg.engine_in_process, cfg.tensor_parallel_size, cfg.omp_threads_bind)}
+    log = open(out / "server.log", "w")
+    server = subprocess.Popen(
+        [str(bin_ / "vllm"), "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+         "--max-model-len", str(max(map(len, ids)) + 8), "--max-num-seqs", str(cfg.max_num_seqs),
+         "--gpu-memory-utilization", str(cfg.gpu_memory_utilization), "--enforce-eager", "--seed", "0",
+         "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
+         "--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv)],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.time() + 600
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"vllm serve exited {server.returncode}: {(out / 'server.log').read_text()[-3000:]}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                if time.time() > deadline:
+                    raise RuntimeError("vllm serve did not come up in 600 s") from None
+                time.sleep(1)
+        t0 = time.perf_counter()
+        r = subprocess.run([str(bin_ / "speculators"), "generate-offline-data", "--endpoint",
+                            f"http://127.0.0.1:{port}/v1", "--preprocessed-data", tokenized, "--output",
+                            str(out / "hidden_states"), "--max-samples", str(rows),
+                            "--concurrency", str(cfg.max_num_seqs), "--fail-on-error"],
+                           capture_output=True, text=True, env=os.environ)
+        seconds = time.perf_counter() - t0
+        if r.returncode != 0:
+            raise RuntimeError(f"speculators generate-offline-data failed ({r.returncode}): {r.stderr[-3000:]}")
+        done = len(list((out / "hidden_states").glob("hs_*.safetensors")))
+        if done != rows:
+            raise RuntimeError(f"speculators wrote {done} files for {rows} rows")
+        return tokens / seconds
+    finally:
+        import signal
+
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+        log.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=800)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--work", default=str(ROOT / ".cache" / "bench"))
+    ap.add_argument("--no-speculators", dest="speculators", action="store_false",
+                    help="skip the speculators generate-offline-data column (it starts a vllm serve per round)")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from eagle3_pipeline.config import ExtractConfig, PrepareConfig, SourceConfig, TargetConfig
@@ -81,7 +155,7 @@ def main() -> None:
                                  heldout_rows=0), target, work / "store", log=lambda m: None)
     rows = prep.rows_out
     cfg = ExtractConfig(rows_per_shard=max(1, rows // 4), gpu_memory_utilization=0.2)
-    ext_tps, pre_tps, results = [], [], {}
+    ext_tps, pre_tps, spec_tps, results = [], [], [], {}
     for r in range(args.rounds):
         pre_tps.append(prefill(model, prep.tokenized, rows, cfg))
         for dtype in (("bf16", "fp8") if r == 0 else ("bf16",)):
@@ -92,17 +166,28 @@ def main() -> None:
             results[dtype] = res
             if dtype == "bf16":
                 ext_tps.append(res.tokens_per_s)
-        console.print(f"round {r + 1}: prefill {pre_tps[-1]:,.0f} tok/s, extraction {ext_tps[-1]:,.0f} tok/s")
+        if args.speculators:
+            spec_tps.append(speculators_offline(model, prep.tokenized, rows, cfg, work / "speculators-offline"))
+        console.print(f"round {r + 1}: prefill {pre_tps[-1]:,.0f} tok/s, extraction {ext_tps[-1]:,.0f} tok/s"
+                      + (f", speculators generate-offline-data {spec_tps[-1]:,.0f} tok/s" if spec_tps else ""))
 
     t = Table(title=f"extraction vs plain prefill ({rows} rows, {results['bf16'].tokens:,} tokens, "
                     f"{args.rounds} alternating rounds, engine start excluded)")
-    for c in ("round", "prefill tok/s", "extraction tok/s", "extraction ÷ prefill"):
+    cols = ["round", "prefill tok/s", "extraction tok/s", "extraction ÷ prefill"]
+    if spec_tps:
+        cols += ["speculators offline tok/s", "extraction ÷ speculators"]
+    for c in cols:
         t.add_column(c, justify="right")
+    med = statistics.median
     for i, (p, e) in enumerate(zip(pre_tps, ext_tps)):
-        t.add_row(str(i + 1), f"{p:,.0f}", f"{e:,.0f}", f"{e / p:.2f}")
-    t.add_row("median", f"{statistics.median(pre_tps):,.0f}", f"{statistics.median(ext_tps):,.0f}",
-              f"{statistics.median(ext_tps) / statistics.median(pre_tps):.2f}")
+        extra = [f"{spec_tps[i]:,.0f}", f"{e / spec_tps[i]:.2f}"] if spec_tps else []
+        t.add_row(str(i + 1), f"{p:,.0f}", f"{e:,.0f}", f"{e / p:.2f}", *extra)
+    extra = [f"{med(spec_tps):,.0f}", f"{med(ext_tps) / med(spec_tps):.2f}"] if spec_tps else []
+    t.add_row("median", f"{med(pre_tps):,.0f}", f"{med(ext_tps):,.0f}", f"{med(ext_tps) / med(pre_tps):.2f}", *extra)
     console.print(t)
+    out_json = {"rows": rows, "tokens": results["bf16"].tokens, "prefill_tok_s": pre_tps, "extract_tok_s": ext_tps,
+                "speculators_offline_tok_s": spec_tps, "extract_over_prefill": med(ext_tps) / med(pre_tps),
+                "extract_over_speculators": med(ext_tps) / med(spec_tps) if spec_tps else None}
 
     t2 = Table(title="storage dtype")
     for c in ("dtype", "bytes/token", "ratio vs bf16", "max relative error (per token)"):
@@ -112,8 +197,10 @@ def main() -> None:
     for dtype in ("bf16", "fp8"):
         b = results[dtype].bytes_on_disk / results[dtype].tokens
         t2.add_row(dtype, f"{b:,.0f}", f"{b / b16:.2f}", "0 (exact)" if dtype == "bf16" else f"{err:.4f}")
+        out_json[f"bytes_per_token_{dtype}"] = b
+    out_json["fp8_max_rel_err"] = err
     console.print(t2)
-    prefect_overhead(cfg, target, Path(prep.tokenized), work / "extract-bf16")
+    record("extract", out_json)
 
 
 def fp8_error(bf16_dir: Path, fp8_dir: Path) -> float:
@@ -128,55 +215,6 @@ def fp8_error(bf16_dir: Path, fp8_dir: Path) -> float:
         rel = (a - b).norm(dim=-1) / a.norm(dim=-1).clamp_min(1e-6)  # per token and layer
         worst = max(worst, float(rel.max()))
     return worst
-
-
-def prefect_overhead(cfg, target, tokenized: Path, out: Path, n: int = 32) -> None:
-    """One task per already-published shard (the fast path: manifest + hash check) vs direct calls."""
-    from prefect import flow, task
-    from prefect.cache_policies import NO_CACHE
-    from prefect.testing.utilities import prefect_test_harness
-
-    from eagle3_pipeline.extract.shards import extract_group, plan_shards
-
-    import datasets
-
-    rows = datasets.load_from_disk(str(tokenized)).num_rows
-    c = cfg.model_copy(update={"rows_per_shard": max(1, rows // n)})
-    shutil.rmtree(out, ignore_errors=True)
-    _extract_all(c, target, tokenized, out)  # publish all n shards once
-    ids = [s.index for s in plan_shards(rows, c.rows_per_shard)]
-
-    def one(k):
-        return extract_group(c, target, tokenized, out, [k], log=lambda m: None, content_key="bench-bf16")
-
-    t0 = time.perf_counter()
-    for k in ids:
-        one(k)
-    direct = time.perf_counter() - t0
-    shard_task = task(one, name="extract-shard", cache_policy=NO_CACHE)
-
-    @flow(name="bench-shards")
-    def shards_flow():
-        return [shard_task(k) for k in ids]
-
-    with prefect_test_harness(server_startup_timeout=120):
-        shards_flow()  # warm-up: flow registration, client start
-        t0 = time.perf_counter()
-        shards_flow()
-        in_prefect = time.perf_counter() - t0
-    t = Table(title=f"per-shard Prefect overhead ({len(ids)} published shards, fast path)")
-    for col in ("", "seconds", "per shard (ms)"):
-        t.add_column(col, justify="right")
-    t.add_row("direct calls", f"{direct:.2f}", f"{direct / len(ids) * 1e3:.0f}")
-    t.add_row("one Prefect task per shard", f"{in_prefect:.2f}", f"{in_prefect / len(ids) * 1e3:.0f}")
-    t.add_row("overhead per shard", "", f"{(in_prefect - direct) / len(ids) * 1e3:.0f}")
-    console.print(t)
-
-
-def _extract_all(cfg, target, tokenized, out, content_key="bench-bf16"):
-    from eagle3_pipeline.extract.shards import extract as _extract
-
-    return _extract(cfg, target, tokenized, out, log=lambda m: None, content_key=content_key)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ def run(args, tmp: Path) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from bench_results import record  # bench/ is sys.path[0] when run as a script
     from eagle3_pipeline import stages
     from eagle3_pipeline.config import load_config
     from flows.extract import extract
@@ -89,30 +90,22 @@ def run(args, tmp: Path) -> None:
     def cached() -> None:
         extract(cfg, prep, pre)
 
-    @task(cache_policy=NO_CACHE)
-    def noop_task(k: int) -> int:
-        return k
+    def flow_of(name: str, body):
+        """A flow of one task per group, each task running `body(k)`: the no-op floor and the GPU slot."""
+        body_task = task(body, name=f"{name}-task", cache_policy=NO_CACHE)
 
-    @flow(name="noop-32")
-    def noop_flow(n: int) -> None:
-        for k in range(n):
-            noop_task(k)
+        @flow(name=name)
+        def run_all(n: int) -> None:
+            for k in range(n):
+                body_task(k)
 
-    def noop() -> None:
-        noop_flow(len(groups))
+        return lambda: run_all(len(groups))
 
-    @task(cache_policy=NO_CACHE)
-    def slot_task(k: int) -> int:
+    def take_slot(k: int) -> int:
         with gpu_slot():
             return k
 
-    @flow(name="gpu-slot-32")
-    def slot_flow(n: int) -> None:
-        for k in range(n):
-            slot_task(k)
-
-    def slot() -> None:
-        slot_flow(len(groups))
+    slot, noop = flow_of("gpu-slot-32", take_slot), flow_of("noop-32", lambda k: k)
 
     paths = {"direct": direct, "executed": executed, "cached": cached, "gpu-slot": slot, "no-op": noop}
     times: dict[str, list[float]] = {k: [] for k in paths}
@@ -137,6 +130,9 @@ def run(args, tmp: Path) -> None:
                     "-" if k == "direct" else f"{over / s:.0%}",
                     "-" if k == "direct" else f"{over / engine_s:.1%}")
     Console().print(tab)
+    record("prefect", {"groups": n, "seconds": med, "engine_s": engine_s,
+                       "ms_per_group": {k: 1000 * s / n for k, s in med.items()},
+                       "overhead_ms_per_group": {k: 1000 * (s - med["direct"]) / n for k, s in med.items()}})
     print("A strict GPU-slot acquisition right after a release often meets `database is locked` on the SQLite "
           "server (HTTP 503), which the client retries after ~2 s: PostgreSQL (infra/docker-compose.yml) in production.")
     print(f"per-task Prefect overhead: executed {1000 * (med['executed'] - med['direct']) / n:.0f} ms/group, "

@@ -16,6 +16,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from bench_results import record  # bench/ is sys.path[0] when run as a script
+
 from eagle3_pipeline.config import PrepareConfig, SourceConfig, TargetConfig
 from eagle3_pipeline.data.prepare import prepare
 
@@ -49,6 +51,9 @@ def main() -> None:
     for procs, n, toks, dt in rows:
         t.add_row(str(procs), f"{n:,}", f"{toks:,}", f"{dt:.1f}", f"{n / dt:,.0f}", f"{toks / dt:,.0f}", f"{n / dt / base:.2f}")
     Console().print(t)
+    record("prepare", {"scale": args.scale, "runs": [{"processes": p, "rows": n, "tokens": k, "seconds": d}
+                                                     for p, n, k, d in rows],
+                       "ratio_2_over_1": rows[1][1] / rows[1][3] / base})
 
 
 if __name__ == "__main__":

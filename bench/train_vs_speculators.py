@@ -32,6 +32,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from bench_results import record  # bench/ is sys.path[0] when run as a script
+
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("fetch_ms", "fwd_ms", "bwd_ms", "opt_ms")  # speculators' step profiler, median per run
 sys.path.insert(0, str(ROOT / "tests"))
@@ -166,6 +168,9 @@ def main() -> None:
         a, b = med("ours", key), med("speculators", key)
         ratio.add_row(label, f"{a:.0f}", f"{b:.0f}", f"{a / b:.3f}")
     console.print(ratio)
+    record("train", {key: {"ours": med("ours", key), "speculators": med("speculators", key),
+                           "ratio": med("ours", key) / med("speculators", key)}
+                     for key in ("loop_s", "median_step", "wall_s", "cpu_s")} | {"rounds": len(results)})
     toks = {n: {r["tokens"] for _, m, r in results if m == n} for n in impls}
     if toks["ours"] != toks["speculators"]:
         console.print(f"[yellow]note: token counts differ between implementations: {toks}")

