@@ -287,3 +287,31 @@ def test_worker_failure_prints_the_traceback(small_tokenized, tiny_target, tmp_p
                           text=True, timeout=300)
     assert proc.returncode != 0
     assert "Traceback" in proc.stderr and "rows [0, 999) outside the tokenized dataset of 12 rows" in proc.stderr
+
+
+def test_tensor_parallel_2_on_cpu_writes_once_from_rank_0(full_run, small_tokenized, target, tmp_path):
+    """TP=2 on vLLM's CPU backend (one core per rank, gloo): the same connector and worker code as
+    TP=1; rank 0 writes, rank 1 says it does not, and the records equal the TP=1 run's up to bf16
+    reduction-order differences (the two ranks sum their partial matmuls in another order)."""
+    import torch
+
+    from eagle3_pipeline.extract.connector import CONNECTOR_LOG
+
+    out, lines = tmp_path / "tp2", []
+    res = extract(_cfg(tensor_parallel_size=2), target, small_tokenized, out, log=lines.append,
+                  content_key="test-key")
+    assert (res.shards_total, res.shards_published) == (3, 3)
+    ranks = [x for x in lines if CONNECTOR_LOG in x]
+    assert any("TP rank 0 of 2 writes hidden states" in x for x in ranks), ranks or lines[-30:]
+    assert any("TP rank 1 of 2 does not write" in x for x in ranks), ranks or lines[-30:]
+    ref_dir, tp2_dir = Path(full_run.result.hidden_states_dir), Path(res.hidden_states_dir)
+    assert sorted(p.name for p in tp2_dir.iterdir()) == sorted(p.name for p in ref_dir.iterdir())
+    for p in sorted(ref_dir.iterdir()):
+        ref, _ = _load(p)
+        got, _ = _load(tp2_dir / p.name)
+        assert torch.equal(got["token_ids"], ref["token_ids"]), p.name
+        a, b = ref["hidden_states"].float(), got["hidden_states"].float()  # [T, L, H]
+        assert a.shape == b.shape, (p.name, a.shape, b.shape)
+        rel = ((a - b).norm(dim=-1) / a.norm(dim=-1).clamp_min(1e-6)).max().item()
+        assert rel < 0.05, f"{p.name}: TP=2 differs from TP=1 by relative error {rel:.4f}"
+    assert not list(out.rglob("*.tmp-*"))

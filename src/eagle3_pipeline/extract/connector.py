@@ -29,6 +29,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     PendingSave,
     extract_from_kv_cache,
 )
+from vllm.logger import init_logger
+
+logger = init_logger(f"vllm.{__name__}")  # under `vllm`, so vLLM's handler prints it in every worker
+CONNECTOR_LOG = "eagle3 hidden-states connector"  # prefix of the one line each TP rank logs at start
 
 
 class _CompletedEvent:
@@ -43,6 +47,14 @@ class _CompletedEvent:
 
 class Eagle3HiddenStatesConnector(ExampleHiddenStatesConnector):
     """`ExampleHiddenStatesConnector` that also works when the KV cache is on the CPU."""
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        super().register_kv_caches(kv_caches)  # decides `_is_tp_rank_zero` after distributed init
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        role = "writes hidden states" if self._is_tp_rank_zero else "does not write (rank 0 writes)"
+        logger.info("%s: TP rank %d of %d %s", CONNECTOR_LOG, rank, size, role)
 
     def _submit_async_write(self, pending: PendingSave) -> None:
         if not self._is_tp_rank_zero:
