@@ -1,23 +1,78 @@
-"""The `eagle3` command: launches flows (so it lives beside them, not in the core)."""
+"""The `eagle3` command: launches flows (so it lives beside them, not in the core).
+
+Every command maps a failure to the exit code of its category (eagle3_pipeline.errors.ExitCode,
+README "Exit codes"), also when Prefect or a stage wrapped the error (the cause chain is walked),
+and prints one line `eagle3 <command>: error <code> (<category>): <Type>: <message>` to stderr
+(the message's further lines follow, indented).
+"""
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
+import click
 import typer
 from rich.console import Console
+
+from eagle3_pipeline.errors import ExitCode, culprit, exit_code
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="eagle3-pipeline: target LLM + chat data -> EAGLE-3 draft")
 console = Console()
 
 ConfigOpt = Annotated[Path, typer.Option("--config", "-c", exists=True, dir_okay=False, help="pipeline YAML")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="override, e.g. --set train.epochs=2")]
+MAX_DETAIL_LINES = 40
+
+
+def _prefect_code(e: BaseException) -> int | None:
+    """Exit codes for Prefect's own exception types (only when Prefect is loaded: otherwise none
+    of them can be in the chain, and importing it would cost seconds on every failing command)."""
+    if "prefect.exceptions" not in sys.modules:
+        return None
+    from prefect.exceptions import CancelledRun, TerminationSignal
+
+    if isinstance(e, TerminationSignal):
+        return 128 + int(getattr(e, "signal", 2))
+    if isinstance(e, CancelledRun):
+        return int(ExitCode.INTERRUPTED)
+    return None
+
+
+def fail(command: str, e: BaseException) -> NoReturn:
+    """Print the one-line error (+ the message's further lines) and exit with the mapped code."""
+    code = exit_code(e, _prefect_code)
+    shown = culprit(e, _prefect_code)
+    category = ExitCode(code).name.lower() if code in ExitCode._value2member_map_ else "signal"
+    head, *rest = str(shown).splitlines() or [""]
+    out = [f"eagle3 {command}: error {code} ({category}): {type(shown).__name__}" + (f": {head}" if head else "")]
+    out += ["    " + line for line in rest[:MAX_DETAIL_LINES]]
+    if len(rest) > MAX_DETAIL_LINES:
+        out.append(f"    ... {len(rest) - MAX_DETAIL_LINES} more lines")
+    if shown is not e:
+        out.append(f"  raised as {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+    print("\n".join(out), file=sys.stderr, flush=True)
+    raise typer.Exit(code)
+
+
+def exits(fn):
+    """Decorator for a command: an exception becomes `fail(...)` (typer's own exits pass through)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (typer.Exit, typer.Abort, click.exceptions.Exit, click.ClickException, click.Abort, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt too: it has a code of its own
+            fail(fn.__name__.replace("_", "-"), e)
+    return wrapper
 
 
 @app.command()
+@exits
 def run(config: ConfigOpt, output_dir: Annotated[Path, typer.Option(help="where runs/<run-id>/ go")] = Path("runs"),
         set_: SetOpt = None) -> None:
     """Run the whole pipeline; prints where the report is."""
@@ -30,10 +85,9 @@ def run(config: ConfigOpt, output_dir: Annotated[Path, typer.Option(help="where 
     console.print(f"[bold]run[/] {run_dir.name} -> {run_dir}")
     try:
         pipeline(config=cfg, run_dir=str(run_dir))
-    except Exception as e:
-        console.print(f"[red bold]pipeline failed:[/] {type(e).__name__}: {e}")
+    except BaseException as e:  # noqa: BLE001 - mapped to an exit code by `fail`
         console.print(f"report: {run_dir / 'report.md'}")
-        raise typer.Exit(1) from None
+        fail("run", e)
     rep = json.loads((run_dir / "report.json").read_text())
     ev = rep["stages"].get("evaluate", {})
     console.print(f"[green bold]done[/]: τ = {ev.get('acceptance_length')} (untrained {ev.get('acceptance_length_untrained')})")
@@ -41,6 +95,7 @@ def run(config: ConfigOpt, output_dir: Annotated[Path, typer.Option(help="where 
 
 
 @app.command("make-tiny-target")
+@exits
 def make_tiny_target(out: Annotated[Path, typer.Option(help="model directory to write")] = Path(".cache/tiny-target"),
                      force: bool = False,
                      steps: Annotated[int | None, typer.Option(help="training steps (default: the tiny config's)")] = None) -> None:
@@ -58,31 +113,32 @@ def make_tiny_target(out: Annotated[Path, typer.Option(help="model directory to 
 
 
 @app.command()
+@exits
 def prepare(config: ConfigOpt, set_: SetOpt = None) -> None:
     """Run only the prepare stage (content-addressed: a repeated call reuses the version)."""
     from eagle3_pipeline.config import load_config
     from eagle3_pipeline.stages import stage_prepare
 
-    rec = stage_prepare(load_config(config, set_ or []), log=console.print)
+    cfg = load_config(config, set_ or [])
+    _hub_secret(cfg)
+    rec = stage_prepare(cfg, log=console.print)
     console.print_json(data={k: rec[k] for k in ("version", "dir", "rows_in", "rows_out", "rows_quarantined", "tokens")})
 
 
 @app.command("rerun-failed")
+@exits
 def rerun_failed(config: ConfigOpt, set_: SetOpt = None,
                  force_shards: Annotated[list[int] | None, typer.Option("--force-shard", help="re-extract this shard even if published")] = None) -> None:
     """Re-extract the failed/unpublished shards of this config's extract version, then verify."""
     from eagle3_pipeline.config import load_config
     from flows.rerun_failed import rerun_failed as flow_
 
-    try:
-        rec = flow_(config=load_config(config, set_ or []), force_shards=force_shards or [])
-    except Exception as e:
-        console.print(f"[red bold]rerun-failed:[/] {type(e).__name__}: {e}")
-        raise typer.Exit(1) from None
+    rec = flow_(config=load_config(config, set_ or []), force_shards=force_shards or [])
     console.print(f"[green]verified[/] {rec['samples_checked']} records, reference max rel err {rec['reference_max_rel_err']}")
 
 
 @app.command()
+@exits
 def extract(config: ConfigOpt, set_: SetOpt = None) -> None:
     """Prepare (from the store when unchanged), preflight, and extract with a live progress bar."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -91,6 +147,7 @@ def extract(config: ConfigOpt, set_: SetOpt = None) -> None:
     from eagle3_pipeline.config import load_config
 
     cfg = load_config(config, set_ or [])
+    _hub_secret(cfg)
     prep = stages.stage_prepare(cfg, log=console.print)
     pre = stages.stage_preflight(cfg, prep, log=console.print)
     plan = stages.stage_extract_plan(cfg, prep, pre)
@@ -113,6 +170,7 @@ def extract(config: ConfigOpt, set_: SetOpt = None) -> None:
 
 
 @app.command()
+@exits
 def status(output_dir: Annotated[Path, typer.Option()] = Path("runs")) -> None:
     """Show the latest run's report summary."""
     rep_path = output_dir / "latest" / "report.json"
@@ -123,6 +181,14 @@ def status(output_dir: Annotated[Path, typer.Option()] = Path("runs")) -> None:
     console.print(f"run {rep['run_id']}: {rep['status']}")
     for name, st in rep["stages"].items():
         console.print(f"  {name:9s} " + ", ".join(f"{k}={v}" for k, v in st.items() if k != "details"))
+
+
+def _hub_secret(cfg) -> None:
+    """Commands that call the core directly resolve the hub Secret block here (flows do it themselves)."""
+    if cfg.target.hub_token_secret:
+        from flows.hub_auth import use_hub_secret
+
+        use_hub_secret(cfg, log=console.print)
 
 
 def main() -> None:  # pragma: no cover

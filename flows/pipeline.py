@@ -12,6 +12,7 @@ from eagle3_pipeline.config import PipelineConfig
 from eagle3_pipeline.preflight import installed_versions
 from eagle3_pipeline.runs import RunDir, create_run_dir
 from flows.extract import extract
+from flows.hub_auth import use_hub_secret
 from tasks import stages as t
 
 
@@ -22,6 +23,7 @@ def pipeline(config: PipelineConfig, output_dir: str = "runs", run_dir: str | No
     recs: dict[str, dict] = {}
     error = None
     try:
+        use_hub_secret(config)
         recs["prepare"] = prep = t.prepare(config)
         recs["preflight"] = pre = t.preflight(config, prep)
         t.gpu_gate("before-extract")

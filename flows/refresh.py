@@ -17,6 +17,7 @@ from prefect import flow
 from eagle3_pipeline import stages
 from eagle3_pipeline.config import PipelineConfig, SourceConfig, load_config
 from eagle3_pipeline.store import read_json
+from flows.hub_auth import use_hub_secret
 from flows.pipeline import pipeline
 from tasks import stages as t
 
@@ -27,6 +28,7 @@ def refresh(config_path: str = "configs/tiny-cpu.yaml", overrides: list[str] | N
     config = load_config(config_path, overrides or [])
     if sources:
         config.prepare.sources = sources
+    use_hub_secret(config)
     prep = t.prepare(config)
     pre = t.preflight(config, prep)
     draft = trained_draft(config, prep, pre)

@@ -8,11 +8,13 @@ from prefect import flow
 
 from eagle3_pipeline.config import PipelineConfig
 from flows.extract import extract
+from flows.hub_auth import use_hub_secret
 from tasks import stages as t
 
 
 @flow(name="rerun-failed")
 def rerun_failed(config: PipelineConfig, force_shards: list[int] | None = None) -> dict:
+    use_hub_secret(config)
     prep = t.prepare(config)
     pre = t.preflight(config, prep)
     t.gpu_gate("before-extract")

@@ -85,3 +85,34 @@ def prefect_harness(tmp_path_factory):
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+# ---------------------------------------------------------------- a smaller run for tests that start many engines
+
+SMALL_ROWS_PER_SOURCE, SMALL_ROWS_PER_SHARD = 14, 4
+
+
+def small_overrides(tiny_target: Path, store: Path) -> list[str]:
+    """configs/tiny-cpu.yaml cut down to ~24 rows in shards of 4 (one engine start dominates a run)."""
+    corpus = tiny_target / "corpus"
+    n = SMALL_ROWS_PER_SOURCE
+    return [f"store={store}", f"target.model={tiny_target}",
+            f"prepare.sources=[{{path: {corpus / 'sharegpt.jsonl'}, limit: {n}}}, {{path: {corpus / 'openai.jsonl'}, limit: {n}}}]",
+            "prepare.heldout_rows=4", f"extract.rows_per_shard={SMALL_ROWS_PER_SHARD}", "verify.reference_samples=0",
+            "train.epochs=2", "train.max_seq_len=256"]
+
+
+@pytest.fixture(scope="session")
+def small_reference(tiny_target, tmp_path_factory) -> SimpleNamespace:
+    """One clean prepare + extract of the small run (one engine start), the reference that crash and
+    concurrency tests compare their stores with byte for byte."""
+    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.stages import stage_extract, stage_extract_plan, stage_preflight, stage_prepare
+
+    cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml", small_overrides(tiny_target, tmp_path_factory.mktemp("small-ref")))
+    quiet = lambda _: None  # noqa: E731
+    prep = stage_prepare(cfg, log=quiet)
+    pre = stage_preflight(cfg, prep, log=quiet)
+    plan = stage_extract_plan(cfg, prep, pre)
+    ext = stage_extract(cfg, prep, pre, log=quiet)
+    return SimpleNamespace(cfg=cfg, prep=prep, pre=pre, plan=plan, ext=ext, dir=Path(ext["dir"]))

@@ -3,15 +3,27 @@
 Owns `PipelineConfig` and `load_config(path, overrides)`. Reads one YAML file per target model
 (configs/*.yaml); `overrides` are `dotted.key=value` strings parsed as YAML scalars, applied before
 validation, so a typo in a key fails loudly. Paths in the YAML are relative to the current directory.
+Every problem (missing file, YAML syntax, unknown key, wrong type, a dataset name that is a path) is
+raised as one `ConfigError` naming the file and the dotted key.
+Secrets never live in the config: `target.hub_token_env` names the environment variable that holds
+a Hugging Face hub token, and `target.hub_token_secret` names a Prefect Secret block that the flow
+layer resolves into that variable (the core only reads the environment).
 """
 
 from __future__ import annotations
 
+import difflib
+import os
+import re
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from eagle3_pipeline.errors import ConfigError
+
+PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 
 
 class Strict(BaseModel):
@@ -23,7 +35,12 @@ class TargetConfig(Strict):
     tokenizer: str | None = Field(None, description="defaults to the model directory")
     revision: str | None = None
     dtype: Literal["bfloat16", "float16"] = "bfloat16"
-    trust_remote_code: bool = False
+    trust_remote_code: bool = Field(False, description="run Python code shipped with the model/tokenizer; "
+                                    "only for a model you trust")
+    hub_token_env: str = Field("HF_TOKEN", description="environment variable holding a hub token (never "
+                               "written to the config, the store or the logs)")
+    hub_token_secret: str | None = Field(None, description="name of a Prefect Secret block with the hub token; "
+                                         "the flows put its value into `hub_token_env` of their process")
 
     @model_validator(mode="after")
     def _default_tokenizer(self):
@@ -41,7 +58,8 @@ class SourceConfig(Strict):
 
 
 class PrepareConfig(Strict):
-    dataset: str = Field("default", description="dataset name: the first level of the run store")
+    dataset: str = Field("default", description="dataset name: the first level of the run store "
+                         "(a plain directory name: letters, digits, '.', '_', '-')")
     sources: list[SourceConfig]
     max_length: int = 512
     min_supervised_tokens: int = 1
@@ -49,6 +67,14 @@ class PrepareConfig(Strict):
     heldout_rows: int = Field(16, description="conversations kept out of training for evaluate")
     num_proc: int = Field(1, description="processes that tokenize chunks in parallel")
     chunk_rows: int = Field(1000, description="input rows per content-keyed chunk (a refresh redoes only changed chunks)")
+
+    @field_validator("dataset")
+    @classmethod
+    def _plain_dataset_name(cls, v: str) -> str:
+        if not PLAIN_NAME.fullmatch(v) or v in (".", ".."):
+            raise ValueError(f"{v!r} is not a plain directory name (letters, digits, '.', '_', '-'; no '/', "
+                             f"no '..', not absolute): it names a directory directly under the store root")
+        return v
 
 
 class ExtractConfig(Strict):
@@ -173,16 +199,79 @@ def _set_dotted(d: dict, key: str, value) -> None:
     for p in parts[:-1]:
         d = d.setdefault(p, {})
         if not isinstance(d, dict):
-            raise ValueError(f"override {key!r}: {p!r} is not a mapping")
+            raise ConfigError(f"override {key!r}: {p!r} is not a mapping")
     d[parts[-1]] = value
 
 
+def _dotted(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _fields_at(loc: tuple) -> list[str]:
+    """The keys a config section accepts (for "did you mean" on an unknown key)."""
+    model: type[BaseModel] | None = PipelineConfig
+    for part in loc:
+        if isinstance(part, int) or model is None:
+            continue
+        field = model.model_fields.get(part)
+        ann = field.annotation if field else None
+        args = getattr(ann, "__args__", ()) or (ann,)
+        model = next((a for a in args if isinstance(a, type) and issubclass(a, BaseModel)), None)
+    return list(model.model_fields) if model else []
+
+
+def describe_validation_error(e: ValidationError) -> list[str]:
+    """One line per problem: `dotted.key: what is wrong (found <value>)`."""
+    lines = []
+    for err in e.errors():
+        key, kind = _dotted(err["loc"]) or "<top level>", err["type"]
+        if kind == "extra_forbidden":
+            close = difflib.get_close_matches(str(err["loc"][-1]), _fields_at(err["loc"][:-1]), n=1)
+            lines.append(f"{key}: unknown key" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        elif kind == "missing":
+            lines.append(f"{key}: required key missing")
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            found = repr(err.get("input"))
+            lines.append(f"{key}: {msg}" + ("" if kind == "value_error" else f" (found {found[:80]})"))
+    return lines
+
+
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:
-    """Load a YAML config and apply `key.sub=value` overrides (values parsed as YAML)."""
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    """Load a YAML config and apply `key.sub=value` overrides (values parsed as YAML).
+    Raises ConfigError naming the file and every bad key."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config {path}: file not found") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"config {path}: YAML syntax error{where}: {getattr(e, 'problem', None) or e}") from None
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path}: expected a mapping of keys at the top level, found {type(data).__name__}")
     for ov in overrides:
         if "=" not in ov:
-            raise ValueError(f"override {ov!r} is not of the form key=value")
+            raise ConfigError(f"override {ov!r} is not of the form key=value")
         k, v = ov.split("=", 1)
-        _set_dotted(data, k.strip(), yaml.safe_load(v))
-    return PipelineConfig.model_validate(data)
+        try:
+            value = yaml.safe_load(v)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {ov!r}: the value is not valid YAML ({getattr(e, 'problem', e)})") from None
+        _set_dotted(data, k.strip(), value)
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as e:
+        lines = describe_validation_error(e)
+        raise ConfigError(f"config {path}{' with overrides' if overrides else ''}: " + "; ".join(lines)) from None
+
+
+def hub_token(target: TargetConfig) -> str | None:
+    """The hub token from the environment variable the config names (None when unset or empty).
+    Pass it to hub calls as `token=`; never log it or write it anywhere."""
+    return os.environ.get(target.hub_token_env) or None

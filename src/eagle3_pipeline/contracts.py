@@ -14,12 +14,14 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3_pipeline.errors import InputError
+
 HS_KEY, TOKENS_KEY, SCALES_KEY = "hidden_states", "token_ids", "hidden_states_scales"
 STORAGE_DTYPES = {"bf16": "BF16", "fp8": "F8_E4M3"}  # safetensors dtype names
 FP8_MAX = 448.0
 
 
-class ContractError(ValueError):
+class ContractError(InputError):
     """A record or a layer list that breaks the contract; the message names file, sample, layer, shapes."""
 
 
@@ -73,12 +75,22 @@ def model_dims(target) -> ModelDims:
     Never loads weights."""
     local = Path(target.model) / "config.json"
     if local.is_file():
-        cfg = json.loads(local.read_text())
+        try:
+            cfg = json.loads(local.read_text())
+        except json.JSONDecodeError as e:
+            raise ContractError(f"{local}: not valid JSON ({e})") from None
+        if not isinstance(cfg, dict):
+            raise ContractError(f"{local}: expected a JSON object, found {type(cfg).__name__}")
+    elif Path(target.model).is_dir():
+        found = sorted(p.name for p in Path(target.model).iterdir())[:10]
+        raise ContractError(f"model directory {target.model}: no config.json (found {found})")
     else:
         from transformers import AutoConfig  # lazy: hub names only
 
+        from eagle3_pipeline.config import hub_token
+
         cfg = AutoConfig.from_pretrained(target.model, revision=target.revision,
-                                         trust_remote_code=target.trust_remote_code).to_dict()
+                                         trust_remote_code=target.trust_remote_code, token=hub_token(target)).to_dict()
     text = cfg.get("text_config") or cfg
     missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if k not in text]
     if missing:

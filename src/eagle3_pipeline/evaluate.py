@@ -5,7 +5,8 @@ process start) and `check_gate`. Reads the target model, the draft checkpoint di
 (speculators EAGLE-3 format, checked here before any engine starts) and held-out prompts given as
 token ids (already rendered with the chat template and its generation prompt). Writes into `out_dir`:
 `job.json`, `evaluate.log` (the child's full output), `<label>.result.json` per engine run
-(counters, timings, generated token ids) and `evaluate.json` (the report of `evaluate_pair`).
+(counters, timings, generated token ids) and `evaluate.json` (the report of `evaluate_pair`), all
+under `out_dir/.lock` (store.dir_lock: two evaluations never write one out_dir at once).
 Never cached: every call runs the engines again.
 
 The engines run in a child process (`evaluate_worker`) under `cfg.timeout_s`; one child makes one
@@ -36,8 +37,9 @@ from pydantic import BaseModel
 
 from eagle3_pipeline.engine_env import engine_env as cpu_engine_env
 from eagle3_pipeline.config import EvaluateConfig, TargetConfig
+from eagle3_pipeline.errors import GateFailed, InputError
 from eagle3_pipeline.proc import ChildFailed, python_child, run_child
-from eagle3_pipeline.store import write_json
+from eagle3_pipeline.store import dir_lock, write_json
 
 WORKER = "eagle3_pipeline.evaluate_worker"
 # An exception line anywhere in the child's output, also one prefixed by vLLM's "(Worker pid=..) ERROR ..]".
@@ -50,11 +52,11 @@ class EvaluateError(RuntimeError):
     """The evaluate child failed (bad checkpoint for vLLM, engine error, deadline) or measured nothing."""
 
 
-class InvalidDraftError(ValueError):
+class InvalidDraftError(InputError):
     """A draft directory is not a usable EAGLE-3 checkpoint for this target (found before any engine)."""
 
 
-class EvaluateGateFailed(RuntimeError):
+class EvaluateGateFailed(GateFailed):
     """The trained draft's acceptance length is below `evaluate.min_acceptance_length` (or, with
     `evaluate.lossless_gate`, speculation changed the greedy output)."""
 
@@ -296,7 +298,8 @@ def evaluate_draft(cfg: EvaluateConfig, target: TargetConfig, draft_dir: Path, p
                    out_dir: Path, *, log: Callable[[str], None] = print, label: str = "trained") -> EvalResult:
     """Serve `draft_dir` as the EAGLE-3 draft of `target` in vLLM, decode the first `cfg.num_prompts`
     prompts (token ids) greedily and measure acceptance. One child process; see the module doc."""
-    return _evaluate(cfg, target, {label: Path(draft_dir)}, prompts, out_dir, log)[label]
+    with dir_lock(Path(out_dir), f"evaluate dir {out_dir}", log):
+        return _evaluate(cfg, target, {label: Path(draft_dir)}, prompts, out_dir, log)[label]
 
 
 def evaluate_pair(cfg: EvaluateConfig, target: TargetConfig, trained_dir: Path, untrained_dir: Path | None,
@@ -304,6 +307,12 @@ def evaluate_pair(cfg: EvaluateConfig, target: TargetConfig, trained_dir: Path, 
     """Evaluate the trained draft and (unless `untrained_dir` is None) the untrained baseline in one
     child, on the same prompts; `passed` compares the trained τ with `cfg.min_acceptance_length`.
     Does not raise on a low τ: call `check_gate`. Writes `out_dir/evaluate.json`."""
+    with dir_lock(Path(out_dir), f"evaluate dir {out_dir}", log):
+        return _evaluate_pair(cfg, target, trained_dir, untrained_dir, prompts, out_dir, log)
+
+
+def _evaluate_pair(cfg: EvaluateConfig, target: TargetConfig, trained_dir: Path, untrained_dir: Path | None,
+                   prompts: list[list[int]], out_dir: Path, log: Callable[[str], None]) -> EvaluateReport:
     t0 = time.time()
     drafts = {"trained": Path(trained_dir)}
     if untrained_dir is not None:

@@ -1,7 +1,8 @@
 """The preflight gate: everything that can be known before an 18-minute model load, in seconds.
 
 Reads installed package versions, the vLLM/speculators APIs our code relies on, the model's
-config.json, the configured layer ids, and free disk space. Writes nothing. Raises PreflightFailed
+config.json (and that a local model directory holds weight files), the tokenizer (its vocabulary must
+fit the model's embedding), the configured layer ids, and free disk space. Writes nothing. Raises PreflightFailed
 listing every problem at once (not the first only). Never cached: runs every time.
 """
 
@@ -17,6 +18,7 @@ from pydantic import BaseModel
 
 from eagle3_pipeline.config import PipelineConfig
 from eagle3_pipeline.contracts import ContractError, model_dims, resolve_layer_ids
+from eagle3_pipeline.errors import EnvironmentProblem
 
 # (vllm distribution, vllm, torch, speculators) combinations this pipeline was tested with.
 TESTED = {
@@ -36,7 +38,7 @@ REQUIRED_APIS = {
 }
 
 
-class PreflightFailed(RuntimeError):
+class PreflightFailed(EnvironmentProblem):
     pass
 
 
@@ -76,6 +78,30 @@ def _check_api(module: str, attr: str, params: tuple[str, ...]) -> str | None:
     return None
 
 
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+
+
+def _model_files_problems(cfg: PipelineConfig, model_vocab: int) -> list[str]:
+    """A local model directory without weights; a tokenizer with ids the model has no embedding for."""
+    problems = []
+    model_dir = Path(cfg.target.model)
+    if model_dir.is_dir() and not any(next(model_dir.glob(p), None) for p in WEIGHT_PATTERNS):
+        found = sorted(p.name for p in model_dir.iterdir())[:10]
+        problems.append(f"model directory {model_dir}: no weight files ({', '.join(WEIGHT_PATTERNS)}); found {found}")
+    try:
+        from eagle3_pipeline.data.prepare import load_tokenizer
+
+        n_tok = len(load_tokenizer(cfg.target))
+    except Exception as e:  # noqa: BLE001 - any loader failure is reported, with its type
+        problems.append(f"tokenizer {cfg.target.tokenizer}: cannot be loaded ({type(e).__name__}: {e})")
+    else:
+        if n_tok > model_vocab:
+            problems.append(f"tokenizer {cfg.target.tokenizer} has {n_tok} tokens but the model config of "
+                            f"{cfg.target.model} has vocab_size {model_vocab}: token ids >= {model_vocab} have no "
+                            f"embedding (tokenizer and model do not belong together)")
+    return problems
+
+
 def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=print) -> PreflightResult:
     problems, warnings = [], []
     versions = installed_versions()
@@ -99,6 +125,7 @@ def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=prin
         layer_ids = resolve_layer_ids(dims.num_layers, cfg.extract.layer_ids)
     except ContractError as e:
         problems.append(str(e))
+    problems += _model_files_problems(cfg, dims.vocab_size)
     if flavour == "cpu" and dims.head_dim < 32:
         problems.append(f"head_dim {dims.head_dim}: vLLM's CPU attention needs head_dim >= 32")
     if cfg.train.device == "cpu" and cfg.train.attention == "flex_attention":

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle3_pipeline.errors import StageTimeout
+
 EVENT_PREFIX = "@@eagle3-event "
 # Marker put in the environment of every child so that gpu-gate can find leftovers of ours.
 CHILD_MARKER_ENV = "EAGLE3_PIPELINE_CHILD"
@@ -31,6 +33,10 @@ LAUNCHER_ENV = "EAGLE3_PIPELINE_LAUNCHER"
 
 class ChildFailed(RuntimeError):
     """A child exited non-zero or ran past its deadline; the message carries the tail of its output."""
+
+
+class ChildTimedOut(ChildFailed, StageTimeout):
+    """A child ran past its deadline (and was killed); exit code TIMEOUT."""
 
 
 @dataclass
@@ -142,5 +148,5 @@ def run_child(
     if check and (timed_out or proc.returncode != 0):
         why = f"ran past its deadline of {timeout_s:.0f}s" if timed_out else f"exited with code {proc.returncode}"
         where = f" (full log: {log_path})" if log_path else ""
-        raise ChildFailed(f"{name} {why}{where}; last output:\n" + "\n".join(tail))
+        raise (ChildTimedOut if timed_out else ChildFailed)(f"{name} {why}{where}; last output:\n" + "\n".join(tail))
     return res

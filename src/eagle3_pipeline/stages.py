@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from eagle3_pipeline.config import PipelineConfig
-from eagle3_pipeline.store import content_key, extract_dir, extract_key, model_fingerprint
+from eagle3_pipeline.store import content_key, dir_lock, extract_dir, extract_key, model_fingerprint
 
 
 def stage_prepare(cfg: PipelineConfig, log=print) -> dict:
@@ -134,8 +134,14 @@ def stage_vocab(cfg: PipelineConfig, prep: dict, pre: dict, ext: dict, log=print
     return {**res.model_dump(mode="json"), "dir": str(out.resolve())}
 
 
+# Train settings that change how a run is watched, not the draft it produces: a new value resumes
+# the same checkpoint dir instead of training from scratch.
+TRAIN_KEY_EXCLUDE = frozenset({"log_freq", "timeout_s", "num_workers"})
+
+
 def train_key(cfg: PipelineConfig, ext: dict, voc: dict) -> str:
-    return content_key({"extract": ext["content_key"], "vocab": voc["dir"], "train": cfg.train.model_dump()})
+    return content_key({"extract": ext["content_key"], "vocab": voc["dir"],
+                        "train": cfg.train.model_dump(exclude=set(TRAIN_KEY_EXCLUDE))})
 
 
 def stage_train(cfg: PipelineConfig, prep: dict, pre: dict, ext: dict, voc: dict, log=print) -> dict:
@@ -164,8 +170,9 @@ def stage_evaluate(cfg: PipelineConfig, prep: dict, pre: dict, voc: dict, tr: di
     untrained = None
     if cfg.evaluate.baseline:
         untrained = Path(tr["dir"]) / "untrained_draft"
-        if not (untrained / "config.json").exists():
-            make_untrained_draft(cfg.target, Path(voc["dir"]), pre["layer_ids"], untrained, cfg.train)
+        with dir_lock(Path(tr["dir"]), f"train dir {tr['dir']}", log):  # written once, never under a reader
+            if not (untrained / "config.json").exists():
+                make_untrained_draft(cfg.target, Path(voc["dir"]), pre["layer_ids"], untrained, cfg.train)
     rep = evaluate_pair(cfg.evaluate, cfg.target, Path(tr["checkpoint_best"]), untrained, prompts,
                         Path(run_dir) / "evaluate", log=log)
     check_gate(rep, cfg.evaluate)

@@ -6,14 +6,22 @@ Owns the layout of DESIGN §2:
 A version is a short sha256 of a JSON-canonical description of everything that determines the bytes.
 Every file is written as `name.tmp-<tag>` in the same directory, fsynced, then `os.replace`d, so a
 reader never sees a partial file under its final name.
+Writers of one versioned output take its inter-process lock first (`file_lock` / `dir_lock`: an
+exclusive flock on a `.lock` file that holds the holder's pid), so two pipeline runs on the same
+version never interleave writes: the second waits, then finds the work done.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
-from collections.abc import Callable
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +63,13 @@ def atomic_write(path: Path, write: Callable[[Path], None], tag: str = "0") -> P
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        from eagle3_pipeline.errors import DiskFull, is_disk_full
+
+        if is_disk_full(e) and not isinstance(e, DiskFull):
+            raise DiskFull(f"{path}: write failed, the disk is full ({type(e).__name__}: {e}); nothing was "
+                           f"written under this name", e.errno) from e
+        raise
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -76,10 +91,115 @@ def write_json(path: Path, obj: Any) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str))
 
 
+LOCK_NAME = ".lock"
+# Locks this process holds, by absolute path: {path: [thread id, depth]}. A thread that takes a lock
+# it already holds only counts up (stage functions may nest); another thread of the same process
+# opens the file again and so waits like any other process (flock is per open file description).
+_HELD: dict[str, list[int]] = {}
+_HELD_GUARD = threading.Lock()
+
+
+def lock_holder(lock_path: Path) -> str:
+    """Who holds (or last held) `lock_path`, as its file says: "pid N" (+ " on HOST" if not this host)."""
+    try:
+        pid, _, host = Path(lock_path).read_text().strip().partition(" ")
+    except OSError:
+        pid, host = "", ""
+    if not pid:
+        return "another process (its pid is not written yet)"
+    return f"pid {pid}" + (f" on {host}" if host and host != socket.gethostname() else "")
+
+
+@contextlib.contextmanager
+def file_lock(lock_path: Path, what: str, log: Callable[[str], None] | None = print) -> Iterator[Path]:
+    """Hold an exclusive inter-process lock on `lock_path` for the body of the `with`.
+
+    The lock is an flock on the file (created if missing, never deleted: deleting a lock file that
+    someone waits on would let a third process in). It belongs to this process's open file, so the
+    kernel releases it when the process dies, however it dies (SIGKILL included); a successor then
+    cleans up what the dead holder left. The holder writes "<pid> <host>" into the file; a process
+    that has to wait logs "waiting for <what> held by pid N" and blocks until the lock is free (no
+    timeout: the holder is alive by definition). Children started with `subprocess` do not inherit
+    it (close_fds). flock works between processes of one host and on local filesystems; on NFS it
+    is emulated with byte-range locks, which the server enforces across hosts."""
+    key = os.path.abspath(lock_path)
+    me = threading.get_ident()
+    with _HELD_GUARD:
+        held = _HELD.get(key)
+        if held is not None and held[0] == me:
+            held[1] += 1
+    if held is not None and held[0] == me:
+        try:
+            yield Path(lock_path)
+        finally:
+            with _HELD_GUARD:
+                held[1] -= 1
+        return
+    path = Path(lock_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # unbuffered: nothing left to flush at close
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            t0 = time.time()
+            if log:
+                log(f"waiting for {what} held by {lock_holder(path)} (lock {path})")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if log:
+                log(f"acquired {what} after waiting {time.time() - t0:.1f}s")
+        with contextlib.suppress(OSError):  # the holder's name is for waiters' log lines; on a full
+            os.ftruncate(fd, 0)             # disk the lock (which needs no space) still holds
+            os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+        with _HELD_GUARD:
+            _HELD[key] = [me, 1]
+        try:
+            yield path
+        finally:
+            with _HELD_GUARD:
+                _HELD.pop(key, None)
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)  # released: nobody holds it
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def dir_lock(directory: Path, what: str, log: Callable[[str], None] | None = print) -> contextlib.AbstractContextManager[Path]:
+    """`file_lock` on `<directory>/.lock`: the lock of one versioned output directory."""
+    return file_lock(Path(directory) / LOCK_NAME, what, log)
+
+
+@contextlib.contextmanager
+def file_locks(lock_paths: list[Path], what: Callable[[Path], str],
+               log: Callable[[str], None] | None = print) -> Iterator[None]:
+    """Hold several locks at once, taken in sorted path order (so two holders of overlapping sets
+    cannot deadlock); `what(path)` names each in a waiting line."""
+    with contextlib.ExitStack() as stack:
+        for p in sorted(set(map(Path, lock_paths)), key=lambda x: os.path.abspath(x)):
+            stack.enter_context(file_lock(p, what(p), log))
+        yield
+
+
 def slug(name: str) -> str:
-    """A path-safe name for a model or dataset (last path component, odd characters replaced)."""
+    """A path-safe name for a model or dataset (last path component, odd characters replaced;
+    never "." or "..", which would name the parent directory itself)."""
     base = str(name).rstrip("/").split("/")[-1] or "root"
-    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in base)
+    out = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in base)
+    return "_" * len(out) if out in (".", "..") else out
+
+
+def within(root: str | Path, *parts: str) -> Path:
+    """`root/parts...`, normalised (absolute, no `..`); raises ConfigError when a part would lead
+    outside `root` (an absolute part, `..`). Every store path built from a configured name goes
+    through here."""
+    from eagle3_pipeline.errors import ConfigError
+
+    base = Path(os.path.abspath(root))
+    path = Path(os.path.abspath(base.joinpath(*map(str, parts))))
+    if path != base and base not in path.parents:
+        raise ConfigError(f"store path {'/'.join(map(str, parts))!r} leads outside the store root {base} "
+                          f"(to {path}); names in the store must be plain directory names")
+    return path
 
 
 def model_fingerprint(model: str, revision: str | None = None) -> str:
@@ -106,4 +226,4 @@ def extract_key(prepare_version: str, model_fp: str, layer_ids: list[int], stora
 
 def extract_dir(prepare_dir: Path, model: str, key: str) -> Path:
     """<store>/<dataset>/<tok-version>/<model>/<extract-version>/"""
-    return Path(prepare_dir) / slug(model) / key
+    return within(prepare_dir, slug(model), key)

@@ -10,7 +10,8 @@ Reads  tokenized_dir (datasets.save_to_disk; input_ids, loss_mask, seq_len, samp
 Writes out_dir/checkpoints/<epoch>/{config.json, model.safetensors (with d2t, t2d), ...},
        out_dir/checkpoints/checkpoint_best -> <epoch>, out_dir/metrics.jsonl (a line per optimizer
        step: loss, per-TTT-step accuracy, tokens/s; a line per validation pass),
-       out_dir/train.log (the child's full output), out_dir/train_job.json, out_dir/train_result.json.
+       out_dir/train.log (the child's full output), out_dir/train_job.json, out_dir/train_result.json,
+       out_dir/.lock (store.dir_lock, held by the one trainer of this dir).
 A rerun with the same out_dir resumes from the last complete epoch checkpoint; an epoch directory
 left incomplete by a killed attempt is moved aside first (renamed `<epoch>.incomplete-<time>`), and so
 is speculators' `interrupted/` save of a stopped attempt (never resumed from; the worker fails an
@@ -26,6 +27,7 @@ training to build targets but is not saved.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -37,15 +39,16 @@ from pydantic import BaseModel
 
 from eagle3_pipeline.config import TargetConfig, TrainConfig
 from eagle3_pipeline.contracts import HS_KEY, TOKENS_KEY, ContractError, model_dims, resolve_layer_ids
+from eagle3_pipeline.errors import GateFailed
 from eagle3_pipeline.proc import python_child, run_child
-from eagle3_pipeline.store import read_json, sha256_file, write_json
+from eagle3_pipeline.store import dir_lock, read_json, sha256_file, write_json
 from eagle3_pipeline.vocab import load_vocab, vocab_paths
 
 WORKER = "eagle3_pipeline.train_worker"
 CKPT_FILES = ("config.json", "model.safetensors", "optimizer_state_dict.pt", "training_state.json")
 
 
-class ExportCheckError(ValueError):
+class ExportCheckError(GateFailed, ValueError):
     """A draft checkpoint that is not the draft we meant; the message names the file, tensor, shapes."""
 
 
@@ -104,8 +107,40 @@ def _check_inputs(tokenized_dir: Path, hidden_states_dir: Path, num_captured: in
     return n
 
 
+def _val_losses(metrics_path: Path) -> dict[int, float | None] | None:
+    """{epoch: validation loss} from metrics.jsonl (None: no metrics file, nothing is known)."""
+    if not metrics_path.exists():
+        return None
+    out: dict[int, float | None] = {}
+    for raw in metrics_path.read_text().splitlines():
+        try:
+            d = json.loads(raw)
+        except json.JSONDecodeError:  # a line cut off by a kill
+            continue
+        if d.get("kind") == "val" and isinstance(d.get("epoch"), int):
+            out[d["epoch"]] = d.get("loss")
+    return out
+
+
+def _unfinished_epoch(save_path: Path, epoch: int, vals: dict[int, float | None]) -> str | None:
+    """Why the complete checkpoint of `epoch` (the last one) must not be resumed from, or None.
+    speculators saves an epoch's checkpoint *before* validating it and moving checkpoint_best, and
+    resumes with the next epoch: a kill in between would leave that epoch never validated, and
+    checkpoint_best possibly on a worse epoch than a run without the kill."""
+    if epoch not in vals:
+        return "its validation never finished"
+    loss, earlier = vals[epoch], [v for e, v in vals.items() if e < epoch and v is not None]
+    best = save_path / "checkpoint_best"
+    if loss is not None and loss < min(earlier, default=float("inf")) and \
+            not (best.is_symlink() and os.readlink(best) == str(epoch)):
+        return "its validation was the best so far but checkpoint_best was not moved to it"
+    return None
+
+
 def _move_incomplete_checkpoints(save_path: Path, log: Callable[[str], None]) -> None:
-    """An epoch dir without all of CKPT_FILES (a killed save) would be resumed from: move it aside."""
+    """An epoch dir without all of CKPT_FILES (a killed save) would be resumed from: move it aside.
+    So is the last complete one when metrics.jsonl shows that the attempt died before its epoch's
+    validation and checkpoint_best update were done (`_unfinished_epoch`): that epoch is trained again."""
     if not save_path.is_dir():
         return
     interrupted = save_path / "interrupted"  # speculators' save on SIGTERM/SIGINT; a new one means this attempt was stopped
@@ -120,6 +155,14 @@ def _move_incomplete_checkpoints(save_path: Path, log: Callable[[str], None]) ->
                 dest = d.with_name(f"{d.name}.incomplete-{int(time.time())}")
                 log(f"train: checkpoint {d} is incomplete (no {absent}); moved to {dest.name}, not resumed from")
                 d.rename(dest)
+    vals = _val_losses(save_path.parent / "metrics.jsonl")
+    complete = sorted((d for d in save_path.iterdir() if d.is_dir() and not d.is_symlink() and d.name.isdigit()),
+                      key=lambda d: int(d.name))
+    if vals is not None and complete and (why := _unfinished_epoch(save_path, int(complete[-1].name), vals)):
+        d = complete[-1]
+        dest = d.with_name(f"{d.name}.incomplete-{int(time.time())}")
+        log(f"train: checkpoint {d} is complete but {why}; moved to {dest.name}, not resumed from")
+        d.rename(dest)
     for link in save_path.iterdir():  # links (checkpoint_best, epochN_end) to what was moved
         if link.is_symlink() and not link.exists():
             link.unlink()
@@ -191,8 +234,15 @@ def train_draft(cfg: TrainConfig, target: TargetConfig, tokenized_dir: Path, hid
                 vocab_dir: Path, layer_ids: list[int], out_dir: Path, *,
                 log: Callable[[str], None] = print) -> TrainResult:
     """Train (or resume training) the EAGLE-3 draft; see the module docstring for files.
-    `layer_ids` are the captured layer ids, with or without the final layer N at the end."""
-    out_dir = Path(out_dir)
+    `layer_ids` are the captured layer ids, with or without the final layer N at the end.
+    Holds `out_dir/.lock` throughout: two trainers never write one checkpoint dir (the second
+    waits, then resumes from what the first left)."""
+    with dir_lock(Path(out_dir), f"train dir {out_dir}", log):
+        return _train_draft(cfg, target, tokenized_dir, hidden_states_dir, vocab_dir, layer_ids, Path(out_dir), log)
+
+
+def _train_draft(cfg: TrainConfig, target: TargetConfig, tokenized_dir: Path, hidden_states_dir: Path,
+                 vocab_dir: Path, layer_ids: list[int], out_dir: Path, log: Callable[[str], None]) -> TrainResult:
     dims = model_dims(target).__dict__
     aux = aux_layer_ids(layer_ids, dims["num_layers"])
     load_vocab(vocab_dir, dims["vocab_size"])  # raises on an inconsistent vocab before any work

@@ -26,7 +26,8 @@ process SIGKILLs itself right after the n-th logged optimizer step of epoch <epo
 `save:<epoch>` it SIGKILLs itself in the middle of saving that epoch's checkpoint (weights and
 optimizer written, training_state.json not yet); with `term:<epoch>:<n>` it sends itself SIGTERM
 there instead (a preemption: speculators saves `interrupted/` and returns normally, and this worker
-must still fail the attempt). Nothing is cleaned up: that is the point.
+must still fail the attempt). Nothing is cleaned up: that is the point. STEP_DELAY_ENV=x makes it
+sleep x seconds after each logged step (the chaos tests' kills then land before the end on any machine).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from eagle3_pipeline.store import write_json
 
 ATTN_IMPL = {"sdpa": "sdpa", "eager": "eager", "flex_attention": "simple_flex_attention"}
 KILL_ENV = "EAGLE3_TRAIN_KILL_AT"
+STEP_DELAY_ENV = "EAGLE3_TEST_STEP_DELAY_S"
 # speculators' step profiler phases (ms), kept per step in metrics.jsonl: where a step's time went
 # (fetch = waiting for the data loader, incl. the previous step's logging)
 PHASES = ("fetch_ms", "fwd_ms", "bwd_ms", "opt_ms")
@@ -143,6 +145,8 @@ class _MetricSink(logging.Handler):
         with open(self.path, "a") as f:
             f.write(json.dumps(line) + "\n")
         emit_event(**line)
+        if line["kind"] == "train_step" and (delay := float(os.environ.get(STEP_DELAY_ENV, "0") or 0)):
+            time.sleep(delay)  # test hook (STEP_DELAY_ENV)
         if self.kill and line["kind"] == "train_step" and line["epoch"] == self.kill[1]:
             self.steps_in_kill_epoch += 1
             if self.steps_in_kill_epoch >= self.kill[2]:

@@ -7,6 +7,7 @@ Writes to `out_dir`, in speculators' own conventions (its trainer and vLLM read 
   d2t-{K}.npy  int64[K]  OFFSETS: draft index i stands for target id i + d2t[i]; ids ascending
   t2d-{K}.npy  bool[V]   True for the K target ids in the draft vocabulary
   vocab.json             what was built (sizes, coverage, special ids, file names)
+  .lock                  store.dir_lock, held while these three are written (two runs never interleave them)
 The top-K selection itself is speculators' `build_vocab_mappings_from_distribution` (ties broken by
 lower id; fewer than K distinct tokens are padded with the lowest unused ids). Special token ids
 (eos / end-of-turn) are ranked first so that the draft can always propose them.
@@ -21,12 +22,13 @@ import numpy as np
 from pydantic import BaseModel
 
 from eagle3_pipeline.config import VocabConfig
-from eagle3_pipeline.store import atomic_write, read_json, write_json
+from eagle3_pipeline.errors import InputError
+from eagle3_pipeline.store import atomic_write, dir_lock, read_json, write_json
 
 META_NAME = "vocab.json"
 
 
-class VocabError(ValueError):
+class VocabError(InputError):
     """A draft vocabulary that breaks speculators' d2t/t2d conventions; the message says where."""
 
 
@@ -69,7 +71,11 @@ def read_token_freq(path: Path, target_vocab_size: int) -> np.ndarray:
     else:
         from safetensors.numpy import load_file
 
-        tensors = load_file(str(path))
+        try:
+            tensors = load_file(str(path))
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for a bad file
+            raise VocabError(f"token frequencies {path}: not a readable safetensors file "
+                             f"({type(e).__name__}: {e})") from None
         if "counts" not in tensors:
             raise VocabError(f"token frequencies {path}: no tensor 'counts' (found {sorted(tensors)})")
         counts = tensors["counts"].astype(np.int64)
@@ -160,16 +166,17 @@ def build_vocab(cfg: VocabConfig, token_freq: Path, target_vocab_size: int, out_
                 np.save(f, arr)
         return write
 
-    d2t_path = atomic_write(out_dir / d2t_name(k), _save(d2t))
-    t2d_path = atomic_write(out_dir / t2d_name(k), _save(t2d))
-    result = VocabResult(
-        draft_vocab_size=k, target_vocab_size=target_vocab_size,
-        coverage=float(counts[t2d].sum()) / total, distinct_tokens=len(np.nonzero(counts)[0]),
-        padded=int((counts[t2d] == 0).sum()) - len([s for s in forced if counts[s] == 0]),
-        forced_special=forced, d2t_path=d2t_path, t2d_path=t2d_path)
-    write_json(out_dir / META_NAME, {**result.model_dump(mode="json"), "d2t": d2t_name(k), "t2d": t2d_name(k),
-                                     "special_token_ids": sorted(set(special_token_ids)),
-                                     "token_freq": str(token_freq), "supervised_tokens": total})
+    with dir_lock(out_dir, f"vocab dir {out_dir}"):
+        d2t_path = atomic_write(out_dir / d2t_name(k), _save(d2t))
+        t2d_path = atomic_write(out_dir / t2d_name(k), _save(t2d))
+        result = VocabResult(
+            draft_vocab_size=k, target_vocab_size=target_vocab_size,
+            coverage=float(counts[t2d].sum()) / total, distinct_tokens=len(np.nonzero(counts)[0]),
+            padded=int((counts[t2d] == 0).sum()) - len([s for s in forced if counts[s] == 0]),
+            forced_special=forced, d2t_path=d2t_path, t2d_path=t2d_path)
+        write_json(out_dir / META_NAME, {**result.model_dump(mode="json"), "d2t": d2t_name(k), "t2d": t2d_name(k),
+                                         "special_token_ids": sorted(set(special_token_ids)),
+                                         "token_freq": str(token_freq), "supervised_tokens": total})
     return result
 
 
@@ -186,11 +193,18 @@ def vocab_paths(vocab_dir: Path) -> tuple[Path, Path]:
     return d2ts[0], t2ds[0]
 
 
+def _load_npy(path: Path) -> np.ndarray:
+    """A plain numeric .npy array; a pickle or an object array is refused, never unpickled."""
+    try:
+        return np.load(path, allow_pickle=False)
+    except (ValueError, EOFError) as e:
+        raise VocabError(f"{path}: not a plain numeric .npy array ({e}); pickled data is never loaded") from None
+
+
 def load_vocab(vocab_dir: Path, target_vocab_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(d2t int64[K], t2d bool[V]) from a vocab dir, checked for consistency (never unpickles)."""
     d2t_path, t2d_path = vocab_paths(vocab_dir)
-    d2t = np.load(d2t_path, allow_pickle=False)
-    t2d = np.load(t2d_path, allow_pickle=False)
+    d2t, t2d = _load_npy(d2t_path), _load_npy(t2d_path)
     meta = read_json(Path(vocab_dir) / META_NAME) or {}
     check_vocab(d2t, t2d, target_vocab_size if target_vocab_size is not None else t2d.shape[0],
                 meta.get("special_token_ids", ()), where=str(vocab_dir))

@@ -10,6 +10,7 @@ killed-training test and the untrained draft run children of their own.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -145,6 +146,36 @@ def test_incomplete_checkpoint_is_moved_aside_and_spec_guards_resume(tmp_path):
     _check_resume_spec(tmp_path, save, spec)  # same draft: fine
     with pytest.raises(ValueError, match="d2t_sha256"):
         _check_resume_spec(tmp_path, save, {**spec, "d2t_sha256": "b"})
+
+
+@pytest.mark.parametrize("val_lines, best, trained_again", [
+    ([(0, 5.0)], "0", True),                 # epoch 1 saved, never validated (killed in between)
+    ([(0, 5.0), (1, 4.0)], "0", True),       # validated as the new best, checkpoint_best not moved yet
+    ([(0, 5.0), (1, 6.0)], "0", False),      # validated, not better: nothing left to do for epoch 1
+    ([(0, 5.0), (1, 4.0)], "1", False),      # validated and made best: finished
+])
+def test_epoch_killed_between_save_and_validation_is_trained_again(tmp_path, val_lines, best, trained_again):
+    """speculators saves an epoch's checkpoint before validating it and before moving checkpoint_best;
+    a kill in between (found by the chaos suite) must not leave that epoch unvalidated on resume."""
+    from eagle3_pipeline.train import _move_incomplete_checkpoints
+
+    save = tmp_path / "checkpoints"
+    for epoch in (0, 1):
+        (save / str(epoch)).mkdir(parents=True)
+        for f in CKPT_FILES:
+            (save / str(epoch) / f).write_text("x")
+    (save / "checkpoint_best").symlink_to(best)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"kind": "val", "epoch": e, "loss": v}) + "\n"
+                                                    for e, v in val_lines) + '{"kind": "train_st')  # a cut-off line
+    lines: list[str] = []
+    _move_incomplete_checkpoints(save, lines.append)
+    names = sorted(p.name for p in save.iterdir() if not p.is_symlink())
+    if not trained_again:
+        assert names == ["0", "1"] and lines == []
+    else:
+        assert names[0] == "0" and names[1].startswith("1.incomplete-") and len(names) == 2
+        assert "is complete but" in lines[0] and "not resumed from" in lines[0]
+        assert os.readlink(save / "checkpoint_best") == "0"
 
 
 def test_step_lines_reach_the_log_callback(trained):

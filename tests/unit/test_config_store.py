@@ -2,10 +2,10 @@ import json
 import os
 
 import pytest
-from pydantic import ValidationError
 
 from eagle3_pipeline.config import load_config
 from eagle3_pipeline.contracts import ContractError, resolve_layer_ids
+from eagle3_pipeline.errors import ConfigError
 from eagle3_pipeline.store import atomic_write, atomic_write_text, content_key, write_json
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
@@ -20,7 +20,7 @@ def test_real_configs_load_and_overrides_apply():
 
 
 def test_config_typo_fails_loudly():
-    with pytest.raises(ValidationError, match="epochz"):
+    with pytest.raises(ConfigError, match="train.epochz: unknown key"):
         load_config(ROOT / "configs/tiny-cpu.yaml", ["train.epochz=3"])
     with pytest.raises(ValueError, match="key=value"):
         load_config(ROOT / "configs/tiny-cpu.yaml", ["train.epochs"])
@@ -58,3 +58,17 @@ def test_layer_ids_default_and_explicit(n_layers, ids, expected):
 def test_layer_ids_invalid(ids, msg):
     with pytest.raises(ContractError, match=msg):
         resolve_layer_ids(8, ids)
+
+
+def test_train_key_follows_what_shapes_the_draft_only():
+    """log_freq / timeout_s / num_workers resume the same checkpoint dir; lr or epochs start a new one."""
+    from eagle3_pipeline.stages import train_key
+
+    cfg = load_config(ROOT / "configs/tiny-cpu.yaml")
+    ext, voc = {"content_key": "abc"}, {"dir": "/store/vocab/K512"}
+    base = train_key(cfg, ext, voc)
+    for watch in ("train.log_freq=10", "train.timeout_s=60", "train.num_workers=2"):
+        assert train_key(load_config(ROOT / "configs/tiny-cpu.yaml", [watch]), ext, voc) == base, watch
+    for shape in ("train.lr=0.02", "train.epochs=2", "train.seed=1", "train.ttt_steps=2"):
+        assert train_key(load_config(ROOT / "configs/tiny-cpu.yaml", [shape]), ext, voc) != base, shape
+    assert train_key(cfg, {"content_key": "abd"}, voc) != base

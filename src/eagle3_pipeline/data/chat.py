@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from eagle3_pipeline.errors import InputError
 
-class TemplateMismatch(ValueError):
+
+class TemplateMismatch(InputError):
     """The template does not render a conversation prefix as a prefix of the longer conversation."""
 
 

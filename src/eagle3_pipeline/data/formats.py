@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eagle3_pipeline.errors import InputError
+
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "tool": "tool", "function": "tool", "observation": "tool"}
 OPENAI_ROLES = {"system", "user", "assistant", "tool", "developer"}
@@ -97,7 +99,10 @@ def normalise(rec: dict, fmt: str, source: str, row: int) -> Conversation | Pret
                 return Rejected(source, row, f"turn {j}: unknown role {role_raw!r}", rec)
             if content is None:
                 return Rejected(source, row, f"turn {j} ({role}): missing content", rec)
-            text = _content(content)
+            try:
+                text = _content(content)
+            except ValueError as e:
+                return Rejected(source, row, f"malformed row: turn {j} ({role}): {e}", rec)
             if not text.strip():
                 return Rejected(source, row, f"turn {j} ({role}): empty content", rec)
             msgs.append({"role": role, "content": text})
@@ -151,14 +156,14 @@ def _records(path: Path) -> Iterator[RawRow]:
         for i, rec in enumerate(load_from_disk(src)):
             yield RawRow(src, i, rec, None, json.dumps(rec, sort_keys=True, default=str).encode())
     else:
-        raise ValueError(f"{path}: unsupported file type (expected {', '.join(FILE_SUFFIXES)})")
+        raise SourceError(f"{path}: unsupported file type (expected {', '.join(FILE_SUFFIXES)})")
 
 
-def _hub_rows(name: str, split: str, revision: str | None) -> Iterator[RawRow]:
+def _hub_rows(name: str, split: str, revision: str | None, token: str | None = None) -> Iterator[RawRow]:
     from datasets import load_dataset
 
     try:
-        ds = load_dataset(name, split=split, revision=revision)
+        ds = load_dataset(name, split=split, revision=revision, token=token)
     except Exception as e:
         raise SourceError(f"dataset source {name!r} is not a local path, and loading it from the Hugging Face "
                           f"hub (split {split!r}, revision {revision!r}) failed: {type(e).__name__}: {e}") from e
@@ -167,7 +172,7 @@ def _hub_rows(name: str, split: str, revision: str | None) -> Iterator[RawRow]:
                      json.dumps(rec, sort_keys=True, default=str).encode())
 
 
-class SourceError(ValueError):
+class SourceError(InputError):
     """A source that cannot be opened at all (missing path, hub unreachable)."""
 
 
@@ -191,11 +196,12 @@ def source_files(path: str | Path) -> list[Path]:
     return [p]
 
 
-def raw_rows(path: str, limit: int | None = None, split: str = "train", revision: str | None = None
-             ) -> Iterator[RawRow]:
-    """Every row of a source (local file, directory, save_to_disk dir, or hub name), at most `limit`."""
+def raw_rows(path: str, limit: int | None = None, split: str = "train", revision: str | None = None,
+             token: str | None = None) -> Iterator[RawRow]:
+    """Every row of a source (local file, directory, save_to_disk dir, or hub name), at most `limit`.
+    `token` is the hub token for a hub name (never logged)."""
     if not Path(path).exists() and looks_like_hub_name(path):
-        it = _hub_rows(path, split, revision)
+        it = _hub_rows(path, split, revision, token)
     else:
         it = (r for f in source_files(path) for r in _records(f))
     for n, r in enumerate(it):

@@ -11,6 +11,8 @@ The version (a content key over all chunk keys and the held-out count) then gets
   heldout.jsonl          conversations kept out of training (first prompt's ids + reference answer)
   quarantine.jsonl       every rejected row: source file, row, reason (and the raw row)
   prepare.json           counts and the chunk keys; its presence marks the version complete
+  .lock                  store.dir_lock, held while the version is assembled: a concurrent run of the
+                         same version waits, then finds prepare.json (each chunk dir has one too)
 Invariant: rows_in == rows_out_sources + rows_heldout + rows_quarantined (counted in source rows).
 """
 
@@ -24,10 +26,12 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from eagle3_pipeline.config import PrepareConfig, SourceConfig, TargetConfig
+from eagle3_pipeline.config import PrepareConfig, SourceConfig, TargetConfig, hub_token
 from eagle3_pipeline.data.chat import TemplateMismatch, encode_conversation, render
 from eagle3_pipeline.data.formats import Conversation, RawRow, Rejected, parse_row, raw_rows
-from eagle3_pipeline.store import atomic_write, atomic_write_text, content_key, dir_fingerprint, read_json, slug, write_json
+from eagle3_pipeline.errors import DiskFull, InputError, is_disk_full
+from eagle3_pipeline.store import (atomic_write, atomic_write_text, content_key, dir_fingerprint, dir_lock, read_json,
+                                   slug, within, write_json)
 
 TOKENIZER_FILES = ("tokenizer*.json", "special_tokens_map.json", "*.jinja", "*.model", "vocab*", "merges.txt")
 ROW_COLUMNS = ("sample_id", "conv_id", "input_ids", "loss_mask", "seq_len", "truncated", "prompt_ids", "reference",
@@ -69,7 +73,7 @@ def load_tokenizer(target: TargetConfig):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(target.tokenizer, revision=target.revision,
-                                         trust_remote_code=target.trust_remote_code)
+                                         trust_remote_code=target.trust_remote_code, token=hub_token(target))
 
 
 def tokenization_key(cfg: PrepareConfig, target: TargetConfig, tokenizer) -> str:
@@ -80,9 +84,9 @@ def tokenization_key(cfg: PrepareConfig, target: TargetConfig, tokenizer) -> str
                         "min_supervised": cfg.min_supervised_tokens, "rows_per": cfg.rows_per})
 
 
-def _chunks(src: SourceConfig, size: int) -> Iterator[list[RawRow]]:
+def _chunks(src: SourceConfig, size: int, token: str | None = None) -> Iterator[list[RawRow]]:
     buf: list[RawRow] = []
-    for r in raw_rows(src.path, src.limit, src.split, src.revision):
+    for r in raw_rows(src.path, src.limit, src.split, src.revision, token):
         buf.append(r)
         if len(buf) == size:
             yield buf
@@ -117,6 +121,11 @@ def _encode_chunk(rows: list[RawRow], fmt: str, tok, cfg: PrepareConfig) -> tupl
             continue
         prompt_ids, reference = None, None
         if isinstance(item, Conversation):
+            if not getattr(tok, "chat_template", None):  # every conversation would fail: stop, don't quarantine all
+                raise InputError(f"tokenizer {tok.name_or_path}: no chat template (no chat_template in "
+                                 f"tokenizer_config.json, no chat_template.jinja), so the conversation at "
+                                 f"{item.source} row {item.row} cannot be rendered; use a chat model's tokenizer "
+                                 f"(target.tokenizer) or pre-tokenized rows")
             try:
                 encoded = encode_conversation(tok, item.messages, cfg.rows_per)
                 first = next(i for i, m in enumerate(item.messages) if m["role"] == "assistant")
@@ -161,23 +170,38 @@ def _encode_chunk(rows: list[RawRow], fmt: str, tok, cfg: PrepareConfig) -> tupl
 
 def _chunk(store: Path, key: str, rows: list[RawRow], fmt: str, tok, cfg: PrepareConfig) -> tuple[Path, bool]:
     """The chunk's directory, computed now (True) or found complete in the store (False)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     d = store / "_chunks" / key
     if (d / "chunk.json").exists():
         return d, False
+    with dir_lock(d, f"prepare chunk {d}", log=None):  # a concurrent run tokenizing the same chunk
+        if (d / "chunk.json").exists():
+            return d, False
+        return d, _write_chunk(d, rows, fmt, tok, cfg)
+
+
+def _write_parquet(table, path: Path) -> None:
+    """Through a file object of ours: given a path, pyarrow keeps its handle open when a write fails
+    (disk full), and the deleted temporary file would hold the space until the process exits."""
+    import pyarrow.parquet as pq
+
+    with open(path, "wb") as f:
+        pq.write_table(table, f)
+
+
+def _write_chunk(d: Path, rows: list[RawRow], fmt: str, tok, cfg: PrepareConfig) -> bool:
+    import pyarrow as pa
+
     cols, rejected, dropped = _encode_chunk(rows, fmt, tok, cfg)
     schema = pa.schema([("sample_id", pa.string()), ("conv_id", pa.string()), ("input_ids", pa.list_(pa.int64())),
                         ("loss_mask", pa.list_(pa.int64())), ("seq_len", pa.int64()), ("truncated", pa.bool_()),
                         ("prompt_ids", pa.list_(pa.int64())), ("reference", pa.string()), ("source", pa.string()),
                         ("row", pa.int64())])
     table = pa.Table.from_pydict(cols, schema=schema)
-    atomic_write(d / "rows.parquet", lambda p: pq.write_table(table, str(p)))
+    atomic_write(d / "rows.parquet", lambda p: _write_parquet(table, p))
     atomic_write_text(d / "rejected.jsonl", "".join(json.dumps(r, default=str) + "\n" for r in rejected))
     write_json(d / "chunk.json", {"rows_in": len(rows), "rows_out": table.num_rows, "rejected": len(rejected),
                                   "turns_dropped": dropped})
-    return d, True
+    return True
 
 
 _WORKER: dict = {}
@@ -196,9 +220,9 @@ def prepare(cfg: PrepareConfig, target: TargetConfig, store_root: Path, log=prin
     """Run the prepare stage, or return the complete version already in the store."""
     tok = load_tokenizer(target)
     tok_key = tokenization_key(cfg, target, tok)
-    store = Path(store_root) / slug(cfg.dataset)
+    store = within(store_root, slug(cfg.dataset))
     jobs = ((store, _chunk_key(tok_key, src, rows), rows, src.format, cfg)
-            for src in cfg.sources for rows in _chunks(src, cfg.chunk_rows))
+            for src in cfg.sources for rows in _chunks(src, cfg.chunk_rows, hub_token(target)))
     if cfg.num_proc > 1:
         import multiprocessing as mp
 
@@ -214,8 +238,13 @@ def prepare(cfg: PrepareConfig, target: TargetConfig, store_root: Path, log=prin
     if done is not None:
         log(f"prepare: version {version} already complete at {out}")
         return PrepareResult(**{**done, "cached": True})
-    log(f"prepare: {len(chunk_dirs)} chunks, {computed} tokenized now, {len(chunk_dirs) - computed} reused")
-    res = _assemble(cfg, chunk_dirs, computed, out, version, len(tok))
+    with dir_lock(out, f"prepare version {version}", log):
+        done = read_json(out / "prepare.json")  # a concurrent run may have finished it while we waited
+        if done is not None:
+            log(f"prepare: version {version} already complete at {out}")
+            return PrepareResult(**{**done, "cached": True})
+        log(f"prepare: {len(chunk_dirs)} chunks, {computed} tokenized now, {len(chunk_dirs) - computed} reused")
+        res = _assemble(cfg, chunk_dirs, computed, out, version, len(tok))
     log(f"prepare: {res.rows_in} rows in, {res.rows_out} out, {res.rows_heldout} held out, "
         f"{res.rows_quarantined} quarantined, {res.tokens} tokens -> {out}")
     return res
@@ -247,7 +276,7 @@ def _assemble(cfg: PrepareConfig, chunk_dirs: list[Path], computed: int, out: Pa
                                  f"row {first[1]})", "raw": None, "partial": False})
             continue
         keep_idx.append(i)
-    table = table.take(keep_idx) if table is not None else None
+    table = table.take(pa.array(keep_idx, pa.int64())) if table is not None else None
     heldout_lines, held = [], set()
     if table is not None and cfg.heldout_rows:
         convs = {}
@@ -274,7 +303,14 @@ def _assemble(cfg: PrepareConfig, chunk_dirs: list[Path], computed: int, out: Pa
     shutil.rmtree(tmp, ignore_errors=True)
     ds = datasets.Dataset.from_dict(cols, features=features)
     ds.set_format(type="torch")  # speculators' convention (its prepare-data does the same)
-    ds.save_to_disk(str(tmp))
+    try:
+        ds.save_to_disk(str(tmp))
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise DiskFull(f"{out / 'tokenized'}: write failed, the disk is full ({type(e).__name__}: {e}); "
+                       f"nothing was written under this name", e.errno) from e
     shutil.rmtree(out / "tokenized", ignore_errors=True)
     tmp.rename(out / "tokenized")
     atomic_write(out / "token_freq.safetensors", lambda p: save_file({"counts": torch.from_numpy(counts)}, str(p)))
@@ -285,6 +321,11 @@ def _assemble(cfg: PrepareConfig, chunk_dirs: list[Path], computed: int, out: Pa
     for r in rejected:
         key = r["reason"].split(":")[0] if not r.get("partial") else "turn dropped"
         reasons[key] = reasons.get(key, 0) + 1
+    if not n_out and not heldout_lines:  # nothing to train on: fail here, not in extract (not marked complete)
+        rows_in = sum(m["rows_in"] for m in metas)
+        top = ", ".join(f"{k} ({v})" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1])[:3])
+        raise InputError(f"prepare: no usable rows: the sources hold {rows_in} rows" +
+                         (f", all quarantined ({top}); see {out / 'quarantine.jsonl'}" if rows_in else ""))
     seq = cols["seq_len"]
     edges = [0, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 1 << 30]
     hist = {f"{a}-{b - 1}" if b < 1 << 30 else f">={a}": sum(a <= s < b for s in seq) for a, b in zip(edges, edges[1:])}

@@ -6,10 +6,16 @@ Owns, inside one extract version dir `out_dir` (<store>/.../<model>/<extract-ver
                          sha256 of each file, seconds, last error text
   manifest.json.lock     flock taken around every read-modify-write of the manifest, so parents
                          running different shard groups of the same version can share it
+  locks/extract-shard-<k>.lock
+                         flock (store.file_lock) held by the parent that extracts shard k, from
+                         before it decides what to extract until its child is gone: a second run
+                         of the same shards waits, then finds them published and starts no engine;
+                         a parent that died released it, and the next holder cleans up after it
   hidden_states/         hs_{row}.safetensors, written by the child (extract/worker.py)
   jobs/extract-<a>.json  the job file of child attempt a;  logs/extract-<a>.log its output
   .scratch/extract-<a>/  vLLM's per-request files while child a runs (removed when it exits, as are
-                         records it left half-written: hidden_states/*.tmp-<a>-*)
+                         records it left half-written: hidden_states/*.tmp-<a>-*; when the parent
+                         itself was killed, by the next parent that takes those shards' locks)
 Reads the tokenized dataset (row count only) and the target's config.json.
 A shard is `published` only after the child reported it done and all its files are hashed into
 the manifest; a later call skips a published shard whose files still hash to the manifest.
@@ -39,9 +45,10 @@ from eagle3_pipeline.extract.layers import model_dims
 from eagle3_pipeline.extract.worker import ExtractJob, ShardSpec, record_name
 from eagle3_pipeline.engine_env import engine_env
 from eagle3_pipeline.proc import ChildFailed, python_child, run_child
-from eagle3_pipeline.store import read_json, sha256_file, write_json
+from eagle3_pipeline.store import file_locks, read_json, sha256_file, write_json
 
 MANIFEST_NAME = "manifest.json"
+LOCKS_DIR = "locks"
 WORKER_MODULE = "eagle3_pipeline.extract.worker"
 Status = Literal["pending", "running", "published", "failed", "quarantined"]
 
@@ -124,6 +131,8 @@ class Manifest:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self._tlock, open(self._lock_path, "a") as lf:
             fcntl.flock(lf, fcntl.LOCK_EX)
+            for tmp in self.path.parent.glob(MANIFEST_NAME + ".tmp-*"):  # a writer killed mid-write
+                tmp.unlink(missing_ok=True)  # (only holders of this lock write the manifest)
             data = read_json(self.path, default={})
             yield data
             data["updated_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -211,22 +220,70 @@ def extract_group(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path,
 
     wanted = sorted(set(shard_ids))
     reused, todo = set(), []
-    entries = man.read()["shards"]
-    for k in wanted:
-        if not force and entries[k]["status"] == "published":
-            why = _check_published(hs_dir, entries[k])
-            if why is None:
-                reused.add(k)
-                continue
-            log(f"extract: shard {k} was published but {why}; extracting it again")
-        todo.append(k)
-    if todo:
-        _run_group(cfg, target, tokenized_dir, out_dir, [plan[k] for k in todo], layer_ids,
-                   dims.hidden_size, man, log, on_shard)
-    else:
-        log(f"extract: all {len(wanted)} requested shards already published; no engine started")
-    entries = man.read()["shards"]
+    # Hold the shards' locks from the decision below until the child is gone: a concurrent run of
+    # the same shards waits here and then finds them published (no second engine, no interleaved writes).
+    with file_locks([shard_lock_path(out_dir, k) for k in wanted],
+                    lambda p: f"extract shard {p.stem.rsplit('-', 1)[-1]} of {out_dir}", log):
+        _recover_abandoned(man, cfg, out_dir, [plan[k] for k in wanted], log)
+        entries = man.read()["shards"]
+        for k in wanted:
+            if not force and entries[k]["status"] == "published":
+                why = _check_published(hs_dir, entries[k])
+                if why is None:
+                    reused.add(k)
+                    continue
+                log(f"extract: shard {k} was published but {why}; extracting it again")
+            todo.append(k)
+        if todo:
+            _run_group(cfg, target, tokenized_dir, out_dir, [plan[k] for k in todo], layer_ids,
+                       dims.hidden_size, man, log, on_shard)
+        else:
+            log(f"extract: shards {wanted} already published; no engine started")
+        entries = man.read()["shards"]
     return [ShardRecord(**entries[k], reused=k in reused) for k in wanted]
+
+
+def shard_lock_path(out_dir: Path, shard: int) -> Path:
+    return Path(out_dir) / LOCKS_DIR / f"extract-shard-{shard}.lock"
+
+
+def _scratch_dir(cfg: ExtractConfig, out_dir: Path, attempt: int) -> Path:
+    return Path(cfg.scratch_dir) / f"{out_dir.name}-extract-{attempt}" if cfg.scratch_dir \
+        else out_dir / ".scratch" / f"extract-{attempt}"
+
+
+def _recover_abandoned(man: Manifest, cfg: ExtractConfig, out_dir: Path, shards: list[Shard],
+                       log: Callable[[str], None]) -> None:
+    """Called holding the locks of `shards`. A child attempt still marked `running` on any of them
+    was abandoned: its parent held those locks while it ran, so the parent is gone (killed before it
+    could close the attempt). Mark it and our shards it left `running` failed, and remove what it
+    left: its scratch dir and its half-written files (`*.tmp-<attempt>-*`, a tag no other attempt
+    uses; a parent that lives removes its child's itself)."""
+    ids = {s.index for s in shards}
+    m = man.read()
+    if not any(c.get("status") == "running" and ids & set(c["shards"]) for c in m.get("children", [])) \
+            and not any(m["shards"][k]["status"] == "running" for k in ids):
+        return  # the usual case: nothing abandoned, the manifest is not rewritten
+    with man.edit() as m:
+        stale = [c for c in m.get("children", []) if c.get("status") == "running" and ids & set(c["shards"])]
+        for c in stale:
+            c.update(status="failed", error=f"abandoned: its parent {c.get('owner')} ended without closing "
+                                            f"the attempt (killed?); found by {socket.gethostname()}:{os.getpid()}")
+        for k in sorted(ids):
+            e = m["shards"][k]
+            if e["status"] == "running":
+                e.update(status="failed", error=f"abandoned: child attempt {e['attempts']} never finished")
+    for c in stale:
+        a = c["attempt"]
+        left = [*(out_dir / "hidden_states").glob(f"*.tmp-{a}-*"), *(out_dir / "jobs").glob(f"extract-{a}.json.tmp-*")]
+        log(f"extract: child {a} (shards {c['shards']}, parent {c.get('owner')}) was abandoned; removing its "
+            f"scratch dir and {len(left)} half-written files")
+        scratch = Path(c.get("scratch") or _scratch_dir(cfg, out_dir, a))
+        shutil.rmtree(scratch, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            scratch.parent.rmdir()  # only when empty
+        for tmp in left:
+            tmp.unlink(missing_ok=True)
 
 
 def _run_group(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, out_dir: Path,
@@ -236,14 +293,13 @@ def _run_group(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, ou
     owner = f"{socket.gethostname()}:{os.getpid()}"
     with man.edit() as m:
         attempt = len(m["children"]) + 1
+        scratch = _scratch_dir(cfg, out_dir, attempt)
         m["children"].append({"attempt": attempt, "owner": owner, "shards": [s.index for s in shards],
                               "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                              "status": "running"})
+                              "status": "running", "scratch": str(scratch)})
         for s in shards:
             e = m["shards"][s.index]
             e.update(status="running", attempts=e["attempts"] + 1, error=None)
-    scratch = Path(cfg.scratch_dir) / f"{out_dir.name}-extract-{attempt}" if cfg.scratch_dir \
-        else out_dir / ".scratch" / f"extract-{attempt}"
     job = _job(cfg, target, tokenized_dir, hs_dir, scratch, layer_ids, hidden_size, shards, attempt)
     job_path = write_json(out_dir / "jobs" / f"extract-{attempt}.json", job.model_dump())
     log_path = out_dir / "logs" / f"extract-{attempt}.log"
@@ -274,13 +330,14 @@ def _run_group(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, ou
             log(f"extract: {publish_errors[int(k)]}")
 
     error: str | None = None
+    child_error: ChildFailed | None = None
     t0 = time.time()
     try:
         run_child(python_child(WORKER_MODULE, str(job_path)), name=f"extract-{attempt}",
                   timeout_s=cfg.timeout_s, log_path=log_path, on_line=log, on_event=on_event,
                   env=engine_env(cfg.engine_in_process, cfg.tensor_parallel_size, cfg.omp_threads_bind))
     except ChildFailed as e:
-        error = str(e)
+        error, child_error = str(e), e
     except BaseException as e:  # cancelled: the child is gone (run_child killed it); record, re-raise
         _close_group(man, attempt, shards, published, f"interrupted: {type(e).__name__}: {e}", t0, engine_s)
         raise
@@ -297,7 +354,7 @@ def _run_group(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, ou
     _close_group(man, attempt, shards, published, error, t0, engine_s, publish_errors)
     if missing:
         raise ExtractFailed(f"extract child {attempt} (log {log_path}): shards {missing} not published "
-                            f"({len(published)} of {len(shards)} published this attempt): {error}")
+                            f"({len(published)} of {len(shards)} published this attempt): {error}") from child_error
 
 
 def _publish(man: Manifest, hs_dir: Path, shard: Shard, ev: dict) -> None:

@@ -11,8 +11,9 @@ for each shard of the job, in order:
      `hidden_states_dir/hs_{row}.safetensors` atomically (bf16, or fp8 + per-token scales),
   4. deletes vLLM's file, then prints one `shard_done` event (proc.emit_event) for the parent.
 Also prints an `engine_ready` event with the engine start-up time. Any exception prints the full
-traceback and exits non-zero. Test hook: env EAGLE3_TEST_KILL_AFTER_SHARDS=n makes the process
-SIGKILL itself right after its n-th `shard_done` event.
+traceback and exits non-zero. Test hooks: env EAGLE3_TEST_KILL_AFTER_SHARDS=n makes the process
+SIGKILL itself right after its n-th `shard_done` event; EAGLE3_TEST_RECORD_DELAY_S=x makes it sleep
+x seconds after writing each record (the chaos tests' kills then land mid-shard on any machine).
 Nothing heavy is imported at module level: the parent imports `ExtractJob` and `to_record` from here.
 """
 
@@ -34,6 +35,7 @@ from eagle3_pipeline.contracts import FP8_MAX, HS_KEY, SCALES_KEY, TOKENS_KEY, C
 from eagle3_pipeline.proc import emit_event
 
 KILL_AFTER_ENV = "EAGLE3_TEST_KILL_AFTER_SHARDS"
+RECORD_DELAY_ENV = "EAGLE3_TEST_RECORD_DELAY_S"
 # Fault injection (tests, chaos drills): "3,7" makes shards 3 and 7 fail with an error, once per
 # marker file: the file `<hidden_states_dir>/../.fail-shard-<k>` is created on the first failure, so
 # a retry of the same shard succeeds (a transient fault, as a lost node would be).
@@ -237,6 +239,8 @@ def _run_shard(engine: _Engine, ds, job: ExtractJob, shard: ShardSpec) -> None:
         atomic_write(hs_dir / name, lambda p: save_file(rec, str(p), metadata=meta), tag=str(job.attempt))
         _remove(path)
         files.append(name)
+        if delay := float(os.environ.get(RECORD_DELAY_ENV, "0") or 0):
+            time.sleep(delay)  # test hook (RECORD_DELAY_ENV)
         tokens += len(ids)
     emit_event(kind="shard_done", shard=shard.index, files=files, tokens=tokens,
                seconds=round(time.time() - t0, 4))

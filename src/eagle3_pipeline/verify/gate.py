@@ -7,6 +7,8 @@ Reads `tokenized/`, `hidden_states/`, the target model, and the extract config f
 batch-of-one extract child). `require_verified` (called by train) refuses data whose current content
 key has no passing record. Failing files are moved to `hidden_states_failed/` (never deleted) so that
 a re-run of the failed shards re-extracts exactly them. Never cached: it runs every time.
+Two verifies of one extract dir never overlap: each holds `<extract-dir>/locks/verify.lock`
+(store.file_lock) from its first read to verify.json, so a second one waits and then checks again.
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ from pydantic import BaseModel
 
 from eagle3_pipeline.config import ExtractConfig, TargetConfig, VerifyConfig
 from eagle3_pipeline.data.prepare import load_tokenized
-from eagle3_pipeline.store import read_json, write_json
+from eagle3_pipeline.errors import GateFailed
+from eagle3_pipeline.store import file_lock, read_json, write_json
 from eagle3_pipeline.verify.invariance import InvarianceResult, invariance_check, invariance_rows
 from eagle3_pipeline.verify.reference import ReferenceResult, choose_rows, reference_check
 from eagle3_pipeline.verify.structure import LayerStats, verify_structure
 
 
-class VerifyFailed(RuntimeError):
+class VerifyFailed(GateFailed):
     """The gate found bad data; the message lists the problems (file, sample, layer, shapes)."""
 
 
@@ -71,7 +74,15 @@ def verify(cfg: VerifyConfig, target: TargetConfig, tokenized_dir: Path, extract
            extract_cfg: ExtractConfig | None = None) -> VerifyResult:
     """Check everything, record the result in `verify.json`, and return it (the caller raises on failure).
     `extract_cfg` (engine and connector settings for the invariance re-extraction) defaults to the one
-    recorded in the manifest."""
+    recorded in the manifest. Holds the extract dir's verify lock throughout."""
+    with file_lock(Path(extract_dir) / "locks" / "verify.lock", f"verify of {extract_dir}", log):
+        return _verify(cfg, target, tokenized_dir, extract_dir, layer_ids, hidden_size, storage_dtype,
+                       rows_per_shard, content_key, log, extract_cfg)
+
+
+def _verify(cfg: VerifyConfig, target: TargetConfig, tokenized_dir: Path, extract_dir: Path, layer_ids: list[int],
+            hidden_size: int, storage_dtype: str, rows_per_shard: int, content_key: str, log=print,
+            extract_cfg: ExtractConfig | None = None) -> VerifyResult:
     t0 = time.time()
     extract_dir = Path(extract_dir)
     hs_dir = extract_dir / "hidden_states"
