@@ -9,6 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from helpers_store import small_overrides  # tests/ is on sys.path (rootdir conftest)
+
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -88,19 +90,6 @@ def prefect_harness(tmp_path_factory):
 
 
 # ---------------------------------------------------------------- a smaller run for tests that start many engines
-
-SMALL_ROWS_PER_SOURCE, SMALL_ROWS_PER_SHARD = 14, 4
-
-
-def small_overrides(tiny_target: Path, store: Path) -> list[str]:
-    """configs/tiny-cpu.yaml cut down to ~24 rows in shards of 4 (one engine start dominates a run)."""
-    corpus = tiny_target / "corpus"
-    n = SMALL_ROWS_PER_SOURCE
-    return [f"store={store}", f"target.model={tiny_target}",
-            f"prepare.sources=[{{path: {corpus / 'sharegpt.jsonl'}, limit: {n}}}, {{path: {corpus / 'openai.jsonl'}, limit: {n}}}]",
-            "prepare.heldout_rows=4", f"extract.rows_per_shard={SMALL_ROWS_PER_SHARD}", "verify.reference_samples=0",
-            "train.epochs=2", "train.max_seq_len=256"]
-
 
 @pytest.fixture(scope="session")
 def small_reference(tiny_target, tmp_path_factory) -> SimpleNamespace:

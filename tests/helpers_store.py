@@ -61,3 +61,16 @@ def processes_with_env(key: str, value: str) -> list[int]:
         except (psutil.Error, OSError):
             pass
     return found
+
+
+SMALL_ROWS_PER_SOURCE, SMALL_ROWS_PER_SHARD = 14, 4
+
+
+def small_overrides(tiny_target: Path, store: Path) -> list[str]:
+    """configs/tiny-cpu.yaml cut down to ~24 rows in shards of 4 (one engine start dominates a run)."""
+    corpus = tiny_target / "corpus"
+    n = SMALL_ROWS_PER_SOURCE
+    return [f"store={store}", f"target.model={tiny_target}",
+            f"prepare.sources=[{{path: {corpus / 'sharegpt.jsonl'}, limit: {n}}}, {{path: {corpus / 'openai.jsonl'}, limit: {n}}}]",
+            "prepare.heldout_rows=4", f"extract.rows_per_shard={SMALL_ROWS_PER_SHARD}", "verify.reference_samples=0",
+            "train.epochs=2", "train.max_seq_len=256"]

@@ -22,13 +22,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import ROOT, small_overrides  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
 from helpers_store import (  # noqa: E402
     hidden_state_hashes,
     manifest_content,
     processes_with_env,
     scratch_left,
+    small_overrides,
     temporaries,
 )
 
