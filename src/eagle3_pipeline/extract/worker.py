@@ -26,7 +26,6 @@ import signal
 import sys
 import time
 import traceback
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
@@ -202,27 +201,18 @@ class _Engine:
             _remove(p)
 
 
-def _prefill_shard(engine: _Engine, ds, shard: ShardSpec) -> tuple[float, list[list[int]], list, list[str]]:
-    """The engine's part of a shard: prefill its rows and wait for vLLM's files."""
+def _run_shard(engine: _Engine, ds, job: ExtractJob, shard: ShardSpec) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from eagle3_pipeline.store import atomic_write
+
     t0 = time.time()
     rows = ds.select(range(shard.row_start, shard.row_end))
     input_ids: list[list[int]] = rows["input_ids"]
     sample_ids = rows["sample_id"] if "sample_id" in rows.column_names else [None] * len(rows)
     paths = engine.prefill(input_ids)
     engine.await_files(paths)
-    return t0, input_ids, sample_ids, paths
-
-
-def _write_shard(job: ExtractJob, shard: ShardSpec, t0: float, input_ids: list[list[int]], sample_ids: list,
-                 paths: list[str]) -> None:
-    """The records of a shard from vLLM's files (checked, converted, written atomically with fsync),
-    then `shard_done`. Runs on the writer thread while the engine prefills the next shard: the
-    fsyncs wait on the disk, not on the CPU the engine needs."""
-    import torch
-    from safetensors.torch import save_file
-
-    from eagle3_pipeline.store import atomic_write
-
     hs_dir = Path(job.hidden_states_dir)
     L, H = len(job.layer_ids), job.hidden_size
     files, tokens = [], 0
@@ -279,26 +269,14 @@ def main(argv: list[str]) -> int:
     engine = _Engine(llm, job, nudge_token=int(ds[job.shards[0].row_start]["input_ids"][0]))
     kill_after = int(os.environ.get(KILL_AFTER_ENV, "0") or 0)
     fail = {int(x) for x in os.environ.get(FAIL_SHARDS_ENV, "").split(",") if x.strip()}
-    # Shard k's records are written on one writer thread while the engine prefills shard k+1; a
-    # writer error surfaces (and ends the child) at the next shard boundary.
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="records") as writer:
-        pending: Future | None = None
-        for n, shard in enumerate(job.shards, start=1):
-            marker = Path(job.hidden_states_dir).parent / f".fail-shard-{shard.index}"
-            if shard.index in fail and not marker.exists():
-                if pending is not None:
-                    pending.result()  # the shards before the fault are published, as without a writer
-                marker.touch()
-                raise RuntimeError(f"injected fault in shard {shard.index} ({FAIL_SHARDS_ENV})")
-            work = _prefill_shard(engine, ds, shard)
-            if pending is not None:
-                pending.result()
-            pending = writer.submit(_write_shard, job, shard, *work)
-            if kill_after and n >= kill_after:
-                pending.result()
-                os.kill(os.getpid(), signal.SIGKILL)  # test hook: die like an OOM kill, mid-group
-        if pending is not None:
-            pending.result()
+    for n, shard in enumerate(job.shards, start=1):
+        marker = Path(job.hidden_states_dir).parent / f".fail-shard-{shard.index}"
+        if shard.index in fail and not marker.exists():
+            marker.touch()
+            raise RuntimeError(f"injected fault in shard {shard.index} ({FAIL_SHARDS_ENV})")
+        _run_shard(engine, ds, job, shard)
+        if kill_after and n >= kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)  # test hook: die like an OOM kill, mid-group
     engine.drop_nudge_files()  # any still unwritten go with scratch_dir, which the parent removes
     return 0
 
