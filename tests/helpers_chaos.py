@@ -38,6 +38,22 @@ def trial_rng(kind: str, trial: int) -> random.Random:
     return random.Random(f"{kind}-{SEED + trial}")
 
 
+def child_running(marker: str) -> Callable[[], int | None]:
+    """A finder for DelayedKill: the pid of this process's descendant whose command line contains
+    `marker` (the engine worker or trainer module), or None while there is none."""
+    def find() -> int | None:
+        import psutil
+
+        for p in psutil.Process().children(recursive=True):
+            try:
+                if marker in " ".join(p.cmdline()):
+                    return p.pid
+            except psutil.Error:
+                pass
+        return None
+    return find
+
+
 def gate_after_kill(tag: str, log: Callable[[str], None] = print):
     """Run the real gpu-gate and check that no engine or trainer process of this trial survives it.
     Leftovers that are not this trial's (another test session on a shared machine) stop the test

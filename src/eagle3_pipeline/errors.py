@@ -113,23 +113,24 @@ def _own_code(e: BaseException) -> int:
     return ExitCode.FAILED
 
 
-def exit_code(exc: BaseException, classify: Callable[[BaseException], int | None] | None = None) -> int:
-    """The exit code for `exc`: the first specific code along its cause chain, else FAILED.
-    `classify` lets an outer layer (the CLI, which may import Prefect) name codes for its own types."""
+def _decisive(exc: BaseException, classify: Callable[[BaseException], int | None] | None) -> tuple[int, BaseException]:
+    """(code, exception) of the first exception along the cause chain with a specific code, else
+    (FAILED, exc)."""
     for e in chain(exc):
         code = classify(e) if classify else None
         if code is None:
             code = _own_code(e)
         if code != ExitCode.FAILED:
-            return int(code)
-    return int(ExitCode.FAILED)
+            return int(code), e
+    return int(ExitCode.FAILED), exc
+
+
+def exit_code(exc: BaseException, classify: Callable[[BaseException], int | None] | None = None) -> int:
+    """The exit code for `exc`: the first specific code along its cause chain, else FAILED.
+    `classify` lets an outer layer (the CLI, which may import Prefect) name codes for its own types."""
+    return _decisive(exc, classify)[0]
 
 
 def culprit(exc: BaseException, classify: Callable[[BaseException], int | None] | None = None) -> BaseException:
     """The exception whose code `exit_code` returns (the one whose message to show first)."""
-    want = exit_code(exc, classify)
-    for e in chain(exc):
-        code = classify(e) if classify else None
-        if (code if code is not None else _own_code(e)) == want:
-            return e
-    return exc
+    return _decisive(exc, classify)[1]

@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from helpers_chaos import ENGINE_TRIALS, PARENT_TRIALS, DelayedKill, gate_after_kill, trial_rng  # noqa: E402
+from helpers_chaos import ENGINE_TRIALS, PARENT_TRIALS, DelayedKill, child_running, gate_after_kill, trial_rng  # noqa: E402
 from helpers_store import hidden_state_hashes, manifest_content, scratch_left, sha256, temporaries  # noqa: E402
 
 from eagle3_pipeline.extract.shards import ExtractFailed  # noqa: E402
@@ -76,18 +76,6 @@ def _resume_and_compare(ref, out: Path) -> list[str]:
     return lines
 
 
-def _worker_child() -> int | None:
-    import psutil
-
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if WORKER in " ".join(p.cmdline()):
-                return p.pid
-        except psutil.Error:
-            pass
-    return None
-
-
 @pytest.mark.parametrize("trial", range(ENGINE_TRIALS))
 def test_engine_child_killed(trial, small_reference, tag, tmp_path, monkeypatch):
     from eagle3_pipeline.stages import stage_extract_group
@@ -101,7 +89,7 @@ def test_engine_child_killed(trial, small_reference, tag, tmp_path, monkeypatch)
     print(f"trial {trial}: SIGKILL the engine child {delay:.2f}s into {phase}"
           f"{' (separate engine-core process)' if separate_core else ''}")
 
-    killer = DelayedKill(_worker_child, delay)
+    killer = DelayedKill(child_running(WORKER), delay)
     lines: list[str] = []
 
     def log(line: str) -> None:

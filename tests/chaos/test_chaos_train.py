@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from helpers_chaos import TRAINER_TRIALS, DelayedKill, gate_after_kill, trial_rng  # noqa: E402
+from helpers_chaos import TRAINER_TRIALS, DelayedKill, child_running, gate_after_kill, trial_rng  # noqa: E402
 from helpers_store import temporaries  # noqa: E402
 
 from eagle3_pipeline.proc import ChildFailed  # noqa: E402
@@ -63,18 +63,6 @@ def reference(inputs, tmp_path_factory):
     return res
 
 
-def _trainer_child() -> int | None:
-    import psutil
-
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if TRAINER in " ".join(p.cmdline()):
-                return p.pid
-        except psutil.Error:
-            pass
-    return None
-
-
 PHASES = {  # phase -> (the line that starts its clock, the longest delay after it)
     "steps": ("train: start", lambda ref: 0.9 * ref.steps * STEP_DELAY_S),
     "save": ("Saving checkpoint to ", lambda ref: 0.1),
@@ -92,7 +80,7 @@ def test_trainer_killed(trial, inputs, reference, tag, tmp_path, monkeypatch):
     save = out / "checkpoints"
     print(f"trial {trial}: SIGKILL the trainer child {delay:.2f}s after {trigger!r} ({phase})")
 
-    killer = DelayedKill(_trainer_child, delay)
+    killer = DelayedKill(child_running(TRAINER), delay)
     lines: list[str] = []
 
     def log(line: str) -> None:  # the first save is epoch 0's: epoch 1 still follows it
