@@ -75,7 +75,7 @@ def speculators_offline(model: Path, tokenized: str, rows: int, cfg, out: Path) 
     from eagle3_pipeline.data.prepare import load_tokenized
     from eagle3_pipeline.engine_env import engine_env
     from eagle3_pipeline.config import TargetConfig
-    from eagle3_pipeline.extract.layers import captured_layer_ids
+    from eagle3_pipeline.contracts import model_dims, resolve_layer_ids
 
     ids = load_tokenized(tokenized)["input_ids"][:rows]
     tokens = sum(map(len, ids))
@@ -85,7 +85,7 @@ def speculators_offline(model: Path, tokenized: str, rows: int, cfg, out: Path) 
     scratch = out / "scratch"
     shutil.rmtree(out, ignore_errors=True)
     scratch.mkdir(parents=True)
-    layers = captured_layer_ids(cfg, TargetConfig(model=str(model)))  # what our extraction captures
+    layers = resolve_layer_ids(model_dims(TargetConfig(model=str(model))).num_layers, cfg.layer_ids)  # what our extraction captures
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}}}
     kv = {"kv_connector": cfg.connector_name, "kv_connector_module_path": cfg.connector_module,

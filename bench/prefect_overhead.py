@@ -6,7 +6,7 @@ published (the fast path: manifest read + sha256 of every file, no engine), thro
   executed     the real `extract` flow (one `extract-group` task per shard, GPU slot, result
                persisted), its task results cleared first so every task runs
   cached       the same flow again: every group answered from Prefect's cache (a retried run)
-  gpu-slot     a flow of 32 tasks that only take and release the GPU slot (tasks.stages.gpu_slot:
+  gpu-slot     a flow of 32 tasks that only take and release the GPU slot (tasks.stage_tasks.gpu_slot:
                the strict global concurrency limit with its lease), to attribute the executed cost
   no-op        a flow of 32 tasks that do nothing (the floor)
 
@@ -57,7 +57,7 @@ def run(args, tmp: Path) -> None:
     from eagle3_pipeline import stages
     from eagle3_pipeline.config import load_config
     from flows.extract import extract
-    from tasks.stages import gpu_slot
+    from tasks.stage_tasks import gpu_slot
 
     corpus = Path(args.target) / "corpus"
     rows_per_shard = 2

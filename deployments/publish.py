@@ -16,7 +16,7 @@ import json
 
 from eagle3_pipeline.config import PipelineConfig, load_config
 from eagle3_pipeline.stages import stage_prepare
-from tasks.stages import publish_dataset_event
+from tasks.stage_tasks import publish_dataset_event
 
 
 def publish(config: PipelineConfig, log=print) -> dict:

@@ -16,7 +16,7 @@ from eagle3_pipeline import stages
 from eagle3_pipeline.config import PipelineConfig
 from eagle3_pipeline.extract.shards import ExtractFailed
 from flows.fanout import run_groups_as_deployments
-from tasks import stages as t
+from tasks import stage_tasks as t
 
 
 @flow(name="extract")

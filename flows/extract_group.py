@@ -10,7 +10,7 @@ from prefect import flow
 from eagle3_pipeline import stages
 from eagle3_pipeline.config import PipelineConfig
 from flows.hub_auth import use_hub_secret
-from tasks import stages as t
+from tasks import stage_tasks as t
 
 
 @flow(name="extract-group", log_prints=True)

@@ -13,7 +13,7 @@ from eagle3_pipeline.preflight import installed_versions
 from eagle3_pipeline.runs import RunDir, create_run_dir
 from flows.extract import extract
 from flows.hub_auth import use_hub_secret
-from tasks import stages as t
+from tasks import stage_tasks as t
 
 
 @flow(name="pipeline", log_prints=True)

@@ -19,7 +19,7 @@ from eagle3_pipeline.config import PipelineConfig, SourceConfig, load_config
 from eagle3_pipeline.store import read_json
 from flows.hub_auth import use_hub_secret
 from flows.pipeline import pipeline
-from tasks import stages as t
+from tasks import stage_tasks as t
 
 
 @flow(name="refresh", log_prints=True)

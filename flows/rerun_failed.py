@@ -9,7 +9,7 @@ from prefect import flow
 from eagle3_pipeline.config import PipelineConfig
 from flows.extract import extract
 from flows.hub_auth import use_hub_secret
-from tasks import stages as t
+from tasks import stage_tasks as t
 
 
 @flow(name="rerun-failed")

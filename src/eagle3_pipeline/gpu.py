@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from eagle3_pipeline.errors import EnvironmentProblem
 from eagle3_pipeline.proc import CHILD_MARKER_ENV, LAUNCHER_ENV
 
-WORKER_MODULES = ("eagle3_pipeline.extract.worker", "eagle3_pipeline.train_worker", "eagle3_pipeline.evaluate_worker")
+WORKER_MODULES = ("eagle3_pipeline.extract.worker", "eagle3_pipeline.train.worker", "eagle3_pipeline.evaluate.worker")
 
 
 class GpuGateFailed(EnvironmentProblem):

@@ -114,12 +114,12 @@ def stage_extract(cfg: PipelineConfig, prep: dict, pre: dict, log=print) -> dict
 
 
 def stage_verify(cfg: PipelineConfig, prep: dict, pre: dict, ext: dict, log=print) -> dict:
-    from eagle3_pipeline.verify.gate import check_gate, verify
+    from eagle3_pipeline.verify.gate import check_verify_gate, verify
 
     res = verify(cfg.verify, cfg.target, Path(prep["tokenized"]), Path(ext["dir"]), pre["layer_ids"],
                  pre["dims"]["hidden_size"], cfg.extract.storage_dtype, cfg.extract.rows_per_shard,
                  ext["content_key"], log=log, extract_cfg=cfg.extract)
-    check_gate(res)
+    check_verify_gate(res)
     return res.model_dump()
 
 
@@ -161,7 +161,7 @@ def heldout_prompts(prep: dict, n: int) -> list[list[int]]:
 
 
 def stage_evaluate(cfg: PipelineConfig, prep: dict, pre: dict, voc: dict, tr: dict, run_dir: Path, log=print) -> dict:
-    from eagle3_pipeline.evaluate import check_gate, evaluate_pair
+    from eagle3_pipeline.evaluate import check_acceptance_gate, evaluate_pair
     from eagle3_pipeline.train import make_untrained_draft
 
     prompts = heldout_prompts(prep, cfg.evaluate.num_prompts)
@@ -175,5 +175,5 @@ def stage_evaluate(cfg: PipelineConfig, prep: dict, pre: dict, voc: dict, tr: di
                 make_untrained_draft(cfg.target, Path(voc["dir"]), pre["layer_ids"], untrained, cfg.train)
     rep = evaluate_pair(cfg.evaluate, cfg.target, Path(tr["checkpoint_best"]), untrained, prompts,
                         Path(run_dir) / "evaluate", log=log)
-    check_gate(rep, cfg.evaluate)
+    check_acceptance_gate(rep, cfg.evaluate)
     return rep.model_dump(mode="json")

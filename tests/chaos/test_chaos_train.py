@@ -1,6 +1,6 @@
 """Chaos: SIGKILL the trainer child at seeded random moments, then gate and resume.
 
-Trains speculators' EAGLE-3 draft (train_draft, the child in eagle3_pipeline.train_worker) on the small
+Trains speculators' EAGLE-3 draft (train_draft, the child in eagle3_pipeline.train.worker) on the small
 run's extracted data (tests/conftest.py `small_reference`; 2 epochs of a few packed rows). A reference
 run gives the step count. Each trial starts a fresh checkpoint dir and SIGKILLs the trainer child at
 a seeded random moment of one of three phases, in turn:
@@ -31,9 +31,9 @@ from helpers_store import temporaries  # noqa: E402
 
 from eagle3_pipeline.proc import ChildFailed  # noqa: E402
 from eagle3_pipeline.train import CKPT_FILES, export_check, train_draft  # noqa: E402
-from eagle3_pipeline.train_worker import STEP_DELAY_ENV  # noqa: E402
+from eagle3_pipeline.train.worker import STEP_DELAY_ENV  # noqa: E402
 
-TRAINER = "eagle3_pipeline.train_worker"
+TRAINER = "eagle3_pipeline.train.worker"
 STEP_DELAY_S = 0.5
 
 pytestmark = pytest.mark.timeout(600)

@@ -25,7 +25,7 @@ from eagle3_pipeline.evaluate import (
     EvaluateReport,
     InvalidDraftError,
     LosslessMismatch,
-    check_gate,
+    check_acceptance_gate,
     evaluate_draft,
     evaluate_pair,
     validate_draft_dir,
@@ -121,10 +121,10 @@ def test_pair_measures_acceptance(pair, prompts):
 @pytest.mark.timeout(1200)
 def test_gate_fails_above_measured_tau(pair, eval_cfg):
     rep, _, _ = pair
-    check_gate(rep, eval_cfg)  # floor 1.0 <= τ
+    check_acceptance_gate(rep, eval_cfg)  # floor 1.0 <= τ
     strict = eval_cfg.model_copy(update={"min_acceptance_length": rep.acceptance_length + 0.5})
     with pytest.raises(EvaluateGateFailed, match="below evaluate.min_acceptance_length") as ei:
-        check_gate(rep, strict)
+        check_acceptance_gate(rep, strict)
     assert f"τ={rep.acceptance_length:.3f}" in str(ei.value) and "per position" in str(ei.value)
 
 
@@ -134,9 +134,9 @@ def test_lossless_gate(pair, eval_cfg):
     bad = rep.model_copy(deep=True)
     bad.trained.lossless_mismatches = [LosslessMismatch(prompt=3, position=5, expected=7, found=9)]
     bad.lossless_ok = False
-    check_gate(bad, eval_cfg)  # reported, not gated by default
+    check_acceptance_gate(bad, eval_cfg)  # reported, not gated by default
     with pytest.raises(EvaluateGateFailed, match="prompt 3, generated position 5: expected token 7, found 9"):
-        check_gate(bad, eval_cfg.model_copy(update={"lossless_gate": True}))
+        check_acceptance_gate(bad, eval_cfg.model_copy(update={"lossless_gate": True}))
 
 
 def test_invalid_draft_dirs_fail_before_any_engine(tmp_path, target, drafts, prompts, eval_cfg):

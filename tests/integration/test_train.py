@@ -22,7 +22,7 @@ import torch
 from eagle3_pipeline.config import EvaluateConfig, TargetConfig, TrainConfig
 from eagle3_pipeline.proc import ChildFailed
 from eagle3_pipeline.train import CKPT_FILES, ExportCheckError, export_check, make_untrained_draft, train_draft
-from eagle3_pipeline.train_worker import KILL_ENV
+from eagle3_pipeline.train.worker import KILL_ENV
 
 
 @pytest.fixture(scope="module")
@@ -280,7 +280,7 @@ def test_fp8_hidden_states_are_dequantized_for_training(inputs, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from eagle3_pipeline.extract.worker import to_record
-    from eagle3_pipeline.train_worker import _loaders
+    from eagle3_pipeline.train.worker import _loaders
 
     fp8_dir = tmp_path / "hidden_states_fp8"
     fp8_dir.mkdir()

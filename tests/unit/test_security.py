@@ -300,7 +300,7 @@ def test_trust_remote_code_only_from_config_and_off_by_default():
     assert checked >= 10, checked
     assert TargetConfig(model="m").trust_remote_code is False
     assert load_config(ROOT / "configs" / "tiny-cpu.yaml").target.trust_remote_code is False
-    from eagle3_pipeline.evaluate_worker import EvalJob
+    from eagle3_pipeline.evaluate.worker import EvalJob
     from eagle3_pipeline.extract.worker import ExtractJob
 
     for job in (ExtractJob, EvalJob):

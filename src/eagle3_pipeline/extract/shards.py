@@ -40,8 +40,7 @@ from pydantic import BaseModel, ConfigDict
 
 from eagle3_pipeline import FORMAT_VERSION
 from eagle3_pipeline.config import ExtractConfig, TargetConfig
-from eagle3_pipeline.contracts import resolve_layer_ids
-from eagle3_pipeline.extract.layers import model_dims
+from eagle3_pipeline.contracts import model_dims, resolve_layer_ids
 from eagle3_pipeline.extract.worker import ExtractJob, ShardSpec, record_name
 from eagle3_pipeline.engine_env import engine_env
 from eagle3_pipeline.proc import ChildFailed, python_child, run_child

@@ -139,7 +139,7 @@ def _verify(cfg: VerifyConfig, target: TargetConfig, tokenized_dir: Path, extrac
     return res
 
 
-def check_gate(res: VerifyResult, max_listed: int = 20) -> None:
+def check_verify_gate(res: VerifyResult, max_listed: int = 20) -> None:
     if res.passed:
         return
     if res.samples_checked == 0:

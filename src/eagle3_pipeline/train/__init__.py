@@ -1,6 +1,6 @@
 """The train stage: offline data + draft vocab -> an EAGLE-3 draft checkpoint that vLLM serves.
 
-Owns `train_draft` (trains in a child process, `eagle3_pipeline.train_worker`, under a deadline),
+Owns `train_draft` (trains in a child process, `eagle3_pipeline.train.worker`, under a deadline),
 `make_untrained_draft` (same architecture, random weights: the evaluate stage's baseline) and
 `export_check` (is a checkpoint the draft we meant: vocab mappings, shapes, copied verifier weights).
 
@@ -44,7 +44,7 @@ from eagle3_pipeline.proc import python_child, run_child
 from eagle3_pipeline.store import dir_lock, read_json, sha256_file, write_json
 from eagle3_pipeline.vocab import load_vocab, vocab_paths
 
-WORKER = "eagle3_pipeline.train_worker"
+WORKER = "eagle3_pipeline.train.worker"
 CKPT_FILES = ("config.json", "model.safetensors", "optimizer_state_dict.pt", "training_state.json")
 
 

@@ -1,4 +1,4 @@
-"""Child process of the train stage: `python -m eagle3_pipeline.train_worker JOB.json`.
+"""Child process of the train stage: `python -m eagle3_pipeline.train.worker JOB.json`.
 
 Runs speculators' EAGLE-3 draft model and Trainer on offline data, in its own process (started by
 `train.train_draft` / `train.make_untrained_draft` through `proc.run_child`), so that accelerator
@@ -51,7 +51,7 @@ STEP_DELAY_ENV = "EAGLE3_TEST_STEP_DELAY_S"
 # speculators' step profiler phases (ms), kept per step in metrics.jsonl: where a step's time went
 # (fetch = waiting for the data loader, incl. the previous step's logging)
 PHASES = ("fetch_ms", "fwd_ms", "bwd_ms", "opt_ms")
-log = logging.getLogger("eagle3_pipeline.train_worker")
+log = logging.getLogger("eagle3_pipeline.train.worker")
 
 
 def _kill_self(why: str) -> None:
@@ -352,7 +352,7 @@ MODES = {"train": run_train, "untrained": run_untrained}
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
-        print("usage: python -m eagle3_pipeline.train_worker JOB.json", file=sys.stderr)
+        print("usage: python -m eagle3_pipeline.train.worker JOB.json", file=sys.stderr)
         return 2
     job = json.loads(Path(argv[1]).read_text())
     _setup_logging()

@@ -1,7 +1,7 @@
 """The evaluate stage (a gate): how many draft tokens the target accepts when vLLM serves the draft.
 
 Owns `evaluate_draft` (one draft), `evaluate_pair` (trained + untrained baseline in one child, one
-process start) and `check_gate`. Reads the target model, the draft checkpoint directories
+process start) and `check_acceptance_gate`. Reads the target model, the draft checkpoint directories
 (speculators EAGLE-3 format, checked here before any engine starts) and held-out prompts given as
 token ids (already rendered with the chat template and its generation prompt). Writes into `out_dir`:
 `job.json`, `evaluate.log` (the child's full output), `<label>.result.json` per engine run
@@ -9,7 +9,7 @@ token ids (already rendered with the chat template and its generation prompt). W
 under `out_dir/.lock` (store.dir_lock: two evaluations never write one out_dir at once).
 Never cached: every call runs the engines again.
 
-The engines run in a child process (`evaluate_worker`) under `cfg.timeout_s`; one child makes one
+The engines run in a child process (`evaluate.worker`) under `cfg.timeout_s`; one child makes one
 engine per run, in order: each draft with `speculative_config={"method": "eagle3", ...}`, then,
 with `cfg.check_lossless`, the target alone. Metrics are vLLM's speculative-decoding counters:
   acceptance length τ = 1 + accepted_tokens / drafts   (tokens per target forward, bonus included)
@@ -41,7 +41,7 @@ from eagle3_pipeline.errors import GateFailed, InputError
 from eagle3_pipeline.proc import ChildFailed, python_child, run_child
 from eagle3_pipeline.store import dir_lock, write_json
 
-WORKER = "eagle3_pipeline.evaluate_worker"
+WORKER = "eagle3_pipeline.evaluate.worker"
 # An exception line anywhere in the child's output, also one prefixed by vLLM's "(Worker pid=..) ERROR ..]".
 # vLLM re-raises an engine process's failure as a generic "Engine core initialization failed. See root
 # cause above", so the first such line is the one that names the problem.
@@ -170,7 +170,7 @@ def _run_engines(cfg: EvaluateConfig, target: TargetConfig, drafts: dict[str, Pa
                  out_dir: Path, log: Callable[[str], None]) -> dict:
     """Run one child that evaluates `drafts` (label -> dir) and, with check_lossless, the target alone;
     return {label: RunOutput}."""
-    from eagle3_pipeline.evaluate_worker import PLAIN, EvalJob, EvalRunSpec, RunOutput, result_path
+    from eagle3_pipeline.evaluate.worker import PLAIN, EvalJob, EvalRunSpec, RunOutput, result_path
 
     if PLAIN in drafts:
         raise ValueError(f"evaluate: {PLAIN!r} is reserved for the run without speculation")
@@ -276,7 +276,7 @@ def _describe(r: EvalResult) -> str:
 
 def _evaluate(cfg: EvaluateConfig, target: TargetConfig, drafts: dict[str, Path], prompts: list[list[int]],
               out_dir: Path, log: Callable[[str], None]) -> dict[str, EvalResult]:
-    from eagle3_pipeline.evaluate_worker import PLAIN
+    from eagle3_pipeline.evaluate.worker import PLAIN
 
     for d in drafts.values():
         validate_draft_dir(d, target)
@@ -306,7 +306,7 @@ def evaluate_pair(cfg: EvaluateConfig, target: TargetConfig, trained_dir: Path, 
                   prompts: list[list[int]], out_dir: Path, log: Callable[[str], None] = print) -> EvaluateReport:
     """Evaluate the trained draft and (unless `untrained_dir` is None) the untrained baseline in one
     child, on the same prompts; `passed` compares the trained τ with `cfg.min_acceptance_length`.
-    Does not raise on a low τ: call `check_gate`. Writes `out_dir/evaluate.json`."""
+    Does not raise on a low τ: call `check_acceptance_gate`. Writes `out_dir/evaluate.json`."""
     with dir_lock(Path(out_dir), f"evaluate dir {out_dir}", log):
         return _evaluate_pair(cfg, target, trained_dir, untrained_dir, prompts, out_dir, log)
 
@@ -353,7 +353,7 @@ def gate_failure(report: EvaluateReport, cfg: EvaluateConfig) -> str | None:
     return None
 
 
-def check_gate(report: EvaluateReport, cfg: EvaluateConfig) -> None:
+def check_acceptance_gate(report: EvaluateReport, cfg: EvaluateConfig) -> None:
     """Raise EvaluateGateFailed (with τ, the floor, the baseline and the per-position rates) when
     `report` fails the gate under `cfg`; the floor is read from `cfg`, not from the report."""
     why = gate_failure(report, cfg)

@@ -1,4 +1,4 @@
-"""The evaluate child process: `python -m eagle3_pipeline.evaluate_worker JOB.json`.
+"""The evaluate child process: `python -m eagle3_pipeline.evaluate.worker JOB.json`.
 
 Owns the engine side of the evaluate stage. Reads the job file (`EvalJob`, written by
 `evaluate.py`) and the target model and draft checkpoints it names. For each run of the job, in
