@@ -18,7 +18,8 @@ import click
 import typer
 from rich.console import Console
 
-from eagle3_pipeline.errors import ExitCode, culprit, exit_code
+from eagle3_pipeline.errors import ExitCode, InputError, culprit, exit_code
+from eagle3_pipeline.signals import raise_on_termination
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="eagle3-pipeline: target LLM + chat data -> EAGLE-3 draft")
 console = Console()
@@ -26,6 +27,10 @@ console = Console()
 ConfigOpt = Annotated[Path, typer.Option("--config", "-c", exists=True, dir_okay=False, help="pipeline YAML")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="override, e.g. --set train.epochs=2")]
 MAX_DETAIL_LINES = 40
+
+
+class ExtractNotDone(InputError):
+    """A single-stage command found the stage before it not done for this config."""
 
 
 def _prefect_code(e: BaseException) -> int | None:
@@ -73,6 +78,7 @@ def exits(fn):
 
 @app.command()
 @exits
+@raise_on_termination()  # SIGTERM unwinds like Ctrl-C: children, engines and Prefect's temporary server end
 def run(config: ConfigOpt, output_dir: Annotated[Path, typer.Option(help="where runs/<run-id>/ go")] = Path("runs"),
         set_: SetOpt = None) -> None:
     """Run the whole pipeline; prints where the report is."""
@@ -122,7 +128,7 @@ def prepare(config: ConfigOpt, set_: SetOpt = None) -> None:
     cfg = load_config(config, set_ or [])
     _hub_secret(cfg)
     rec = stage_prepare(cfg, log=console.print)
-    console.print_json(data={k: rec[k] for k in ("version", "dir", "rows_in", "rows_out", "rows_quarantined", "tokens")})
+    console.print_json(data=rec.model_dump(include={"version", "dir", "rows_in", "rows_out", "rows_quarantined", "tokens"}))
 
 
 @app.command("rerun-failed")
@@ -139,6 +145,7 @@ def rerun_failed(config: ConfigOpt, set_: SetOpt = None,
 
 @app.command()
 @exits
+@raise_on_termination()
 def extract(config: ConfigOpt, set_: SetOpt = None) -> None:
     """Prepare (from the store when unchanged), preflight, and extract with a live progress bar."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -147,11 +154,8 @@ def extract(config: ConfigOpt, set_: SetOpt = None) -> None:
     from eagle3_pipeline.config import load_config
 
     cfg = load_config(config, set_ or [])
-    _hub_secret(cfg)
-    prep = stages.stage_prepare(cfg, log=console.print)
-    pre = stages.stage_preflight(cfg, prep, log=console.print)
-    plan = stages.stage_extract_plan(cfg, prep, pre)
-    n = sum(len(g) for g in plan["groups"])
+    prep, version = _prepared(cfg)
+    n = len(version.shards)
     with Progress(TextColumn("extract"), BarColumn(), TextColumn("{task.completed}/{task.total} shards"),
                   TextColumn("{task.fields[tps]} tok/s"), TimeElapsedColumn(), TextColumn("ETA"),
                   TimeRemainingColumn(), console=console) as bar:
@@ -163,10 +167,83 @@ def extract(config: ConfigOpt, set_: SetOpt = None) -> None:
             seen["seconds"] += ev["seconds"]
             bar.update(job, advance=1, tps=f"{seen['tokens'] / max(seen['seconds'], 1e-9):,.0f}")
 
-        for group in plan["groups"]:
-            recs = stages.stage_extract_group(cfg, prep, plan, group, log=bar.console.print, on_shard=on_shard)
-            bar.update(job, advance=sum(r["reused"] for r in recs))
-    console.print_json(data=stages.stage_extract_summary(plan))
+        for group in version.groups:
+            recs = stages.stage_extract_group(cfg, version, group, log=bar.console.print, on_shard=on_shard)
+            bar.update(job, advance=sum(r.reused for r in recs))
+    console.print_json(data=stages.stage_extract_summary(version).model_dump(mode="json"))
+
+
+def _prepared(cfg):
+    """Prepare (answered from the store when unchanged), preflight and the extract version: what every
+    single-stage command starts from (seconds when the data is already prepared)."""
+    from eagle3_pipeline import stages
+
+    _hub_secret(cfg)
+    prep = stages.stage_prepare(cfg, log=console.print)
+    return prep, stages.plan_extract(cfg, prep, stages.stage_preflight(cfg, prep, log=console.print))
+
+
+def _published(cfg, version):
+    """The extract version must be complete before verify, train or evaluate run on it alone."""
+    missing = version.unpublished([s.index for s in version.shards])
+    if missing:
+        raise ExtractNotDone(f"extract version {version.content_key} ({version.dir}): shards {missing[:20]} of "
+                             f"{len(version.shards)} are not published; run `eagle3 extract` (or `eagle3 run`) first")
+
+
+@app.command()
+@exits
+def verify(config: ConfigOpt, set_: SetOpt = None) -> None:
+    """Run only the verify gate on this config's extraction (prepared and extracted data are reused)."""
+    from eagle3_pipeline import stages
+    from eagle3_pipeline.config import load_config
+
+    cfg = load_config(config, set_ or [])
+    _, version = _prepared(cfg)
+    _published(cfg, version)
+    res = stages.stage_verify(cfg, version, log=console.print)
+    console.print(f"[green]verified[/] {res.samples_checked} records of {version.content_key}, reference max rel err "
+                  f"{res.reference_max_rel_err}")
+
+
+@app.command()
+@exits
+def train(config: ConfigOpt, set_: SetOpt = None) -> None:
+    """Run only vocab + train on this config's verified extraction (resumes a checkpoint dir)."""
+    from eagle3_pipeline import stages
+    from eagle3_pipeline.config import load_config
+
+    cfg = load_config(config, set_ or [])
+    prep, version = _prepared(cfg)
+    _published(cfg, version)
+    voc = stages.stage_vocab(cfg, prep, version, log=console.print)
+    tr = stages.stage_train(cfg, version, voc, log=console.print)
+    console.print(f"[green]trained[/] {tr.steps} steps, final loss {tr.final_loss}; draft {tr.checkpoint_best}")
+
+
+@app.command()
+@exits
+def evaluate(config: ConfigOpt, set_: SetOpt = None,
+             output_dir: Annotated[Path, typer.Option(help="where runs/<run-id>/evaluate goes")] = Path("runs")) -> None:
+    """Run only the evaluate gate on the draft this config trained (trains nothing)."""
+    from eagle3_pipeline import stages
+    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.runs import create_run_dir
+    from eagle3_pipeline.train import RECORD_NAME, TrainResult
+    from eagle3_pipeline.vocab import VocabResult
+
+    cfg = load_config(config, set_ or [])
+    prep, version = _prepared(cfg)
+    train_dir = version.train_dir(stages.train_key(cfg, version))
+    voc_path, tr_path = version.vocab_dir(cfg.vocab.draft_vocab_size) / "vocab.json", train_dir / RECORD_NAME
+    if not tr_path.is_file() or not voc_path.is_file():
+        raise ExtractNotDone(f"no trained draft for this config yet ({tr_path}); run `eagle3 train` (or `eagle3 run`) first")
+    voc = VocabResult.model_validate({**json.loads(voc_path.read_text()), "dir": str(voc_path.parent)})
+    tr = TrainResult.model_validate_json(tr_path.read_text())
+    run_dir = create_run_dir(output_dir, cfg)
+    rep = stages.stage_evaluate(cfg, prep, version, voc, tr, run_dir, log=console.print)
+    console.print(f"[green]evaluated[/] τ = {rep.acceptance_length:.3f} (untrained {rep.acceptance_length_untrained}); "
+                  f"{run_dir / 'evaluate'}")
 
 
 @app.command()

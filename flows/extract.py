@@ -1,4 +1,4 @@
-"""The extract flow: plan shard groups, extract each group (one engine child per group, published
+"""The extract flow: for an ExtractVersion (layout.py: the planned shard groups), extract each group (one engine child per group, published
 shard by shard), then summarise the manifest.
 
 parallel_groups == 1: one cached `extract-group` task per group in this process. A group that
@@ -12,30 +12,29 @@ from __future__ import annotations
 
 from prefect import flow
 
-from eagle3_pipeline import stages
 from eagle3_pipeline.config import PipelineConfig
 from eagle3_pipeline.extract.shards import ExtractFailed
+from eagle3_pipeline.layout import ExtractVersion
 from flows.fanout import run_groups_as_deployments
 from tasks import stage_tasks as t
 
 
 @flow(name="extract")
-def extract(config: PipelineConfig, prep: dict, pre: dict, force_shards: list[int] | None = None) -> dict:
-    plan = t.extract_plan(config, prep, pre)
+def extract(config: PipelineConfig, version: ExtractVersion, force_shards: list[int] | None = None):
     force = set(force_shards or [])
     if config.extract.parallel_groups > 1:
-        failed = run_groups_as_deployments(config, prep, plan, force)
+        failed = run_groups_as_deployments(config, version, force)
     else:
         failed = []
-        for group in plan["groups"]:
+        for group in version.groups:
             forced = bool(force & set(group))
-            refresh = forced or bool(stages.unpublished(plan, group))
+            refresh = forced or bool(version.unpublished(group))
             run = t.extract_group.with_options(retries=config.extract.retries, retry_delay_seconds=5,
                                                refresh_cache=refresh)
-            state = run(config, prep, plan, group, forced, return_state=True)
+            state = run(config, version, group, forced, return_state=True)
             if state.is_failed():
                 failed.append(f"shards {group}: {state.message}")
     if failed:
-        raise ExtractFailed(f"{len(failed)} of {len(plan['groups'])} shard groups failed "
+        raise ExtractFailed(f"{len(failed)} of {len(version.groups)} shard groups failed "
                             f"(their finished shards stay published; a re-run does the rest):\n  " + "\n  ".join(failed))
-    return t.extract_summary(config, plan)
+    return t.extract_summary(config, version)

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 from prefect import flow
 
-from eagle3_pipeline import stages
+from eagle3_pipeline.layout import ExtractVersion
 from eagle3_pipeline.config import PipelineConfig
 from flows.hub_auth import use_hub_secret
 from tasks import stage_tasks as t
 
 
 @flow(name="extract-group", log_prints=True)
-def extract_group(config: PipelineConfig, prep: dict, plan: dict, shard_ids: list[int], force: bool = False) -> list[dict]:
+def extract_group(config: PipelineConfig, version: ExtractVersion, shard_ids: list[int], force: bool = False) -> list:
     use_hub_secret(config)
-    refresh = force or bool(stages.unpublished(plan, shard_ids))
+    refresh = force or bool(version.unpublished(shard_ids))
     run = t.extract_group.with_options(retries=config.extract.retries, retry_delay_seconds=5, refresh_cache=refresh)
-    return run(config, prep, plan, shard_ids, force)
+    return run(config, version, shard_ids, force)

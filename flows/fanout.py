@@ -1,6 +1,6 @@
 """Multi-node extraction: shard groups as runs of the `extract-group` deployment.
 
-Reads the extract manifest (eagle3_pipeline.extract.shards.Manifest) to pick the groups that still
+Reads the extract manifest (layout.ExtractVersion.manifest_path) to pick the groups that still
 hold unpublished shards (or forced ones): a re-run re-submits only those. Each group becomes a
 flow run of EAGLE3_EXTRACT_GROUP_DEPLOYMENT (default `extract-group/extract-group`) linked to the
 calling flow as a subflow; the work pool places it (Kubernetes: one 8-GPU job per group; locally:
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 from uuid import UUID
 
 from prefect import get_run_logger
@@ -22,22 +21,20 @@ from prefect.exceptions import ObjectNotFound
 from prefect.settings import get_current_settings
 from prefect.states import Cancelling
 
-from eagle3_pipeline import stages
 from eagle3_pipeline.config import PipelineConfig
-from eagle3_pipeline.extract.shards import Manifest
+from eagle3_pipeline.layout import ExtractVersion
+from eagle3_pipeline.store import read_json
 
 GROUP_DEPLOYMENT = os.environ.get("EAGLE3_EXTRACT_GROUP_DEPLOYMENT", "extract-group/extract-group")
 POLL_S = float(os.environ.get("EAGLE3_FANOUT_POLL_S", "5"))
 
 
-def groups_to_run(config: PipelineConfig, plan: dict, force: set[int]) -> list[list[int]]:
+def groups_to_run(version: ExtractVersion, force: set[int]) -> list[list[int]]:
     """The planned groups holding a shard that the manifest does not list as published (all of them
     when there is no manifest yet, or it was made for another shard plan), plus forced ones."""
-    man = Manifest(Path(plan["dir"]))
-    m = man.read() if man.path.exists() else {}
-    same_plan = (m.get("rows_per_shard") == config.extract.rows_per_shard
-                 and len(m.get("shards", [])) == sum(len(g) for g in plan["groups"]))
-    return [g for g in plan["groups"] if force & set(g) or not same_plan or stages.unpublished(plan, g)]
+    m = read_json(version.manifest_path, default={}) or {}
+    same_plan = (m.get("rows_per_shard") == version.rows_per_shard and len(m.get("shards", [])) == len(version.shards))
+    return [g for g in version.groups if force & set(g) or not same_plan or version.unpublished(g)]
 
 
 def flow_run_link(flow_run_id: UUID | str) -> str:
@@ -45,13 +42,13 @@ def flow_run_link(flow_run_id: UUID | str) -> str:
     return f"{ui}/runs/flow-run/{flow_run_id}" if ui else f"flow run {flow_run_id}"
 
 
-def run_groups_as_deployments(config: PipelineConfig, prep: dict, plan: dict, force: set[int]) -> list[str]:
+def run_groups_as_deployments(config: PipelineConfig, version: ExtractVersion, force: set[int]) -> list[str]:
     log = get_run_logger()
-    todo = groups_to_run(config, plan, force)
+    todo = groups_to_run(version, force)
     window = config.extract.parallel_groups
-    log.info(f"extract: {len(todo)} of {len(plan['groups'])} shard groups to run as {GROUP_DEPLOYMENT} "
+    log.info(f"extract: {len(todo)} of {len(version.groups)} shard groups to run as {GROUP_DEPLOYMENT} "
              f"flow runs, {window} at a time; the others are published")
-    params = {"config": config.model_dump(mode="json"), "prep": prep, "plan": plan}
+    params = {"config": config.model_dump(mode="json"), "version": version.model_dump(mode="json")}
     running: dict[UUID, list[int]] = {}
     failed: list[str] = []
     with get_client(sync_client=True) as client:
@@ -69,7 +66,7 @@ def run_groups_as_deployments(config: PipelineConfig, prep: dict, plan: dict, fo
                     fr = run_deployment(GROUP_DEPLOYMENT, parameters={**params, "shard_ids": group,
                                                                       "force": bool(force & set(group))},
                                         timeout=0, as_subflow=True, flow_run_name=f"extract-shards-{group}",
-                                        tags=[f"eagle3-extract-{plan['content_key']}"])
+                                        tags=[f"eagle3-extract-{version.content_key}"])
                     running[fr.id] = group
                     log.info(f"extract: shards {group} -> {fr.name}: {flow_run_link(fr.id)}")
                 time.sleep(POLL_S)

@@ -11,33 +11,38 @@ from prefect import flow
 from eagle3_pipeline.config import PipelineConfig
 from eagle3_pipeline.preflight import installed_versions
 from eagle3_pipeline.runs import RunDir, create_run_dir
+from flows.config_param import DEFAULT_CONFIG_PATH, resolve_config
 from flows.extract import extract
 from flows.hub_auth import use_hub_secret
 from tasks import stage_tasks as t
 
 
 @flow(name="pipeline", log_prints=True)
-def pipeline(config: PipelineConfig, output_dir: str = "runs", run_dir: str | None = None) -> dict:
-    """The whole pipeline. `run_dir` defaults to a new `<output_dir>/<run-id>/` (what a UI run gets)."""
+def pipeline(config: PipelineConfig | None = None, output_dir: str = "runs", run_dir: str | None = None,
+             config_path: str = DEFAULT_CONFIG_PATH) -> dict:
+    """The whole pipeline. `run_dir` defaults to a new `<output_dir>/<run-id>/` (what a UI run gets).
+    Without `config`, the config is read from `config_path` (flows/config_param.py)."""
+    config = resolve_config(config, config_path)
     run = RunDir(Path(run_dir) if run_dir else create_run_dir(Path(output_dir), config))
-    recs: dict[str, dict] = {}
+    recs: dict = {}  # stage name -> its typed record (report.json is built from these)
     error = None
     try:
         use_hub_secret(config)
         recs["prepare"] = prep = t.prepare(config)
         recs["preflight"] = pre = t.preflight(config, prep)
+        version = t.plan_extract(config, prep, pre)
         t.gpu_gate("before-extract")
-        recs["extract"] = ext = extract(config, prep, pre)
+        recs["extract"] = extract(config, version)
         t.gpu_gate("after-extract")
-        recs["verify"] = t.verify(config, prep, pre, ext)
-        recs["vocab"] = voc = t.vocab(config, prep, pre, ext)
-        recs["train"] = tr = t.train(config, prep, pre, ext, voc)
+        recs["verify"] = t.verify(config, version)
+        recs["vocab"] = voc = t.vocab(config, prep, version)
+        recs["train"] = tr = t.train(config, version, voc)
         t.gpu_gate("after-train")
-        recs["evaluate"] = t.evaluate(config, prep, pre, voc, tr, str(run.path))
+        recs["evaluate"] = t.evaluate(config, prep, version, voc, tr, str(run.path))
     except Exception as e:
         error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
         raise
     finally:
         rec = run.report_record(config, recs, installed_versions(), error)
-        t.report(str(run.path), rec, recs.get("train", {}).get("metrics"))
+        t.report(str(run.path), rec, str(recs["train"].metrics) if "train" in recs else None)
     return rec

@@ -16,6 +16,7 @@ from prefect import flow
 
 from eagle3_pipeline import stages
 from eagle3_pipeline.config import PipelineConfig, SourceConfig, load_config
+from eagle3_pipeline.layout import ExtractVersion
 from eagle3_pipeline.store import read_json
 from flows.hub_auth import use_hub_secret
 from flows.pipeline import pipeline
@@ -30,22 +31,19 @@ def refresh(config_path: str = "configs/tiny-cpu.yaml", overrides: list[str] | N
         config.prepare.sources = sources
     use_hub_secret(config)
     prep = t.prepare(config)
-    pre = t.preflight(config, prep)
-    draft = trained_draft(config, prep, pre)
+    version = t.plan_extract(config, prep, t.preflight(config, prep))
+    draft = trained_draft(config, version)
     t.record_refresh(config, prep, draft, changed=retrain or draft is None)
     if draft and not retrain:
-        print(f"refresh: {config.prepare.dataset}@{prep['version']} unchanged; its draft is {draft}")
-        return {"changed": False, "version": prep["version"], "draft": draft}
+        print(f"refresh: {config.prepare.dataset}@{prep.version} unchanged; its draft is {draft}")
+        return {"changed": False, "version": prep.version, "draft": draft}
     rec = pipeline(config=config, output_dir=output_dir)
-    return {"changed": True, "version": prep["version"], "draft": rec["artifacts"]["checkpoint"], "run_id": rec["run_id"]}
+    return {"changed": True, "version": prep.version, "draft": rec["artifacts"]["checkpoint"], "run_id": rec["run_id"]}
 
 
-def trained_draft(config: PipelineConfig, prep: dict, pre: dict) -> str | None:
-    """checkpoint_best of the draft already trained on exactly this data and config, if any. Follows
-    the train stage's location (eagle3_pipeline.stages: <extract dir>/train/<train key>/)."""
-    plan = stages.stage_extract_plan(config, prep, pre)
-    vocab_dir = Path(plan["dir"]) / "vocab" / f"K{config.vocab.draft_vocab_size}"
-    key = stages.train_key(config, {"content_key": plan["content_key"]}, {"dir": str(vocab_dir.resolve())})
-    res = read_json(Path(plan["dir"]) / "train" / key / "train_result.json")
+def trained_draft(config: PipelineConfig, version: ExtractVersion) -> str | None:
+    """checkpoint_best of the draft already trained on exactly this data and config, if any (the train
+    stage's own location: version.train_dir(stages.train_key(...)))."""
+    res = read_json(version.train_dir(stages.train_key(config, version)) / "train_result.json")
     best = res and res.get("checkpoint_best")
     return str(best) if best and Path(best).exists() else None

@@ -7,17 +7,18 @@ from __future__ import annotations
 from prefect import flow
 
 from eagle3_pipeline.config import PipelineConfig
+from flows.config_param import DEFAULT_CONFIG_PATH, resolve_config
 from flows.extract import extract
 from flows.hub_auth import use_hub_secret
 from tasks import stage_tasks as t
 
 
 @flow(name="rerun-failed")
-def rerun_failed(config: PipelineConfig, force_shards: list[int] | None = None) -> dict:
+def rerun_failed(config: PipelineConfig, force_shards: list[int] | None = None):
     use_hub_secret(config)
     prep = t.prepare(config)
-    pre = t.preflight(config, prep)
+    version = t.plan_extract(config, prep, t.preflight(config, prep))
     t.gpu_gate("before-extract")
-    ext = extract(config, prep, pre, force_shards=force_shards)
+    extract(config, version, force_shards=force_shards)
     t.gpu_gate("after-extract")
-    return t.verify(config, prep, pre, ext)
+    return t.verify(config, version)

@@ -32,6 +32,9 @@ from prefect.cache_policies import NO_CACHE
 
 from eagle3_pipeline import stages
 from eagle3_pipeline.config import PipelineConfig
+from eagle3_pipeline.data.prepare import PrepareResult
+from eagle3_pipeline.layout import ExtractVersion
+from eagle3_pipeline.preflight import PreflightResult
 from eagle3_pipeline.store import slug
 
 GPU_LIMIT = os.environ.get("EAGLE3_GPU_LIMIT", "gpu-node")
@@ -49,63 +52,63 @@ def _log():
 
 
 @task(name="prepare", cache_policy=NO_CACHE, tags=["cpu"])
-def prepare(cfg: PipelineConfig) -> dict:
+def prepare(cfg: PipelineConfig) -> PrepareResult:
     rec = stages.stage_prepare(cfg, log=_log())
-    counts = [{"what": k, "value": rec[k]} for k in ("version", "rows_in", "rows_out", "rows_heldout", "rows_quarantined",
+    counts = [{"what": k, "value": getattr(rec, k)} for k in ("version", "rows_in", "rows_out", "rows_heldout", "rows_quarantined",
                                                       "rows_truncated", "turns_dropped", "tokens", "chunks_computed")]
-    hist = [{"what": f"rows of {k} tokens", "value": v} for k, v in rec["length_histogram"].items()]
+    hist = [{"what": f"rows of {k} tokens", "value": v} for k, v in rec.length_histogram.items()]
     reasons = [{"what": f"quarantined: {r['source']} row {r['row']}", "value": r["reason"]}
                for r in stages.first_quarantined(rec, 10)]
     create_table_artifact(key=f"prepare-{_k(cfg.prepare.dataset)}", table=counts + hist + reasons,
                           description=f"prepare of dataset {cfg.prepare.dataset}: counts, lengths, first quarantine reasons")
-    if not rec.get("cached"):
+    if not rec.cached:
         publish_dataset_event(cfg, rec)
     return rec
 
 
 @task(name="preflight", cache_policy=NO_CACHE)
-def preflight(cfg: PipelineConfig, prep: dict) -> dict:
+def preflight(cfg: PipelineConfig, prep: PrepareResult) -> PreflightResult:
     return stages.stage_preflight(cfg, prep, log=_log())
 
 
 @task(name="gpu-gate", cache_policy=NO_CACHE, task_run_name="gpu-gate-{where}")
-def gpu_gate(where: str) -> dict:
+def gpu_gate(where: str):
     return stages.stage_gpu_gate(where, log=_log())
 
 
-@task(name="extract-plan", cache_policy=NO_CACHE)
-def extract_plan(cfg: PipelineConfig, prep: dict, pre: dict) -> dict:
-    return stages.stage_extract_plan(cfg, prep, pre)
+@task(name="plan-extract", cache_policy=NO_CACHE)
+def plan_extract(cfg: PipelineConfig, prep: PrepareResult, pre: PreflightResult) -> ExtractVersion:
+    return stages.plan_extract(cfg, prep, pre)
 
 
 def _group_key(ctx, params) -> str:
-    return "extract-group-" + stages.group_cache_key(params["plan"], params["shard_ids"])
+    return "extract-group-" + ExtractVersion.model_validate(params["version"]).group_cache_key(params["shard_ids"])
 
 
 @task(name="extract-group", cache_key_fn=_group_key, persist_result=True, result_serializer="json",
       tags=["gpu"], task_run_name="extract-shards-{shard_ids}")
-def extract_group(cfg: PipelineConfig, prep: dict, plan: dict, shard_ids: list[int], force: bool = False) -> list[dict]:
+def extract_group(cfg: PipelineConfig, version: ExtractVersion, shard_ids: list[int], force: bool = False) -> list:
     """One engine child for these shards; each shard is published (and counted in the progress
     artifact) the moment it is complete. Cached by content key + directory + shard ids; the flow
-    refreshes the cache of any group with unpublished shards (stages.unpublished)."""
-    progress = _Progress(plan, shard_ids)
+    refreshes the cache of any group with unpublished shards (ExtractVersion.unpublished)."""
+    progress = _Progress(version, shard_ids)
     with gpu_slot():
-        return stages.stage_extract_group(cfg, prep, plan, shard_ids, force, log=_log(), on_shard=progress.shard_done)
+        return stages.stage_extract_group(cfg, version, shard_ids, force, log=_log(), on_shard=progress.shard_done)
 
 
 @task(name="extract-summary", cache_policy=NO_CACHE)
-def extract_summary(cfg: PipelineConfig, plan: dict) -> dict:
+def extract_summary(cfg: PipelineConfig, version: ExtractVersion):
     from eagle3_pipeline.extract.shards import Manifest
 
-    rec = stages.stage_extract_summary(plan)
-    shards = Manifest(Path(plan["dir"])).read()["shards"]
+    rec = stages.stage_extract_summary(version)
+    shards = Manifest(version.path).read()["shards"]
     status = {st: sum(s["status"] == st for s in shards) for st in sorted({s["status"] for s in shards})}
     create_table_artifact(key=_record_key("extract", cfg), table=[{
-        "extract_version": plan["content_key"],
-        **{k: rec[k] for k in ("shards_total", "shards_published", "tokens", "tokens_per_s", "bytes_on_disk")},
+        "extract_version": version.content_key,
+        **{k: getattr(rec, k) for k in ("shards_total", "shards_published", "tokens", "tokens_per_s", "bytes_on_disk")},
         "attempts": sum(s.get("attempts", 0) for s in shards),
-        "status": ", ".join(f"{k}: {v}" for k, v in status.items()), "manifest": rec["manifest"]}],
-        description=f"extract manifest of {cfg.prepare.dataset} on {cfg.target.model} ({plan['dir']})")
+        "status": ", ".join(f"{k}: {v}" for k, v in status.items()), "manifest": rec.manifest}],
+        description=f"extract manifest of {cfg.prepare.dataset} on {cfg.target.model} ({version.dir})")
     return rec
 
 
@@ -113,12 +116,12 @@ class _Progress:
     """A Prefect progress artifact per group, moved forward as shard_done events arrive (these come on
     the child-output thread, so failures to report are logged, never raised)."""
 
-    def __init__(self, plan: dict, shard_ids: list[int]):
+    def __init__(self, version: ExtractVersion, shard_ids: list[int]):
         from prefect.artifacts import create_progress_artifact
 
         self.total, self.done, self.tokens = len(shard_ids), 0, 0
         self.log = _log()
-        self.id = create_progress_artifact(progress=0.0, description=f"extract shards {shard_ids} of {plan['dir']}")
+        self.id = create_progress_artifact(progress=0.0, description=f"extract shards {shard_ids} of {version.dir}")
 
     def shard_done(self, ev: dict) -> None:
         from prefect.artifacts import update_progress_artifact
@@ -132,46 +135,50 @@ class _Progress:
 
 
 @task(name="verify", cache_policy=NO_CACHE)
-def verify(cfg: PipelineConfig, prep: dict, pre: dict, ext: dict) -> dict:
+def verify(cfg: PipelineConfig, version: ExtractVersion):
     with gpu_slot():  # the reference check loads the target
-        rec = stages.stage_verify(cfg, prep, pre, ext, log=_log())
-    create_table_artifact(key=_record_key("verify", cfg), table=rec["layer_stats"], description=(
-        f"per-layer statistics of {rec['tokens_checked']} tokens of extract version {ext['content_key']}; "
-        f"{rec['samples_checked']} records checked, reference max rel err {rec['reference_max_rel_err']}"))
+        rec = stages.stage_verify(cfg, version, log=_log())
+    create_table_artifact(key=_record_key("verify", cfg), table=[s.model_dump() for s in rec.layer_stats],
+                          description=(
+        f"per-layer statistics of {rec.tokens_checked} tokens of extract version {version.content_key}; "
+        f"{rec.samples_checked} records checked, reference max rel err {rec.reference_max_rel_err}"))
     return rec
 
 
 @task(name="vocab", cache_policy=NO_CACHE)
-def vocab(cfg: PipelineConfig, prep: dict, pre: dict, ext: dict) -> dict:
-    return stages.stage_vocab(cfg, prep, pre, ext, log=_log())
+def vocab(cfg: PipelineConfig, prep: PrepareResult, version: ExtractVersion):
+    return stages.stage_vocab(cfg, prep, version, log=_log())
 
 
 @task(name="train", cache_policy=NO_CACHE, tags=["gpu"])
-def train(cfg: PipelineConfig, prep: dict, pre: dict, ext: dict, voc: dict) -> dict:
+def train(cfg: PipelineConfig, version: ExtractVersion, voc):
     with gpu_slot():
-        rec = stages.stage_train(cfg, prep, pre, ext, voc, log=_log())
+        rec = stages.stage_train(cfg, version, voc, log=_log())
+    key = Path(rec.dir).name
     create_table_artifact(key=_record_key("train", cfg), table=[{
-        "train_key": Path(rec["dir"]).name, "extract_version": ext["content_key"],
-        **{k: rec.get(k) for k in ("steps", "epochs_done", "first_loss", "final_loss", "val_loss", "final_acc",
-                                   "tokens", "tokens_per_s", "resumed_from_epoch", "checkpoint_best")}}],
+        "train_key": key, "extract_version": version.content_key,
+        **{k: (str(v) if isinstance(v, Path) else v) for k, v in rec.model_dump(include={
+            "steps", "epochs_done", "first_loss", "final_loss", "val_loss", "final_acc", "tokens", "tokens_per_s",
+            "resumed_from_epoch", "checkpoint_best"}).items()}}],
         description=f"draft training on {cfg.prepare.dataset} for {cfg.target.model}")
-    _emit(DRAFT_EXPORTED, cfg, {"prefect.resource.id": f"eagle3.draft.{_k(cfg.prepare.dataset)}.{_model(cfg)}."
-                                f"{Path(rec['dir']).name}", "prefect.resource.name": f"draft {Path(rec['dir']).name}",
-                                "eagle3.version": prep["version"], "eagle3.extract-version": ext["content_key"]},
-          {"checkpoint": str(rec["checkpoint_best"]), "steps": rec.get("steps"), "final_loss": rec.get("final_loss"),
-           "val_loss": rec.get("val_loss"), "dir": rec["dir"]})
+    _emit(DRAFT_EXPORTED, cfg, {"prefect.resource.id": f"eagle3.draft.{_k(cfg.prepare.dataset)}.{_model(cfg)}.{key}",
+                                "prefect.resource.name": f"draft {key}", "eagle3.version": version.prepare_version,
+                                "eagle3.extract-version": version.content_key},
+          {"checkpoint": str(rec.checkpoint_best), "steps": rec.steps, "final_loss": rec.final_loss,
+           "val_loss": rec.val_loss, "dir": rec.dir})
     return rec
 
 
 @task(name="evaluate", cache_policy=NO_CACHE, tags=["gpu"])
-def evaluate(cfg: PipelineConfig, prep: dict, pre: dict, voc: dict, tr: dict, run_dir: str) -> dict:
+def evaluate(cfg: PipelineConfig, prep: PrepareResult, version: ExtractVersion, voc, tr, run_dir: str):
     with gpu_slot():
-        rec = stages.stage_evaluate(cfg, prep, pre, voc, tr, run_dir, log=_log())
+        rec = stages.stage_evaluate(cfg, prep, version, voc, tr, run_dir, log=_log())
     create_table_artifact(key=_record_key("evaluate", cfg), table=[{
-        "run_dir": run_dir, "checkpoint": str(tr.get("checkpoint_best")),
-        **{k: rec.get(k) for k in ("acceptance_length", "acceptance_length_untrained", "per_position_acceptance",
-                                   "min_acceptance_length", "passed", "lossless_ok")}}],
-        description=(f"τ = {rec['acceptance_length']:.3f} (untrained {rec.get('acceptance_length_untrained')}) "
+        "run_dir": run_dir, "checkpoint": str(tr.checkpoint_best),
+        **rec.model_dump(mode="json", include={"acceptance_length", "acceptance_length_untrained",
+                                               "per_position_acceptance", "min_acceptance_length", "passed",
+                                               "lossless_ok"})}],
+        description=(f"τ = {rec.acceptance_length:.3f} (untrained {rec.acceptance_length_untrained}) "
                      f"on {cfg.evaluate.num_prompts} held-out prompts of {cfg.prepare.dataset}"))
     return rec
 
@@ -196,11 +203,11 @@ def report(run_dir: str, report_rec: dict, metrics_path: str | None) -> dict:
 
 
 @task(name="record-refresh", cache_policy=NO_CACHE)
-def record_refresh(cfg: PipelineConfig, prep: dict, draft: str | None, changed: bool) -> None:
+def record_refresh(cfg: PipelineConfig, prep: PrepareResult, draft: str | None, changed: bool) -> None:
     """What a refresh found: a versioned record per dataset and model."""
     create_table_artifact(key=_record_key("refresh", cfg), table=[{
-        "version": prep["version"], "new_version": not prep.get("cached"), "rows_out": prep["rows_out"],
-        "tokens": prep["tokens"], "existing_draft": draft, "trains": changed}],
+        "version": prep.version, "new_version": not prep.cached, "rows_out": prep.rows_out,
+        "tokens": prep.tokens, "existing_draft": draft, "trains": changed}],
         description=f"refresh of {cfg.prepare.dataset} for {cfg.target.model}: "
                     + ("training a draft" if changed else "unchanged, draft exists"))
 
@@ -261,7 +268,7 @@ def gpu_slot() -> Iterator[None]:
                            f"server, one slot per GPU node: prefect gcl create {GPU_LIMIT} --limit <nodes>") from e
 
 
-def publish_dataset_event(cfg: PipelineConfig, prep: dict, training: str | None = None) -> None:
+def publish_dataset_event(cfg: PipelineConfig, prep: PrepareResult, training: str | None = None) -> None:
     """Emit `eagle3.dataset.published` for a prepared version; `training` (see TRAINING_FLOWS)
     defaults to `in-run` or `no` by the name of the running flow."""
     if training is None:
@@ -269,11 +276,11 @@ def publish_dataset_event(cfg: PipelineConfig, prep: dict, training: str | None 
 
         training = "in-run" if flow_run.get_flow_name() in TRAINING_FLOWS else "no"
     _emit(DATASET_PUBLISHED, cfg, {
-        "prefect.resource.id": f"eagle3.dataset.{_k(cfg.prepare.dataset)}.{prep['version']}",
-        "prefect.resource.name": f"{cfg.prepare.dataset}@{prep['version']}", "eagle3.version": prep["version"],
+        "prefect.resource.id": f"eagle3.dataset.{_k(cfg.prepare.dataset)}.{prep.version}",
+        "prefect.resource.name": f"{cfg.prepare.dataset}@{prep.version}", "eagle3.version": prep.version,
         "eagle3.training": training},
-        {"config": cfg.model_dump(mode="json"), "dir": prep["dir"], "tokenized": prep["tokenized"],
-         **{k: prep.get(k) for k in ("rows_in", "rows_out", "rows_quarantined", "tokens")}})
+        {"config": cfg.model_dump(mode="json"), "dir": prep.dir, "tokenized": prep.tokenized,
+         **prep.model_dump(include={"rows_in", "rows_out", "rows_quarantined", "tokens"})})
 
 
 def _emit(event: str, cfg: PipelineConfig, resource: dict[str, str], payload: dict) -> None:

@@ -1,11 +1,14 @@
-"""Data contracts written once: layer ids, record shapes/dtypes, and `check_record`.
+"""Data contracts written once: layer ids, model dims, and the hidden-state record format.
 
-Owns the meaning of a hidden-state record `hs_{i}.safetensors` (DESIGN §2):
+Owns the meaning of a hidden-state record `hs_{i}.safetensors` (DESIGN §2) and every function that
+names, writes, reads, dequantises or compares one:
   token_ids      int64[T]        == row i's input_ids
   hidden_states  bf16[T, L, H]   L = len(aux_layer_ids) + 1, ascending ids, last = final layer N
   (fp8 storage: hidden_states float8_e4m3fn + hidden_states_scales fp32[T, 1, 1])
 Layer id k is the residual stream after k decoder layers (HF `hidden_states[k]`); id N is the last
-layer's output before the final norm.
+layer's output before the final norm. `model_dims` is the one reader of a target's config.json
+(nested `text_config` of multimodal wrappers such as Kimi-K2.5 included); `resolve_layer_ids` the
+one place that turns configured (or default) aux ids into captured ids.
 """
 
 from __future__ import annotations
@@ -14,11 +17,14 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict
+
 from eagle3_pipeline.errors import InputError
 
 HS_KEY, TOKENS_KEY, SCALES_KEY = "hidden_states", "token_ids", "hidden_states_scales"
 STORAGE_DTYPES = {"bf16": "BF16", "fp8": "F8_E4M3"}  # safetensors dtype names
 FP8_MAX = 448.0
+RECORD_META_KEY = "eagle3_record"  # safetensors metadata: {"layer_ids": [...], "storage_dtype": ...}
 
 
 class ContractError(InputError):
@@ -26,7 +32,15 @@ class ContractError(InputError):
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
-    return [2, num_layers // 2, num_layers - 3]
+    """EAGLE-3's choice `[2, N//2, N-3]` (low, middle, high) where those are distinct and in range
+    (N >= 7; Kimi-K2.5's 61 layers give [2, 30, 58]); on shallower models three (or as many as there
+    are) distinct ids spread evenly over [1, N-1] (N=6 gives [1, 3, 5], N=4 [1, 2, 3], N=2 [1])."""
+    eagle = [2, num_layers // 2, num_layers - 3]
+    if all(0 <= a < b < num_layers for a, b in zip(eagle, eagle[1:])):
+        return eagle
+    lo, hi = (1, num_layers - 1) if num_layers >= 2 else (0, 0)
+    count = min(3, hi - lo + 1)
+    return sorted({lo + (hi - lo) * i // max(1, count - 1) for i in range(count)})
 
 
 def resolve_layer_ids(num_layers: int, aux_layer_ids: list[int] | None) -> list[int]:
@@ -60,19 +74,26 @@ class RecordSpec:
         return STORAGE_DTYPES[self.storage_dtype]
 
 
-@dataclass(frozen=True)
-class ModelDims:
+class ModelDims(BaseModel):
     """The target's language-model dims (the `text_config` of a multimodal wrapper such as Kimi-K2.5)."""
+    model_config = ConfigDict(frozen=True, extra="forbid")
     num_layers: int   # N decoder layers
     hidden_size: int  # H
     vocab_size: int   # V
-    head_dim: int
+    head_dim: int     # the attention kernel's head size (MLA: kv_lora_rank + qk_rope_head_dim)
     model_type: str
+    architectures: list[str] = []
+    mla: bool = False          # multi-head latent attention (DeepSeek-V2/V3, Kimi-K2)
+    moe: bool = False          # routed experts
 
 
 def model_dims(target) -> ModelDims:
-    """Dims of `target` (a TargetConfig) from its config.json; hub names go through AutoConfig.
-    Never loads weights."""
+    """Dims of `target` (a TargetConfig, or a model directory) from its config.json; hub names go
+    through AutoConfig. Never loads weights."""
+    if isinstance(target, (str, Path)):
+        from eagle3_pipeline.config import TargetConfig
+
+        target = TargetConfig(model=str(target))
     local = Path(target.model) / "config.json"
     if local.is_file():
         try:
@@ -96,5 +117,91 @@ def model_dims(target) -> ModelDims:
     if missing:
         raise ContractError(f"{target.model}: model config has no {missing}; cannot place layer ids")
     heads = text.get("num_attention_heads") or 1
-    return ModelDims(int(text["num_hidden_layers"]), int(text["hidden_size"]), int(text["vocab_size"]),
-                     int(text.get("head_dim") or text["hidden_size"] // heads), str(text.get("model_type", "?")))
+    mla = bool(text.get("kv_lora_rank"))
+    head_dim = (int(text["kv_lora_rank"]) + int(text.get("qk_rope_head_dim") or 0)) if mla \
+        else int(text.get("head_dim") or text["hidden_size"] // heads)
+    moe = bool(text.get("n_routed_experts") or text.get("num_experts") or text.get("num_local_experts"))
+    return ModelDims(num_layers=int(text["num_hidden_layers"]), hidden_size=int(text["hidden_size"]),
+                     vocab_size=int(text["vocab_size"]), head_dim=head_dim,
+                     model_type=str(text.get("model_type", "?")),
+                     architectures=list(cfg.get("architectures") or text.get("architectures") or []),
+                     mla=mla, moe=moe)
+
+
+# ---------------------------------------------------------------- the record: name, write, read, compare
+
+def record_name(row: int) -> str:
+    """The file name of row `row`'s record (speculators' offline layout: row index = file index)."""
+    return f"hs_{row}.safetensors"
+
+
+def to_record(hidden_states, token_ids, storage_dtype: str) -> dict:
+    """Our record from vLLM's tensors: `hidden_states` [T, L, H] (any float dtype), `token_ids` [T].
+    bf16: hidden_states bf16[T, L, H]. fp8: float8_e4m3fn[T, L, H] + hidden_states_scales fp32[T, 1, 1]
+    with scale = per-token absmax / 448 (`dequantise` multiplies it back)."""
+    import torch
+
+    rec = {TOKENS_KEY: token_ids.to(torch.int64).contiguous()}  # [T]
+    if storage_dtype == "bf16":
+        rec[HS_KEY] = hidden_states.to(torch.bfloat16).contiguous()  # [T, L, H]
+    elif storage_dtype == "fp8":
+        x = hidden_states.float()  # [T, L, H]
+        absmax = x.abs().amax(dim=(1, 2), keepdim=True)  # [T, 1, 1]
+        scales = (absmax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)  # [T, 1, 1]
+        rec[HS_KEY] = (x / scales).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).contiguous()  # [T, L, H]
+        rec[SCALES_KEY] = scales.contiguous()
+    else:
+        raise ContractError(f"storage dtype {storage_dtype!r}: expected 'bf16' or 'fp8'")
+    return rec
+
+
+def write_record(path: Path, record: dict, layer_ids: list[int], storage_dtype: str, tag: str = "0") -> Path:
+    """Write a `to_record` dict atomically (store.atomic_write). One metadata key only: safetensors
+    orders several keys at random (a Rust HashMap), and a record's bytes must not depend on the
+    process that wrote it."""
+    from safetensors.torch import save_file
+
+    from eagle3_pipeline.store import atomic_write
+
+    meta = {RECORD_META_KEY: json.dumps({"layer_ids": list(layer_ids), "storage_dtype": storage_dtype},
+                                        sort_keys=True)}
+    return atomic_write(Path(path), lambda p: save_file(record, str(p), metadata=meta), tag=tag)
+
+
+def read_record(path: Path) -> dict:
+    """The tensors of a record file (safetensors only: no pickle is ever read)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(path), device="cpu")
+
+
+def dequantise(record: dict):
+    """fp32 hidden states [T, L, H] of a record: bf16 widened; fp8 times its per-token scales."""
+    x = record[HS_KEY].float()  # [T, L, H]
+    return x * record[SCALES_KEY].float() if SCALES_KEY in record else x
+
+
+class LayerDiff(BaseModel):
+    """One layer of a record against a reference of the same tokens."""
+    layer_id: int
+    rel_err: float         # ||got - ref|| / ||ref|| over all tokens
+    min_cosine: float      # worst token
+    mean_cosine: float
+    frac_below: float      # fraction of tokens whose cosine is below `cos_bound`
+    first_below: int | None  # first such token
+
+
+def compare_layers(got, ref, layer_ids: list[int], cos_bound: float) -> list[LayerDiff]:
+    """Per-layer comparison of fp32 [T, L, H] tensors of the same shape (checked by the caller)."""
+    import torch
+
+    out = []
+    for li, lid in enumerate(layer_ids):
+        g, r = got[:, li].float(), ref[:, li].float()  # [T, H]
+        cos = torch.nn.functional.cosine_similarity(g, r, dim=-1)  # [T]
+        below = (cos < cos_bound).nonzero()
+        out.append(LayerDiff(layer_id=lid, rel_err=float((g - r).norm() / r.norm().clamp_min(1e-12)),
+                             min_cosine=float(cos.min()), mean_cosine=float(cos.mean()),
+                             frac_below=float((cos < cos_bound).float().mean()),
+                             first_below=int(below[0, 0]) if len(below) else None))
+    return out

@@ -33,6 +33,7 @@ class GpuGateResult(BaseModel):
     killed: list[int]
     gpus: list[dict]
     passed: bool
+    where: str = ""  # which gate of the pipeline (before-extract, after-extract, after-train)
 
 
 def _ours(p, protected: set[int], dead_launchers: set[int]) -> str | None:

@@ -1,8 +1,9 @@
 """The preflight gate: everything that can be known before an 18-minute model load, in seconds.
 
 Reads installed package versions, the vLLM/speculators APIs our code relies on, the model's
-config.json (and that a local model directory holds weight files), the tokenizer (its vocabulary must
-fit the model's embedding), the configured layer ids, and free disk space. Writes nothing. Raises PreflightFailed
+config.json (nested `text_config` too; and that a local model directory holds weight files), the
+model's architecture in the installed vLLM's registry (registered, supports EAGLE-3 aux hidden states),
+the tokenizer (its vocabulary must fit the model's embedding), the configured layer ids, and free disk space. Writes nothing. Raises PreflightFailed
 listing every problem at once (not the first only). Never cached: runs every time.
 """
 
@@ -17,7 +18,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from eagle3_pipeline.config import PipelineConfig
-from eagle3_pipeline.contracts import ContractError, model_dims, resolve_layer_ids
+from eagle3_pipeline.contracts import ContractError, ModelDims, model_dims, resolve_layer_ids
 from eagle3_pipeline.errors import EnvironmentProblem
 
 # (vllm distribution, vllm, torch, speculators) combinations this pipeline was tested with.
@@ -45,7 +46,7 @@ class PreflightFailed(EnvironmentProblem):
 class PreflightResult(BaseModel):
     versions: dict[str, str | None]
     flavour: str
-    dims: dict
+    dims: ModelDims
     layer_ids: list[int]
     estimated_bytes: int
     free_bytes: int
@@ -76,6 +77,36 @@ def _check_api(module: str, attr: str, params: tuple[str, ...]) -> str | None:
         if missing and not accepts_kwargs:
             return f"{module}.{attr} does not accept {missing}"
     return None
+
+
+def architecture_problems(dims: ModelDims) -> list[str]:
+    """The model's architecture, resolved in the installed vLLM's model registry without loading
+    weights (only the model class's module is imported): it must be registered and implement EAGLE-3
+    aux hidden states (`SupportsEagle3`), which `extract_hidden_states` and an EAGLE-3 draft both need.
+    This is the failure users used to find after an 18-minute model load."""
+    if not dims.architectures:
+        return []  # a config without `architectures`: vLLM decides from model_type; nothing to check here
+    try:
+        from vllm.model_executor.models.interfaces import supports_eagle3
+        from vllm.model_executor.models.registry import ModelRegistry
+    except Exception as e:  # noqa: BLE001 - reported with its type
+        return [f"vLLM's model registry is not importable ({type(e).__name__}: {e})"]
+    problems = []
+    for arch in dims.architectures:
+        entry = ModelRegistry.models.get(arch)
+        if entry is None:
+            continue
+        try:
+            cls = entry.load_model_cls()
+        except Exception as e:  # noqa: BLE001
+            problems.append(f"architecture {arch}: vLLM's model class cannot be imported ({type(e).__name__}: {e})")
+            continue
+        if supports_eagle3(cls):
+            return []
+        problems.append(f"architecture {arch}: vLLM's {cls.__module__}.{cls.__name__} does not support EAGLE-3 aux "
+                        f"hidden states (no SupportsEagle3): extract_hidden_states cannot capture layers of this model")
+    return problems or [f"architectures {dims.architectures}: none is in the installed vLLM's model registry "
+                        f"({len(ModelRegistry.get_supported_archs())} architectures known); a newer vLLM may have it"]
 
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
@@ -126,7 +157,11 @@ def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=prin
     except ContractError as e:
         problems.append(str(e))
     problems += _model_files_problems(cfg, dims.vocab_size)
-    if flavour == "cpu" and dims.head_dim < 32:
+    problems += architecture_problems(dims)
+    if flavour == "cpu" and dims.mla and dims.head_dim != 576:
+        problems.append(f"MLA head size kv_lora_rank + qk_rope_head_dim = {dims.head_dim}: vLLM's CPU MLA kernel "
+                        f"takes 576 only (512 + 64, as in DeepSeek-V3 / Kimi-K2)")
+    elif flavour == "cpu" and dims.head_dim < 32:
         problems.append(f"head_dim {dims.head_dim}: vLLM's CPU attention needs head_dim >= 32")
     if cfg.train.device == "cpu" and cfg.train.attention == "flex_attention":
         problems.append("train.attention flex_attention has no CPU backward; use sdpa or eager on CPU")
@@ -144,5 +179,5 @@ def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=prin
         raise PreflightFailed("preflight failed:\n  " + "\n  ".join(problems))
     log(f"preflight: {flavour} stack {versions}, {dims.num_layers} layers, hidden {dims.hidden_size}, "
         f"layer ids {layer_ids}, ~{estimated / 2**20:.1f} MiB to write")
-    return PreflightResult(versions=versions, flavour=flavour, dims=dims.__dict__, layer_ids=layer_ids,
+    return PreflightResult(versions=versions, flavour=flavour, dims=dims, layer_ids=layer_ids,
                            estimated_bytes=estimated, free_bytes=free, warnings=warnings)

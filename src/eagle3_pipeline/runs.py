@@ -38,7 +38,9 @@ class RunDir:
         self.path = Path(path).resolve()
         self.run_id = self.path.name
 
-    def report_record(self, config: PipelineConfig, recs: dict[str, dict], versions: dict, error: str | None) -> dict:
+    def report_record(self, config: PipelineConfig, recs: dict, versions: dict, error: str | None) -> dict:
+        """report.json's record from the stages' typed records (pydantic models, by stage name)."""
+        recs = {k: (v.model_dump(mode="json") if hasattr(v, "model_dump") else v) for k, v in recs.items()}
         prep, ext, voc, tr = (recs.get(k, {}) for k in ("prepare", "extract", "vocab", "train"))
         artifacts = {
             "tokenized": prep.get("tokenized"), "hidden_states": ext.get("hidden_states_dir"),

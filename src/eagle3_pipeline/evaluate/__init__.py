@@ -35,8 +35,9 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from eagle3_pipeline.engine_env import engine_env as cpu_engine_env
 from eagle3_pipeline.config import EvaluateConfig, TargetConfig
+from eagle3_pipeline.engine import engine_env
+from eagle3_pipeline.contracts import model_dims
 from eagle3_pipeline.errors import GateFailed, InputError
 from eagle3_pipeline.proc import ChildFailed, python_child, run_child
 from eagle3_pipeline.store import dir_lock, write_json
@@ -106,14 +107,6 @@ class EvaluateReport(BaseModel):
 
 # ---------------------------------------------------------------- checks before any engine
 
-def _target_text_config(target: TargetConfig) -> dict | None:
-    cfg_path = Path(target.model) / "config.json"
-    if not cfg_path.is_file():
-        return None  # a hub name: vLLM resolves it, nothing to compare here
-    cfg = json.loads(cfg_path.read_text())
-    return cfg.get("text_config") or cfg
-
-
 def validate_draft_dir(draft_dir: Path, target: TargetConfig) -> dict:
     """Return the draft's config.json, or raise InvalidDraftError naming what is wrong: missing
     directory/config/weights, not an EAGLE-3 checkpoint, or dimensions that do not fit the target
@@ -134,17 +127,17 @@ def validate_draft_dir(draft_dir: Path, target: TargetConfig) -> dict:
                                 f"{cfg.get('speculators_model_type')!r}, architectures={cfg.get('architectures')})")
     if not any(d.glob("*.safetensors")) and not any(d.glob("*.bin")):
         raise InvalidDraftError(f"draft {d}: no weights (*.safetensors or *.bin)")
-    tcfg = _target_text_config(target)
     layer_cfg = cfg.get("transformer_layer_config") or cfg
-    if tcfg is not None:
-        want_h = tcfg.get("hidden_size")
+    if (Path(target.model) / "config.json").is_file():  # a hub name: vLLM resolves it, nothing to compare
+        dims = model_dims(target)
+        want_h = dims.hidden_size
         got_h = cfg.get("target_hidden_size") or layer_cfg.get("hidden_size")
         if want_h and got_h and want_h != got_h:
             raise InvalidDraftError(f"draft {d}: hidden size {got_h}, target {target.model} has {want_h}")
-        want_v, got_v = tcfg.get("vocab_size"), layer_cfg.get("vocab_size")
+        want_v, got_v = dims.vocab_size, layer_cfg.get("vocab_size")
         if want_v and got_v and want_v != got_v:
             raise InvalidDraftError(f"draft {d}: target vocabulary {got_v}, target {target.model} has {want_v}")
-        n = tcfg.get("num_hidden_layers")
+        n = dims.num_layers
         aux = cfg.get("eagle_aux_hidden_state_layer_ids") or []
         if n and any(not 0 <= k <= n for k in aux):
             raise InvalidDraftError(f"draft {d}: aux layer ids {aux} outside [0, {n}] of target {target.model}")
@@ -160,11 +153,6 @@ def _check_prompts(prompts: list[list[int]]) -> None:
 
 
 # ---------------------------------------------------------------- the child
-
-def engine_env(cfg: EvaluateConfig) -> dict[str, str]:
-    """Environment of the evaluate child (engine_env.py: in-process engine core and OpenMP settings)."""
-    return cpu_engine_env(cfg.engine_in_process, cfg.tensor_parallel_size, cfg.omp_threads_bind)
-
 
 def _run_engines(cfg: EvaluateConfig, target: TargetConfig, drafts: dict[str, Path], prompts: list[list[int]],
                  out_dir: Path, log: Callable[[str], None]) -> dict:
@@ -183,10 +171,7 @@ def _run_engines(cfg: EvaluateConfig, target: TargetConfig, drafts: dict[str, Pa
     for r in runs:  # a gate never reads an earlier attempt's numbers
         result_path(out_dir, r.label).unlink(missing_ok=True)
     max_len = cfg.max_model_len or max(len(p) for p in prompts) + cfg.max_tokens + cfg.num_speculative_tokens + 8
-    job = EvalJob(model=target.model, tokenizer=target.tokenizer, revision=target.revision, dtype=target.dtype,
-                  trust_remote_code=target.trust_remote_code, tensor_parallel_size=cfg.tensor_parallel_size,
-                  gpu_memory_utilization=cfg.gpu_memory_utilization, max_model_len=max_len,
-                  enforce_eager=cfg.enforce_eager, max_tokens=cfg.max_tokens,
+    job = EvalJob(target=target, engine=cfg.engine(), max_model_len=max_len, max_tokens=cfg.max_tokens,
                   sample_texts=cfg.sample_texts, prompts=prompts, runs=runs, out_dir=str(out_dir.resolve()))
     job_path = write_json(out_dir / "job.json", job.model_dump(mode="json"))
     errors: list[dict] = []

@@ -1,6 +1,6 @@
-"""Shard planning, the extract manifest, and running groups of shards in one engine child.
+"""The extract manifest, and running groups of shards of an `ExtractVersion` in one engine child.
 
-Owns, inside one extract version dir `out_dir` (<store>/.../<model>/<extract-version>/):
+Owns, inside one extract version dir (layout.ExtractVersion.dir: <store>/.../<model>/<extract-version>/):
   manifest.json          format version, content key, config, tool versions, layer ids, the child
                          attempts, and per shard: row range, status, attempts, tokens, bytes,
                          sha256 of each file, seconds, last error text
@@ -16,7 +16,7 @@ Owns, inside one extract version dir `out_dir` (<store>/.../<model>/<extract-ver
   .scratch/extract-<a>/  vLLM's per-request files while child a runs (removed when it exits, as are
                          records it left half-written: hidden_states/*.tmp-<a>-*; when the parent
                          itself was killed, by the next parent that takes those shards' locks)
-Reads the tokenized dataset (row count only) and the target's config.json.
+Reads nothing but the version record (layer ids, dims, shard plan: layout.py) and the manifest.
 A shard is `published` only after the child reported it done and all its files are hashed into
 the manifest; a later call skips a published shard whose files still hash to the manifest.
 """
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import math
 import os
 import shutil
 import socket
@@ -36,17 +35,17 @@ from importlib import metadata
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
 from eagle3_pipeline import FORMAT_VERSION
 from eagle3_pipeline.config import ExtractConfig, TargetConfig
-from eagle3_pipeline.contracts import model_dims, resolve_layer_ids
-from eagle3_pipeline.extract.worker import ExtractJob, ShardSpec, record_name
-from eagle3_pipeline.engine_env import engine_env
+from eagle3_pipeline.contracts import record_name
+from eagle3_pipeline.extract.worker import ExtractJob, ShardSpec
+from eagle3_pipeline.layout import MANIFEST_NAME, ExtractVersion, Shard, plan_shards  # noqa: F401 (re-exported)
+from eagle3_pipeline.engine import engine_env
 from eagle3_pipeline.proc import ChildFailed, python_child, run_child
 from eagle3_pipeline.store import file_locks, read_json, sha256_file, write_json
 
-MANIFEST_NAME = "manifest.json"
 LOCKS_DIR = "locks"
 WORKER_MODULE = "eagle3_pipeline.extract.worker"
 Status = Literal["pending", "running", "published", "failed", "quarantined"]
@@ -54,13 +53,6 @@ Status = Literal["pending", "running", "published", "failed", "quarantined"]
 
 class ExtractFailed(RuntimeError):
     """Some shards of a group are not published; the message names them and the child's error."""
-
-
-class Shard(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    index: int
-    row_start: int  # inclusive
-    row_end: int    # exclusive
 
 
 class ShardRecord(BaseModel):
@@ -79,6 +71,8 @@ class ShardRecord(BaseModel):
 
 
 class ExtractResult(BaseModel):
+    content_key: str
+    dir: str
     layer_ids: list[int]
     shards_total: int
     shards_published: int
@@ -87,15 +81,6 @@ class ExtractResult(BaseModel):
     bytes_on_disk: int
     hidden_states_dir: str
     manifest: str
-
-
-def plan_shards(num_rows: int, rows_per_shard: int) -> list[Shard]:
-    """Contiguous row ranges of `rows_per_shard` rows (the last may be shorter)."""
-    if rows_per_shard < 1:
-        raise ValueError(f"rows_per_shard must be >= 1, got {rows_per_shard}")
-    n = math.ceil(num_rows / rows_per_shard)
-    return [Shard(index=k, row_start=k * rows_per_shard, row_end=min(num_rows, (k + 1) * rows_per_shard))
-            for k in range(n)]
 
 
 def tool_versions() -> dict[str, str | None]:
@@ -163,12 +148,6 @@ class Manifest:
                              for s in plan])
 
 
-def _num_rows(tokenized_dir: Path) -> int:
-    import datasets  # lazy: arrow is memory-mapped, this reads only metadata
-
-    return datasets.load_from_disk(str(tokenized_dir)).num_rows
-
-
 def _check_published(hs_dir: Path, entry: dict) -> str | None:
     """None if every file of a published shard is present and hashes to the manifest, else why not."""
     expected = {record_name(r) for r in range(entry["row_start"], entry["row_end"])}
@@ -186,11 +165,8 @@ def _check_published(hs_dir: Path, entry: dict) -> str | None:
 def _job(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, hs_dir: Path, scratch: Path,
          layer_ids: list[int], hidden_size: int, shards: list[Shard], attempt: int) -> ExtractJob:
     return ExtractJob(
-        model=target.model, tokenizer=target.tokenizer or target.model, revision=target.revision,
-        dtype=target.dtype, trust_remote_code=target.trust_remote_code, layer_ids=layer_ids,
-        hidden_size=hidden_size, tensor_parallel_size=cfg.tensor_parallel_size,
-        gpu_memory_utilization=cfg.gpu_memory_utilization, max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens, enforce_eager=cfg.enforce_eager,
+        target=target, engine=cfg.engine(), layer_ids=layer_ids, hidden_size=hidden_size,
+        max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
         tokenized_dir=str(Path(tokenized_dir).resolve()),
         hidden_states_dir=str(hs_dir.resolve()), scratch_dir=str(scratch.resolve()),
         storage_dtype=cfg.storage_dtype, attempt=attempt,
@@ -198,24 +174,22 @@ def _job(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, hs_dir: 
         shards=[ShardSpec(**s.model_dump()) for s in shards])
 
 
-def extract_group(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, out_dir: Path,
-                  shard_ids: list[int], *, log: Callable[[str], None], force: bool = False,
-                  content_key: str, on_shard: Callable[[dict], None] | None = None) -> list[ShardRecord]:
-    """Publish the shards `shard_ids` of `out_dir`, starting at most one engine child for those not
+def extract_group(cfg: ExtractConfig, target: TargetConfig, version: ExtractVersion, shard_ids: list[int], *,
+                  log: Callable[[str], None], force: bool = False,
+                  on_shard: Callable[[dict], None] | None = None) -> list[ShardRecord]:
+    """Publish the shards `shard_ids` of `version`, starting at most one engine child for those not
     already published (all of them when `force`). Returns their records in shard order. Raises
     ExtractFailed naming the unpublished shards and the child's error tail; the shards it did
     finish stay published, so a retry only does the rest."""
-    out_dir = Path(out_dir)
-    hs_dir = out_dir / "hidden_states"
-    dims = model_dims(target)
-    layer_ids = resolve_layer_ids(dims.num_layers, cfg.layer_ids)
-    plan = plan_shards(_num_rows(Path(tokenized_dir)), cfg.rows_per_shard)
+    out_dir = version.path
+    hs_dir = version.hidden_states_dir
+    layer_ids, plan, tokenized_dir = version.layer_ids, version.shards, Path(version.tokenized_dir)
     bad = sorted(k for k in shard_ids if not 0 <= k < len(plan))
     if bad:
         raise ValueError(f"shard ids {bad} outside the plan of {len(plan)} shards "
-                         f"({plan[-1].row_end if plan else 0} rows, {cfg.rows_per_shard} per shard)")
+                         f"({version.rows} rows, {version.rows_per_shard} per shard)")
     man = Manifest(out_dir)
-    man.ensure(content_key=content_key, cfg=cfg, target=target, layer_ids=layer_ids, plan=plan, log=log)
+    man.ensure(content_key=version.content_key, cfg=cfg, target=target, layer_ids=layer_ids, plan=plan, log=log)
 
     wanted = sorted(set(shard_ids))
     reused, todo = set(), []
@@ -235,7 +209,7 @@ def extract_group(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path,
             todo.append(k)
         if todo:
             _run_group(cfg, target, tokenized_dir, out_dir, [plan[k] for k in todo], layer_ids,
-                       dims.hidden_size, man, log, on_shard)
+                       version.dims.hidden_size, man, log, on_shard)
         else:
             log(f"extract: shards {wanted} already published; no engine started")
         entries = man.read()["shards"]
@@ -334,7 +308,7 @@ def _run_group(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, ou
     try:
         run_child(python_child(WORKER_MODULE, str(job_path)), name=f"extract-{attempt}",
                   timeout_s=cfg.timeout_s, log_path=log_path, on_line=log, on_event=on_event,
-                  env=engine_env(cfg.engine_in_process, cfg.tensor_parallel_size, cfg.omp_threads_bind))
+                  env=engine_env(cfg))
     except ChildFailed as e:
         error, child_error = str(e), e
     except BaseException as e:  # cancelled: the child is gone (run_child killed it); record, re-raise
@@ -382,23 +356,14 @@ def _close_group(man: Manifest, attempt: int, shards: list[Shard], published: se
                      published=sorted(published), error=error)
 
 
-def extract(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, out_dir: Path, *,
-            log: Callable[[str], None], content_key: str) -> ExtractResult:
-    """Plan all shards of `tokenized_dir` and publish them with one child (`extract_group`)."""
-    out_dir = Path(out_dir)
-    plan = plan_shards(_num_rows(Path(tokenized_dir)), cfg.rows_per_shard)
-    extract_group(cfg, target, tokenized_dir, out_dir, [s.index for s in plan], log=log,
-                  content_key=content_key)
-    return summarize(out_dir)
-
-
 def summarize(out_dir: Path) -> ExtractResult:
     """The ExtractResult of a version dir, from its manifest alone."""
     man = Manifest(Path(out_dir))
     m = man.read()
     pub = [s for s in m["shards"] if s["status"] == "published"]
     tokens, seconds = sum(s["tokens"] for s in pub), sum(s["seconds"] for s in pub)
-    return ExtractResult(layer_ids=m["layer_ids"], shards_total=len(m["shards"]), shards_published=len(pub),
+    return ExtractResult(content_key=m["content_key"], dir=str(Path(out_dir).resolve()),
+                         layer_ids=m["layer_ids"], shards_total=len(m["shards"]), shards_published=len(pub),
                          tokens=tokens, tokens_per_s=round(tokens / seconds, 1) if seconds else 0.0,
                          bytes_on_disk=sum(s["bytes"] for s in pub),
                          hidden_states_dir=str((Path(out_dir) / "hidden_states").resolve()),

@@ -1,9 +1,9 @@
 """The extract child process: `python -m eagle3_pipeline.extract.worker JOB.json`.
 
 Owns the engine side of the extract stage. Reads the job file (`ExtractJob`, written by
-`extract/shards.py`), the tokenized dataset and the target model; builds ONE `vllm.LLM` with the
-native `extract_hidden_states` speculative method and the job's connector (default ours,
-`extract/connector.py`; `ExtractConfig.connector_*`), then
+`extract/shards.py`), the tokenized dataset and the target model; builds ONE `vllm.LLM`
+(`engine.build_llm`) with the native `extract_hidden_states` speculative method and the job's
+connector (default ours, `extract/connector.py`; `ExtractConfig.connector_*`), then
 for each shard of the job, in order:
   1. prefills the shard's rows (token ids in, `max_tokens=1`),
   2. reads each request's file from `kv_transfer_params["hidden_states_path"]` (in `scratch_dir`),
@@ -14,13 +14,12 @@ Also prints an `engine_ready` event with the engine start-up time. Any exception
 traceback and exits non-zero. Test hooks: env EAGLE3_TEST_KILL_AFTER_SHARDS=n makes the process
 SIGKILL itself right after its n-th `shard_done` event; EAGLE3_TEST_RECORD_DELAY_S=x makes it sleep
 x seconds after writing each record (the chaos tests' kills then land mid-shard on any machine).
-Nothing heavy is imported at module level: the parent imports `ExtractJob` and `to_record` from here.
+Nothing heavy is imported at module level: the parent imports `ExtractJob` from here.
 """
 
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import signal
 import sys
@@ -31,7 +30,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from eagle3_pipeline.contracts import FP8_MAX, HS_KEY, SCALES_KEY, TOKENS_KEY, ContractError
+from eagle3_pipeline.config import EngineConfig, TargetConfig
+from eagle3_pipeline.contracts import ContractError, record_name, to_record, write_record
 from eagle3_pipeline.proc import emit_event
 
 KILL_AFTER_ENV = "EAGLE3_TEST_KILL_AFTER_SHARDS"
@@ -40,9 +40,6 @@ RECORD_DELAY_ENV = "EAGLE3_TEST_RECORD_DELAY_S"
 # marker file: the file `<hidden_states_dir>/../.fail-shard-<k>` is created on the first failure, so
 # a retry of the same shard succeeds (a transient fault, as a lost node would be).
 FAIL_SHARDS_ENV = "EAGLE3_TEST_FAIL_SHARDS"
-RECORD_META_KEY = "eagle3_record"  # safetensors metadata: {"layer_ids": [...], "storage_dtype": ...}
-CONNECTOR_NAME = "Eagle3HiddenStatesConnector"
-CONNECTOR_MODULE = "eagle3_pipeline.extract.connector"
 
 
 class ShardSpec(BaseModel):
@@ -55,18 +52,12 @@ class ShardSpec(BaseModel):
 class ExtractJob(BaseModel):
     """Everything the child needs; written as JSON by the parent, one per attempt."""
     model_config = ConfigDict(extra="forbid")
-    model: str
-    tokenizer: str
-    revision: str | None = None
-    dtype: str = "bfloat16"
-    trust_remote_code: bool = False
+    target: TargetConfig
+    engine: EngineConfig
     layer_ids: list[int]            # aux ids + N, ascending
     hidden_size: int                # H, to check records
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.3
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
-    enforce_eager: bool = True
     tokenized_dir: str
     hidden_states_dir: str          # final records hs_{row}.safetensors
     scratch_dir: str                # vLLM's per-request files; deleted as they are consumed
@@ -75,59 +66,11 @@ class ExtractJob(BaseModel):
     shards: list[ShardSpec]
     file_timeout_s: float = 300.0   # how long to wait for vLLM's file of one request
     nudge_after_s: float = 2.0      # separate engine core: then send a one-token request (see _Engine)
-    connector_module: str = CONNECTOR_MODULE  # the vLLM KV connector that writes each request's file
-    connector_name: str = CONNECTOR_NAME      # (ExtractConfig.connector_*; tests load deliberately broken ones)
-
-
-def record_name(row: int) -> str:
-    return f"hs_{row}.safetensors"
-
-
-def to_record(hidden_states, token_ids, storage_dtype: str) -> dict:
-    """Our record from vLLM's tensors: `hidden_states` [T, L, H] (any float dtype), `token_ids` [T].
-    bf16: hidden_states bf16[T, L, H]. fp8: float8_e4m3fn[T, L, H] + hidden_states_scales fp32[T, 1, 1]
-    with scale = per-token absmax / 448 (dequantize: hs.float() * scale)."""
-    import torch
-
-    rec = {TOKENS_KEY: token_ids.to(torch.int64).contiguous()}  # [T]
-    if storage_dtype == "bf16":
-        rec[HS_KEY] = hidden_states.to(torch.bfloat16).contiguous()  # [T, L, H]
-    elif storage_dtype == "fp8":
-        x = hidden_states.float()  # [T, L, H]
-        absmax = x.abs().amax(dim=(1, 2), keepdim=True)  # [T, 1, 1]
-        scales = (absmax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)  # [T, 1, 1]
-        rec[HS_KEY] = (x / scales).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).contiguous()  # [T, L, H]
-        rec[SCALES_KEY] = scales.contiguous()
-    else:
-        raise ContractError(f"storage dtype {storage_dtype!r}: expected 'bf16' or 'fp8'")
-    return rec
+    connector_module: str           # the vLLM KV connector that writes each request's file
+    connector_name: str             # (ExtractConfig.connector_*; tests load deliberately broken ones)
 
 
 # ---------------------------------------------------------------- engine side (child only)
-
-def _build_llm(job: ExtractJob, max_model_len: int):
-    from vllm import LLM
-
-    kwargs = dict(
-        model=job.model, tokenizer=job.tokenizer, revision=job.revision, dtype=job.dtype,
-        trust_remote_code=job.trust_remote_code, tensor_parallel_size=job.tensor_parallel_size,
-        gpu_memory_utilization=job.gpu_memory_utilization, max_num_seqs=job.max_num_seqs,
-        max_model_len=max_model_len, enforce_eager=job.enforce_eager,
-        enable_chunked_prefill=False, enable_prefix_caching=False, seed=0,
-        speculative_config={
-            "method": "extract_hidden_states", "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": job.layer_ids}},
-        },
-        kv_transfer_config={
-            "kv_connector": job.connector_name, "kv_connector_module_path": job.connector_module,
-            "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": job.scratch_dir},
-        },
-    )
-    if job.max_num_batched_tokens is not None:
-        kwargs["max_num_batched_tokens"] = job.max_num_batched_tokens
-    return LLM(**kwargs)
-
 
 def _load_file(path: str) -> dict:
     """vLLM's file once complete: on CPU our connector renames it into place when done; on CUDA the
@@ -203,9 +146,6 @@ class _Engine:
 
 def _run_shard(engine: _Engine, ds, job: ExtractJob, shard: ShardSpec) -> None:
     import torch
-    from safetensors.torch import save_file
-
-    from eagle3_pipeline.store import atomic_write
 
     t0 = time.time()
     rows = ds.select(range(shard.row_start, shard.row_end))
@@ -216,10 +156,6 @@ def _run_shard(engine: _Engine, ds, job: ExtractJob, shard: ShardSpec) -> None:
     hs_dir = Path(job.hidden_states_dir)
     L, H = len(job.layer_ids), job.hidden_size
     files, tokens = [], 0
-    # One metadata key: safetensors orders several keys at random (a Rust HashMap), and the
-    # bytes of a record must not depend on the process that wrote it.
-    meta = {RECORD_META_KEY: json.dumps({"layer_ids": job.layer_ids, "storage_dtype": job.storage_dtype},
-                                        sort_keys=True)}
     for k, (ids, sid, path) in enumerate(zip(input_ids, sample_ids, paths)):
         row = shard.row_start + k
         who = f"{record_name(row)} (row {row}, sample {sid})"
@@ -234,9 +170,9 @@ def _run_shard(engine: _Engine, ds, job: ExtractJob, shard: ShardSpec) -> None:
         if tuple(hs.shape) != (len(ids), L, H):
             raise ContractError(f"{who}: layers {job.layer_ids}: hidden_states expected "
                                 f"{[len(ids), L, H]}, found {list(hs.shape)} (file {path})")
-        rec = to_record(hs, tok, job.storage_dtype)
         name = record_name(row)
-        atomic_write(hs_dir / name, lambda p: save_file(rec, str(p), metadata=meta), tag=str(job.attempt))
+        write_record(hs_dir / name, to_record(hs, tok, job.storage_dtype), job.layer_ids, job.storage_dtype,
+                     tag=str(job.attempt))
         _remove(path)
         files.append(name)
         if delay := float(os.environ.get(RECORD_DELAY_ENV, "0") or 0):
@@ -249,11 +185,12 @@ def _run_shard(engine: _Engine, ds, job: ExtractJob, shard: ShardSpec) -> None:
 def main(argv: list[str]) -> int:
     job = ExtractJob.model_validate_json(Path(argv[0]).read_text())
     t_start = time.time()
-    # engine_env.py (in the parent) decided the in-process engine core and the OpenMP settings
+    # engine.engine_env (in the parent) decided the in-process engine core and the OpenMP settings
     print(f"extract worker: VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND')}, "
           f"in-process engine core: {os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING') == '0'}", flush=True)
 
     from eagle3_pipeline.data.prepare import load_tokenized
+    from eagle3_pipeline.engine import build_llm, extract_hidden_states_config, hidden_states_kv_config
 
     ds = load_tokenized(job.tokenized_dir)
     for s in job.shards:
@@ -264,7 +201,12 @@ def main(argv: list[str]) -> int:
     Path(job.scratch_dir).mkdir(parents=True, exist_ok=True)
     Path(job.hidden_states_dir).mkdir(parents=True, exist_ok=True)
 
-    llm = _build_llm(job, max_model_len=int(max_len) + 1)
+    # one request = one whole prompt and one file: no chunked prefill, no prefix cache
+    batched = {} if job.max_num_batched_tokens is None else {"max_num_batched_tokens": job.max_num_batched_tokens}
+    llm = build_llm(job.engine, job.target, max_model_len=int(max_len) + 1,
+                    speculative_config=extract_hidden_states_config(job.layer_ids),
+                    kv_transfer_config=hidden_states_kv_config(job.connector_module, job.connector_name, job.scratch_dir),
+                    max_num_seqs=job.max_num_seqs, enable_chunked_prefill=False, enable_prefix_caching=False, **batched)
     emit_event(kind="engine_ready", seconds=round(time.time() - t_start, 2))
     engine = _Engine(llm, job, nudge_token=int(ds[job.shards[0].row_start]["input_ids"][0]))
     kill_after = int(os.environ.get(KILL_AFTER_ENV, "0") or 0)

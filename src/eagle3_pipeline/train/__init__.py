@@ -10,7 +10,8 @@ Reads  tokenized_dir (datasets.save_to_disk; input_ids, loss_mask, seq_len, samp
 Writes out_dir/checkpoints/<epoch>/{config.json, model.safetensors (with d2t, t2d), ...},
        out_dir/checkpoints/checkpoint_best -> <epoch>, out_dir/metrics.jsonl (a line per optimizer
        step: loss, per-TTT-step accuracy, tokens/s; a line per validation pass),
-       out_dir/train.log (the child's full output), out_dir/train_job.json, out_dir/train_result.json,
+       out_dir/train.log (the child's full output), out_dir/train_job.json, out_dir/train_result.json
+       (the child's result), out_dir/train_record.json (the TrainResult, written after the export check),
        out_dir/.lock (store.dir_lock, held by the one trainer of this dir).
 A rerun with the same out_dir resumes from the last complete epoch checkpoint; an epoch directory
 left incomplete by a killed attempt is moved aside first (renamed `<epoch>.incomplete-<time>`), and so
@@ -38,13 +39,15 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from eagle3_pipeline.config import TargetConfig, TrainConfig
-from eagle3_pipeline.contracts import HS_KEY, TOKENS_KEY, ContractError, model_dims, resolve_layer_ids
+from eagle3_pipeline.contracts import HS_KEY, TOKENS_KEY, ContractError, model_dims, record_name
 from eagle3_pipeline.errors import GateFailed
+from eagle3_pipeline.layout import ExtractVersion
 from eagle3_pipeline.proc import python_child, run_child
 from eagle3_pipeline.store import dir_lock, read_json, sha256_file, write_json
 from eagle3_pipeline.vocab import load_vocab, vocab_paths
 
 WORKER = "eagle3_pipeline.train.worker"
+RECORD_NAME = "train_record.json"  # the TrainResult of the last completed train_draft (export-checked)
 CKPT_FILES = ("config.json", "model.safetensors", "optimizer_state_dict.pt", "training_state.json")
 
 
@@ -66,22 +69,17 @@ class TrainResult(BaseModel):
     checkpoint_last: Path
     metrics: Path
     export_checked: bool  # export_check passed on checkpoint_best (False: target is not a local directory)
+    dir: str = ""  # the train directory (absolute): checkpoints/, metrics.jsonl, train.log, untrained_draft/
 
 
-def aux_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
-    """The draft's `eagle_aux_hidden_state_layer_ids`: the captured ids without the final layer N."""
-    ids = list(layer_ids)
-    if ids and ids[-1] == num_layers:
-        ids = ids[:-1]
-    return resolve_layer_ids(num_layers, ids)[:-1]
-
-
-def _check_inputs(tokenized_dir: Path, hidden_states_dir: Path, num_captured: int, hidden_size: int) -> int:
+def _check_inputs(version: ExtractVersion) -> int:
     """Every row has its hs file; the first and last files have [T, L, H] as expected. Returns rows."""
     from safetensors import safe_open
 
     from eagle3_pipeline.data.prepare import load_tokenized
 
+    tokenized_dir, hidden_states_dir = version.tokenized_dir, version.hidden_states_dir
+    num_captured, hidden_size = len(version.layer_ids), version.dims.hidden_size
     ds = load_tokenized(tokenized_dir)
     missing_cols = {"input_ids", "loss_mask", "seq_len"} - set(ds.column_names)
     if missing_cols:
@@ -89,12 +87,12 @@ def _check_inputs(tokenized_dir: Path, hidden_states_dir: Path, num_captured: in
     n = len(ds)
     if n == 0:
         raise ContractError(f"{tokenized_dir}: no rows")
-    missing = [i for i in range(n) if not (Path(hidden_states_dir) / f"hs_{i}.safetensors").exists()]
+    missing = [i for i in range(n) if not version.record_path(i).exists()]
     if missing:
         raise ContractError(f"{hidden_states_dir}: {len(missing)} of {n} rows have no hidden-state file "
-                            f"(first: hs_{missing[0]}.safetensors)")
+                            f"(first: {record_name(missing[0])})")
     for i in sorted({0, n - 1}):
-        p = Path(hidden_states_dir) / f"hs_{i}.safetensors"
+        p = version.record_path(i)
         t = int(ds[i]["seq_len"])
         with safe_open(str(p), framework="pt") as f:
             keys = set(f.keys())
@@ -230,35 +228,32 @@ def _run_worker(job: dict, job_path: Path, cfg: TrainConfig, log: Callable[[str]
     return result
 
 
-def train_draft(cfg: TrainConfig, target: TargetConfig, tokenized_dir: Path, hidden_states_dir: Path,
-                vocab_dir: Path, layer_ids: list[int], out_dir: Path, *,
+def train_draft(cfg: TrainConfig, target: TargetConfig, version: ExtractVersion, vocab_dir: Path, out_dir: Path, *,
                 log: Callable[[str], None] = print) -> TrainResult:
-    """Train (or resume training) the EAGLE-3 draft; see the module docstring for files.
-    `layer_ids` are the captured layer ids, with or without the final layer N at the end.
-    Holds `out_dir/.lock` throughout: two trainers never write one checkpoint dir (the second
-    waits, then resumes from what the first left)."""
+    """Train (or resume training) the EAGLE-3 draft on `version`'s records; see the module docstring
+    for files. Holds `out_dir/.lock` throughout: two trainers never write one checkpoint dir (the
+    second waits, then resumes from what the first left)."""
     with dir_lock(Path(out_dir), f"train dir {out_dir}", log):
-        return _train_draft(cfg, target, tokenized_dir, hidden_states_dir, vocab_dir, layer_ids, Path(out_dir), log)
+        return _train_draft(cfg, target, version, Path(vocab_dir), Path(out_dir), log)
 
 
-def _train_draft(cfg: TrainConfig, target: TargetConfig, tokenized_dir: Path, hidden_states_dir: Path,
-                 vocab_dir: Path, layer_ids: list[int], out_dir: Path, log: Callable[[str], None]) -> TrainResult:
-    dims = model_dims(target).__dict__
-    aux = aux_layer_ids(layer_ids, dims["num_layers"])
-    load_vocab(vocab_dir, dims["vocab_size"])  # raises on an inconsistent vocab before any work
+def _train_draft(cfg: TrainConfig, target: TargetConfig, version: ExtractVersion, vocab_dir: Path, out_dir: Path,
+                 log: Callable[[str], None]) -> TrainResult:
+    dims, aux = version.dims, version.aux_layer_ids
+    load_vocab(vocab_dir, dims.vocab_size)  # raises on an inconsistent vocab before any work
     d2t_path, t2d_path = vocab_paths(vocab_dir)
-    rows = _check_inputs(Path(tokenized_dir), Path(hidden_states_dir), len(aux) + 1, dims["hidden_size"])
+    rows = _check_inputs(version)
     save_path = out_dir / "checkpoints"
     _move_incomplete_checkpoints(save_path, log)
     out_dir.mkdir(parents=True, exist_ok=True)
     _check_resume_spec(out_dir, save_path, {
         "target": target.model, "aux_layer_ids": aux, "draft_layers": cfg.draft_layers,
         "d2t_sha256": sha256_file(d2t_path), "t2d_sha256": sha256_file(t2d_path)})
-    log(f"train: {rows} rows, aux layers {aux} (+ final {dims['num_layers']}), draft vocab "
+    log(f"train: {rows} rows, aux layers {aux} (+ final {dims.num_layers}), draft vocab "
         f"{d2t_path.name}, device {cfg.device}, attention {cfg.attention}, {cfg.epochs} epochs -> {save_path}")
     job = {"mode": "train", "train": cfg.model_dump(mode="json"), "target": target.model_dump(mode="json"),
-           "tokenized_dir": str(Path(tokenized_dir).resolve()),
-           "hidden_states_dir": str(Path(hidden_states_dir).resolve()),
+           "tokenized_dir": version.tokenized_dir,
+           "hidden_states_dir": str(version.hidden_states_dir),
            "d2t_path": str(d2t_path.resolve()), "t2d_path": str(t2d_path.resolve()), "aux_layer_ids": aux,
            "out_dir": str(out_dir.resolve()), "save_path": str(save_path.resolve()),
            "metrics_path": str((out_dir / "metrics.jsonl").resolve()),
@@ -272,23 +267,24 @@ def _train_draft(cfg: TrainConfig, target: TargetConfig, tokenized_dir: Path, hi
             f"{d2t_path.name}/{t2d_path.name}, shapes, verifier embeddings and lm_head rows")
     else:
         log(f"train: export check skipped: target {target.model} is not a local directory")
-    return TrainResult(
+    result = TrainResult(
         steps=res["steps"], final_loss=res["final_loss"], first_loss=res["first_loss"], val_loss=res["val_loss"],
         final_acc=res["final_acc"], tokens_per_s=res["tokens_per_s"], tokens=res["tokens"],
         epochs_done=res["epochs_done"], resumed_from_epoch=res["resumed_from_epoch"],
         checkpoint_best=best, checkpoint_last=Path(res["checkpoint_last"]),
-        metrics=Path(res["metrics"]), export_checked=checked)
+        metrics=Path(res["metrics"]), export_checked=checked, dir=str(out_dir.resolve()))
+    write_json(out_dir / RECORD_NAME, result.model_dump(mode="json"))
+    return result
 
 
-def make_untrained_draft(target: TargetConfig, vocab_dir: Path, layer_ids: list[int], out_dir: Path,
+def make_untrained_draft(target: TargetConfig, version: ExtractVersion, vocab_dir: Path, out_dir: Path,
                          cfg: TrainConfig, *, log: Callable[[str], None] = print,
                          timeout_s: float = 1800.0) -> Path:
     """Write a randomly initialised draft (same architecture and vocab as `train_draft` would train;
     verifier embeddings / lm_head rows copied) to `out_dir`, replacing it atomically. Returns out_dir."""
     out_dir = Path(out_dir)
-    dims = model_dims(target).__dict__
-    aux = aux_layer_ids(layer_ids, dims["num_layers"])
-    load_vocab(vocab_dir, dims["vocab_size"])
+    aux = version.aux_layer_ids
+    load_vocab(vocab_dir, version.dims.vocab_size)
     d2t_path, t2d_path = vocab_paths(vocab_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-") as tmp:
@@ -324,9 +320,8 @@ def export_check(checkpoint_dir: Path, vocab_dir: Path, target_model_dir: Path) 
         raise ExportCheckError(f"{cfg_path}: speculators_model_type {conf.get('speculators_model_type')!r}, expected 'eagle3'")
     tl = conf.get("transformer_layer_config") or {}
     k = conf.get("draft_vocab_size")
-    tgt = json.loads((Path(target_model_dir) / "config.json").read_text())
-    tgt = tgt.get("text_config", tgt)
-    v, h, n = tgt["vocab_size"], tgt["hidden_size"], tgt["num_hidden_layers"]
+    dims = model_dims(target_model_dir)
+    v, h, n = dims.vocab_size, dims.hidden_size, dims.num_layers
     if tl.get("vocab_size") != v or tl.get("hidden_size") != h:
         raise ExportCheckError(f"{cfg_path}: transformer_layer_config vocab_size/hidden_size "
                                f"{tl.get('vocab_size')}/{tl.get('hidden_size')}, target has {v}/{h}")

@@ -23,6 +23,7 @@ from pydantic import BaseModel
 from eagle3_pipeline.config import ExtractConfig, TargetConfig, VerifyConfig
 from eagle3_pipeline.data.prepare import load_tokenized
 from eagle3_pipeline.errors import GateFailed
+from eagle3_pipeline.layout import ExtractVersion
 from eagle3_pipeline.store import file_lock, read_json, write_json
 from eagle3_pipeline.verify.invariance import InvarianceResult, invariance_check, invariance_rows
 from eagle3_pipeline.verify.reference import ReferenceResult, choose_rows, reference_check
@@ -69,34 +70,30 @@ def _extract_config(extract_dir: Path, given: ExtractConfig | None) -> tuple[Ext
         return None, f"no extract config given and none usable in {extract_dir}/manifest.json ({type(e).__name__}: {e})"
 
 
-def verify(cfg: VerifyConfig, target: TargetConfig, tokenized_dir: Path, extract_dir: Path, layer_ids: list[int],
-           hidden_size: int, storage_dtype: str, rows_per_shard: int, content_key: str, log=print,
+def verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, *, log=print,
            extract_cfg: ExtractConfig | None = None) -> VerifyResult:
     """Check everything, record the result in `verify.json`, and return it (the caller raises on failure).
     `extract_cfg` (engine and connector settings for the invariance re-extraction) defaults to the one
     recorded in the manifest. Holds the extract dir's verify lock throughout."""
-    with file_lock(Path(extract_dir) / "locks" / "verify.lock", f"verify of {extract_dir}", log):
-        return _verify(cfg, target, tokenized_dir, extract_dir, layer_ids, hidden_size, storage_dtype,
-                       rows_per_shard, content_key, log, extract_cfg)
+    with file_lock(version.path / "locks" / "verify.lock", f"verify of {version.dir}", log):
+        return _verify(cfg, target, version, log, extract_cfg)
 
 
-def _verify(cfg: VerifyConfig, target: TargetConfig, tokenized_dir: Path, extract_dir: Path, layer_ids: list[int],
-            hidden_size: int, storage_dtype: str, rows_per_shard: int, content_key: str, log=print,
-            extract_cfg: ExtractConfig | None = None) -> VerifyResult:
+def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, log,
+            extract_cfg: ExtractConfig | None) -> VerifyResult:
     t0 = time.time()
-    extract_dir = Path(extract_dir)
-    hs_dir = extract_dir / "hidden_states"
-    st = verify_structure(tokenized_dir, hs_dir, layer_ids, hidden_size, storage_dtype, log=log,
-                          norm_samples=cfg.norm_bounds_samples, norm_factor=cfg.norm_bounds_factor,
-                          norm_min_ratio=cfg.norm_bounds_min_ratio, workers=cfg.workers)
+    extract_dir, tokenized_dir = version.path, Path(version.tokenized_dir)
+    st = verify_structure(tokenized_dir, version.hidden_states_dir, version.layer_ids, version.dims.hidden_size,
+                          version.storage_dtype, log=log, norm_samples=cfg.norm_bounds_samples,
+                          norm_factor=cfg.norm_bounds_factor, norm_min_ratio=cfg.norm_bounds_min_ratio,
+                          workers=cfg.workers)
     good = set(range(st.files_checked)) - set(st.bad_rows)
     seq_lens = load_tokenized(tokenized_dir)["seq_len"] if good else []
     ref = ReferenceResult(samples_checked=[], max_rel_err=None, min_cosine=None, per_layer_max_rel_err={},
                           problems=[], skipped="reference_samples is 0")
     if cfg.reference_samples > 0 and good:
-        rows = [r for r in choose_rows(seq_lens, cfg.reference_samples, rows_per_shard) if r in good]
-        ref = reference_check(target.model, tokenized_dir, hs_dir, layer_ids, rows, storage_dtype,
-                              target.trust_remote_code, log=log)
+        rows = [r for r in choose_rows(seq_lens, cfg.reference_samples, version.rows_per_shard) if r in good]
+        ref = reference_check(target, version, rows, log=log)
     inv = InvarianceResult(samples_checked=[], max_rel_err=None, min_cosine=None, per_layer_max_rel_err={},
                            problems=[], skipped="invariance_samples is 0")
     if cfg.invariance_samples > 0:
@@ -106,9 +103,9 @@ def _verify(cfg: VerifyConfig, target: TargetConfig, tokenized_dir: Path, extrac
         elif not good:
             inv.skipped = "no good records to re-extract"
         else:
-            rows = invariance_rows(seq_lens, cfg.invariance_samples, rows_per_shard, good - set(ref.bad_rows))
-            inv = invariance_check(cfg, ecfg, target, tokenized_dir, hs_dir, layer_ids, hidden_size, storage_dtype,
-                                   rows, extract_dir / ".scratch" / f"verify-invariance-{os.getpid()}", log=log,
+            rows = invariance_rows(seq_lens, cfg.invariance_samples, version.rows_per_shard, good - set(ref.bad_rows))
+            inv = invariance_check(cfg, ecfg, target, version, rows,
+                                   extract_dir / ".scratch" / f"verify-invariance-{os.getpid()}", log=log,
                                    log_path=extract_dir / "logs" / "verify-invariance.log")
     if inv.skipped:
         log(f"verify: invariance check skipped: {inv.skipped}")
@@ -118,7 +115,7 @@ def _verify(cfg: VerifyConfig, target: TargetConfig, tokenized_dir: Path, extrac
     if problems and cfg.move_bad_files:
         failed_dir = extract_dir / "hidden_states_failed"
         for r in bad_rows:
-            f = hs_dir / f"hs_{r}.safetensors"
+            f = version.record_path(r)
             if f.exists():
                 failed_dir.mkdir(exist_ok=True)
                 shutil.move(str(f), str(failed_dir / f.name))
@@ -128,14 +125,14 @@ def _verify(cfg: VerifyConfig, target: TargetConfig, tokenized_dir: Path, extrac
         shards = mark_rows_failed(extract_dir, bad_rows, "verify failed")
         log(f"verify: moved {len(moved)} files to {failed_dir}; shards {shards} marked failed for re-extraction")
     res = VerifyResult(
-        content_key=content_key, passed=not problems and st.files_checked > 0, samples_checked=st.files_checked,
+        content_key=version.content_key, passed=not problems and st.files_checked > 0, samples_checked=st.files_checked,
         tokens_checked=st.tokens_checked, reference_max_rel_err=ref.max_rel_err, reference_min_cosine=ref.min_cosine,
         reference_samples=ref.samples_checked, reference_skipped=ref.skipped, problems=problems, bad_rows=bad_rows,
         moved_files=moved, layer_stats=st.layer_stats, bytes_read=st.bytes_read, structure_seconds=st.seconds,
         norm_bounds_files=st.norm_bounds_files, norm_bounds_skipped=st.norm_bounds_skipped,
         invariance_samples=inv.samples_checked, invariance_max_rel_err=inv.max_rel_err,
         invariance_min_cosine=inv.min_cosine, invariance_skipped=inv.skipped, seconds=round(time.time() - t0, 2))
-    write_json(extract_dir / "verify.json", res.model_dump())
+    write_json(version.verify_path, res.model_dump())
     return res
 
 
@@ -150,15 +147,15 @@ def check_verify_gate(res: VerifyResult, max_listed: int = 20) -> None:
                        f"(moved to hidden_states_failed/: {len(res.moved_files)}):\n  {shown}{more}")
 
 
-def require_verified(extract_dir: Path, content_key: str) -> VerifyResult:
+def require_verified(version: ExtractVersion) -> VerifyResult:
     """Refuse to go on (train) with data whose current version did not pass verify."""
-    rec = read_json(Path(extract_dir) / "verify.json")
+    rec = read_json(version.verify_path)
     if rec is None:
-        raise VerifyFailed(f"{extract_dir}: never verified; run the verify stage first")
+        raise VerifyFailed(f"{version.dir}: never verified; run the verify stage first")
     res = VerifyResult(**rec)
-    if res.content_key != content_key:
-        raise VerifyFailed(f"{extract_dir}: verified content key {res.content_key} but the data is now "
-                           f"{content_key}; verify again")
+    if res.content_key != version.content_key:
+        raise VerifyFailed(f"{version.dir}: verified content key {res.content_key} but the data is now "
+                           f"{version.content_key}; verify again")
     if not res.passed:
-        raise VerifyFailed(f"{extract_dir}: the last verify of {content_key} failed ({len(res.problems)} problems)")
+        raise VerifyFailed(f"{version.dir}: the last verify of {version.content_key} failed ({len(res.problems)} problems)")
     return res

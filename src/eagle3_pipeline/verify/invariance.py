@@ -22,6 +22,8 @@ from pathlib import Path
 
 
 from eagle3_pipeline.config import ExtractConfig, TargetConfig, VerifyConfig
+from eagle3_pipeline.contracts import dequantise, read_record, record_name
+from eagle3_pipeline.layout import ExtractVersion
 from eagle3_pipeline.verify.reference import ReferenceResult
 
 MAX_SHIFT = 4  # shifts tried when explaining a mismatch
@@ -63,7 +65,7 @@ def extract_rows(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, 
     `out_dir/hidden_states/hs_{row}.safetensors`, with `cfg`'s engine and connector settings and at
     most `max_num_seqs` requests per batch. No manifest: the records are for comparison only.
     Returns the hidden-states dir; raises ChildFailed with the child's output tail."""
-    from eagle3_pipeline.engine_env import engine_env
+    from eagle3_pipeline.engine import engine_env
     from eagle3_pipeline.extract.shards import WORKER_MODULE, Shard, _job
     from eagle3_pipeline.proc import python_child, run_child
     from eagle3_pipeline.store import write_json
@@ -78,20 +80,10 @@ def extract_rows(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, 
     try:
         run_child(python_child(WORKER_MODULE, str(job_path)), name="verify-extract", timeout_s=cfg.timeout_s,
                   log_path=log_path or out_dir / "extract.log", on_line=log,
-                  env=engine_env(cfg.engine_in_process, cfg.tensor_parallel_size, cfg.omp_threads_bind))
+                  env=engine_env(cfg))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return hs_dir
-
-
-def _load(path: Path, storage_dtype: str):
-    from safetensors.torch import load_file
-
-    from eagle3_pipeline.contracts import HS_KEY, SCALES_KEY
-
-    rec = load_file(str(path))
-    x = rec[HS_KEY].float()  # [T, L, H]
-    return x * rec[SCALES_KEY].float() if storage_dtype == "fp8" else x
 
 
 def _rel(a, b) -> float:
@@ -111,12 +103,12 @@ def _explain(stored, alone, max_rel: float) -> str:
     return ""
 
 
-def compare_records(stored_path: Path, alone_path: Path, name: str, layer_ids: list[int], storage_dtype: str,
+def compare_records(stored_path: Path, alone_path: Path, name: str, layer_ids: list[int],
                     max_rel: float, min_cos: float) -> tuple[list[str], dict[int, float], float]:
     """Problems of one stored record against its alone extraction, per-layer relative errors, min cosine."""
     import torch
 
-    stored, alone = _load(stored_path, storage_dtype), _load(alone_path, storage_dtype)  # [T, L, H]
+    stored, alone = dequantise(read_record(stored_path)), dequantise(read_record(alone_path))  # [T, L, H]
     if stored.shape != alone.shape:
         return ([f"{name}: stored hidden_states {list(stored.shape)}, extracted alone {list(alone.shape)}"],
                 {}, float("nan"))
@@ -136,15 +128,15 @@ def compare_records(stored_path: Path, alone_path: Path, name: str, layer_ids: l
     return problems, rels, worst_cos
 
 
-def invariance_check(cfg: VerifyConfig, extract_cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path,
-                     hidden_states_dir: Path, layer_ids: list[int], hidden_size: int, storage_dtype: str,
-                     rows: list[int], work_dir: Path, log: Callable[[str], None] = print,
+def invariance_check(cfg: VerifyConfig, extract_cfg: ExtractConfig, target: TargetConfig, version: ExtractVersion,
+                     rows: list[int], work_dir: Path, *, log: Callable[[str], None] = print,
                      log_path: Path | None = None) -> InvarianceResult:
-    """Re-extract `rows` alone in one engine child and compare them with the stored records."""
+    """Re-extract `rows` of `version` alone in one engine child and compare them with the stored records."""
     from eagle3_pipeline.data.prepare import load_tokenized
     from eagle3_pipeline.proc import ChildFailed
 
     t0 = time.time()
+    tokenized_dir, layer_ids, storage_dtype = Path(version.tokenized_dir), version.layer_ids, version.storage_dtype
     if not rows:
         return InvarianceResult(samples_checked=[], max_rel_err=None, min_cosine=None, per_layer_max_rel_err={},
                                 problems=[], skipped="no good records to re-extract")
@@ -155,13 +147,12 @@ def invariance_check(cfg: VerifyConfig, extract_cfg: ExtractConfig, target: Targ
         log(f"verify invariance: re-extracting rows {rows} alone (batch of one, connector "
             f"{extract_cfg.connector_module}.{extract_cfg.connector_name})")
         alone_dir = extract_rows(extract_cfg, target, tokenized_dir, [(r, r + 1) for r in rows], work_dir,
-                                 layer_ids, hidden_size, max_num_seqs=1, log=log, log_path=log_path)
+                                 layer_ids, version.dims.hidden_size, max_num_seqs=1, log=log, log_path=log_path)
         ds = load_tokenized(tokenized_dir)
         problems, bad, worst, worst_cos = [], set(), {}, 1.0
         for r in rows:
-            name = f"hs_{r}.safetensors (row {r}, sample {ds[r].get('sample_id')})"
-            probs, rels, cos = compare_records(Path(hidden_states_dir) / f"hs_{r}.safetensors",
-                                               alone_dir / f"hs_{r}.safetensors", name, layer_ids, storage_dtype,
+            name = f"{record_name(r)} (row {r}, sample {ds[r].get('sample_id')})"
+            probs, rels, cos = compare_records(version.record_path(r), alone_dir / record_name(r), name, layer_ids,
                                                max_rel, min_cos)
             for lid, v in rels.items():
                 worst[lid] = max(worst.get(lid, 0.0), v)

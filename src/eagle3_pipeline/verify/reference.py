@@ -9,8 +9,6 @@ accumulation order, so we compare cosine similarity and relative L2 error per la
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from pydantic import BaseModel
 
 from eagle3_pipeline.data.prepare import load_tokenized
@@ -47,11 +45,13 @@ def choose_rows(seq_lens: list[int], count: int, rows_per_shard: int) -> list[in
     return sorted(set(picks))[: max(count, 2)]
 
 
-def reference_check(model_dir: str, tokenized_dir: Path, hidden_states_dir: Path, layer_ids: list[int],
-                    rows: list[int], storage_dtype: str = "bf16", trust_remote_code: bool = False,
-                    log=print) -> ReferenceResult:
+def reference_check(target, version, rows: list[int], *, log=print) -> ReferenceResult:
+    """Recompute `rows` of `version` (layout.ExtractVersion) with the target (config.TargetConfig)."""
     import torch
-    from safetensors.torch import load_file
+
+    from eagle3_pipeline.contracts import dequantise, read_record
+
+    model_dir, trust_remote_code, layer_ids = target.model, target.trust_remote_code, version.layer_ids
 
     try:
         from transformers import AutoModelForCausalLM
@@ -69,17 +69,14 @@ def reference_check(model_dir: str, tokenized_dir: Path, hidden_states_dir: Path
     captured = {}
     hook = layers[-1].register_forward_hook(
         lambda mod, inp, out: captured.__setitem__("last", out[0] if isinstance(out, tuple) else out))
-    ds = load_tokenized(tokenized_dir)
+    ds = load_tokenized(version.tokenized_dir)
     problems, bad_rows, worst, worst_cos = [], set(), {}, 1.0
     try:
         for i in rows:
             ids = ds[i]["input_ids"]
             with torch.no_grad():
                 out = model(input_ids=torch.tensor([ids]), output_hidden_states=True)
-            rec = load_file(str(Path(hidden_states_dir) / f"hs_{i}.safetensors"))
-            got = rec["hidden_states"].float()  # [T, L, H]
-            if storage_dtype == "fp8":
-                got = got * rec["hidden_states_scales"].float()
+            got = dequantise(read_record(version.record_path(i)))  # [T, L, H]
             for li, lid in enumerate(layer_ids):
                 ref = captured["last"][0] if lid == n_layers else out.hidden_states[lid][0]  # [T, H]
                 ref = ref.float()
