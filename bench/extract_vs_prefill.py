@@ -52,14 +52,14 @@ def build_bench_target(out: Path, tiny: Path) -> Path:
 
 
 def prefill(model: Path, tokenized: str, rows: int, cfg) -> float:
-    from eagle3_pipeline.engine_env import engine_env
+    from eagle3_pipeline.engine import engine_env
     from eagle3_pipeline.proc import run_child
 
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"model": str(model), "tokenized": tokenized, "rows": rows, "max_num_seqs": cfg.max_num_seqs,
-                   "gpu_memory_utilization": cfg.gpu_memory_utilization}, f)
+                   "engine": cfg.engine().model_dump()}, f)
     res = run_child([sys.executable, "-u", str(ROOT / "bench" / "prefill_child.py"), f.name], name="bench-prefill",
-                    timeout_s=1800, env=engine_env(cfg.engine_in_process, cfg.tensor_parallel_size, cfg.omp_threads_bind))
+                    timeout_s=1800, env=engine_env(cfg))
     ev = next(e for e in res.events if e.get("kind") == "prefill")
     return ev["tokens"] / ev["seconds"]
 
@@ -73,9 +73,9 @@ def speculators_offline(model: Path, tokenized: str, rows: int, cfg, out: Path) 
     import urllib.request
 
     from eagle3_pipeline.data.prepare import load_tokenized
-    from eagle3_pipeline.engine_env import engine_env
     from eagle3_pipeline.config import TargetConfig
     from eagle3_pipeline.contracts import model_dims, resolve_layer_ids
+    from eagle3_pipeline.engine import engine_env, extract_hidden_states_config, hidden_states_kv_config
 
     ids = load_tokenized(tokenized)["input_ids"][:rows]
     tokens = sum(map(len, ids))
@@ -86,12 +86,10 @@ def speculators_offline(model: Path, tokenized: str, rows: int, cfg, out: Path) 
     shutil.rmtree(out, ignore_errors=True)
     scratch.mkdir(parents=True)
     layers = resolve_layer_ids(model_dims(TargetConfig(model=str(model))).num_layers, cfg.layer_ids)  # what our extraction captures
-    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}}}
-    kv = {"kv_connector": cfg.connector_name, "kv_connector_module_path": cfg.connector_module,
-          "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": str(scratch)}}
+    spec = extract_hidden_states_config(layers)
+    kv = hidden_states_kv_config(cfg.connector_module, cfg.connector_name, str(scratch))
     bin_ = Path(sys.executable).parent
-    env = {**os.environ, **engine_env(cfg.engine_in_process, cfg.tensor_parallel_size, cfg.omp_threads_bind)}
+    env = {**os.environ, **engine_env(cfg)}
     log = open(out / "server.log", "w")
     server = subprocess.Popen(
         # the API server module, not the `vllm` script: that one asks for the `vllm` distribution's

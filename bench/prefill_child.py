@@ -9,14 +9,16 @@ from eagle3_pipeline.proc import emit_event
 
 if __name__ == "__main__":
     job = json.loads(open(sys.argv[1]).read())
+    from eagle3_pipeline.config import EngineConfig, TargetConfig
     from eagle3_pipeline.data.prepare import load_tokenized
-    from vllm import LLM, SamplingParams
+    from eagle3_pipeline.engine import build_llm
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     prompts = load_tokenized(job["tokenized"])["input_ids"][: job["rows"]]
-    llm = LLM(model=job["model"], dtype="bfloat16", gpu_memory_utilization=job["gpu_memory_utilization"],
-              max_num_seqs=job["max_num_seqs"], max_model_len=max(map(len, prompts)) + 8, enforce_eager=True,
-              enable_chunked_prefill=False, enable_prefix_caching=False, seed=0)
+    llm = build_llm(EngineConfig(**job["engine"]), TargetConfig(model=job["model"]),
+                    max_model_len=max(map(len, prompts)) + 8, max_num_seqs=job["max_num_seqs"],
+                    enable_chunked_prefill=False, enable_prefix_caching=False)
     sp = SamplingParams(max_tokens=1, temperature=0)
     llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], sp, use_tqdm=False)  # warm-up
     t0 = time.perf_counter()

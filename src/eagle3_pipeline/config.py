@@ -77,21 +77,32 @@ class PrepareConfig(Strict):
         return v
 
 
-class ExtractConfig(Strict):
+class EngineConfig(Strict):
+    """The vLLM engine settings every stage that starts an engine has (engine.build_llm, engine.engine_env).
+    Not a YAML section of its own: ExtractConfig and EvaluateConfig inherit these keys."""
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.3
+    enforce_eager: bool = True
+    omp_threads_bind: str | None = Field("all", description="CPU only: VLLM_CPU_OMP_THREADS_BIND; 'all' = every core")
+    engine_in_process: bool | None = Field(None, description="vLLM engine core inside the engine child "
+                                           "(VLLM_ENABLE_V1_MULTIPROCESSING=0); None = on CPU with TP 1")
+
+    def engine(self) -> EngineConfig:
+        """Just the engine settings (what a child job carries), also from a stage's config."""
+        return EngineConfig(**{k: getattr(self, k) for k in EngineConfig.model_fields})
+
+
+class ExtractConfig(EngineConfig):
     layer_ids: list[int] | None = Field(None, description="aux layer ids; default [2, N//2, N-3]; N is appended")
     rows_per_shard: int = 64
     shards_per_group: int | None = Field(None, description="shards one engine child runs (one model load); "
                                                              "None = all remaining shards in one group")
     parallel_groups: int = Field(1, description=">1: groups fan out to the extract-group deployment (GPU pool)")
-    tensor_parallel_size: int = 1
     storage_dtype: Literal["bf16", "fp8"] = "bf16"
-    gpu_memory_utilization: float = 0.3
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
-    enforce_eager: bool = True
     timeout_s: float = 3600.0
     retries: int = 2
-    omp_threads_bind: str | None = Field("all", description="CPU only: VLLM_CPU_OMP_THREADS_BIND; 'all' = every core")
     scratch_dir: str | None = Field(None, description="fast local dir for vLLM's per-request files; "
                                     "default <extract version dir>/.scratch")
     engine_in_process: bool | None = Field(None, description="vLLM engine core inside the extract child "
@@ -160,7 +171,7 @@ class TrainConfig(Strict):
         return self
 
 
-class EvaluateConfig(Strict):
+class EvaluateConfig(EngineConfig):
     num_prompts: int = 16
     num_speculative_tokens: int = 3
     max_tokens: int = 64
@@ -171,11 +182,7 @@ class EvaluateConfig(Strict):
     lossless_gate: bool = Field(False, description="fail the gate on a lossless mismatch (bf16 near-ties can flip "
                                 "an argmax between batched verification and one-token decoding)")
     sample_texts: int = Field(4, description="generated texts of the first N prompts kept in the record")
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.3
     max_model_len: int | None = Field(None, description="default: longest prompt + max_tokens + drafts")
-    enforce_eager: bool = True
-    omp_threads_bind: str | None = Field("all", description="CPU only: VLLM_CPU_OMP_THREADS_BIND; 'all' = every core")
     timeout_s: float = Field(3600.0, description="deadline of the evaluate child (all its engine loads together)")
     engine_in_process: bool | None = Field(None, description="vLLM engine core inside the evaluate child "
                                            "(VLLM_ENABLE_V1_MULTIPROCESSING=0, passive OpenMP waits); "

@@ -218,8 +218,8 @@ def model_fingerprint(model: str, revision: str | None = None) -> str:
     return h.hexdigest()[:16]
 
 
-def extract_key(prepare_version: str, model_fp: str, layer_ids: list[int], storage_dtype: str,
-                connector: str = "eagle3_pipeline.extract.connector.Eagle3HiddenStatesConnector") -> str:
+def extract_key(prepare_version: str, model_fp: str, layer_ids: list[int], storage_dtype: str, connector: str) -> str:
+    """`connector`: `module.ClassName` of the hidden-states connector (ExtractConfig.connector_*)."""
     return content_key({"tokenized": prepare_version, "model": model_fp, "layers": list(layer_ids),
                         "storage": storage_dtype, "connector": connector})
 

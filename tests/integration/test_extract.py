@@ -278,9 +278,11 @@ def test_fp8_records_carry_per_token_scales(tmp_path):
 
 
 def test_worker_failure_prints_the_traceback(small_tokenized, tiny_target, tmp_path):
-    job = ExtractJob(model=str(tiny_target), tokenizer=str(tiny_target), layer_ids=LAYER_IDS, hidden_size=128,
-                     tokenized_dir=str(small_tokenized), hidden_states_dir=str(tmp_path / "hs"),
-                     scratch_dir=str(tmp_path / "scratch"), shards=[ShardSpec(index=0, row_start=0, row_end=999)])
+    cfg = ExtractConfig()
+    job = ExtractJob(target=TargetConfig(model=str(tiny_target)), engine=cfg.engine(), layer_ids=LAYER_IDS,
+                     hidden_size=128, tokenized_dir=str(small_tokenized), hidden_states_dir=str(tmp_path / "hs"),
+                     scratch_dir=str(tmp_path / "scratch"), shards=[ShardSpec(index=0, row_start=0, row_end=999)],
+                     connector_module=cfg.connector_module, connector_name=cfg.connector_name)
     path = tmp_path / "job.json"
     path.write_text(json.dumps(job.model_dump()))
     proc = subprocess.run(python_child("eagle3_pipeline.extract.worker", str(path)), capture_output=True,

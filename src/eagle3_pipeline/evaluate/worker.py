@@ -1,15 +1,15 @@
 """The evaluate child process: `python -m eagle3_pipeline.evaluate.worker JOB.json`.
 
 Owns the engine side of the evaluate stage. Reads the job file (`EvalJob`, written by
-`evaluate.py`) and the target model and draft checkpoints it names. For each run of the job, in
-order, it builds one `vllm.LLM` (the target, with `speculative_config={"method": "eagle3", ...}` for a
-draft run, without one for the `plain` reference run), decodes every prompt greedily (temperature 0,
-`max_tokens`), reads vLLM's speculative-decoding counters before and after (so the numbers are this
+`evaluate/__init__.py`) and the target model and draft checkpoints it names. For each run of the
+job, in order, it builds one `vllm.LLM` (`engine.build_llm`: the target, with `engine.eagle3_config`
+for a draft run, without a speculative config for the `plain` reference run), decodes every prompt
+greedily (temperature 0, `max_tokens`), reads vLLM's speculative-decoding counters before and after (so the numbers are this
 run's own, whatever the process-wide Prometheus registry held before), shuts the engine down and
 writes `<out_dir>/<label>.result.json` (`RunOutput`: counters, timings, generated token ids and the
 first texts). Runs share the process, so the Python/vLLM imports are paid once; each run still
 loads the target, because one engine holds one speculative config. The parent decides where the
-engine core runs (`evaluate.engine_env`: in this process on CPU, via VLLM_ENABLE_V1_MULTIPROCESSING=0).
+engine core runs (`engine.engine_env`: in this process on CPU, via VLLM_ENABLE_V1_MULTIPROCESSING=0).
 Prints an `engine_ready` and a `run_done` event per run (proc.emit_event). Any exception prints the
 full traceback, an `error` event naming the run, and exits non-zero.
 Nothing heavy is imported at module level: the parent imports `EvalJob` and `RunOutput` from here.
@@ -26,6 +26,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from eagle3_pipeline.config import EngineConfig, TargetConfig
 from eagle3_pipeline.proc import emit_event
 
 PLAIN = "plain"  # label of the run without speculation (the lossless reference)
@@ -44,15 +45,9 @@ class EvalRunSpec(BaseModel):
 
 class EvalJob(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    model: str
-    tokenizer: str | None = None
-    revision: str | None = None
-    dtype: str = "bfloat16"
-    trust_remote_code: bool = False
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.3
+    target: TargetConfig
+    engine: EngineConfig
     max_model_len: int
-    enforce_eager: bool = True
     max_tokens: int
     sample_texts: int = 4
     prompts: list[list[int]]
@@ -108,19 +103,6 @@ def _delta(after: dict, before: dict, k: int) -> dict:
 
 # ---------------------------------------------------------------- engine side (child only)
 
-def _build_llm(job: EvalJob, run: EvalRunSpec):
-    from vllm import LLM
-
-    spec = None
-    if run.draft_dir is not None:
-        spec = {"method": "eagle3", "model": run.draft_dir, "num_speculative_tokens": run.num_speculative_tokens}
-    return LLM(model=job.model, tokenizer=job.tokenizer or job.model, revision=job.revision, dtype=job.dtype,
-               trust_remote_code=job.trust_remote_code, tensor_parallel_size=job.tensor_parallel_size,
-               gpu_memory_utilization=job.gpu_memory_utilization, max_model_len=job.max_model_len,
-               enforce_eager=job.enforce_eager, speculative_config=spec, seed=0,
-               disable_log_stats=False)  # get_metrics() asserts that stats are on
-
-
 def _shutdown(llm) -> None:
     """Stop the engine processes now (not whenever the garbage collector gets to it), so the next
     run's engine has the memory."""
@@ -135,8 +117,12 @@ def _run(job: EvalJob, run: EvalRunSpec) -> RunOutput:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from eagle3_pipeline.engine import build_llm, eagle3_config
+
     t0 = time.time()
-    llm = _build_llm(job, run)
+    spec = None if run.draft_dir is None else eagle3_config(run.draft_dir, run.num_speculative_tokens)
+    llm = build_llm(job.engine, job.target, max_model_len=job.max_model_len, speculative_config=spec,
+                    disable_log_stats=False)  # get_metrics() asserts that stats are on
     start_s = time.time() - t0
     emit_event(kind="engine_ready", label=run.label, seconds=round(start_s, 3))
     try:

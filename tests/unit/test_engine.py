@@ -1,0 +1,83 @@
+import sys
+import types
+
+import pytest
+
+from eagle3_pipeline.config import EngineConfig, EvaluateConfig, ExtractConfig, TargetConfig
+from eagle3_pipeline.engine import (
+    build_llm,
+    cpu_bind_spec,
+    eagle3_config,
+    engine_env,
+    extract_hidden_states_config,
+    hidden_states_kv_config,
+)
+
+
+def test_cpu_bind_spec_splits_cores_per_tp_rank():
+    assert cpu_bind_spec("all", 1, [1, 0]) == "0,1"
+    assert cpu_bind_spec("all", 2, [0, 1, 2, 3]) == "0,1|2,3"
+    assert cpu_bind_spec("all", 2, [0]) == "0|0"  # more ranks than cores: ranks share the last core
+    assert cpu_bind_spec("0-3", 1, [0, 1]) == "0-3"
+
+
+def test_engine_env_in_process_needs_passive_openmp(monkeypatch):
+    for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_WAIT_POLICY", "KMP_BLOCKTIME", "VLLM_CPU_OMP_THREADS_BIND"):
+        monkeypatch.delenv(k, raising=False)
+    env = engine_env(EngineConfig(engine_in_process=None, tensor_parallel_size=1, omp_threads_bind="all"))
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert "VLLM_CPU_OMP_THREADS_BIND" in env
+    separate = engine_env(EngineConfig(engine_in_process=False, omp_threads_bind=None))
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in separate and "OMP_WAIT_POLICY" not in separate
+    tp2 = EngineConfig(tensor_parallel_size=2, omp_threads_bind=None)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in engine_env(tp2)  # TP>1: vLLM's own processes
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    in_process = EngineConfig(engine_in_process=True, omp_threads_bind=None)
+    assert engine_env(in_process)["OMP_WAIT_POLICY"] == "ACTIVE"  # the caller's environment wins
+    # a stage's config is its engine config: the same environment
+    assert engine_env(ExtractConfig(engine_in_process=True, omp_threads_bind=None)) == engine_env(in_process)
+
+
+def test_stage_configs_carry_the_engine_keys():
+    for cfg in (ExtractConfig(), EvaluateConfig()):
+        assert set(EngineConfig.model_fields) <= set(cfg.model_dump())
+    e = ExtractConfig(tensor_parallel_size=2, gpu_memory_utilization=0.5, enforce_eager=False, max_num_seqs=3)
+    assert type(e.engine()) is EngineConfig
+    assert e.engine().model_dump() == {"tensor_parallel_size": 2, "gpu_memory_utilization": 0.5,
+                                       "enforce_eager": False, "omp_threads_bind": "all", "engine_in_process": None}
+
+
+@pytest.fixture
+def llm_kwargs(monkeypatch):
+    """`vllm.LLM` replaced by a recorder: build_llm returns the keyword arguments it passed."""
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=lambda **kw: kw))
+
+
+TARGET = TargetConfig(model="/m", revision="r1", trust_remote_code=False)
+
+
+def test_build_llm_for_extract_passes_what_the_extract_worker_always_did(llm_kwargs):
+    engine = ExtractConfig(tensor_parallel_size=2, gpu_memory_utilization=0.4).engine()
+    kw = build_llm(engine, TARGET, max_model_len=99, speculative_config=extract_hidden_states_config([2, 4, 5, 8]),
+                   kv_transfer_config=hidden_states_kv_config("mod.path", "Conn", "/scratch"),
+                   max_num_seqs=64, enable_chunked_prefill=False, enable_prefix_caching=False)
+    assert kw == dict(
+        model="/m", tokenizer="/m", revision="r1", dtype="bfloat16", trust_remote_code=False,
+        tensor_parallel_size=2, gpu_memory_utilization=0.4, max_num_seqs=64, max_model_len=99, enforce_eager=True,
+        enable_chunked_prefill=False, enable_prefix_caching=False, seed=0,
+        speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 5, 8]}}},
+        kv_transfer_config={"kv_connector": "Conn", "kv_connector_module_path": "mod.path", "kv_role": "kv_producer",
+                            "kv_connector_extra_config": {"shared_storage_path": "/scratch"}})
+
+
+def test_build_llm_for_evaluate_passes_what_the_evaluate_worker_always_did(llm_kwargs):
+    engine = EvaluateConfig().engine()
+    common = dict(model="/m", tokenizer="/m", revision="r1", dtype="bfloat16", trust_remote_code=False,
+                  tensor_parallel_size=1, gpu_memory_utilization=0.3, max_model_len=77, enforce_eager=True,
+                  seed=0, disable_log_stats=False)
+    draft = build_llm(engine, TARGET, max_model_len=77, speculative_config=eagle3_config("/d", 3),
+                      disable_log_stats=False)
+    assert draft == {**common, "speculative_config": {"method": "eagle3", "model": "/d", "num_speculative_tokens": 3}}
+    plain = build_llm(engine, TARGET, max_model_len=77, disable_log_stats=False)
+    assert plain == {**common, "speculative_config": None}  # no kv_transfer_config at all
