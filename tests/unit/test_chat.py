@@ -2,7 +2,7 @@
 
 import pytest
 
-from eagle3_pipeline.data.chat import TemplateMismatch, encode_conversation
+from eagle3_pipeline.data.chat import encode_conversation
 
 LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
           "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
@@ -75,7 +75,17 @@ def test_one_row_per_turn(tiny_target, name):
         assert r.loss_mask[-len(run):] == [1] * len(run)  # the row ends with its supervised turn
 
 
-def test_template_that_rewrites_history_is_reported(tiny_target):
+def test_template_that_rewrites_history_gives_a_row_per_rendering(tiny_target):
+    """Only the last assistant turn keeps its content: turn 0 is supervised in the rendering that ends
+    with it, turn 1 in the full rendering (where turn 0 shows as '...', unsupervised)."""
     tok = _tok(tiny_target, REWRITES_HISTORY, ["<|im_start|>", "<|im_end|>"])
-    with pytest.raises(TemplateMismatch, match="re-renders history"):
-        encode_conversation(tok, CONV)
+    rows = encode_conversation(tok, CONV)
+    assert [r.turn_index for r in rows] == [0, 1]
+    contents = [m["content"] for m in CONV if m["role"] == "assistant"]
+    for r, content in zip(rows, contents):
+        [run] = _masked_runs(r.input_ids, r.loss_mask)
+        assert tok.decode(run) == content + "<|im_end|>\n" and r.loss_mask[-1] == 1
+    assert tok.decode(rows[1].input_ids) == tok.apply_chat_template(CONV, tokenize=False)
+    assert contents[0] not in tok.decode(rows[1].input_ids)
+    assert [(r.input_ids, r.loss_mask) for r in encode_conversation(tok, CONV, rows_per="turn")] == \
+        [(r.input_ids, r.loss_mask) for r in rows]

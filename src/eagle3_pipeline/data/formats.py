@@ -2,7 +2,18 @@
 
 Owns format detection and normalisation of ShareGPT (`conversations`: `from`/`value`, roles
 human/gpt/system), OpenAI (`messages`: `role`/`content`, system/tool turns, list-of-parts content)
-and pre-tokenized (`input_ids` + `loss_mask`) rows. Reads local `.jsonl`/`.json`/`.parquet` files or
+and pre-tokenized (`input_ids` + `loss_mask`) rows.
+
+Tool use is data: OpenAI rows keep a top-level `tools` list, assistant `tool_calls` (content null
+or text; the legacy `function_call` field becomes one tool call) and `tool` messages with their
+`tool_call_id`/`name`. ShareGPT agentic rows (`function_call` turns whose value is a JSON call or
+list of calls, `observation` turns, `tools` as a JSON string, a top-level `system` string) are
+normalised to the same shape. Every tool call becomes `{"type": "function", "function": {"name",
+"arguments"}}` (plus `id` when the data has one); `arguments` stays as the data has it (a JSON
+string or an object): chat/`encode_conversation` renders it that way first and switches to the
+other form only when the template does not render it (a template that applies `tojson` to a
+string, or concatenates an object). Assistant `reasoning_content` is kept for thinking templates;
+inline `<think>` blocks simply stay in the content. A plain turn is exactly `{"role", "content"}`. Reads local `.jsonl`/`.json`/`.parquet` files or
 directories of them and `datasets.save_to_disk` directories. Nothing is dropped silently: a row that
 cannot be read is yielded as `Rejected(source, row, reason, raw)` for the quarantine file.
 """
@@ -18,7 +29,8 @@ from typing import Any
 from eagle3_pipeline.errors import InputError
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "system": "system", "tool": "tool", "function": "tool", "observation": "tool"}
+                  "system": "system", "tool": "tool", "function": "tool", "observation": "tool",
+                  "function_call": "assistant"}  # function_call: the assistant's call(s), as JSON
 OPENAI_ROLES = {"system", "user", "assistant", "tool", "developer"}
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -26,9 +38,10 @@ FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 @dataclass
 class Conversation:
     sample_id: str
-    messages: list[dict[str, str]]  # normalised: role in {system,user,assistant,tool}, content: str
-    source: str
+    messages: list[dict]  # normalised: role in {system,user,assistant,tool}, content: str (None only beside
+    source: str           # tool_calls); optional tool_calls, reasoning_content, name, tool_call_id
     row: int
+    tools: list[dict] | None = None  # OpenAI tool definitions ({"type": "function", "function": {...}})
 
 
 @dataclass
@@ -72,6 +85,108 @@ def _content(c: Any) -> str:
     raise ValueError(f"content is {type(c).__name__}, expected a string or a list of text parts")
 
 
+def _json_value(v: Any, what: str) -> Any:
+    if isinstance(v, str):
+        try:
+            return json.loads(v)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{what} is not valid JSON: {e}") from None
+    return v
+
+
+def _tools(raw: Any) -> list[dict] | None:
+    """Top-level tool definitions: an OpenAI list, or (ShareGPT) a JSON string of one; bare function
+    definitions (`{"name", "description", "parameters"}`) are wrapped as OpenAI function tools."""
+    if raw is None or (isinstance(raw, str) and not raw.strip()):
+        return None
+    tools = _json_value(raw, "tools")
+    if isinstance(tools, dict):
+        tools = [tools]
+    if not isinstance(tools, list):
+        raise ValueError(f"tools is {type(tools).__name__}, expected a list of tool definitions")
+    out = []
+    for i, t in enumerate(tools):
+        if isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str):
+            out.append(t)
+        elif isinstance(t, dict) and isinstance(t.get("name"), str):
+            out.append({"type": "function", "function": t})
+        else:
+            raise ValueError(f"tool {i} is not a function definition with a name: {str(t)[:80]!r}")
+    return out or None
+
+
+def _tool_calls(raw: Any, what: str = "tool_calls") -> list[dict]:
+    """Assistant tool calls (OpenAI nested or flat `{"name", "arguments"}`), arguments kept as given."""
+    calls = _json_value(raw, what)
+    if isinstance(calls, dict):
+        calls = [calls]
+    if not isinstance(calls, list) or not calls:
+        raise ValueError(f"{what} is not a call or a non-empty list of calls")
+    out = []
+    for i, c in enumerate(calls):
+        fn = c.get("function", c) if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f"{what}[{i}] has no function name: {str(c)[:80]!r}")
+        args = fn.get("arguments", {})
+        if not isinstance(args, (str, dict)):
+            raise ValueError(f"{what}[{i}] ({fn['name']}): arguments is {type(args).__name__}, expected "
+                             f"a JSON string or an object")
+        call = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        if isinstance(c, dict) and isinstance(c.get("id"), str):
+            call = {"id": c["id"], **call}
+        out.append(call)
+    return out
+
+
+def _turn(t: dict, j: int, fmt: str, prev: dict | None) -> dict | str:
+    """One normalised message, or the reason the row is rejected. `prev` is the message before it,
+    to which a ShareGPT `function_call` turn following a plain `gpt` turn is attached."""
+    if fmt == "sharegpt":
+        role_raw, content = t.get("from"), t.get("value")
+        role = SHAREGPT_ROLES.get(str(role_raw).lower()) if role_raw is not None else None
+    else:
+        role_raw, content = t.get("role"), t.get("content")
+        role = "system" if role_raw == "developer" else role_raw if role_raw in OPENAI_ROLES else None
+    if role_raw is None:
+        return f"turn {j}: missing role"
+    if role is None:
+        return f"turn {j}: unknown role {role_raw!r}"
+    calls = None
+    try:
+        if fmt == "sharegpt" and str(role_raw).lower() == "function_call":
+            if content is None:
+                return f"turn {j} (function_call): missing content"
+            calls, content = _tool_calls(content, "function_call"), None
+        elif role == "assistant" and fmt == "openai" and (t.get("tool_calls") or t.get("function_call")):
+            calls = _tool_calls(t["tool_calls"] if t.get("tool_calls") else t["function_call"],
+                                "tool_calls" if t.get("tool_calls") else "function_call")
+    except ValueError as e:
+        return f"malformed row: turn {j} ({role}): {e}"
+    if content is None and not calls:
+        return f"turn {j} ({role}): missing content"
+    text = None
+    if content is not None:
+        try:
+            text = _content(content)
+        except ValueError as e:
+            return f"malformed row: turn {j} ({role}): {e}"
+        if not text.strip() and not calls:
+            return f"turn {j} ({role}): empty content"
+    if calls and fmt == "sharegpt" and prev is not None and prev["role"] == "assistant" and "tool_calls" not in prev:
+        prev["tool_calls"] = calls  # the gpt turn's text and its calls are one assistant turn
+        return prev
+    msg = {"role": role, "content": text}
+    if calls:
+        msg["tool_calls"] = calls
+    if role == "assistant" and isinstance(t.get("reasoning_content"), str) and t["reasoning_content"]:
+        msg["reasoning_content"] = t["reasoning_content"]
+    if role == "tool":
+        for k in ("tool_call_id", "name"):
+            if isinstance(t.get(k), str):
+                msg[k] = t[k]
+    return msg
+
+
 def normalise(rec: dict, fmt: str, source: str, row: int) -> Conversation | Pretokenized | Rejected:
     sample_id = str(rec.get("id", rec.get("sample_id", f"{Path(source).name}:{row}")))
     try:
@@ -83,32 +198,26 @@ def normalise(rec: dict, fmt: str, source: str, row: int) -> Conversation | Pret
         turns = rec["conversations"] if fmt == "sharegpt" else rec["messages"]
         if not isinstance(turns, list) or not turns:
             return Rejected(source, row, "no turns", rec)
-        msgs = []
+        msgs: list[dict] = []
+        if fmt == "sharegpt" and isinstance(rec.get("system"), str) and rec["system"].strip():
+            first = turns[0].get("from") if isinstance(turns[0], dict) else None
+            if str(first).lower() != "system":  # LLaMA-Factory style: the system prompt is a column
+                msgs.append({"role": "system", "content": rec["system"]})
         for j, t in enumerate(turns):
             if not isinstance(t, dict):
                 return Rejected(source, row, f"turn {j} is not an object", rec)
-            if fmt == "sharegpt":
-                role_raw, content = t.get("from"), t.get("value")
-                role = SHAREGPT_ROLES.get(str(role_raw).lower()) if role_raw is not None else None
-            else:
-                role_raw, content = t.get("role"), t.get("content")
-                role = "system" if role_raw == "developer" else role_raw if role_raw in OPENAI_ROLES else None
-            if role_raw is None:
-                return Rejected(source, row, f"turn {j}: missing role", rec)
-            if role is None:
-                return Rejected(source, row, f"turn {j}: unknown role {role_raw!r}", rec)
-            if content is None:
-                return Rejected(source, row, f"turn {j} ({role}): missing content", rec)
-            try:
-                text = _content(content)
-            except ValueError as e:
-                return Rejected(source, row, f"malformed row: turn {j} ({role}): {e}", rec)
-            if not text.strip():
-                return Rejected(source, row, f"turn {j} ({role}): empty content", rec)
-            msgs.append({"role": role, "content": text})
+            msg = _turn(t, j, fmt, msgs[-1] if msgs else None)
+            if isinstance(msg, str):
+                return Rejected(source, row, msg, rec)
+            if not msgs or msg is not msgs[-1]:
+                msgs.append(msg)
         if not any(m["role"] == "assistant" for m in msgs):
             return Rejected(source, row, "no assistant turn", rec)
-        return Conversation(sample_id, msgs, source, row)
+        try:
+            tools = _tools(rec.get("tools"))
+        except ValueError as e:
+            return Rejected(source, row, f"malformed row: {e}", rec)
+        return Conversation(sample_id, msgs, source, row, tools)
     except (ValueError, TypeError, KeyError) as e:
         return Rejected(source, row, f"malformed row: {e}", rec)
 

@@ -27,13 +27,17 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from eagle3_pipeline.config import PrepareConfig, SourceConfig, TargetConfig, hub_token
-from eagle3_pipeline.data.chat import TemplateMismatch, encode_conversation, render
+from eagle3_pipeline.data.chat import (MaskUnavailable, TemplateMismatch, ToolCallsNotRendered, encode_conversation,
+                                       render)
 from eagle3_pipeline.data.formats import Conversation, RawRow, Rejected, parse_row, raw_rows
 from eagle3_pipeline.errors import DiskFull, InputError, is_disk_full
 from eagle3_pipeline.store import (atomic_write, atomic_write_text, content_key, dir_fingerprint, dir_lock, read_json,
                                    slug, within, write_json)
 
 TOKENIZER_FILES = ("tokenizer*.json", "special_tokens_map.json", "*.jinja", "*.model", "vocab*", "merges.txt")
+# Bump when the same rows, tokenizer and settings give different chunk bytes or quarantine decisions:
+# 2 = tool use, history-rewriting (thinking) templates, masks without offsets (issue 14).
+PREPARE_FORMAT = 2
 ROW_COLUMNS = ("sample_id", "conv_id", "input_ids", "loss_mask", "seq_len", "truncated", "prompt_ids", "reference",
                "source", "row")
 
@@ -81,7 +85,8 @@ def tokenization_key(cfg: PrepareConfig, target: TargetConfig, tokenizer) -> str
     tok_id = (dir_fingerprint(Path(target.tokenizer), TOKENIZER_FILES) if Path(target.tokenizer).exists()
               else f"{target.tokenizer}@{target.revision}")
     return content_key({"tokenizer": tok_id, "template": tokenizer.chat_template, "max_length": cfg.max_length,
-                        "min_supervised": cfg.min_supervised_tokens, "rows_per": cfg.rows_per})
+                        "min_supervised": cfg.min_supervised_tokens, "rows_per": cfg.rows_per,
+                        "prepare_format": PREPARE_FORMAT})
 
 
 def _chunks(src: SourceConfig, size: int, token: str | None = None) -> Iterator[list[RawRow]]:
@@ -127,13 +132,19 @@ def _encode_chunk(rows: list[RawRow], fmt: str, tok, cfg: PrepareConfig) -> tupl
                                  f"{item.source} row {item.row} cannot be rendered; use a chat model's tokenizer "
                                  f"(target.tokenizer) or pre-tokenized rows")
             try:
-                encoded = encode_conversation(tok, item.messages, cfg.rows_per)
+                encoded = encode_conversation(tok, item.messages, cfg.rows_per, item.tools)
                 first = next(i for i, m in enumerate(item.messages) if m["role"] == "assistant")
-                prompt_ids = tok(render(tok, item.messages[:first], add_generation_prompt=True),
+                prompt_ids = tok(render(tok, item.messages[:first], add_generation_prompt=True, tools=item.tools),
                                  add_special_tokens=False)["input_ids"]
-                reference = item.messages[first]["content"]
+                reference = item.messages[first]["content"]  # None for a turn that only calls tools
+            except ToolCallsNotRendered as e:
+                reject(item, f"template cannot render tool calls: {e}", raw.rec)
+                continue
             except TemplateMismatch as e:
                 reject(item, f"template: {e}", raw.rec)
+                continue
+            except MaskUnavailable as e:
+                reject(item, f"loss mask: {e}", raw.rec)
                 continue
             except Exception as e:  # tokenizer errors on odd input: keep the row and the reason
                 reject(item, f"tokenizer error: {type(e).__name__}: {e}", raw.rec)
