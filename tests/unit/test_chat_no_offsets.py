@@ -9,6 +9,7 @@ character offsets (`reference_offsets`), which the library does not return, for 
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -228,7 +229,7 @@ def test_encode_text_uses_offsets_when_the_tokenizer_has_them(tiny_target, monke
     assert not called and len(ids) == len(mask)
 
 
-TINY_MOE = ROOT / ".cache" / "tiny-moe"
+TINY_MOE = Path(os.environ.get("EAGLE3_TINY_MOE", ROOT / ".cache" / "tiny-moe"))
 
 
 @pytest.mark.skipif(not (TINY_MOE / "tokenizer_config.json").exists(), reason="the tiny MoE target is not built")
@@ -243,6 +244,8 @@ def test_tiny_moe_tokenizer_masks_cover_the_assistant_turns():
             [(a, b)] = spans
             got = tok.decode([t for t, m in zip(r.input_ids, r.loss_mask) if m])
             assert got == text[a:b] and r.loss_mask[-1] == 1
+            assert _mask_by_decoding(tok, text, spans, r.input_ids) == r.loss_mask
+    assert "offset_mapping" not in tok("hi", add_special_tokens=False, return_offsets_mapping=True)
 
 
 MIXED = "Hello 日本語 é, Très bien — voilà 🙂! The answer: 5"

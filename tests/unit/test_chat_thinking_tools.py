@@ -213,6 +213,9 @@ def test_openai_tool_rows_are_normalised():
                            {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}]}
     assert normalise(legacy, "openai", "x", 1).messages[1]["tool_calls"] == [
         {"type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    legacy_result = {"messages": [{"role": "user", "content": "q"}, {"role": "function", "name": "f", "content": "1"},
+                                  {"role": "assistant", "content": "a"}]}
+    assert normalise(legacy_result, "openai", "x", 1).messages[1] == {"role": "tool", "content": "1", "name": "f"}
     plain = normalise({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}, "openai", "x", 2)
     assert plain.messages == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}] and plain.tools is None
 

@@ -167,6 +167,8 @@ def _plan_rows(full: str, turns: list[Turn], rows_per: str) -> list[tuple[str, l
     """(text, supervised spans, turn index) per row; see the module docstring."""
     if rows_per == "turn":
         return [(t.text, [(t.start, len(t.text))], t.ordinal) for t in turns]
+    if not turns:  # nothing to supervise: one unsupervised row, which prepare then quarantines
+        return [(full, [], None)]
     groups: list[tuple[str, list[Turn]]] = []
     left = list(turns)
     covered = [t for t in left if full.startswith(t.text)]

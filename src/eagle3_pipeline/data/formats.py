@@ -31,7 +31,8 @@ from eagle3_pipeline.errors import InputError
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "tool": "tool", "function": "tool", "observation": "tool",
                   "function_call": "assistant"}  # function_call: the assistant's call(s), as JSON
-OPENAI_ROLES = {"system", "user", "assistant", "tool", "developer"}
+OPENAI_ROLES = {"system", "user", "assistant", "tool"}
+OPENAI_ALIASES = {"developer": "system", "function": "tool"}  # function: the legacy function-result role
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
@@ -146,7 +147,7 @@ def _turn(t: dict, j: int, fmt: str, prev: dict | None) -> dict | str:
         role = SHAREGPT_ROLES.get(str(role_raw).lower()) if role_raw is not None else None
     else:
         role_raw, content = t.get("role"), t.get("content")
-        role = "system" if role_raw == "developer" else role_raw if role_raw in OPENAI_ROLES else None
+        role = OPENAI_ALIASES.get(role_raw, role_raw if role_raw in OPENAI_ROLES else None)
     if role_raw is None:
         return f"turn {j}: missing role"
     if role is None:
