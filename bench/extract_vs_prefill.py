@@ -148,7 +148,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from eagle3_pipeline.config import ExtractConfig, PrepareConfig, SourceConfig, TargetConfig
     from eagle3_pipeline.data.prepare import prepare
-    from eagle3_pipeline.extract.shards import extract
+    from tests.helpers.version import extract_all, make_version  # ROOT is on sys.path (above)
 
     work = Path(args.work)
     tiny = ROOT / ".cache" / "tiny-target"
@@ -166,8 +166,11 @@ def main() -> None:
         for dtype in (("bf16", "fp8") if r == 0 else ("bf16",)):
             out = work / f"extract-{dtype}"
             shutil.rmtree(out, ignore_errors=True)
-            res = extract(cfg.model_copy(update={"storage_dtype": dtype}), target, Path(prep.tokenized), out,
-                          log=lambda m: None, content_key=f"bench-{dtype}")
+            ecfg = cfg.model_copy(update={"storage_dtype": dtype})
+            version = make_version(target, Path(prep.tokenized), out, content_key=f"bench-{dtype}",
+                                   rows_per_shard=ecfg.rows_per_shard, storage_dtype=dtype,
+                                   prepare_version=prep.version)
+            res = extract_all(ecfg, target, version, log=lambda m: None)
             results[dtype] = res
             if dtype == "bf16":
                 ext_tps.append(res.tokens_per_s)

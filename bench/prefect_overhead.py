@@ -1,8 +1,8 @@
 """Prefect's orchestration overhead on the extract stage: a 32-shard run whose shards are already
 published (the fast path: manifest read + sha256 of every file, no engine), through
 
-  direct       the core calls the flow makes (stage_extract_plan, stage_extract_group per group,
-               stage_extract_summary), no Prefect
+  direct       the core calls the flow makes for one planned ExtractVersion (stage_extract_group per
+               group, stage_extract_summary), no Prefect
   executed     the real `extract` flow (one `extract-group` task per shard, GPU slot, result
                persisted), its task results cleared first so every task runs
   cached       the same flow again: every group answered from Prefect's cache (a retried run)
@@ -69,26 +69,25 @@ def run(args, tmp: Path) -> None:
     quiet = lambda *_: None  # noqa: E731
     prep = stages.stage_prepare(cfg, log=quiet)
     pre = stages.stage_preflight(cfg, prep, log=quiet)
-    plan = stages.stage_extract_plan(cfg, prep, pre)
-    groups = plan["groups"]
+    version = stages.plan_extract(cfg, prep, pre)
+    groups = version.groups
     t0 = time.perf_counter()
-    stages.stage_extract_group(cfg, prep, plan, [k for g in groups for k in g], log=quiet)  # one engine, all shards
+    stages.stage_extract_group(cfg, version, [k for g in groups for k in g], log=quiet)  # one engine, all shards
     engine_s = time.perf_counter() - t0
-    print(f"{len(groups)} shards ({prep['rows_out']} rows, {prep['tokens']} tokens) extracted for real in "
+    print(f"{len(groups)} shards ({prep.rows_out} rows, {prep.tokens} tokens) extracted for real in "
           f"{engine_s:.1f}s (one engine start); now timing the fast path")
 
     def direct() -> None:
-        p = stages.stage_extract_plan(cfg, prep, pre)
-        for g in p["groups"]:
-            stages.stage_extract_group(cfg, prep, p, g, log=quiet)
-        stages.stage_extract_summary(p)
+        for g in version.groups:
+            stages.stage_extract_group(cfg, version, g, log=quiet)
+        stages.stage_extract_summary(version)
 
     def executed() -> None:
         shutil.rmtree(tmp / "results", ignore_errors=True)  # no persisted task results: every task runs
-        extract(cfg, prep, pre)
+        extract(cfg, version)
 
     def cached() -> None:
-        extract(cfg, prep, pre)
+        extract(cfg, version)
 
     def flow_of(name: str, body):
         """A flow of one task per group, each task running `body(k)`: the no-op floor and the GPU slot."""

@@ -1,6 +1,6 @@
 """Training benchmark: our train stage (`train.train_draft`: speculators' model + Trainer in our child
 process) vs speculators' OWN entry point (`speculators.train` main through
-tests/helpers_speculators_cpu.py, the same CPU shim), same data and settings, in one run.
+tests/helpers/speculators_cpu.py, the same CPU shim), same data and settings, in one run.
 
 Data: the tiny default (configs/tiny-cpu.yaml: prepare -> extract -> vocab, content-addressed in
 --work, so a second run reuses it). Both sides train a fresh 1-layer draft for --epochs on the same
@@ -36,22 +36,22 @@ from bench_results import record  # bench/ is sys.path[0] when run as a script
 
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("fetch_ms", "fwd_ms", "bwd_ms", "opt_ms")  # speculators' step profiler, median per run
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))  # tests.helpers.speculators_cpu (tests/ is not an installed package)
 console = Console(width=160)
 
 
 def build_data(work: Path) -> dict:
     from eagle3_pipeline.config import load_config
-    from eagle3_pipeline.stages import stage_extract, stage_preflight, stage_prepare, stage_vocab
+    from eagle3_pipeline.stages import plan_extract, stage_extract, stage_preflight, stage_prepare, stage_vocab
 
     tiny = ROOT / ".cache" / "tiny-target"
     cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml", [f"store={work / 'store'}", f"target.model={tiny}"])
     quiet = lambda _: None  # noqa: E731
     prep = stage_prepare(cfg, log=quiet)
-    pre = stage_preflight(cfg, prep, log=quiet)
-    ext = stage_extract(cfg, prep, pre, log=quiet)
-    voc = stage_vocab(cfg, prep, pre, ext, log=quiet)
-    return {"cfg": cfg, "prep": prep, "pre": pre, "ext": ext, "voc": voc}
+    version = plan_extract(cfg, prep, stage_preflight(cfg, prep, log=quiet))
+    ext = stage_extract(cfg, version, log=quiet)
+    voc = stage_vocab(cfg, prep, version, log=quiet)
+    return {"cfg": cfg, "prep": prep, "version": version, "ext": ext, "voc": voc}
 
 
 def _rates(steps: list[tuple[float, float]]) -> tuple[int, float, float]:
@@ -71,8 +71,7 @@ def run_ours(d: dict, out: Path, args) -> dict:
     cfg = d["cfg"].train.model_copy(update={"epochs": args.epochs, "lr": args.lr, "max_seq_len": args.max_seq_len,
                                             "val_ratio": args.val_ratio, "max_steps": args.max_steps})
     t0, c0 = time.time(), _child_cpu_s()
-    res = train_draft(cfg, d["cfg"].target, Path(d["prep"]["tokenized"]), Path(d["ext"]["hidden_states_dir"]),
-                      Path(d["voc"]["dir"]), d["pre"]["layer_ids"], out, log=lambda _: None)
+    res = train_draft(cfg, d["cfg"].target, d["version"], Path(d["voc"].dir), out, log=lambda _: None)
     wall, cpu = time.time() - t0, _child_cpu_s() - c0
     rows = [json.loads(x) for x in res.metrics.read_text().splitlines()]
     steps = [(r["tokens"], r["step_s"]) for r in rows if r["kind"] == "train_step"]
@@ -83,17 +82,15 @@ def run_ours(d: dict, out: Path, args) -> dict:
 
 
 def run_theirs(d: dict, out: Path, args) -> dict:
-    from helpers_speculators_cpu import speculators_train_argv
-
     from eagle3_pipeline.proc import run_child
-    from eagle3_pipeline.train import aux_layer_ids
+    from tests.helpers.speculators_cpu import speculators_train_argv
 
-    n_layers = d["pre"]["dims"]["num_layers"]
-    aux = aux_layer_ids(d["pre"]["layer_ids"], n_layers)
+    version = d["version"]
     out.mkdir(parents=True)
     metrics = out / "metrics.jsonl"
-    argv = speculators_train_argv(Path(d["cfg"].target.model).resolve(), Path(d["prep"]["tokenized"]),
-                                  Path(d["ext"]["hidden_states_dir"]), Path(d["voc"]["dir"]), aux, out / "checkpoints",
+    argv = speculators_train_argv(Path(d["cfg"].target.model).resolve(), Path(version.tokenized_dir),
+                                  version.hidden_states_dir, Path(d["voc"].dir), version.aux_layer_ids,
+                                  out / "checkpoints",
                                   seq_len=args.max_seq_len, epochs=args.epochs, lr=args.lr, max_steps=args.max_steps,
                                   seed=d["cfg"].train.seed, val_ratio=args.val_ratio)
     t0, c0 = time.time(), _child_cpu_s()
@@ -128,7 +125,7 @@ def main() -> None:
     work = Path(args.work)
     t0 = time.time()
     d = build_data(work)
-    console.print(f"data: {d['prep']['rows_out']} rows, {d['prep']['tokens']} tokens ({time.time() - t0:.0f}s to "
+    console.print(f"data: {d['prep'].rows_out} rows, {d['prep'].tokens} tokens ({time.time() - t0:.0f}s to "
                   f"prepare/extract, cached in {work}); {args.epochs} epoch(s), {args.max_seq_len}-token rows, "
                   f"lr {args.lr}; torch threads default, {os.cpu_count()} cores")
     runs_dir = work / "runs"

@@ -34,17 +34,17 @@ ROOT = Path(__file__).resolve().parents[1]
 def tiny_data(config: str, store: str) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from eagle3_pipeline.config import load_config
-    from eagle3_pipeline.stages import stage_extract, stage_preflight, stage_prepare
+    from eagle3_pipeline.stages import plan_extract, stage_extract, stage_preflight, stage_prepare
 
     tiny = ROOT / ".cache" / "tiny-target"
     cfg = load_config(config, [f"store={store}", f"target.model={tiny}",
                                f"prepare.sources=[{{path: {tiny / 'corpus' / 'sharegpt.jsonl'}, limit: 800}}, "
                                f"{{path: {tiny / 'corpus' / 'openai.jsonl'}, limit: 800}}]"])
     prep = stage_prepare(cfg, log=lambda m: None)
-    pre = stage_preflight(cfg, prep, log=lambda m: None)
-    ext = stage_extract(cfg, prep, pre, log=lambda m: None)
-    return {"tokenized": prep["tokenized"], "hs": ext["hidden_states_dir"], "layer_ids": pre["layer_ids"],
-            "hidden": pre["dims"]["hidden_size"]}
+    version = plan_extract(cfg, prep, stage_preflight(cfg, prep, log=lambda m: None))
+    ext = stage_extract(cfg, version, log=lambda m: None)
+    return {"tokenized": version.tokenized_dir, "hs": ext.hidden_states_dir, "layer_ids": version.layer_ids,
+            "hidden": version.dims.hidden_size}
 
 
 def synthetic_data(store: str, hidden: int, files: int = 16, tokens: int = 512) -> dict:

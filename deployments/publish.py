@@ -15,11 +15,12 @@ import argparse
 import json
 
 from eagle3_pipeline.config import PipelineConfig, load_config
+from eagle3_pipeline.data.prepare import PrepareResult
 from eagle3_pipeline.stages import stage_prepare
 from tasks.stage_tasks import publish_dataset_event
 
 
-def publish(config: PipelineConfig, log=print) -> dict:
+def publish(config: PipelineConfig, log=print) -> PrepareResult:
     """Prepare `config`'s dataset and announce the version; returns the prepare record."""
     from prefect.events.worker import EventsWorker
 
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="key.sub=value")
     args = ap.parse_args(argv)
     prep = publish(load_config(args.config, args.overrides))
-    print(json.dumps({k: prep[k] for k in ("version", "dir", "rows_out", "tokens")}))
+    print(json.dumps(prep.model_dump(mode="json", include={"version", "dir", "rows_out", "tokens"})))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,5 +1,7 @@
 """Session fixtures: the tiny target (built once), a tiny pipeline config on a temporary store, and
-the stage records that several integration tests share (one prepare, one extraction per session)."""
+the stage records that several integration tests share (one prepare, one extraction per session).
+The records are the stages' own typed ones (stages.py): PrepareResult, PreflightResult, the
+ExtractVersion of layout.py and the ExtractResult. Helpers live in the package tests/helpers/."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers_store import small_overrides  # tests/ is on sys.path (rootdir conftest)
+from tests.helpers.store import small_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -47,7 +49,8 @@ def tiny_config(tiny_target, store_root):
 
 
 @pytest.fixture(scope="session")
-def prepared(tiny_config) -> dict:
+def prepared(tiny_config):
+    """The PrepareResult of the tiny config."""
     from eagle3_pipeline.stages import stage_prepare
 
     return stage_prepare(tiny_config)
@@ -55,25 +58,36 @@ def prepared(tiny_config) -> dict:
 
 @pytest.fixture(scope="session")
 def tokenized(prepared) -> Path:
-    return Path(prepared["tokenized"])
+    return Path(prepared.tokenized)
 
 
 @pytest.fixture(scope="session")
-def preflighted(tiny_config, prepared) -> dict:
+def preflighted(tiny_config, prepared):
+    """The PreflightResult (dims, layer ids) of the tiny config."""
     from eagle3_pipeline.stages import stage_preflight
 
     return stage_preflight(tiny_config, prepared)
 
 
 @pytest.fixture(scope="session")
-def extracted(tiny_config, prepared, preflighted) -> SimpleNamespace:
-    """One real vLLM extraction of the tiny prepared data, shared by the session."""
+def extract_version(tiny_config, prepared, preflighted):
+    """The ExtractVersion the pipeline plans for the tiny config (layout.plan_extract)."""
+    from eagle3_pipeline.stages import plan_extract
+
+    return plan_extract(tiny_config, prepared, preflighted)
+
+
+@pytest.fixture(scope="session")
+def extracted(tiny_config, extract_version) -> SimpleNamespace:
+    """One real vLLM extraction of the tiny prepared data, shared by the session: its ExtractVersion
+    (`version`), its ExtractResult (`record`) and the fields tests use most."""
     from eagle3_pipeline.stages import stage_extract
 
-    rec = stage_extract(tiny_config, prepared, preflighted)
-    return SimpleNamespace(record=rec, tokenized=Path(prepared["tokenized"]), hidden_states=Path(rec["hidden_states_dir"]),
-                           dir=Path(rec["dir"]), layer_ids=preflighted["layer_ids"],
-                           hidden_size=preflighted["dims"]["hidden_size"], content_key=rec["content_key"])
+    v = extract_version
+    rec = stage_extract(tiny_config, v)
+    return SimpleNamespace(version=v, record=rec, tokenized=Path(v.tokenized_dir), hidden_states=v.hidden_states_dir,
+                           dir=v.path, layer_ids=v.layer_ids, hidden_size=v.dims.hidden_size,
+                           content_key=v.content_key)
 
 
 @pytest.fixture(scope="session")
@@ -94,14 +108,15 @@ def prefect_harness(tmp_path_factory):
 @pytest.fixture(scope="session")
 def small_reference(tiny_target, tmp_path_factory) -> SimpleNamespace:
     """One clean prepare + extract of the small run (one engine start), the reference that crash and
-    concurrency tests compare their stores with byte for byte."""
+    concurrency tests compare their stores with byte for byte: the config, the stage records (prep,
+    pre, ext) and the ExtractVersion (`version`; relocate it with `version.model_copy(update={"dir": ...})`)."""
     from eagle3_pipeline.config import load_config
-    from eagle3_pipeline.stages import stage_extract, stage_extract_plan, stage_preflight, stage_prepare
+    from eagle3_pipeline.stages import plan_extract, stage_extract, stage_preflight, stage_prepare
 
     cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml", small_overrides(tiny_target, tmp_path_factory.mktemp("small-ref")))
     quiet = lambda _: None  # noqa: E731
     prep = stage_prepare(cfg, log=quiet)
     pre = stage_preflight(cfg, prep, log=quiet)
-    plan = stage_extract_plan(cfg, prep, pre)
-    ext = stage_extract(cfg, prep, pre, log=quiet)
-    return SimpleNamespace(cfg=cfg, prep=prep, pre=pre, plan=plan, ext=ext, dir=Path(ext["dir"]))
+    version = plan_extract(cfg, prep, pre)
+    ext = stage_extract(cfg, version, log=quiet)
+    return SimpleNamespace(cfg=cfg, prep=prep, pre=pre, version=version, ext=ext, dir=version.path)

@@ -1,16 +1,13 @@
-"""The chaos suite's fixture: a tag that marks every process a trial starts (tests/helpers_chaos.py
+"""The chaos suite's fixture: a tag that marks every process a trial starts (tests/helpers/chaos.py
 has the rest: trial counts, the gate after a kill, the delayed killer)."""
 
 from __future__ import annotations
 
-import sys
 import uuid
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from helpers_chaos import TAG_ENV  # noqa: E402
+from tests.helpers.chaos import TAG_ENV
 
 
 @pytest.fixture

@@ -28,12 +28,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from helpers_chaos import ENGINE_TRIALS, PARENT_TRIALS, DelayedKill, child_running, gate_after_kill, trial_rng  # noqa: E402
-from helpers_store import hidden_state_hashes, manifest_content, scratch_left, sha256, temporaries  # noqa: E402
-
-from eagle3_pipeline.extract.shards import ExtractFailed  # noqa: E402
-from eagle3_pipeline.extract.worker import RECORD_DELAY_ENV  # noqa: E402
+from eagle3_pipeline.extract.shards import ExtractFailed
+from eagle3_pipeline.extract.worker import RECORD_DELAY_ENV
+from tests.helpers.chaos import ENGINE_TRIALS, PARENT_TRIALS, DelayedKill, child_running, gate_after_kill, trial_rng
+from tests.helpers.store import hidden_state_hashes, manifest_content, scratch_left, sha256, temporaries
 
 WORKER = "eagle3_pipeline.extract.worker"
 RECORD_DELAY_S = 0.25
@@ -64,12 +62,17 @@ def _check_after_kill(out: Path, ref) -> dict:
     return m
 
 
+def _relocated(ref, out: Path):
+    """The reference's ExtractVersion in the trial's own directory (same content key, same shard plan)."""
+    return ref.version.model_copy(update={"dir": str(out.resolve())})
+
+
 def _resume_and_compare(ref, out: Path) -> list[str]:
     from eagle3_pipeline.stages import stage_extract_group
 
     lines: list[str] = []
-    recs = stage_extract_group(ref.cfg, ref.prep, {**ref.plan, "dir": str(out)}, ref.plan["groups"][0], log=lines.append)
-    assert [r["status"] for r in recs] == ["published"] * len(recs)
+    recs = stage_extract_group(ref.cfg, _relocated(ref, out), ref.version.groups[0], log=lines.append)
+    assert [r.status for r in recs] == ["published"] * len(recs)
     assert hidden_state_hashes(out) == hidden_state_hashes(ref.dir)
     assert manifest_content(out, IGNORE) == manifest_content(ref.dir, IGNORE)
     assert temporaries(out) == [] and scratch_left(out) == []
@@ -100,7 +103,7 @@ def test_engine_child_killed(trial, small_reference, tag, tmp_path, monkeypatch)
     monkeypatch.setenv(RECORD_DELAY_ENV, str(RECORD_DELAY_S))
     try:
         with pytest.raises(ExtractFailed, match="code -9"):
-            stage_extract_group(cfg, ref.prep, {**ref.plan, "dir": str(out)}, ref.plan["groups"][0], log=log)
+            stage_extract_group(cfg, _relocated(ref, out), ref.version.groups[0], log=log)
     finally:
         killer.stop()
     monkeypatch.delenv(RECORD_DELAY_ENV)
@@ -118,12 +121,13 @@ def test_engine_child_killed(trial, small_reference, tag, tmp_path, monkeypatch)
 
 
 PARENT = """
-import json, sys
+import sys
 from eagle3_pipeline.config import load_config
+from eagle3_pipeline.layout import ExtractVersion
 from eagle3_pipeline.stages import stage_extract_group
 cfg = load_config(sys.argv[1])
-a = json.loads(open(sys.argv[2]).read())
-stage_extract_group(cfg, a["prep"], a["plan"], a["group"], log=lambda m: print(m, flush=True))
+version = ExtractVersion.model_validate_json(open(sys.argv[2]).read())
+stage_extract_group(cfg, version, version.groups[0], log=lambda m: print(m, flush=True))
 print("DONE", flush=True)
 """
 
@@ -134,12 +138,12 @@ def test_parent_killed(trial, small_reference, tag, tmp_path):
     rng = trial_rng("parent", trial)
     phase, delay = _kill_window(rng, ref, trial)
     out = tmp_path / "v"
-    cfg_path, args_path = tmp_path / "cfg.yaml", tmp_path / "args.json"
+    cfg_path, version_path = tmp_path / "cfg.yaml", tmp_path / "version.json"
     cfg_path.write_text(yaml.safe_dump(ref.cfg.model_dump(mode="json")))
-    args_path.write_text(json.dumps({"prep": ref.prep, "plan": {**ref.plan, "dir": str(out)}, "group": ref.plan["groups"][0]}))
+    version_path.write_text(_relocated(ref, out).model_dump_json())
     print(f"trial {trial}: SIGKILL the parent's process group {delay:.2f}s into {phase}")
 
-    proc = subprocess.Popen([sys.executable, "-u", "-c", PARENT, str(cfg_path), str(args_path)],
+    proc = subprocess.Popen([sys.executable, "-u", "-c", PARENT, str(cfg_path), str(version_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env={**os.environ, RECORD_DELAY_ENV: str(RECORD_DELAY_S)})
     killer = DelayedKill(lambda: proc.pid, delay, group=True)

@@ -19,19 +19,16 @@ checkpoint under its final name.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from helpers_chaos import TRAINER_TRIALS, DelayedKill, child_running, gate_after_kill, trial_rng  # noqa: E402
-from helpers_store import temporaries  # noqa: E402
-
-from eagle3_pipeline.proc import ChildFailed  # noqa: E402
-from eagle3_pipeline.train import CKPT_FILES, export_check, train_draft  # noqa: E402
-from eagle3_pipeline.train.worker import STEP_DELAY_ENV  # noqa: E402
+from eagle3_pipeline.proc import ChildFailed
+from eagle3_pipeline.train import CKPT_FILES, export_check, train_draft
+from eagle3_pipeline.train.worker import STEP_DELAY_ENV
+from tests.helpers.chaos import TRAINER_TRIALS, DelayedKill, child_running, gate_after_kill, trial_rng
+from tests.helpers.store import temporaries
 
 TRAINER = "eagle3_pipeline.train.worker"
 STEP_DELAY_S = 0.5
@@ -45,15 +42,13 @@ def inputs(small_reference):
     from eagle3_pipeline.stages import stage_vocab
 
     ref = small_reference
-    voc = stage_vocab(ref.cfg, ref.prep, ref.pre, ref.ext, log=lambda _: None)
-    return SimpleNamespace(cfg=ref.cfg.train, target=TargetConfig(model=ref.cfg.target.model),
-                           tokenized=Path(ref.prep["tokenized"]), hidden_states=Path(ref.ext["hidden_states_dir"]),
-                           vocab_dir=Path(voc["dir"]), layer_ids=ref.pre["layer_ids"])
+    voc = stage_vocab(ref.cfg, ref.prep, ref.version, log=lambda _: None)
+    return SimpleNamespace(cfg=ref.cfg.train, target=TargetConfig(model=ref.cfg.target.model), version=ref.version,
+                           vocab_dir=Path(voc.dir))
 
 
 def _train(inputs, out: Path, log):
-    return train_draft(inputs.cfg, inputs.target, inputs.tokenized, inputs.hidden_states, inputs.vocab_dir,
-                       inputs.layer_ids, out, log=log)
+    return train_draft(inputs.cfg, inputs.target, inputs.version, inputs.vocab_dir, out, log=log)
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,9 @@ reads every later request of the same step one token late (token t gets the hidd
 t+1, the last token repeats itself): the kind of offset bug that appears only when several requests
 share a batch. Every record it writes is structurally perfect (token ids, [T, L, H], bf16, finite,
 plausible norms); only comparing with a batch-of-one extraction (verify/invariance.py) or with a
-reference model finds it. Loaded by vLLM inside the extract child through
-`ExtractConfig.connector_module="broken_connector"` with this directory on PYTHONPATH.
+reference model finds it. Loaded by vLLM inside the extract child (and its engine processes) through
+`ExtractConfig.connector_module="tests.helpers.broken_connector"`, with the repository root on the
+child's PYTHONPATH (tests/integration/test_verify.py sets it; the child's cwd is not relied on).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from helpers_store import processes_with_env
+from tests.helpers.store import processes_with_env
 
 TAG_ENV = "EAGLE3_TEST_TAG"  # inherited by every child, engine and trainer a trial starts
 

@@ -1,10 +1,13 @@
-"""Test helper: a randomly initialised speculators EAGLE-3 draft for a given target model.
+"""Test helper: a randomly initialised speculators EAGLE-3 draft for a given target model, built in
+this process without a vocab stage, an extraction or a train child.
 
 Owns `make_random_draft(target_dir, out_dir, ...)`. Reads the target's config.json and weights
 (speculators copies the target's embeddings and the draft-vocab rows of its lm_head into the draft);
 writes a speculators checkpoint directory (config.json + model.safetensors holding `d2t`/`t2d`) that
-vLLM serves as an EAGLE-3 draft. The decoder weights are random, so acceptance is near zero: this is
-the "untrained" reference and a stand-in until the trainer's checkpoints exist. Not for production.
+vLLM serves as an EAGLE-3 draft. The decoder weights are random, so acceptance is near zero. Used by
+tests/integration/test_evaluate.py to test the evaluate stage's plumbing on its own; the pipeline's
+own untrained baseline is `eagle3_pipeline.train.make_untrained_draft` (the train worker's
+`untrained` mode, with the vocab stage's d2t/t2d and the version's aux layer ids).
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ def make_random_draft(
 
     The draft vocabulary is `draft_token_ids` (target ids; default: the first `draft_vocab_size`
     ids), stored speculators-style: `d2t` int64[K] offsets (target id = i + d2t[i]) and `t2d`
-    bool[V]. `aux_layer_ids` are the target layers concatenated into the draft's fc input."""
+    bool[V]. `aux_layer_ids` are the target layers concatenated into the draft's fc input (the
+    default is the 8-layer tiny target's `contracts.default_aux_layer_ids(8)`)."""
     import torch
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.train.cli import create_transformer_layer_config

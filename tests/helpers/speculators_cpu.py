@@ -1,5 +1,5 @@
-"""Run speculators' OWN training entry point on CPU: `python tests/helpers_speculators_cpu.py <flags>`
-takes exactly the flags of `python -m speculators.train` / `speculators train` and calls its `main`.
+"""Run speculators' OWN training entry point on CPU: `python tests/helpers/speculators_cpu.py
+<flags>` takes exactly the flags of `python -m speculators.train` / `speculators train` and calls its `main`.
 
 Owns nothing of the pipeline; it exists so that tests (test_speculators_interop.py) and
 bench/train_vs_speculators.py can run speculators' trainer, unmodified, on our data;

@@ -1,6 +1,7 @@
 """Helpers for tests that compare run-store directories after crashes and concurrent runs
 (tests/chaos/, tests/integration/test_concurrency.py): file hashes, the deterministic part of an
-extract manifest, leftover temporaries, and our processes found by an environment tag."""
+extract manifest, leftover temporaries, and our processes found by an environment tag. Also the
+one set of small-run overrides (`small_overrides`) that every test starting many engines uses."""
 
 from __future__ import annotations
 

@@ -22,9 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-from helpers_store import (  # noqa: E402
+from tests.helpers.store import (
     hidden_state_hashes,
     manifest_content,
     processes_with_env,
@@ -32,6 +30,8 @@ from helpers_store import (  # noqa: E402
     small_overrides,
     temporaries,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 PY = sys.executable
 
@@ -123,15 +123,16 @@ def test_lock_is_reentrant_in_one_thread_and_names_its_holder(tmp_path):
 
 
 RUNNER = """
-import json, sys
+import sys
 from eagle3_pipeline import stages
 from eagle3_pipeline.config import load_config
 say = lambda m: print(m, flush=True)
 cfg = load_config(sys.argv[1])
 prep = stages.stage_prepare(cfg, log=say)
 pre = stages.stage_preflight(cfg, prep, log=say)
-ext = stages.stage_extract(cfg, prep, pre, log=say)
-print("RESULT " + json.dumps(ext), flush=True)
+version = stages.plan_extract(cfg, prep, pre)
+ext = stages.stage_extract(cfg, version, log=say)
+print("RESULT " + ext.model_dump_json(), flush=True)
 """
 
 

@@ -1,6 +1,6 @@
 """evaluate stage on CPU, for real: vLLM serves EAGLE-3 drafts of the tiny target in a child process.
 
-The drafts are randomly initialised speculators checkpoints (tests/helpers_draft.py), so nothing is
+The drafts are randomly initialised speculators checkpoints (tests/helpers/draft.py), so nothing is
 accepted and τ is exactly 1: these tests check the plumbing (counters, per-position rates, the
 lossless comparison with plain greedy decoding, the gate, errors), not the trainer's quality.
 One child with three engines (trained, untrained, plain; engine core in process, ≈ 25 s) is shared by
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -30,9 +29,7 @@ from eagle3_pipeline.evaluate import (
     evaluate_pair,
     validate_draft_dir,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from helpers_draft import make_random_draft  # noqa: E402
+from tests.helpers.draft import make_random_draft
 
 K = 3
 

@@ -2,7 +2,7 @@
 the manifest. Three engine starts in all (an uninterrupted run, a run killed after its first shard,
 its retry), shared by the module; everything else reuses their outputs or starts no engine.
 Reads the session fixtures `tiny_target` and `tokenized` (tests/conftest.py) and uses its first
-ROWS rows only.
+ROWS rows only, as an ExtractVersion of its own (tests/helpers/version.py).
 """
 
 from __future__ import annotations
@@ -18,17 +18,14 @@ from types import SimpleNamespace
 import pytest
 
 from eagle3_pipeline.config import ExtractConfig, TargetConfig
+from eagle3_pipeline.contracts import RECORD_META_KEY, to_record
 from eagle3_pipeline.data.prepare import load_tokenized
 from eagle3_pipeline.extract import shards as shards_mod
-from eagle3_pipeline.extract.shards import (
-    ExtractFailed,
-    Manifest,
-    extract,
-    extract_group,
-    plan_shards,
-)
-from eagle3_pipeline.extract.worker import KILL_AFTER_ENV, RECORD_META_KEY, ExtractJob, ShardSpec, to_record
+from eagle3_pipeline.extract.shards import ExtractFailed, Manifest, extract_group
+from eagle3_pipeline.extract.worker import KILL_AFTER_ENV, ExtractJob, ShardSpec
+from eagle3_pipeline.layout import ExtractVersion, plan_shards
 from eagle3_pipeline.proc import ChildFailed, python_child
+from tests.helpers.version import extract_all, make_version
 
 ROWS, ROWS_PER_SHARD = 12, 4  # 3 shards
 LAYER_IDS = [2, 4, 5, 8]      # the default for the 8-layer tiny target: [2, N//2, N-3] + N
@@ -38,6 +35,13 @@ pytestmark = pytest.mark.timeout(900)
 
 def _cfg(**kw) -> ExtractConfig:
     return ExtractConfig(rows_per_shard=ROWS_PER_SHARD, timeout_s=600, **kw)
+
+
+def _version(target: TargetConfig, tokenized: Path, out: Path, content_key: str = "test-key") -> ExtractVersion:
+    """The first ROWS rows in shards of ROWS_PER_SHARD, all in one group, extracted into `out`."""
+    v = make_version(target, tokenized, out, content_key=content_key, rows_per_shard=ROWS_PER_SHARD)
+    assert v.layer_ids == LAYER_IDS and [len(g) for g in v.groups] == [3]
+    return v
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +64,7 @@ def full_run(small_tokenized, target, tmp_path_factory) -> SimpleNamespace:
     out = tmp_path_factory.mktemp("extract-a") / "v"
     lines: list[str] = []
     t0 = time.time()
-    res = extract(_cfg(), target, small_tokenized, out, log=lines.append, content_key="test-key")
+    res = extract_all(_cfg(), target, _version(target, small_tokenized, out), log=lines.append)
     print(f"full extract run: {time.time() - t0:.1f}s wall; {res.tokens} tokens at {res.tokens_per_s} tok/s; "
           + "; ".join(x for x in lines if x.startswith("extract:")))
     return SimpleNamespace(out=out, result=res, lines=lines)
@@ -90,13 +94,13 @@ def killed_and_retried(small_tokenized, target, tmp_path_factory) -> SimpleNames
         mp.setenv(KILL_AFTER_ENV, "1")
         mp.setenv("EAGLE3_TEST_TAG", tag)  # inherited by the child and every engine process under it
         with pytest.raises(ExtractFailed) as err:
-            extract(_cfg(engine_in_process=False), target, small_tokenized, out, log=lambda _: None,
-                    content_key="test-key")
+            extract_all(_cfg(engine_in_process=False), target, _version(target, small_tokenized, out),
+                        log=lambda _: None)
     survivors = _processes_with_env("EAGLE3_TEST_TAG", tag)
     after_kill = Manifest(out).read()
     mtimes = {p.name: p.stat().st_mtime_ns for p in (out / "hidden_states").iterdir()}
     lines: list[str] = []
-    res = extract(_cfg(), target, small_tokenized, out, log=lines.append, content_key="test-key")
+    res = extract_all(_cfg(), target, _version(target, small_tokenized, out), log=lines.append)
     return SimpleNamespace(out=out, error=str(err.value), after_kill=after_kill, mtimes_after_kill=mtimes,
                            result=res, lines=lines, survivors=survivors)
 
@@ -188,11 +192,10 @@ def test_second_call_with_everything_published_starts_no_child(full_run, small_t
 
     monkeypatch.setattr(shards_mod, "run_child", no_child)
     lines: list[str] = []
-    recs = extract_group(_cfg(), target, small_tokenized, full_run.out, [0, 1, 2], log=lines.append,
-                         content_key="test-key")
+    version = _version(target, small_tokenized, full_run.out)
+    recs = extract_group(_cfg(), target, version, [0, 1, 2], log=lines.append)
     assert [r.status for r in recs] == ["published"] * 3 and all(r.reused for r in recs)
-    assert extract(_cfg(), target, small_tokenized, full_run.out, log=lines.append,
-                   content_key="test-key") == full_run.result
+    assert extract_all(_cfg(), target, version, log=lines.append) == full_run.result
     assert len(Manifest(full_run.out).read()["children"]) == 1
 
 
@@ -214,7 +217,7 @@ def test_damaged_file_sends_only_its_shard_back(full_run, small_tokenized, targe
     monkeypatch.setattr(shards_mod, "run_child", fake_child)
     lines: list[str] = []
     with pytest.raises(ExtractFailed, match=r"(?s)shards \[1\] not published.*boom"):
-        extract_group(_cfg(), target, small_tokenized, out, [0, 1, 2], log=lines.append, content_key="test-key")
+        extract_group(_cfg(), target, _version(target, small_tokenized, out), [0, 1, 2], log=lines.append)
     assert [s.index for s in jobs[0].shards] == [1]
     assert any("hs_5.safetensors no longer hashes" in x for x in lines)
     m = Manifest(out).read()
@@ -225,7 +228,8 @@ def test_damaged_file_sends_only_its_shard_back(full_run, small_tokenized, targe
 
 def test_wrong_content_key_is_refused(full_run, small_tokenized, target):
     with pytest.raises(ExtractFailed, match="belongs to content key 'test-key'"):
-        extract(_cfg(), target, small_tokenized, full_run.out, log=lambda _: None, content_key="other")
+        extract_all(_cfg(), target, _version(target, small_tokenized, full_run.out, content_key="other"),
+                    log=lambda _: None)
 
 
 def test_sigkill_mid_group_then_retry_publishes_the_rest(killed_and_retried, full_run):
@@ -300,8 +304,7 @@ def test_tensor_parallel_2_on_cpu_writes_once_from_rank_0(full_run, small_tokeni
     from eagle3_pipeline.extract.connector import CONNECTOR_LOG
 
     out, lines = tmp_path / "tp2", []
-    res = extract(_cfg(tensor_parallel_size=2), target, small_tokenized, out, log=lines.append,
-                  content_key="test-key")
+    res = extract_all(_cfg(tensor_parallel_size=2), target, _version(target, small_tokenized, out), log=lines.append)
     assert (res.shards_total, res.shards_published) == (3, 3)
     ranks = [x for x in lines if CONNECTOR_LOG in x]
     assert any("TP rank 0 of 2 writes hidden states" in x for x in ranks), ranks or lines[-30:]

@@ -19,7 +19,7 @@ def _task_states(flow_state) -> dict[str, str]:
 
 def test_retry_runs_only_the_failed_shard_group(tiny_config, tiny_target, prefect_harness, tmp_path, monkeypatch):
     from eagle3_pipeline.extract.worker import FAIL_SHARDS_ENV
-    from eagle3_pipeline.stages import stage_preflight, stage_prepare
+    from eagle3_pipeline.stages import plan_extract, stage_preflight, stage_prepare
     from flows.extract import extract
 
     corpus = tiny_target / "corpus"
@@ -30,26 +30,26 @@ def test_retry_runs_only_the_failed_shard_group(tiny_config, tiny_target, prefec
     cfg.prepare.heldout_rows = 0
     cfg.extract.rows_per_shard, cfg.extract.shards_per_group, cfg.extract.retries = 10, 1, 0
     prep = stage_prepare(cfg)
-    pre = stage_preflight(cfg, prep)
+    version = plan_extract(cfg, prep, stage_preflight(cfg, prep))
 
     monkeypatch.setenv(FAIL_SHARDS_ENV, "2")  # shard 2 fails once, like a lost node
-    first = extract(cfg, prep, pre, return_state=True)
+    first = extract(cfg, version, return_state=True)
     assert first.is_failed() and "shards [2]" in first.message
     s1 = _task_states(first)
     assert s1["extract-shards-[2]"] == "Failed"
     assert all(s1[f"extract-shards-[{k}]"] == "Completed" for k in (0, 1, 3))
 
-    second = extract(cfg, prep, pre, return_state=True)  # the retry
+    second = extract(cfg, version, return_state=True)  # the retry
     assert second.is_completed()
     s2 = _task_states(second)
     assert s2["extract-shards-[2]"] == "Completed"
     assert all(s2[f"extract-shards-[{k}]"] == "Cached" for k in (0, 1, 3)), s2
     rec = second.result()
-    assert rec["shards_published"] == rec["shards_total"] == 4
-    manifest = json.loads(Path(rec["manifest"]).read_text())
+    assert rec.shards_published == rec.shards_total == 4 and rec.content_key == version.content_key
+    manifest = json.loads(Path(rec.manifest).read_text())
     assert [s["attempts"] for s in manifest["shards"]] == [1, 1, 2, 1]
 
-    third = extract(cfg, prep, pre, force_shards=[1], return_state=True)  # force re-extracts chosen shards
+    third = extract(cfg, version, force_shards=[1], return_state=True)  # force re-extracts chosen shards
     s3 = _task_states(third)
     assert s3["extract-shards-[1]"] == "Completed" and s3["extract-shards-[0]"] == "Cached"
-    assert [s["attempts"] for s in json.loads(Path(rec["manifest"]).read_text())["shards"]] == [1, 2, 2, 1]
+    assert [s["attempts"] for s in json.loads(Path(rec.manifest).read_text())["shards"]] == [1, 2, 2, 1]

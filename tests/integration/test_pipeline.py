@@ -47,7 +47,7 @@ def test_corrupted_extraction_stops_before_training_and_rerun_repairs(pipeline_r
     from safetensors.torch import load_file, save_file
 
     from eagle3_pipeline.runs import create_run_dir
-    from eagle3_pipeline.stages import stage_extract, stage_preflight, stage_prepare, stage_verify
+    from eagle3_pipeline.stages import plan_extract, stage_extract, stage_preflight, stage_prepare, stage_verify
     from flows.pipeline import pipeline
 
     _, rep = pipeline_run
@@ -67,10 +67,11 @@ def test_corrupted_extraction_stops_before_training_and_rerun_repairs(pipeline_r
     manifest = Path(rep["artifacts"]["manifest"])
     attempts_before = [s["attempts"] for s in json.loads(manifest.read_text())["shards"]]
     prep = stage_prepare(tiny_config)
-    pre = stage_preflight(tiny_config, prep)
-    ext = stage_extract(tiny_config, prep, pre)
+    version = plan_extract(tiny_config, prep, stage_preflight(tiny_config, prep))
+    assert version.manifest_path == manifest  # the flow's version, planned again from the same records
+    ext = stage_extract(tiny_config, version)
     attempts_after = [s["attempts"] for s in json.loads(manifest.read_text())["shards"]]
     k = 5 // tiny_config.extract.rows_per_shard  # the shard holding row 5
     assert [a - b for a, b in zip(attempts_after, attempts_before)] == [int(i == k) for i in range(len(attempts_before))]
-    assert victim.exists() and ext["shards_published"] == ext["shards_total"]
-    assert stage_verify(tiny_config, prep, pre, ext)["passed"]
+    assert victim.exists() and ext.shards_published == ext.shards_total
+    assert stage_verify(tiny_config, version).passed

@@ -1,6 +1,6 @@
 """speculators' OWN training entry point trains on our data: the session's tokenized dataset and
 vLLM-extracted hidden states, with the vocab stage's d2t/t2d files, through `speculators.train`'s
-`main` (flags exactly as for `python -m speculators.train`), run by tests/helpers_speculators_cpu.py
+`main` (flags exactly as for `python -m speculators.train`), run by tests/helpers/speculators_cpu.py
 with only the CPU shim applied. A few optimizer steps, ≈ 30 s on 2 cores.
 """
 
@@ -8,30 +8,28 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
 from eagle3_pipeline.proc import run_child
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from helpers_speculators_cpu import speculators_train_argv  # noqa: E402
+from tests.helpers.speculators_cpu import speculators_train_argv
 
 STEPS = 6
 
 
 @pytest.fixture(scope="module")
-def vocab_dir(tiny_config, prepared, preflighted, extracted) -> Path:
+def vocab_dir(tiny_config, prepared, extracted) -> Path:
     from eagle3_pipeline.stages import stage_vocab
 
-    return Path(stage_vocab(tiny_config, prepared, preflighted, extracted.record, log=lambda _: None)["dir"])
+    return Path(stage_vocab(tiny_config, prepared, extracted.version, log=lambda _: None).dir)
 
 
 def test_speculators_own_trainer_trains_on_our_data(tiny_target, extracted, vocab_dir, tmp_path):
-    from eagle3_pipeline.train import aux_layer_ids, export_check
+    from eagle3_pipeline.train import export_check
 
-    aux = aux_layer_ids(extracted.layer_ids, json.loads((tiny_target / "config.json").read_text())["num_hidden_layers"])
+    aux = extracted.version.aux_layer_ids  # the draft's inputs: the captured ids without the final layer N
+    assert aux + [json.loads((tiny_target / "config.json").read_text())["num_hidden_layers"]] == extracted.layer_ids
     save = tmp_path / "checkpoints"
     metrics = tmp_path / "metrics.jsonl"
     argv = speculators_train_argv(tiny_target, extracted.tokenized, extracted.hidden_states, vocab_dir, aux, save,
@@ -65,14 +63,14 @@ def test_speculators_cli_draft_has_the_architecture_of_ours(tiny_target, extract
     from safetensors import safe_open
 
     from eagle3_pipeline.config import TargetConfig, TrainConfig
-    from eagle3_pipeline.train import aux_layer_ids, make_untrained_draft
+    from eagle3_pipeline.train import make_untrained_draft
 
-    aux = aux_layer_ids(extracted.layer_ids, 8)
+    aux = extracted.version.aux_layer_ids
     theirs = tmp_path / "theirs"
     argv = speculators_train_argv(tiny_target, extracted.tokenized, extracted.hidden_states, vocab_dir, aux, theirs,
                                   seq_len=512, epochs=1, lr=1e-2) + ["--dry-run"]
     run_child(argv, name="speculators-dry-run", timeout_s=300, log_path=tmp_path / "dry-run.log")
-    ours = make_untrained_draft(TargetConfig(model=str(tiny_target)), vocab_dir, extracted.layer_ids, tmp_path / "ours",
+    ours = make_untrained_draft(TargetConfig(model=str(tiny_target)), extracted.version, vocab_dir, tmp_path / "ours",
                                 TrainConfig(max_seq_len=512, draft_layers=1), log=lambda _: None)
     a, b = json.loads((theirs / "config.json").read_text()), json.loads((ours / "config.json").read_text())
     for key in ("speculators_model_type", "draft_vocab_size", "eagle_aux_hidden_state_layer_ids", "norm_before_fc",

@@ -20,20 +20,23 @@ import pytest
 import torch
 
 from eagle3_pipeline.config import EvaluateConfig, TargetConfig, TrainConfig
+from eagle3_pipeline.contracts import to_record
 from eagle3_pipeline.proc import ChildFailed
 from eagle3_pipeline.train import CKPT_FILES, ExportCheckError, export_check, make_untrained_draft, train_draft
 from eagle3_pipeline.train.worker import KILL_ENV
 
 
 @pytest.fixture(scope="module")
-def inputs(tiny_config, tiny_target, prepared, preflighted, extracted):
+def inputs(tiny_config, tiny_target, prepared, extracted):
     from eagle3_pipeline.stages import stage_vocab
 
-    voc = stage_vocab(tiny_config, prepared, preflighted, extracted.record, log=lambda _: None)
-    assert voc["coverage"] > 0.9
-    return SimpleNamespace(tokenized=extracted.tokenized, hidden_states=extracted.hidden_states,
-                           layer_ids=extracted.layer_ids, vocab_dir=Path(voc["dir"]), k=voc["draft_vocab_size"],
-                           model_dir=tiny_target, target=TargetConfig(model=str(tiny_target)), prepared=prepared)
+    voc = stage_vocab(tiny_config, prepared, extracted.version, log=lambda _: None)
+    assert voc.coverage > 0.9
+    assert Path(voc.dir) == extracted.version.vocab_dir(tiny_config.vocab.draft_vocab_size).resolve()
+    return SimpleNamespace(version=extracted.version, tokenized=extracted.tokenized,
+                           hidden_states=extracted.hidden_states, layer_ids=extracted.layer_ids,
+                           vocab_dir=Path(voc.dir), k=voc.draft_vocab_size, model_dir=tiny_target,
+                           target=TargetConfig(model=str(tiny_target)), prepared=prepared)
 
 
 def _cfg(**kw) -> TrainConfig:
@@ -46,8 +49,7 @@ def _cfg(**kw) -> TrainConfig:
 def trained(inputs, tmp_path_factory):
     out = tmp_path_factory.mktemp("train-run")
     lines: list[str] = []
-    res = train_draft(_cfg(), inputs.target, inputs.tokenized, inputs.hidden_states, inputs.vocab_dir,
-                      inputs.layer_ids, out, log=lines.append)
+    res = train_draft(_cfg(), inputs.target, inputs.version, inputs.vocab_dir, out, log=lines.append)
     return SimpleNamespace(res=res, out=out, lines=lines)
 
 
@@ -102,8 +104,8 @@ def test_export_check_catches_altered_d2t(trained, inputs, tmp_path):
 
 def test_resume_continues_from_last_epoch(trained, inputs):
     lines: list[str] = []
-    res = train_draft(_cfg(epochs=3), inputs.target, inputs.tokenized, inputs.hidden_states, inputs.vocab_dir,
-                      inputs.layer_ids, trained.out, log=lines.append)
+    res = train_draft(_cfg(epochs=3), inputs.target, inputs.version, inputs.vocab_dir, trained.out,
+                      log=lines.append)
     assert res.resumed_from_epoch == 1 and res.epochs_done == 3
     assert trained.res.steps < res.steps < trained.res.steps * 2
     rows = [json.loads(x) for x in (trained.out / "metrics.jsonl").read_text().splitlines()]
@@ -112,7 +114,7 @@ def test_resume_continues_from_last_epoch(trained, inputs):
 
 
 def test_untrained_draft_has_same_architecture(trained, inputs, tmp_path):
-    out = make_untrained_draft(inputs.target, inputs.vocab_dir, inputs.layer_ids, tmp_path / "untrained",
+    out = make_untrained_draft(inputs.target, inputs.version, inputs.vocab_dir, tmp_path / "untrained",
                                _cfg(), log=lambda _: None)
     export_check(out, inputs.vocab_dir, inputs.model_dir)
     a = json.loads((out / "config.json").read_text())
@@ -203,7 +205,7 @@ def test_killed_training_resumes_from_last_complete_checkpoint(inputs, tmp_path,
     passes export_check."""
     out = tmp_path / "run"
     cfg = _cfg(epochs=3)
-    args = (cfg, inputs.target, inputs.tokenized, inputs.hidden_states, inputs.vocab_dir, inputs.layer_ids, out)
+    args = (cfg, inputs.target, inputs.version, inputs.vocab_dir, out)
     save = out / "checkpoints"
 
     def metric_steps() -> list[int]:
@@ -279,7 +281,6 @@ def test_fp8_hidden_states_are_dequantized_for_training(inputs, tmp_path):
     states equal to the bf16 files' up to fp8 rounding: the train worker's loaders dequantize them."""
     from safetensors.torch import load_file, save_file
 
-    from eagle3_pipeline.extract.worker import to_record
     from eagle3_pipeline.train.worker import _loaders
 
     fp8_dir = tmp_path / "hidden_states_fp8"

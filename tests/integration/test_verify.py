@@ -13,12 +13,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3_pipeline.config import VerifyConfig
+from eagle3_pipeline.contracts import to_record
 from eagle3_pipeline.verify.gate import verify
 from eagle3_pipeline.verify.invariance import extract_rows, invariance_rows
 from eagle3_pipeline.verify.reference import choose_rows, reference_check
 from eagle3_pipeline.verify.structure import learn_norm_bounds, verify_structure
+from tests.helpers.version import relocated
 
-TESTS = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 ROWS = [0, 1, 2]
 
@@ -102,7 +104,7 @@ def test_samples_swapped_between_files(extracted, hs_copy):
     assert res.bad_rows == [0, 1]
 
 
-def test_layer_off_by_one_is_caught_by_the_reference(extracted, hs_copy, tiny_target):
+def test_layer_off_by_one_is_caught_by_the_reference(extracted, hs_copy, tiny_target, tiny_config):
     """Structure cannot see a wrong layer id; recomputing with HF transformers can."""
     from transformers import AutoModelForCausalLM
 
@@ -115,11 +117,12 @@ def test_layer_off_by_one_is_caught_by_the_reference(extracted, hs_copy, tiny_ta
     shifted[:, 0] = hs[3][0].to(torch.bfloat16)  # captured layer 3 where layer 2 was asked for
     save_file({**rec, "hidden_states": shifted}, str(f))
     assert _check(extracted, hs_copy).passed  # structurally perfect
-    ref = reference_check(str(tiny_target), extracted.tokenized, hs_copy, extracted.layer_ids, ROWS, log=lambda m: None)
+    copy = relocated(extracted.version, hs_copy.parent)  # its records are hs_copy's
+    assert copy.hidden_states_dir == hs_copy.resolve()
+    ref = reference_check(tiny_config.target, copy, ROWS, log=lambda m: None)
     assert ref.bad_rows == [1]
     assert any("hs_1" in p and "layer 2 differs from the reference" in p for p in ref.problems), ref.problems
-    clean = reference_check(str(tiny_target), extracted.tokenized, extracted.hidden_states, extracted.layer_ids,
-                            ROWS, log=lambda m: None)
+    clean = reference_check(tiny_config.target, extracted.version, ROWS, log=lambda m: None)
     assert not clean.problems and clean.max_rel_err < 0.05 and clean.min_cosine > 0.99
 
 
@@ -130,10 +133,8 @@ def test_reference_sample_choice_covers_extremes_and_shards():
 
 
 def test_fp8_records(extracted, hs_copy):
-    """fp8 storage: a real record quantized by the worker's own `to_record` passes as fp8; without its
-    scales, or a bf16 record checked as fp8, is caught."""
-    from eagle3_pipeline.extract.worker import to_record
-
+    """fp8 storage: a real record quantized by the record format's own `to_record` (the one the worker
+    writes with) passes as fp8; without its scales, or a bf16 record checked as fp8, is caught."""
     for r in ROWS:
         _rewrite(hs_copy / f"hs_{r}.safetensors", lambda rec: to_record(rec["hidden_states"], rec["token_ids"], "fp8"))
     fp8 = lambda: verify_structure(extracted.tokenized, hs_copy, extracted.layer_ids, extracted.hidden_size, "fp8",
@@ -222,8 +223,8 @@ def test_gate_passes_clean_data_with_invariance_and_records_stats(extracted, tin
 
     out = _copy_extract(extracted, tmp_path)
     cfg = VerifyConfig(reference_samples=2, invariance_samples=3)
-    res = verify(cfg, tiny_config.target, extracted.tokenized, out, extracted.layer_ids, extracted.hidden_size,
-                 "bf16", tiny_config.extract.rows_per_shard, extracted.content_key, log=lambda m: None,
+    assert extracted.version.rows_per_shard == tiny_config.extract.rows_per_shard
+    res = verify(cfg, tiny_config.target, relocated(extracted.version, out), log=lambda m: None,
                  extract_cfg=tiny_config.extract)
     assert res.passed, res.problems
     assert len(res.invariance_samples) == 3 and res.invariance_skipped is None
@@ -244,11 +245,12 @@ def test_broken_connector_is_caught_by_batch_invariance(extracted, tiny_config, 
     connector disagrees and says how."""
     import datasets
 
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    # the engine child (and vLLM's processes under it) import the connector by module path
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     rows = 96
     tok = tmp_path / "tokenized"
     datasets.load_from_disk(str(extracted.tokenized)).select(range(rows)).save_to_disk(str(tok))
-    broken = tiny_config.extract.model_copy(update={"connector_module": "broken_connector",
+    broken = tiny_config.extract.model_copy(update={"connector_module": "tests.helpers.broken_connector",
                                                     "connector_name": "OffsetDriftConnector"})
     out = tmp_path / "extract"
     extract_rows(broken, tiny_config.target, tok, [(0, rows)], out, extracted.layer_ids, extracted.hidden_size,
@@ -256,8 +258,9 @@ def test_broken_connector_is_caught_by_batch_invariance(extracted, tiny_config, 
     structure = verify_structure(tok, out / "hidden_states", extracted.layer_ids, extracted.hidden_size,
                                  log=lambda m: None)
     assert structure.passed, structure.problems[:3]  # nothing structural to see
-    res = verify(VerifyConfig(reference_samples=0, invariance_samples=3), tiny_config.target, tok, out,
-                 extracted.layer_ids, extracted.hidden_size, "bf16", rows, "broken-connector-test",
+    version = relocated(extracted.version, out, tokenized_dir=tok, content_key="broken-connector-test")
+    assert version.rows == rows and [len(g) for g in version.groups] == [1]  # rows_per_shard 96: one shard
+    res = verify(VerifyConfig(reference_samples=0, invariance_samples=3), tiny_config.target, version,
                  log=lambda m: None, extract_cfg=broken)
     assert not res.passed and res.bad_rows, res.problems
     assert set(res.bad_rows) <= set(res.invariance_samples)
@@ -276,8 +279,9 @@ def test_layer_off_by_one_from_a_broken_extraction_config(extracted, tiny_config
     hs = extract_rows(tiny_config.extract, tiny_config.target, extracted.tokenized, [(0, 8)], tmp_path / "x",
                       wrong, extracted.hidden_size, log=lambda m: None)
     assert _check(extracted, hs, rows=list(range(8))).passed
-    ref = reference_check(str(tiny_config.target.model), extracted.tokenized, hs, extracted.layer_ids, [1, 5],
-                          log=lambda m: None)
+    wrong_version = relocated(extracted.version, tmp_path / "x")  # the layer ids it should have captured
+    assert wrong_version.hidden_states_dir == hs.resolve()
+    ref = reference_check(tiny_config.target, wrong_version, [1, 5], log=lambda m: None)
     assert ref.bad_rows == [1, 5]
     for r in (1, 5):
         for lid in extracted.layer_ids[:-1]:

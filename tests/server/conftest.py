@@ -21,7 +21,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from helpers_server import BIN, GPU_LIMIT, POOL, ROOT, Proc, free_port, run_cmd
+from tests.helpers.server import BIN, GPU_LIMIT, POOL, ROOT, Proc, free_port, run_cmd
 
 
 # ------------------------------------------------------------------------------- fixtures

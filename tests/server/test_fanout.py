@@ -9,7 +9,7 @@ import json
 import time
 from pathlib import Path
 
-from helpers_server import read_events, ui_retry, ui_run, wait_final
+from tests.helpers.server import read_events, ui_retry, ui_run, wait_final
 
 
 def _group_runs(client, dataset: str):
@@ -49,7 +49,7 @@ def test_fanout_to_two_nodes_failed_group_and_retry(client, controller, nodes, s
     groups = _group_runs(client, "fanout")
     assert [r.parameters["shard_ids"] for r in groups if r.id not in {a.id, b.id}] == [[2, 3]]
     assert all(r.state.is_completed() for r in groups if r.id not in {a.id, b.id})
-    man = json.loads((Path(groups[0].parameters["plan"]["dir"]) / "manifest.json").read_text())
+    man = json.loads((Path(groups[0].parameters["version"]["dir"]) / "manifest.json").read_text())
     assert [(s["status"], s["attempts"]) for s in man["shards"]] == [("published", 1)] * 2 + [("published", 2)] * 2
     # rerun-failed published this version without training it: the event says so, and the
     # train-on-publish automation (it answers `wanted` only) started no pipeline run

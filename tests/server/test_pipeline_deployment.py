@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers_server import (GPU_LIMIT, POOL, artifacts, read_events, subflow_runs, task_states, ui_retry, ui_run,
-                            wait_final)
+from tests.helpers.server import (GPU_LIMIT, POOL, artifacts, read_events, subflow_runs, task_states, ui_retry,
+                                  ui_run, wait_final)
 
 MODEL = "tiny-target"  # artifact keys: <what>-<dataset>-<model>
 
@@ -114,16 +114,17 @@ def test_refresh_schedule_and_unchanged_data(pipeline_run, client, controller, s
 
 
 def test_deployed_engine_task_refuses_to_run_without_the_gpu_limit(pipeline_run, client, nodes):
-    from eagle3_pipeline.stages import stage_extract_plan, stage_preflight, stage_prepare
+    from eagle3_pipeline.stages import plan_extract, stage_preflight, stage_prepare
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 
     cfg = pipeline_run.cfg
     prep = stage_prepare(cfg)
-    plan = stage_extract_plan(cfg, prep, stage_preflight(cfg, prep))
+    version = plan_extract(cfg, prep, stage_preflight(cfg, prep))
     client.delete_global_concurrency_limit_by_name(GPU_LIMIT)
     try:
         fr = ui_run(client, "extract-group/extract-group", {
-            "config": cfg.model_dump(mode="json"), "prep": prep, "plan": plan, "shard_ids": [0, 1], "force": True})
+            "config": cfg.model_dump(mode="json"), "version": version.model_dump(mode="json"), "shard_ids": [0, 1],
+            "force": True})
         fr = wait_final(client, fr.id, 300, nodes)
     finally:
         client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=GPU_LIMIT, limit=2))
@@ -162,7 +163,7 @@ def test_published_dataset_starts_the_pipeline(client, deployed, server_config):
         assert runs[0].parameters["config"] == cfg.model_dump(mode="json")
         assert runs[0].state.is_scheduled()
         (ev,) = arrived
-        assert ev.resource["eagle3.version"] == prep["version"] and ev.resource["eagle3.training"] == "wanted"
+        assert ev.resource["eagle3.version"] == prep.version and ev.resource["eagle3.training"] == "wanted"
         client.delete_flow_run(runs[0].id)
     finally:
         client.update_work_queue(queue.id, is_paused=False)

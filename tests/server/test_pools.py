@@ -3,7 +3,7 @@ GPU pool whose base job template (infra/k8s-gpu-job-template.json) the server ac
 
 
 def test_work_pools_and_gpu_limit(client, deployed):
-    from helpers_server import GPU_LIMIT, POOL
+    from tests.helpers.server import GPU_LIMIT, POOL
 
     assert client.read_work_pool(POOL).type == "process"
     gpu = client.read_work_pool("eagle3-gpu")

@@ -62,13 +62,20 @@ def test_layer_ids_invalid(ids, msg):
 
 def test_train_key_follows_what_shapes_the_draft_only():
     """log_freq / timeout_s / num_workers resume the same checkpoint dir; lr or epochs start a new one."""
+    from eagle3_pipeline.contracts import ModelDims
+    from eagle3_pipeline.layout import ExtractVersion, plan_shards
     from eagle3_pipeline.stages import train_key
 
     cfg = load_config(ROOT / "configs/tiny-cpu.yaml")
-    ext, voc = {"content_key": "abc"}, {"dir": "/store/vocab/K512"}
-    base = train_key(cfg, ext, voc)
+    version = ExtractVersion(content_key="abc", dir="/store/x/abc", prepare_version="p", tokenized_dir="/store/x/tok",
+                             layer_ids=[2, 4, 5, 8], rows=8, rows_per_shard=4, shards=plan_shards(8, 4), groups=[[0, 1]],
+                             dims=ModelDims(num_layers=8, hidden_size=128, vocab_size=1024, head_dim=32,
+                                            model_type="llama"))
+    base = train_key(cfg, version)
     for watch in ("train.log_freq=10", "train.timeout_s=60", "train.num_workers=2"):
-        assert train_key(load_config(ROOT / "configs/tiny-cpu.yaml", [watch]), ext, voc) == base, watch
+        assert train_key(load_config(ROOT / "configs/tiny-cpu.yaml", [watch]), version) == base, watch
     for shape in ("train.lr=0.02", "train.epochs=2", "train.seed=1", "train.ttt_steps=2"):
-        assert train_key(load_config(ROOT / "configs/tiny-cpu.yaml", [shape]), ext, voc) != base, shape
-    assert train_key(cfg, {"content_key": "abd"}, voc) != base
+        assert train_key(load_config(ROOT / "configs/tiny-cpu.yaml", [shape]), version) != base, shape
+    assert train_key(cfg, version.model_copy(update={"content_key": "abd"})) != base
+    other_k = cfg.vocab.draft_vocab_size // 2  # another vocab dir of the same version
+    assert train_key(load_config(ROOT / "configs/tiny-cpu.yaml", [f"vocab.draft_vocab_size={other_k}"]), version) != base
