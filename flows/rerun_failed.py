@@ -14,7 +14,9 @@ from tasks import stage_tasks as t
 
 
 @flow(name="rerun-failed")
-def rerun_failed(config: PipelineConfig, force_shards: list[int] | None = None):
+def rerun_failed(config: PipelineConfig | None = None, force_shards: list[int] | None = None,
+                 config_path: str = DEFAULT_CONFIG_PATH):
+    config = resolve_config(config, config_path)  # flows/config_param.py: the deployment's default is a path
     use_hub_secret(config)
     prep = t.prepare(config)
     version = t.plan_extract(config, prep, t.preflight(config, prep))

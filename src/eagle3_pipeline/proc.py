@@ -53,14 +53,18 @@ def emit_event(**payload) -> None:
     sys.stdout.flush()
 
 
-def kill_group(pgid: int, grace_s: float = 10.0) -> None:
-    """SIGTERM the process group, wait up to `grace_s`, then SIGKILL whatever is left."""
+def kill_group(pgid: int, grace_s: float = 10.0, leader: subprocess.Popen | None = None) -> None:
+    """SIGTERM the process group, wait up to `grace_s`, then SIGKILL whatever is left. `leader`: the
+    group's leader when it is our child; it is reaped while waiting (an unreaped zombie still counts
+    as a member of its group, so without it every kill waited the whole grace period)."""
     try:
         os.killpg(pgid, signal.SIGTERM)
     except ProcessLookupError:
         return
     deadline = time.time() + grace_s
     while time.time() < deadline:
+        if leader is not None:
+            leader.poll()
         try:
             os.killpg(pgid, 0)
         except ProcessLookupError:
@@ -133,14 +137,14 @@ def run_child(
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             timed_out = True
-            kill_group(pgid)
+            kill_group(pgid, leader=proc)
             proc.wait()
     except BaseException:
-        kill_group(pgid)
+        kill_group(pgid, leader=proc)
         proc.wait()
         raise
     finally:
-        kill_group(pgid, grace_s=2.0)  # grandchildren (engine workers) must not outlive the attempt
+        kill_group(pgid, grace_s=2.0, leader=proc)  # grandchildren (engine workers) must not outlive the attempt
         reader.join(timeout=5)
         if log_f:
             log_f.close()

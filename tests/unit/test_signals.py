@@ -1,0 +1,71 @@
+"""Termination signals: `signals.raise_on_termination` turns SIGTERM into `Terminated` (so finally
+blocks and atexit handlers run, exit code 128 + signal), leaves an ignored signal ignored, and
+`proc.kill_group` ends a child's group on SIGTERM without waiting out its grace period on the
+child's own unreaped zombie. (The whole thing, `eagle3 run`/`extract` with engines and Prefect's
+temporary server: tests/chaos/test_signals.py.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+CHILD = textwrap.dedent("""
+    import atexit, sys, time
+    from eagle3_pipeline.signals import Terminated, raise_on_termination
+    atexit.register(lambda: open(sys.argv[1], "a").write("atexit\\n"))
+    try:
+        with raise_on_termination():
+            print("ready", flush=True)
+            time.sleep(120)
+    except Terminated as e:
+        open(sys.argv[1], "a").write(f"terminated {e.signum}\\n")
+        sys.exit(e.exit_code)
+    finally:
+        open(sys.argv[1], "a").write("finally\\n")
+""")
+
+
+def _start(marker, **kw) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", CHILD, str(marker)], stdout=subprocess.PIPE, text=True, **kw)
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+def test_sigterm_unwinds_and_exits_143(tmp_path):
+    marker = tmp_path / "marker"
+    p = _start(marker)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=60) == 128 + signal.SIGTERM
+    assert marker.read_text().splitlines() == [f"terminated {int(signal.SIGTERM)}", "finally", "atexit"]
+
+
+def test_an_ignored_sigterm_stays_ignored(tmp_path):
+    marker = tmp_path / "marker"
+    p = _start(marker, preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN))
+    p.send_signal(signal.SIGTERM)
+    p.send_signal(signal.SIGINT)  # KeyboardInterrupt, Python's default: still works
+    assert p.wait(timeout=60) != 0
+    assert "terminated" not in marker.read_text()
+
+
+def test_kill_group_reaps_its_leader_instead_of_waiting_for_the_grace_period(monkeypatch):
+    """A child that dies on SIGTERM is never SIGKILLed: kill_group reaps it and sees the group gone.
+    (An unreaped zombie leader still counts as a group member; before, every kill waited the whole
+    grace and then sent SIGKILL to the zombie.)"""
+    from eagle3_pipeline import proc as proc_mod
+
+    child = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    sent = []
+    real_killpg = os.killpg
+
+    def spy(pgid, sig):
+        sent.append(sig)
+        return real_killpg(pgid, sig)
+
+    monkeypatch.setattr(proc_mod.os, "killpg", spy)
+    proc_mod.kill_group(child.pid, grace_s=30, leader=child)
+    assert child.returncode == -signal.SIGTERM
+    assert signal.SIGKILL not in sent, sent
