@@ -24,6 +24,8 @@ from eagle3_pipeline.errors import InputError
 HS_KEY, TOKENS_KEY, SCALES_KEY = "hidden_states", "token_ids", "hidden_states_scales"
 STORAGE_DTYPES = {"bf16": "BF16", "fp8": "F8_E4M3"}  # safetensors dtype names
 FP8_MAX = 448.0
+FP_IDS_KEY, FP_LOGPROBS_KEY = "top_ids", "top_logprobs"  # the fingerprint sidecar of a record
+FP_TOP = 2  # next-token candidates kept per position
 RECORD_META_KEY = "eagle3_record"  # safetensors metadata: {"layer_ids": [...], "storage_dtype": ...}
 
 
@@ -85,6 +87,7 @@ class ModelDims(BaseModel):
     architectures: list[str] = []
     mla: bool = False          # multi-head latent attention (DeepSeek-V2/V3, Kimi-K2)
     moe: bool = False          # routed experts
+    norm_eps: float = 1e-6     # the final RMSNorm's epsilon
 
 
 def model_dims(target) -> ModelDims:
@@ -125,7 +128,7 @@ def model_dims(target) -> ModelDims:
                      vocab_size=int(text["vocab_size"]), head_dim=head_dim,
                      model_type=str(text.get("model_type", "?")),
                      architectures=list(cfg.get("architectures") or text.get("architectures") or []),
-                     mla=mla, moe=moe)
+                     mla=mla, moe=moe, norm_eps=float(text.get("rms_norm_eps") or text.get("layer_norm_epsilon") or 1e-6))
 
 
 # ---------------------------------------------------------------- the record: name, write, read, compare
@@ -205,3 +208,40 @@ def compare_layers(got, ref, layer_ids: list[int], cos_bound: float) -> list[Lay
                              frac_below=float((cos < cos_bound).float().mean()),
                              first_below=int(below[0, 0]) if len(below) else None))
     return out
+
+
+# ---------------------------------------------------------------- the fingerprint sidecar of a record
+# `fingerprints/fp_{i}.safetensors`, written in the same extraction pass from vLLM's own logits:
+#   top_ids       int64[T, 2]   the target's two most likely next tokens after position t
+#   top_logprobs  fp32[T, 2]    their log-probabilities
+# (t < T-1 from vLLM's prompt logprobs of position t+1; t = T-1 from the one generated token's).
+# Verify recomputes the logit margin top1 - top2 from the stored final-layer state with the final
+# norm and the two lm_head rows alone (the log-softmax normaliser cancels): every row, every token.
+
+def fingerprint_name(row: int) -> str:
+    return f"fp_{row}.safetensors"
+
+
+def fingerprint_from_logprobs(prompt_logprobs: list, last_logprobs: dict | None, num_tokens: int) -> dict:
+    """The sidecar tensors from vLLM's `RequestOutput.prompt_logprobs` (a list of {token id: Logprob},
+    entry 0 None) and the generated token's logprobs dict (`outputs[0].logprobs[0]`)."""
+    import torch
+
+    ids = torch.full((num_tokens, FP_TOP), -1, dtype=torch.int64)  # [T, 2]
+    lps = torch.full((num_tokens, FP_TOP), float("nan"), dtype=torch.float32)  # [T, 2]
+    entries = list(prompt_logprobs[1:num_tokens]) + [last_logprobs]
+    for t, entry in enumerate(entries):
+        if not entry:
+            continue
+        top = sorted((lp.rank, tid, lp.logprob) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= FP_TOP)
+        for j, (_, tid, lp) in enumerate(top[:FP_TOP]):
+            ids[t, j], lps[t, j] = tid, lp
+    return {FP_IDS_KEY: ids.contiguous(), FP_LOGPROBS_KEY: lps.contiguous()}
+
+
+def write_fingerprint(path: Path, fingerprint: dict, tag: str = "0") -> Path:
+    from safetensors.torch import save_file
+
+    from eagle3_pipeline.store import atomic_write
+
+    return atomic_write(Path(path), lambda p: save_file(fingerprint, str(p)), tag=tag)

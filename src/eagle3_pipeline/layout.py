@@ -9,7 +9,7 @@ re-derives a layer id, a dim or a store path of the extraction. Reads only the t
 row count; writes nothing.
 
   <prepare dir>/<model slug>/<extract key>/
-      hidden_states/hs_{i}.safetensors   manifest.json   verify.json
+      hidden_states/hs_{i}.safetensors   fingerprints/fp_{i}.safetensors   manifest.json   verify.json
       vocab/K<k>/                        train/<train key>/
 """
 
@@ -21,10 +21,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from eagle3_pipeline.contracts import ModelDims, record_name
+from eagle3_pipeline.contracts import ModelDims, fingerprint_name, record_name
 from eagle3_pipeline.store import content_key, extract_key, model_fingerprint, read_json, slug, within
 
 MANIFEST_NAME = "manifest.json"
+FINGERPRINTS_DIR = "fingerprints"
 
 
 class Shard(BaseModel):
@@ -83,6 +84,13 @@ class ExtractVersion(BaseModel):
 
     def record_path(self, row: int) -> Path:
         return self.hidden_states_dir / record_name(row)
+
+    @property
+    def fingerprints_dir(self) -> Path:
+        return self.path / FINGERPRINTS_DIR
+
+    def fingerprint_path(self, row: int) -> Path:
+        return self.fingerprints_dir / fingerprint_name(row)
 
     def vocab_dir(self, draft_vocab_size: int) -> Path:
         return self.path / "vocab" / f"K{draft_vocab_size}"

@@ -41,7 +41,8 @@ from eagle3_pipeline import FORMAT_VERSION
 from eagle3_pipeline.config import ExtractConfig, TargetConfig
 from eagle3_pipeline.contracts import record_name
 from eagle3_pipeline.extract.worker import ExtractJob, ShardSpec
-from eagle3_pipeline.layout import MANIFEST_NAME, ExtractVersion, Shard, plan_shards  # noqa: F401 (re-exported)
+from eagle3_pipeline.layout import (FINGERPRINTS_DIR, MANIFEST_NAME, ExtractVersion, Shard,  # noqa: F401 (re-exported)
+                                    plan_shards)
 from eagle3_pipeline.engine import engine_env
 from eagle3_pipeline.proc import ChildFailed, python_child, run_child
 from eagle3_pipeline.store import file_locks, read_json, sha256_file, write_json
@@ -66,6 +67,7 @@ class ShardRecord(BaseModel):
     bytes: int = 0
     seconds: float = 0.0
     files: dict[str, str] = {}  # record name -> sha256
+    fingerprints: dict[str, str] = {}  # fingerprint sidecar name -> sha256 (extract.fingerprints)
     error: str | None = None
     reused: bool = False        # True when this call found it published and left it alone
 
@@ -153,12 +155,14 @@ def _check_published(hs_dir: Path, entry: dict) -> str | None:
     expected = {record_name(r) for r in range(entry["row_start"], entry["row_end"])}
     if set(entry.get("files", {})) != expected:
         return f"its manifest entry lists {len(entry.get('files', {}))} files, expected {len(expected)}"
-    for name, sha in entry["files"].items():
-        p = hs_dir / name
-        if not p.is_file():
-            return f"{p} is missing"
-        if sha256_file(p) != sha:
-            return f"{p} no longer hashes to the manifest (sha256 {sha[:12]}...)"
+    fp_dir = hs_dir.parent / FINGERPRINTS_DIR
+    for d, files in ((hs_dir, entry["files"]), (fp_dir, entry.get("fingerprints") or {})):
+        for name, sha in files.items():
+            p = d / name
+            if not p.is_file():
+                return f"{p} is missing"
+            if sha256_file(p) != sha:
+                return f"{p} no longer hashes to the manifest (sha256 {sha[:12]}...)"
     return None
 
 
@@ -171,7 +175,8 @@ def _job(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, hs_dir: 
         hidden_states_dir=str(hs_dir.resolve()), scratch_dir=str(scratch.resolve()),
         storage_dtype=cfg.storage_dtype, attempt=attempt,
         connector_module=cfg.connector_module, connector_name=cfg.connector_name,
-        shards=[ShardSpec(**s.model_dump()) for s in shards])
+        fingerprints_dir=str((hs_dir.parent / FINGERPRINTS_DIR).resolve()) if cfg.fingerprints else None,
+        invariance_rows=cfg.invariance_rows, shards=[ShardSpec(**s.model_dump()) for s in shards])
 
 
 def extract_group(cfg: ExtractConfig, target: TargetConfig, version: ExtractVersion, shard_ids: list[int], *,
@@ -248,7 +253,8 @@ def _recover_abandoned(man: Manifest, cfg: ExtractConfig, out_dir: Path, shards:
                 e.update(status="failed", error=f"abandoned: child attempt {e['attempts']} never finished")
     for c in stale:
         a = c["attempt"]
-        left = [*(out_dir / "hidden_states").glob(f"*.tmp-{a}-*"), *(out_dir / "jobs").glob(f"extract-{a}.json.tmp-*")]
+        left = [*(out_dir / "hidden_states").glob(f"*.tmp-{a}-*"), *(out_dir / FINGERPRINTS_DIR).glob(f"*.tmp-{a}-*"),
+                *(out_dir / "jobs").glob(f"extract-{a}.json.tmp-*")]
         log(f"extract: child {a} (shards {c['shards']}, parent {c.get('owner')}) was abandoned; removing its "
             f"scratch dir and {len(left)} half-written files")
         scratch = Path(c.get("scratch") or _scratch_dir(cfg, out_dir, a))
@@ -297,6 +303,10 @@ def _run_group(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, ou
                 log(f"extract: shard {k} published ({ev['tokens']} tokens in {ev['seconds']:.2f}s)")
                 if on_shard:
                     on_shard({"shard": k, "tokens": ev["tokens"], "seconds": ev["seconds"]})
+            elif ev.get("kind") == "invariance":
+                with man.edit() as m:
+                    m.setdefault("invariance", {})[str(int(ev["row"]))] = {
+                        k: ev[k] for k in ("layers", "shifts", "error") if k in ev} | {"attempt": attempt}
         except Exception as e:  # noqa: BLE001
             k = ev.get("shard", -1)
             publish_errors[int(k)] = f"publishing shard {k} failed: {type(e).__name__}: {e}"
@@ -316,7 +326,8 @@ def _run_group(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, ou
         raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-        for tmp in hs_dir.glob(f"*.tmp-{attempt}-*"):  # a record cut off mid-write by a kill (ours only)
+        for tmp in [*hs_dir.glob(f"*.tmp-{attempt}-*"), *(hs_dir.parent / FINGERPRINTS_DIR).glob(f"*.tmp-{attempt}-*")]:
+            # a record cut off mid-write by a kill (ours only)
             tmp.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             scratch.parent.rmdir()  # only when empty: another group may be using its own scratch
@@ -337,9 +348,14 @@ def _publish(man: Manifest, hs_dir: Path, shard: Shard, ev: dict) -> None:
                             f"({len(ev['files'])}), expected {len(expected)} named {expected[0]}..{expected[-1]}")
     files = {n: sha256_file(hs_dir / n) for n in expected}
     size = sum((hs_dir / n).stat().st_size for n in expected)
+    fp_dir = hs_dir.parent / FINGERPRINTS_DIR
+    fps = {n: sha256_file(fp_dir / n) for n in ev.get("fingerprint_files") or []}
     with man.edit() as m:
         m["shards"][shard.index].update(status="published", tokens=int(ev["tokens"]), bytes=size,
-                                        seconds=float(ev["seconds"]), files=files, error=None)
+                                        seconds=float(ev["seconds"]), files=files, fingerprints=fps, error=None)
+        inv = m.get("invariance") or {}
+        for r in range(shard.row_start, shard.row_end):  # judged on the previous records of these rows
+            inv.pop(str(r), None)
 
 
 def _close_group(man: Manifest, attempt: int, shards: list[Shard], published: set[int],

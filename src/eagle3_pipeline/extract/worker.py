@@ -31,7 +31,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from eagle3_pipeline.config import EngineConfig, TargetConfig
-from eagle3_pipeline.contracts import ContractError, record_name, to_record, write_record
+from eagle3_pipeline.contracts import (FP_TOP, ContractError, fingerprint_from_logprobs, fingerprint_name, record_name,
+                                      to_record, write_record, write_fingerprint)
 from eagle3_pipeline.proc import emit_event
 
 KILL_AFTER_ENV = "EAGLE3_TEST_KILL_AFTER_SHARDS"
@@ -68,6 +69,8 @@ class ExtractJob(BaseModel):
     nudge_after_s: float = 2.0      # separate engine core: then send a one-token request (see _Engine)
     connector_module: str           # the vLLM KV connector that writes each request's file
     connector_name: str             # (ExtractConfig.connector_*; tests load deliberately broken ones)
+    fingerprints_dir: str | None = None  # fp_{row}.safetensors from vLLM's logits (None: not written)
+    invariance_rows: int = 0        # rows of the group re-run alone at its end (batch of one), compared
 
 
 # ---------------------------------------------------------------- engine side (child only)
@@ -107,12 +110,17 @@ class _Engine:
 
         self.llm, self.job = llm, job
         self.in_process = isinstance(llm.llm_engine.engine_core, InprocClient)
-        self.params = SamplingParams(max_tokens=1, temperature=0.0)
+        # with fingerprints: vLLM's top-2 next-token logprobs at every prompt position and for the
+        # generated token (no detokenization: ids only; ~0.1 s per 16k tokens on the tiny target)
+        fp = {"prompt_logprobs": FP_TOP, "logprobs": FP_TOP, "detokenize": False} if job.fingerprints_dir else {}
+        self.params = SamplingParams(max_tokens=1, temperature=0.0, **fp)
+        self.outputs: list = []  # the RequestOutputs of the last prefill
         self.nudge_token = nudge_token
         self.nudge_files: list[str] = []
 
     def prefill(self, rows: list[list[int]]) -> list[str]:
         outs = self.llm.generate([{"prompt_token_ids": ids} for ids in rows], self.params, use_tqdm=False)
+        self.outputs = outs
         paths = []
         for i, out in enumerate(outs):
             params = out.kv_transfer_params or {}
@@ -152,10 +160,11 @@ def _run_shard(engine: _Engine, ds, job: ExtractJob, shard: ShardSpec) -> None:
     input_ids: list[list[int]] = rows["input_ids"]
     sample_ids = rows["sample_id"] if "sample_id" in rows.column_names else [None] * len(rows)
     paths = engine.prefill(input_ids)
+    outs = engine.outputs
     engine.await_files(paths)
     hs_dir = Path(job.hidden_states_dir)
     L, H = len(job.layer_ids), job.hidden_size
-    files, tokens = [], 0
+    files, fp_files, tokens = [], [], 0
     for k, (ids, sid, path) in enumerate(zip(input_ids, sample_ids, paths)):
         row = shard.row_start + k
         who = f"{record_name(row)} (row {row}, sample {sid})"
@@ -175,11 +184,49 @@ def _run_shard(engine: _Engine, ds, job: ExtractJob, shard: ShardSpec) -> None:
                      tag=str(job.attempt))
         _remove(path)
         files.append(name)
+        if job.fingerprints_dir:
+            out = outs[k]
+            last = out.outputs[0].logprobs[0] if out.outputs and out.outputs[0].logprobs else None
+            fp = fingerprint_from_logprobs(out.prompt_logprobs or [None], last, len(ids))
+            write_fingerprint(Path(job.fingerprints_dir) / fingerprint_name(row), fp, tag=str(job.attempt))
+            fp_files.append(fingerprint_name(row))
         if delay := float(os.environ.get(RECORD_DELAY_ENV, "0") or 0):
             time.sleep(delay)  # test hook (RECORD_DELAY_ENV)
         tokens += len(ids)
-    emit_event(kind="shard_done", shard=shard.index, files=files, tokens=tokens,
+    emit_event(kind="shard_done", shard=shard.index, files=files, fingerprint_files=fp_files, tokens=tokens,
                seconds=round(time.time() - t0, 4))
+
+
+def _invariance(engine: _Engine, ds, job: ExtractJob) -> None:
+    """Batch invariance with the engine already loaded: a few rows of this group prefilled again alone
+    (a batch of one) and compared with the records the batched pass just wrote. Catches what depends
+    on a request's place in a batch (offsets that drift between requests, one request's states under
+    another's name, stale cache slots) without a second model load. Prints one `invariance` event per
+    row with per-layer differences; the verify gate judges them (thresholds live in its config)."""
+    from eagle3_pipeline.contracts import compare_layers, dequantise, read_record
+    from eagle3_pipeline.verify.invariance import invariance_rows, shift_explaining
+
+    rows = [r for s in job.shards for r in range(s.row_start, s.row_end)]
+    seq_lens = [int(x) for x in ds.select(rows)["seq_len"]]
+    first_of_shard = {s.row_start for s in job.shards}
+    picks = invariance_rows(seq_lens, job.invariance_rows, avoid={i for i, r in enumerate(rows) if r in first_of_shard})
+    for i in picks:
+        row = rows[i]
+        ids = ds[row]["input_ids"]
+        (path,) = engine.prefill([ids])
+        engine.await_files([path])
+        data = _load_file(path)
+        _remove(path)
+        alone = dequantise(to_record(data["hidden_states"], data["token_ids"], job.storage_dtype))  # [T, L, H]
+        stored = dequantise(read_record(Path(job.hidden_states_dir) / record_name(row)))  # [T, L, H]
+        if tuple(alone.shape) != tuple(stored.shape):
+            emit_event(kind="invariance", row=row, error=f"stored {list(stored.shape)}, alone {list(alone.shape)}")
+            continue
+        diffs = compare_layers(stored, alone, job.layer_ids, cos_bound=0.9)
+        shifts = {d.layer_id: shift_explaining(stored[:, li], alone[:, li], d.rel_err)
+                  for li, d in enumerate(diffs) if d.mean_cosine < 0.99}
+        emit_event(kind="invariance", row=row, layers=[d.model_dump() for d in diffs],
+                   shifts={str(k): v for k, v in shifts.items() if v is not None})
 
 
 def main(argv: list[str]) -> int:
@@ -219,6 +266,8 @@ def main(argv: list[str]) -> int:
         _run_shard(engine, ds, job, shard)
         if kill_after and n >= kill_after:
             os.kill(os.getpid(), signal.SIGKILL)  # test hook: die like an OOM kill, mid-group
+    if job.invariance_rows > 0:
+        _invariance(engine, ds, job)
     engine.drop_nudge_files()  # any still unwritten go with scratch_dir, which the parent removes
     return 0
 

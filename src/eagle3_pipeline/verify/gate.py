@@ -1,33 +1,41 @@
-"""The verify gate: structure, statistics and norm bounds of every record, numeric reference (HF
-transformers) and batch invariance (the same samples extracted alone) on samples; recorded per version.
+"""The verify gate: every record, every row — structure, statistics, norm bounds, layer identity of
+the aux layers and the final layer against the target's own logits — plus a numeric reference on a
+few samples and the batch-invariance numbers the extract engine measured; recorded per version.
 
-Reads `tokenized/`, `hidden_states/`, the target model, and the extract config from the call or from
-`manifest.json`. Writes `<extract-dir>/verify.json` holding the extract content key and the result
-(including per-layer statistics and the learned norm bounds), and `logs/verify-invariance.log` (the
-batch-of-one extract child). `require_verified` (called by train) refuses data whose current content
-key has no passing record. Failing files are moved to `hidden_states_failed/` (never deleted) so that
-a re-run of the failed shards re-extracts exactly them. Never cached: it runs every time.
+Reads `tokenized/`, `hidden_states/`, `fingerprints/`, the extract manifest (record hashes and the
+engine's invariance entries), the target's final norm and lm_head weights (verify/fingerprint.py)
+and, for the reference samples, the target streamed layer by layer (verify/reference.py). No verify
+step loads the whole target, and none starts an engine. Writes `<extract-dir>/verify.json` (the
+result, per-layer statistics, learned bounds, and the hash of every verified shard) and
+`verify_rows.safetensors` (verify/cache.py): a re-run reads only shards that are new or changed.
+`require_verified` (called by train) refuses data whose current content key has no passing record.
+Failing files are moved to `hidden_states_failed/` (never deleted) and their shards marked failed, so
+a re-run of the failed shards re-extracts exactly them. Never answered from Prefect's cache.
 Two verifies of one extract dir never overlap: each holds `<extract-dir>/locks/verify.lock`
 (store.file_lock) from its first read to verify.json, so a second one waits and then checks again.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
-from pathlib import Path
 
 from pydantic import BaseModel
 
 from eagle3_pipeline.config import ExtractConfig, TargetConfig, VerifyConfig
+from eagle3_pipeline.contracts import record_name
 from eagle3_pipeline.data.prepare import load_tokenized
 from eagle3_pipeline.errors import GateFailed
 from eagle3_pipeline.layout import ExtractVersion
-from eagle3_pipeline.store import file_lock, read_json, write_json
-from eagle3_pipeline.verify.invariance import InvarianceResult, invariance_check, invariance_rows
+from eagle3_pipeline.store import content_key, file_lock, read_json, write_json
+from eagle3_pipeline.verify import cache
+from eagle3_pipeline.verify.fingerprint import FingerprintSummary, final_layer_check
+from eagle3_pipeline.verify.invariance import InvarianceResult, judge
 from eagle3_pipeline.verify.reference import ReferenceResult, choose_rows, reference_check
-from eagle3_pipeline.verify.structure import LayerStats, verify_structure
+from eagle3_pipeline.verify.structure import LayerStats, _Extras, verify_structure
+
+# verify settings that change no verdict: a new value keeps the verified shards
+CONFIG_KEY_EXCLUDE = frozenset({"workers", "move_bad_files"})
 
 
 class VerifyFailed(GateFailed):
@@ -56,61 +64,93 @@ class VerifyResult(BaseModel):
     invariance_max_rel_err: float | None = None
     invariance_min_cosine: float | None = None
     invariance_skipped: str | None = None
+    fingerprint: FingerprintSummary = FingerprintSummary()
+    identity_files: int = 0
+    identity_skipped: str | None = None
+    reference_peak_rss_bytes: int | None = None
+    shards_rechecked: int = 0
+    shards_reused: int = 0
+    config_key: str | None = None
+    shard_hashes: dict[str, str] = {}  # verified-good shard -> cache.shard_hash of its manifest entry
     seconds: float | None = None
 
 
-def _extract_config(extract_dir: Path, given: ExtractConfig | None) -> tuple[ExtractConfig | None, str | None]:
-    """The extract config that produced the data: the one given, else the one in manifest.json."""
-    if given is not None:
-        return given, None
-    m = read_json(Path(extract_dir) / "manifest.json")
-    try:
-        return ExtractConfig(**m["config"]["extract"]), None
-    except Exception as e:  # noqa: BLE001 - no manifest, or one from an incompatible version
-        return None, f"no extract config given and none usable in {extract_dir}/manifest.json ({type(e).__name__}: {e})"
+def _config_key(cfg: VerifyConfig) -> str:
+    return content_key(cfg.model_dump(exclude=set(CONFIG_KEY_EXCLUDE)))
 
 
 def verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, *, log=print,
            extract_cfg: ExtractConfig | None = None) -> VerifyResult:
     """Check everything, record the result in `verify.json`, and return it (the caller raises on failure).
-    `extract_cfg` (engine and connector settings for the invariance re-extraction) defaults to the one
-    recorded in the manifest. Holds the extract dir's verify lock throughout."""
+    Holds the extract dir's verify lock throughout. `extract_cfg` is accepted for callers that pass it;
+    the invariance numbers come from the manifest, written by the engine that extracted the records."""
     with file_lock(version.path / "locks" / "verify.lock", f"verify of {version.dir}", log):
-        return _verify(cfg, target, version, log, extract_cfg)
+        return _verify(cfg, target, version, log)
 
 
-def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, log,
-            extract_cfg: ExtractConfig | None) -> VerifyResult:
+def _reusable(cfg: VerifyConfig, version: ExtractVersion, shards: list[dict], log) -> tuple[dict, dict[str, str]]:
+    """(cached results by row, hashes of the shards they cover) that this verify may reuse."""
+    prev = read_json(version.verify_path)
+    if not prev or prev.get("content_key") != version.content_key or prev.get("config_key") != _config_key(cfg):
+        return {}, {}
+    old = prev.get("shard_hashes") or {}
+    ok = {str(e["index"]): cache.shard_hash(e, version) for e in shards
+          if e["status"] == "published" and old.get(str(e["index"])) == cache.shard_hash(e, version)}
+    if not ok:
+        return {}, {}
+    cached = cache.load(version.path / cache.CACHE_NAME)
+    rows = {}
+    for e in shards:
+        if str(e["index"]) in ok:
+            span = range(e["row_start"], e["row_end"])
+            if all(r in cached for r in span):
+                rows.update({r: cached[r] for r in span})
+            else:
+                ok.pop(str(e["index"]))
+    return rows, ok
+
+
+def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, log) -> VerifyResult:
     t0 = time.time()
-    extract_dir, tokenized_dir = version.path, Path(version.tokenized_dir)
+    extract_dir, tokenized_dir = version.path, version.tokenized_dir
+    man = read_json(version.manifest_path) or {}
+    shards = man.get("shards", [])
+    reused, reused_hashes = _reusable(cfg, version, shards, log)
+    ds = load_tokenized(tokenized_dir)
+    todo = [r for r in range(len(ds)) if r not in reused]
+    fp_required = bool((man.get("config") or {}).get("extract", {}).get("fingerprints"))
+    final, final_skipped = final_layer_check(target, version.dims, cfg, version.storage_dtype)
+    if final_skipped:
+        log(f"verify: final-layer fingerprint check skipped: {final_skipped}")
+    extras = _Extras(identity=cfg.identity_max_z is not None,
+                     final=final, fingerprints_dir=str(version.fingerprints_dir), fingerprints_required=fp_required,
+                     min_agreement=cfg.fingerprint_min_agreement)
+    log(f"verify: {len(todo)} records to read, {len(reused)} reused from {len(reused_hashes)} unchanged verified shards")
     st = verify_structure(tokenized_dir, version.hidden_states_dir, version.layer_ids, version.dims.hidden_size,
-                          version.storage_dtype, log=log, norm_samples=cfg.norm_bounds_samples,
+                          version.storage_dtype, rows=todo, log=log, norm_samples=cfg.norm_bounds_samples,
                           norm_factor=cfg.norm_bounds_factor, norm_min_ratio=cfg.norm_bounds_min_ratio,
-                          workers=cfg.workers)
-    good = set(range(st.files_checked)) - set(st.bad_rows)
-    seq_lens = load_tokenized(tokenized_dir)["seq_len"] if good else []
+                          workers=cfg.workers, extras=extras, identity_max_z=cfg.identity_max_z,
+                          reused=list(reused.values()))
+    if final_skipped:
+        st.fingerprint.skipped = final_skipped
+    bad_st = set(st.bad_rows)
+    good_new = [r for r in todo if r not in bad_st and r < len(ds)]
+    seq_lens = ds["seq_len"] if good_new else []
+    prev = read_json(version.verify_path) or {}
     ref = ReferenceResult(samples_checked=[], max_rel_err=None, min_cosine=None, per_layer_max_rel_err={},
                           problems=[], skipped="reference_samples is 0")
-    if cfg.reference_samples > 0 and good:
-        rows = [r for r in choose_rows(seq_lens, cfg.reference_samples, version.rows_per_shard) if r in good]
+    if cfg.reference_samples > 0 and good_new:
+        new = set(good_new)
+        rows = [r for r in choose_rows(seq_lens, cfg.reference_samples, version.rows_per_shard) if r in new]
+        rows = rows or good_new[: cfg.reference_samples]
         ref = reference_check(target, version, rows, log=log)
-    inv = InvarianceResult(samples_checked=[], max_rel_err=None, min_cosine=None, per_layer_max_rel_err={},
-                           problems=[], skipped="invariance_samples is 0")
-    if cfg.invariance_samples > 0:
-        ecfg, why = _extract_config(extract_dir, extract_cfg)
-        if ecfg is None:
-            inv.skipped = why
-        elif not good:
-            inv.skipped = "no good records to re-extract"
-        else:
-            rows = invariance_rows(seq_lens, cfg.invariance_samples, version.rows_per_shard, good - set(ref.bad_rows))
-            inv = invariance_check(cfg, ecfg, target, version, rows,
-                                   extract_dir / ".scratch" / f"verify-invariance-{os.getpid()}", log=log,
-                                   log_path=extract_dir / "logs" / "verify-invariance.log")
-    if inv.skipped:
-        log(f"verify: invariance check skipped: {inv.skipped}")
+    elif cfg.reference_samples > 0 and reused:
+        ref.skipped = "every shard was verified before and is unchanged"
+        ref.samples_checked, ref.max_rel_err = prev.get("reference_samples", []), prev.get("reference_max_rel_err")
+        ref.min_cosine = prev.get("reference_min_cosine")
+    inv = _invariance(cfg, version, man, ds, log)
     problems = st.problems + ref.problems + inv.problems
-    bad_rows = sorted(set(st.bad_rows) | set(ref.bad_rows) | set(inv.bad_rows))
+    bad_rows = sorted(bad_st | set(ref.bad_rows) | set(inv.bad_rows))
     moved = []
     if problems and cfg.move_bad_files:
         failed_dir = extract_dir / "hidden_states_failed"
@@ -122,17 +162,45 @@ def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, lo
                 moved.append(str(failed_dir / f.name))
         from eagle3_pipeline.extract.shards import mark_rows_failed
 
-        shards = mark_rows_failed(extract_dir, bad_rows, "verify failed")
-        log(f"verify: moved {len(moved)} files to {failed_dir}; shards {shards} marked failed for re-extraction")
+        hit = mark_rows_failed(extract_dir, bad_rows, "verify failed")
+        log(f"verify: moved {len(moved)} files to {failed_dir}; shards {hit} marked failed for re-extraction")
+    bad = set(bad_rows)
+    man = read_json(version.manifest_path) or man  # mark_rows_failed may have changed it
+    hashes = {str(e["index"]): cache.shard_hash(e, version) for e in man.get("shards", []) if e["status"] == "published"
+              and not any(e["row_start"] <= r < e["row_end"] for r in bad)}
+    n_rechecked = len({e["index"] for e in shards if str(e["index"]) not in reused_hashes})
     res = VerifyResult(
-        content_key=version.content_key, passed=not problems and st.files_checked > 0, samples_checked=st.files_checked,
-        tokens_checked=st.tokens_checked, reference_max_rel_err=ref.max_rel_err, reference_min_cosine=ref.min_cosine,
-        reference_samples=ref.samples_checked, reference_skipped=ref.skipped, problems=problems, bad_rows=bad_rows,
-        moved_files=moved, layer_stats=st.layer_stats, bytes_read=st.bytes_read, structure_seconds=st.seconds,
-        norm_bounds_files=st.norm_bounds_files, norm_bounds_skipped=st.norm_bounds_skipped,
+        content_key=version.content_key, passed=not problems and st.files_checked > 0,
+        samples_checked=st.files_checked, tokens_checked=st.tokens_checked, reference_max_rel_err=ref.max_rel_err,
+        reference_min_cosine=ref.min_cosine, reference_samples=ref.samples_checked, reference_skipped=ref.skipped,
+        problems=problems, bad_rows=bad_rows, moved_files=moved, layer_stats=st.layer_stats, bytes_read=st.bytes_read,
+        structure_seconds=st.seconds, norm_bounds_files=st.norm_bounds_files, norm_bounds_skipped=st.norm_bounds_skipped,
         invariance_samples=inv.samples_checked, invariance_max_rel_err=inv.max_rel_err,
-        invariance_min_cosine=inv.min_cosine, invariance_skipped=inv.skipped, seconds=round(time.time() - t0, 2))
+        invariance_min_cosine=inv.min_cosine, invariance_skipped=inv.skipped, fingerprint=st.fingerprint,
+        identity_files=st.identity_files, identity_skipped=st.identity_skipped,
+        reference_peak_rss_bytes=getattr(ref, "peak_rss_bytes", None), shards_rechecked=n_rechecked,
+        shards_reused=len(reused_hashes), config_key=_config_key(cfg), shard_hashes=hashes,
+        seconds=round(time.time() - t0, 2))
+    cache.save(extract_dir / cache.CACHE_NAME, [r for r in [*reused.values(), *st.results] if r.row not in bad])
     write_json(version.verify_path, res.model_dump())
+    return res
+
+
+def _invariance(cfg: VerifyConfig, version: ExtractVersion, man: dict, ds, log) -> InvarianceResult:
+    """Judge the batch-invariance entries the extract engine wrote into the manifest."""
+    published = {r for e in man.get("shards", []) if e["status"] == "published" for r in range(e["row_start"], e["row_end"])}
+    entries = {int(k): v for k, v in (man.get("invariance") or {}).items() if int(k) in published}
+    if not entries:
+        why = ("extract.invariance_rows is 0" if not (man.get("config") or {}).get("extract", {}).get("invariance_rows")
+               else "the extract manifest holds no invariance entries (extracted before they existed?)")
+        log(f"verify: invariance check skipped: {why}")
+        return InvarianceResult(samples_checked=[], max_rel_err=None, min_cosine=None, per_layer_max_rel_err={},
+                                problems=[], skipped=why)
+    sid = ds["sample_id"] if "sample_id" in ds.column_names else None
+    names = {r: f"{record_name(r)} (row {r}, sample {sid[r] if sid else None})" for r in entries}
+    res = judge(entries, cfg, version.storage_dtype, names)
+    log(f"verify invariance: {len(entries)} rows re-run alone by the extract engine, max relative error "
+        f"{res.max_rel_err}, worst mean token cosine {res.min_cosine}")
     return res
 
 

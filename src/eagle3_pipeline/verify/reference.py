@@ -1,20 +1,45 @@
-"""Numeric reference: recompute hidden states with Hugging Face transformers and compare per layer.
+"""Numeric reference: recompute hidden states of a few samples with Hugging Face transformers, one
+decoder layer at a time in a child process, and compare them per layer with the stored records.
 
-Reads the target model (HF directory) and a sampled subset of records. Layer id k < N maps to HF
-`hidden_states[k]` (residual stream after k decoder layers); id N maps to the last decoder layer's
-output *before* the final norm (HF's `hidden_states[N]` is after it), taken with a forward hook.
-Tolerances are bf16-appropriate: bf16 keeps 8 mantissa bits, and vLLM's and HF's kernels differ in
-accumulation order, so we compare cosine similarity and relative L2 error per layer, not bits.
+Owns `reference_check` (the parent side), `choose_rows` and the pass/fail decision `_row_problems`.
+Reads the tokenized rows, the records `hs_{i}.safetensors` and (in the child, `verify.worker`) the
+target's config and safetensors. Writes `<extract-dir>/.scratch/verify-reference-<pid>/` (the job,
+the child's result and hidden states, the one-layer checkpoint; removed afterwards) and
+`<extract-dir>/logs/verify-reference.log` (the child's output, also forwarded to `log`).
+
+The child streams the target layer by layer in the model's dtype (`target.dtype`, as vLLM runs it),
+only up to the deepest captured id, under `verify.reference_memory_gb` of peak RSS: the whole model is
+never loaded, so a 1T-parameter target needs one layer's memory. Layer id k < N is HF's
+`hidden_states[k]` (residual stream after k decoder layers); id N is the last decoder layer's output
+*before* the final norm, as vLLM captures it. Tolerances are bf16-appropriate: vLLM's and HF's
+kernels differ in accumulation order, so we compare relative L2 error and per-token cosine per layer.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
 from pydantic import BaseModel
 
 from eagle3_pipeline.data.prepare import load_tokenized
+from eagle3_pipeline.errors import EnvironmentProblem
 
-MIN_COSINE = 0.99
-MAX_REL_ERR = 0.10
+# The pass/fail criteria (per record and layer); decided in `_row_problems` only.
+MIN_COSINE = 0.99   # on the worst token
+MAX_REL_ERR = 0.10  # relative L2 error over all tokens
+WORKER = "eagle3_pipeline.verify.worker"
+
+
+class ReferenceBudgetExceeded(EnvironmentProblem):
+    """The reference child's peak RSS went past `verify.reference_memory_gb` (message: budget, layer, RSS)."""
+
+
+class ReferenceFailed(RuntimeError):
+    """The reference child failed for another reason; the message carries its output's tail."""
 
 
 class ReferenceResult(BaseModel):
@@ -25,6 +50,11 @@ class ReferenceResult(BaseModel):
     problems: list[str]
     bad_rows: list[int] = []
     skipped: str | None = None
+    peak_rss_bytes: int | None = None  # of the reference child (ru_maxrss)
+    # per layer id over the checked rows: max_rel_err, min_cosine, mean_cosine (the lowest row mean),
+    # max_frac_below (fraction of a row's tokens with cosine < MIN_COSINE, worst row)
+    per_layer: dict[int, dict] = {}
+    seconds: float | None = None
 
 
 def choose_rows(seq_lens: list[int], count: int, rows_per_shard: int) -> list[int]:
@@ -45,60 +75,112 @@ def choose_rows(seq_lens: list[int], count: int, rows_per_shard: int) -> list[in
     return sorted(set(picks))[: max(count, 2)]
 
 
-def reference_check(target, version, rows: list[int], *, log=print) -> ReferenceResult:
-    """Recompute `rows` of `version` (layout.ExtractVersion) with the target (config.TargetConfig)."""
-    import torch
+def _row_problems(diffs) -> list[str]:
+    """The pass/fail decision for one record: a problem per layer (contracts.LayerDiff) that is off."""
+    return [f"layer {d.layer_id} differs from the reference: relative error {d.rel_err:.4f} (max {MAX_REL_ERR}), "
+            f"min token cosine {d.min_cosine:.4f} (min {MIN_COSINE})"
+            + (f", first token below at {d.first_below}" if d.first_below is not None else "")
+            for d in diffs if d.rel_err > MAX_REL_ERR or d.min_cosine < MIN_COSINE]
 
-    from eagle3_pipeline.contracts import dequantise, read_record
 
-    model_dir, trust_remote_code, layer_ids = target.model, target.trust_remote_code, version.layer_ids
+def _skipped(note: str, log) -> ReferenceResult:
+    log(note)
+    return ReferenceResult(samples_checked=[], max_rel_err=None, min_cosine=None, per_layer_max_rel_err={},
+                           problems=[], skipped=note)
 
+
+def stream_reference(target, samples: dict[int, list[int]], layer_ids: list[int], work_dir: Path, *,
+                     memory_gb: float, timeout_s: float, log: Callable[[str], None] = print,
+                     log_path: Path | None = None):
+    """Run the reference child (`verify.worker`) on `samples` (row -> token ids) and return
+    (worker.ReferenceOutput, {row: [T, L, H] tensor in the model dtype}); the tensors are empty when
+    the output says `skipped`. `work_dir` is created and removed. Raises ReferenceBudgetExceeded or
+    ReferenceFailed (non-zero exit, deadline)."""
+    from safetensors.torch import load_file
+
+    from eagle3_pipeline.proc import ChildFailed, python_child, run_child
+    from eagle3_pipeline.store import read_json, write_json
+    from eagle3_pipeline.verify.worker import (BUDGET_EXIT, RESULT_FILE, ReferenceJob, ReferenceOutput,
+                                               ReferenceSample)
+
+    work = Path(work_dir)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    job = ReferenceJob(target=target, layer_ids=list(layer_ids), out_dir=str(work.resolve()),
+                       samples=[ReferenceSample(row=r, token_ids=list(ids)) for r, ids in samples.items()],
+                       memory_budget_bytes=int(memory_gb * 2**30))
+    job_path = write_json(work / "job.json", job.model_dump(mode="json"))
+    where = f" (full log: {log_path})" if log_path else ""
     try:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                     trust_remote_code=trust_remote_code)
-    except Exception as e:
-        note = f"reference check skipped: transformers cannot load {model_dir} here ({type(e).__name__}: {e})"
-        log(note)
-        return ReferenceResult(samples_checked=[], max_rel_err=None, min_cosine=None,
-                               per_layer_max_rel_err={}, problems=[], skipped=note)
-    model.eval()
-    layers = model.model.layers
-    n_layers = len(layers)
-    captured = {}
-    hook = layers[-1].register_forward_hook(
-        lambda mod, inp, out: captured.__setitem__("last", out[0] if isinstance(out, tuple) else out))
-    ds = load_tokenized(version.tokenized_dir)
-    problems, bad_rows, worst, worst_cos = [], set(), {}, 1.0
-    try:
-        for i in rows:
-            ids = ds[i]["input_ids"]
-            with torch.no_grad():
-                out = model(input_ids=torch.tensor([ids]), output_hidden_states=True)
-            got = dequantise(read_record(version.record_path(i)))  # [T, L, H]
-            for li, lid in enumerate(layer_ids):
-                ref = captured["last"][0] if lid == n_layers else out.hidden_states[lid][0]  # [T, H]
-                ref = ref.float()
-                if got.shape[0] != ref.shape[0] or li >= got.shape[1]:
-                    bad_rows.add(i)
-                    problems.append(f"hs_{i}: layer {lid} expected [{ref.shape[0]}, {ref.shape[1]}], "
-                                    f"found {list(got.shape)} for the whole record")
-                    continue
-                g = got[:, li]
-                rel = float((g - ref).norm() / ref.norm().clamp_min(1e-6))
-                cos = float(torch.nn.functional.cosine_similarity(g, ref, dim=-1).min())
-                worst[lid] = max(worst.get(lid, 0.0), rel)
-                worst_cos = min(worst_cos, cos)
-                if rel > MAX_REL_ERR or cos < MIN_COSINE:
-                    bad_rows.add(i)
-                    problems.append(f"hs_{i} (sample {ds[i]['sample_id']}): layer {lid} differs from the "
-                                    f"reference: relative error {rel:.4f} (max {MAX_REL_ERR}), min token "
-                                    f"cosine {cos:.4f} (min {MIN_COSINE})")
+        child = run_child(python_child(WORKER, str(job_path)), name="verify-reference", timeout_s=timeout_s,
+                          log_path=log_path, on_line=log, check=False)
+        raw = read_json(work / RESULT_FILE)
+        out = ReferenceOutput(**raw) if raw is not None else None
+        if child.returncode == BUDGET_EXIT and out is not None and out.error:
+            raise ReferenceBudgetExceeded(out.error)
+        if child.returncode != 0 or out is None:
+            raise ReferenceFailed(f"verify reference child exited with code {child.returncode}{where}; last output:\n"
+                                  + "\n".join(child.tail[-30:]))
+        if out.skipped:
+            return out, {}
+        refs = load_file(out.hidden_states_path)  # row_{i}: [T, L, H] in the model dtype
+        return out, {r: refs[f"row_{r}"] for r in out.rows}
+    except ChildFailed as e:  # only the deadline raises here (check=False)
+        raise ReferenceFailed(str(e)) from e
     finally:
-        hook.remove()
-    log(f"verify reference: {len(rows)} samples, max relative error "
-        f"{max(worst.values(), default=0):.4f}, min cosine {worst_cos:.4f}")
-    return ReferenceResult(samples_checked=rows, max_rel_err=max(worst.values(), default=None),
-                           min_cosine=worst_cos if worst else None, per_layer_max_rel_err=worst,
-                           problems=problems, bad_rows=sorted(bad_rows))
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def reference_check(target, version, rows: list[int], *, log: Callable[[str], None] = print,
+                    cfg=None) -> ReferenceResult:
+    """Recompute `rows` of `version` (layout.ExtractVersion) with the target (config.TargetConfig) in a
+    child that streams it layer by layer under `cfg.reference_memory_gb` (config.VerifyConfig; default
+    VerifyConfig()), and compare them with the stored records. Raises ReferenceBudgetExceeded when the
+    child went past its memory budget, ReferenceFailed when it failed otherwise."""
+    from eagle3_pipeline.config import VerifyConfig
+    from eagle3_pipeline.contracts import compare_layers, dequantise, read_record
+
+    cfg = cfg or VerifyConfig()
+    t0 = time.time()
+    layer_ids = list(version.layer_ids)
+    if not rows:
+        return _skipped("reference check skipped: no rows to check", log)
+    ds = load_tokenized(version.tokenized_dir)
+    out, refs = stream_reference(target, {i: ds[i]["input_ids"] for i in rows}, layer_ids,
+                                 version.path / ".scratch" / f"verify-reference-{os.getpid()}",
+                                 memory_gb=cfg.reference_memory_gb, timeout_s=cfg.reference_timeout_s, log=log,
+                                 log_path=version.path / "logs" / "verify-reference.log")
+    if out.skipped:
+        res = _skipped(f"reference check skipped: {out.skipped}", log)
+        res.peak_rss_bytes = out.peak_rss_bytes
+        return res
+    problems, bad_rows, per_layer = [], set(), {}
+    for i in rows:
+        got = dequantise(read_record(version.record_path(i)))  # [T, L, H] fp32
+        ref = refs[i].float()  # [T, L, H]
+        if got.shape != ref.shape:
+            bad_rows.add(i)
+            problems.append(f"hs_{i} (sample {ds[i]['sample_id']}): hidden_states expected {list(ref.shape)} "
+                            f"(tokens, layers {layer_ids}, hidden), found {list(got.shape)}")
+            continue
+        diffs = compare_layers(got, ref, layer_ids, MIN_COSINE)
+        for d in diffs:
+            s = per_layer.setdefault(d.layer_id, {"max_rel_err": 0.0, "min_cosine": 1.0, "mean_cosine": 1.0,
+                                                  "max_frac_below": 0.0})
+            s["max_rel_err"] = max(s["max_rel_err"], d.rel_err)
+            s["min_cosine"] = min(s["min_cosine"], d.min_cosine)
+            s["mean_cosine"] = min(s["mean_cosine"], d.mean_cosine)
+            s["max_frac_below"] = max(s["max_frac_below"], d.frac_below)
+        row_problems = _row_problems(diffs)
+        if row_problems:
+            bad_rows.add(i)
+            problems += [f"hs_{i} (sample {ds[i]['sample_id']}): {p}" for p in row_problems]
+    worst = {lid: s["max_rel_err"] for lid, s in per_layer.items()}
+    min_cos = min((s["min_cosine"] for s in per_layer.values()), default=None)
+    peak = f", peak RSS {out.peak_rss_bytes / 2**30:.2f} GiB" if out.peak_rss_bytes else ""
+    log(f"verify reference: {len(rows)} samples, max relative error {max(worst.values(), default=0):.4f}, "
+        f"min cosine {min_cos if min_cos is not None else float('nan'):.4f}{peak}")
+    return ReferenceResult(samples_checked=list(rows), max_rel_err=max(worst.values(), default=None),
+                           min_cosine=min_cos, per_layer_max_rel_err=worst, problems=problems,
+                           bad_rows=sorted(bad_rows), peak_rss_bytes=out.peak_rss_bytes, per_layer=per_layer,
+                           seconds=round(time.time() - t0, 2))

@@ -4,7 +4,7 @@ per-layer statistics and per-layer norm bounds learned from the first good files
 Reads `tokenized/` (the rows) and `hidden_states/hs_{i}.safetensors`. Checks per file: readable,
 keys present, `token_ids` equal the row's input_ids, `hidden_states` rank 3 with [T, L, H] matching
 the row length, configured layer count and model hidden size, storage dtype, all values finite, no
-layer identically zero, no two layers identical, and each layer's mean token norm inside bounds
+layer identically zero and no token whose hidden state is all zeros, no two layers identical, and each layer's mean token norm inside bounds
 learned (median/MAD of log norms) from the first `norm_samples` good files. Returns a record with
 every problem (file, sample, layer, expected vs found) and per-layer statistics over the good files
 (tokens, mean, std, min, max, mean token norm, the learned norm bounds); it never raises for bad data
@@ -33,10 +33,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
-from eagle3_pipeline.contracts import HS_KEY, SCALES_KEY, TOKENS_KEY, RecordSpec
+from eagle3_pipeline.contracts import HS_KEY, SCALES_KEY, TOKENS_KEY, RecordSpec, record_name
 from eagle3_pipeline.data.prepare import load_tokenized
+from eagle3_pipeline.verify.fingerprint import FingerprintSummary
 
 BATCH_BYTES = 32 << 20  # a batch (one task of a worker thread): files up to this many bytes ...
 BATCH_FILES = 256       # ... or this many files
@@ -69,6 +70,10 @@ class StructureResult(BaseModel):
     layer_stats: list[LayerStats]
     norm_bounds_files: int = 0            # the first good files the norm bounds were learned from
     norm_bounds_skipped: str | None = None
+    fingerprint: FingerprintSummary = FingerprintSummary()
+    identity_files: int = 0               # good records the layer profiles were learned from
+    identity_skipped: str | None = None
+    results: list = Field(default_factory=list, exclude=True)  # per-file results of the records read (verify cache)
 
     @property
     def passed(self) -> bool:
@@ -94,6 +99,18 @@ class _FileResult:
     tokens: int = 0
     nbytes: int = 0
     stats: object = None  # float64 numpy [5, L]: sum, sum of squares, min, max, sum of token norms
+    sig: object = None    # float32 numpy [L, F]: the layer-identity signature (verify/identity.py)
+    agreement: float | None = None  # final-layer fingerprint agreement (None: no fingerprint)
+
+
+@dataclass
+class _Extras:
+    """What the scan computes besides structure: identity signatures, the final-layer check."""
+    identity: bool = False         # compute layer-identity signatures (verify/identity.py)
+    final: object = None           # fingerprint.FinalLayerCheck or None
+    fingerprints_dir: str | None = None
+    fingerprints_required: bool = False
+    min_agreement: float = 0.9
 
 
 def _name(it: _Item) -> str:
@@ -223,6 +240,11 @@ def _diagnose_values(name: str, x, layer_ids: list[int]) -> list[str]:
     for li, lid in enumerate(layer_ids):
         if not bool(x[:, li].any()):
             problems.append(f"{name}: layer {lid}: all zeros")
+            continue
+        zero = (~x[:, li].any(dim=-1)).nonzero()  # [Z, 1]: tokens whose whole hidden state is 0
+        if len(zero):
+            problems.append(f"{name}: layer {lid}: {len(zero)} of {x.shape[0]} tokens are all zeros (first at token "
+                            f"{int(zero[0, 0])}; a residual stream is never exactly 0: unwritten cache slots?)")
     for a in range(len(layer_ids)):
         for b in range(a + 1, len(layer_ids)):
             if torch.equal(x[:, a], x[:, b]):
@@ -263,8 +285,9 @@ def _values(tensors: dict, spec: RecordSpec, out):
     return out
 
 
-def _scan_batch(items: list[_Item], spec: RecordSpec, layer_ids: list[int]) -> list[_FileResult]:
-    """Check a batch of records; per-file problems and statistics."""
+def _scan_batch(items: list[_Item], spec: RecordSpec, layer_ids: list[int], extras: _Extras | None = None) -> list[_FileResult]:
+    """Check a batch of records; per-file problems and statistics (plus, with `extras`, the identity
+    signature and the final-layer fingerprint agreement of each file, from the same read)."""
     import numpy as np
     import torch
 
@@ -286,6 +309,8 @@ def _scan_batch(items: list[_Item], spec: RecordSpec, layer_ids: list[int]) -> l
         torch.linalg.vector_norm(x, dim=-1, out=per_tok[1, o:o + n])
         torch.amin(x, dim=-1, out=per_tok[2, o:o + n])
         torch.amax(x, dim=-1, out=per_tok[3, o:o + n])
+        if extras is not None:
+            _extra_checks(items[k], out[k], x, extras)
         good.append(k)
         lengths.append(n)
         o += n
@@ -297,10 +322,12 @@ def _scan_batch(items: list[_Item], spec: RecordSpec, layer_ids: list[int]) -> l
                                 axis=0)  # [files, 3, L]: sum, sum of squares, sum of token norms
     lo = torch.segment_reduce(d[2], "min", lengths=lens, axis=0)  # [files, L]
     hi = torch.segment_reduce(d[3], "max", lengths=lens, axis=0)
+    min_norm = torch.segment_reduce(d[1], "min", lengths=lens, axis=0).numpy()  # [files, L]: a zero token
     stats = torch.stack([sums[:, 0], sums[:, 1], lo, hi, sums[:, 2]], dim=1).numpy()  # [files, 5, L]
     # suspects: non-finite (sums and extrema propagate NaN/Inf), an all-zero layer (min == max == 0),
     # two layers with equal extrema and sums (confirmed or cleared by an exact comparison)
-    suspect = ~np.isfinite(stats).all(axis=(1, 2)) | ((stats[:, 2] == 0) & (stats[:, 3] == 0)).any(axis=1)
+    suspect = ~np.isfinite(stats).all(axis=(1, 2)) | ((stats[:, 2] == 0) & (stats[:, 3] == 0)).any(axis=1) \
+        | (min_norm == 0).any(axis=1)
     for a in range(L):
         for b in range(a + 1, L):
             suspect |= ((stats[:, 2, a] == stats[:, 2, b]) & (stats[:, 3, a] == stats[:, 3, b])
@@ -318,6 +345,37 @@ def _scan_batch(items: list[_Item], spec: RecordSpec, layer_ids: list[int]) -> l
         if not out[k].problems:  # a false alarm (e.g. fp32 overflow of a square): exact float64 stats
             out[k].stats = _file_stats(rec)
     return out
+
+
+def _extra_checks(it: _Item, res: _FileResult, x, extras: _Extras) -> None:
+    """Identity signature and fingerprint agreement of one good record `x` fp32 [T, L, H]."""
+    from eagle3_pipeline.contracts import fingerprint_name
+    from eagle3_pipeline.verify.identity import signature
+
+    if extras.identity and x.shape[1] >= 2:
+        res.sig = signature(x)
+    if extras.final is None or not extras.fingerprints_dir:
+        return
+    fp_path = os.path.join(extras.fingerprints_dir, fingerprint_name(it.row))
+    if not os.path.exists(fp_path):
+        if extras.fingerprints_required:
+            res.problems.append(f"{_name(it)}: fingerprint {fingerprint_name(it.row)} missing (the extract pass "
+                                f"writes one per record): the final layer cannot be checked")
+        return
+    from safetensors.torch import load_file
+
+    try:
+        fp = load_file(fp_path)
+    except Exception as e:  # noqa: BLE001 - a damaged sidecar is a problem of this record
+        res.problems.append(f"{_name(it)}: fingerprint {fingerprint_name(it.row)} unreadable ({type(e).__name__}: {e})")
+        return
+    agree, n, first = extras.final.agreement(x[:, -1], fp)
+    res.agreement = agree
+    if n and agree < extras.min_agreement:
+        res.problems.append(
+            f"{_name(it)}: final layer does not reproduce the target's logits: {agree:.0%} of {n} tokens agree "
+            f"with the fingerprint vLLM wrote in the same pass (min {extras.min_agreement:.0%}; first disagreeing "
+            f"token {first}): another request's or another depth's states, or a corrupted record")
 
 
 @contextmanager
@@ -346,7 +404,7 @@ def _row_items(ds, rows: list[int], hidden_states_dir: Path):
         values = col.values.to_numpy(zero_copy_only=False).astype(np.int64)  # a writable copy
         sids = t.column("sample_id").to_pylist() if has_sid else [None] * len(chunk)
         for j, r in enumerate(chunk):
-            yield _Item(r, os.path.join(hidden_states_dir, f"hs_{r}.safetensors"), values[offsets[j]:offsets[j + 1]],
+            yield _Item(r, os.path.join(hidden_states_dir, record_name(r)), values[offsets[j]:offsets[j + 1]],
                         sids[j])
 
 
@@ -375,25 +433,12 @@ def learn_norm_bounds(mean_norms, n_samples: int, factor: float, min_ratio: floa
     return np.exp(med), np.exp(med - half), np.exp(med + half), len(first)
 
 
-def verify_structure(tokenized_dir: Path, hidden_states_dir: Path, layer_ids: list[int], hidden_size: int,
-                     storage_dtype: str = "bf16", rows: list[int] | None = None, log=print, *,
-                     norm_samples: int = 64, norm_factor: float = 10.0, norm_min_ratio: float = 1.5,
-                     workers: int | None = None) -> StructureResult:
-    """Check every record (or `rows`), learn per-layer norm bounds from the first `norm_samples` good
-    files and flag files outside them, and gather per-layer statistics over the remaining good files."""
-    import numpy as np
-
-    t0 = time.perf_counter()
-    ds = load_tokenized(tokenized_dir)
+def scan_records(ds, hidden_states_dir: Path, layer_ids: list[int], hidden_size: int, storage_dtype: str,
+                 rows: list[int], *, workers: int | None = None, extras: _Extras | None = None) -> list[_FileResult]:
+    """Read and check the records of `rows` once each (worker threads over batches of files): per-file
+    problems, statistics and, with `extras`, identity signatures and fingerprint agreement."""
     spec = RecordSpec(len(layer_ids), hidden_size, storage_dtype)
-    rows = list(range(len(ds))) if rows is None else list(rows)
-    L = len(layer_ids)
-    problems: dict[int, list[str]] = {}
-    extra = sorted(int(p.stem.split("_")[1]) for p in Path(hidden_states_dir).glob("hs_*.safetensors")
-                   if int(p.stem.split("_")[1]) >= len(ds))
-    extra_problems = [f"hs_{i}.safetensors: no tokenized row {i} (dataset has {len(ds)} rows)" for i in extra]
-
-    bytes_per_token = L * hidden_size * (2 if storage_dtype == "bf16" else 1)
+    bytes_per_token = len(layer_ids) * hidden_size * (2 if storage_dtype == "bf16" else 1)
     items = _row_items(ds, rows, str(hidden_states_dir))
     batches = _batches(items, lambda it: len(it.input_ids) * bytes_per_token)
     workers = workers or min(8, len(os.sched_getaffinity(0)))
@@ -403,16 +448,56 @@ def verify_structure(tokenized_dir: Path, hidden_states_dir: Path, layer_ids: li
     with _torch_threads(1), ThreadPoolExecutor(workers, thread_name_prefix="verify") as pool:
         pending = []
         for b in batches:  # bounded read-ahead: at most 2 batches per worker in flight
-            pending.append(pool.submit(_scan_batch, b, spec, layer_ids))
+            pending.append(pool.submit(_scan_batch, b, spec, layer_ids, extras))
             if len(pending) >= 2 * workers:
                 results += pending.pop(0).result()
         for f in pending:
             results += f.result()
+    return results
 
+
+def verify_structure(tokenized_dir: Path, hidden_states_dir: Path, layer_ids: list[int], hidden_size: int,
+                     storage_dtype: str = "bf16", rows: list[int] | None = None, log=print, *,
+                     norm_samples: int = 64, norm_factor: float = 10.0, norm_min_ratio: float = 1.5,
+                     workers: int | None = None, extras: _Extras | None = None,
+                     identity_max_z: float | None = None, reused: list[_FileResult] = ()) -> StructureResult:
+    """Check every record (or `rows`), learn per-layer norm bounds from the first `norm_samples` good
+    files and flag files outside them, learn layer profiles and flag slots that do not look like their
+    layer, and gather per-layer statistics over the remaining good files. `reused`: results of records
+    checked by an earlier verify and unchanged since (not read again; they count in the learning)."""
+    t0 = time.perf_counter()
+    ds = load_tokenized(tokenized_dir)
+    rows = list(range(len(ds))) if rows is None else list(rows)
+    results = scan_records(ds, hidden_states_dir, layer_ids, hidden_size, storage_dtype, rows,
+                           workers=workers, extras=extras)
+    extra = sorted(int(p.stem.split("_")[1]) for p in Path(hidden_states_dir).glob("hs_*.safetensors")
+                   if int(p.stem.split("_")[1]) >= len(ds))
+    extra_problems = [f"hs_{i}.safetensors: no tokenized row {i} (dataset has {len(ds)} rows)" for i in extra]
+    res = judge_records(ds, sorted([*reused, *results], key=lambda r: r.row), layer_ids, hidden_size, log,
+                        norm_samples=norm_samples, norm_factor=norm_factor, norm_min_ratio=norm_min_ratio,
+                        identity_max_z=identity_max_z, extras=extras, extra_problems=extra_problems)
+    dt = time.perf_counter() - t0
+    nbytes = sum(r.nbytes for r in results)
+    log(f"verify: {len(rows)} files read ({len(reused)} reused), {res.tokens_checked} tokens, {nbytes / 1e6:.1f} MB "
+        f"in {dt:.2f}s ({nbytes / 1e6 / max(dt, 1e-9):.0f} MB/s), {len(res.problems)} problems")
+    return res.model_copy(update={"bytes_read": nbytes, "seconds": round(dt, 4), "results": results})
+
+
+def judge_records(ds, results: list[_FileResult], layer_ids: list[int], hidden_size: int, log, *,
+                  norm_samples: int, norm_factor: float, norm_min_ratio: float, identity_max_z: float | None,
+                  extras: _Extras | None, extra_problems: list[str] = ()) -> StructureResult:
+    """Everything that needs all records at once: norm bounds, layer identity, per-layer statistics."""
+    import numpy as np
+
+    L = len(layer_ids)
+    problems: dict[int, list[str]] = {}
     good = [r for r in results if not r.problems]
     for r in results:
         if r.problems:
-            problems[r.row] = r.problems
+            problems[r.row] = list(r.problems)
+    fp_summary = _fingerprint_summary(results, extras)
+    id_files, id_skipped = _identity(ds, good, layer_ids, identity_max_z, problems, log)
+    good = [r for r in good if r.row not in problems]
     stats = np.stack([r.stats for r in good]) if good else np.zeros((0, 5, L))  # [files, 5, L]
     tokens = np.array([r.tokens for r in good], dtype=np.float64)  # [files]
 
@@ -433,7 +518,7 @@ def verify_structure(tokenized_dir: Path, hidden_states_dir: Path, layer_ids: li
         for j in np.nonzero(out.any(axis=1))[0]:
             r = good[j]
             keep[j] = False
-            it_name = f"hs_{r.row}.safetensors (row {r.row}, sample {_sample_id(ds, r.row)})"
+            it_name = f"{record_name(r.row)} (row {r.row}, sample {_sample_id(ds, r.row)})"
             problems[r.row] = [
                 f"{it_name}: layer {layer_ids[li]}: mean token norm {mean_norm[j, li]:.4g} outside the bounds "
                 f"[{lo[li]:.4g}, {hi[li]:.4g}] learned from the first {n_learn} good files "
@@ -459,14 +544,48 @@ def verify_structure(tokenized_dir: Path, hidden_states_dir: Path, layer_ids: li
                                   norm_median=None if med is None else float(med[k]),
                                   norm_outliers=int(outliers[k]))
                        for k, lid in enumerate(layer_ids)]
-    all_problems = extra_problems + [p for r in sorted(problems) for p in problems[r]]
-    nbytes = sum(r.nbytes for r in results)
-    dt = time.perf_counter() - t0
-    log(f"verify: {len(rows)} files, {n_tok} tokens, {nbytes / 1e6:.1f} MB in {dt:.2f}s "
-        f"({nbytes / 1e6 / max(dt, 1e-9):.0f} MB/s), {len(all_problems)} problems")
-    return StructureResult(files_checked=len(rows), tokens_checked=n_tok, bytes_read=nbytes, seconds=round(dt, 4),
+    all_problems = list(extra_problems) + [p for r in sorted(problems) for p in problems[r]]
+    return StructureResult(files_checked=len(results), tokens_checked=n_tok, bytes_read=0, seconds=0.0,
                            problems=all_problems, bad_rows=sorted(problems), layer_stats=layer_stats,
-                           norm_bounds_files=n_learn, norm_bounds_skipped=skipped)
+                           norm_bounds_files=n_learn, norm_bounds_skipped=skipped, fingerprint=fp_summary,
+                           identity_files=id_files, identity_skipped=id_skipped)
+
+
+def _fingerprint_summary(results: list[_FileResult], extras: _Extras | None) -> FingerprintSummary:
+    if extras is None or extras.final is None:
+        return FingerprintSummary(skipped="no final-layer check (no fingerprints or no readable lm_head)")
+    agree = [r.agreement for r in results if r.agreement is not None]
+    return FingerprintSummary(rows_checked=len(agree), rows_failed=sum(a < extras.min_agreement for a in agree),
+                              rows_without=sum(r.agreement is None and r.sig is not None for r in results),
+                              min_agreement=min(agree) if agree else None,
+                              mean_agreement=sum(agree) / len(agree) if agree else None)
+
+
+def _identity(ds, good: list[_FileResult], layer_ids: list[int], max_z: float | None, problems: dict,
+              log) -> tuple[int, str | None]:
+    """Learn layer profiles over the good records and add a problem for every slot that does not look
+    like its own layer (verify/identity.py). Returns (records learned from, why skipped)."""
+    import numpy as np
+
+    from eagle3_pipeline.verify import identity
+
+    sigs = [r for r in good if r.sig is not None]
+    if max_z is None:
+        return 0, "identity check off"
+    if len(layer_ids) < 2:
+        return 0, "one captured layer: nothing to tell apart"
+    if len(sigs) < identity.MIN_FILES:
+        log(f"verify: layer identity check skipped: {len(sigs)} good records, it needs {identity.MIN_FILES}")
+        return 0, f"only {len(sigs)} good records; layer profiles need at least {identity.MIN_FILES}"
+    arr = np.stack([r.sig for r in sigs])  # [files, F]
+    med, scale = identity.learn(arr)
+    found, worst = identity.problems_of(arr, med, scale, layer_ids, max_z)
+    for f, msg in found:
+        r = sigs[f]
+        problems.setdefault(r.row, []).append(f"{record_name(r.row)} (row {r.row}, sample {_sample_id(ds, r.row)}): {msg}")
+    log(f"verify: layer identity: profiles from {len(sigs)} records, largest deviation {worst:.1f} "
+        f"(max {max_z:g}), {len(found)} records flagged")
+    return len(sigs), None
 
 
 def _sample_id(ds, row: int):

@@ -1,0 +1,77 @@
+"""What verify keeps per record so that a re-run reads only new or re-extracted shards.
+
+Owns `<extract-dir>/verify_rows.safetensors` (no pickle): per verified-good record its row, token
+count, bytes, statistics [5, L], identity signature [F] and fingerprint agreement, and the shard
+hash that ties a shard's entry in verify.json to its files: sha256 over the manifest's record and
+fingerprint hashes of the shard and each file's size and mtime (shard_hash). A shard is reused when verify.json holds the same hash, for the same
+content key and the same verify settings, and every row of it is in the cache; its records are not
+read again, but they still take part in everything learned over all records (norm bounds, layer
+profiles, statistics), so a new shard is judged against the whole extraction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+CACHE_NAME = "verify_rows.safetensors"
+
+
+def shard_hash(entry: dict, version) -> str:
+    """Identity of a published shard's files: the manifest's sha256 of each record and fingerprint
+    plus each file's size and mtime as it is now (a stat, no read), so a file replaced or edited
+    after verify is read again even when the manifest was not touched."""
+    stats = []
+    for name in sorted(entry.get("files", {})):
+        p = version.hidden_states_dir / name
+        st = p.stat() if p.exists() else None
+        stats.append([name, st.st_size if st else -1, st.st_mtime_ns if st else -1])
+    for name in sorted(entry.get("fingerprints") or {}):
+        p = version.fingerprints_dir / name
+        st = p.stat() if p.exists() else None
+        stats.append([name, st.st_size if st else -1, st.st_mtime_ns if st else -1])
+    blob = json.dumps({"rows": [entry["row_start"], entry["row_end"]], "files": entry.get("files", {}),
+                       "fingerprints": entry.get("fingerprints") or {}, "stat": stats}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def save(path: Path, results: list) -> None:
+    """Store the good per-file results (structure._FileResult with stats) atomically."""
+    import torch
+    from safetensors.torch import save_file
+
+    from eagle3_pipeline.store import atomic_write
+
+    good = [r for r in results if not r.problems and r.stats is not None]
+    if not good:
+        Path(path).unlink(missing_ok=True)
+        return
+    t = {"row": torch.tensor([r.row for r in good], dtype=torch.int64),
+         "tokens": torch.tensor([r.tokens for r in good], dtype=torch.int64),
+         "nbytes": torch.tensor([r.nbytes for r in good], dtype=torch.int64),
+         "stats": torch.from_numpy(np.stack([r.stats for r in good]).astype(np.float64)),  # [R, 5, L]
+         "agreement": torch.tensor([np.nan if r.agreement is None else r.agreement for r in good], dtype=torch.float32)}
+    if all(r.sig is not None for r in good):
+        t["sig"] = torch.from_numpy(np.stack([r.sig for r in good]).astype(np.float32))  # [R, F]
+    atomic_write(Path(path), lambda p: save_file(t, str(p)))
+
+
+def load(path: Path) -> dict:
+    """{row: structure._FileResult} of a cache file ({} when there is none or it is unreadable)."""
+    from safetensors.numpy import load_file
+
+    from eagle3_pipeline.verify.structure import _FileResult
+
+    try:
+        t = load_file(str(path))
+    except Exception:  # noqa: BLE001 - no cache (or a damaged one): everything is read again
+        return {}
+    out = {}
+    for i, row in enumerate(t["row"].tolist()):
+        a = float(t["agreement"][i])
+        out[row] = _FileResult(row=row, tokens=int(t["tokens"][i]), nbytes=int(t["nbytes"][i]), stats=t["stats"][i],
+                               sig=t["sig"][i] if "sig" in t else None, agreement=None if np.isnan(a) else a)
+    return out

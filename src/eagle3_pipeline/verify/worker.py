@@ -1,0 +1,426 @@
+"""The reference child: `python -m eagle3_pipeline.verify.worker JOB.json`.
+
+Owns the numeric side of the verify stage's reference check: it recomputes the hidden states of a few
+short samples with Hugging Face transformers, streaming the target **one decoder layer at a time**
+from its safetensors, in the model's dtype, so that a 1T-parameter target never has to fit in memory.
+Reads the job (`ReferenceJob`, written by `verify/reference.py`), the target's `config.json` and its
+safetensors (`model.safetensors.index.json` + shards, or one `model.safetensors`). Writes into the
+job's `out_dir`: `reference.safetensors` (`row_{i}`: [T, L, H] in the model dtype, L = len(layer_ids),
+ascending ids) and `result.json` (`ReferenceOutput`: peak RSS, per-layer seconds, skipped/error).
+
+Per decoder layer k = 0 .. max(layer_ids) - 1:
+  1. a one-layer checkpoint in `out_dir/layer/`: `config.json` = the text model's config with
+     `num_hidden_layers=1` and every per-layer setting made that of layer k (lists of length N sliced,
+     `first_k_dense_replace` / `mlp_only_layers` / `decoder_sparse_step` / `max_window_layers` set so
+     that layer 0 is dense iff layer k is), and `model.safetensors` holding the raw bytes of the
+     checkpoint's `<prefix>layers.{k}.*` tensors renamed to `model.layers.0.*` (copied in chunks: the
+     source dtype, quantised or not, is kept, and no tensor is materialised here);
+  2. `AutoModelForCausalLM.from_pretrained(that dir, dtype=target.dtype)`: transformers applies its
+     own load-time conversions (e.g. fusing MoE experts); the vocabulary is shrunk to 8 in the config,
+     so the missing embedding / lm_head are tiny random tensors that nothing reads;
+  3. for each sample, `model.model(inputs_embeds=h_k)` with a forward hook on `layers[0]`: its output
+     is h_{k+1} (the residual stream after k+1 layers; for k+1 = N the pre-final-norm output, as vLLM
+     captures it). h_0 is the embedding rows of the token ids, read by byte offset from the
+     checkpoint's embedding tensor.
+Only one layer's weights are resident at a time; the samples' hidden states (small) are kept.
+Layer weights are located by their names: the prefix before `layers.{k}.` is the one whose layers
+0..N-1 all exist next to an `embed_tokens.weight` (Kimi-K2.5 nests its text model under
+`language_model.model.`, with the config under `text_config`).
+
+Memory: after each load and each forward the peak RSS (`getrusage(RUSAGE_SELF).ru_maxrss`) is
+compared with the job's budget; past it, or when one layer alone is larger than the budget, the
+child writes `result.json` with the error (naming the budget, the layer and the RSS), prints an
+`error` event and exits with BUDGET_EXIT. A checkpoint transformers cannot build (no safetensors,
+an architecture it does not know) is reported as `skipped`, exit 0. Nothing heavy is imported at
+module level: the parent imports `ReferenceJob` and `ReferenceOutput` from here.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import re
+import shutil
+import struct
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from eagle3_pipeline.config import TargetConfig
+from eagle3_pipeline.proc import emit_event
+
+BUDGET_EXIT = 3
+HS_FILE, RESULT_FILE = "reference.safetensors", "result.json"
+_ST_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+             "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+_FLOAT = {"BF16", "F16", "F32", "F64"}
+_COPY_CHUNK = 64 << 20
+
+
+class ReferenceSample(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    row: int
+    token_ids: list[int]
+
+
+class ReferenceJob(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    target: TargetConfig
+    layer_ids: list[int]            # captured ids, ascending (id k = residual stream after k layers)
+    samples: list[ReferenceSample]
+    memory_budget_bytes: int
+    out_dir: str
+
+
+class ReferenceOutput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    rows: list[int] = []
+    hidden_states_path: str | None = None   # safetensors, `row_{i}`: [T, L, H] in the model dtype
+    dtype: str | None = None
+    peak_rss_bytes: int | None = None
+    baseline_rss_bytes: int | None = None   # after imports, before any layer
+    max_layer_bytes: int | None = None      # the largest layer's weights in the checkpoint
+    layers_run: int = 0
+    layer_seconds: list[float] = []
+    seconds: float | None = None
+    skipped: str | None = None
+    error: str | None = None
+
+
+class BudgetExceeded(RuntimeError):
+    """Peak RSS past the memory budget (or one layer alone larger than it)."""
+
+
+class CannotStream(RuntimeError):
+    """The checkpoint cannot be streamed here (no safetensors, unknown layout or architecture)."""
+
+
+def peak_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+# ---------------------------------------------------------------- the checkpoint, read by byte ranges
+
+class Checkpoint:
+    """The safetensors of a model directory, read without loading: header entries and byte ranges."""
+
+    def __init__(self, model_dir: Path):
+        self.dir = Path(model_dir)
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        elif (self.dir / "model.safetensors").is_file():
+            self.weight_map = {k: "model.safetensors" for k in self._header("model.safetensors")[0]}
+        else:
+            found = sorted(p.name for p in self.dir.iterdir())[:10] if self.dir.is_dir() else "no such directory"
+            raise CannotStream(f"{self.dir}: no model.safetensors or model.safetensors.index.json (found {found})")
+        self._headers: dict[str, tuple[dict, int]] = {}
+
+    def _header(self, file: str) -> tuple[dict, int]:
+        """({name: {dtype, shape, data_offsets}}, byte offset where the data starts) of one file."""
+        with open(self.dir / file, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            head = json.loads(f.read(n))
+        head.pop("__metadata__", None)
+        return head, 8 + n
+
+    def info(self, name: str) -> tuple[str, dict, int]:
+        """(file, header entry, data start) of tensor `name`."""
+        file = self.weight_map[name]
+        if file not in self._headers:
+            self._headers[file] = self._header(file)
+        head, start = self._headers[file]
+        if name not in head:
+            raise CannotStream(f"{self.dir / file}: the index names {name} but the file does not hold it")
+        return file, head[name], start
+
+    def nbytes(self, name: str) -> int:
+        b, e = self.info(name)[1]["data_offsets"]
+        return e - b
+
+    def text_prefix(self, num_layers: int) -> str:
+        """The name prefix of the decoder layers: `model.` for a CausalLM, `language_model.model.` for
+        Kimi-K2.5. The prefix whose layers 0..N-1 all exist, preferring one next to `embed_tokens.weight`."""
+        found: dict[str, set[int]] = {}
+        for name in self.weight_map:
+            m = re.match(r"^(.*?)layers\.(\d+)\.", name)
+            if m:
+                found.setdefault(m.group(1), set()).add(int(m.group(2)))
+        full = [p for p, ids in found.items() if set(range(num_layers)) <= ids]
+        full.sort(key=lambda p: (p + "embed_tokens.weight" not in self.weight_map, len(p)))
+        if not full:
+            raise CannotStream(f"{self.dir}: no weight prefix holds decoder layers 0..{num_layers - 1} "
+                               f"(prefixes with layers: { {p: len(i) for p, i in found.items()} })")
+        return full[0]
+
+    def layer_names(self, prefix: str, k: int) -> list[str]:
+        start = f"{prefix}layers.{k}."
+        return sorted(n for n in self.weight_map if n.startswith(start))
+
+    def write_renamed(self, names: dict[str, str], out: Path) -> int:
+        """Write the tensors `names` (source -> new name) into one safetensors file `out`, copying raw
+        bytes in chunks; return the bytes written. No tensor is materialised."""
+        header, offset, plan = {}, 0, []
+        for src, dst in names.items():
+            file, entry, start = self.info(src)
+            b, e = entry["data_offsets"]
+            header[dst] = {"dtype": entry["dtype"], "shape": entry["shape"], "data_offsets": [offset, offset + e - b]}
+            plan.append((file, start + b, e - b))
+            offset += e - b
+        raw = json.dumps({"__metadata__": {"format": "pt"}, **header}, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        with open(out, "wb") as w:
+            w.write(struct.pack("<Q", len(raw)))
+            w.write(raw)
+            for file, pos, size in plan:
+                with open(self.dir / file, "rb") as r:
+                    r.seek(pos)
+                    while size > 0:
+                        chunk = r.read(min(size, _COPY_CHUNK))
+                        if not chunk:
+                            raise CannotStream(f"{self.dir / file}: truncated at byte {pos}")
+                        w.write(chunk)
+                        size -= len(chunk)
+        return offset
+
+    def rows(self, name: str, ids: list[int]):
+        """Rows `ids` of the 2-D tensor `name` (an embedding) [len(ids), H], read by byte offset."""
+        import torch
+
+        file, entry, start = self.info(name)
+        dtypes = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+        if entry["dtype"] not in dtypes or len(entry["shape"]) != 2:
+            raise CannotStream(f"{name}: embedding stored as {entry['dtype']} {entry['shape']}; expected a 2-D float tensor")
+        V, H = entry["shape"]
+        bad = [t for t in ids if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} outside the embedding's {V} rows")
+        size = _ST_BYTES[entry["dtype"]] * H
+        base = start + entry["data_offsets"][0]
+        buf = bytearray()
+        with open(self.dir / file, "rb") as f:
+            for t in ids:
+                f.seek(base + t * size)
+                buf += f.read(size)
+        return torch.frombuffer(buf, dtype=dtypes[entry["dtype"]]).reshape(len(ids), H).clone()  # [T, H]
+
+
+# ---------------------------------------------------------------- the one-layer config
+
+def text_config(full: dict) -> dict:
+    """The language model's config: `text_config` of a multimodal wrapper (Kimi-K2.5), else the config.
+    A quantisation config of the wrapper is carried into it."""
+    text = dict(full.get("text_config") or full)
+    if "quantization_config" in full and "quantization_config" not in text:
+        text["quantization_config"] = full["quantization_config"]
+    return text
+
+
+def layer_config(text: dict, k: int) -> dict:
+    """`text` (the language model's config.json as a dict) turned into a one-layer model whose layer 0
+    is built like layer k of the full model."""
+    n = int(text["num_hidden_layers"])
+    cfg = dict(text)
+    for key, v in text.items():  # per-layer lists: layer_types, no_rope_layers, ...
+        if isinstance(v, list) and len(v) == n and key not in ("architectures",):
+            cfg[key] = [v[k]]
+    cfg["num_hidden_layers"] = 1
+    if "first_k_dense_replace" in text:  # DeepSeek-V2/V3, Kimi-K2: layer i is MoE iff i >= first_k_dense_replace
+        fk = int(text["first_k_dense_replace"] or 0)
+        freq = int(text.get("moe_layer_freq") or 1)
+        moe = k >= fk and k % freq == 0
+        cfg["first_k_dense_replace"] = 0 if moe else 1
+        if "moe_layer_freq" in text:
+            cfg["moe_layer_freq"] = 1
+    if "decoder_sparse_step" in text or "mlp_only_layers" in text:  # Qwen2/3-MoE
+        step = int(text.get("decoder_sparse_step") or 1)
+        sparse = k not in (text.get("mlp_only_layers") or []) and (k + 1) % step == 0
+        cfg["decoder_sparse_step"], cfg["mlp_only_layers"] = 1, ([] if sparse else [0])
+    if "max_window_layers" in text and "layer_types" not in text:  # Qwen2/3: sliding window from this layer on
+        cfg["max_window_layers"] = 0 if k >= int(text["max_window_layers"]) else 1
+    if "num_nextn_predict_layers" in text:
+        cfg["num_nextn_predict_layers"] = 0
+    cfg["vocab_size"] = 8  # the embedding and lm_head are not read: keep their random init small
+    cfg["pad_token_id"] = None
+    cfg["use_cache"] = False
+    return cfg
+
+
+def _known_model_type(cfg: dict) -> dict:
+    """A text config whose `model_type` transformers does not know (Kimi-K2's `kimi_k2`) but whose
+    architecture it does (`DeepseekV3ForCausalLM`) gets that architecture's model type."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if cfg.get("model_type") in CONFIG_MAPPING_NAMES or "auto_map" in cfg:
+        return cfg
+    by_arch = {v: k for k, v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if isinstance(v, str)}
+    for arch in cfg.get("architectures") or []:
+        if arch in by_arch:
+            return {**cfg, "model_type": by_arch[arch]}
+    return cfg
+
+
+# ---------------------------------------------------------------- the run
+
+def _decoder_layers(model):
+    inner = getattr(model, "model", None)
+    if inner is not None and hasattr(inner, "layers"):
+        return inner, inner.layers
+    dec = model.get_decoder()
+    return dec, dec.layers
+
+
+def run(job: ReferenceJob, log=print) -> ReferenceOutput:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    t0 = time.time()
+    out_dir = Path(job.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target, budget = job.target, job.memory_budget_bytes
+    dtype = getattr(torch, target.dtype)
+    model_dir = Path(target.model)
+    full = json.loads((model_dir / "config.json").read_text())
+    text = text_config(full)
+    n = int(text["num_hidden_layers"])
+    depth = max(job.layer_ids)
+    if not 0 <= min(job.layer_ids) or depth > n:
+        raise ValueError(f"layer ids {job.layer_ids} outside [0, {n}] of {model_dir}")
+    try:
+        ckpt = Checkpoint(model_dir)
+        prefix = ckpt.text_prefix(n)
+    except CannotStream as e:
+        return ReferenceOutput(skipped=str(e), seconds=round(time.time() - t0, 2))
+    embed = prefix + "embed_tokens.weight"
+    if embed not in ckpt.weight_map:
+        return ReferenceOutput(skipped=f"{model_dir}: no {embed} in the checkpoint", seconds=round(time.time() - t0, 2))
+    # h_0: the embedding rows, in the model dtype (as the model would compute them)
+    hs = [ckpt.rows(embed, s.token_ids).to(dtype) for s in job.samples]  # each [T, H]
+    captured: dict[int, list] = {0: [h.clone() for h in hs]} if 0 in job.layer_ids else {}
+    baseline = peak_rss_bytes()
+    log(f"reference: {len(job.samples)} samples, {depth} of {n} layers streamed from {model_dir} (prefix "
+        f"{prefix!r}) in {target.dtype}; memory budget {_gib(budget)}, RSS before the first layer {_gib(baseline)}")
+    remote_code = [p for p in model_dir.glob("*.py")] if target.trust_remote_code else []
+    layer_dir = out_dir / "layer"
+    layer_seconds, max_layer = [], 0
+    for k in range(depth):
+        tk = time.time()
+        names = ckpt.layer_names(prefix, k)
+        size = sum(ckpt.nbytes(x) for x in names)
+        in_dtype = sum(ckpt.nbytes(x) // _ST_BYTES[ckpt.info(x)[1]["dtype"]] * dtype.itemsize
+                       if ckpt.info(x)[1]["dtype"] in _FLOAT else ckpt.nbytes(x) for x in names)
+        max_layer = max(max_layer, size)
+        if baseline + in_dtype > budget:
+            raise BudgetExceeded(f"verify reference: layer {k} alone needs {_gib(in_dtype)} in {target.dtype} "
+                                 f"on top of {_gib(baseline)} RSS, more than the memory budget "
+                                 f"verify.reference_memory_gb = {_gib(budget)}")
+        shutil.rmtree(layer_dir, ignore_errors=True)
+        layer_dir.mkdir(parents=True)
+        src = f"{prefix}layers.{k}."
+        ckpt.write_renamed({x: "model.layers.0." + x[len(src):] for x in names}, layer_dir / "model.safetensors")
+        cfg = _known_model_type(layer_config(text, k))
+        (layer_dir / "config.json").write_text(json.dumps(cfg, indent=1))
+        for p in remote_code:
+            shutil.copy(p, layer_dir / p.name)
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(layer_dir, dtype=dtype, output_loading_info=True,
+                                                               trust_remote_code=target.trust_remote_code)
+        except Exception as e:  # noqa: BLE001 - transformers cannot build this architecture here
+            if k == 0:
+                return ReferenceOutput(skipped=f"transformers cannot load a layer of {model_dir} here "
+                                       f"({type(e).__name__}: {e})", seconds=round(time.time() - t0, 2))
+            raise
+        # a layer weight left at its random init (or one the model has no place for) would make a
+        # wrong reference that looks right: refuse
+        missing = sorted(x for x in info.get("missing_keys") or [] if ".layers.0." in x)
+        unused = sorted(info.get("unexpected_keys") or [])
+        if missing or unused:
+            raise RuntimeError(f"verify reference: layer {k} of {model_dir} did not load as layer 0 of a one-layer "
+                               f"{cfg.get('model_type')} model: missing {missing[:8]}, unexpected {unused[:8]}")
+        model.eval()
+        _check(budget, k, "loading")
+        inner, layers = _decoder_layers(model)
+        got = {}
+
+        def hook(mod, inp, output):
+            got["h"] = output[0] if isinstance(output, tuple) else output
+
+        handle = layers[0].register_forward_hook(hook)
+        try:
+            with torch.no_grad():
+                for i, h in enumerate(hs):
+                    inner(inputs_embeds=h[None], use_cache=False)
+                    hs[i] = got.pop("h")[0].to(dtype)  # [T, H]: h_{k+1}
+        finally:
+            handle.remove()
+        del model, inner, layers
+        gc.collect()
+        _check(budget, k, "the forward")
+        if k + 1 in job.layer_ids:
+            captured[k + 1] = [h.clone() for h in hs]
+        layer_seconds.append(round(time.time() - tk, 3))
+        log(f"reference: layer {k} ({len(names)} tensors, {_gib(size)} on disk) in {layer_seconds[-1]:.2f}s, "
+            f"peak RSS {_gib(peak_rss_bytes())}")
+    shutil.rmtree(layer_dir, ignore_errors=True)
+    # [T, L, H] per row, layers in ascending id order
+    tensors = {f"row_{s.row}": torch.stack([captured[lid][i] for lid in job.layer_ids], dim=1).contiguous()
+               for i, s in enumerate(job.samples)}
+    save_file(tensors, str(out_dir / HS_FILE))
+    return ReferenceOutput(rows=[s.row for s in job.samples], hidden_states_path=str(out_dir / HS_FILE),
+                           dtype=target.dtype, peak_rss_bytes=peak_rss_bytes(), baseline_rss_bytes=baseline,
+                           max_layer_bytes=max_layer, layers_run=depth, layer_seconds=layer_seconds,
+                           seconds=round(time.time() - t0, 2))
+
+
+def _check(budget: int, k: int, what: str) -> None:
+    peak = peak_rss_bytes()
+    if peak > budget:
+        raise BudgetExceeded(f"verify reference: peak RSS {_gib(peak)} after {what} of layer {k} exceeds the "
+                             f"memory budget verify.reference_memory_gb = {_gib(budget)}")
+
+
+def _write(out_dir: Path, res: ReferenceOutput) -> None:
+    from eagle3_pipeline.store import write_json
+
+    write_json(Path(out_dir) / RESULT_FILE, res.model_dump(mode="json"))
+
+
+def main(argv: list[str]) -> int:
+    job = ReferenceJob(**json.loads(Path(argv[0]).read_text()))
+    t0 = time.time()
+    try:
+        res = run(job)
+    except BudgetExceeded as e:
+        print(str(e), flush=True)
+        _write(job.out_dir, ReferenceOutput(error=str(e), peak_rss_bytes=peak_rss_bytes(),
+                                            seconds=round(time.time() - t0, 2)))
+        emit_event(kind="error", message=str(e))
+        return BUDGET_EXIT
+    except Exception as e:  # noqa: BLE001 - the parent reads the traceback from the log
+        traceback.print_exc()
+        emit_event(kind="error", message=f"{type(e).__name__}: {e}")
+        return 1
+    _write(job.out_dir, res)
+    if res.skipped:
+        print(f"reference: skipped: {res.skipped}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main(sys.argv[1:]))
