@@ -143,7 +143,7 @@ def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, lo
         new = set(good_new)
         rows = [r for r in choose_rows(seq_lens, cfg.reference_samples, version.rows_per_shard) if r in new]
         rows = rows or good_new[: cfg.reference_samples]
-        ref = reference_check(target, version, rows, log=log)
+        ref = reference_check(target, version, rows, log=log, cfg=cfg)
     elif cfg.reference_samples > 0 and reused:
         ref.skipped = "every shard was verified before and is unchanged"
         ref.samples_checked, ref.max_rel_err = prev.get("reference_samples", []), prev.get("reference_max_rel_err")

@@ -295,6 +295,10 @@ def run(job: ReferenceJob, log=print) -> ReferenceOutput:
     target, budget = job.target, job.memory_budget_bytes
     dtype = getattr(torch, target.dtype)
     model_dir = Path(target.model)
+    if not (model_dir / "config.json").is_file():
+        return ReferenceOutput(skipped=f"{target.model} is not a local model directory with a config.json (the "
+                               "reference streams local safetensors; download the model first)",
+                               seconds=round(time.time() - t0, 2))
     full = json.loads((model_dir / "config.json").read_text())
     text = text_config(full)
     n = int(text["num_hidden_layers"])
