@@ -17,16 +17,19 @@ STAGES = ("prepare", "preflight", "extract", "verify", "vocab", "train", "evalua
 # report.json fields per stage (the contract); other keys a stage returns are kept under "details"
 CONTRACT = {
     "prepare": ("version", "rows_in", "rows_out", "rows_quarantined", "tokens"),
-    "extract": ("layer_ids", "shards_total", "shards_published", "tokens", "tokens_per_s", "bytes_on_disk"),
-    "verify": ("passed", "samples_checked", "reference_max_rel_err"),
+    "extract": ("layer_ids", "shards_total", "shards_published", "tokens", "tokens_per_s", "bytes_on_disk",
+                "rows_extracted", "rows_reused"),
+    "verify": ("passed", "samples_checked", "reference_max_rel_err", "shards_rechecked", "shards_reused",
+               "reference_peak_rss_bytes"),
     "vocab": ("draft_vocab_size", "coverage"),
-    "train": ("steps", "final_loss", "tokens_per_s"),
+    "train": ("mode", "world_size", "steps", "final_loss", "tokens_per_s"),
     "evaluate": ("acceptance_length", "acceptance_length_untrained", "per_position_acceptance"),
 }
 
 
 def build_report(run_id: str, config: dict, versions: dict, stages: dict[str, dict], artifacts: dict[str, str],
-                 status: str, error: str | None = None) -> dict:
+                 status: str, error: str | None = None, timings: dict[str, dict] | None = None) -> dict:
+    """report.json's record; `timings` is {stage: {"seconds", "engine_start_s"}} (runs.StageClock)."""
     out_stages: dict[str, Any] = {}
     for name in STAGES:
         rec = stages.get(name)
@@ -37,7 +40,7 @@ def build_report(run_id: str, config: dict, versions: dict, stages: dict[str, di
         entry["details"] = {k: v for k, v in rec.items() if k not in keys}
         out_stages[name] = entry
     return {"run_id": run_id, "status": status, "error": error, "config": config, "versions": versions,
-            "stages": out_stages, "artifacts": artifacts}
+            "timings": timings or {}, "stages": out_stages, "artifacts": artifacts}
 
 
 def _plots(run_dir: Path, report: dict, metrics_path: Path | None) -> list[str]:
@@ -104,9 +107,26 @@ def _markdown(report: dict, plots: list[str]) -> str:
     for name, st in report["stages"].items():
         nums = ", ".join(f"{k}={_short(v)}" for k, v in st.items() if k != "details")
         lines.append(f"| {name} | {nums} |")
+    lines += _timings_table(report.get("timings") or {})
     lines += [""] + [f"![{p}]({p})" for p in plots]
     lines += ["", "## Artifacts", ""] + [f"- **{k}**: `{v}`" for k, v in report["artifacts"].items()]
     return "\n".join(lines) + "\n"
+
+
+def _timings_table(timings: dict[str, dict]) -> list[str]:
+    """Where the run's time went: wall seconds per stage, the engine start-up part of it, the rest."""
+    if not timings:
+        return []
+    out = ["", "## Time", "", "| stage | seconds | engine start s | work s |", "|---|---:|---:|---:|"]
+    total = 0.0
+    for name, t in timings.items():
+        s, e = t.get("seconds") or 0.0, t.get("engine_start_s")
+        total += s
+        out.append(f"| {name} | {s:.1f} | {'-' if e is None else f'{e:.1f}'} | "
+                   f"{s - (e or 0.0):.1f} |")
+    starts = sum(t.get("engine_start_s") or 0.0 for t in timings.values())
+    out.append(f"| **total** | **{total:.1f}** | **{starts:.1f}** | **{total - starts:.1f}** |")
+    return out
 
 
 def _short(v) -> str:
