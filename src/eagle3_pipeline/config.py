@@ -65,6 +65,11 @@ class PrepareConfig(Strict):
     min_supervised_tokens: int = 1
     rows_per: Literal["conversation", "turn"] = "conversation"
     heldout_rows: int = Field(16, description="conversations kept out of training for evaluate")
+    heldout_fraction: float | None = Field(None, ge=0.0, lt=1.0, description="hold out every conversation whose "
+                                           "sha256(id) falls below this fraction: a function of the conversation "
+                                           "alone, so a refresh that adds rows never moves one between training "
+                                           "and held-out (heldout_rows then only caps heldout.jsonl); None = the "
+                                           "heldout_rows lowest hashes (a refresh may shift that set)")
     num_proc: int = Field(1, description="processes that tokenize chunks in parallel")
     chunk_rows: int = Field(1000, description="input rows per content-keyed chunk (a refresh redoes only changed chunks)")
 
@@ -101,7 +106,13 @@ class ExtractConfig(EngineConfig):
     storage_dtype: Literal["bf16", "fp8"] = "bf16"
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
-    timeout_s: float = 3600.0
+    timeout_s: float = Field(3600.0, description="deadline of one extract child (one group) when shard_timeout_s "
+                             "is not set")
+    shard_timeout_s: float | None = Field(None, gt=0, description="deadline per shard: a group's child gets "
+                                          "start_timeout_s + shard_timeout_s x its shards (a 1T model's 18-minute "
+                                          "load counts once, and a large group is not cut off by a fixed deadline)")
+    start_timeout_s: float = Field(3600.0, gt=0, description="engine start-up allowance of a child when "
+                                   "shard_timeout_s is set")
     retries: int = 2
     scratch_dir: str | None = Field(None, description="fast local dir for vLLM's per-request files; "
                                     "default <extract version dir>/.scratch")
@@ -112,6 +123,9 @@ class ExtractConfig(EngineConfig):
     connector_name: str = Field("Eagle3HiddenStatesConnector", description="class name of that connector")
     fingerprints: bool = Field(True, description="store vLLM's top-2 next-token logprobs per token beside each record "
                                "(fingerprints/fp_{i}.safetensors): verify checks every row's final layer against them")
+    record_pool: bool = Field(True, description="link records of rows already extracted (any version of the dataset, "
+                              "same model/layers/storage/engine numerics) from the record pool instead of extracting "
+                              "them again (extract/pool.py)")
     invariance_rows: int = Field(2, ge=0, description="rows of each shard group prefilled again alone at the end of the "
                                  "group (same engine, batch of one) and compared with the batched records; verify judges")
 
@@ -139,8 +153,9 @@ class VerifyConfig(Strict):
     # every row, final layer: the stored state against the logits vLLM fingerprinted in the same pass
     fingerprint_min_agreement: float = Field(0.9, ge=0, le=1, description="fraction of a record's tokens whose "
                                              "recomputed top-2 logit margin must match the fingerprint")
-    fingerprint_atol: float = Field(0.25, gt=0, description="logit margin tolerance (absolute, logits); fp8 x4")
-    fingerprint_rtol: float = Field(0.05, ge=0, description="logit margin tolerance (relative); fp8 x4")
+    fingerprint_atol: float = Field(0.005, gt=0, description="logit margin tolerance, absolute floor (logits); fp8 x8")
+    fingerprint_rtol: float = Field(0.008, ge=0, description="logit margin tolerance relative to |logit1| + |logit2| "
+                                    "(vLLM's bf16 logits: 2^-8; measured <= 0.0042); fp8 x8")
     # every row, aux layers: each slot must look like its own layer (verify/identity.py)
     identity_max_z: float | None = Field(20.0, gt=0, description="largest robust deviation of a record's layer-slot "
                                          "relations from the typical ones (verify/identity.py); None = no identity check")
@@ -166,25 +181,40 @@ class TrainConfig(Strict):
     val_ratio: float = Field(0.1, gt=0.0, lt=1.0, description="last fraction of the rows held out for validation / checkpoint_best")
     max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps (smoke runs)")
     num_workers: int = Field(0, ge=0, description="data-loader worker processes (0 on CPU)")
-    num_gpus: int = Field(1, ge=1, description="cuda only: >1 launches the worker with torchrun (DDP)")
-    fsdp: bool = Field(False, description="cuda with num_gpus > 1: shard parameters with FSDP (speculators' "
+    world_size: int = Field(1, ge=1, description="training processes (torchrun ranks, DDP or FSDP): one per GPU on "
+                            "cuda, gloo processes on cpu (each on its own cores); 1 = one plain process")
+    fsdp: bool = Field(False, description="world_size >= 2 on cuda: shard parameters with FSDP (speculators' "
                        "--fsdp-shard) instead of replicating them (DDP); for drafts too large for one GPU")
     gradient_checkpointing: bool = Field(False, description="recompute draft-layer activations in backward "
                                          "(less memory for long rows, ~30-50% slower backward)")
     log_freq: int = Field(1, ge=1, description="log metrics every N optimizer steps; each logged step synchronizes "
                           "the accelerator, so use ~10+ on GPUs")
     timeout_s: float = 24 * 3600.0
+    init: Literal["scratch", "previous"] = Field("scratch", description="on a refresh: train from scratch, or "
+                                                 "continue from the previous version's draft (same dataset, model and "
+                                                 "layers) for refresh_epochs epochs; scratch when there is none")
+    refresh_epochs: int = Field(1, ge=1, description="epochs when continuing from the previous draft (init: previous)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _num_gpus_alias(cls, data):
+        """`num_gpus` (before world_size counted CPU processes too) is read as `world_size`."""
+        if isinstance(data, dict) and "num_gpus" in data:
+            data = dict(data)
+            n = data.pop("num_gpus")
+            if "world_size" in data and data["world_size"] != n:
+                raise ValueError(f"train.num_gpus={n} (deprecated alias) contradicts train.world_size={data['world_size']}")
+            data["world_size"] = n
+        return data
 
     @model_validator(mode="after")
     def _device(self):
         if self.device == "cpu" and self.attention == "flex_attention":
             raise ValueError("train.attention=flex_attention needs train.device=cuda (flex attention has no CPU backward); "
                              "use sdpa or eager on CPU")
-        if self.device == "cpu" and self.num_gpus != 1:
-            raise ValueError(f"train.num_gpus={self.num_gpus} needs train.device=cuda")
-        if self.fsdp and (self.device != "cuda" or self.num_gpus < 2):
-            raise ValueError(f"train.fsdp=true needs train.device=cuda and train.num_gpus >= 2 (torchrun); found "
-                             f"device={self.device}, num_gpus={self.num_gpus}")
+        if self.fsdp and (self.device != "cuda" or self.world_size < 2):
+            raise ValueError(f"train.fsdp=true needs train.device=cuda and train.world_size >= 2 (torchrun); found "
+                             f"device={self.device}, world_size={self.world_size}")
         return self
 
 
@@ -194,11 +224,18 @@ class EvaluateConfig(EngineConfig):
     max_tokens: int = 64
     min_acceptance_length: float = 1.0
     baseline: bool = True
-    check_lossless: bool = Field(True, description="also decode greedily without speculation and compare tokens "
-                                 "(one more target load in the same child)")
+    check_lossless: bool = Field(True, description="compare the trained draft's greedy tokens with a reference "
+                                 "decoding of the same prompts (lossless_reference)")
+    lossless_reference: Literal["untrained", "plain"] = Field(
+        "untrained", description="untrained: the baseline draft's run (its drafts are all rejected, so its tokens "
+        "are the target's own greedy choices; no extra engine); plain: one more target load without speculation "
+        "(also the reference when baseline is off)")
     lossless_gate: bool = Field(False, description="fail the gate on a lossless mismatch (bf16 near-ties can flip "
                                 "an argmax between batched verification and one-token decoding)")
     sample_texts: int = Field(4, description="generated texts of the first N prompts kept in the record")
+    compare_previous: bool = Field(False, description="also evaluate the previous version's draft (lineage: newest "
+                                   "other version of this dataset/model/layers with a draft) on the same held-out "
+                                   "prompts, in the same child; the refresh flow turns it on")
     max_model_len: int | None = Field(None, description="default: longest prompt + max_tokens + drafts")
     timeout_s: float = Field(3600.0, description="deadline of the evaluate child (all its engine loads together)")
     engine_in_process: bool | None = Field(None, description="vLLM engine core inside the evaluate child "

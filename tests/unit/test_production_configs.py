@@ -75,3 +75,19 @@ def test_small_depths_get_spread_ids():
 def test_every_checked_in_config_loads(path):
     cfg = load_config(path)
     assert cfg.name and cfg.prepare.sources
+
+
+@pytest.mark.parametrize("config, model", [("kimi-k2.5-tp8", "kimi-k2.5"), ("deepseek-v3-tp8", "deepseek-v3"),
+                                           ("qwen3-8b", "qwen3-8b")])
+def test_preflight_of_production_configs_finds_only_the_missing_weights(config, model, tmp_path):
+    """The production YAMLs against the real models' config.json (no weights here): preflight reads the
+    dims and layer ids and resolves the architecture; it stops, in seconds, only on what is really
+    missing — weights and tokenizer files — and lists them together."""
+    from eagle3_pipeline.preflight import PreflightFailed, preflight
+
+    cfg = load_config(REPO / "configs" / f"{config}.yaml", [f"target.model={CONFIGS / model}", f"store={tmp_path}"])
+    with pytest.raises(PreflightFailed) as e:
+        preflight(cfg, tokens_estimate=1000, out_dir=tmp_path, log=lambda m: None)
+    msg = str(e.value)
+    assert "no weight files" in msg, msg
+    assert "layer ids" not in msg and "architecture" not in msg and "MLA head size" not in msg, msg

@@ -39,11 +39,12 @@ from pydantic import BaseModel
 
 from eagle3_pipeline import FORMAT_VERSION
 from eagle3_pipeline.config import ExtractConfig, TargetConfig
-from eagle3_pipeline.contracts import record_name
+from eagle3_pipeline.contracts import fingerprint_name, record_name
 from eagle3_pipeline.extract.worker import ExtractJob, ShardSpec
 from eagle3_pipeline.layout import (FINGERPRINTS_DIR, MANIFEST_NAME, ExtractVersion, Shard,  # noqa: F401 (re-exported)
                                     plan_shards)
 from eagle3_pipeline.engine import engine_env
+from eagle3_pipeline.extract.pool import RecordPool, row_keys, version_pool
 from eagle3_pipeline.proc import ChildFailed, python_child, run_child
 from eagle3_pipeline.store import file_locks, read_json, sha256_file, write_json
 
@@ -70,6 +71,8 @@ class ShardRecord(BaseModel):
     fingerprints: dict[str, str] = {}  # fingerprint sidecar name -> sha256 (extract.fingerprints)
     error: str | None = None
     reused: bool = False        # True when this call found it published and left it alone
+    reused_rows: int = 0        # rows whose records were linked from the record pool (extract/pool.py)
+    extracted_rows: int = 0     # rows the engine extracted for this shard when it was published
 
 
 class ExtractResult(BaseModel):
@@ -83,6 +86,8 @@ class ExtractResult(BaseModel):
     bytes_on_disk: int
     hidden_states_dir: str
     manifest: str
+    rows_extracted: int = 0     # rows of published shards the engine extracted for this version
+    rows_reused: int = 0        # rows of published shards linked from the record pool instead
 
 
 def tool_versions() -> dict[str, str | None]:
@@ -167,7 +172,8 @@ def _check_published(hs_dir: Path, entry: dict) -> str | None:
 
 
 def _job(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, hs_dir: Path, scratch: Path,
-         layer_ids: list[int], hidden_size: int, shards: list[Shard], attempt: int) -> ExtractJob:
+         layer_ids: list[int], hidden_size: int, shards: list[Shard], attempt: int,
+         subsets: dict[int, list[int]] | None = None) -> ExtractJob:
     return ExtractJob(
         target=target, engine=cfg.engine(), layer_ids=layer_ids, hidden_size=hidden_size,
         max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -176,7 +182,8 @@ def _job(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, hs_dir: 
         storage_dtype=cfg.storage_dtype, attempt=attempt,
         connector_module=cfg.connector_module, connector_name=cfg.connector_name,
         fingerprints_dir=str((hs_dir.parent / FINGERPRINTS_DIR).resolve()) if cfg.fingerprints else None,
-        invariance_rows=cfg.invariance_rows, shards=[ShardSpec(**s.model_dump()) for s in shards])
+        invariance_rows=cfg.invariance_rows,
+        shards=[ShardSpec(**s.model_dump(), rows=(subsets or {}).get(s.index)) for s in shards])
 
 
 def extract_group(cfg: ExtractConfig, target: TargetConfig, version: ExtractVersion, shard_ids: list[int], *,
@@ -212,13 +219,79 @@ def extract_group(cfg: ExtractConfig, target: TargetConfig, version: ExtractVers
                     continue
                 log(f"extract: shard {k} was published but {why}; extracting it again")
             todo.append(k)
+        pool, subsets = version_pool(version), None
+        if todo and pool is not None:
+            subsets = _link_from_pool(pool, version, man, [plan[k] for k in todo], cfg.fingerprints, log, on_shard,
+                                      link=not force)
+            todo = [k for k in todo if subsets[k].missing]
         if todo:
             _run_group(cfg, target, tokenized_dir, out_dir, [plan[k] for k in todo], layer_ids,
-                       version.dims.hidden_size, man, log, on_shard)
+                       version.dims.hidden_size, man, log, on_shard, pool=pool, subsets=subsets)
         else:
-            log(f"extract: shards {wanted} already published; no engine started")
+            log(f"extract: shards {wanted} published (from the store or the record pool); no engine started")
         entries = man.read()["shards"]
     return [ShardRecord(**entries[k], reused=k in reused) for k in wanted]
+
+
+class _Subset(BaseModel):
+    """What the record pool left to extract of one shard (row -> row key and token count for all its rows)."""
+    keys: dict[int, str]
+    tokens: dict[int, int]
+    missing: list[int]    # rows the engine must extract
+    reused: int           # rows linked from the pool
+
+
+def _link_from_pool(pool: RecordPool, version: ExtractVersion, man: Manifest, shards: list[Shard], fingerprints: bool,
+                    log: Callable[[str], None], on_shard: Callable[[dict], None] | None,
+                    link: bool = True) -> dict[int, _Subset]:
+    """Called holding the shards' locks: link every row of `shards` the pool holds into `version`
+    (record + fingerprint, atomically) and publish the shards that are then complete (no engine).
+    Returns per shard what is left to extract (everything when not `link`: a forced re-extraction,
+    whose records still go into the pool where it lacks them)."""
+    rows = [r for s in shards for r in range(s.row_start, s.row_end)]
+    lengths: dict[int, int] = {}
+    keys = row_keys(version.tokenized_dir, rows, pool.key, lengths)
+    out: dict[int, _Subset] = {}
+    entries = man.read()["shards"]
+    with pool.lock(log):
+        for s in shards:
+            span = range(s.row_start, s.row_end)
+            _distrust(pool, version, entries[s.index], keys, log)
+            missing = [r for r in span if not link or not pool.link_into(
+                keys[r], version.record_path(r), version.fingerprint_path(r) if fingerprints else None)]
+            out[s.index] = _Subset(keys={r: keys[r] for r in span}, tokens={r: lengths[r] for r in span},
+                                   missing=missing, reused=len(span) - len(missing))
+    linked = sum(x.reused for x in out.values())
+    log(f"extract: record pool {pool.dir}: {linked} of {len(rows)} rows of shards {[s.index for s in shards]} "
+        f"linked, {len(rows) - linked} to extract")
+    for s in shards:
+        sub = out[s.index]
+        if not sub.missing:
+            _publish(man, version.hidden_states_dir, s, {"files": [], "tokens": 0, "seconds": 0.0}, pool, sub,
+                     fingerprints)
+            log(f"extract: shard {s.index} published from the record pool ({sub.reused} rows, no engine)")
+            if on_shard:
+                on_shard({"shard": s.index, "tokens": sum(sub.tokens.values()), "seconds": 0.0})
+    return out
+
+
+def _distrust(pool: RecordPool, version: ExtractVersion, entry: dict, keys: dict[int, str],
+              log: Callable[[str], None]) -> None:
+    """A shard published before whose file no longer hashes to the manifest: when that file is the
+    pool's record (a hard link), the pool's copy changed too; take it out of the pool so the row is
+    extracted again instead of linked back."""
+    files, fps = entry.get("files") or {}, entry.get("fingerprints") or {}
+    if not files:
+        return
+    for r in range(entry["row_start"], entry["row_end"]):
+        rec, fp = version.record_path(r), version.fingerprint_path(r)
+        if not pool.is_pooled(keys[r], rec):
+            continue
+        changed = sha256_file(rec) != files.get(rec.name) or (
+            fp.name in fps and fp.is_file() and sha256_file(fp) != fps[fp.name])
+        if changed and pool.forget(keys[r], rec):
+            log(f"extract: {rec.name} (row {r}) no longer matches the manifest and is the pool's record "
+                f"{pool.record(keys[r]).name}: removed from the pool, extracting it again")
 
 
 def shard_lock_path(out_dir: Path, shard: int) -> Path:
@@ -267,7 +340,10 @@ def _recover_abandoned(man: Manifest, cfg: ExtractConfig, out_dir: Path, shards:
 
 def _run_group(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, out_dir: Path,
                shards: list[Shard], layer_ids: list[int], hidden_size: int, man: Manifest,
-               log: Callable[[str], None], on_shard: Callable[[dict], None] | None = None) -> None:
+               log: Callable[[str], None], on_shard: Callable[[dict], None] | None = None, *,
+               pool: RecordPool | None = None, subsets: dict[int, _Subset] | None = None) -> None:
+    """One engine child for `shards` (of each only the rows `subsets` leaves missing, when given);
+    each shard is published when the child reports it done, its new records put into `pool`."""
     hs_dir = out_dir / "hidden_states"
     owner = f"{socket.gethostname()}:{os.getpid()}"
     with man.edit() as m:
@@ -279,7 +355,8 @@ def _run_group(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, ou
         for s in shards:
             e = m["shards"][s.index]
             e.update(status="running", attempts=e["attempts"] + 1, error=None)
-    job = _job(cfg, target, tokenized_dir, hs_dir, scratch, layer_ids, hidden_size, shards, attempt)
+    partial = {k: v.missing for k, v in (subsets or {}).items() if v.reused}
+    job = _job(cfg, target, tokenized_dir, hs_dir, scratch, layer_ids, hidden_size, shards, attempt, partial)
     job_path = write_json(out_dir / "jobs" / f"extract-{attempt}.json", job.model_dump())
     log_path = out_dir / "logs" / f"extract-{attempt}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -298,7 +375,7 @@ def _run_group(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, ou
                 log(f"extract: engine ready after {ev['seconds']:.1f}s")
             elif ev.get("kind") == "shard_done":
                 k = int(ev["shard"])
-                _publish(man, hs_dir, by_index[k], ev)
+                _publish(man, hs_dir, by_index[k], ev, pool, (subsets or {}).get(k), cfg.fingerprints)
                 published.add(k)
                 log(f"extract: shard {k} published ({ev['tokens']} tokens in {ev['seconds']:.2f}s)")
                 if on_shard:
@@ -317,7 +394,7 @@ def _run_group(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, ou
     t0 = time.time()
     try:
         run_child(python_child(WORKER_MODULE, str(job_path)), name=f"extract-{attempt}",
-                  timeout_s=cfg.timeout_s, log_path=log_path, on_line=log, on_event=on_event,
+                  timeout_s=group_deadline(cfg, len(shards)), log_path=log_path, on_line=log, on_event=on_event,
                   env=engine_env(cfg))
     except ChildFailed as e:
         error, child_error = str(e), e
@@ -341,18 +418,41 @@ def _run_group(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, ou
                             f"({len(published)} of {len(shards)} published this attempt): {error}") from child_error
 
 
-def _publish(man: Manifest, hs_dir: Path, shard: Shard, ev: dict) -> None:
-    expected = [record_name(r) for r in range(shard.row_start, shard.row_end)]
+def group_deadline(cfg: ExtractConfig, shards: int) -> float:
+    """Seconds one child may run for `shards` shards: the fixed `timeout_s`, or per shard plus start-up."""
+    return cfg.timeout_s if cfg.shard_timeout_s is None else cfg.start_timeout_s + cfg.shard_timeout_s * shards
+
+
+def _publish(man: Manifest, hs_dir: Path, shard: Shard, ev: dict, pool: RecordPool | None = None,
+             sub: _Subset | None = None, fingerprints: bool = False) -> None:
+    """Publish a shard whose extracted rows (`ev["files"]`: all rows, or `sub.missing`) are written and
+    whose other rows were linked from the pool; puts the new records into the pool first."""
+    span = range(shard.row_start, shard.row_end)
+    extracted = list(span) if sub is None else sub.missing
+    expected = [record_name(r) for r in extracted]
     if sorted(ev["files"]) != sorted(expected):
         raise ExtractFailed(f"shard {shard.index}: child reported files {ev['files'][:3]}... "
-                            f"({len(ev['files'])}), expected {len(expected)} named {expected[0]}..{expected[-1]}")
-    files = {n: sha256_file(hs_dir / n) for n in expected}
-    size = sum((hs_dir / n).stat().st_size for n in expected)
+                            f"({len(ev['files'])}), expected {len(expected)} named {expected[:1]}..{expected[-1:]}")
     fp_dir = hs_dir.parent / FINGERPRINTS_DIR
-    fps = {n: sha256_file(fp_dir / n) for n in ev.get("fingerprint_files") or []}
+    names = [record_name(r) for r in span]
+    fp_names = [fingerprint_name(r) for r in span] if sub is not None and fingerprints else ev.get("fingerprint_files") or []
+    if pool is not None and sub is not None:
+        with pool.lock(None):
+            for r in extracted:
+                pool.adopt(sub.keys[r], hs_dir / record_name(r), fp_dir / fingerprint_name(r) if fp_names else None)
+    absent = [n for n in names if not (hs_dir / n).is_file()] + [n for n in fp_names if not (fp_dir / n).is_file()]
+    if absent:
+        raise ExtractFailed(f"shard {shard.index}: {len(absent)} files missing after extraction and pool links, "
+                            f"e.g. {absent[0]}")
+    files = {n: sha256_file(hs_dir / n) for n in names}
+    size = sum((hs_dir / n).stat().st_size for n in names)
+    fps = {n: sha256_file(fp_dir / n) for n in fp_names}
+    tokens = int(ev["tokens"]) + (sum(sub.tokens[r] for r in span if r not in set(extracted)) if sub else 0)
     with man.edit() as m:
-        m["shards"][shard.index].update(status="published", tokens=int(ev["tokens"]), bytes=size,
-                                        seconds=float(ev["seconds"]), files=files, fingerprints=fps, error=None)
+        m["shards"][shard.index].update(status="published", tokens=tokens, bytes=size,
+                                        seconds=float(ev["seconds"]), files=files, fingerprints=fps, error=None,
+                                        extracted_rows=len(extracted), reused_rows=len(span) - len(extracted),
+                                        extracted_tokens=int(ev["tokens"]))
         inv = m.get("invariance") or {}
         for r in range(shard.row_start, shard.row_end):  # judged on the previous records of these rows
             inv.pop(str(r), None)
@@ -378,12 +478,24 @@ def summarize(out_dir: Path) -> ExtractResult:
     m = man.read()
     pub = [s for s in m["shards"] if s["status"] == "published"]
     tokens, seconds = sum(s["tokens"] for s in pub), sum(s["seconds"] for s in pub)
+    extracted = sum(s.get("extracted_tokens", s["tokens"]) for s in pub)  # rows linked from the pool took no time
     return ExtractResult(content_key=m["content_key"], dir=str(Path(out_dir).resolve()),
                          layer_ids=m["layer_ids"], shards_total=len(m["shards"]), shards_published=len(pub),
-                         tokens=tokens, tokens_per_s=round(tokens / seconds, 1) if seconds else 0.0,
+                         tokens=tokens, tokens_per_s=round(extracted / seconds, 1) if seconds else 0.0,
                          bytes_on_disk=sum(s["bytes"] for s in pub),
                          hidden_states_dir=str((Path(out_dir) / "hidden_states").resolve()),
-                         manifest=str(man.path.resolve()))
+                         manifest=str(man.path.resolve()),
+                         rows_extracted=sum(s.get("extracted_rows", s["row_end"] - s["row_start"]) for s in pub),
+                         rows_reused=sum(s.get("reused_rows", 0) for s in pub))
+
+
+def engine_start_since(out_dir: Path, since: float) -> float | None:
+    """Summed engine start-up seconds of the children that started at or after `since` (epoch
+    seconds; manifest `children[].engine_start_s`); None when none of them started an engine."""
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(int(since)))
+    starts = [c["engine_start_s"] for c in Manifest(Path(out_dir)).read().get("children", [])
+              if c.get("started_at", "") >= stamp and c.get("engine_start_s") is not None]
+    return round(sum(starts), 2) if starts else None
 
 
 def mark_rows_failed(out_dir: Path, rows: list[int], reason: str) -> list[int]:

@@ -29,8 +29,19 @@ from eagle3_pipeline.data.prepare import load_tokenized
 from eagle3_pipeline.errors import EnvironmentProblem
 
 # The pass/fail criteria (per record and layer); decided in `_row_problems` only.
-MIN_COSINE = 0.99   # on the worst token
-MAX_REL_ERR = 0.10  # relative L2 error over all tokens
+# Per-layer criteria over a record's tokens, not its single worst token: MoE targets route near-ties
+# differently in vLLM's kernels and in transformers, which moves a few tokens a lot (FACTS: min token
+# cosine ~0.98 on a clean random tiny MoE) while a wrong layer, offset or request moves most of them.
+# Calibration (clean extractions, bf16 reference in the model's dtype, this machine):
+#   tiny Llama:  rel err <= 0.007, mean cosine >= 0.9999, no token below 0.95
+#   random Qwen3 (6 layers): rel err <= 0.008, mean cosine >= 0.9999
+#   tiny Kimi-like MoE: see tests/integration (rel err <= ~0.05, mean cosine >= 0.998, <= 2% tokens below)
+#   the neighbouring layer instead of the asked one (tiny Llama, ids 3/5/6 for 2/4/5): rel err >= 0.2
+COS_BOUND = 0.95          # a token "differs" below this cosine
+MIN_MEAN_COSINE = 0.99    # per layer, mean token cosine
+MAX_FRAC_BELOW = 0.10     # per layer, share of tokens below COS_BOUND
+MAX_REL_ERR = 0.15        # per layer, relative L2 error over all tokens
+MIN_COSINE = COS_BOUND    # (the bound reported as min_cosine's reference)
 WORKER = "eagle3_pipeline.verify.worker"
 
 
@@ -78,9 +89,11 @@ def choose_rows(seq_lens: list[int], count: int, rows_per_shard: int) -> list[in
 def _row_problems(diffs) -> list[str]:
     """The pass/fail decision for one record: a problem per layer (contracts.LayerDiff) that is off."""
     return [f"layer {d.layer_id} differs from the reference: relative error {d.rel_err:.4f} (max {MAX_REL_ERR}), "
-            f"min token cosine {d.min_cosine:.4f} (min {MIN_COSINE})"
+            f"mean token cosine {d.mean_cosine:.4f} (min {MIN_MEAN_COSINE}), {d.frac_below:.1%} of tokens below "
+            f"cosine {COS_BOUND} (max {MAX_FRAC_BELOW:.0%}; worst token {d.min_cosine:.4f})"
             + (f", first token below at {d.first_below}" if d.first_below is not None else "")
-            for d in diffs if d.rel_err > MAX_REL_ERR or d.min_cosine < MIN_COSINE]
+            for d in diffs if d.rel_err > MAX_REL_ERR or d.mean_cosine < MIN_MEAN_COSINE
+            or d.frac_below > MAX_FRAC_BELOW]
 
 
 def _skipped(note: str, log) -> ReferenceResult:
@@ -163,7 +176,7 @@ def reference_check(target, version, rows: list[int], *, log: Callable[[str], No
             problems.append(f"hs_{i} (sample {ds[i]['sample_id']}): hidden_states expected {list(ref.shape)} "
                             f"(tokens, layers {layer_ids}, hidden), found {list(got.shape)}")
             continue
-        diffs = compare_layers(got, ref, layer_ids, MIN_COSINE)
+        diffs = compare_layers(got, ref, layer_ids, COS_BOUND)
         for d in diffs:
             s = per_layer.setdefault(d.layer_id, {"max_rel_err": 0.0, "min_cosine": 1.0, "mean_cosine": 1.0,
                                                   "max_frac_below": 0.0})
