@@ -11,6 +11,8 @@ row count; writes nothing.
   <prepare dir>/<model slug>/<extract key>/
       hidden_states/hs_{i}.safetensors   fingerprints/fp_{i}.safetensors   manifest.json   verify.json
       vocab/K<k>/                        train/<train key>/
+  <store>/<dataset>/pool/<model slug>/<pool key>/   the record pool (extract/pool.py): the version's
+      records and fingerprints are hard links to pool files addressed by row content
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class ExtractVersion(BaseModel):
     rows_per_shard: int
     shards: list[Shard]
     groups: list[list[int]]     # shard ids per engine child (one model load each)
+    pool_dir: str | None = None  # the record pool its records are linked from/into (extract/pool.py)
 
     # -- layer ids
     @property
@@ -134,11 +137,17 @@ def plan_extract(cfg, prep, pre) -> ExtractVersion:
     e = cfg.extract
     key, out = extract_location(Path(prep.dir), prep.version, cfg.target, pre.layer_ids, e.storage_dtype,
                                 f"{e.connector_module}.{e.connector_name}")
+    from eagle3_pipeline.extract.pool import pool_key, pool_location
+
     rows = datasets.load_from_disk(prep.tokenized).num_rows
     shards = plan_shards(rows, e.rows_per_shard)
     ids = [s.index for s in shards]
     per = e.shards_per_group or max(1, len(ids))
+    pkey = pool_key(cfg.target, pre.layer_ids, e.storage_dtype, f"{e.connector_module}.{e.connector_name}",
+                    e.tensor_parallel_size)
+    pool = pool_location(Path(prep.dir).parent, cfg.target.model, pkey) if e.record_pool else None
     return ExtractVersion(content_key=key, dir=str(out.resolve()), prepare_version=prep.version,
+                          pool_dir=str(pool.resolve()) if pool else None,
                           tokenized_dir=str(Path(prep.tokenized).resolve()), layer_ids=list(pre.layer_ids),
                           dims=pre.dims, storage_dtype=e.storage_dtype, rows=rows, rows_per_shard=e.rows_per_shard,
                           shards=shards, groups=[ids[i:i + per] for i in range(0, len(ids), per)])

@@ -48,6 +48,10 @@ class ShardSpec(BaseModel):
     index: int
     row_start: int  # inclusive
     row_end: int    # exclusive
+    rows: list[int] | None = None  # only these rows of the range (the rest came from the record pool)
+
+    def row_ids(self) -> list[int]:
+        return list(range(self.row_start, self.row_end)) if self.rows is None else list(self.rows)
 
 
 class ExtractJob(BaseModel):
@@ -156,7 +160,8 @@ def _run_shard(engine: _Engine, ds, job: ExtractJob, shard: ShardSpec) -> None:
     import torch
 
     t0 = time.time()
-    rows = ds.select(range(shard.row_start, shard.row_end))
+    row_ids = shard.row_ids()
+    rows = ds.select(row_ids)
     input_ids: list[list[int]] = rows["input_ids"]
     sample_ids = rows["sample_id"] if "sample_id" in rows.column_names else [None] * len(rows)
     paths = engine.prefill(input_ids)
@@ -166,7 +171,7 @@ def _run_shard(engine: _Engine, ds, job: ExtractJob, shard: ShardSpec) -> None:
     L, H = len(job.layer_ids), job.hidden_size
     files, fp_files, tokens = [], [], 0
     for k, (ids, sid, path) in enumerate(zip(input_ids, sample_ids, paths)):
-        row = shard.row_start + k
+        row = row_ids[k]
         who = f"{record_name(row)} (row {row}, sample {sid})"
         data = _load_file(path)
         hs, tok = data["hidden_states"], data["token_ids"]  # [T, L, H], [T]
@@ -206,9 +211,9 @@ def _invariance(engine: _Engine, ds, job: ExtractJob) -> None:
     from eagle3_pipeline.contracts import compare_layers, dequantise, read_record
     from eagle3_pipeline.verify.invariance import invariance_rows, shift_explaining
 
-    rows = [r for s in job.shards for r in range(s.row_start, s.row_end)]
+    rows = [r for s in job.shards for r in s.row_ids()]  # only rows this engine extracted
     seq_lens = [int(x) for x in ds.select(rows)["seq_len"]]
-    first_of_shard = {s.row_start for s in job.shards}
+    first_of_shard = {s.row_ids()[0] for s in job.shards if s.row_ids()}
     picks = invariance_rows(seq_lens, job.invariance_rows, avoid={i for i, r in enumerate(rows) if r in first_of_shard})
     for i in picks:
         row = rows[i]
@@ -244,7 +249,9 @@ def main(argv: list[str]) -> int:
         if not 0 <= s.row_start < s.row_end <= len(ds):
             raise ContractError(f"shard {s.index}: rows [{s.row_start}, {s.row_end}) outside the "
                                 f"tokenized dataset of {len(ds)} rows ({job.tokenized_dir})")
-    max_len = max(max(ds.select(range(s.row_start, s.row_end))["seq_len"]) for s in job.shards)
+        if not s.row_ids() or any(not s.row_start <= r < s.row_end for r in s.row_ids()):
+            raise ContractError(f"shard {s.index}: rows {s.rows} empty or outside [{s.row_start}, {s.row_end})")
+    max_len = max(max(ds.select(s.row_ids())["seq_len"]) for s in job.shards)
     Path(job.scratch_dir).mkdir(parents=True, exist_ok=True)
     Path(job.hidden_states_dir).mkdir(parents=True, exist_ok=True)
 
@@ -255,7 +262,7 @@ def main(argv: list[str]) -> int:
                     kv_transfer_config=hidden_states_kv_config(job.connector_module, job.connector_name, job.scratch_dir),
                     max_num_seqs=job.max_num_seqs, enable_chunked_prefill=False, enable_prefix_caching=False, **batched)
     emit_event(kind="engine_ready", seconds=round(time.time() - t_start, 2))
-    engine = _Engine(llm, job, nudge_token=int(ds[job.shards[0].row_start]["input_ids"][0]))
+    engine = _Engine(llm, job, nudge_token=int(ds[job.shards[0].row_ids()[0]]["input_ids"][0]))
     kill_after = int(os.environ.get(KILL_AFTER_ENV, "0") or 0)
     fail = {int(x) for x in os.environ.get(FAIL_SHARDS_ENV, "").split(",") if x.strip()}
     for n, shard in enumerate(job.shards, start=1):
