@@ -248,6 +248,33 @@ def evaluate(config: ConfigOpt, set_: SetOpt = None,
 
 @app.command()
 @exits
+def gc(keep: Annotated[int, typer.Option("--keep", min=1, help="versions to keep per dataset (newest first)")],
+       apply: Annotated[bool, typer.Option("--apply", help="remove; without it only print what would be freed")] = False,
+       config: Annotated[Path | None, typer.Option("--config", "-c", exists=True, dir_okay=False,
+                                                   help="pipeline YAML (its store)")] = None,
+       store: Annotated[Path | None, typer.Option("--store", help="run store root (instead of --config)")] = None,
+       set_: SetOpt = None) -> None:
+    """Remove all but the N newest versions of each dataset, then record-pool files no kept version links."""
+    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.store_gc import gc as store_gc
+
+    root = store or (Path(load_config(config, set_ or []).store) if config else None)
+    if root is None:
+        raise InputError("eagle3 gc: give --store or --config")
+    plan = store_gc(root, keep, apply=False, log=console.print)
+    console.print(f"gc of {root}: keep {len(plan.kept)} version(s), remove {len(plan.removed)}: frees {plan.files} files, "
+                  f"{plan.bytes / 1e6:.1f} MB ({plan.pool_files} record-pool files, {plan.pool_bytes / 1e6:.1f} MB)")
+    for v in plan.removed:
+        console.print(f"  remove {v}")
+    if not apply:
+        console.print("dry run: nothing removed (--apply removes)")
+        return
+    done = store_gc(root, keep, apply=True, log=console.print)
+    console.print(f"[green]gc done[/]: {len(done.removed)} version(s) removed, {done.files} files, {done.bytes / 1e6:.1f} MB freed")
+
+
+@app.command()
+@exits
 def status(output_dir: Annotated[Path, typer.Option()] = Path("runs")) -> None:
     """Show the latest run's report summary."""
     rep_path = output_dir / "latest" / "report.json"

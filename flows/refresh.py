@@ -6,7 +6,11 @@ Every parameter is top-level because a schedule replaces whole parameters: a sch
 `config_path`, `overrides` (`key.sub=value`, as `eagle3 --set`) and/or `sources` (replaces
 prepare.sources). Prepare is content-addressed, so unchanged sources reproduce the same version
 (seconds, nothing published); changed sources publish a new version (event
-`eagle3.dataset.published`) and train a new draft."""
+`eagle3.dataset.published`) and train a new draft. Extraction links every row an earlier version
+already has from the record pool (extract/pool.py) and extracts only the new ones; verify reuses
+those records' results; `train.init: previous` continues from the previous version's draft, which
+is also evaluated on the same held-out prompts. The `refresh-<dataset>-<model>` artifact gets a
+second version after the run saying what was reused and what was new."""
 
 from __future__ import annotations
 
@@ -30,6 +34,10 @@ def refresh(config_path: str = "configs/tiny-cpu.yaml", overrides: list[str] | N
     if sources:
         config.prepare.sources = sources
     use_hub_secret(config)
+    config.evaluate.compare_previous = True  # tau of the new draft next to the previous version's, same prompts
+    if config.prepare.heldout_fraction is None:
+        print("refresh: prepare.heldout_fraction is not set: the held-out set is the heldout_rows lowest hashes, "
+              "which added rows can shift; set it to keep held-out conversations out of training across refreshes")
     prep = t.prepare(config)
     version = t.plan_extract(config, prep, t.preflight(config, prep))
     draft = trained_draft(config, version)
@@ -38,7 +46,12 @@ def refresh(config_path: str = "configs/tiny-cpu.yaml", overrides: list[str] | N
         print(f"refresh: {config.prepare.dataset}@{prep.version} unchanged; its draft is {draft}")
         return {"changed": False, "version": prep.version, "draft": draft}
     rec = pipeline(config=config, output_dir=output_dir)
-    return {"changed": True, "version": prep.version, "draft": rec["artifacts"]["checkpoint"], "run_id": rec["run_id"]}
+    t.record_refresh(config, prep, draft, changed=True, report=rec)
+    ex = rec["stages"].get("extract") or {}
+    print(f"refresh: {config.prepare.dataset}@{prep.version}: {ex.get('rows_extracted')} rows extracted, "
+          f"{ex.get('rows_reused')} linked from earlier versions (record pool)")
+    return {"changed": True, "version": prep.version, "draft": rec["artifacts"]["checkpoint"], "run_id": rec["run_id"],
+            "rows_extracted": ex.get("rows_extracted"), "rows_reused": ex.get("rows_reused")}
 
 
 def trained_draft(config: PipelineConfig, version: ExtractVersion) -> str | None:

@@ -203,13 +203,28 @@ def report(run_dir: str, report_rec: dict, metrics_path: str | None) -> dict:
 
 
 @task(name="record-refresh", cache_policy=NO_CACHE)
-def record_refresh(cfg: PipelineConfig, prep: PrepareResult, draft: str | None, changed: bool) -> None:
-    """What a refresh found: a versioned record per dataset and model."""
-    create_table_artifact(key=_record_key("refresh", cfg), table=[{
-        "version": prep.version, "new_version": not prep.cached, "rows_out": prep.rows_out,
-        "tokens": prep.tokens, "existing_draft": draft, "trains": changed}],
-        description=f"refresh of {cfg.prepare.dataset} for {cfg.target.model}: "
-                    + ("training a draft" if changed else "unchanged, draft exists"))
+def record_refresh(cfg: PipelineConfig, prep: PrepareResult, draft: str | None, changed: bool,
+                   report: dict | None = None) -> None:
+    """What a refresh found (before the pipeline) and, with the run's `report` (after it), what it
+    reused and what was new: rows linked from the record pool vs extracted, records verified before vs
+    read, how the draft was initialised (lineage) and tau next to the previous version's draft."""
+    row = {"version": prep.version, "new_version": not prep.cached, "rows_out": prep.rows_out,
+           "tokens": prep.tokens, "existing_draft": draft, "trains": changed}
+    st = (report or {}).get("stages", {})
+    if report:
+        ex, ve = st.get("extract") or {}, (st.get("verify") or {}).get("details") or {}
+        tr, ev = (st.get("train") or {}).get("details") or {}, st.get("evaluate") or {}
+        row |= {"rows_extracted_new": ex.get("rows_extracted"), "rows_reused": ex.get("rows_reused"),
+                "records_verified_now": ve.get("rows_rechecked"), "records_verification_reused": ve.get("rows_reused"),
+                "train_init": tr.get("init"), "previous_version": tr.get("previous_version"),
+                "previous_draft": tr.get("previous_draft"), "tau": ev.get("acceptance_length"),
+                "tau_previous_draft": (ev.get("details") or {}).get("acceptance_length_previous"),
+                "run_id": report.get("run_id"), "status": report.get("status")}
+    create_table_artifact(key=_record_key("refresh", cfg), table=[row],
+                          description=f"refresh of {cfg.prepare.dataset} for {cfg.target.model}: " + (
+                              f"run {report.get('run_id')}: {row.get('rows_extracted_new')} rows extracted, "
+                              f"{row.get('rows_reused')} reused from earlier versions" if report else
+                              "training a draft" if changed else "unchanged, draft exists"))
 
 
 # ------------------------------------------------------------------ Prefect-side helpers

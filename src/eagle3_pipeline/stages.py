@@ -103,9 +103,20 @@ TRAIN_KEY_EXCLUDE = frozenset({"log_freq", "timeout_s", "num_workers"})
 
 
 def train_key(cfg: PipelineConfig, version: ExtractVersion) -> str:
+    """Keyed by the data, the vocab and the train settings; with `train.init: previous` (and a previous
+    draft to continue from) also by that draft (lineage.previous_draft)."""
     vocab_dir = version.vocab_dir(cfg.vocab.draft_vocab_size).resolve()
-    return content_key({"extract": version.content_key, "vocab": str(vocab_dir),
-                        "train": cfg.train.model_dump(exclude=set(TRAIN_KEY_EXCLUDE))})
+    prev = previous_for(cfg, version)
+    train = cfg.train.model_dump(exclude=set(TRAIN_KEY_EXCLUDE) | ({"init", "refresh_epochs"} if prev is None else set()))
+    return content_key({"extract": version.content_key, "vocab": str(vocab_dir), "train": train,
+                        **({"previous": prev.checkpoint} if prev else {})})
+
+
+def previous_for(cfg: PipelineConfig, version: ExtractVersion):
+    """The previous version's draft this training continues from (train.init: previous), or None."""
+    from eagle3_pipeline.lineage import previous_draft
+
+    return previous_draft(version) if cfg.train.init == "previous" else None
 
 
 def stage_train(cfg: PipelineConfig, version: ExtractVersion, voc, log=print):
@@ -113,8 +124,16 @@ def stage_train(cfg: PipelineConfig, version: ExtractVersion, voc, log=print):
     from eagle3_pipeline.verify.gate import require_verified
 
     require_verified(version)
-    return train_draft(cfg.train, cfg.target, version, Path(voc.dir), version.train_dir(train_key(cfg, version)),
-                       log=log)
+    prev = previous_for(cfg, version)
+    if cfg.train.init == "previous" and prev is None:
+        log("train: train.init=previous but no other version of this dataset/model/layers has a trained draft; "
+            "training from scratch")
+    tcfg = cfg.train if prev is None else cfg.train.model_copy(update={"epochs": cfg.train.refresh_epochs})
+    if prev is not None:
+        log(f"train: continuing from the draft of version {prev.prepare_version}/{prev.extract_version} "
+            f"({prev.checkpoint}) for {tcfg.epochs} epoch(s)")
+    return train_draft(tcfg, cfg.target, version, Path(voc.dir), version.train_dir(train_key(cfg, version)),
+                       log=log, previous=prev)
 
 
 def heldout_prompts(prep: PrepareResult, n: int) -> list[list[int]]:
@@ -136,7 +155,12 @@ def stage_evaluate(cfg: PipelineConfig, prep: PrepareResult, version: ExtractVer
         with dir_lock(Path(tr.dir), f"train dir {tr.dir}", log):  # written once, never under a reader
             if not (untrained / "config.json").exists():
                 make_untrained_draft(cfg.target, version, Path(voc.dir), untrained, cfg.train)
+    from eagle3_pipeline.lineage import previous_draft
+
+    prev = previous_draft(version) if cfg.evaluate.compare_previous or cfg.train.init == "previous" else None
+    if prev is not None:
+        log(f"evaluate: also the previous version's draft {prev.checkpoint} on the same held-out prompts")
     rep = evaluate_pair(cfg.evaluate, cfg.target, Path(tr.checkpoint_best), untrained, prompts,
-                        Path(run_dir) / "evaluate", log=log)
+                        Path(run_dir) / "evaluate", log=log, previous_dir=Path(prev.checkpoint) if prev else None)
     check_acceptance_gate(rep, cfg.evaluate)
     return rep

@@ -243,7 +243,8 @@ def prepare(cfg: PrepareConfig, target: TargetConfig, store_root: Path, log=prin
         done = [_chunk(store, key, rows, fmt, tok, c) for store, key, rows, fmt, c in jobs]
     chunk_dirs = [d for d, _ in done]
     computed = sum(fresh for _, fresh in done)
-    version = content_key({"tok": tok_key, "chunks": [d.name for d in chunk_dirs], "heldout": cfg.heldout_rows})
+    heldout = cfg.heldout_rows if cfg.heldout_fraction is None else [cfg.heldout_rows, cfg.heldout_fraction]
+    version = content_key({"tok": tok_key, "chunks": [d.name for d in chunk_dirs], "heldout": heldout})
     out = store / version
     done = read_json(out / "prepare.json")
     if done is not None:
@@ -259,6 +260,11 @@ def prepare(cfg: PrepareConfig, target: TargetConfig, store_root: Path, log=prin
     log(f"prepare: {res.rows_in} rows in, {res.rows_out} out, {res.rows_heldout} held out, "
         f"{res.rows_quarantined} quarantined, {res.tokens} tokens -> {out}")
     return res
+
+
+def heldout_hash(conv_id: str) -> float:
+    """sha256 of a conversation id as a number in [0, 1): below prepare.heldout_fraction = held out."""
+    return int(hashlib.sha256(conv_id.encode()).hexdigest()[:15], 16) / 16 ** 15
 
 
 def _assemble(cfg: PrepareConfig, chunk_dirs: list[Path], computed: int, out: Path, version: str,
@@ -294,7 +300,11 @@ def _assemble(cfg: PrepareConfig, chunk_dirs: list[Path], computed: int, out: Pa
         for cid, p, ref in zip(table["conv_id"].to_pylist(), table["prompt_ids"].to_pylist(), table["reference"].to_pylist()):
             if p is not None and cid not in convs:
                 convs[cid] = (p, ref)
-        for cid in sorted(convs, key=lambda c: hashlib.sha256(c.encode()).hexdigest())[: cfg.heldout_rows]:
+        ranked = sorted(convs, key=lambda c: hashlib.sha256(c.encode()).hexdigest())
+        if cfg.heldout_fraction is not None:  # a function of the conversation alone: stable across refreshes
+            ranked = [c for c in ranked if heldout_hash(c) < cfg.heldout_fraction]
+            held.update(ranked)  # all of them leave training; heldout.jsonl lists the first heldout_rows
+        for cid in ranked[: cfg.heldout_rows]:
             held.add(cid)
             heldout_lines.append(json.dumps({"sample_id": cid, "prompt_ids": convs[cid][0], "reference": convs[cid][1]}))
         table = table.filter(pc.invert(pc.is_in(table["conv_id"], pa.array(sorted(held), pa.string()))))
@@ -345,7 +355,7 @@ def _assemble(cfg: PrepareConfig, chunk_dirs: list[Path], computed: int, out: Pa
         token_freq=str((out / "token_freq.safetensors").resolve()), heldout=str((out / "heldout.jsonl").resolve()),
         quarantine=str((out / "quarantine.jsonl").resolve()), rows_in=sum(m["rows_in"] for m in metas),
         rows_out=n_out, rows_out_sources=len(set(zip(table["source"].to_pylist(), table["row"].to_pylist()))) if n_out else 0,
-        rows_heldout=len(heldout_lines), rows_quarantined=len(full),
+        rows_heldout=len(held), rows_quarantined=len(full),
         rows_truncated=int(sum(table["truncated"].to_pylist())) if n_out else 0,
         turns_dropped=sum(m["turns_dropped"] for m in metas), tokens=int(sum(seq)), supervised_tokens=int(counts.sum()),
         quarantine_reasons=reasons, length_histogram={k: v for k, v in hist.items() if v},

@@ -43,6 +43,7 @@ from eagle3_pipeline.proc import ChildFailed, python_child, run_child
 from eagle3_pipeline.store import dir_lock, write_json
 
 WORKER = "eagle3_pipeline.evaluate.worker"
+PREVIOUS = "previous"  # label of the previous version's draft (a refresh: lineage.previous_draft)
 # An exception line anywhere in the child's output, also one prefixed by vLLM's "(Worker pid=..) ERROR ..]".
 # vLLM re-raises an engine process's failure as a generic "Engine core initialization failed. See root
 # cause above", so the first such line is the one that names the problem.
@@ -103,6 +104,8 @@ class EvaluateReport(BaseModel):
     untrained: EvalResult | None
     wall_s: float
     out_dir: str
+    acceptance_length_previous: float | None = None  # the previous version's draft on the same prompts (refresh)
+    previous: EvalResult | None = None
 
 
 # ---------------------------------------------------------------- checks before any engine
@@ -288,20 +291,25 @@ def evaluate_draft(cfg: EvaluateConfig, target: TargetConfig, draft_dir: Path, p
 
 
 def evaluate_pair(cfg: EvaluateConfig, target: TargetConfig, trained_dir: Path, untrained_dir: Path | None,
-                  prompts: list[list[int]], out_dir: Path, log: Callable[[str], None] = print) -> EvaluateReport:
+                  prompts: list[list[int]], out_dir: Path, log: Callable[[str], None] = print,
+                  previous_dir: Path | None = None) -> EvaluateReport:
     """Evaluate the trained draft and (unless `untrained_dir` is None) the untrained baseline in one
     child, on the same prompts; `passed` compares the trained τ with `cfg.min_acceptance_length`.
     Does not raise on a low τ: call `check_acceptance_gate`. Writes `out_dir/evaluate.json`."""
     with dir_lock(Path(out_dir), f"evaluate dir {out_dir}", log):
-        return _evaluate_pair(cfg, target, trained_dir, untrained_dir, prompts, out_dir, log)
+        return _evaluate_pair(cfg, target, trained_dir, untrained_dir, prompts, out_dir, log, previous_dir)
 
 
 def _evaluate_pair(cfg: EvaluateConfig, target: TargetConfig, trained_dir: Path, untrained_dir: Path | None,
-                   prompts: list[list[int]], out_dir: Path, log: Callable[[str], None]) -> EvaluateReport:
+                   prompts: list[list[int]], out_dir: Path, log: Callable[[str], None],
+                   previous_dir: Path | None = None) -> EvaluateReport:
+    """`previous_dir`: the previous version's draft (a refresh), run in the same child on the same prompts."""
     t0 = time.time()
     drafts = {"trained": Path(trained_dir)}
     if untrained_dir is not None:
         drafts["untrained"] = Path(untrained_dir)
+    if previous_dir is not None:
+        drafts[PREVIOUS] = Path(previous_dir)
     res = _evaluate(cfg, target, drafts, prompts, out_dir, log)
     tr, un = res["trained"], res.get("untrained")
     lossless_ok = None if tr.lossless_mismatches is None else not tr.lossless_mismatches
@@ -310,7 +318,9 @@ def _evaluate_pair(cfg: EvaluateConfig, target: TargetConfig, trained_dir: Path,
         per_position_acceptance=tr.per_position_acceptance,
         per_position_acceptance_untrained=un.per_position_acceptance if un else None,
         min_acceptance_length=cfg.min_acceptance_length, passed=False, lossless_ok=lossless_ok,
-        trained=tr, untrained=un, wall_s=round(time.time() - t0, 3), out_dir=str(Path(out_dir).resolve()))
+        trained=tr, untrained=un, wall_s=round(time.time() - t0, 3), out_dir=str(Path(out_dir).resolve()),
+        acceptance_length_previous=res[PREVIOUS].acceptance_length if PREVIOUS in res else None,
+        previous=res.get(PREVIOUS))
     rep.passed = gate_failure(rep, cfg) is None
     if un is not None and tr.acceptance_length <= un.acceptance_length:
         log(f"evaluate: WARNING the trained draft (τ={tr.acceptance_length:.3f}) is no better than the untrained "

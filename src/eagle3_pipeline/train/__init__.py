@@ -70,6 +70,10 @@ class TrainResult(BaseModel):
     metrics: Path
     export_checked: bool  # export_check passed on checkpoint_best (False: target is not a local directory)
     dir: str = ""  # the train directory (absolute): checkpoints/, metrics.jsonl, train.log, untrained_draft/
+    engine_start_s: float | None = None  # this attempt's child start-up before its first step (None: reused)
+    init: str = "scratch"  # scratch, or previous: initialised from the previous version's draft (train.init)
+    previous_draft: str | None = None    # that draft's checkpoint (lineage)
+    previous_version: str | None = None  # "<prepare version>/<extract version>" it was trained on
 
 
 def _check_inputs(version: ExtractVersion) -> int:
@@ -229,16 +233,17 @@ def _run_worker(job: dict, job_path: Path, cfg: TrainConfig, log: Callable[[str]
 
 
 def train_draft(cfg: TrainConfig, target: TargetConfig, version: ExtractVersion, vocab_dir: Path, out_dir: Path, *,
-                log: Callable[[str], None] = print) -> TrainResult:
+                log: Callable[[str], None] = print, previous=None) -> TrainResult:
     """Train (or resume training) the EAGLE-3 draft on `version`'s records; see the module docstring
     for files. Holds `out_dir/.lock` throughout: two trainers never write one checkpoint dir (the
     second waits, then resumes from what the first left)."""
     with dir_lock(Path(out_dir), f"train dir {out_dir}", log):
-        return _train_draft(cfg, target, version, Path(vocab_dir), Path(out_dir), log)
+        return _train_draft(cfg, target, version, Path(vocab_dir), Path(out_dir), log, previous)
 
 
 def _train_draft(cfg: TrainConfig, target: TargetConfig, version: ExtractVersion, vocab_dir: Path, out_dir: Path,
-                 log: Callable[[str], None]) -> TrainResult:
+                 log: Callable[[str], None], previous=None) -> TrainResult:
+    """`previous` (lineage.PreviousDraft): initialise the draft from its checkpoint (a refresh)."""
     dims, aux = version.dims, version.aux_layer_ids
     load_vocab(vocab_dir, dims.vocab_size)  # raises on an inconsistent vocab before any work
     d2t_path, t2d_path = vocab_paths(vocab_dir)
@@ -250,14 +255,16 @@ def _train_draft(cfg: TrainConfig, target: TargetConfig, version: ExtractVersion
         "target": target.model, "aux_layer_ids": aux, "draft_layers": cfg.draft_layers,
         "d2t_sha256": sha256_file(d2t_path), "t2d_sha256": sha256_file(t2d_path)})
     log(f"train: {rows} rows, aux layers {aux} (+ final {dims.num_layers}), draft vocab "
-        f"{d2t_path.name}, device {cfg.device}, attention {cfg.attention}, {cfg.epochs} epochs -> {save_path}")
+        f"{d2t_path.name}, device {cfg.device} x {cfg.world_size} process(es), attention {cfg.attention}, "
+        f"{cfg.epochs} epochs -> {save_path}")
     job = {"mode": "train", "train": cfg.model_dump(mode="json"), "target": target.model_dump(mode="json"),
            "tokenized_dir": version.tokenized_dir,
            "hidden_states_dir": str(version.hidden_states_dir),
            "d2t_path": str(d2t_path.resolve()), "t2d_path": str(t2d_path.resolve()), "aux_layer_ids": aux,
            "out_dir": str(out_dir.resolve()), "save_path": str(save_path.resolve()),
            "metrics_path": str((out_dir / "metrics.jsonl").resolve()),
-           "result_path": str((out_dir / "train_result.json").resolve())}
+           "result_path": str((out_dir / "train_result.json").resolve()),
+           "init_from": previous.checkpoint if previous is not None else None}
     res = _run_worker(job, out_dir / "train_job.json", cfg, log, out_dir / "train.log", cfg.timeout_s)
     best = Path(res["checkpoint_best"])
     checked = Path(target.model).is_dir()
@@ -268,11 +275,15 @@ def _train_draft(cfg: TrainConfig, target: TargetConfig, version: ExtractVersion
     else:
         log(f"train: export check skipped: target {target.model} is not a local directory")
     result = TrainResult(
-        steps=res["steps"], final_loss=res["final_loss"], first_loss=res["first_loss"], val_loss=res["val_loss"],
+        world_size=res.get("world_size", cfg.world_size), steps=res["steps"], final_loss=res["final_loss"], first_loss=res["first_loss"], val_loss=res["val_loss"],
         final_acc=res["final_acc"], tokens_per_s=res["tokens_per_s"], tokens=res["tokens"],
         epochs_done=res["epochs_done"], resumed_from_epoch=res["resumed_from_epoch"],
         checkpoint_best=best, checkpoint_last=Path(res["checkpoint_last"]),
-        metrics=Path(res["metrics"]), export_checked=checked, dir=str(out_dir.resolve()))
+        metrics=Path(res["metrics"]), export_checked=checked, dir=str(out_dir.resolve()),
+        init="previous" if previous is not None else "scratch",
+        previous_draft=previous.checkpoint if previous is not None else None,
+        previous_version=f"{previous.prepare_version}/{previous.extract_version}" if previous is not None else None,
+        engine_start_s=res.get("startup_s"))
     write_json(out_dir / RECORD_NAME, result.model_dump(mode="json"))
     return result
 

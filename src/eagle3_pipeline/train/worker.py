@@ -218,6 +218,45 @@ def build_draft(job: dict):
         draft_attn_impl=ATTN_IMPL[cfg["attention"]])
 
 
+def init_from_draft(model, checkpoint: Path) -> dict:
+    """Initialise `model` from a previous version's draft checkpoint (train.init: previous). Every
+    tensor of the same name and shape is copied, except the draft vocab maps (d2t/t2d: the new
+    version's); the draft lm_head's rows are matched by target token id (row i predicts target token
+    i + d2t[i]), so a token that kept its place in the draft vocab keeps its row even when the vocab
+    moved; rows of tokens new to the draft vocab keep their fresh initialisation. A resumed checkpoint
+    of this training (speculators' resume) still overrides all of it. Returns counts for the log."""
+    import torch
+    from safetensors.torch import load_file
+
+    prev = load_file(str(Path(checkpoint) / "model.safetensors"))
+    state = model.state_dict()
+    copied, remapped, skipped = 0, 0, []
+    old_t = new_t = None
+    if "d2t" in prev and "d2t" in state:
+        old_t = torch.arange(prev["d2t"].shape[0]) + prev["d2t"].long()
+        new_t = torch.arange(state["d2t"].shape[0]) + state["d2t"].long()
+    with torch.no_grad():
+        for name, t in state.items():
+            if name in ("d2t", "t2d") or name not in prev:
+                continue
+            src = prev[name]
+            if "lm_head" in name and old_t is not None and src.shape[0] == old_t.shape[0] and t.shape[1:] == src.shape[1:]:
+                where = {int(tok): i for i, tok in enumerate(old_t.tolist())}
+                pairs = [(j, where[int(tok)]) for j, tok in enumerate(new_t.tolist()) if int(tok) in where]
+                if pairs:
+                    dst_idx, src_idx = map(torch.tensor, zip(*pairs))
+                    t[dst_idx] = src[src_idx].to(t.dtype)
+                remapped += len(pairs)
+            elif tuple(src.shape) == tuple(t.shape):
+                t.copy_(src.to(t.dtype))
+                copied += 1
+            else:
+                skipped.append(name)
+    print(f"train worker: initialised from {checkpoint}: {copied} tensors copied, {remapped} lm_head rows "
+          f"matched by target token, skipped {skipped}", flush=True)
+    return {"copied": copied, "remapped": remapped, "skipped": skipped}
+
+
 def _loaders(job: dict, hidden_size: int, num_aux: int):
     """speculators' own train/val loaders (`create_train_val_loaders`, what `speculators train` uses):
     its ArrowDataset over our tokenized rows + hs files, split by row index (the last val_ratio of
@@ -272,6 +311,8 @@ def run_train(job: dict) -> dict:
     metrics_path = Path(job["metrics_path"])
     set_seed(cfg["seed"])
     model = build_draft(job)
+    if job.get("init_from"):
+        init_from_draft(model, Path(job["init_from"]))
     hidden_size = model.config.transformer_layer_config.hidden_size
     train_loader, val_loader = _loaders(job, hidden_size, len(job["aux_layer_ids"]))
     train_kwargs, val_kwargs = Eagle3DraftModel.get_trainer_kwargs(

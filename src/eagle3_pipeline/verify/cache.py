@@ -75,3 +75,76 @@ def load(path: Path) -> dict:
         out[row] = _FileResult(row=row, tokens=int(t["tokens"][i]), nbytes=int(t["nbytes"][i]), stats=t["stats"][i],
                                sig=t["sig"][i] if "sig" in t else None, agreement=None if np.isnan(a) else a)
     return out
+
+
+# ---------------------------------------------------------------- the record pool's cache
+# `<pool dir>/verify/<verify config key>.safetensors`: per pooled record (row key) its good result and
+# the identity of the files it was computed from: [dev, inode, size, mtime_ns] of the record and the
+# inode of its fingerprint (-1: none). A version whose record of a row is the same inode as the pool's
+# record (a hard link: extract/pool.py), unchanged since, reuses that result without reading the file.
+POOL_CACHE_DIR = "verify"
+
+
+def pool_cache_path(pool, config_key: str) -> Path:
+    return pool.dir / POOL_CACHE_DIR / f"{config_key}.safetensors"
+
+
+def file_identity(record: Path, fingerprint: Path | None) -> list[int] | None:
+    """[dev, inode, size, mtime_ns, fingerprint inode or -1] of a record (None when it is missing)."""
+    import os
+
+    try:
+        st = os.stat(record)
+        fp = os.stat(fingerprint).st_ino if fingerprint is not None and os.path.exists(fingerprint) else -1
+    except OSError:
+        return None
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, fp]
+
+
+def load_pool(path: Path) -> dict[str, tuple[list[int], object]]:
+    """{row key: (file identity, structure._FileResult with row -1)} ({} when missing or unreadable)."""
+    from safetensors import safe_open
+
+    from eagle3_pipeline.verify.structure import _FileResult
+
+    try:
+        with safe_open(str(path), framework="np") as f:
+            keys = json.loads(f.metadata()["keys"])
+            t = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception:  # noqa: BLE001 - no cache (or a damaged one): those records are read again
+        return {}
+    out = {}
+    for i, rk in enumerate(keys):
+        a = float(t["agreement"][i])
+        out[rk] = (t["ident"][i].tolist(), _FileResult(
+            row=-1, tokens=int(t["tokens"][i]), nbytes=int(t["nbytes"][i]), stats=t["stats"][i],
+            sig=t["sig"][i] if "sig" in t else None, agreement=None if np.isnan(a) else a))
+    return out
+
+
+def save_pool(pool, config_key: str, new: dict[str, tuple[list[int], object]]) -> None:
+    """Merge `new` ({row key: (identity, good _FileResult)}) into the pool's cache, under the pool's
+    lock, dropping entries whose pooled record is gone or changed (gc, a record verify rejected)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from eagle3_pipeline.store import atomic_write
+
+    path = pool_cache_path(pool, config_key)
+    with pool.lock(None):
+        entries = {**load_pool(path), **new}
+        keep = {rk: (ident, r) for rk, (ident, r) in entries.items()
+                if (now := file_identity(pool.record(rk), None)) is not None and now[:4] == list(ident[:4])}
+        if not keep:
+            path.unlink(missing_ok=True)
+            return
+        ks = sorted(keep)
+        rs = [keep[k][1] for k in ks]
+        t = {"ident": torch.tensor([keep[k][0] for k in ks], dtype=torch.int64),  # [R, 5]
+             "tokens": torch.tensor([r.tokens for r in rs], dtype=torch.int64),
+             "nbytes": torch.tensor([r.nbytes for r in rs], dtype=torch.int64),
+             "stats": torch.from_numpy(np.stack([r.stats for r in rs]).astype(np.float64)),  # [R, 5, L]
+             "agreement": torch.tensor([np.nan if r.agreement is None else r.agreement for r in rs], dtype=torch.float32)}
+        if all(r.sig is not None for r in rs):
+            t["sig"] = torch.from_numpy(np.stack([r.sig for r in rs]).astype(np.float32))  # [R, L, F]
+        atomic_write(path, lambda p: save_file(t, str(p), metadata={"keys": json.dumps(ks)}))

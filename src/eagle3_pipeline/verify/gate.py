@@ -17,6 +17,7 @@ Two verifies of one extract dir never overlap: each holds `<extract-dir>/locks/v
 
 from __future__ import annotations
 
+import copy
 import shutil
 import time
 
@@ -26,6 +27,7 @@ from eagle3_pipeline.config import ExtractConfig, TargetConfig, VerifyConfig
 from eagle3_pipeline.contracts import record_name
 from eagle3_pipeline.data.prepare import load_tokenized
 from eagle3_pipeline.errors import GateFailed
+from eagle3_pipeline.extract.pool import row_keys, version_pool
 from eagle3_pipeline.layout import ExtractVersion
 from eagle3_pipeline.store import content_key, file_lock, read_json, write_json
 from eagle3_pipeline.verify import cache
@@ -70,6 +72,9 @@ class VerifyResult(BaseModel):
     reference_peak_rss_bytes: int | None = None
     shards_rechecked: int = 0
     shards_reused: int = 0
+    rows_rechecked: int = 0     # records read by this verify
+    rows_reused: int = 0        # records whose results came from a cache (this version's or the record pool's)
+    rows_reused_pool: int = 0   # of those, records linked from the pool and verified in another version
     config_key: str | None = None
     shard_hashes: dict[str, str] = {}  # verified-good shard -> cache.shard_hash of its manifest entry
     seconds: float | None = None
@@ -110,6 +115,42 @@ def _reusable(cfg: VerifyConfig, version: ExtractVersion, shards: list[dict], lo
     return rows, ok
 
 
+def _pool_reusable(cfg: VerifyConfig, version: ExtractVersion, pool, keys: dict[int, str], fp_required: bool) -> dict:
+    """{row: _FileResult} of rows whose record (and fingerprint) is a hard link to a pooled record
+    that a verify with the same settings found good, unchanged since (verify/cache.py pool cache)."""
+    if pool is None or not keys:
+        return {}
+    cached = cache.load_pool(cache.pool_cache_path(pool, _config_key(cfg)))
+    out = {}
+    for r, rk in keys.items():
+        hit = cached.get(rk)
+        if hit is None:
+            continue
+        ident = cache.file_identity(version.record_path(r), version.fingerprint_path(r) if fp_required else None)
+        pooled = cache.file_identity(pool.record(rk), pool.fingerprint(rk) if fp_required else None)
+        if ident is None or ident != pooled or ident != list(hit[0]) or (fp_required and ident[4] < 0):
+            continue
+        res = copy.copy(hit[1])
+        res.row = r
+        out[r] = res
+    return out
+
+
+def _pool_save(cfg: VerifyConfig, version: ExtractVersion, pool, keys: dict[int, str], results: list,
+               fp_required: bool) -> None:
+    """Record the good results of records read now that are the pool's (hard links) in its cache."""
+    new = {}
+    for res in results:
+        rk = keys.get(res.row)
+        if rk is None or res.problems or res.stats is None or not pool.is_pooled(rk, version.record_path(res.row)):
+            continue
+        ident = cache.file_identity(version.record_path(res.row), version.fingerprint_path(res.row) if fp_required else None)
+        if ident is not None:
+            new[rk] = (ident, res)
+    if new:
+        cache.save_pool(pool, _config_key(cfg), new)
+
+
 def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, log) -> VerifyResult:
     t0 = time.time()
     extract_dir, tokenized_dir = version.path, version.tokenized_dir
@@ -117,15 +158,20 @@ def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, lo
     shards = man.get("shards", [])
     reused, reused_hashes = _reusable(cfg, version, shards, log)
     ds = load_tokenized(tokenized_dir)
-    todo = [r for r in range(len(ds)) if r not in reused]
     fp_required = bool((man.get("config") or {}).get("extract", {}).get("fingerprints"))
+    pool = version_pool(version)
+    keys = row_keys(tokenized_dir, [r for r in range(len(ds)) if r not in reused], pool.key) if pool else {}
+    from_pool = _pool_reusable(cfg, version, pool, keys, fp_required)
+    reused.update(from_pool)
+    todo = [r for r in range(len(ds)) if r not in reused]
     final, final_skipped = final_layer_check(target, version.dims, cfg, version.storage_dtype)
     if final_skipped:
         log(f"verify: final-layer fingerprint check skipped: {final_skipped}")
     extras = _Extras(identity=cfg.identity_max_z is not None,
                      final=final, fingerprints_dir=str(version.fingerprints_dir), fingerprints_required=fp_required,
                      min_agreement=cfg.fingerprint_min_agreement)
-    log(f"verify: {len(todo)} records to read, {len(reused)} reused from {len(reused_hashes)} unchanged verified shards")
+    log(f"verify: {len(todo)} records to read, {len(reused)} reused ({len(reused_hashes)} unchanged verified shards, "
+        f"{len(from_pool)} records verified in another version through the record pool)")
     st = verify_structure(tokenized_dir, version.hidden_states_dir, version.layer_ids, version.dims.hidden_size,
                           version.storage_dtype, rows=todo, log=log, norm_samples=cfg.norm_bounds_samples,
                           norm_factor=cfg.norm_bounds_factor, norm_min_ratio=cfg.norm_bounds_min_ratio,
@@ -154,6 +200,12 @@ def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, lo
     moved = []
     if problems and cfg.move_bad_files:
         failed_dir = extract_dir / "hidden_states_failed"
+        if pool is not None:  # a rejected record that is the pool's must leave the pool: re-extracted, not re-linked
+            bad_keys = row_keys(tokenized_dir, [r for r in bad_rows if r < len(ds)], pool.key)
+            with pool.lock(log):
+                gone = [r for r, k in bad_keys.items() if pool.forget(k, version.record_path(r))]
+            if gone:
+                log(f"verify: rows {gone}: their records were removed from the record pool {pool.dir}")
         for r in bad_rows:
             f = version.record_path(r)
             if f.exists():
@@ -180,8 +232,11 @@ def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, lo
         identity_files=st.identity_files, identity_skipped=st.identity_skipped,
         reference_peak_rss_bytes=getattr(ref, "peak_rss_bytes", None), shards_rechecked=n_rechecked,
         shards_reused=len(reused_hashes), config_key=_config_key(cfg), shard_hashes=hashes,
+        rows_rechecked=len(todo), rows_reused=len(reused), rows_reused_pool=len(from_pool),
         seconds=round(time.time() - t0, 2))
     cache.save(extract_dir / cache.CACHE_NAME, [r for r in [*reused.values(), *st.results] if r.row not in bad])
+    if pool is not None:
+        _pool_save(cfg, version, pool, keys, [r for r in st.results if r.row not in bad], fp_required)
     write_json(version.verify_path, res.model_dump())
     return res
 
