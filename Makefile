@@ -15,7 +15,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install run test test-fast tiny bench clean
+.PHONY: install run test test-fast tiny bench gpu-check clean
 
 install: $(STAMP)
 
@@ -43,6 +43,20 @@ test-fast: $(STAMP)
 
 bench: $(STAMP) tiny
 	$(PY) bench/extract_vs_prefill.py
+
+# The CUDA paths (connector on CUDA, flex attention + fused loss, NCCL DDP, TP=2, the nvidia-smi gate) on
+# a CUDA machine, as one table (bench/gpu_check.py); never part of `make test`. It builds its own venv
+# with the GPU stack (.[gpu,test]: vllm 0.33, torch 2.14) and skips cleanly where there is no GPU.
+GPU_VENV ?= .venv-gpu
+gpu-check:
+	@if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then \
+	  echo "gpu-check: SKIPPED: no CUDA device here (nvidia-smi $$(command -v nvidia-smi >/dev/null 2>&1 && echo 'lists no GPU' || echo 'not found')). Run it on a machine with an NVIDIA GPU."; \
+	  exit 0; fi; \
+	set -e; \
+	test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv $(GPU_VENV); \
+	test -f $(GPU_VENV)/.installed-gpu || { $(GPU_VENV)/bin/python -m pip install -q -U pip && \
+	  $(GPU_VENV)/bin/python -m pip install -e '.[gpu,test]' && touch $(GPU_VENV)/.installed-gpu; }; \
+	$(GPU_VENV)/bin/python bench/gpu_check.py
 
 clean:
 	rm -rf runs .prefect .pytest_cache

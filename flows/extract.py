@@ -29,7 +29,7 @@ def extract(config: PipelineConfig, version: ExtractVersion, force_shards: list[
         for group in version.groups:
             forced = bool(force & set(group))
             refresh = forced or bool(version.unpublished(group))
-            run = t.extract_group.with_options(retries=config.extract.retries, retry_delay_seconds=5,
+            run = t.extract_group.with_options(**t.retry_options("extract-group", config.extract.retries),
                                                refresh_cache=refresh)
             state = run(config, version, group, forced, return_state=True)
             if state.is_failed():

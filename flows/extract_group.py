@@ -17,5 +17,5 @@ from tasks import stage_tasks as t
 def extract_group(config: PipelineConfig, version: ExtractVersion, shard_ids: list[int], force: bool = False) -> list:
     use_hub_secret(config)
     refresh = force or bool(version.unpublished(shard_ids))
-    run = t.extract_group.with_options(retries=config.extract.retries, retry_delay_seconds=5, refresh_cache=refresh)
+    run = t.extract_group.with_options(**t.retry_options("extract-group", config.extract.retries), refresh_cache=refresh)
     return run(config, version, shard_ids, force)

@@ -17,11 +17,16 @@ Prefect-side records (README "Operations"):
   train (metrics), evaluate (acceptance), store (links into the run store); prepare-<dataset>.
 - Events: `eagle3.dataset.published` when prepare wrote a new tokenized version and
   `eagle3.draft.exported` after train (see EVENTS below).
+- Retries: RETRY_POLICIES below, the one statement of which task retries, how often, after what
+  delay and on which errors. A retry happens only on a transient error (errors.is_transient: an
+  OSError, a child that crashed or timed out, a failed engine start) and never on a failed gate,
+  bad input, a bad config or an environment problem: those are answers, and a retry would repeat them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,8 +38,10 @@ from prefect.cache_policies import NO_CACHE
 from eagle3_pipeline import stages
 from eagle3_pipeline.config import PipelineConfig
 from eagle3_pipeline.data.prepare import PrepareResult
+from eagle3_pipeline.errors import is_transient
 from eagle3_pipeline.layout import ExtractVersion
 from eagle3_pipeline.preflight import PreflightResult
+from eagle3_pipeline.proc import ChildFailed
 from eagle3_pipeline.store import slug
 
 GPU_LIMIT = os.environ.get("EAGLE3_GPU_LIMIT", "gpu-node")
@@ -51,7 +58,63 @@ def _log():
     return get_run_logger().info
 
 
-@task(name="prepare", cache_policy=NO_CACHE, tags=["cpu"])
+# ------------------------------------------------------------------ retry policies (the one place)
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryPolicy:
+    retries: int  # attempts after the first
+    delay_s: float  # before each retry (jittered by Prefect's retry_jitter_factor)
+    transient: tuple[type[BaseException], ...]  # errors that may pass on a retry (errors.is_transient)
+    why: str  # what fails transiently here, and what a retry redoes
+
+    def options(self, stage: str, retries: int | None = None) -> dict:
+        """Keyword arguments of @task / Task.with_options; `retries` overrides the count (extract:
+        config.extract.retries)."""
+        transient = self.transient
+
+        def retry_condition_fn(task, task_run, state) -> bool:  # Prefect calls plain functions only
+            exc = state.data if isinstance(state.data, BaseException) else None
+            retry = exc is not None and is_transient(exc, transient)
+            _logger().info(f"{stage}: {'retrying' if retry else 'not retrying'} after "
+                           f"{type(exc).__name__ if exc else state.type}: "
+                           + ("transient" if retry else "not a transient error (a gate, input, config or environment answer)"))
+            return retry
+
+        n = self.retries if retries is None else retries
+        return {"retries": n, "retry_delay_seconds": self.delay_s if n else 0,
+                "retry_jitter_factor": 0.2 if n and self.delay_s else None,
+                "retry_condition_fn": retry_condition_fn if n else None}
+
+
+IO = (OSError, TimeoutError)  # lost mounts, hub/network errors (requests' errors are OSErrors), timeouts
+CHILD = (ChildFailed,)  # a child that crashed, was OOM-killed or timed out (ChildTimedOut); also wrapped
+RETRY_POLICIES: dict[str, RetryPolicy] = {
+    "prepare": RetryPolicy(2, 30, IO, "reads sources (files, fsspec, the hub) and writes the store; a retry "
+                           "reuses every content-keyed chunk already tokenized"),
+    "preflight": RetryPolicy(0, 0, (), "a gate of seconds, no I/O worth retrying: its failure is the answer"),
+    "gpu-gate": RetryPolicy(0, 0, (), "a gate: busy GPUs are an answer for the operator, not a transient error"),
+    "extract-group": RetryPolicy(2, 5, (*IO, *CHILD, RuntimeError), "engine child per shard group (crash, OOM, "
+                                 "lost node); a retry extracts only the shards not yet published. Count: "
+                                 "config extract.retries"),
+    "verify": RetryPolicy(1, 10, (*IO, *CHILD), "reads every record and streams the target for the reference "
+                          "check (I/O, the reference child); a retry reuses each shard an earlier complete verify "
+                          "checked (verify_rows.safetensors) and never turns a VerifyFailed into a retry"),
+    "vocab": RetryPolicy(2, 5, IO, "reads token_freq and the tokenizer, writes two small files"),
+    "train": RetryPolicy(2, 60, (*IO, *CHILD), "trainer child (crash, OOM kill, lost node, timeout); a retry "
+                         "resumes from the last complete epoch checkpoint in the same train dir, so it does only "
+                         "the unfinished epochs; never on a failed export check (a gate)"),
+    "evaluate": RetryPolicy(1, 30, (*IO, *CHILD, RuntimeError), "starts vLLM engines (a failed engine start: port, "
+                            "memory not yet freed); never when τ is below the floor (EvaluateGateFailed)"),
+    "report": RetryPolicy(1, 5, IO, "writes report.json/md and plots"),
+}
+
+
+def retry_options(stage: str, retries: int | None = None) -> dict:
+    return RETRY_POLICIES[stage].options(stage, retries)
+
+
+@task(name="prepare", cache_policy=NO_CACHE, tags=["cpu"], **retry_options("prepare"))
 def prepare(cfg: PipelineConfig) -> PrepareResult:
     rec = stages.stage_prepare(cfg, log=_log())
     counts = [{"what": k, "value": getattr(rec, k)} for k in ("version", "rows_in", "rows_out", "rows_heldout", "rows_quarantined",
@@ -66,12 +129,12 @@ def prepare(cfg: PipelineConfig) -> PrepareResult:
     return rec
 
 
-@task(name="preflight", cache_policy=NO_CACHE)
+@task(name="preflight", cache_policy=NO_CACHE, **retry_options("preflight"))
 def preflight(cfg: PipelineConfig, prep: PrepareResult) -> PreflightResult:
     return stages.stage_preflight(cfg, prep, log=_log())
 
 
-@task(name="gpu-gate", cache_policy=NO_CACHE, task_run_name="gpu-gate-{where}")
+@task(name="gpu-gate", cache_policy=NO_CACHE, task_run_name="gpu-gate-{where}", **retry_options("gpu-gate"))
 def gpu_gate(where: str):
     return stages.stage_gpu_gate(where, log=_log())
 
@@ -86,7 +149,7 @@ def _group_key(ctx, params) -> str:
 
 
 @task(name="extract-group", cache_key_fn=_group_key, persist_result=True, result_serializer="json",
-      tags=["gpu"], task_run_name="extract-shards-{shard_ids}")
+      tags=["gpu"], task_run_name="extract-shards-{shard_ids}", **retry_options("extract-group"))
 def extract_group(cfg: PipelineConfig, version: ExtractVersion, shard_ids: list[int], force: bool = False) -> list:
     """One engine child for these shards; each shard is published (and counted in the progress
     artifact) the moment it is complete. Cached by content key + directory + shard ids; the flow
@@ -134,7 +197,7 @@ class _Progress:
             self.log(f"progress artifact not updated: {type(e).__name__}: {e}")
 
 
-@task(name="verify", cache_policy=NO_CACHE)
+@task(name="verify", cache_policy=NO_CACHE, **retry_options("verify"))
 def verify(cfg: PipelineConfig, version: ExtractVersion):
     with gpu_slot():  # the reference check loads the target
         rec = stages.stage_verify(cfg, version, log=_log())
@@ -145,12 +208,12 @@ def verify(cfg: PipelineConfig, version: ExtractVersion):
     return rec
 
 
-@task(name="vocab", cache_policy=NO_CACHE)
+@task(name="vocab", cache_policy=NO_CACHE, **retry_options("vocab"))
 def vocab(cfg: PipelineConfig, prep: PrepareResult, version: ExtractVersion):
     return stages.stage_vocab(cfg, prep, version, log=_log())
 
 
-@task(name="train", cache_policy=NO_CACHE, tags=["gpu"])
+@task(name="train", cache_policy=NO_CACHE, tags=["gpu"], **retry_options("train"))
 def train(cfg: PipelineConfig, version: ExtractVersion, voc):
     with gpu_slot():
         rec = stages.stage_train(cfg, version, voc, log=_log())
@@ -169,7 +232,7 @@ def train(cfg: PipelineConfig, version: ExtractVersion, voc):
     return rec
 
 
-@task(name="evaluate", cache_policy=NO_CACHE, tags=["gpu"])
+@task(name="evaluate", cache_policy=NO_CACHE, tags=["gpu"], **retry_options("evaluate"))
 def evaluate(cfg: PipelineConfig, prep: PrepareResult, version: ExtractVersion, voc, tr, run_dir: str):
     with gpu_slot():
         rec = stages.stage_evaluate(cfg, prep, version, voc, tr, run_dir, log=_log())
@@ -183,7 +246,7 @@ def evaluate(cfg: PipelineConfig, prep: PrepareResult, version: ExtractVersion, 
     return rec
 
 
-@task(name="report", cache_policy=NO_CACHE)
+@task(name="report", cache_policy=NO_CACHE, **retry_options("report"))
 def report(run_dir: str, report_rec: dict, metrics_path: str | None) -> dict:
     from pathlib import Path
 

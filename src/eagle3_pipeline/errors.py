@@ -134,3 +134,20 @@ def exit_code(exc: BaseException, classify: Callable[[BaseException], int | None
 def culprit(exc: BaseException, classify: Callable[[BaseException], int | None] | None = None) -> BaseException:
     """The exception whose code `exit_code` returns (the one whose message to show first)."""
     return _decisive(exc, classify)[1]
+
+
+# Categories that are answers, not accidents: a retry would only repeat them (a failed gate, bad
+# input, a bad config, a machine that cannot run the stage, a full disk).
+NOT_TRANSIENT_CODES = frozenset({ExitCode.CONFIG, ExitCode.INPUT, ExitCode.GATE, ExitCode.ENVIRONMENT})
+
+
+def is_transient(exc: BaseException, transient: tuple[type[BaseException], ...]) -> bool:
+    """Whether a retry may help: something along `exc`'s cause chain is one of the `transient` types
+    (e.g. OSError, proc.ChildFailed), and nothing along it belongs to a NOT_TRANSIENT_CODES category
+    (GateFailed, InputError, ConfigError, EnvironmentProblem, DiskFull), whatever wraps what."""
+    seen = list(chain(exc))
+    if any(isinstance(getattr(e, "exit_code", None), int) and e.exit_code in NOT_TRANSIENT_CODES for e in seen):
+        return False
+    if any(isinstance(e, OSError) and is_disk_full(e) for e in seen):
+        return False
+    return any(isinstance(e, transient) for e in seen)

@@ -1,6 +1,8 @@
 """The gpu-gate: no leftover engine of ours holds the machine, and the visible GPUs are free.
 
-Reads the process table (psutil) and, where `nvidia-smi` exists, per-GPU used memory. Finds our
+Reads the process table (psutil) and, where `nvidia-smi` exists, per-GPU used memory of the GPUs
+this process may use (CUDA_VISIBLE_DEVICES, by index or UUID) and, when one stays busy, the processes
+holding its memory (named in the failure). Finds our
 leftover engine processes by the marker that proc.run_child puts in every child's environment
 (CHILD_MARKER_ENV, inherited by vLLM's engine cores and workers) and by command line: a marked
 process is a leftover when the process that launched it (LAUNCHER_ENV) is gone. Engines whose
@@ -74,21 +76,82 @@ def find_leftovers() -> list[tuple[object, str]]:
     return [(p, d) for p, d in found if d]
 
 
+def _smi(*query: str) -> str:
+    """Output of `nvidia-smi <query> --format=csv,noheader,nounits` (tests replace this function)."""
+    return subprocess.run(["nvidia-smi", *query, "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                          timeout=30, check=True).stdout
+
+
+def _has_smi() -> bool:
+    return shutil.which("nvidia-smi") is not None
+
+
+def visible_gpus(gpus: list[dict], visible: str | None) -> list[dict]:
+    """The GPUs of `gpus` ([{index, uuid, ...}]) that CUDA_VISIBLE_DEVICES=`visible` exposes, in its order.
+    Entries are indices (`0,1`) or UUIDs (`GPU-8f2c...`, also a unique prefix, as CUDA accepts); like
+    CUDA, the list ends at the first entry that names no GPU (`-1`, garbage). Unset: every GPU; "": none."""
+    if visible is None:
+        return gpus
+    out: list[dict] = []
+    for entry in (x.strip() for x in visible.split(",")):
+        if entry.isdigit():
+            match = [g for g in gpus if g["index"] == int(entry)]
+        elif entry.upper().startswith(("GPU-", "MIG-")):
+            match = [g for g in gpus if g.get("uuid", "").lower().startswith(entry.lower())]
+        else:
+            match = []
+        if len(match) != 1:
+            break
+        if match[0] not in out:
+            out.append(match[0])
+    return out
+
+
 def gpu_memory() -> list[dict]:
-    """[{index, used_mib, total_mib}] from nvidia-smi; [] where there is no nvidia-smi."""
-    if not shutil.which("nvidia-smi"):
+    """[{index, uuid, used_mib, total_mib}] of the GPUs visible to this process (CUDA_VISIBLE_DEVICES by
+    index or UUID) from nvidia-smi; [] where there is no nvidia-smi."""
+    if not _has_smi():
         return []
-    out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used,memory.total", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, timeout=30, check=True).stdout
     gpus = []
-    for line in out.strip().splitlines():
-        idx, used, total = (x.strip() for x in line.split(","))
-        gpus.append({"index": int(idx), "used_mib": int(used), "total_mib": int(total)})
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible:
-        keep = {int(x) for x in visible.split(",") if x.strip().isdigit()}
-        gpus = [g for g in gpus if g["index"] in keep]
-    return gpus
+    for line in _smi("--query-gpu=index,uuid,memory.used,memory.total").strip().splitlines():
+        idx, uuid, used, total = (x.strip() for x in line.split(","))
+        gpus.append({"index": int(idx), "uuid": uuid, "used_mib": int(used), "total_mib": int(total)})
+    return visible_gpus(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def gpu_holders(gpus: list[dict]) -> dict[int, list[str]]:
+    """{GPU index: ["pid 123 (python -m vllm...): 30000 MiB", ...]}: the processes nvidia-smi lists
+    as holding memory on `gpus` (compute apps, matched by GPU UUID); a pid from another PID namespace
+    (a container) is named by nvidia-smi's process name only."""
+    import psutil
+
+    by_uuid = {g["uuid"]: g["index"] for g in gpus if g.get("uuid")}
+    out: dict[int, list[str]] = {}
+    try:
+        apps = _smi("--query-compute-apps=gpu_uuid,pid,used_memory,process_name")
+    except (OSError, subprocess.SubprocessError) as e:
+        return {g["index"]: [f"(nvidia-smi --query-compute-apps failed: {e})"] for g in gpus}
+    for line in apps.strip().splitlines():
+        parts = [x.strip() for x in line.split(",", 3)]
+        if len(parts) < 4 or parts[0] not in by_uuid:
+            continue
+        uuid, pid, used, name = parts
+        try:
+            cmd = " ".join(psutil.Process(int(pid)).cmdline())[:120] or name
+        except (psutil.Error, ValueError):
+            cmd = name
+        out.setdefault(by_uuid[uuid], []).append(f"pid {pid} ({cmd}): {used} MiB")
+    return out
+
+
+def describe_busy(busy: list[dict]) -> str:
+    """`GPU 0 (GPU-8f2c...): 30000 of 81920 MiB, held by pid 123 (...): 29500 MiB` per busy GPU."""
+    holders = gpu_holders(busy)
+    return ", ".join(
+        f"GPU {g['index']}" + (f" ({g['uuid']})" if g.get("uuid") else "") + f": {g['used_mib']} of {g['total_mib']} MiB, "
+        + ("held by " + "; ".join(holders[g["index"]]) if holders.get(g["index"])
+           else "no process listed by nvidia-smi (another container, or a driver-held context)")
+        for g in busy)
 
 
 def gpu_gate(kill: bool = True, max_used_mib: int = 2048, wait_s: float = 30.0, log=print) -> GpuGateResult:
@@ -125,7 +188,6 @@ def gpu_gate(kill: bool = True, max_used_mib: int = 2048, wait_s: float = 30.0, 
         gpus = gpu_memory()
     busy = [g for g in gpus if g["used_mib"] > max_used_mib]
     if busy:
-        raise GpuGateFailed("gpu-gate: GPU memory still in use: " + ", ".join(
-            f"GPU {g['index']}: {g['used_mib']} of {g['total_mib']} MiB" for g in busy))
+        raise GpuGateFailed(f"gpu-gate: GPU memory still in use (more than {max_used_mib} MiB): " + describe_busy(busy))
     log(f"gpu-gate: {len(found)} leftovers ended, {len(gpus)} GPUs checked" + (" (no nvidia-smi)" if not gpus else ""))
     return GpuGateResult(leftovers_found=found, killed=killed, gpus=gpus, passed=True)

@@ -7,6 +7,7 @@ models as they are (tasks/ wraps each function; tests call them directly). No Pr
 Where things go is the ExtractVersion's business (layout.py): vocab = `version.vocab_dir(K)`,
 training = `version.train_dir(train_key)` (keyed by everything that determines the draft, so a second
 run with the same inputs reuses the checkpoint and an interrupted one resumes).
+Test hook: `faults.fail_once` at the start of prepare, verify and vocab (EAGLE3_TEST_FAIL_ONCE).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from eagle3_pipeline.config import PipelineConfig
 from eagle3_pipeline.data.prepare import PrepareResult
+from eagle3_pipeline.faults import fail_once
 from eagle3_pipeline.layout import ExtractVersion, plan_extract
 from eagle3_pipeline.preflight import PreflightResult
 from eagle3_pipeline.store import content_key, dir_lock
@@ -27,6 +29,8 @@ __all__ = ["plan_extract", "stage_prepare", "stage_preflight", "stage_gpu_gate",
 
 def stage_prepare(cfg: PipelineConfig, log=print) -> PrepareResult:
     from eagle3_pipeline.data.prepare import prepare
+
+    fail_once("prepare")
 
     return prepare(cfg.prepare, cfg.target, Path(cfg.store), log=log)
 
@@ -82,6 +86,7 @@ def stage_verify(cfg: PipelineConfig, version: ExtractVersion, log=print):
     """The verify gate: raises VerifyFailed naming every bad record; returns the VerifyResult."""
     from eagle3_pipeline.verify.gate import check_verify_gate, verify
 
+    fail_once("verify")
     res = verify(cfg.verify, cfg.target, version, log=log, extract_cfg=cfg.extract)
     check_verify_gate(res)
     return res
@@ -91,6 +96,7 @@ def stage_vocab(cfg: PipelineConfig, prep: PrepareResult, version: ExtractVersio
     from eagle3_pipeline.data.prepare import load_tokenizer
     from eagle3_pipeline.vocab import build_vocab
 
+    fail_once("vocab")
     tok = load_tokenizer(cfg.target)
     return build_vocab(cfg.vocab, Path(prep.token_freq), version.dims.vocab_size,
                        version.vocab_dir(cfg.vocab.draft_vocab_size),

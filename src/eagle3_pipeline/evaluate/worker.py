@@ -150,8 +150,12 @@ def main(argv: list[str]) -> int:
           f"in-process engine core: {os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING') == '0'}", flush=True)
     import psutil
 
+    from eagle3_pipeline.faults import take_fault
     from eagle3_pipeline.store import write_json
 
+    if take_fault("evaluate"):  # test hook (faults.py): an engine start that fails once
+        print("evaluate worker: injected engine start failure (EAGLE3_TEST_FAIL_ONCE)", file=sys.stderr, flush=True)
+        return 3
     for run in job.runs:
         try:
             out = _run(job, run)

@@ -56,6 +56,8 @@ class ExportCheckError(GateFailed, ValueError):
 
 
 class TrainResult(BaseModel):
+    mode: str = "offline"  # offline: stored hidden states (the only mode the train stage has today)
+    world_size: int = 1  # training processes (torchrun ranks; GPUs on cuda, gloo processes on cpu)
     steps: int
     final_loss: float | None
     first_loss: float | None
@@ -208,9 +210,12 @@ def _format_event(ev: dict) -> str | None:
 
 
 def _argv(cfg: TrainConfig, job_path: Path, distributed: bool = True) -> list[str]:
-    if distributed and cfg.device == "cuda" and cfg.num_gpus > 1:
+    """world_size > 1: torchrun starts world_size ranks of the worker on this node (`--standalone`: its own
+    rendezvous on a free local port), one per GPU on cuda, gloo processes on cpu; the child's process group
+    holds torchrun and every rank, so a timeout or cancel ends them all."""
+    if distributed and cfg.world_size > 1:
         return [sys.executable, "-u", "-m", "torch.distributed.run", "--standalone",
-                f"--nproc_per_node={cfg.num_gpus}", "-m", WORKER, str(job_path)]
+                f"--nproc_per_node={cfg.world_size}", "-m", WORKER, str(job_path)]
     return python_child(WORKER, str(job_path))
 
 

@@ -17,9 +17,12 @@ Structured progress goes to the parent as `proc.emit_event` lines: {"kind": "tra
 "done", ...}. Device "cpu" installs a small shim (speculators' trainer assumes an accelerator):
 the trainer's device is "cpu" (autocast on cpu in bf16), `torch.accelerator.synchronize` is a no-op,
 and checkpoints are loaded to "cpu"; draft attention is sdpa/eager and the loss is speculators' eager
-implementation. Device "cuda" uses speculators untouched (flex attention, fused Triton losses); with
-num_gpus > 1 the parent starts this module under torchrun, every rank trains (DDP, or FSDP with
-`train.fsdp`), and only rank 0 writes metrics, events and the result.
+implementation. Device "cuda" uses speculators untouched (flex attention, fused Triton losses). With
+train.world_size > 1 the parent starts this module under torchrun and every rank trains through
+speculators' own distributed path (DDP, or FSDP with `train.fsdp`; its rank-0 checkpointing and
+multipack sampler split by rank): on cuda `maybe_setup_distributed` (NCCL, one GPU per rank), on cpu
+`_setup_cpu_distributed` (the same topology state on gloo, each rank on its own cores). Only rank 0
+writes metrics, events and the result.
 
 Test hook (fault injection, like the extract worker's): with KILL_ENV set to `step:<epoch>:<n>` the
 process SIGKILLs itself right after the n-th logged optimizer step of epoch <epoch> (0-based); with
@@ -28,6 +31,7 @@ optimizer written, training_state.json not yet); with `term:<epoch>:<n>` it send
 there instead (a preemption: speculators saves `interrupted/` and returns normally, and this worker
 must still fail the attempt). Nothing is cleaned up: that is the point. STEP_DELAY_ENV=x makes it
 sleep x seconds after each logged step (the chaos tests' kills then land before the end on any machine).
+`EAGLE3_TEST_FAIL_ONCE=train` (faults.py): one SIGKILL after the first logged step of the last epoch.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import time
 import warnings
 from pathlib import Path
 
+from eagle3_pipeline.faults import take_fault
 from eagle3_pipeline.proc import emit_event
 from eagle3_pipeline.store import write_json
 
@@ -91,13 +96,38 @@ def _install_cpu_shim() -> None:
     ckpt.get_current_device = lambda: "cpu"  # resume: load model/optimizer state onto the cpu
 
 
+def _setup_cpu_distributed() -> None:
+    """Under torchrun on CPU: what speculators' `maybe_setup_distributed` does on GPUs (a process group,
+    then its topology state and SP/DP groups), with the gloo backend (it asks for an accelerator).
+    Each rank gets its own share of the cores (threads and affinity). Without torchrun: nothing."""
+    if "LOCAL_RANK" not in os.environ:
+        return
+    import torch
+    import torch.distributed as dist
+    import speculators.train.distributed as sd
+
+    local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    cores = sorted(os.sched_getaffinity(0))
+    per_rank = max(1, len(cores) // local_world)
+    mine = cores[(local_rank * per_rank) % len(cores):][:per_rank] or cores[:1]
+    os.sched_setaffinity(0, mine)
+    torch.set_num_threads(len(mine))
+    dist.init_process_group("gloo")
+    sd._local_rank, sd._is_distributed = local_rank, True
+    sd._rank, sd._world_size = dist.get_rank(), dist.get_world_size()
+    sd._init_sp_process_groups(sd._rank, sd._world_size, 1)
+    log.info("rank %d of %d (gloo on cpu), cores %s", sd._rank, sd._world_size, mine)
+
+
 def _setup_logging() -> None:
-    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
     h = logging.StreamHandler(sys.stdout)
+    rank = int(os.environ.get("RANK", "0"))  # under torchrun: ranks other than 0 log warnings only
+    fmt = logging.Formatter(f"%(asctime)s %(levelname)s %(name)s{f' [rank {rank}]' if rank else ''}: %(message)s",
+                            "%H:%M:%S")
     h.setFormatter(fmt)
     for name in ("speculators", "eagle3_pipeline"):
         lg = logging.getLogger(name)
-        lg.setLevel(logging.INFO)
+        lg.setLevel(logging.INFO if rank == 0 else logging.WARNING)
         lg.addHandler(h)
         lg.propagate = False
 
@@ -106,8 +136,12 @@ class _MetricSink(logging.Handler):
     """Receives the dicts speculators' Trainer logs to `speculators.metrics`; writes metrics.jsonl
     and forwards each record to the parent as an event."""
 
-    def __init__(self, path: Path, ttt_steps: int, kill: tuple[str, int, int] | None = None):
+    def __init__(self, path: Path, ttt_steps: int, kill: tuple[str, int, int] | None = None, last_epoch: int = 0):
         super().__init__(logging.INFO)
+        self.last_epoch = last_epoch  # faults.take_fault("train") kills after the first step of this epoch
+        from speculators.train.distributed import get_world_size
+
+        self.world_size = get_world_size()
         self.path = Path(path)
         self.ttt_steps = ttt_steps
         self.last_train: dict | None = None
@@ -124,14 +158,16 @@ class _MetricSink(logging.Handler):
         if "train" in msg:
             m, prof = msg["train"], msg.get("profile") or {}
             step_s = prof.get("step_ms", 0.0) / 1000.0
-            tokens = round(prof.get("tokens_per_s", 0.0) * step_s)
+            # speculators profiles rank 0's own rows; every rank gets packed rows of ~the same token count
+            # (its multipack sampler), so the step's tokens are rank 0's times the world size
+            tokens = round(prof.get("tokens_per_s", 0.0) * step_s * self.world_size)
             lr = msg.get("lr")
             line = {"kind": "train_step", "step": msg.get("global_step"), "epoch": msg.get("epoch"),
                     "loss": m.get("loss"), "loss_per_step": self._per_step(m, "loss"),
                     "acc": self._per_step(m, "full_acc"), "cond_acc": self._per_step(m, "cond_acc"),
                     "lr": lr if not isinstance(lr, dict) else lr.get("AdamW", next(iter(lr.values()))),
                     "tokens": tokens, "step_s": step_s,
-                    "tokens_per_s": prof.get("tokens_per_s"), "error_records": m.get("error_records"),
+                    "tokens_per_s": tokens / step_s if step_s > 0 else prof.get("tokens_per_s"), "error_records": m.get("error_records"),
                     **{k: prof.get(k) for k in PHASES}}
             self.last_train = line
         elif "val" in msg:
@@ -147,6 +183,8 @@ class _MetricSink(logging.Handler):
         emit_event(**line)
         if line["kind"] == "train_step" and (delay := float(os.environ.get(STEP_DELAY_ENV, "0") or 0)):
             time.sleep(delay)  # test hook (STEP_DELAY_ENV)
+        if line["kind"] == "train_step" and line["epoch"] == self.last_epoch and take_fault("train"):
+            _kill_self(f"after step {line['step']} (first of the last epoch, {line['epoch']}; EAGLE3_TEST_FAIL_ONCE)")
         if self.kill and line["kind"] == "train_step" and line["epoch"] == self.kill[1]:
             self.steps_in_kill_epoch += 1
             if self.steps_in_kill_epoch >= self.kill[2]:
@@ -346,7 +384,7 @@ def run_train(job: dict) -> dict:
     mlog.setLevel(logging.INFO)
     mlog.propagate = False
     if rank0:
-        mlog.addHandler(_MetricSink(metrics_path, cfg["ttt_steps"], kill))
+        mlog.addHandler(_MetricSink(metrics_path, cfg["ttt_steps"], kill, last_epoch=cfg["epochs"] - 1))
     t0 = time.time()
     trainer.run_training()
     wall = time.time() - t0
@@ -366,7 +404,9 @@ def run_train(job: dict) -> dict:
             best.unlink()
         best.symlink_to(str(last), target_is_directory=True)
     summary = _summarise(metrics_path)
-    return {"steps": trainer.global_step, "epochs_done": last + 1, "resumed_from_epoch": resumed_from,
+    from speculators.train.distributed import get_world_size
+
+    return {"steps": trainer.global_step, "world_size": get_world_size(), "epochs_done": last + 1, "resumed_from_epoch": resumed_from,
             "checkpoint_best": str(best), "checkpoint_best_epoch": int(os.readlink(best)),
             "checkpoint_last": str(save_path / str(last)), "metrics": str(metrics_path),
             "wall_seconds_this_attempt": wall, **summary}
@@ -402,7 +442,9 @@ def main(argv: list[str]) -> int:
     if job["train"]["device"] == "cpu":
         _install_cpu_shim()
         warnings.filterwarnings("ignore", message=".*'pin_memory' argument is set as true but no accelerator")
-    maybe_setup_distributed()
+        _setup_cpu_distributed()
+    else:
+        maybe_setup_distributed()  # under torchrun: NCCL on the GPU of LOCAL_RANK
     try:
         result = MODES[job["mode"]](job)
         if _is_rank0():
