@@ -5,6 +5,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-cpu
 TINY := .cache/tiny-target
+TINY_MOE := .cache/tiny-moe
+# `make run CONFIG=configs/tiny-moe.yaml` runs the pipeline on the tiny MoE target (built first)
+CONFIG ?= configs/tiny-cpu.yaml
 # Where torch 2.13.0+cpu comes from on machines whose pip is not already configured to find it,
 # e.g. `make run TORCH_INDEX=https://download.pytorch.org/whl/cpu`.
 TORCH_INDEX ?=
@@ -15,7 +18,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install run test test-fast tiny bench gpu-check clean
+.PHONY: install run test test-fast tiny tiny-moe bench gpu-check clean
 
 install: $(STAMP)
 
@@ -29,13 +32,22 @@ $(STAMP): pyproject.toml
 
 tiny: $(TINY)/tiny_target.json
 
+tiny-moe: $(TINY_MOE)/tiny_target.json
+
 $(TINY)/tiny_target.json: | $(STAMP)
 	$(VENV)/bin/eagle3 make-tiny-target --out $(TINY)
 
-run: $(STAMP) tiny
-	$(VENV)/bin/eagle3 run --config configs/tiny-cpu.yaml --output-dir runs
+$(TINY_MOE)/tiny_target.json: | $(STAMP)
+	$(VENV)/bin/eagle3 make-tiny-target --kind moe --out $(TINY_MOE)
 
-test: $(STAMP) tiny
+# the embedded target(s) a config's `target.model` names
+CONFIG_TARGETS := $(patsubst %,%/tiny_target.json,$(filter $(TINY) $(TINY_MOE),\
+	$(shell sed -n 's/^ *model: *//p' $(CONFIG) 2>/dev/null)))
+
+run: $(STAMP) $(CONFIG_TARGETS)
+	$(VENV)/bin/eagle3 run --config $(CONFIG) --output-dir runs
+
+test: $(STAMP) tiny tiny-moe
 	$(PY) -m pytest tests -q -p no:cacheprovider --timeout 3600
 
 test-fast: $(STAMP)

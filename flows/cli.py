@@ -8,6 +8,7 @@ and prints one line `eagle3 <command>: error <code> (<category>): <Type>: <messa
 
 from __future__ import annotations
 
+import enum
 import functools
 import json
 import sys
@@ -100,22 +101,36 @@ def run(config: ConfigOpt, output_dir: Annotated[Path, typer.Option(help="where 
     console.print(f"report: {run_dir / 'report.md'}\n        {run_dir / 'report.json'}")
 
 
+class TinyKind(str, enum.Enum):
+    llama = "llama"
+    moe = "moe"
+
+
 @app.command("make-tiny-target")
 @exits
-def make_tiny_target(out: Annotated[Path, typer.Option(help="model directory to write")] = Path(".cache/tiny-target"),
+def make_tiny_target(out: Annotated[Path | None, typer.Option(help="model directory to write (default .cache/tiny-target, "
+                                                                     "or .cache/tiny-moe for --kind moe)")] = None,
+                     kind: Annotated[TinyKind, typer.Option(help="llama: dense Llama, fast tokenizer; moe: DeepSeek-V3 "
+                                                            "family (MLA + MoE) like Kimi-K2.5, Python tokenizer via "
+                                                            "trust_remote_code, agentic chat")] = TinyKind.llama,
                      force: bool = False,
                      steps: Annotated[int | None, typer.Option(help="training steps (default: the tiny config's)")] = None) -> None:
-    """Build the embedded default: procedural corpus, BPE tokenizer, a tiny Llama trained on it."""
+    """Build an embedded target: procedural corpus, BPE tokenizer, a tiny model trained on it."""
+    from eagle3_pipeline.tiny.moe_target import TinyMoeConfig, build_tiny_moe
     from eagle3_pipeline.tiny.target import TinyTargetConfig, build_tiny_target
 
+    kinds = {"llama": (TinyTargetConfig, build_tiny_target, Path(".cache/tiny-target")),
+             "moe": (TinyMoeConfig, build_tiny_moe, Path(".cache/tiny-moe"))}
+    config_cls, build, default_out = kinds[kind.value]
+    out = out or default_out
     if (out / "tiny_target.json").exists() and not force:
         s = json.loads((out / "tiny_target.json").read_text())
         console.print(f"tiny target already built at {out} (greedy accuracy {s['greedy_accuracy']:.2f}); --force rebuilds")
         return
-    cfg = TinyTargetConfig(**({"max_steps": steps} if steps else {}))
-    s = build_tiny_target(cfg, out, log=console.print)
-    console.print(f"[green]tiny target[/] {out}: {s['params']:,} params, greedy accuracy {s['greedy_accuracy']:.2f}, "
-                  f"{s['build_seconds']:.0f}s")
+    cfg = config_cls(**({"max_steps": steps} if steps else {}))
+    s = build(cfg, out, log=console.print)
+    console.print(f"[green]tiny target[/] ({kind.value}) {out}: {s['params']:,} params, greedy accuracy "
+                  f"{s['greedy_accuracy']:.2f}, {s['build_seconds']:.0f}s")
 
 
 @app.command()
