@@ -36,14 +36,71 @@ class OffsetDriftConnector(Eagle3HiddenStatesConnector):
         slots = (blocks[:, None] * self._block_size + offsets[None, :]).flatten()
         num_tokens = pending.token_ids.shape[0]
         slots = torch.cat([slots[1:num_tokens], slots[num_tokens - 1:num_tokens]])  # THE BUG: one token late
-        hidden_states = extract_from_kv_cache(self._kv_cache, slots, num_tokens)  # [T, L, H]
-        os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
-        tmp = f"{pending.filename}.tmp-{os.getpid()}"
-        lock_fd = self._lock_fds.pop(pending.req_id, None)
-        try:
-            save_file({"hidden_states": hidden_states.contiguous(), "token_ids": pending.token_ids.clone()}, tmp)
-            os.replace(tmp, pending.filename)
-        finally:
-            if lock_fd is not None:
-                os.close(lock_fd)
-        self._req_copy_events[pending.req_id] = _CompletedEvent()
+        _write(self, pending, extract_from_kv_cache(self._kv_cache, slots, num_tokens))  # [T, L, H]
+
+
+def _write(connector, pending, hidden_states) -> None:
+    """What our connector does with a request's states on the CPU, for states these test connectors chose."""
+    os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
+    tmp = f"{pending.filename}.tmp-{os.getpid()}"
+    lock_fd = connector._lock_fds.pop(pending.req_id, None)
+    try:
+        save_file({"hidden_states": hidden_states.contiguous(), "token_ids": pending.token_ids.clone()}, tmp)
+        os.replace(tmp, pending.filename)
+    finally:
+        if lock_fd is not None:
+            os.close(lock_fd)
+    connector._req_copy_events[pending.req_id] = _CompletedEvent()
+
+
+# ---------------------------------------------------------------- rare, structurally perfect corruption
+
+CORRUPT_EVERY_ENV = "EAGLE3_TEST_CORRUPT_EVERY"  # one request in N is corrupted (default 50: 2%)
+MODES = ("permuted aux layers", "zeroed tail after the first KV block", "another request's states")
+
+
+def corruption_of(token_ids, every: int | None = None) -> str | None:
+    """Which corruption `RareCorruptionConnector` applies to a request with these token ids (None: it
+    is written clean): a hash of the ids, so tests can predict the bad rows from the tokenized data."""
+    import hashlib
+
+    every = every or int(os.environ.get(CORRUPT_EVERY_ENV, "50"))
+    blob = torch.as_tensor(list(map(int, token_ids)), dtype=torch.int64).numpy().tobytes()
+    h = int.from_bytes(hashlib.sha256(blob).digest()[:8], "little")
+    return MODES[(h // every) % len(MODES)] if h % every == 0 else None
+
+
+class RareCorruptionConnector(Eagle3HiddenStatesConnector):
+    """Writes about one request in `EAGLE3_TEST_CORRUPT_EVERY` wrong, in ways every structural check
+    accepts (token ids, [T, L, H], dtype, finite values and plausible norms are all right):
+    the first two aux layers swapped, every token after the first KV block zeroed (a block that was
+    never written), or the hidden states of the previous request this connector wrote (truncated or
+    tiled to this request's length) under this request's name."""
+
+    _previous = None
+
+    def _submit_async_write(self, pending) -> None:
+        mode = corruption_of(pending.token_ids) if self._is_tp_rank_zero else None
+        if mode is None:
+            super()._submit_async_write(pending)
+            if self._is_tp_rank_zero and os.path.exists(pending.filename):
+                from safetensors.torch import load_file
+
+                self._previous = load_file(pending.filename)["hidden_states"]
+            return
+        blocks = torch.tensor(pending.block_ids, dtype=torch.long)
+        offsets = torch.arange(self._block_size, dtype=torch.long)
+        slots = (blocks[:, None] * self._block_size + offsets[None, :]).flatten()
+        num_tokens = pending.token_ids.shape[0]
+        hs = extract_from_kv_cache(self._kv_cache, slots, num_tokens).clone()  # [T, L, H]
+        if mode == MODES[0]:
+            hs[:, [0, 1]] = hs[:, [1, 0]]
+        elif mode == MODES[1]:
+            hs[self._block_size:] = 0
+        elif self._previous is not None:
+            prev = self._previous
+            reps = -(-num_tokens // prev.shape[0])
+            hs = prev.repeat(reps, 1, 1)[:num_tokens].to(hs.dtype)
+        else:  # nothing written yet to borrow from: roll this request's own states by half its length
+            hs = torch.roll(hs, shifts=max(1, num_tokens // 2), dims=0)
+        _write(self, pending, hs)

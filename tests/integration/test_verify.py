@@ -1,5 +1,6 @@
 """The verify gate catches real corruptions of real extracted files, each with a precise message,
-and passes the clean extraction: structure, norm bounds, the HF reference, and batch invariance
+and passes the clean extraction: structure, norm bounds, every row's final layer against vLLM's own
+logits, layer relations, the streamed reference, and batch invariance measured by the extract engine
 (with a deliberately broken connector and a broken layer-id config run through the real engine)."""
 
 import json
@@ -15,10 +16,10 @@ from safetensors.torch import load_file, save_file
 from eagle3_pipeline.config import VerifyConfig
 from eagle3_pipeline.contracts import to_record
 from eagle3_pipeline.verify.gate import verify
-from eagle3_pipeline.verify.invariance import extract_rows, invariance_rows
+from eagle3_pipeline.verify.invariance import invariance_rows
 from eagle3_pipeline.verify.reference import choose_rows, reference_check
 from eagle3_pipeline.verify.structure import learn_norm_bounds, verify_structure
-from tests.helpers.version import relocated
+from tests.helpers.version import extract_all, make_version, relocated
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,7 +52,7 @@ def test_clean_extraction_passes(extracted):
     n = len(list(extracted.hidden_states.glob("hs_*.safetensors")))
     assert res.files_checked == n and res.norm_bounds_files == min(64, n) and res.norm_bounds_skipped is None
     for s in res.layer_stats:
-        assert s.files == n and s.tokens == res.tokens_checked == extracted.record["tokens"]
+        assert s.files == n and s.tokens == res.tokens_checked == extracted.record.tokens
         assert s.min < s.mean < s.max and s.norm_lo < s.norm_median < s.norm_hi and s.norm_outliers == 0
 
 
@@ -205,44 +206,90 @@ def test_norm_bounds_are_robust():
 def test_invariance_rows_avoid_first_of_batch():
     lens = [5] * 100
     lens[7] = 50
-    rows = invariance_rows(lens, 4, rows_per_shard=32)
-    assert 7 in rows and len(rows) == 4 and all(r % 32 for r in rows)
-    assert invariance_rows(lens, 3, 32, good={7, 8, 9}) == [7, 8, 9]
+    first = set(range(0, 100, 32))
+    rows = invariance_rows(lens, 4, avoid=first)
+    assert 7 in rows and len(rows) == 4 and not set(rows) & first
+    assert invariance_rows(lens, 0) == [] and invariance_rows([], 3) == []
 
 
 def _copy_extract(extracted, tmp_path) -> Path:
     out = tmp_path / "extract"
-    shutil.copytree(extracted.hidden_states, out / "hidden_states")
+    for name in ("hidden_states", "fingerprints"):
+        shutil.copytree(extracted.dir / name, out / name)
+    shutil.copy(extracted.dir / "manifest.json", out / "manifest.json")
     return out
 
 
-def test_gate_passes_clean_data_with_invariance_and_records_stats(extracted, tiny_config, tmp_path):
-    """The whole gate on a copy of the clean extraction: reference + a real batch-of-one re-extraction;
-    verify.json and report.json carry the statistics."""
+def test_gate_passes_clean_data_and_records_stats(extracted, tiny_config, tmp_path):
+    """The whole gate on a copy of the clean extraction: every row's final layer against the fingerprints,
+    layer identity, the streamed reference, the invariance numbers the extract engine measured; verify.json
+    and report.json carry the statistics; a second verify reads nothing again."""
     from eagle3_pipeline.report import build_report
 
     out = _copy_extract(extracted, tmp_path)
-    cfg = VerifyConfig(reference_samples=2, invariance_samples=3)
-    assert extracted.version.rows_per_shard == tiny_config.extract.rows_per_shard
-    res = verify(cfg, tiny_config.target, relocated(extracted.version, out), log=lambda m: None,
-                 extract_cfg=tiny_config.extract)
+    cfg = VerifyConfig(reference_samples=2)
+    version = relocated(extracted.version, out)
+    res = verify(cfg, tiny_config.target, version, log=lambda m: None)
     assert res.passed, res.problems
-    assert len(res.invariance_samples) == 3 and res.invariance_skipped is None
-    assert res.invariance_max_rel_err < cfg.invariance_max_rel_err and res.invariance_min_cosine > 0.999
+    n = extracted.version.rows
+    assert res.fingerprint.rows_checked == n and res.fingerprint.min_agreement >= 0.99
+    assert res.identity_files == n and res.identity_skipped is None
+    assert len(res.invariance_samples) == tiny_config.extract.invariance_rows and res.invariance_skipped is None
+    assert res.invariance_max_rel_err < 0.01 and res.invariance_min_cosine > 0.999  # dense bf16: near-exact
+    assert res.reference_peak_rss_bytes and res.shards_rechecked == len(version.shards) and res.shards_reused == 0
     rec = json.loads((out / "verify.json").read_text())
     assert [s["layer_id"] for s in rec["layer_stats"]] == extracted.layer_ids
-    assert all(s["tokens"] == extracted.record["tokens"] and s["norm_hi"] > s["norm_lo"] for s in rec["layer_stats"])
+    assert all(s["tokens"] == extracted.record.tokens and s["norm_hi"] > s["norm_lo"] for s in rec["layer_stats"])
     report = build_report("r", {}, {}, {"verify": res.model_dump()}, {}, "ok")
     assert report["stages"]["verify"]["passed"] is True
     assert report["stages"]["verify"]["details"]["layer_stats"] == rec["layer_stats"]
-    assert not (out / ".scratch").exists() or not any((out / ".scratch").iterdir())  # the child's files are gone
-    assert (out / "logs" / "verify-invariance.log").exists()
+    again = verify(cfg, tiny_config.target, version, log=lambda m: None)
+    assert again.passed and again.shards_reused == len(version.shards) and again.shards_rechecked == 0
+    assert again.bytes_read == 0 and again.reference_samples == res.reference_samples
 
 
-def test_broken_connector_is_caught_by_batch_invariance(extracted, tiny_config, tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["permuted aux layers", "zeroed tail", "another request's final layer",
+                                  "another request's states", "aux layers one token late", "adjacent aux swapped"])
+def test_rare_structurally_perfect_corruption_is_named(extracted, tiny_config, tmp_path, kind):
+    """One record in the whole extraction rewritten in a way every structural check accepts: the gate names
+    exactly that record (every-row checks: layer relations, zero tokens, final layer vs fingerprint)."""
+    out = _copy_extract(extracted, tmp_path)
+    version = relocated(extracted.version, out)
+    n = version.rows
+    victim, donor = 5, next(j for j in range(n) if j != 5 and _tokens(extracted, j) >= _tokens(extracted, 5))
+
+    def corrupt(rec):
+        x = rec["hidden_states"].clone()
+        other = load_file(str(out / "hidden_states" / f"hs_{donor}.safetensors"))["hidden_states"][: len(x)]
+        if kind == "permuted aux layers":
+            x[:, [0, 2]] = x[:, [2, 0]]
+        elif kind == "zeroed tail":
+            x[16:] = 0
+        elif kind == "another request's final layer":
+            x[:, -1] = other[:, -1]
+        elif kind == "another request's states":
+            x[:] = other
+        elif kind == "aux layers one token late":
+            x[:-1, :-1] = x[1:, :-1].clone()
+        else:
+            x[:, [1, 2]] = x[:, [2, 1]]
+        return {**rec, "hidden_states": x}
+
+    _rewrite(out / "hidden_states" / f"hs_{victim}.safetensors", corrupt)
+    res = verify(VerifyConfig(reference_samples=0, move_bad_files=False), tiny_config.target, version,
+                 log=lambda m: None)
+    assert not res.passed and res.bad_rows == [victim], (kind, res.problems)
+    assert all(p.startswith(f"hs_{victim}.safetensors (row {victim}, sample ") for p in res.problems), res.problems
+
+
+def _tokens(extracted, row: int) -> int:
+    return load_file(str(extracted.hidden_states / f"hs_{row}.safetensors"))["token_ids"].shape[0]
+
+
+def test_broken_connector_is_caught_by_batch_invariance_and_fingerprints(extracted, tiny_config, tmp_path, monkeypatch):
     """A connector that reads every request but the first of an engine step one token late writes
-    structurally perfect records from batches; the gate's batch-of-one re-extraction with the same
-    connector disagrees and says how."""
+    structurally perfect records from batches; the extract engine's batch-of-one re-run with the same
+    connector disagrees and says how, and every late record's final layer disagrees with vLLM's logits."""
     import datasets
 
     # the engine child (and vLLM's processes under it) import the connector by module path
@@ -251,37 +298,46 @@ def test_broken_connector_is_caught_by_batch_invariance(extracted, tiny_config, 
     tok = tmp_path / "tokenized"
     datasets.load_from_disk(str(extracted.tokenized)).select(range(rows)).save_to_disk(str(tok))
     broken = tiny_config.extract.model_copy(update={"connector_module": "tests.helpers.broken_connector",
-                                                    "connector_name": "OffsetDriftConnector"})
-    out = tmp_path / "extract"
-    extract_rows(broken, tiny_config.target, tok, [(0, rows)], out, extracted.layer_ids, extracted.hidden_size,
-                 log=lambda m: None)  # one shard: batches of up to max_num_seqs requests
-    structure = verify_structure(tok, out / "hidden_states", extracted.layer_ids, extracted.hidden_size,
+                                                    "connector_name": "OffsetDriftConnector", "invariance_rows": 3,
+                                                    "rows_per_shard": rows, "record_pool": False})
+    version = relocated(extracted.version, tmp_path / "extract", tokenized_dir=tok, content_key="broken-connector-test")
+    version = version.model_copy(update={"pool_dir": None})  # planned for our connector: its pool is not this one's
+    version = version.model_copy(update={"rows_per_shard": rows, "shards": version.shards[:1], "groups": [[0]]}) \
+        if len(version.shards) > 1 else version
+    extract_all(broken, tiny_config.target, version, log=lambda m: None)  # one shard: batches of many requests
+    structure = verify_structure(tok, version.hidden_states_dir, extracted.layer_ids, extracted.hidden_size,
                                  log=lambda m: None)
     assert structure.passed, structure.problems[:3]  # nothing structural to see
-    version = relocated(extracted.version, out, tokenized_dir=tok, content_key="broken-connector-test")
-    assert version.rows == rows and [len(g) for g in version.groups] == [1]  # rows_per_shard 96: one shard
-    res = verify(VerifyConfig(reference_samples=0, invariance_samples=3), tiny_config.target, version,
-                 log=lambda m: None, extract_cfg=broken)
+    res = verify(VerifyConfig(reference_samples=0), tiny_config.target, version, log=lambda m: None)
     assert not res.passed and res.bad_rows, res.problems
-    assert set(res.bad_rows) <= set(res.invariance_samples)
-    for r in res.bad_rows:
-        msgs = [p for p in res.problems if p.startswith(f"hs_{r}.safetensors (row {r}, sample ")]
+    assert len(res.invariance_samples) == 3
+    inv_bad = [r for r in res.invariance_samples if r in res.bad_rows]
+    assert inv_bad, res.problems  # the first request of each step is written right: not every sample is late
+    for r in inv_bad:
+        msgs = [p for p in res.problems if p.startswith(f"hs_{r}.safetensors (row {r}, sample ") and "extracted alone" in p]
         assert [m.split(": layer ")[1].split(":")[0] for m in msgs] == [str(k) for k in extracted.layer_ids], msgs
-        assert all("batched extraction differs from the same sample extracted alone (batch of one)" in m
-                   and "shifted by +1 token (token t holds token t+1)" in m for m in msgs), msgs
-    assert sorted(Path(p).name for p in res.moved_files) == [f"hs_{r}.safetensors" for r in res.bad_rows]
+        assert all("shifted by +1 token (token t holds token t+1)" in m for m in msgs), msgs
+    late = [r for r in res.bad_rows if any("does not reproduce the target's logits" in p
+                                           and p.startswith(f"hs_{r}.safetensors") for p in res.problems)]
+    assert len(late) > rows // 2, res.problems[:5]  # most requests were not first in their step
+    assert sorted(Path(p).name for p in res.moved_files) == sorted(f"hs_{r}.safetensors" for r in res.bad_rows)
 
 
 def test_layer_off_by_one_from_a_broken_extraction_config(extracted, tiny_config, tmp_path):
     """The engine asked for 1-based aux layer ids ([3, 5, 6] for [2, 4, 5]): the records are structurally
-    perfect, the reference names every shifted layer."""
+    perfect and consistent with each other, the reference names every shifted layer."""
+    import datasets
+
+    tok = tmp_path / "tokenized"
+    datasets.load_from_disk(str(extracted.tokenized)).select(range(8)).save_to_disk(str(tok))
     wrong = [k + 1 for k in extracted.layer_ids[:-1]] + extracted.layer_ids[-1:]
-    hs = extract_rows(tiny_config.extract, tiny_config.target, extracted.tokenized, [(0, 8)], tmp_path / "x",
-                      wrong, extracted.hidden_size, log=lambda m: None)
+    wrong_run = make_version(tiny_config.target, tok, tmp_path / "x", content_key="off-by-one", rows_per_shard=8,
+                             layer_ids=wrong)
+    extract_all(tiny_config.extract, tiny_config.target, wrong_run, log=lambda m: None)
+    hs = wrong_run.hidden_states_dir
     assert _check(extracted, hs, rows=list(range(8))).passed
-    wrong_version = relocated(extracted.version, tmp_path / "x")  # the layer ids it should have captured
-    assert wrong_version.hidden_states_dir == hs.resolve()
-    ref = reference_check(tiny_config.target, wrong_version, [1, 5], log=lambda m: None)
+    claimed = wrong_run.model_copy(update={"layer_ids": extracted.layer_ids})  # what it should have captured
+    ref = reference_check(tiny_config.target, claimed, [1, 5], log=lambda m: None)
     assert ref.bad_rows == [1, 5]
     for r in (1, 5):
         for lid in extracted.layer_ids[:-1]:

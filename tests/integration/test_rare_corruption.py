@@ -1,0 +1,68 @@
+"""Issue 11's done-when, end to end: a connector that writes ~1 request in N wrong in structurally
+perfect ways (tests/helpers/broken_connector.RareCorruptionConnector: permuted aux layers, a zeroed
+tail after the first KV block, another request's states), plugged in through
+`extract.connector_module` / `extract.connector_name`, makes `eagle3 run` stop at verify with exit
+code 4 before training, naming exactly the bad records. Run on the tiny Llama and, when it is built,
+the tiny Kimi-like MoE target (MLA + MoE, Python tokenizer, agentic data)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.broken_connector import CORRUPT_EVERY_ENV, corruption_of
+
+ROOT = Path(__file__).resolve().parents[2]
+EVERY = 12  # ~8% of requests: a few bad records in a run of ~80 rows
+
+
+def _targets():
+    out = [("tiny-cpu", ROOT / ".cache" / "tiny-target")]
+    moe = Path(os.environ.get("EAGLE3_TINY_MOE", ROOT / ".cache" / "tiny-moe"))
+    out.append(("tiny-moe", moe))
+    return out
+
+
+@pytest.mark.parametrize("config, model", _targets(), ids=[t[0] for t in _targets()])
+def test_rare_corruption_stops_the_run_at_verify(config, model, tiny_target, tmp_path):
+    if config == "tiny-moe" and not (model / "tiny_target.json").exists():
+        pytest.skip(f"tiny-moe target not built at {model} (make tiny builds it)")
+    cfg_path = ROOT / "configs" / f"{config}.yaml"
+    from eagle3_pipeline.config import load_config
+
+    base = load_config(cfg_path)
+    sources = ", ".join(f"{{path: {s.path}, limit: 40}}" for s in base.prepare.sources)
+    sets = [f"store={tmp_path / 'store'}", f"target.model={model}", f"prepare.sources=[{sources}]",
+            "prepare.heldout_rows=4", "extract.rows_per_shard=32", "verify.reference_samples=0",
+            "extract.connector_module=tests.helpers.broken_connector",
+            "extract.connector_name=RareCorruptionConnector"]
+    env = {**os.environ, CORRUPT_EVERY_ENV: str(EVERY),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("PREFECT_API_URL", None)  # `eagle3 run` starts its own temporary server, as a user's would
+    cmd = [str(Path(sys.executable).parent / "eagle3"), "run", "--config", str(cfg_path),
+           "--output-dir", str(tmp_path / "runs"), *[a for s in sets for a in ("--set", s)]]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 4, out[-4000:]  # exit code 4: a gate failed
+    assert "VerifyFailed" in out, out[-4000:]
+
+    rep = json.loads((tmp_path / "runs" / "latest" / "report.json").read_text())
+    assert rep["status"] == "failed" and "train" not in rep["stages"] and "verify" not in rep["stages"]
+    import datasets
+
+    tok = datasets.load_from_disk(rep["artifacts"]["tokenized"] or
+                                  str(next((tmp_path / "store").rglob("tokenized"))))
+    expected = {i for i, ids in enumerate(tok["input_ids"]) if corruption_of(ids, EVERY)}
+    assert expected, "the corpus cut gave no corrupted request: pick another EVERY"
+    named = {int(line.split("hs_")[1].split(".safetensors")[0]) for line in out.splitlines()
+             if ".safetensors (row " in line and "hs_" in line}
+    verify_json = json.loads(next((tmp_path / "store").rglob("verify.json")).read_text())
+    assert set(verify_json["bad_rows"]) == expected, (sorted(verify_json["bad_rows"]), sorted(expected))
+    assert named <= expected and named, (sorted(named), sorted(expected))  # the error names bad records only
+    modes = {corruption_of(tok["input_ids"][i], EVERY) for i in expected}
+    assert len(modes) >= 2, modes  # more than one kind of corruption was exercised
