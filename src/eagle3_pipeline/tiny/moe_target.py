@@ -153,10 +153,19 @@ def write_tokenizer(out_dir: Path, ranks: dict[bytes, int]) -> None:
     atomic_write_text(out_dir / "chat_template.jinja", CHAT_TEMPLATE)
 
 
+def asks_for_remote_code(model_dir: Path) -> bool:
+    """Whether the model directory's own tokenizer config asks for its shipped code (an `auto_map`),
+    as the one this builder writes does; nothing else decides it."""
+    cfg = Path(model_dir) / "tokenizer_config.json"
+    return cfg.is_file() and bool(json.loads(cfg.read_text()).get("auto_map"))
+
+
 def load_tokenizer(model_dir: Path):
+    """The built tokenizer, loaded as every consumer loads it: through the code its config names."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=True)
+    trust_remote_code = asks_for_remote_code(model_dir)
+    return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
 
 
 # ------------------------------------------------------------------ training rows
