@@ -101,7 +101,7 @@ class TinyMoeConfig(BaseModel):
     batch_size: int = 8                # 8 x 256 tokens: ~0.4 s a step on 2 idle cores
     lr: float = 3e-3
     max_steps: int = 320               # the budget; deterministic, unlike a time budget
-    train_seconds: float = 900.0       # safety cap only, for a badly overloaded machine
+    train_seconds: float = 1800.0      # safety cap only, for a badly overloaded machine
     eval_conversations: int = 40
 
 
