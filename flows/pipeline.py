@@ -10,7 +10,7 @@ from prefect import flow
 
 from eagle3_pipeline.config import PipelineConfig
 from eagle3_pipeline.preflight import installed_versions
-from eagle3_pipeline.runs import RunDir, create_run_dir
+from eagle3_pipeline.runs import RunDir, StageClock, create_run_dir
 from flows.config_param import DEFAULT_CONFIG_PATH, resolve_config
 from flows.extract import extract
 from flows.hub_auth import use_hub_secret
@@ -25,24 +25,25 @@ def pipeline(config: PipelineConfig | None = None, output_dir: str = "runs", run
     config = resolve_config(config, config_path)
     run = RunDir(Path(run_dir) if run_dir else create_run_dir(Path(output_dir), config))
     recs: dict = {}  # stage name -> its typed record (report.json is built from these)
+    clock = StageClock()  # clock(stage, task, *args) runs the task and adds its wall seconds to `timings`
     error = None
     try:
         use_hub_secret(config)
-        recs["prepare"] = prep = t.prepare(config)
-        recs["preflight"] = pre = t.preflight(config, prep)
-        version = t.plan_extract(config, prep, pre)
-        t.gpu_gate("before-extract")
-        recs["extract"] = extract(config, version)
-        t.gpu_gate("after-extract")
-        recs["verify"] = t.verify(config, version)
-        recs["vocab"] = voc = t.vocab(config, prep, version)
-        recs["train"] = tr = t.train(config, version, voc)
-        t.gpu_gate("after-train")
-        recs["evaluate"] = t.evaluate(config, prep, version, voc, tr, str(run.path))
+        recs["prepare"] = prep = clock("prepare", t.prepare, config)
+        recs["preflight"] = pre = clock("preflight", t.preflight, config, prep)
+        version = clock("preflight", t.plan_extract, config, prep, pre)
+        clock("gpu-gate", t.gpu_gate, "before-extract")
+        recs["extract"] = clock("extract", extract, config, version)
+        clock("gpu-gate", t.gpu_gate, "after-extract")
+        recs["verify"] = clock("verify", t.verify, config, version)
+        recs["vocab"] = voc = clock("vocab", t.vocab, config, prep, version)
+        recs["train"] = tr = clock("train", t.train, config, version, voc)
+        clock("gpu-gate", t.gpu_gate, "after-train")
+        recs["evaluate"] = clock("evaluate", t.evaluate, config, prep, version, voc, tr, str(run.path))
     except Exception as e:
         error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
         raise
     finally:
-        rec = run.report_record(config, recs, installed_versions(), error)
+        rec = run.report_record(config, recs, installed_versions(), error, clock)
         t.report(str(run.path), rec, str(recs["train"].metrics) if "train" in recs else None)
     return rec

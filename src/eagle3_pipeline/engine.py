@@ -14,6 +14,10 @@ speculative / KV-transfer configs, extra vLLM keyword arguments).
   scheduler in the same process, spinning OpenMP threads starve it (decoding ran 20x slower).
 - `VLLM_CPU_OMP_THREADS_BIND` over every core this process may use (vLLM's `auto` leaves one of two
   cores idle; all cores made prefill 1.84x faster), split into one group per TP rank.
+- `TORCHDYNAMO_DISABLE=1` with `enforce_eager`: the model runs eagerly anyway, but vLLM torch.compiles
+  its prompt-logprob rank op (v1/sample/ops/logprobs.py) on first use: inductor + g++ in ~15
+  subprocesses, 2.7 s per extract engine with fingerprints (first shard 3.2 s -> 0.5 s on the 0.6B
+  bench target), for a [T, V] comparison that takes milliseconds eagerly.
 These must be in the environment before the child imports torch, hence decided in the parent,
 without importing torch or vLLM. Values already in the environment win.
 vLLM is imported only inside `build_llm`, so the parent may import this module.
@@ -56,6 +60,8 @@ def engine_env(engine: EngineConfig) -> dict[str, str]:
         in_process = engine.tensor_parallel_size == 1
     if in_process:
         env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_WAIT_POLICY="PASSIVE", KMP_BLOCKTIME="0")
+    if engine.enforce_eager:
+        env["TORCHDYNAMO_DISABLE"] = "1"
     if engine.omp_threads_bind:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_spec(engine.omp_threads_bind, engine.tensor_parallel_size,
                                                          list(os.sched_getaffinity(0)))

@@ -53,6 +53,17 @@ def emit_event(**payload) -> None:
     sys.stdout.flush()
 
 
+def exit_child(rc: int):
+    """Called at the very end of a child, after its results are on disk: flush the output and end the
+    process now, skipping the interpreter's teardown (vLLM's atexit engine shutdown, torch and OpenMP
+    finalisation): 3-9 s per engine child on 2 CPU cores, measured, paid by every extract group and
+    every evaluate. Safe because every file a child writes is complete and closed (records: atomic
+    and fsynced) before it says so, and `run_child` ends the child's whole process group afterwards."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
+
+
 def kill_group(pgid: int, grace_s: float = 10.0, leader: subprocess.Popen | None = None) -> None:
     """SIGTERM the process group, wait up to `grace_s`, then SIGKILL whatever is left. `leader`: the
     group's leader when it is our child; it is reaped while waiting (an unreaped zombie still counts

@@ -1,19 +1,25 @@
 """Run directories: `<output-dir>/<run-id>/` with `<output-dir>/latest` pointing at the newest.
 
-Owns run ids (UTC time + short random suffix), the `latest` link, the run's config snapshot, and
-the assembly of `report.json`'s record from the stage records (report.py writes it).
+Owns run ids (UTC time + short random suffix), the `latest` link, the run's config snapshot, the
+run's time accounting (`StageClock`: report.json `timings`, wall seconds per stage with engine
+start-up apart) and the assembly of `report.json`'s record from the stage records (report.py writes it).
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TypeVar
 
 from eagle3_pipeline.config import PipelineConfig
 from eagle3_pipeline.report import build_report
 from eagle3_pipeline.store import write_json
+
+T = TypeVar("T")
 
 
 def new_run_id() -> str:
@@ -33,13 +39,52 @@ def create_run_dir(output_dir: Path, config: PipelineConfig) -> Path:
     return run
 
 
+class StageClock:
+    """Wall seconds per stage of one run, as the flow saw them (Prefect's own cost included), plus the
+    part of each that was engine / child start-up (`engine_start_s`, None where the stage starts
+    none): extract = the engine starts of this run's children (manifest `children[].engine_start_s`),
+    train = the child's start-up before its first step, evaluate = every engine start of its child.
+    A stage timed twice (gpu-gate) adds up."""
+
+    def __init__(self) -> None:
+        self.started = time.time()
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, stage: str, fn: Callable[..., T], *args, **kwargs) -> T:
+        """Run `fn(*args, **kwargs)` and add its wall seconds to `stage` (also when it raises)."""
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - t0
+
+    def timings(self, recs: dict) -> dict[str, dict]:
+        """report.json `timings`: {stage: {"seconds", "engine_start_s"}} in the order stages ran."""
+        return {k: {"seconds": round(s, 2), "engine_start_s": _engine_start_s(k, recs.get(k), self.started)}
+                for k, s in self.seconds.items()}
+
+
+def _engine_start_s(stage: str, rec, since: float) -> float | None:
+    if rec is None:
+        return None
+    if stage == "extract":
+        from eagle3_pipeline.extract.shards import engine_start_since
+
+        return engine_start_since(Path(rec.dir), since)
+    v = getattr(rec, "engine_start_s", None)
+    return None if v is None else round(float(v), 2)
+
+
 class RunDir:
     def __init__(self, path: Path):
         self.path = Path(path).resolve()
         self.run_id = self.path.name
 
-    def report_record(self, config: PipelineConfig, recs: dict, versions: dict, error: str | None) -> dict:
-        """report.json's record from the stages' typed records (pydantic models, by stage name)."""
+    def report_record(self, config: PipelineConfig, recs: dict, versions: dict, error: str | None,
+                      clock: StageClock | None = None) -> dict:
+        """report.json's record from the stages' typed records (pydantic models, by stage name) and
+        the run's StageClock."""
+        timings = clock.timings(recs) if clock else {}
         recs = {k: (v.model_dump(mode="json") if hasattr(v, "model_dump") else v) for k, v in recs.items()}
         prep, ext, voc, tr = (recs.get(k, {}) for k in ("prepare", "extract", "vocab", "train"))
         artifacts = {
@@ -50,4 +95,5 @@ class RunDir:
         }
         status = "failed" if error else "completed"
         return build_report(self.run_id, config.model_dump(mode="json"), versions, recs,
-                            {k: (str(v) if v is not None else None) for k, v in artifacts.items()}, status, error)
+                            {k: (str(v) if v is not None else None) for k, v in artifacts.items()}, status, error,
+                            timings=timings)

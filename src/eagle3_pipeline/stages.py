@@ -150,14 +150,14 @@ def heldout_prompts(prep: PrepareResult, n: int) -> list[list[int]]:
 def stage_evaluate(cfg: PipelineConfig, prep: PrepareResult, version: ExtractVersion, voc, tr, run_dir: Path,
                    log=print):
     from eagle3_pipeline.evaluate import check_acceptance_gate, evaluate_pair
-    from eagle3_pipeline.train import make_untrained_draft
+    from eagle3_pipeline.train import UNTRAINED_DIR, make_untrained_draft
 
     prompts = heldout_prompts(prep, cfg.evaluate.num_prompts)
     if not prompts:
         raise RuntimeError(f"evaluate: no held-out prompts in {prep.heldout} (prepare.heldout_rows is 0?)")
     untrained = None
     if cfg.evaluate.baseline:
-        untrained = Path(tr.dir) / "untrained_draft"
+        untrained = Path(tr.dir) / UNTRAINED_DIR  # the train child wrote it; made here for older train dirs
         with dir_lock(Path(tr.dir), f"train dir {tr.dir}", log):  # written once, never under a reader
             if not (untrained / "config.json").exists():
                 make_untrained_draft(cfg.target, version, Path(voc.dir), untrained, cfg.train)

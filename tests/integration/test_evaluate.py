@@ -73,8 +73,10 @@ def prompts(tiny_target) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def eval_cfg() -> EvaluateConfig:
+    # reference "plain": both drafts are checked against the target alone, which is also what makes the
+    # untrained draft's run a valid reference (the pipeline's default, without the third engine)
     return EvaluateConfig(num_prompts=8, num_speculative_tokens=K, max_tokens=32, min_acceptance_length=1.0,
-                          check_lossless=True, timeout_s=900)
+                          check_lossless=True, lossless_reference="plain", timeout_s=900)
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +104,10 @@ def test_pair_measures_acceptance(pair, prompts):
         assert r.generated_tokens > 0 and r.prompts == len(prompts)
         assert r.sample_texts and all(isinstance(t, str) for t in r.sample_texts)
         # greedy speculative decoding must reproduce plain greedy decoding token for token
-        assert r.lossless_checked == len(prompts)
+        assert r.lossless_checked == len(prompts) and r.lossless_reference == "plain"
         assert r.lossless_mismatches == [], r.lossless_mismatches
+    assert rep.engine_start_s == pytest.approx(sum(json.loads((out / f"{k}.result.json").read_text())["engine_start_s"]
+                                                   for k in ("trained", "untrained", "plain")), abs=0.01)
     assert rep.acceptance_length == rep.trained.acceptance_length
     assert rep.acceptance_length_untrained == rep.untrained.acceptance_length
     assert rep.per_position_acceptance == rep.trained.per_position_acceptance

@@ -36,6 +36,10 @@ def test_engine_env_in_process_needs_passive_openmp(monkeypatch):
     assert engine_env(in_process)["OMP_WAIT_POLICY"] == "ACTIVE"  # the caller's environment wins
     # a stage's config is its engine config: the same environment
     assert engine_env(ExtractConfig(engine_in_process=True, omp_threads_bind=None)) == engine_env(in_process)
+    # eager engines do not compile vLLM's sampler ops either (2.7 s of inductor per engine); the caller's value wins
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    assert engine_env(in_process)["TORCHDYNAMO_DISABLE"] == "1"
+    assert "TORCHDYNAMO_DISABLE" not in engine_env(in_process.model_copy(update={"enforce_eager": False}))
 
 
 def test_stage_configs_carry_the_engine_keys():

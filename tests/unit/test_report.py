@@ -28,3 +28,50 @@ def test_failed_run_still_reports_the_error(tmp_path):
     paths = write_report(tmp_path / "run", rep)
     assert "found [4, 128]" in open(paths["report_md"]).read()
     assert json.loads(open(paths["report_json"]).read())["status"] == "failed"
+
+
+def test_timings_contract_and_table(tmp_path):
+    """report.json `timings` ({stage: {seconds, engine_start_s}}, DESIGN §2) from a StageClock, and the
+    table in report.md; the stage records say how much of a stage was engine start-up."""
+    import types
+
+    import pytest
+
+    from eagle3_pipeline.runs import StageClock
+
+    clock = StageClock()
+    assert clock("vocab", lambda a, b=0: a + b, 1, b=2) == 3
+    clock("gpu-gate", lambda: None)
+    clock("gpu-gate", lambda: None)  # a stage timed twice adds up
+    with pytest.raises(ValueError):
+        clock("evaluate", _raise)  # a failing stage is timed too
+    clock.seconds["train"] = 40.0
+    recs = {"train": types.SimpleNamespace(engine_start_s=12.5), "vocab": types.SimpleNamespace()}
+    timings = clock.timings(recs)
+    assert list(timings) == ["vocab", "gpu-gate", "evaluate", "train"]
+    assert all(set(t) == {"seconds", "engine_start_s"} for t in timings.values())
+    assert timings["train"] == {"seconds": 40.0, "engine_start_s": 12.5}
+    assert timings["vocab"]["engine_start_s"] is None and timings["evaluate"]["engine_start_s"] is None
+    rep = build_report("r3", {"name": "x"}, {}, {}, {}, "completed", timings=timings)
+    assert rep["timings"] is timings
+    md = open(write_report(tmp_path / "run", rep)["report_md"]).read()
+    assert "| stage | seconds | engine start s | work s |" in md
+    assert "| train | 40.0 | 12.5 | 27.5 |" in md
+    assert build_report("r4", {}, {}, {}, {}, "completed")["timings"] == {}  # the key is always there
+
+
+def _raise():
+    raise ValueError("stage failed")
+
+
+def test_extract_engine_start_counts_this_runs_children(tmp_path):
+    from eagle3_pipeline.extract.shards import engine_start_since
+    from eagle3_pipeline.store import write_json
+
+    write_json(tmp_path / "manifest.json", {"shards": [], "children": [
+        {"attempt": 1, "started_at": "2020-01-01T00:00:00Z", "engine_start_s": 30.0},  # an earlier run
+        {"attempt": 2, "started_at": "2030-01-01T00:00:05Z", "engine_start_s": 20.5},
+        {"attempt": 3, "started_at": "2030-01-01T00:01:00Z", "engine_start_s": 1.25},
+        {"attempt": 4, "started_at": "2030-01-01T00:02:00Z", "engine_start_s": None}]})  # died before ready
+    assert engine_start_since(tmp_path, 1893456005.0) == 21.75  # 2030-01-01T00:00:05Z
+    assert engine_start_since(tmp_path, 1893456300.0) is None

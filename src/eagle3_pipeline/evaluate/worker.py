@@ -174,4 +174,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":  # vLLM's spawned engine processes re-import this module: keep the work here
-    sys.exit(main(sys.argv[1:]))
+    from eagle3_pipeline.proc import exit_child
+
+    exit_child(main(sys.argv[1:]))  # every result file is written: skip the interpreter's teardown

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict
 from eagle3_pipeline.config import EngineConfig, TargetConfig
 from eagle3_pipeline.contracts import (FP_TOP, ContractError, fingerprint_from_logprobs, fingerprint_name, record_name,
                                       to_record, write_record, write_fingerprint)
-from eagle3_pipeline.proc import emit_event
+from eagle3_pipeline.proc import emit_event, exit_child
 
 KILL_AFTER_ENV = "EAGLE3_TEST_KILL_AFTER_SHARDS"
 RECORD_DELAY_ENV = "EAGLE3_TEST_RECORD_DELAY_S"
@@ -287,5 +287,4 @@ if __name__ == "__main__":
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
-    sys.stdout.flush()
-    sys.exit(rc)
+    exit_child(rc)  # every record is published: skip the engine's teardown

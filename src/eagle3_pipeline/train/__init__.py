@@ -47,6 +47,7 @@ from eagle3_pipeline.store import dir_lock, read_json, sha256_file, write_json
 from eagle3_pipeline.vocab import load_vocab, vocab_paths
 
 WORKER = "eagle3_pipeline.train.worker"
+UNTRAINED_DIR = "untrained_draft"  # in the train dir: the random-weights baseline of the same architecture
 RECORD_NAME = "train_record.json"  # the TrainResult of the last completed train_draft (export-checked)
 CKPT_FILES = ("config.json", "model.safetensors", "optimizer_state_dict.pt", "training_state.json")
 
@@ -203,7 +204,8 @@ def _format_event(ev: dict) -> str | None:
     if kind == "start":
         return (f"train: start (resumed from epoch {ev.get('resumed_from_epoch')}, step {ev.get('global_step')}); "
                 f"{ev.get('train_batches_per_epoch')} packed rows/epoch, {ev.get('val_batches')} for validation, "
-                f"{ev.get('params_trainable')} trainable parameters, {ev.get('threads')} threads")
+                f"{ev.get('params_trainable')} trainable parameters, {ev.get('threads')} threads, "
+                f"child ready after {ev.get('startup_s')}s")
     if kind == "done":
         return f"train: done, {ev['steps']} steps" if "steps" in ev else "train: done"
     return None
@@ -269,7 +271,9 @@ def _train_draft(cfg: TrainConfig, target: TargetConfig, version: ExtractVersion
            "out_dir": str(out_dir.resolve()), "save_path": str(save_path.resolve()),
            "metrics_path": str((out_dir / "metrics.jsonl").resolve()),
            "result_path": str((out_dir / "train_result.json").resolve()),
-           "init_from": previous.checkpoint if previous is not None else None}
+           "init_from": previous.checkpoint if previous is not None else None,
+           # the evaluate stage's baseline, written by the same child (stages.stage_evaluate finds it there)
+           "untrained_dir": str((out_dir / UNTRAINED_DIR).resolve())}
     res = _run_worker(job, out_dir / "train_job.json", cfg, log, out_dir / "train.log", cfg.timeout_s)
     best = Path(res["checkpoint_best"])
     checked = Path(target.model).is_dir()
