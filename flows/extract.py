@@ -1,7 +1,8 @@
 """The extract flow: for an ExtractVersion (layout.py: the planned shard groups), extract each group (one engine child per group, published
 shard by shard), then summarise the manifest.
 
-parallel_groups == 1: one cached `extract-group` task per group in this process. A group that
+parallel_groups == 1: one cached `extract-group` task per group in this process, all under one GPU
+slot (taken by the first group that runs, released when the flow ends). A group that
 completed in an earlier run of the same content is answered from Prefect's cache (unless the
 manifest says one of its shards is not published), so a retried flow run, `eagle3 rerun-failed` or
 the `rerun-failed` flow executes exactly the groups with unpublished shards.
@@ -11,6 +12,7 @@ deployment (one node each; flows/fanout.py), at most parallel_groups at a time."
 from __future__ import annotations
 
 from prefect import flow
+from prefect.utilities.annotations import quote
 
 from eagle3_pipeline.config import PipelineConfig
 from eagle3_pipeline.extract.shards import ExtractFailed
@@ -26,14 +28,17 @@ def extract(config: PipelineConfig, version: ExtractVersion, force_shards: list[
         failed = run_groups_as_deployments(config, version, force)
     else:
         failed = []
-        for group in version.groups:
-            forced = bool(force & set(group))
-            refresh = forced or bool(version.unpublished(group))
-            run = t.extract_group.with_options(**t.retry_options("extract-group", config.extract.retries),
-                                               refresh_cache=refresh)
-            state = run(config, version, group, forced, return_state=True)
-            if state.is_failed():
-                failed.append(f"shards {group}: {state.message}")
+        unpublished = set(version.unpublished([k for g in version.groups for k in g]))  # one manifest read
+        run = {refresh: t.extract_group.with_options(**t.retry_options("extract-group", config.extract.retries),
+                                                     refresh_cache=refresh) for refresh in (False, True)}
+        with t.gpu_slot_scope():  # one GPU slot for all groups, taken by the first that runs
+            for group in version.groups:
+                forced = bool(force & set(group))
+                # quote: Prefect need not walk the config and the plan for futures (~10 ms per task)
+                state = run[forced or bool(unpublished & set(group))](
+                    quote(config), quote(version), group, forced, return_state=True)
+                if state.is_failed():
+                    failed.append(f"shards {group}: {state.message}")
     if failed:
         raise ExtractFailed(f"{len(failed)} of {len(version.groups)} shard groups failed "
                             f"(their finished shards stay published; a re-run does the rest):\n  " + "\n  ".join(failed))

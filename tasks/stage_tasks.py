@@ -26,8 +26,10 @@ Prefect-side records (README "Operations"):
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -148,8 +150,10 @@ def _group_key(ctx, params) -> str:
     return "extract-group-" + ExtractVersion.model_validate(params["version"]).group_cache_key(params["shard_ids"])
 
 
+# No tags: a tagged task run takes a slot of Prefect's tag concurrency limits (one more API round trip
+# per group, ~50-200 ms on SQLite, cached or not); the GPU is guarded by gpu_slot().
 @task(name="extract-group", cache_key_fn=_group_key, persist_result=True, result_serializer="json",
-      tags=["gpu"], task_run_name="extract-shards-{shard_ids}", **retry_options("extract-group"))
+      task_run_name="extract-shards-{shard_ids}", **retry_options("extract-group"))
 def extract_group(cfg: PipelineConfig, version: ExtractVersion, shard_ids: list[int], force: bool = False) -> list:
     """One engine child for these shards; each shard is published (and counted in the progress
     artifact) the moment it is complete. Cached by content key + directory + shard ids; the flow
@@ -177,22 +181,32 @@ def extract_summary(cfg: PipelineConfig, version: ExtractVersion):
 
 class _Progress:
     """A Prefect progress artifact per group, moved forward as shard_done events arrive (these come on
-    the child-output thread, so failures to report are logged, never raised)."""
+    the child-output thread, so failures to report are logged, never raised). Created at the first
+    finished shard (a group answered from the store makes none) and updated at most every
+    MIN_UPDATE_S and at the last shard: each call is a round trip to the API."""
+    MIN_UPDATE_S = 2.0
 
     def __init__(self, version: ExtractVersion, shard_ids: list[int]):
-        from prefect.artifacts import create_progress_artifact
-
         self.total, self.done, self.tokens = len(shard_ids), 0, 0
+        self.what = f"extract shards {shard_ids} of {version.dir}"
         self.log = _log()
-        self.id = create_progress_artifact(progress=0.0, description=f"extract shards {shard_ids} of {version.dir}")
+        self.id, self.updated = None, 0.0
+        self.ctx = contextvars.copy_context()  # the task run's: the artifact is created on another thread
 
     def shard_done(self, ev: dict) -> None:
-        from prefect.artifacts import update_progress_artifact
+        from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
         self.done += 1
         self.tokens += ev["tokens"]
+        now = time.monotonic()
+        if self.id is not None and self.done < self.total and now - self.updated < self.MIN_UPDATE_S:
+            return
+        self.updated, progress = now, 100.0 * self.done / self.total
         try:
-            update_progress_artifact(self.id, progress=100.0 * self.done / self.total)
+            if self.id is None:
+                self.id = self.ctx.run(create_progress_artifact, progress=progress, description=self.what)
+            else:
+                update_progress_artifact(self.id, progress=progress)
         except Exception as e:  # noqa: BLE001
             self.log(f"progress artifact not updated: {type(e).__name__}: {e}")
 
@@ -325,9 +339,50 @@ def _logger():
 _ENSURED: set[tuple[str, str]] = set()  # (api url, limit) this process already made sure of
 
 
+class _SlotScope:
+    def __init__(self, stack: contextlib.ExitStack):
+        self.stack, self.held = stack, False
+
+
+_SCOPE: contextvars.ContextVar[_SlotScope | None] = contextvars.ContextVar("eagle3_gpu_slot_scope", default=None)
+
+
 @contextlib.contextmanager
 def gpu_slot() -> Iterator[None]:
-    """Hold one slot of the GPU limit while the body runs (strict: a missing limit is an error)."""
+    """Hold one slot of the GPU limit while the body runs (strict: a missing limit is an error).
+    Inside `gpu_slot_scope()` the slot is taken by the first call and kept until the scope ends."""
+    scope = _SCOPE.get()
+    if scope is None:
+        with _acquire_gpu_slot():
+            yield
+        return
+    if not scope.held:
+        scope.stack.enter_context(_acquire_gpu_slot())
+        scope.held = True
+    yield
+
+
+@contextlib.contextmanager
+def gpu_slot_scope() -> Iterator[None]:
+    """One GPU slot for everything in this block that asks for it (the extract flow's in-process
+    groups: one engine child after the other in this process, so this process is one node the whole
+    time). Taken lazily by the first `gpu_slot()` (a block that loads nothing takes none), released
+    when the block ends. The slot is always taken before a group's shard locks, as without a scope.
+    Acquiring and releasing a strict slot costs ~0.3-2 s on SQLite (the lease is renewed at once by
+    a thread that is joined on release): once per flow instead of once per group."""
+    if _SCOPE.get() is not None:  # nested: the outer scope holds it
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        token = _SCOPE.set(_SlotScope(stack))
+        try:
+            yield
+        finally:
+            _SCOPE.reset(token)
+
+
+@contextlib.contextmanager
+def _acquire_gpu_slot() -> Iterator[None]:
     from prefect.concurrency._asyncio import ConcurrencySlotAcquisitionError
     from prefect.concurrency.sync import concurrency
 

@@ -1,0 +1,58 @@
+"""tasks.stage_tasks.gpu_slot_scope: the extract flow's groups share one GPU slot, taken by the first
+group that asks for it and released when the scope ends; outside a scope every gpu_slot() takes its own.
+(The real strict slot against a Prefect server: tests/integration/test_extract_flow.py.)"""
+
+import contextlib
+
+import pytest
+
+import tasks.stage_tasks as t
+
+
+@pytest.fixture
+def acquisitions(monkeypatch) -> list[str]:
+    log: list[str] = []
+
+    @contextlib.contextmanager
+    def fake_acquire():
+        log.append("acquire")
+        try:
+            yield
+        finally:
+            log.append("release")
+
+    monkeypatch.setattr(t, "_acquire_gpu_slot", fake_acquire)
+    return log
+
+
+def test_one_slot_per_scope_taken_lazily(acquisitions):
+    with t.gpu_slot_scope():
+        assert acquisitions == []  # nothing asked for it yet: a scope that loads nothing takes no slot
+        for _ in range(3):
+            with t.gpu_slot():
+                assert acquisitions == ["acquire"]
+        with t.gpu_slot_scope():  # nested: the outer scope's slot
+            with t.gpu_slot():
+                pass
+        assert acquisitions == ["acquire"]
+    assert acquisitions == ["acquire", "release"]
+    with t.gpu_slot_scope():
+        pass
+    assert acquisitions == ["acquire", "release"]
+
+
+def test_without_a_scope_each_call_takes_its_own(acquisitions):
+    for _ in range(2):
+        with t.gpu_slot():
+            pass
+    assert acquisitions == ["acquire", "release"] * 2
+
+
+def test_a_failing_body_releases_the_scope_slot(acquisitions):
+    with pytest.raises(RuntimeError), t.gpu_slot_scope():
+        with t.gpu_slot():
+            raise RuntimeError("group failed")
+    assert acquisitions == ["acquire", "release"]
+    with t.gpu_slot():  # a later call outside the scope takes a fresh slot
+        pass
+    assert acquisitions == ["acquire", "release"] * 2
