@@ -14,3 +14,11 @@ def record(name: str, data: dict) -> None:
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / f"{name}.json").write_text(json.dumps(data, indent=2, default=float))
+
+
+def spread(values: list[float]) -> dict:
+    """Median with min and max of a bench's per-round values (what every ratio row shows)."""
+    import statistics
+
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)} \
+        if values else {"median": None, "min": None, "max": None, "n": 0}

@@ -1,13 +1,22 @@
-"""Extraction benchmark on a bench-sized model (~90M parameters, built like the tiny target, random
-weights: throughput does not depend on what the weights learned).
+"""Extraction benchmark at two model sizes (random weights, built locally: throughput does not depend
+on what the weights learned), cached under .cache/bench/:
+  small   ~90M parameters (hidden 768, 12 layers, the tiny target's vocabulary)
+  large   ~0.6B parameters (hidden 1536, 20 layers, head_dim 64, vocab 32000): engine start-up and
+          per-request costs no longer dominate
 
-Prints, measured side by side in one run and alternated to spread machine noise:
-  1. extraction tokens/s ÷ plain prefill tokens/s on the same engine settings (goal >= 0.9);
-  2. bytes/token and max relative error of bf16 vs fp8 storage;
-  3. extraction ÷ speculators' `generate-offline-data` against `vllm serve` with our connector (vLLM's
-     example connector is CUDA-only), same model, rows and engine settings.
-Usage: .venv/bin/python bench/extract_vs_prefill.py [--rows 800] [--rounds 2] [--no-speculators]
-(per-shard Prefect overhead: bench/prefect_overhead.py)
+Per size, `--rounds` alternating rounds (default 5; the order of the methods rotates each round), each
+measuring on the same rows and engine settings, engine start excluded:
+  prefill       plain prefill (max_tokens=1, no speculation, no connector)
+  extract       our extraction as the pipeline runs it (fingerprints + invariance rows on, the defaults)
+  extract-bare  the same without fingerprints and invariance rows
+  speculators   speculators' `generate-offline-data` against `vllm serve` with our connector (vLLM's
+                example connector is CUDA-only)
+and prints every ratio as the median over the rounds with min-max: extraction ÷ prefill (goal >= 0.95),
+extraction ÷ speculators (goal >= 1.3), the fingerprint cost (share of extraction time, goal <= 10%),
+plus the seconds a group spends after its last shard (invariance rows + exit). Round 1 of the small
+size also extracts in fp8: bytes/token and max relative error of bf16 vs fp8 storage.
+Usage: .venv/bin/python bench/extract_vs_prefill.py [--sizes small,large] [--rounds 5] [--rows 400]
+       [--rows-large 96] [--no-speculators]       (per-group Prefect overhead: bench/prefect_overhead.py)
 """
 
 from __future__ import annotations
@@ -29,10 +38,20 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 console = Console()
-from bench_results import record  # noqa: E402  (bench/ is sys.path[0])
+from bench_results import record, spread  # noqa: E402  (bench/ is sys.path[0])
+
+# Llama family, head_dim 64 (the CPU attention kernel's size), GQA; vocab None = the tiny tokenizer's
+SIZES = {
+    "small": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                  intermediate_size=2560, vocab_size=None),
+    "large": dict(hidden_size=1536, num_hidden_layers=20, num_attention_heads=24, num_key_value_heads=8,
+                  intermediate_size=4096, vocab_size=32000),
+}
 
 
-def build_bench_target(out: Path, tiny: Path) -> Path:
+def build_bench_target(out: Path, tiny: Path, size: str = "small") -> Path:
+    """A random-weight Llama of `size` with the tiny target's tokenizer, built once into `out`
+    (bf16 weights initialised in bf16: ~10 s for the large one)."""
     if (out / "config.json").exists():
         return out
     import torch
@@ -40,14 +59,42 @@ def build_bench_target(out: Path, tiny: Path) -> Path:
 
     tok = AutoTokenizer.from_pretrained(tiny)
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
-                      num_key_value_heads=4, intermediate_size=2560, max_position_embeddings=2048,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                      tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    console.print(f"bench target: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters -> {out}")
+    dims = dict(SIZES[size])
+    dims["vocab_size"] = dims["vocab_size"] or len(tok)
+    cfg = LlamaConfig(**dims, max_position_embeddings=2048, bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    t0 = time.perf_counter()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # no fp32 copy of 0.6B parameters
+    try:
+        model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(out)
+    console.print(f"bench target {size}: {params(out) / 1e6:.0f}M parameters -> {out} "
+                  f"({time.perf_counter() - t0:.0f}s)")
+    return out
+
+
+def params(model_dir: Path) -> int:
+    from safetensors import safe_open
+
+    n = 0
+    for f in Path(model_dir).glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():
+                n += _prod(st.get_slice(k).get_shape())
+    return n
+
+
+def _prod(shape) -> int:
+    out = 1
+    for d in shape:
+        out *= int(d)
     return out
 
 
@@ -137,78 +184,115 @@ def speculators_offline(model: Path, tokenized: str, rows: int, cfg, out: Path) 
         log.close()
 
 
+METHODS = ("prefill", "extract", "extract-bare", "speculators")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", type=int, default=800)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--sizes", default="small,large", help="comma-separated: " + ",".join(SIZES))
+    ap.add_argument("--rows", type=int, default=400, help="rows of the small size")
+    ap.add_argument("--rows-large", type=int, default=96, help="rows of the large size")
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--work", default=str(ROOT / ".cache" / "bench"))
     ap.add_argument("--no-speculators", dest="speculators", action="store_false",
                     help="skip the speculators generate-offline-data column (it starts a vllm serve per round)")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    out_json: dict = {"rounds": args.rounds, "sizes": {}}
+    for size in args.sizes.split(","):
+        out_json["sizes"][size] = bench_size(size, args.rows if size == "small" else args.rows_large, args)
+    for name in ("bytes_per_token_bf16", "bytes_per_token_fp8", "fp8_max_rel_err"):  # from the small size
+        if name in out_json["sizes"].get("small", {}):
+            out_json[name] = out_json["sizes"]["small"].pop(name)
+    record("extract", out_json)
+
+
+def bench_size(size: str, n_rows: int, args) -> dict:
     from eagle3_pipeline.config import ExtractConfig, PrepareConfig, SourceConfig, TargetConfig
     from eagle3_pipeline.data.prepare import prepare
+    from eagle3_pipeline.extract.shards import Manifest
     from tests.helpers.version import extract_all, make_version  # ROOT is on sys.path (above)
 
     work = Path(args.work)
     tiny = ROOT / ".cache" / "tiny-target"
-    model = build_bench_target(work / "bench-target", tiny)
+    model = build_bench_target(work / ("bench-target" if size == "small" else f"bench-target-{size}"), tiny, size)
+    n_params = params(model)
     target = TargetConfig(model=str(model))
-    half = args.rows // 2
+    half = n_rows // 2
     prep = prepare(PrepareConfig(sources=[SourceConfig(path=str(tiny / "corpus" / "sharegpt.jsonl"), limit=half),
-                                          SourceConfig(path=str(tiny / "corpus" / "openai.jsonl"), limit=half)],
-                                 heldout_rows=0), target, work / "store", log=lambda m: None)
+                                          SourceConfig(path=str(tiny / "corpus" / "openai.jsonl"), limit=n_rows - half)],
+                                 heldout_rows=0), target, work / f"store-{size}", log=lambda m: None)
     rows = prep.rows_out
     cfg = ExtractConfig(rows_per_shard=max(1, rows // 4), gpu_memory_utilization=0.2)
-    ext_tps, pre_tps, spec_tps, results = [], [], [], {}
+    bare = cfg.model_copy(update={"fingerprints": False, "invariance_rows": 0})
+    tps: dict[str, list[float]] = {m: [] for m in METHODS}
+    tail_s: list[float] = []  # a group's seconds after its last shard (invariance rows, exit)
+    results: dict = {}
+
+    def extract(ecfg, dtype: str, tag: str):
+        out = work / f"extract-{size}-{tag}"
+        shutil.rmtree(out, ignore_errors=True)
+        ecfg = ecfg.model_copy(update={"storage_dtype": dtype})
+        version = make_version(target, Path(prep.tokenized), out, content_key=f"bench-{tag}",
+                               rows_per_shard=ecfg.rows_per_shard, storage_dtype=dtype, prepare_version=prep.version)
+        res = extract_all(ecfg, target, version, log=lambda m: None)
+        m = Manifest(out).read()
+        child = m["children"][-1]
+        if tag == "bf16":
+            tail_s.append(child["seconds"] - child["engine_start_s"] - sum(s["seconds"] for s in m["shards"]))
+        results[tag] = res
+        return res.tokens_per_s
+
+    run = {"prefill": lambda: prefill(model, prep.tokenized, rows, cfg),
+           "extract": lambda: extract(cfg, "bf16", "bf16"),
+           "extract-bare": lambda: extract(bare, "bf16", "bare"),
+           "speculators": lambda: speculators_offline(model, prep.tokenized, rows, cfg, work / f"speculators-{size}")}
+    methods = [m for m in METHODS if args.speculators or m != "speculators"]
     for r in range(args.rounds):
-        pre_tps.append(prefill(model, prep.tokenized, rows, cfg))
-        for dtype in (("bf16", "fp8") if r == 0 else ("bf16",)):
-            out = work / f"extract-{dtype}"
-            shutil.rmtree(out, ignore_errors=True)
-            ecfg = cfg.model_copy(update={"storage_dtype": dtype})
-            version = make_version(target, Path(prep.tokenized), out, content_key=f"bench-{dtype}",
-                                   rows_per_shard=ecfg.rows_per_shard, storage_dtype=dtype,
-                                   prepare_version=prep.version)
-            res = extract_all(ecfg, target, version, log=lambda m: None)
-            results[dtype] = res
-            if dtype == "bf16":
-                ext_tps.append(res.tokens_per_s)
-        if args.speculators:
-            spec_tps.append(speculators_offline(model, prep.tokenized, rows, cfg, work / "speculators-offline"))
-        console.print(f"round {r + 1}: prefill {pre_tps[-1]:,.0f} tok/s, extraction {ext_tps[-1]:,.0f} tok/s"
-                      + (f", speculators generate-offline-data {spec_tps[-1]:,.0f} tok/s" if spec_tps else ""))
+        order = methods[r % len(methods):] + methods[: r % len(methods)]  # rotate: no method always first
+        for m in order:
+            tps[m].append(run[m]())
+        if r == 0 and size == "small":
+            extract(cfg, "fp8", "fp8")
+        console.print(f"{size} round {r + 1}: " + ", ".join(f"{m} {tps[m][-1]:,.0f} tok/s" for m in methods))
 
-    t = Table(title=f"extraction vs plain prefill ({rows} rows, {results['bf16'].tokens:,} tokens, "
-                    f"{args.rounds} alternating rounds, engine start excluded)")
-    cols = ["round", "prefill tok/s", "extraction tok/s", "extraction ÷ prefill"]
-    if spec_tps:
-        cols += ["speculators offline tok/s", "extraction ÷ speculators"]
-    for c in cols:
-        t.add_column(c, justify="right")
-    med = statistics.median
-    for i, (p, e) in enumerate(zip(pre_tps, ext_tps)):
-        extra = [f"{spec_tps[i]:,.0f}", f"{e / spec_tps[i]:.2f}"] if spec_tps else []
-        t.add_row(str(i + 1), f"{p:,.0f}", f"{e:,.0f}", f"{e / p:.2f}", *extra)
-    extra = [f"{med(spec_tps):,.0f}", f"{med(ext_tps) / med(spec_tps):.2f}"] if spec_tps else []
-    t.add_row("median", f"{med(pre_tps):,.0f}", f"{med(ext_tps):,.0f}", f"{med(ext_tps) / med(pre_tps):.2f}", *extra)
+    ratios = {"extract ÷ prefill": [e / p for e, p in zip(tps["extract"], tps["prefill"])],
+              "extract-bare ÷ prefill": [e / p for e, p in zip(tps["extract-bare"], tps["prefill"])],
+              # the share of extraction time that fingerprints cost: 1 - t_bare / t_extract, per round
+              "fingerprint share of extraction time": [1 - e / b for e, b in zip(tps["extract"], tps["extract-bare"])]}
+    if args.speculators:
+        ratios["extract ÷ speculators"] = [e / s for e, s in zip(tps["extract"], tps["speculators"])]
+    t = Table(title=f"extraction, {size} target ({n_params / 1e6:.0f}M parameters, {rows} rows, "
+                    f"{results['bf16'].tokens:,} tokens), {args.rounds} alternating rounds, engine start excluded")
+    for c in ("measure", "median", "min", "max", "per round"):
+        t.add_column(c, justify="right" if c != "measure" else "left")
+    for m in methods:
+        sp = spread(tps[m])
+        t.add_row(f"{m} tok/s", f"{sp['median']:,.0f}", f"{sp['min']:,.0f}", f"{sp['max']:,.0f}",
+                  " ".join(f"{x:,.0f}" for x in tps[m]))
+    for k, v in ratios.items():
+        sp = spread(v)
+        t.add_row(k, f"{sp['median']:.2f}", f"{sp['min']:.2f}", f"{sp['max']:.2f}", " ".join(f"{x:.2f}" for x in v))
+    sp = spread(tail_s)
+    t.add_row("seconds after the last shard (invariance, exit)", f"{sp['median']:.1f}", f"{sp['min']:.1f}",
+              f"{sp['max']:.1f}", " ".join(f"{x:.1f}" for x in tail_s))
     console.print(t)
-    out_json = {"rows": rows, "tokens": results["bf16"].tokens, "prefill_tok_s": pre_tps, "extract_tok_s": ext_tps,
-                "speculators_offline_tok_s": spec_tps, "extract_over_prefill": med(ext_tps) / med(pre_tps),
-                "extract_over_speculators": med(ext_tps) / med(spec_tps) if spec_tps else None}
-
-    t2 = Table(title="storage dtype")
-    for c in ("dtype", "bytes/token", "ratio vs bf16", "max relative error (per token)"):
-        t2.add_column(c, justify="right")
-    err = fp8_error(work / "extract-bf16" / "hidden_states", work / "extract-fp8" / "hidden_states")
-    b16 = results["bf16"].bytes_on_disk / results["bf16"].tokens
-    for dtype in ("bf16", "fp8"):
-        b = results[dtype].bytes_on_disk / results[dtype].tokens
-        t2.add_row(dtype, f"{b:,.0f}", f"{b / b16:.2f}", "0 (exact)" if dtype == "bf16" else f"{err:.4f}")
-        out_json[f"bytes_per_token_{dtype}"] = b
-    out_json["fp8_max_rel_err"] = err
-    console.print(t2)
-    record("extract", out_json)
+    rec = {"params": n_params, "rows": rows, "tokens": results["bf16"].tokens,
+           "tok_s": {m: tps[m] for m in methods}, "tok_s_spread": {m: spread(tps[m]) for m in methods},
+           "ratios": {k: spread(v) | {"values": v} for k, v in ratios.items()}, "after_last_shard_s": spread(tail_s)}
+    if "fp8" in results:
+        t2 = Table(title="storage dtype (small target)")
+        for c in ("dtype", "bytes/token", "ratio vs bf16", "max relative error (per token)"):
+            t2.add_column(c, justify="right")
+        err = fp8_error(work / f"extract-{size}-bf16" / "hidden_states", work / f"extract-{size}-fp8" / "hidden_states")
+        b16 = results["bf16"].bytes_on_disk / results["bf16"].tokens
+        for dtype in ("bf16", "fp8"):
+            b = results[dtype].bytes_on_disk / results[dtype].tokens
+            t2.add_row(dtype, f"{b:,.0f}", f"{b / b16:.2f}", "0 (exact)" if dtype == "bf16" else f"{err:.4f}")
+            rec[f"bytes_per_token_{dtype}"] = b
+        rec["fp8_max_rel_err"] = err
+        console.print(t2)
+    return rec
 
 
 def fp8_error(bf16_dir: Path, fp8_dir: Path) -> float:

@@ -32,7 +32,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from bench_results import record  # bench/ is sys.path[0] when run as a script
+from bench_results import record, spread  # bench/ is sys.path[0] when run as a script
 
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("fetch_ms", "fwd_ms", "bwd_ms", "opt_ms")  # speculators' step profiler, median per run
@@ -165,8 +165,14 @@ def main() -> None:
         a, b = med("ours", key), med("speculators", key)
         ratio.add_row(label, f"{a:.0f}", f"{b:.0f}", f"{a / b:.3f}")
     console.print(ratio)
+    def per_round(key: str) -> list[float]:  # ours ÷ speculators within each round
+        val = (lambda r: r[key]) if key == "median_step" else (lambda r: r["tokens"] / r[key])
+        by = {(k, n): val(r) for k, n, r in results}
+        return [by[k, "ours"] / by[k, "speculators"] for k in sorted({k for k, _, _ in results})
+                if (k, "ours") in by and (k, "speculators") in by]
+
     record("train", {key: {"ours": med("ours", key), "speculators": med("speculators", key),
-                           "ratio": med("ours", key) / med("speculators", key)}
+                           "ratio": med("ours", key) / med("speculators", key), "ratio_spread": spread(per_round(key))}
                      for key in ("loop_s", "median_step", "wall_s", "cpu_s")} | {"rounds": len(results)})
     toks = {n: {r["tokens"] for _, m, r in results if m == n} for n in impls}
     if toks["ours"] != toks["speculators"]:

@@ -26,7 +26,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from bench_results import record  # bench/ is sys.path[0] when run as a script
+from bench_results import record, spread  # bench/ is sys.path[0] when run as a script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,7 +94,8 @@ def bench(name: str, data: dict, repeats: int, workers: list[int]) -> list[tuple
             for m, t in row.items():
                 times[m].append(t)
     base = statistics.median(times["cat"])
-    return [(name, m, len(files), nbytes, statistics.median(ts), base / statistics.median(ts))
+    return [(name, m, len(files), nbytes, statistics.median(ts), base / statistics.median(ts),
+             spread([c / t for c, t in zip(times["cat"], ts)]))  # per-round ratio: median (min-max)
             for m, ts in times.items()]
 
 
@@ -112,12 +113,13 @@ def main() -> None:
         rows += bench(f"synthetic H={args.synthetic_hidden}", synthetic_data(args.store, args.synthetic_hidden),
                       args.repeats, workers)
     t = Table(title=f"verify throughput vs cat (warm page cache, median of {args.repeats}, {os.cpu_count()} CPUs)")
-    for c in ("data", "method", "files", "MB", "seconds", "MB/s", "ratio vs cat"):
+    for c in ("data", "method", "files", "MB", "seconds", "MB/s", "ratio vs cat", "per round: median (min-max)"):
         t.add_column(c, justify="right")
-    for name, m, n, b, s, r in rows:
-        t.add_row(name, m, str(n), f"{b / 1e6:.1f}", f"{s:.3f}", f"{b / 1e6 / s:,.0f}", f"{r:.2f}")
+    for name, m, n, b, s, r, sp in rows:
+        t.add_row(name, m, str(n), f"{b / 1e6:.1f}", f"{s:.3f}", f"{b / 1e6 / s:,.0f}", f"{r:.2f}",
+                  f"{sp['median']:.2f} ({sp['min']:.2f}-{sp['max']:.2f})")
     Console().print(t)
-    table = [dict(zip(("data", "method", "files", "bytes", "seconds", "ratio"), r)) for r in rows]
+    table = [dict(zip(("data", "method", "files", "bytes", "seconds", "ratio", "ratio_spread"), r)) for r in rows]
     print(json.dumps(table))
     record("verify", {"rows": table})
 
