@@ -104,10 +104,10 @@ def _check_inputs(version: ExtractVersion) -> int:
         with safe_open(str(p), framework="pt") as f:
             keys = set(f.keys())
             if not {HS_KEY, TOKENS_KEY} <= keys:
-                raise ContractError(f"hs_{i}: expected tensors {HS_KEY!r}, {TOKENS_KEY!r}; found {sorted(keys)}")
+                raise ContractError(f"{record_name(i)}: expected tensors {HS_KEY!r}, {TOKENS_KEY!r}; found {sorted(keys)}")
             shape = list(f.get_slice(HS_KEY).get_shape())
         if shape != [t, num_captured, hidden_size]:
-            raise ContractError(f"hs_{i}: {HS_KEY} expected [{t}, {num_captured}, {hidden_size}] "
+            raise ContractError(f"{record_name(i)}: {HS_KEY} expected [{t}, {num_captured}, {hidden_size}] "
                                 f"(seq_len of row {i}, {num_captured} captured layers, hidden size), found {shape}")
     return n
 

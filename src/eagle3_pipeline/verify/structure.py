@@ -472,7 +472,7 @@ def verify_structure(tokenized_dir: Path, hidden_states_dir: Path, layer_ids: li
                            workers=workers, extras=extras)
     extra = sorted(int(p.stem.split("_")[1]) for p in Path(hidden_states_dir).glob("hs_*.safetensors")
                    if int(p.stem.split("_")[1]) >= len(ds))
-    extra_problems = [f"hs_{i}.safetensors: no tokenized row {i} (dataset has {len(ds)} rows)" for i in extra]
+    extra_problems = [f"{record_name(i)}: no tokenized row {i} (dataset has {len(ds)} rows)" for i in extra]
     res = judge_records(ds, sorted([*reused, *results], key=lambda r: r.row), layer_ids, hidden_size, log,
                         norm_samples=norm_samples, norm_factor=norm_factor, norm_min_ratio=norm_min_ratio,
                         identity_max_z=identity_max_z, extras=extras, extra_problems=extra_problems)
