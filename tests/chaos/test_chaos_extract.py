@@ -64,7 +64,7 @@ def _check_after_kill(out: Path, ref) -> dict:
 
 def _relocated(ref, out: Path):
     """The reference's ExtractVersion in the trial's own directory (same content key, same shard plan)."""
-    return ref.version.model_copy(update={"dir": str(out.resolve())})
+    return ref.version.model_copy(update={"dir": str(out.resolve()), "pool_dir": None})  # extracts for real
 
 
 def _resume_and_compare(ref, out: Path) -> list[str]:

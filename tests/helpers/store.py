@@ -14,7 +14,7 @@ from pathlib import Path
 # attempts, per-shard attempt counts, durations and the last error. Everything else in the manifest
 # (content key, layer ids, config, tool versions, each shard's rows, status, tokens, bytes and file
 # hashes) must be the same after a crash and resume as after one clean run.
-VOLATILE_TOP = ("updated_at", "children")
+VOLATILE_TOP = ("updated_at", "children", "invariance")  # invariance: rows of the attempt that finished
 VOLATILE_SHARD = ("attempts", "seconds", "error")
 
 

@@ -45,8 +45,9 @@ def make_version(target: TargetConfig, tokenized_dir: Path, out_dir: Path, *, co
 def relocated(version: ExtractVersion, out_dir: Path, *, tokenized_dir: Path | None = None,
               content_key: str | None = None) -> ExtractVersion:
     """`version` in another directory (same shard plan unless another tokenized dataset is given: then
-    its rows, in one shard group of `rows_per_shard` rows)."""
-    update: dict = {"dir": str(Path(out_dir).resolve())}
+    its rows, in one shard group of `rows_per_shard` rows), without the record pool: the copy extracts
+    for real instead of linking what `version`'s own run put in the pool."""
+    update: dict = {"dir": str(Path(out_dir).resolve()), "pool_dir": None}  # a fresh extraction, not the pool's
     if content_key is not None:
         update["content_key"] = content_key
     if tokenized_dir is not None:
