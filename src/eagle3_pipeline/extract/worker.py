@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict
 from eagle3_pipeline.config import EngineConfig, TargetConfig
 from eagle3_pipeline.contracts import (FP_TOP, ContractError, fingerprint_from_logprobs, fingerprint_name, record_name,
                                       to_record, write_record, write_fingerprint)
+from eagle3_pipeline.layout import Shard
 from eagle3_pipeline.proc import emit_event, exit_child
 
 KILL_AFTER_ENV = "EAGLE3_TEST_KILL_AFTER_SHARDS"
@@ -43,11 +44,8 @@ RECORD_DELAY_ENV = "EAGLE3_TEST_RECORD_DELAY_S"
 FAIL_SHARDS_ENV = "EAGLE3_TEST_FAIL_SHARDS"
 
 
-class ShardSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    index: int
-    row_start: int  # inclusive
-    row_end: int    # exclusive
+class ShardSpec(Shard):
+    """A planned shard (layout.Shard) as the child runs it."""
     rows: list[int] | None = None  # only these rows of the range (the rest came from the record pool)
 
     def row_ids(self) -> list[int]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import base64
 import json
-import math
 import random
 import re
 import shutil
@@ -29,6 +28,7 @@ from pydantic import BaseModel, ConfigDict
 
 from eagle3_pipeline.store import atomic_write_text
 from eagle3_pipeline.tiny import agentic
+from eagle3_pipeline.tiny.training import train_lm
 from eagle3_pipeline.tiny import tokenization_tiny_moe as tokmod
 
 TOKENIZER_MODULE = "tokenization_tiny_moe"
@@ -338,26 +338,7 @@ def build_tiny_moe(cfg: TinyMoeConfig, out_dir: Path, log=print) -> dict:
 
     model = DeepseekV3ForCausalLM(model_config(cfg, tok))
     balancer = _BiasBalancer(model, cfg.bias_update_rate)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
-    g = torch.Generator().manual_seed(cfg.seed)
-    curve, step, t_train = [], 0, time.time()
-    model.train()
-    while step < cfg.max_steps and time.time() - t_train < cfg.train_seconds:
-        warm = min(1.0, (step + 1) / 30)
-        frac = step / cfg.max_steps  # cosine decay to 10% of lr
-        for grp in opt.param_groups:
-            grp["lr"] = cfg.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-        pick = torch.randint(0, data.shape[0], (cfg.batch_size,), generator=g)
-        loss = model(input_ids=data[pick], labels=targets[pick]).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        balancer.step()
-        if step % 50 == 0:
-            curve.append({"step": step, "loss": round(loss.item(), 4)})
-            log(f"tiny-moe: step {step} loss {loss.item():.3f}")
-        step += 1
+    curve, step, t_train = train_lm(model, data, targets, cfg, log, "tiny-moe", after_step=balancer.step)
     train_s = time.time() - t_train
     acc = greedy_accuracy(model, tok, held_out)
     log(f"tiny-moe: {step} steps in {train_s:.0f}s, greedy accuracy {acc['accuracy']:.2f} "

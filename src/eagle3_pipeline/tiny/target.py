@@ -11,7 +11,6 @@ Deterministic for a given config (seeds for corpus and weights).
 from __future__ import annotations
 
 import json
-import math
 import random
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from pydantic import BaseModel, ConfigDict
 from eagle3_pipeline.data.chat import encode_conversation
 from eagle3_pipeline.store import atomic_write_text
 from eagle3_pipeline.tiny import corpus
+from eagle3_pipeline.tiny.training import train_lm
 
 BOS, EOT, PAD = "<|bos|>", "<|end|>", "<|pad|>"
 ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"]
@@ -129,25 +129,7 @@ def build_tiny_target(cfg: TinyTargetConfig, out_dir: Path, log=print) -> dict:
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         tie_word_embeddings=False, torch_dtype="float32")
     model = LlamaForCausalLM(mcfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
-    g = torch.Generator().manual_seed(cfg.seed)
-    curve, step, t_train = [], 0, time.time()
-    model.train()
-    while step < cfg.max_steps and time.time() - t_train < cfg.train_seconds:
-        warm = min(1.0, (step + 1) / 30)
-        frac = step / cfg.max_steps  # cosine decay to 10% of lr
-        for grp in opt.param_groups:
-            grp["lr"] = cfg.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-        pick = torch.randint(0, data.shape[0], (cfg.batch_size,), generator=g)
-        loss = model(input_ids=data[pick], labels=targets[pick]).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if step % 50 == 0:
-            curve.append({"step": step, "loss": round(loss.item(), 4)})
-            log(f"tiny target: step {step} loss {loss.item():.3f}")
-        step += 1
+    curve, step, t_train = train_lm(model, data, targets, cfg, log, "tiny target")
     acc = _greedy_accuracy(model, tok, held_out)
     log(f"tiny target: {step} steps in {time.time() - t_train:.0f}s, greedy accuracy {acc:.2f}")
 
