@@ -102,8 +102,8 @@ def _reusable(cfg: VerifyConfig, version: ExtractVersion, shards: list[dict], lo
     if not prev or prev.get("content_key") != version.content_key or prev.get("config_key") != _config_key(cfg):
         return {}, {}
     old = prev.get("shard_hashes") or {}
-    ok = {str(e["index"]): cache.shard_hash(e, version) for e in shards
-          if e["status"] == "published" and old.get(str(e["index"])) == cache.shard_hash(e, version)}
+    now = {str(e["index"]): cache.shard_hash(e, version) for e in shards if e["status"] == "published"}
+    ok = {k: h for k, h in now.items() if old.get(k) == h}  # one stat of each file per shard, not two
     if not ok:
         return {}, {}
     cached = cache.load(version.path / cache.CACHE_NAME)
