@@ -31,6 +31,17 @@ def tiny_target() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_target() -> Path:
+    """The embedded tiny MoE target model dir (DeepSeek-V3 family); built (≈3 min) when the Makefile has not."""
+    path = Path(os.environ.get("EAGLE3_TINY_MOE", ROOT / ".cache" / "tiny-moe"))
+    if not (path / "tiny_target.json").exists():
+        from eagle3_pipeline.tiny.moe_target import TinyMoeConfig, build_tiny_moe
+
+        build_tiny_moe(TinyMoeConfig(), path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def store_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("store")
 
