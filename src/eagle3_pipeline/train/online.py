@@ -1,0 +1,362 @@
+"""Online training: the target's hidden states come from a vLLM server while the draft trains, and are
+never stored for the whole dataset (at Kimi scale a stored record is 56 KiB per token).
+
+Owns `HiddenStateServer` (a context manager: an OpenAI-compatible vLLM server of the target with the
+native `extract_hidden_states` method and our hidden-states connector, the same engine settings, layer
+ids and connector as the extract stage, started in its own process group and ended with it),
+`sample_and_verify` (rows spread over the dataset taken from that server and checked by the verify
+gate before training starts) and `OnlineResult` (what the train record keeps of it).
+
+How a row reaches the trainer: speculators' own data loader (`ArrowDataset` with `on_missing:
+generate`, what `speculators train --on-missing generate` uses) finds no stored file for the row, sends
+the row's token ids to the server (`/v1/completions`, one token), reads the file the server's connector
+wrote (`kv_transfer_params.hidden_states_path`, through hs_connectors' file transfer) and deletes it.
+The server's scratch directory therefore holds only the rows in flight; `HiddenStateServer` samples
+its size while it runs and reports the peak (`hidden_states_peak_bytes`, with the verified sample's
+records, which stay on disk next to the draft as the evidence of the gate).
+
+Reads  the tokenized dataset of `version`, the target model; writes into `work_dir`: server.log (the
+server's whole output), server_hidden_states/ (in-flight files; removed at exit), sample/ (an
+extraction-shaped directory: hidden_states/hs_{i}.safetensors, fingerprints/fp_{i}.safetensors,
+manifest.json with the invariance entries, verify.json) and online.json (the OnlineResult).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+from pydantic import BaseModel
+
+from eagle3_pipeline.config import ExtractConfig, TargetConfig, VerifyConfig
+from eagle3_pipeline.contracts import (
+    FP_TOP,
+    ContractError,
+    compare_layers,
+    dequantise,
+    fingerprint_from_logprobs,
+    read_record,
+    record_name,
+    to_record,
+    write_fingerprint,
+    write_record,
+)
+from eagle3_pipeline.errors import EnvironmentProblem
+from eagle3_pipeline.layout import ExtractVersion
+from eagle3_pipeline.proc import BackgroundChild
+from eagle3_pipeline.store import write_json
+
+
+class OnlineServerFailed(EnvironmentProblem):
+    """The online-training server did not come up (died, or not ready by its deadline); the message
+    carries the tail of its log."""
+
+
+class OnlineResult(BaseModel):
+    endpoint: str
+    server_start_s: float
+    sample_rows: list[int]
+    sample_tokens: int
+    sample_seconds: float
+    sample_bytes: int             # the verified sample's records + fingerprints (kept)
+    scratch_peak_bytes: int       # most bytes of in-flight hidden-state files seen in the server's scratch dir
+    hidden_states_peak_bytes: int  # sample_bytes + scratch_peak_bytes: hidden states on disk at the worst moment
+    offline_bytes_estimate: int   # what the stored dataset would take (bf16 records of every row)
+    work_dir: str
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dir_bytes(path: Path) -> int:
+    total = 0
+    try:
+        with os.scandir(path) as it:
+            for e in it:
+                try:
+                    total += e.stat(follow_symlinks=False).st_size
+                except FileNotFoundError:
+                    pass  # read and deleted between listing and stat
+    except FileNotFoundError:
+        return 0
+    return total
+
+
+class _PeakSampler(threading.Thread):
+    """Samples a directory's size every `every_s` seconds; `peak` is the largest seen."""
+
+    def __init__(self, path: Path, every_s: float = 0.05):
+        super().__init__(daemon=True)
+        self.path, self.every_s, self.peak = path, every_s, 0
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            self.peak = max(self.peak, _dir_bytes(self.path))
+            self._stop_event.wait(self.every_s)
+
+    def stop(self) -> int:
+        self._stop_event.set()
+        self.join(timeout=5)
+        self.peak = max(self.peak, _dir_bytes(self.path))
+        return self.peak
+
+
+class HiddenStateServer:
+    """`with HiddenStateServer(...) as srv:` a running server; `srv.endpoint` (…/v1) and `srv.model` are
+    what a client (speculators' loader, `sample_and_verify`) needs."""
+
+    def __init__(self, extract_cfg: ExtractConfig, target: TargetConfig, version: ExtractVersion, work_dir: Path, *,
+                 max_model_len: int, start_timeout_s: float, log: Callable[[str], None] = print):
+        self.cfg, self.target, self.version = extract_cfg, target, version
+        self.work_dir = Path(work_dir)
+        self.scratch = self.work_dir / "server_hidden_states"
+        self.max_model_len, self.start_timeout_s, self.log = max_model_len, start_timeout_s, log
+        self.port = 0
+        self.start_s = 0.0
+        self.child: BackgroundChild | None = None
+        self.sampler: _PeakSampler | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def model(self) -> str:
+        return self.target.model  # the served model name (engine.server_argv)
+
+    def __enter__(self) -> HiddenStateServer:
+        from eagle3_pipeline.engine import extract_hidden_states_config, hidden_states_kv_config, server_argv, server_env
+        from eagle3_pipeline.extract.shards import _cpu_mla_one_at_a_time
+
+        shutil.rmtree(self.scratch, ignore_errors=True)
+        self.scratch.mkdir(parents=True)
+        cfg = _cpu_mla_one_at_a_time(self.cfg, self.version, self.log)
+        self.port = free_port()
+        batched = {} if cfg.max_num_batched_tokens is None else {"max_num_batched_tokens": cfg.max_num_batched_tokens}
+        argv = server_argv(cfg, self.target, max_model_len=self.max_model_len, port=self.port,
+                           speculative_config=extract_hidden_states_config(self.version.layer_ids),
+                           kv_transfer_config=hidden_states_kv_config(cfg.connector_module, cfg.connector_name,
+                                                                      str(self.scratch)),
+                           max_num_seqs=cfg.max_num_seqs, enable_chunked_prefill=False, enable_prefix_caching=False,
+                           **batched)
+        log_path = self.work_dir / "server.log"
+        self.log(f"online: starting a vLLM server of {self.target.model} on 127.0.0.1:{self.port} (layers "
+                 f"{self.version.layer_ids}, max_num_seqs {cfg.max_num_seqs}, log {log_path})")
+        t0 = time.time()
+        self.child = BackgroundChild(argv, name="online-server", log_path=log_path, env=server_env(cfg)).__enter__()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.child.__exit__(None, None, None)
+            raise
+        self.start_s = round(time.time() - t0, 2)
+        self.log(f"online: server ready in {self.start_s:.1f}s at {self.endpoint}")
+        self.sampler = _PeakSampler(self.scratch)
+        self.sampler.start()
+        return self
+
+    def _wait_ready(self) -> None:
+        assert self.child is not None
+        deadline = time.time() + self.start_timeout_s
+        while True:
+            if not self.child.alive():
+                raise OnlineServerFailed(f"online: the vLLM server died while starting: {self.child.describe_exit()}")
+            try:
+                with urllib.request.urlopen(f"{self.endpoint}/models", timeout=2) as r:
+                    served = [m["id"] for m in json.loads(r.read())["data"]]
+                if self.model not in served:
+                    raise OnlineServerFailed(f"online: the server on port {self.port} serves {served}, not "
+                                             f"{self.model} (another process on that port?)")
+                return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            if time.time() > deadline:
+                raise OnlineServerFailed(f"online: the vLLM server was not ready after train.online_start_timeout_s="
+                                         f"{self.start_timeout_s:.0f}s; last output:\n" + "\n".join(self.child.tail))
+            time.sleep(0.5)
+
+    def scratch_peak(self) -> int:
+        return self.sampler.peak if self.sampler else 0
+
+    def __exit__(self, *exc) -> None:
+        if self.sampler is not None:
+            self.sampler.stop()
+        if self.child is not None:
+            self.child.__exit__(*exc)
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+    # ------------------------------------------------------------ one row, the way the sample is taken
+
+    def hidden_states(self, ids: list[int], timeout_s: float, *, fingerprint: bool = True) -> tuple[dict, dict | None]:
+        """({hidden_states [T, L, H], token_ids [T]}, fingerprint tensors or None) of one row, read from the
+        server (the same request speculators' loader sends, plus top-2 logprobs), its file removed."""
+        import torch
+        from safetensors.torch import load_file
+
+        body = {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "return_token_ids": True}
+        if fingerprint:
+            body |= {"prompt_logprobs": FP_TOP, "logprobs": FP_TOP, "return_tokens_as_token_ids": True}
+        req = urllib.request.Request(f"{self.endpoint}/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            out = json.loads(r.read())
+        choice = out["choices"][0]
+        if choice.get("prompt_token_ids") not in (None, ids):
+            raise ContractError(f"online: the server tokenized the row differently ({len(choice['prompt_token_ids'])} "
+                                f"token ids back for {len(ids)} sent)")
+        path = (out.get("kv_transfer_params") or {}).get("hidden_states_path")
+        if not path:
+            raise ContractError(f"online: the server returned no hidden_states_path (kv_transfer_params="
+                                f"{out.get('kv_transfer_params')!r}); is the extract_hidden_states method active?")
+        _await_file(Path(path), timeout_s)
+        data = load_file(path)
+        Path(path).unlink(missing_ok=True)
+        fp = None
+        if fingerprint:
+            fp = fingerprint_from_logprobs(_prompt_logprobs(choice.get("prompt_logprobs") or [None]),
+                                           _last_logprobs(choice.get("logprobs")), len(ids))
+        data["token_ids"] = data["token_ids"].to(torch.int64)
+        return data, fp
+
+
+def _await_file(path: Path, timeout_s: float) -> None:
+    """Wait until the connector has written `path` (it holds `<path>.lock` while writing), then drop the lock."""
+    lock = Path(f"{path}.lock")
+    deadline = time.time() + timeout_s
+    while True:
+        if lock.exists():
+            try:
+                fd = os.open(lock, os.O_RDWR)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locked = False
+            except BlockingIOError:
+                locked = True
+            finally:
+                os.close(fd)
+            if not locked and path.exists():
+                lock.unlink(missing_ok=True)
+                return
+        elif path.exists():
+            return
+        if time.time() > deadline:
+            raise TimeoutError(f"online: hidden-state file {path} not written by the server within {timeout_s:.0f}s")
+        time.sleep(0.01)
+
+
+def _prompt_logprobs(entries: list) -> list:
+    """The server's JSON prompt logprobs ({"<id>": {"logprob", "rank"}} per position) as the objects
+    `contracts.fingerprint_from_logprobs` reads (vLLM's in-process form)."""
+    return [None if e is None else {int(k): SimpleNamespace(rank=v.get("rank"), logprob=v["logprob"])
+                                    for k, v in e.items()} for e in entries]
+
+
+def _last_logprobs(lp: dict | None) -> dict | None:
+    """The generated token's top logprobs ("token_id:<id>" -> logprob with return_tokens_as_token_ids),
+    ranked by logprob."""
+    top = ((lp or {}).get("top_logprobs") or [None])[0]
+    if not top:
+        return None
+    ranked = sorted(((int(k.split(":", 1)[1]), v) for k, v in top.items()), key=lambda kv: -kv[1])
+    return {tid: SimpleNamespace(rank=i + 1, logprob=v) for i, (tid, v) in enumerate(ranked)}
+
+
+# ---------------------------------------------------------------- the sample the gate checks
+
+def sample_rows(n_rows: int, count: int) -> list[int]:
+    """`count` rows spread evenly over the dataset (first and last included), deterministic."""
+    if count >= n_rows:
+        return list(range(n_rows))
+    if count == 1:
+        return [0]
+    return sorted({round(i * (n_rows - 1) / (count - 1)) for i in range(count)})
+
+
+def sample_version(version: ExtractVersion, work_dir: Path) -> ExtractVersion:
+    """An extraction-shaped directory for the sample (records, fingerprints, manifest, verify.json):
+    the version's identity, dims and layers, its own directory, no record pool."""
+    return version.model_copy(update={"dir": str((Path(work_dir) / "sample").resolve()), "pool_dir": None})
+
+
+def sample_and_verify(srv: HiddenStateServer, vcfg: VerifyConfig, invariance_rows: int, version: ExtractVersion,
+                      work_dir: Path, *, request_timeout_s: float, log: Callable[[str], None] = print):
+    """Take `vcfg.online_rows` rows from the running server (concurrently, as training will), a few of them
+    again alone (batch invariance), write them as records of a sample version and run the verify gate on
+    them. Returns (VerifyResult, rows, tokens, seconds, bytes); raises VerifyFailed when the gate fails."""
+    from eagle3_pipeline.data.prepare import load_tokenized
+    from eagle3_pipeline.verify.gate import check_verify_gate, verify
+    from eagle3_pipeline.verify.invariance import invariance_rows as pick_invariance
+    from eagle3_pipeline.verify.invariance import shift_explaining
+
+    t0 = time.time()
+    sv = sample_version(version, work_dir)
+    shutil.rmtree(sv.path, ignore_errors=True)
+    sv.hidden_states_dir.mkdir(parents=True)
+    sv.fingerprints_dir.mkdir(parents=True)
+    ds = load_tokenized(version.tokenized_dir)
+    rows = sample_rows(len(ds), vcfg.online_rows)
+    sel = ds.select(rows)
+    ids_of = dict(zip(rows, sel["input_ids"]))
+    L, H = len(version.layer_ids), version.dims.hidden_size
+
+    def take(row: int) -> int:
+        ids = [int(x) for x in ids_of[row]]
+        data, fp = srv.hidden_states(ids, request_timeout_s)
+        hs, tok = data["hidden_states"], data["token_ids"]
+        if tok.tolist() != ids:
+            raise ContractError(f"online sample {record_name(row)} (row {row}): the server's token_ids differ from "
+                                f"the tokenized row ([{len(tok)}] vs [{len(ids)}])")
+        if tuple(hs.shape) != (len(ids), L, H):
+            raise ContractError(f"online sample {record_name(row)} (row {row}): layers {version.layer_ids}: hidden_states "
+                                f"expected {[len(ids), L, H]}, found {list(hs.shape)}")
+        write_record(sv.record_path(row), to_record(hs, tok, sv.storage_dtype), sv.layer_ids, sv.storage_dtype)
+        write_fingerprint(sv.fingerprint_path(row), fp)
+        return len(ids)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(srv.cfg.max_num_seqs, 16))) as pool:
+        tokens = sum(pool.map(take, rows))
+    # batch invariance: a few rows again, alone, compared with what the concurrent pass wrote
+    inv: dict[str, dict] = {}
+    seq_lens = [len(ids_of[r]) for r in rows]
+    for i in pick_invariance(seq_lens, invariance_rows):
+        row = rows[i]
+        data, _ = srv.hidden_states([int(x) for x in ids_of[row]], request_timeout_s, fingerprint=False)
+        alone = dequantise(to_record(data["hidden_states"], data["token_ids"], sv.storage_dtype))
+        stored = dequantise(read_record(sv.record_path(row)))
+        if tuple(alone.shape) != tuple(stored.shape):
+            inv[str(row)] = {"error": f"stored {list(stored.shape)}, alone {list(alone.shape)}"}
+            continue
+        diffs = compare_layers(stored, alone, sv.layer_ids, cos_bound=0.9)
+        shifts = {d.layer_id: shift_explaining(stored[:, li], alone[:, li], d.rel_err)
+                  for li, d in enumerate(diffs) if d.mean_cosine < 0.99}
+        inv[str(row)] = {"layers": [d.model_dump() for d in diffs],
+                         "shifts": {str(k): v for k, v in shifts.items() if v is not None}}
+    write_json(sv.manifest_path, {"content_key": sv.content_key, "online_sample": True, "shards": [],
+                                  "config": {"extract": {"fingerprints": True, "invariance_rows": invariance_rows}},
+                                  "invariance": inv, "rows": rows, "endpoint": srv.endpoint})
+    seconds = round(time.time() - t0, 2)
+    nbytes = _dir_bytes(sv.hidden_states_dir) + _dir_bytes(sv.fingerprints_dir)
+    log(f"online: {len(rows)} rows ({tokens} tokens) taken from the server in {seconds:.1f}s for the verify gate "
+        f"({nbytes / 1e6:.1f} MB kept in {sv.path})")
+    res = verify(vcfg, srv.target, sv, log=log, rows=rows, fingerprints=True)
+    res = res.model_copy(update={"mode": "online"})
+    write_json(sv.verify_path, res.model_dump(mode="json"))
+    check_verify_gate(res)
+    return res, rows, tokens, seconds, nbytes

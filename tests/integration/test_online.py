@@ -1,0 +1,130 @@
+"""train.mode online, for real: the train stage starts a vLLM server of the target (OpenAI API, native
+`extract_hidden_states` + our connector), the verify gate checks rows sampled from that server, and
+speculators' trainer asks the server for every row's hidden states (nothing stored for the dataset).
+
+Three server starts in all: the tiny Llama clean (sample verified, a few training steps, the draft
+exported and checked), the tiny Llama with a connector that shifts batched requests by one token (the
+gate stops the stage before training), and the tiny MoE target (MLA: one request at a time) clean.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from eagle3_pipeline.config import load_config
+from eagle3_pipeline.verify.gate import VerifyFailed
+from tests.helpers.store import processes_with_env
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(1200)
+
+ONLINE = ["train.mode=online", "train.epochs=1", "train.max_steps=4", "train.max_seq_len=512",
+          "verify.online_rows=24", "verify.reference_samples=1"]
+
+
+def _servers_left() -> list[int]:
+    return processes_with_env("EAGLE3_PIPELINE_CHILD", "online-server")
+
+
+def _run_online(cfg, log_lines: list[str]):
+    from eagle3_pipeline.stages import plan_extract, stage_prepare, stage_preflight, stage_train, stage_vocab
+
+    prep = stage_prepare(cfg, log=log_lines.append)
+    pre = stage_preflight(cfg, prep, log=log_lines.append)
+    version = plan_extract(cfg, prep, pre)
+    voc = stage_vocab(cfg, prep, version, log=log_lines.append)
+    return version, stage_train(cfg, version, voc, log=log_lines.append)
+
+
+@pytest.fixture(scope="module")
+def llama_online(tiny_config):
+    cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml",
+                      [f"{k}={v}" for k, v in _flat(tiny_config).items()] + ONLINE)
+    lines: list[str] = []
+    version, tr = _run_online(cfg, lines)
+    return cfg, version, tr, lines
+
+
+def _flat(cfg) -> dict:
+    """The session config's store, target and sources as overrides (the module adds its own on top)."""
+    d = cfg.model_dump(mode="json")
+    return {"store": d["store"], "target.model": d["target"]["model"],
+            "prepare.sources": json.dumps(d["prepare"]["sources"]), "prepare.heldout_rows": d["prepare"]["heldout_rows"]}
+
+
+def test_online_training_takes_every_row_from_the_server(llama_online):
+    cfg, version, tr, lines = llama_online
+    assert tr.mode == "online" and tr.steps == 4 and tr.export_checked
+    on = tr.online
+    # the gate ran on rows from the server before training: every check, nothing failed
+    ver = on["verify"]
+    assert ver["mode"] == "online" and ver["passed"] and ver["samples_checked"] == len(on["sample_rows"]) == 24
+    assert ver["fingerprint"]["files_checked"] == 24 and ver["fingerprint"]["tokens_checked"] > 0
+    assert ver["reference_samples"] and ver["reference_max_rel_err"] < 0.05
+    assert ver["invariance_samples"] and ver["invariance_max_rel_err"] < 0.05
+    # nothing stored for the dataset: the version has no records, the server's scratch dir is gone
+    assert not version.hidden_states_dir.exists() or not any(version.hidden_states_dir.iterdir())
+    assert not (Path(on["work_dir"]) / "server_hidden_states").exists()
+    assert on["scratch_peak_bytes"] > 0  # files really passed through the scratch dir while training
+    assert tr.hidden_states_peak_bytes == on["sample_bytes"] + on["scratch_peak_bytes"]
+    assert tr.hidden_states_peak_bytes < on["offline_bytes_estimate"] / 2
+    # the server is gone with the stage, and its log is kept
+    assert _servers_left() == []
+    assert "Application startup complete" in (Path(on["work_dir"]) / "server.log").read_text()
+    assert any(ln.startswith("online: server ready in") for ln in lines)
+    # training really learned from the server's states (loss falls over 4 steps of a fresh draft)
+    assert tr.first_loss is not None and tr.final_loss < tr.first_loss
+
+
+def test_online_train_key_differs_from_offline(llama_online):
+    from eagle3_pipeline.stages import train_key
+
+    cfg, version, tr, _ = llama_online
+    offline = cfg.model_copy(update={"train": cfg.train.model_copy(update={"mode": "offline"})})
+    assert train_key(cfg, version) != train_key(offline, version)
+    assert Path(tr.dir) == version.train_dir(train_key(cfg, version)).resolve()
+
+
+def test_a_server_that_shifts_batched_requests_fails_the_gate_before_training(tiny_config, tmp_path, monkeypatch):
+    """tests/helpers/broken_connector.OffsetDriftConnector in the server: every request after the first of
+    an engine step is read one token late. The sampled rows go to the server concurrently (as training's
+    do), so the verify gate sees the drift (fingerprints, batch invariance, identity) and the stage stops
+    before any training step; the server is ended all the same."""
+    monkeypatch.setenv("PYTHONPATH", f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    overrides = {**_flat(tiny_config), "store": str(tmp_path / "store")}
+    cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml", [f"{k}={v}" for k, v in overrides.items()] + ONLINE + [
+        "extract.connector_module=tests.helpers.broken_connector", "extract.connector_name=OffsetDriftConnector",
+        "verify.reference_samples=0"])
+    lines: list[str] = []
+    with pytest.raises(VerifyFailed) as ei:
+        _run_online(cfg, lines)
+    msg = str(ei.value)
+    assert "verify failed" in msg and "hs_" in msg, msg
+    train_dirs = list((tmp_path / "store").rglob("checkpoints"))
+    assert train_dirs == [] or all(not any(d.iterdir()) for d in train_dirs), train_dirs
+    assert not any("train: step" in ln for ln in lines)
+    assert _servers_left() == []
+
+
+def test_online_on_the_moe_target(tiny_moe_target, tmp_path):
+    tiny_moe = tiny_moe_target
+    """The tiny MoE (MLA, routed experts, trust_remote_code tokenizer, thinking/tool template): the
+    server runs one request at a time on the CPU build (its batched MLA prefill is not batch invariant),
+    the sampled rows pass the gate (fingerprints, identity, invariance), and training runs on its states."""
+    cfg = load_config(ROOT / "configs" / "tiny-moe.yaml", [
+        f"store={tmp_path / 'store'}", f"target.model={tiny_moe}",
+        f"prepare.sources=[{{path: {tiny_moe / 'corpus' / 'openai.jsonl'}, limit: 80}}]", "prepare.heldout_rows=8",
+        *ONLINE, "verify.reference_samples=0", "train.max_steps=2"])
+    lines: list[str] = []
+    version, tr = _run_online(cfg, lines)
+    assert version.dims.mla and tr.mode == "online" and tr.steps == 2 and tr.export_checked
+    ver = tr.online["verify"]
+    assert ver["passed"] and ver["samples_checked"] == 24 and ver["fingerprint"]["files_checked"] == 24
+    assert ver["identity_files"] == 24 and ver["invariance_samples"]
+    assert any("one request at a time" in ln for ln in lines)
+    assert tr.hidden_states_peak_bytes < tr.online["offline_bytes_estimate"]
+    assert _servers_left() == []
