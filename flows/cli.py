@@ -142,8 +142,32 @@ def prepare(config: ConfigOpt, set_: SetOpt = None) -> None:
 
     cfg = load_config(config, set_ or [])
     _hub_secret(cfg)
-    rec = stage_prepare(cfg, log=console.print)
+    rec = stage_prepare(cfg, log=console.print, regenerated=_regenerated(cfg))
     console.print_json(data=rec.model_dump(include={"version", "dir", "rows_in", "rows_out", "rows_quarantined", "tokens"}))
+
+
+@app.command()
+@exits
+@raise_on_termination()
+def regenerate(config: ConfigOpt, set_: SetOpt = None) -> None:
+    """Run only the regenerate stage: the target answers the sources' turns (whatever regenerate.enabled
+    says; content-addressed: a repeated call reuses the version, a rerun does only unpublished shards)."""
+    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.stages import stage_regenerate
+
+    cfg = load_config(config, set_ or [])
+    _hub_secret(cfg)
+    rec = stage_regenerate(cfg, log=console.print)
+    console.print_json(data=rec.model_dump(include={"version", "dir", "rows_in", "rows_out", "rows_quarantined",
+                                                    "tokens_generated", "rows_per_s", "tokens_per_s", "single_pass",
+                                                    "single_pass_reason", "quarantine_kinds", "cached"}))
+
+
+def _regenerated(cfg):
+    """With regenerate.enabled: the regenerated version prepare reads (from the store when complete)."""
+    from eagle3_pipeline.stages import stage_regenerate
+
+    return stage_regenerate(cfg, log=console.print) if cfg.regenerate.enabled else None
 
 
 @app.command("rerun-failed")
@@ -194,7 +218,7 @@ def _prepared(cfg):
     from eagle3_pipeline import stages
 
     _hub_secret(cfg)
-    prep = stages.stage_prepare(cfg, log=console.print)
+    prep = stages.stage_prepare(cfg, log=console.print, regenerated=_regenerated(cfg))
     return prep, stages.plan_extract(cfg, prep, stages.stage_preflight(cfg, prep, log=console.print))
 
 

@@ -1,5 +1,5 @@
-"""The pipeline flow: prepare → preflight → gpu-gate → extract → gpu-gate → verify → vocab → train →
-gpu-gate → evaluate → report. The report is written also when a stage fails."""
+"""The pipeline flow: [regenerate → gpu-gate →] prepare → preflight → gpu-gate → extract → gpu-gate →
+verify → vocab → train → gpu-gate → evaluate → report ([regenerate] with regenerate.enabled). The report is written also when a stage fails."""
 
 from __future__ import annotations
 
@@ -29,7 +29,12 @@ def pipeline(config: PipelineConfig | None = None, output_dir: str = "runs", run
     error = None
     try:
         use_hub_secret(config)
-        recs["prepare"] = prep = clock("prepare", t.prepare, config)
+        regen = None
+        if config.regenerate.enabled:  # the target answers the sources' turns; prepare reads its rows
+            recs["regenerate"] = regen = clock("regenerate", t.regenerate.with_options(
+                **t.retry_options("regenerate", config.regenerate.retries)), config)
+            clock("gpu-gate", t.gpu_gate, "after-regenerate")
+        recs["prepare"] = prep = clock("prepare", t.prepare, config, regen)
         recs["preflight"] = pre = clock("preflight", t.preflight, config, prep)
         version = clock("preflight", t.plan_extract, config, prep, pre)
         clock("gpu-gate", t.gpu_gate, "before-extract")

@@ -92,6 +92,9 @@ class RetryPolicy:
 IO = (OSError, TimeoutError)  # lost mounts, hub/network errors (requests' errors are OSErrors), timeouts
 CHILD = (ChildFailed,)  # a child that crashed, was OOM-killed or timed out (ChildTimedOut); also wrapped
 RETRY_POLICIES: dict[str, RetryPolicy] = {
+    "regenerate": RetryPolicy(2, 30, (*IO, *CHILD, RuntimeError), "engine child that answers the sources' turns "
+                              "(crash, OOM, lost node, timeout); a retry regenerates only the shards not yet "
+                              "published. Count: config regenerate.retries"),
     "prepare": RetryPolicy(2, 30, IO, "reads sources (files, fsspec, the hub) and writes the store; a retry "
                            "reuses every content-keyed chunk already tokenized"),
     "preflight": RetryPolicy(0, 0, (), "a gate of seconds, no I/O worth retrying: its failure is the answer"),
@@ -116,9 +119,24 @@ def retry_options(stage: str, retries: int | None = None) -> dict:
     return RETRY_POLICIES[stage].options(stage, retries)
 
 
+@task(name="regenerate", cache_policy=NO_CACHE, tags=["gpu"], **retry_options("regenerate"))
+def regenerate(cfg: PipelineConfig):
+    """The target answers the sources' turns (one engine child for the unpublished shards); the store
+    answers a repeated call (content-keyed version), so Prefect's cache is not used."""
+    with gpu_slot():
+        rec = stages.stage_regenerate(cfg, log=_log())
+    create_table_artifact(key=_record_key("regenerate", cfg), table=[{
+        "regenerate_version": rec.version, **rec.model_dump(include={
+            "rows_in", "rows_out", "rows_quarantined", "tokens_generated", "turns_regenerated", "rows_per_s",
+            "tokens_per_s", "single_pass", "cached"}), "quarantine_kinds": str(rec.quarantine_kinds),
+        "rows_dir": rec.rows_dir}],
+        description=f"regenerated answers of {cfg.prepare.dataset} by {cfg.target.model}: {rec.single_pass_reason}")
+    return rec
+
+
 @task(name="prepare", cache_policy=NO_CACHE, tags=["cpu"], **retry_options("prepare"))
-def prepare(cfg: PipelineConfig) -> PrepareResult:
-    rec = stages.stage_prepare(cfg, log=_log())
+def prepare(cfg: PipelineConfig, regenerated=None) -> PrepareResult:
+    rec = stages.stage_prepare(cfg, log=_log(), regenerated=regenerated)
     counts = [{"what": k, "value": getattr(rec, k)} for k in ("version", "rows_in", "rows_out", "rows_heldout", "rows_quarantined",
                                                       "rows_truncated", "turns_dropped", "tokens", "chunks_computed")]
     hist = [{"what": f"rows of {k} tokens", "value": v} for k, v in rec.length_histogram.items()]

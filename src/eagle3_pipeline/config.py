@@ -243,11 +243,44 @@ class EvaluateConfig(EngineConfig):
                                            "None = on a CPU build of vLLM with TP 1")
 
 
+class RegenerateConfig(EngineConfig):
+    """The optional regenerate stage (regenerate/): before tokenization the target answers the user turns
+    of every source conversation itself (its own chat template, these sampling settings), so the draft
+    learns the target's own answers. Which turns are answered and what is kept: regenerate/turns.py."""
+    enabled: bool = Field(False, description="regenerate the assistant replies with the target before prepare "
+                          "(prepare then reads the regenerated dataset instead of prepare.sources)")
+    temperature: float = Field(0.0, ge=0.0, description="sampling temperature (0 = greedy)")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(512, ge=1, description="tokens the target may generate per answered turn")
+    seed: int = Field(0, description="base of the per-request seeds (hash of seed, conversation id and turn): a "
+                      "row's answer does not depend on its batch or shard")
+    thinking: bool | None = Field(None, description="thinking on/off where the chat template has a switch "
+                                  "(passed as the template variable `thinking_kwarg`); None = the template's default")
+    thinking_kwarg: str = Field("enable_thinking", description="the template's thinking switch (Qwen3: "
+                                "enable_thinking; Kimi-K2 / DeepSeek-V3.1: thinking)")
+    chat_template_kwargs: dict[str, bool | int | float | str | None] = Field(
+        {}, description="further variables for the chat template when it renders the prompts")
+    reasoning_parser: str | None = Field(None, description="vLLM reasoning parser (e.g. deepseek_r1, qwen3, kimi_k2) "
+                                         "that splits a generated answer into reasoning_content and content, for "
+                                         "templates that render reasoning themselves; None = the answer is content")
+    max_turns: int | None = Field(None, ge=1, description="text replies answered per conversation (the conversation "
+                                  "is cut after the last one); None = all")
+    on_length: Literal["quarantine", "keep"] = Field("quarantine", description="an answer cut off at max_tokens (or "
+                                                     "max_model_len): quarantine the conversation, or keep the cut answer")
+    max_model_len: int | None = Field(None, ge=16, description="engine context; None = the model's. A prompt that "
+                                      "does not fit is quarantined")
+    max_num_seqs: int = Field(64, ge=1, description="requests the engine batches")
+    rows_per_shard: int = Field(256, ge=1, description="source rows per published shard (the unit a rerun skips)")
+    timeout_s: float = Field(3600.0, gt=0, description="deadline of one regenerate child (all its shards)")
+    retries: int = Field(2, ge=0, description="task retries (a retry does only the unpublished shards)")
+
+
 class PipelineConfig(Strict):
     name: str
     store: str = "runs/store"
     target: TargetConfig
     prepare: PrepareConfig
+    regenerate: RegenerateConfig = RegenerateConfig()
     extract: ExtractConfig = ExtractConfig()
     verify: VerifyConfig = VerifyConfig()
     vocab: VocabConfig = VocabConfig()

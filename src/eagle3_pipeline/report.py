@@ -13,9 +13,10 @@ from typing import Any
 
 from eagle3_pipeline.store import atomic_write_text, write_json
 
-STAGES = ("prepare", "preflight", "extract", "verify", "vocab", "train", "evaluate")
+STAGES = ("regenerate", "prepare", "preflight", "extract", "verify", "vocab", "train", "evaluate")
 # report.json fields per stage (the contract); other keys a stage returns are kept under "details"
 CONTRACT = {
+    "regenerate": ("version", "rows_in", "rows_out", "rows_quarantined", "tokens_generated"),
     "prepare": ("version", "rows_in", "rows_out", "rows_quarantined", "tokens"),
     "extract": ("layer_ids", "shards_total", "shards_published", "tokens", "tokens_per_s", "bytes_on_disk",
                 "rows_extracted", "rows_reused"),

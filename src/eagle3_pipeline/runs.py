@@ -93,6 +93,8 @@ class RunDir:
             "target_model": str(Path(config.target.model).resolve()) if Path(config.target.model).exists()
             else config.target.model,
         }
+        if recs.get("regenerate"):  # the rows prepare read instead of the configured sources
+            artifacts["regenerated"] = recs["regenerate"].get("rows_dir")
         status = "failed" if error else "completed"
         return build_report(self.run_id, config.model_dump(mode="json"), versions, recs,
                             {k: (str(v) if v is not None else None) for k, v in artifacts.items()}, status, error,

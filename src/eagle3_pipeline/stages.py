@@ -22,17 +22,31 @@ from eagle3_pipeline.layout import ExtractVersion, plan_extract
 from eagle3_pipeline.preflight import PreflightResult
 from eagle3_pipeline.store import content_key, dir_lock
 
-__all__ = ["plan_extract", "stage_prepare", "stage_preflight", "stage_gpu_gate", "stage_extract_group",
+__all__ = ["plan_extract", "stage_regenerate", "stage_prepare", "stage_preflight", "stage_gpu_gate", "stage_extract_group",
            "stage_extract_summary", "stage_extract", "stage_verify", "stage_vocab", "train_key", "stage_train",
            "stage_evaluate", "first_quarantined", "heldout_prompts"]
 
 
-def stage_prepare(cfg: PipelineConfig, log=print) -> PrepareResult:
+def stage_regenerate(cfg: PipelineConfig, log=print):
+    """The optional regenerate stage: the target answers the sources' turns (regenerate/); its
+    RegenerateResult is what stage_prepare then reads instead of prepare.sources."""
+    from eagle3_pipeline.regenerate import regenerate
+
+    return regenerate(cfg.regenerate, cfg.prepare, cfg.target, Path(cfg.store), log=log)
+
+
+def stage_prepare(cfg: PipelineConfig, log=print, regenerated=None) -> PrepareResult:
+    """Tokenize prepare.sources, or with `regenerated` (a RegenerateResult) the regenerated rows."""
     from eagle3_pipeline.data.prepare import prepare
 
     fail_once("prepare")
+    prep_cfg = cfg.prepare
+    if regenerated is not None:
+        from eagle3_pipeline.regenerate import prepare_config
 
-    return prepare(cfg.prepare, cfg.target, Path(cfg.store), log=log)
+        prep_cfg = prepare_config(cfg.prepare, regenerated)
+        log(f"prepare: reading the regenerated rows of version {regenerated.version} ({regenerated.rows_dir})")
+    return prepare(prep_cfg, cfg.target, Path(cfg.store), log=log)
 
 
 def first_quarantined(prep: PrepareResult, n: int) -> list[dict]:

@@ -188,7 +188,10 @@ def _turn(t: dict, j: int, fmt: str, prev: dict | None) -> dict | str:
     return msg
 
 
-def normalise(rec: dict, fmt: str, source: str, row: int) -> Conversation | Pretokenized | Rejected:
+def normalise(rec: dict, fmt: str, source: str, row: int,
+              require_assistant: bool = True) -> Conversation | Pretokenized | Rejected:
+    """`require_assistant=False`: a conversation without an assistant turn (prompts only) is kept
+    (regenerate answers it); prepare rejects it, there is nothing to supervise."""
     sample_id = str(rec.get("id", rec.get("sample_id", f"{Path(source).name}:{row}")))
     try:
         if fmt == "pretokenized":
@@ -212,7 +215,7 @@ def normalise(rec: dict, fmt: str, source: str, row: int) -> Conversation | Pret
                 return Rejected(source, row, msg, rec)
             if not msgs or msg is not msgs[-1]:
                 msgs.append(msg)
-        if not any(m["role"] == "assistant" for m in msgs):
+        if require_assistant and not any(m["role"] == "assistant" for m in msgs):
             return Rejected(source, row, "no assistant turn", rec)
         try:
             tools = _tools(rec.get("tools"))
@@ -320,13 +323,13 @@ def raw_rows(path: str, limit: int | None = None, split: str = "train", revision
         yield r
 
 
-def parse_row(raw: RawRow, fmt: str = "auto") -> Conversation | Pretokenized | Rejected:
+def parse_row(raw: RawRow, fmt: str = "auto", require_assistant: bool = True) -> Conversation | Pretokenized | Rejected:
     if raw.err:
         return Rejected(raw.source, raw.row, raw.err, raw.blob.decode(errors="replace")[:2000])
     kind = fmt if fmt != "auto" else detect_format(raw.rec)
     if kind is None:
         return Rejected(raw.source, raw.row, f"unknown format: keys {sorted(raw.rec)[:8]}", raw.rec)
-    return normalise(raw.rec, kind, raw.source, raw.row)
+    return normalise(raw.rec, kind, raw.source, raw.row, require_assistant)
 
 
 def read_source(path: str | Path, fmt: str = "auto", limit: int | None = None

