@@ -18,7 +18,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install run test test-fast tiny tiny-moe bench gpu-check clean
+.PHONY: install run test test-fast tiny tiny-moe bench gpu-check clean browser
 
 install: $(STAMP)
 
@@ -47,7 +47,14 @@ CONFIG_TARGETS := $(patsubst %,%/tiny_target.json,$(filter $(TINY) $(TINY_MOE),\
 run: $(STAMP) $(CONFIG_TARGETS)
 	$(VENV)/bin/eagle3 run --config $(CONFIG) --output-dir runs
 
-test: $(STAMP) tiny tiny-moe
+# Chromium for the report's browser test (tests/server/test_report_ui.py, driven by playwright without a
+# browser download of its own): Debian's package, installed when no chromium is on PATH; `make run` never needs it.
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+browser:
+	@command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; }
+
+test: $(STAMP) tiny tiny-moe browser
 	$(PY) -m pytest tests -q -p no:cacheprovider --timeout 3600
 
 test-fast: $(STAMP)

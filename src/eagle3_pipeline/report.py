@@ -1,17 +1,23 @@
 """The run report: `report.json` (the stable contract of DESIGN §2), `report.md` and PNG plots.
 
 Reads the small records each stage returned (dicts) and `metrics.jsonl` of training. Writes into the
-run directory: report.json, report.md, plots/train_loss.png, plots/acceptance.png. Always written,
-also when a stage failed: missing stages appear as absent with the error text.
+run directory: report.json, report.md, plots/train_loss.png, plots/acceptance.png,
+plots/tau_per_category.png. report.md is self-contained (the plots embedded as data URIs): it is also
+the Prefect UI's `report-<config>` artifact. Always written, also when a stage failed: missing stages
+appear as absent with the error text; every key report.md shows is optional.
 """
 
 from __future__ import annotations
 
+import base64
+import io
 import json
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline.store import atomic_write_text, write_json
+from eagle3_pipeline.store import atomic_write, atomic_write_text, write_json
 
 STAGES = ("regenerate", "prepare", "preflight", "extract", "verify", "vocab", "train", "evaluate")
 # report.json fields per stage (the contract); other keys a stage returns are kept under "details"
@@ -24,7 +30,8 @@ CONTRACT = {
                "reference_peak_rss_bytes"),
     "vocab": ("draft_vocab_size", "coverage"),
     "train": ("mode", "world_size", "steps", "final_loss", "tokens_per_s"),
-    "evaluate": ("acceptance_length", "acceptance_length_untrained", "per_position_acceptance"),
+    "evaluate": ("acceptance_length", "acceptance_length_untrained", "per_position_acceptance", "per_category",
+                 "speedup"),
 }
 
 
@@ -44,74 +51,257 @@ def build_report(run_id: str, config: dict, versions: dict, stages: dict[str, di
             "timings": timings or {}, "stages": out_stages, "artifacts": artifacts}
 
 
-def _plots(run_dir: Path, report: dict, metrics_path: Path | None) -> list[str]:
+# ------------------------------------------------------------------------------------------- plots
+# Plots are PNG files in plots/ *and* embedded in report.md as data URIs (reference-style links at the
+# end of the file, so the text stays readable): the same report.md is the Prefect UI artifact, where a
+# relative link is a broken image, and a file a user opens from the run dir. 80 dpi palette PNGs keep
+# the embedded copies at tens of KiB each.
+PLOT_DPI = 80
+
+
+@dataclass(frozen=True)
+class Plot:
+    name: str   # file stem and the reference label in report.md
+    title: str  # alt text
+    path: str   # relative to the run dir
+
+    def data_uri(self, run_dir: Path) -> str:
+        return "data:image/png;base64," + base64.b64encode((run_dir / self.path).read_bytes()).decode("ascii")
+
+
+def _save(fig, run_dir: Path, name: str, title: str) -> Plot:
+    """The figure as a 64-colour palette PNG (a few times smaller than matplotlib's RGBA, same look)."""
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=PLOT_DPI)
+    plt.close(fig)
+    out = io.BytesIO()
+    Image.open(buf).convert("RGB").quantize(colors=64).save(out, format="PNG", optimize=True)
+    plot = Plot(name, title, f"plots/{name}.png")
+    atomic_write(run_dir / plot.path, lambda p: p.write_bytes(out.getvalue()))
+    return plot
+
+
+def _plots(run_dir: Path, report: dict, metrics_path: Path | None) -> list[Plot]:
+    """Each plot the run has numbers for; one that fails is a warning in report.json, not a lost report."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    ev = report["stages"].get("evaluate") or {}
     made = []
-    plots = run_dir / "plots"
-    plots.mkdir(parents=True, exist_ok=True)
-    if metrics_path and Path(metrics_path).exists():
-        recs = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
-        rows = [r for r in recs if r.get("kind", "train_step") == "train_step" and "loss" in r]
-        vals = [r for r in recs if r.get("kind") == "val"]
-        if rows:
-            fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-            steps = [r.get("step", i) for i, r in enumerate(rows)]
-            axes[0].plot(steps, [r["loss"] for r in rows], label="train")
-            if vals:  # one validation pass per epoch, drawn at the last step of that epoch
-                last = {r.get("epoch"): s for s, r in zip(steps, rows)}
-                axes[0].plot([last.get(v["epoch"], 0) for v in vals], [v["loss"] for v in vals], "o-", label="validation")
-                axes[0].legend(fontsize=8)
-            axes[0].set(title="draft training loss (sum over TTT steps)", xlabel="step", ylabel="loss")
-            n_ttt = max((len(r.get("acc") or []) for r in rows), default=0)
-            for k in range(n_ttt):
-                axes[1].plot(steps, [(r.get("acc") or [None] * n_ttt)[k] for r in rows], label=f"TTT step {k + 1}")
-            axes[1].set(title="accuracy per TTT step", xlabel="step", ylim=(0, 1))
-            if n_ttt:
-                axes[1].legend(fontsize=8)
-            fig.tight_layout()
-            fig.savefig(plots / "train_loss.png", dpi=90)
-            plt.close(fig)
-            made.append("plots/train_loss.png")
-    ev = report["stages"].get("evaluate")
-    if ev and ev.get("per_position_acceptance"):
-        pos = ev["per_position_acceptance"]
-        base = (ev.get("details") or {}).get("per_position_acceptance_untrained") or []
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        xs = range(1, len(pos) + 1)
-        ax.bar([x - 0.2 for x in xs], pos, width=0.4, label=f"trained (τ={ev['acceptance_length']:.2f})")
-        if base:
-            ax.bar([x + 0.2 for x in list(xs)[: len(base)]], base, width=0.4,
-                   label=f"untrained (τ={ev.get('acceptance_length_untrained') or 0:.2f})")
-        ax.set_xticks(list(xs))
-        ax.set(title="acceptance rate per draft position", xlabel="position", ylabel="accepted / drafts", ylim=(0, 1))
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(plots / "acceptance.png", dpi=90)
-        plt.close(fig)
-        made.append("plots/acceptance.png")
+    for name, draw in (("train_loss", lambda: _train_plot(plt, run_dir, metrics_path)),
+                       ("acceptance", lambda: _acceptance_plot(plt, run_dir, ev)),
+                       ("tau_per_category", lambda: _category_plot(plt, run_dir, _categories(ev),
+                                                                   _get(ev, "sampling_temperature")))):
+        try:
+            plot = draw()
+        except Exception as e:  # a plot must never hide the report itself
+            plt.close("all")
+            report.setdefault("warnings", []).append(f"plot {name} failed: {type(e).__name__}: {e}")
+            continue
+        if plot:
+            made.append(plot)
     return made
 
 
-def _markdown(report: dict, plots: list[str]) -> str:
+def _train_plot(plt, run_dir: Path, metrics_path: Path | None) -> Plot | None:
+    if not (metrics_path and Path(metrics_path).exists()):
+        return None
+    recs = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+    rows = [r for r in recs if r.get("kind", "train_step") == "train_step" and "loss" in r]
+    vals = [r for r in recs if r.get("kind") == "val"]
+    if not rows:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    steps = [r.get("step", i) for i, r in enumerate(rows)]
+    axes[0].plot(steps, [r["loss"] for r in rows], label="train")
+    if vals:  # one validation pass per epoch, drawn at the last step of that epoch
+        last = {r.get("epoch"): s for s, r in zip(steps, rows)}
+        axes[0].plot([last.get(v["epoch"], 0) for v in vals], [v["loss"] for v in vals], "o-", label="validation")
+        axes[0].legend(fontsize=8)
+    axes[0].set(title="draft training loss (sum over TTT steps)", xlabel="step", ylabel="loss")
+    n_ttt = max((len(r.get("acc") or []) for r in rows), default=0)
+    for k in range(n_ttt):
+        axes[1].plot(steps, [(r.get("acc") or [None] * n_ttt)[k] for r in rows], label=f"TTT step {k + 1}")
+    axes[1].set(title="accuracy per TTT step", xlabel="step", ylim=(0, 1))
+    if n_ttt:
+        axes[1].legend(fontsize=8)
+    return _save(fig, run_dir, "train_loss", "draft training loss and accuracy per TTT step")
+
+
+def _acceptance_plot(plt, run_dir: Path, ev: dict) -> Plot | None:
+    pos = _get(ev, "per_position_acceptance")
+    if not pos:
+        return None
+    base = _get(ev, "per_position_acceptance_untrained") or []
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    xs = range(1, len(pos) + 1)
+    tau = _get(ev, "acceptance_length")
+    ax.bar([x - 0.2 for x in xs], pos, width=0.4, label="trained" + (f" (τ={tau:.2f})" if _isnum(tau) else ""))
+    if base:
+        tau0 = _get(ev, "acceptance_length_untrained")
+        ax.bar([x + 0.2 for x in list(xs)[: len(base)]], base, width=0.4,
+               label="untrained" + (f" (τ={tau0:.2f})" if _isnum(tau0) else ""))
+    ax.set_xticks(list(xs))
+    ax.set(title="acceptance rate per draft position", xlabel="position", ylabel="accepted / drafts", ylim=(0, 1))
+    ax.legend(fontsize=8)
+    return _save(fig, run_dir, "acceptance", "acceptance rate per draft position")
+
+
+def _category_plot(plt, run_dir: Path, cats: dict[str, dict], temperature) -> Plot | None:
+    """τ per prompt category: the trained draft at temperature 0, the untrained one, and the trained one
+    at the sampling temperature (the bars a category has no number for are left out)."""
+    series = [("acceptance_length", "trained, T=0"), ("acceptance_length_untrained", "untrained, T=0"),
+              ("acceptance_length_sampled", f"trained, T={_num(temperature)}" if temperature else "trained, sampled")]
+    series = [(k, label) for k, label in series if any(_isnum(c.get(k)) for c in cats.values())]
+    if not series:
+        return None
+    names = list(cats)
+    fig, ax = plt.subplots(figsize=(max(5.0, min(9.0, 1.0 + 0.8 * len(names))), 3.4))
+    width, top = 0.8 / max(1, len(series)), 1.0
+    for j, (key, label) in enumerate(series):
+        xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(names))]
+        ys = [cats[n].get(key) if _isnum(cats[n].get(key)) else 0.0 for n in names]
+        ax.bar(xs, ys, width=width, label=label)
+        top = max(top, *ys)
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")  # τ = 1: no draft token accepted
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels(names, rotation=30 if len(names) > 4 else 0, ha="right" if len(names) > 4 else "center",
+                       fontsize=8)
+    ax.set(title="acceptance length τ per prompt category", ylabel="τ (tokens per step)", ylim=(0, top * 1.25))
+    ax.legend(fontsize=8, ncol=len(series), loc="upper center")  # in one row above the bars
+    return _save(fig, run_dir, "tau_per_category", "acceptance length per prompt category")
+
+
+# ------------------------------------------------------------------------------------------- report.md
+# Every number goes through _num/_value: 4 significant digits, bytes in KB/MB/GB, lists shortened.
+# Tables are narrow (stage | metric | value; one row per category): the Prefect UI renders table cells
+# without wrapping, so a long cell widens the whole table past the page.
+
+def _markdown(report: dict, plots: list[Plot], images: dict[str, str] | None = None) -> str:
+    """report.md; `images` maps a plot name to its data URI (the reference definitions at the end)."""
     lines = [f"# eagle3-pipeline run `{report['run_id']}`", "", f"**Status:** {report['status']}", ""]
     if report.get("error"):
         lines += ["```", report["error"][:4000], "```", ""]
-    ev = report["stages"].get("evaluate")
-    if ev:
-        lines += [f"**Acceptance length τ:** {ev['acceptance_length']:.3f} trained vs "
-                  f"{(ev.get('acceptance_length_untrained') or float('nan')):.3f} untrained", ""]
-    lines += ["| stage | key numbers |", "|---|---|"]
-    for name, st in report["stages"].items():
-        nums = ", ".join(f"{k}={_short(v)}" for k, v in st.items() if k != "details")
-        lines.append(f"| {name} | {nums} |")
+    lines += [f"- warning: {_cell(w)[:300]}" for w in report.get("warnings") or []] + ([""] if report.get("warnings") else [])
+    stages = report.get("stages") or {}
+    summary = _summary(stages)
+    if summary:
+        lines += ["## Summary", ""] + summary + [""]
+    by_name = {p.name: p for p in plots}
+    cats = _category_table(stages.get("evaluate") or {})
+    if cats:
+        lines += ["## Acceptance per prompt category", ""] + cats + [""]
+        if "tau_per_category" in by_name:
+            lines += [_image(by_name["tau_per_category"], images), ""]
+    others = [p for p in plots if p.name != "tau_per_category"]
+    if others:
+        lines += ["## Plots", ""] + [x for p in others for x in (_image(p, images), "")]
+    table = _stage_table(stages)
+    if table:
+        lines += ["## Stages", ""] + table + [""]
     lines += _timings_table(report.get("timings") or {})
-    lines += [""] + [f"![{p}]({p})" for p in plots]
-    lines += ["", "## Artifacts", ""] + [f"- **{k}**: `{v}`" for k, v in report["artifacts"].items()]
+    lines += ["", "## Artifacts", ""]
+    for k, v in (report.get("artifacts") or {}).items():
+        for item in (v if isinstance(v, list) else [v]):
+            lines.append(f"- **{k}**: `{item}`")
+    if images:
+        lines += ["", "<!-- the plots, embedded (also in plots/*.png beside this file) -->"]
+        lines += [f"[{p.name}]: {images[p.name]}" for p in plots if p.name in images]
     return "\n".join(lines) + "\n"
+
+
+def _image(plot: Plot, images: dict[str, str] | None) -> str:
+    return f"![{plot.title}][{plot.name}]" if images and plot.name in images else f"![{plot.title}]({plot.path})"
+
+
+def _summary(stages: dict) -> list[str]:
+    """The headline numbers as a list: τ trained vs untrained, τ sampled, speed-up, train mode, regenerate."""
+    out = []
+    ev = stages.get("evaluate") or {}
+    tau, tau0 = _get(ev, "acceptance_length"), _get(ev, "acceptance_length_untrained")
+    if _isnum(tau):
+        out.append(f"- **Acceptance length τ** (temperature 0): **{tau:.3f}** trained"
+                   + (f" vs {tau0:.3f} untrained" if _isnum(tau0) else ""))
+    temp, sampled = _get(ev, "sampling_temperature"), _get(ev, "acceptance_length_sampled")
+    cats = _categories(ev)
+    if not _isnum(sampled) and cats:  # the prompt-weighted mean over the categories that have it
+        have = [(c.get("prompts") or 1, c["acceptance_length_sampled"]) for c in cats.values()
+                if _isnum(c.get("acceptance_length_sampled"))]
+        if have:
+            sampled = sum(n * t for n, t in have) / sum(n for n, _ in have)
+    if _isnum(sampled):
+        out.append(f"- **τ at temperature {_num(temp) if _isnum(temp) else '> 0'}** (trained): {sampled:.3f}")
+    speedup = _get(ev, "speedup")
+    if _isnum(speedup):
+        d = _get(ev, "speedup_detail") or {}
+        how = ""
+        if _isnum(d.get("tokens_per_s_draft")) and _isnum(d.get("tokens_per_s_plain")):
+            how = (f" ({_num(d['tokens_per_s_draft'])} vs {_num(d['tokens_per_s_plain'])} output tokens/s"
+                   + (f", {d['rounds']} rounds" if d.get("rounds") else "") + ")")
+        out.append(f"- **Speed-up** (output tokens/s with the draft ÷ without, temperature 0): "
+                   f"**{speedup:.2f}×**{how}")
+    tr = stages.get("train") or {}
+    mode = _get(tr, "mode")
+    if mode:
+        parts = [f"- **Training:** {mode}"]
+        if _isnum(_get(tr, "steps")):
+            parts.append(f"{_num(_get(tr, 'steps'))} steps")
+        if _isnum(_get(tr, "final_loss")):
+            parts.append(f"final loss {_num(_get(tr, 'final_loss'))}")
+        peak = _get(tr, "hidden_states_peak_bytes")
+        if _isnum(peak):
+            parts.append(f"hidden states on disk at peak {_bytes(peak)}")
+        out.append(", ".join(parts))
+    rg = stages.get("regenerate")
+    if rg:
+        nums = [(k, _get(rg, k)) for k in ("rows_in", "rows_out", "rows_quarantined", "tokens_generated")]
+        text = ", ".join(f"{_num(v)} {k.replace('_', ' ')}" for k, v in nums if _isnum(v))
+        version = _get(rg, "version")
+        out.append("- **Regenerated** answers with the target: " + (text or "no numbers")
+                   + (f" (version `{version}`)" if version else ""))
+    return out
+
+
+def _categories(ev: dict) -> dict[str, dict]:
+    cats = _get(ev, "per_category")
+    return {str(k): v for k, v in cats.items() if isinstance(v, dict)} if isinstance(cats, dict) else {}
+
+
+def _category_table(ev: dict) -> list[str]:
+    cats = _categories(ev)
+    if not cats:
+        return []
+    temp = _get(ev, "sampling_temperature")
+    cols = [("prompts", "prompts"), ("acceptance_length", "τ trained"), ("acceptance_length_untrained", "τ untrained"),
+            ("acceptance_length_sampled", f"τ at T={_num(temp)}" if _isnum(temp) else "τ sampled"),
+            ("per_position_acceptance", "accepted per position")]
+    cols = [(k, h) for k, h in cols if any(c.get(k) is not None for c in cats.values())]
+    out = ["| category | " + " | ".join(h for _, h in cols) + " |",
+           "|---|" + "|".join("---" if k == "per_position_acceptance" else "---:" for k, _ in cols) + "|"]
+    for name, c in cats.items():
+        cells = [" / ".join(f"{x:.2f}" for x in c[k] if _isnum(x)) if k == "per_position_acceptance" and isinstance(c.get(k), list)
+                 else f"{c[k]:.3f}" if k.startswith("acceptance_length") and _isnum(c.get(k))
+                 else _value(k, c.get(k)) for k, _ in cols]
+        out.append(f"| {_cell(name)} | " + " | ".join(cells) + " |")
+    return out
+
+
+def _stage_table(stages: dict) -> list[str]:
+    """One small table per stage (its name the header, metric | value rows; details stay in report.json):
+    the Prefect UI gives a table at most a screen's height and scrolls the rest inside it."""
+    out = []
+    for name, st in stages.items():
+        rows = [f"| {k.replace('_', ' ')} | {_value(k, v)} |" for k, v in st.items()
+                if k != "details" and not isinstance(v, dict)]  # per_category has its own table
+        if rows:
+            out += [f"| {name} | |", "|---|---:|", *rows, ""]
+    return out[:-1]
 
 
 def _timings_table(timings: dict[str, dict]) -> list[str]:
@@ -123,34 +313,106 @@ def _timings_table(timings: dict[str, dict]) -> list[str]:
     for name, t in timings.items():
         s, e = t.get("seconds") or 0.0, t.get("engine_start_s")
         total += s
-        out.append(f"| {name} | {s:.1f} | {'-' if e is None else f'{e:.1f}'} | "
-                   f"{s - (e or 0.0):.1f} |")
+        out.append(f"| {name} | {_secs(s)} | {'-' if e is None else _secs(e)} | {_secs(s - (e or 0.0))} |")
     starts = sum(t.get("engine_start_s") or 0.0 for t in timings.values())
-    out.append(f"| **total** | **{total:.1f}** | **{starts:.1f}** | **{total - starts:.1f}** |")
+    out.append(f"| **total** | **{_secs(total)}** | **{_secs(starts)}** | **{_secs(total - starts)}** |")
     return out
 
 
+def _secs(s: float) -> str:
+    return f"{s:.1f}" if abs(s) < 10_000 else f"{s:,.0f}"
+
+
+def _isnum(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _num(v, digits: int = 4) -> str:
+    """A number as a reader wants it: `digits` significant digits, thousands separated, 1.235 M past a million."""
+    if not _isnum(v):
+        return "–" if v is None else str(v)
+    if isinstance(v, int) and abs(v) < 1_000_000:
+        return f"{v:,}"
+    if abs(v) >= 1_000_000:
+        for unit, scale in (("G", 1e9), ("M", 1e6)):
+            if abs(v) >= scale:
+                return f"{v / scale:.{digits}g} {unit}"
+    if abs(v) >= 10 ** digits:
+        return f"{v:,.0f}"
+    return f"{v:.{digits}g}"
+
+
+def _bytes(v) -> str:
+    if not _isnum(v):
+        return _num(v)
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(v) >= scale:
+            return f"{v / scale:.3g} {unit}"
+    return f"{int(v)} B"
+
+
+def _value(key: str, v) -> str:
+    """One table cell: numbers rounded, bytes in units, booleans as yes/no, lists shortened, paths and
+    hashes as short code spans (the whole paths are in the artifact list)."""
+    if v is None:
+        return "–"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if _isnum(v):
+        return _bytes(v) if "bytes" in key else _num(v)
+    if isinstance(v, float):  # nan, inf
+        return str(v)
+    if isinstance(v, (list, tuple)):
+        return _short(list(v))
+    if isinstance(v, dict):
+        return f"{len(v)} entries"
+    s = str(v)
+    if "/" in s and len(s) > 32:
+        s = "…/" + "/".join(Path(s).parts[-2:])
+    if len(s) > 40:
+        s = s[:39] + "…"
+    return f"`{s}`" if " " not in s else _cell(s)
+
+
+def _cell(s: str) -> str:
+    return str(s).replace("|", "\\|").replace("\n", " ")
+
+
 def _short(v) -> str:
+    """A value in a few characters: floats at 3 significant digits, at most 6 list items shown."""
     if isinstance(v, float):
-        return f"{v:.4g}"
-    if isinstance(v, list) and len(v) > 6:
-        return f"[{', '.join(_short(x) for x in v[:6])}, …]"
+        return _num(v, 3)
     if isinstance(v, list):
-        return "[" + ", ".join(_short(x) for x in v) + "]"
-    return str(v)
+        items = ", ".join(_short(x) for x in v[:6])
+        return f"[{items}, … {len(v)} in all]" if len(v) > 6 else f"[{items}]"
+    return _num(v) if _isnum(v) else str(v)
+
+
+def _get(st: dict, key: str):
+    """A stage's number whether it is a contract key or still among its details."""
+    if not isinstance(st, dict):
+        return None
+    if st.get(key) is not None:
+        return st[key]
+    return (st.get("details") or {}).get(key)
 
 
 def write_report(run_dir: Path, report: dict, metrics_path: Path | None = None) -> dict[str, str]:
-    """Write report.json, report.md and plots; returns their paths."""
+    """Write report.json, report.md (plots embedded) and plots/*.png; returns their paths."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    plots = []
+    plots: list[Plot] = []
     try:
         plots = _plots(run_dir, report, metrics_path)
-    except Exception as e:  # a plot must never hide the report itself
+    except Exception as e:  # e.g. matplotlib missing
         report.setdefault("warnings", []).append(f"plots failed: {type(e).__name__}: {e}")
     report["artifacts"]["report_md"] = str((run_dir / "report.md").resolve())
-    report["artifacts"]["plots"] = [str((run_dir / p).resolve()) for p in plots]
+    report["artifacts"]["plots"] = [str((run_dir / p.path).resolve()) for p in plots]
     write_json(run_dir / "report.json", report)
-    atomic_write_text(run_dir / "report.md", _markdown(report, plots))
+    try:
+        md = _markdown(report, plots, {p.name: p.data_uri(run_dir) for p in plots})
+    except Exception as e:  # neither may a rendering bug: report.json is written, report.md says what failed
+        md = (f"# eagle3-pipeline run `{report.get('run_id')}`\n\n**Status:** {report.get('status')}\n\n"
+              f"report.md could not be rendered ({type(e).__name__}: {e}); report.json beside it has everything.\n")
+    atomic_write_text(run_dir / "report.md", md)
     return {"report_json": str(run_dir / "report.json"), "report_md": str(run_dir / "report.md")}

@@ -2,7 +2,8 @@
 
 Session fixtures, each started by the documented commands (README "Operations") and stopped at the
 end of the session (whole process groups, descendants included):
-  prefect_server  `prefect server start` on 127.0.0.1, a free port, a temporary PREFECT_HOME (SQLite)
+  prefect_server  `prefect server start` on 127.0.0.1, a free port, a temporary PREFECT_HOME (SQLite),
+                  with its UI (at `prefect_server.ui`)
   deployed        `prefect work-pool create eagle3-process --type process`, the Kubernetes pool
                   `eagle3-gpu` from infra/k8s-gpu-job-template.json (created, never served),
                   `prefect gcl create gpu-node --limit 2` (two nodes), `prefect --no-prompt deploy --all`
@@ -39,7 +40,8 @@ def prefect_server(tmp_path_factory):
     base = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     base.update(PREFECT_SERVER_ANALYTICS_ENABLED="false", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                 VLLM_CPU_KVCACHE_SPACE="1")
-    server_env = {**base, "PREFECT_HOME": str(home / "server"), "PREFECT_UI_ENABLED": "false",
+    # the UI is on (test_report_ui.py opens artifacts in it); it asks this server's API, not :4200's
+    server_env = {**base, "PREFECT_HOME": str(home / "server"), "PREFECT_UI_ENABLED": "true", "PREFECT_UI_API_URL": api,
                   "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false"}  # the cron schedule must not fire here
     client_env = {**base, "PREFECT_API_URL": api, "PREFECT_HOME": str(home / "client"),
                   "PREFECT_LOCAL_STORAGE_PATH": str(home / "results"),  # else ~/.prefect/storage, shared

@@ -20,7 +20,10 @@ def test_report_contract_and_plots(tmp_path):
     assert (tmp_path / "run/plots/train_loss.png").stat().st_size > 1000
     assert (tmp_path / "run/plots/acceptance.png").stat().st_size > 1000
     md = open(paths["report_md"]).read()
-    assert "1.600 trained vs 1.020 untrained" in md and "plots/acceptance.png" in md
+    assert "**1.600** trained vs 1.020 untrained" in md
+    # the plots are embedded (report.md is also the Prefect UI artifact, where a relative link is broken)
+    assert "![acceptance rate per draft position][acceptance]" in md
+    assert "[acceptance]: data:image/png;base64," in md and "](plots/" not in md
 
 
 def test_failed_run_still_reports_the_error(tmp_path):
@@ -75,3 +78,121 @@ def test_extract_engine_start_counts_this_runs_children(tmp_path):
         {"attempt": 4, "started_at": "2030-01-01T00:02:00Z", "engine_start_s": None}]})  # died before ready
     assert engine_start_since(tmp_path, 1893456005.0) == 21.75  # 2030-01-01T00:00:05Z
     assert engine_start_since(tmp_path, 1893456300.0) is None
+
+
+# ------------------------------------------------------------------ report.md as a reader sees it (issue 17)
+
+def _rendered(md: str) -> tuple[str, list[str], dict[str, bytes]]:
+    """(the text a reader reads: no code spans, no embedded images; the table lines; the embedded PNGs)."""
+    import base64
+    import re
+
+    images = {m[1]: base64.b64decode(m[2]) for m in re.finditer(r"^\[(\w+)\]: data:image/png;base64,(\S+)$", md, re.M)}
+    body = "\n".join(line for line in md.splitlines() if not line.startswith("[") or "]: data:" not in line)
+    text = re.sub(r"`[^`]*`", "", body)
+    return text, [line for line in body.splitlines() if line.startswith("|")], images
+
+
+def test_report_md_rounds_numbers_and_keeps_tables_small(tmp_path):
+    """The sample report (full-precision floats, long paths, 7 categories, every new key of issue 17):
+    no number over 6 significant digits, no table line over 110 characters or table over 16 rows (the
+    Prefect UI neither wraps cells nor shows more than a screen of a table), the plots embedded as
+    PNGs identical to plots/*.png, the new numbers in the summary."""
+    import io
+
+    from PIL import Image
+    from tests.helpers.report_sample import long_numbers, sample_metrics, sample_report
+
+    run = tmp_path / "run"
+    paths = write_report(run, sample_report(), sample_metrics(tmp_path / "metrics.jsonl"))
+    md = open(paths["report_md"]).read()
+    text, table_lines, images = _rendered(md)
+    assert long_numbers([text]) == []
+    assert "0.2856296896934509" in open(paths["report_json"]).read()  # report.json keeps full precision
+    assert max(len(line) for line in table_lines) <= 110, max(table_lines, key=len)
+    tables = [t for t in "\n".join(line if line.startswith("|") else "" for line in md.splitlines()).split("\n\n") if t.strip()]
+    assert len(tables) >= 9 and max(t.strip().count("\n") + 1 for t in tables) <= 17, tables
+    assert set(images) == {"train_loss", "acceptance", "tau_per_category"}
+    for name, data in images.items():
+        assert data == (run / "plots" / f"{name}.png").read_bytes()
+        w, h = Image.open(io.BytesIO(data)).size
+        assert 300 <= w <= 800 and 200 <= h <= 400, (name, w, h)
+    assert len(md.encode()) < 100_000, len(md.encode())
+    # the summary: τ, τ sampled (prompt-weighted over the categories), speed-up, train mode, regenerate
+    assert "**2.175** trained vs 1.003 untrained" in md
+    assert "**τ at temperature 0.7** (trained): 1.813" in md
+    assert "**0.62×** (143.4 vs 230 output tokens/s, 3 rounds)" in md
+    assert "**Training:** online, 128 steps, final loss 0.2856, hidden states on disk at peak 2.1 MB" in md
+    assert "300 rows in, 297 rows out, 3 rows quarantined, 48,213 tokens generated (version `0c1d2e3f4a5b`)" in md
+    # τ per category: one row per category, the sampled column with a dash where it was not measured
+    assert "| category | prompts | τ trained | τ untrained | τ at T=0.7 | accepted per position |" in md
+    assert "| arithmetic | 12 | 2.417 | 1.003 | 2.012 | 0.64 / 0.43 / 0.35 |" in md
+    assert "| multi-turn | 8 | 2.182 | 1.000 | – | 0.55 / 0.36 / 0.27 |" in md
+    assert "![acceptance length per prompt category][tau_per_category]" in md
+    # one table per stage; bytes in units, paths in the artifact list only
+    assert "| extract | |" in md and "| bytes on disk | 65.2 MB |" in md and "| reference peak rss bytes | 1.83 GB |" in md
+    assert "| layer ids | [2, 5, 9, 13, 17, 20, … 10 in all] |" in md and "| passed | yes |" in md
+    assert "- **checkpoint**: `/srv/eagle3/store/" in md
+
+
+def test_report_md_without_the_new_keys(tmp_path):
+    """Every key the report shows is optional: a run without regenerate, train mode, per-category or
+    speed-up numbers (and one with malformed ones) renders the rest and nothing for them."""
+    from tests.helpers.report_sample import sample_report
+
+    rep = sample_report()
+    del rep["stages"]["regenerate"]
+    for k in ("per_category", "speedup"):
+        del rep["stages"]["evaluate"][k]
+    rep["stages"]["evaluate"]["details"] = {}
+    rep["stages"]["train"].update(mode=None, details={})
+    md = open(write_report(tmp_path / "a", rep)["report_md"]).read()
+    assert "**2.175** trained vs 1.003 untrained" in md
+    for absent in ("Speed-up", "temperature 0.7", "Training:", "Regenerated", "per prompt category", "tau_per_category"):
+        assert absent not in md, absent
+    assert not (tmp_path / "a/plots/tau_per_category.png").exists()
+    assert "| acceptance length | 2.175 |" in md
+
+    # malformed / partial values: never a crash, never a warning about plots
+    rep = sample_report()
+    ev = rep["stages"]["evaluate"]
+    ev.update(speedup=None, per_category={"default": {"prompts": 3, "acceptance_length": 1.5}, "odd": "not a dict",
+                                          "empty": {}, "nan": {"acceptance_length": float("nan")}})
+    ev["details"] = {"speedup_detail": {"rounds": 2}}
+    rep["stages"]["train"]["details"] = {"hidden_states_peak_bytes": None}
+    rep["stages"]["regenerate"] = {"version": None, "rows_in": None, "details": {}}
+    md = open(write_report(tmp_path / "b", rep)["report_md"]).read()
+    assert "warnings" not in rep, rep.get("warnings")
+    assert "Speed-up" not in md and "hidden states on disk" not in md
+    assert "| category | prompts | τ trained |\n" in md  # only the columns some category has
+    assert "| default | 3 | 1.500 |" in md and "| empty | – | – |" in md and "| nan | – | nan |" in md
+    assert "odd" not in md
+    assert "[tau_per_category]: data:image/png;base64," in md
+
+
+def test_new_keys_render_from_stage_records_through_build_report(tmp_path):
+    """The stages' flat records through build_report: a number still outside CONTRACT sits in details
+    and is shown all the same (report.md reads a key from the record or its details)."""
+    from tests.helpers.report_sample import sample_report
+
+    sample = sample_report()["stages"]
+    flat = {name: {**{k: v for k, v in st.items() if k != "details"}, **st.get("details", {})}
+            for name, st in sample.items()}
+    rep = build_report("r5", {"name": "x"}, {}, flat, {}, "completed")
+    md = open(write_report(tmp_path / "run", rep)["report_md"]).read()
+    assert "**0.62×**" in md and "| arithmetic | 12 | 2.417 |" in md and "**Training:** online" in md
+    assert "hidden states on disk at peak 2.1 MB" in md
+    if "regenerate" in rep["stages"]:
+        assert "48,213 tokens generated" in md
+
+
+def test_a_failing_plot_is_a_warning_and_the_others_stay(tmp_path):
+    from tests.helpers.report_sample import sample_metrics, sample_report
+
+    rep = sample_report()
+    rep["stages"]["evaluate"]["per_position_acceptance"] = ["not", "numbers"]
+    md = open(write_report(tmp_path / "run", rep, sample_metrics(tmp_path / "m.jsonl"))["report_md"]).read()
+    assert [w.split(":")[0] for w in rep["warnings"]] == ["plot acceptance failed"], rep["warnings"]
+    assert "[train_loss]: data:image/png" in md and "[tau_per_category]: data:image/png" in md
+    assert "[acceptance]" not in md and not (tmp_path / "run/plots/acceptance.png").exists()
+    assert "- warning: plot acceptance failed: " in md
