@@ -285,11 +285,18 @@ def _category_table(ev: dict) -> list[str]:
     out = ["| category | " + " | ".join(h for _, h in cols) + " |",
            "|---|" + "|".join("---" if k == "per_position_acceptance" else "---:" for k, _ in cols) + "|"]
     for name, c in cats.items():
-        cells = [" / ".join(f"{x:.2f}" for x in c[k] if _isnum(x)) if k == "per_position_acceptance" and isinstance(c.get(k), list)
+        cells = [_positions(c[k]) if k == "per_position_acceptance" and isinstance(c.get(k), list)
                  else f"{c[k]:.3f}" if k.startswith("acceptance_length") and _isnum(c.get(k))
                  else _value(k, c.get(k)) for k, _ in cols]
-        out.append(f"| {_cell(name)} | " + " | ".join(cells) + " |")
+        label = name if len(name) <= 24 else name[:23] + "…"  # the table must fit the page: cells never wrap
+        out.append(f"| {_cell(label)} | " + " | ".join(cells) + " |")
     return out
+
+
+def _positions(rates: list) -> str:
+    """Acceptance per draft position in a few characters: 0.64 / 0.43 / 0.35 (the first 5 positions)."""
+    shown = " / ".join(f"{x:.2f}" if _isnum(x) else "–" for x in rates[:5])
+    return shown + (" / …" if len(rates) > 5 else "")
 
 
 def _stage_table(stages: dict) -> list[str]:

@@ -167,6 +167,12 @@ def test_report_md_without_the_new_keys(tmp_path):
     assert "| category | prompts | τ trained |\n" in md  # only the columns some category has
     assert "| default | 3 | 1.500 |" in md and "| empty | – | – |" in md and "| nan | – | nan |" in md
     assert "odd" not in md
+
+    # long category names and many draft positions stay narrow
+    ev["per_category"] = {"a-category-name-far-longer-than-a-table-cell-should-be": {
+        "prompts": 1, "acceptance_length": 2.0, "per_position_acceptance": [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]}}
+    md = open(write_report(tmp_path / "c", rep)["report_md"]).read()
+    assert "| a-category-name-far-lon… | 1 | 2.000 | 0.90 / 0.80 / 0.70 / 0.60 / 0.50 / … |" in md
     assert "[tau_per_category]: data:image/png;base64," in md
 
 
