@@ -248,23 +248,84 @@ def verify(config: ConfigOpt, set_: SetOpt = None) -> None:
 @app.command()
 @exits
 def train(config: ConfigOpt, set_: SetOpt = None) -> None:
-    """Run only vocab + train on this config's verified extraction (resumes a checkpoint dir)."""
+    """Run only vocab + train on this config's verified extraction (resumes a checkpoint dir); with
+    train.mode online, on a vLLM server of the target started for it (no extraction needed)."""
     from eagle3_pipeline import stages
     from eagle3_pipeline.config import load_config
 
     cfg = load_config(config, set_ or [])
     prep, version = _prepared(cfg)
-    _published(cfg, version)
+    if cfg.train.mode == "offline":
+        _published(cfg, version)
     voc = stages.stage_vocab(cfg, prep, version, log=console.print)
     tr = stages.stage_train(cfg, version, voc, log=console.print)
     console.print(f"[green]trained[/] {tr.steps} steps, final loss {tr.final_loss}; draft {tr.checkpoint_best}")
 
 
+DraftOpt = Annotated[list[str] | None, typer.Option(
+    "--draft", help="evaluate this EAGLE-3 checkpoint dir (speculators format) instead of the draft this config "
+    "trained; repeatable (side by side, one engine each + the target alone); LABEL=PATH names it")]
+
+
+def draft_labels(values: list[str]) -> dict[str, Path]:
+    """`--draft` values -> {label: dir}: `LABEL=PATH`, or a bare PATH labelled by its directory name
+    (made unique with -2, -3, ...)."""
+    import re
+
+    out: dict[str, Path] = {}
+    for v in values:
+        m = re.fullmatch(r"([A-Za-z0-9_.-]+)=(.+)", v)
+        label, path = (m.group(1), m.group(2)) if m and not Path(v).exists() else (None, v)
+        if label is None:
+            label = Path(path).resolve().name or "draft"
+            base, n = label, 2
+            while label in out:
+                label, n = f"{base}-{n}", n + 1
+        elif label in out:
+            raise typer.BadParameter(f"--draft label {label!r} given twice", param_hint="--draft")
+        if label == "plain":
+            raise typer.BadParameter("--draft label 'plain' is reserved for the target alone", param_hint="--draft")
+        out[label] = Path(path)
+    return out
+
+
+def _comparison_table(rep) -> None:
+    """τ per category (temperature 0, and at the sampling temperature) and the speed-up, one column per draft."""
+    from rich.table import Table
+
+    temp = rep.sampling_temperature
+    head = "τ" + (f" (T=0 / T={temp:g})" if temp else " (T=0)")
+    ps = rep.prompt_set or {}
+    table = Table(title=f"{head} per prompt category, {ps.get('prompts', '?')} prompts of {ps.get('source', '?')}")
+    table.add_column("category")
+    table.add_column("prompts", justify="right")
+    for label in rep.drafts:
+        table.add_column(label, justify="right")
+
+    def cell(t0, ts) -> str:
+        a = "-" if t0 is None else f"{t0:.3f}"
+        return a if not temp else f"{a} / {'-' if ts is None else f'{ts:.3f}'}"
+
+    first = next(iter(rep.per_category.values()))
+    for cat, c in first.items():
+        table.add_row(cat, str(c.prompts), *(cell(rep.per_category[k][cat].acceptance_length,
+                                                  rep.per_category[k][cat].acceptance_length_sampled) for k in rep.drafts))
+    table.add_row("[bold]all[/]", str(next(iter(rep.drafts.values())).prompts),
+                  *(cell(r.acceptance_length, r.sampled.total.acceptance_length if r.sampled else None)
+                    for r in rep.drafts.values()), end_section=True)
+    table.add_row("tokens/s (T=0)", f"plain {rep.plain_tokens_per_s:.1f}" if rep.plain_tokens_per_s else "",
+                  *(f"{r.speed.tokens_per_s_median:.1f}" if r.speed else "-" for r in rep.drafts.values()))
+    table.add_row("[bold]speed-up[/]", "", *(f"{s:.3f}x" if s is not None else "-" for s in rep.speedup.values()))
+    console.print(table)
+
+
 @app.command()
 @exits
 def evaluate(config: ConfigOpt, set_: SetOpt = None,
-             output_dir: Annotated[Path, typer.Option(help="where runs/<run-id>/evaluate goes")] = Path("runs")) -> None:
-    """Run only the evaluate gate on the draft this config trained (trains nothing)."""
+             output_dir: Annotated[Path, typer.Option(help="where runs/<run-id>/evaluate goes")] = Path("runs"),
+             draft: DraftOpt = None) -> None:
+    """Run only the evaluate gate on the draft this config trained (trains nothing); with --draft, compare
+    the given checkpoints on this config's prompts instead (no gate)."""
     from eagle3_pipeline import stages
     from eagle3_pipeline.config import load_config
     from eagle3_pipeline.runs import create_run_dir
@@ -272,6 +333,18 @@ def evaluate(config: ConfigOpt, set_: SetOpt = None,
     from eagle3_pipeline.vocab import VocabResult
 
     cfg = load_config(config, set_ or [])
+    if draft:
+        from eagle3_pipeline.evaluate import validate_draft_dir
+
+        drafts = draft_labels(draft)
+        for d in drafts.values():  # a checkpoint that does not fit the target fails here, before anything runs
+            validate_draft_dir(d, cfg.target)
+        prep = _prepared(cfg)[0] if cfg.evaluate.prompts is None else None  # held-out prompts need prepare
+        run_dir = create_run_dir(output_dir, cfg)
+        rep = stages.stage_compare_drafts(cfg, drafts, run_dir, prep, log=console.print)
+        _comparison_table(rep)
+        console.print(f"[green]evaluated[/] {len(drafts)} draft(s); {run_dir / 'evaluate' / 'evaluate.json'}")
+        return
     prep, version = _prepared(cfg)
     train_dir = version.train_dir(stages.train_key(cfg, version))
     voc_path, tr_path = version.vocab_dir(cfg.vocab.draft_vocab_size) / "vocab.json", train_dir / RECORD_NAME
@@ -281,8 +354,9 @@ def evaluate(config: ConfigOpt, set_: SetOpt = None,
     tr = TrainResult.model_validate_json(tr_path.read_text())
     run_dir = create_run_dir(output_dir, cfg)
     rep = stages.stage_evaluate(cfg, prep, version, voc, tr, run_dir, log=console.print)
-    console.print(f"[green]evaluated[/] τ = {rep.acceptance_length:.3f} (untrained {rep.acceptance_length_untrained}); "
-                  f"{run_dir / 'evaluate'}")
+    speed = f"; speed-up {rep.speedup:.3f}x" if rep.speedup is not None else ""
+    console.print(f"[green]evaluated[/] τ = {rep.acceptance_length:.3f} (untrained {rep.acceptance_length_untrained})"
+                  f"{speed}; {run_dir / 'evaluate'}")
 
 
 @app.command()

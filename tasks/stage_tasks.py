@@ -272,9 +272,14 @@ def evaluate(cfg: PipelineConfig, prep: PrepareResult, version: ExtractVersion, 
         "run_dir": run_dir, "checkpoint": str(tr.checkpoint_best),
         **rec.model_dump(mode="json", include={"acceptance_length", "acceptance_length_untrained",
                                                "per_position_acceptance", "min_acceptance_length", "passed",
-                                               "lossless_ok"})}],
-        description=(f"τ = {rec.acceptance_length:.3f} (untrained {rec.acceptance_length_untrained}) "
-                     f"on {cfg.evaluate.num_prompts} held-out prompts of {cfg.prepare.dataset}"))
+                                               "lossless_ok", "speedup", "acceptance_length_sampled",
+                                               "sampling_temperature"}),
+        **{f"tau[{c}]": round(v.acceptance_length, 3) for c, v in rec.per_category.items()
+           if v.acceptance_length is not None and len(rec.per_category) > 1}}],
+        description=(f"τ = {rec.acceptance_length:.3f} (untrained {rec.acceptance_length_untrained})"
+                     + (f", speed-up {rec.speedup:.2f}x" if rec.speedup is not None else "")
+                     + f" on {rec.trained.prompts} prompts of "
+                     + (cfg.evaluate.prompts or f"{cfg.prepare.dataset} (held out)")))
     return rec
 
 

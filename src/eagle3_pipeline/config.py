@@ -160,6 +160,9 @@ class VerifyConfig(Strict):
     identity_max_z: float | None = Field(20.0, gt=0, description="largest robust deviation of a record's layer-slot "
                                          "relations from the typical ones (verify/identity.py); None = no identity check")
     workers: int | None = Field(None, ge=1, description="threads reading and checking files; None = CPU count (max 8)")
+    online_rows: int = Field(64, ge=1, description="train.mode online: rows whose hidden states are taken from the "
+                             "training server (spread over the dataset) and verified like stored records before "
+                             "training starts (structure, fingerprints, identity, reference, invariance)")
 
 
 class VocabConfig(Strict):
@@ -194,6 +197,14 @@ class TrainConfig(Strict):
                                                  "continue from the previous version's draft (same dataset, model and "
                                                  "layers) for refresh_epochs epochs; scratch when there is none")
     refresh_epochs: int = Field(1, ge=1, description="epochs when continuing from the previous draft (init: previous)")
+    mode: Literal["offline", "online"] = Field("offline", description="offline: train on the stored hidden states "
+                                               "(extract + verify first); online: the train stage starts a vLLM "
+                                               "server of the target (extract's engine settings, layers and connector) "
+                                               "and the trainer asks it for each row's hidden states, which are "
+                                               "deleted once read (bounded disk; nothing stored for the dataset)")
+    online_start_timeout_s: float = Field(1800.0, gt=0, description="online: deadline of the server's start-up "
+                                          "(a 1T model loads for ~18 minutes)")
+    online_request_timeout_s: float = Field(600.0, gt=0, description="online: deadline of one hidden-state request")
 
     @model_validator(mode="before")
     @classmethod
@@ -237,6 +248,19 @@ class EvaluateConfig(EngineConfig):
                                    "other version of this dataset/model/layers with a draft) on the same held-out "
                                    "prompts, in the same child; the refresh flow turns it on")
     max_model_len: int | None = Field(None, description="default: longest prompt + max_tokens + drafts")
+    prompts: str | None = Field(None, description="prompt set: a JSONL/JSON/Parquet file, a directory of them, a "
+                                "save_to_disk dir or a hub dataset name; rows with `prompt`, `turns` (first turn) or "
+                                "`messages`, optional `category`, `system`, `tools` (evaluate/prompts.py); rendered "
+                                "with the target's chat template. None = prepare's held-out prompts")
+    prompts_split: str = Field("train", description="split of a hub dataset or a saved DatasetDict (evaluate.prompts)")
+    temperature: float | None = Field(0.7, gt=0, description="also measure the trained draft's acceptance at this "
+                                      "sampling temperature (a second pass in the same engine, seeded); None = "
+                                      "temperature 0 only")
+    sampling_seed: int = Field(0, description="seed of the sampled pass (prompt i uses seed + i)")
+    speedup: bool = Field(True, description="measure output tokens/s with the trained draft and with the target "
+                          "alone (one more engine, same settings; timed generate calls only)")
+    speedup_rounds: int = Field(3, ge=1, description="timed generate passes per engine for the speed-up (median, "
+                                "min-max reported)")
     timeout_s: float = Field(3600.0, description="deadline of the evaluate child (all its engine loads together)")
     engine_in_process: bool | None = Field(None, description="vLLM engine core inside the evaluate child "
                                            "(VLLM_ENABLE_V1_MULTIPROCESSING=0, passive OpenMP waits); "
@@ -334,6 +358,31 @@ def describe_validation_error(e: ValidationError) -> list[str]:
     return lines
 
 
+def _override(data: dict, overrides) -> None:
+    """Apply `key.sub=value` overrides (values parsed as YAML) to a config's raw mapping."""
+    for ov in overrides:
+        if "=" not in ov:
+            raise ConfigError(f"override {ov!r} is not of the form key=value")
+        k, v = ov.split("=", 1)
+        try:
+            value = yaml.safe_load(v)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {ov!r}: the value is not valid YAML ({getattr(e, 'problem', e)})") from None
+        _set_dotted(data, k.strip(), value)
+
+
+def apply_overrides(cfg: PipelineConfig, overrides: list[str] | tuple[str, ...]) -> PipelineConfig:
+    """`cfg` with `key.sub=value` overrides (as load_config's); `cfg` itself when there are none."""
+    if not overrides:
+        return cfg
+    data = cfg.model_dump(mode="json", exclude_unset=True)
+    _override(data, overrides)
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(f"config {cfg.name} with overrides: " + "; ".join(describe_validation_error(e))) from None
+
+
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:
     """Load a YAML config and apply `key.sub=value` overrides (values parsed as YAML).
     Raises ConfigError naming the file and every bad key."""
@@ -349,15 +398,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise ConfigError(f"config {path}: expected a mapping of keys at the top level, found {type(data).__name__}")
-    for ov in overrides:
-        if "=" not in ov:
-            raise ConfigError(f"override {ov!r} is not of the form key=value")
-        k, v = ov.split("=", 1)
-        try:
-            value = yaml.safe_load(v)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"override {ov!r}: the value is not valid YAML ({getattr(e, 'problem', e)})") from None
-        _set_dotted(data, k.strip(), value)
+    _override(data, overrides)
     try:
         return PipelineConfig.model_validate(data)
     except ValidationError as e:

@@ -24,7 +24,7 @@ from eagle3_pipeline.store import content_key, dir_lock
 
 __all__ = ["plan_extract", "stage_regenerate", "stage_prepare", "stage_preflight", "stage_gpu_gate", "stage_extract_group",
            "stage_extract_summary", "stage_extract", "stage_verify", "stage_vocab", "train_key", "stage_train",
-           "stage_evaluate", "first_quarantined", "heldout_prompts"]
+           "stage_evaluate", "first_quarantined", "heldout_prompts", "evaluate_prompts", "stage_compare_drafts"]
 
 
 def stage_regenerate(cfg: PipelineConfig, log=print):
@@ -119,7 +119,7 @@ def stage_vocab(cfg: PipelineConfig, prep: PrepareResult, version: ExtractVersio
 
 # Train settings that change how a run is watched, not the draft it produces: a new value resumes
 # the same checkpoint dir instead of training from scratch.
-TRAIN_KEY_EXCLUDE = frozenset({"log_freq", "timeout_s", "num_workers"})
+TRAIN_KEY_EXCLUDE = frozenset({"log_freq", "timeout_s", "num_workers", "online_start_timeout_s", "online_request_timeout_s"})
 
 
 def train_key(cfg: PipelineConfig, version: ExtractVersion) -> str:
@@ -127,7 +127,8 @@ def train_key(cfg: PipelineConfig, version: ExtractVersion) -> str:
     draft to continue from) also by that draft (lineage.previous_draft)."""
     vocab_dir = version.vocab_dir(cfg.vocab.draft_vocab_size).resolve()
     prev = previous_for(cfg, version)
-    train = cfg.train.model_dump(exclude=set(TRAIN_KEY_EXCLUDE) | ({"init", "refresh_epochs"} if prev is None else set()))
+    train = cfg.train.model_dump(exclude=set(TRAIN_KEY_EXCLUDE) | ({"init", "refresh_epochs"} if prev is None else set())
+                                 | ({"mode"} if cfg.train.mode == "offline" else set()))  # offline keys as before
     return content_key({"extract": version.content_key, "vocab": str(vocab_dir), "train": train,
                         **({"previous": prev.checkpoint} if prev else {})})
 
@@ -140,9 +141,12 @@ def previous_for(cfg: PipelineConfig, version: ExtractVersion):
 
 
 def stage_train(cfg: PipelineConfig, version: ExtractVersion, voc, log=print):
+    """offline: the verified stored records; online: a vLLM server started here (stage_train_online)."""
     from eagle3_pipeline.train import train_draft
     from eagle3_pipeline.verify.gate import require_verified
 
+    if cfg.train.mode == "online":
+        return stage_train_online(cfg, version, voc, log=log)
     require_verified(version)
     prev = previous_for(cfg, version)
     if cfg.train.init == "previous" and prev is None:
@@ -156,9 +160,83 @@ def stage_train(cfg: PipelineConfig, version: ExtractVersion, voc, log=print):
                        log=log, previous=prev)
 
 
+def stage_train_online(cfg: PipelineConfig, version: ExtractVersion, voc, log=print):
+    """train.mode online: start a vLLM server of the target (extract's engine settings, layers and connector),
+    run the verify gate on `verify.online_rows` rows taken from it, then train with every row's hidden
+    states fetched from it (train/online.py); the server ends with the stage. The TrainResult carries
+    the OnlineResult and its `verify` (the VerifyResult of the sample) for the report."""
+    from eagle3_pipeline.data.prepare import load_tokenized
+    from eagle3_pipeline.train import train_draft
+    from eagle3_pipeline.train.online import HiddenStateServer, OnlineResult, sample_and_verify
+    from eagle3_pipeline.store import write_json
+
+    prev = previous_for(cfg, version)
+    tcfg = cfg.train if prev is None else cfg.train.model_copy(update={"epochs": cfg.train.refresh_epochs})
+    out_dir = version.train_dir(train_key(cfg, version))
+    work = out_dir / "online"
+    ds = load_tokenized(version.tokenized_dir)
+    max_len = int(max(ds["seq_len"])) + 1
+    offline_bytes = int(sum(ds["seq_len"])) * len(version.layer_ids) * version.dims.hidden_size * 2
+    with dir_lock(work, f"online training dir {work}", log), HiddenStateServer(
+            cfg.extract, cfg.target, version, work, max_model_len=max_len,
+            start_timeout_s=cfg.train.online_start_timeout_s, log=log) as srv:
+        ver, rows, tokens, seconds, nbytes = sample_and_verify(
+            srv, cfg.verify, cfg.extract.invariance_rows, version, work,
+            request_timeout_s=cfg.train.online_request_timeout_s, log=log)
+        tr = train_draft(tcfg, cfg.target, version, Path(voc.dir), out_dir, log=log, previous=prev,
+                         online={"endpoint": srv.endpoint, "model": srv.model,
+                                 "request_timeout_s": cfg.train.online_request_timeout_s,
+                                 "max_in_flight": max(1, min(cfg.extract.max_num_seqs, 16))})
+    peak = srv.scratch_peak()
+    res = OnlineResult(endpoint=srv.endpoint, server_start_s=srv.start_s, sample_rows=rows, sample_tokens=tokens,
+                       sample_seconds=seconds, sample_bytes=nbytes, scratch_peak_bytes=peak,
+                       hidden_states_peak_bytes=peak + nbytes, offline_bytes_estimate=offline_bytes,
+                       work_dir=str(work.resolve()))
+    write_json(work / "online.json", res.model_dump(mode="json"))
+    log(f"online: hidden states on disk peaked at {res.hidden_states_peak_bytes / 1e6:.1f} MB ({nbytes / 1e6:.1f} MB "
+        f"verified sample + {peak / 1e6:.2f} MB in flight); the stored dataset would take {offline_bytes / 1e6:.0f} MB")
+    return tr.model_copy(update={"hidden_states_peak_bytes": res.hidden_states_peak_bytes,
+                                 "online": {**res.model_dump(mode="json"), "verify": ver.model_dump(mode="json")},
+                                 "engine_start_s": round((tr.engine_start_s or 0.0) + srv.start_s, 2)})
+
+
 def heldout_prompts(prep: PrepareResult, n: int) -> list[list[int]]:
     lines = Path(prep.heldout).read_text().splitlines()
     return [json.loads(line)["prompt_ids"] for line in lines[:n]]
+
+
+def evaluate_prompts(cfg: PipelineConfig, prep: PrepareResult | None, out_dir: Path, log=print):
+    """The evaluate stage's prompts (a PromptSet): `evaluate.prompts` rendered with the target's chat
+    template (skipped rows quarantined in `out_dir`), else prepare's held-out prompts (`prep`)."""
+    from eagle3_pipeline.config import hub_token
+    from eagle3_pipeline.data.prepare import load_tokenizer
+    from eagle3_pipeline.evaluate.prompts import (
+        QUARANTINE_NAME, PromptSetError, heldout_prompt_set, load_prompt_set, prompt_token_limit)
+
+    ev = cfg.evaluate
+    if ev.prompts is None:
+        if prep is None:
+            raise PromptSetError("evaluate: no evaluate.prompts and no prepared data to take held-out prompts from")
+        pset = heldout_prompt_set(prep.heldout, ev.num_prompts)
+        if not pset.prompts:
+            raise RuntimeError(f"evaluate: no held-out prompts in {prep.heldout} (prepare.heldout_rows is 0?)")
+        return pset
+    limit = prompt_token_limit(ev.max_model_len, cfg.target.model, ev.max_tokens, ev.num_speculative_tokens)
+    return load_prompt_set(ev.prompts, load_tokenizer(cfg.target), num_prompts=ev.num_prompts, max_prompt_tokens=limit,
+                           split=ev.prompts_split, token=hub_token(cfg.target),
+                           quarantine_path=Path(out_dir) / QUARANTINE_NAME, log=log)
+
+
+def stage_compare_drafts(cfg: PipelineConfig, drafts: dict[str, Path], run_dir: Path, prep: PrepareResult | None = None,
+                         log=print):
+    """`eagle3 evaluate --draft`: the given EAGLE-3 checkpoints side by side on this config's prompts
+    (evaluate.compare_drafts; no gate). `prep` is needed only without evaluate.prompts."""
+    from eagle3_pipeline.evaluate import compare_drafts, validate_draft_dir
+
+    for d in drafts.values():  # before the prompts are even rendered: a bad checkpoint costs nothing
+        validate_draft_dir(Path(d), cfg.target)
+    prompts = evaluate_prompts(cfg, prep, Path(run_dir) / "evaluate", log=log)
+    return compare_drafts(cfg.evaluate, cfg.target, drafts, prompts, Path(run_dir) / "evaluate", log=log)
 
 
 def stage_evaluate(cfg: PipelineConfig, prep: PrepareResult, version: ExtractVersion, voc, tr, run_dir: Path,
@@ -166,9 +244,7 @@ def stage_evaluate(cfg: PipelineConfig, prep: PrepareResult, version: ExtractVer
     from eagle3_pipeline.evaluate import check_acceptance_gate, evaluate_pair
     from eagle3_pipeline.train import UNTRAINED_DIR, make_untrained_draft
 
-    prompts = heldout_prompts(prep, cfg.evaluate.num_prompts)
-    if not prompts:
-        raise RuntimeError(f"evaluate: no held-out prompts in {prep.heldout} (prepare.heldout_rows is 0?)")
+    prompts = evaluate_prompts(cfg, prep, Path(run_dir) / "evaluate", log=log)
     untrained = None
     if cfg.evaluate.baseline:
         untrained = Path(tr.dir) / UNTRAINED_DIR  # the train child wrote it; made here for older train dirs

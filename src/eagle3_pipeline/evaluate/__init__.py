@@ -1,20 +1,30 @@
 """The evaluate stage (a gate): how many draft tokens the target accepts when vLLM serves the draft.
 
 Owns `evaluate_draft` (one draft), `evaluate_pair` (trained + untrained baseline in one child, one
-process start) and `check_acceptance_gate`. Reads the target model, the draft checkpoint directories
-(speculators EAGLE-3 format, checked here before any engine starts) and held-out prompts given as
-token ids (already rendered with the chat template and its generation prompt). Writes into `out_dir`:
-`job.json`, `evaluate.log` (the child's full output), `<label>.result.json` per engine run
-(counters, timings, generated token ids) and `evaluate.json` (the report of `evaluate_pair`), all
-under `out_dir/.lock` (store.dir_lock: two evaluations never write one out_dir at once).
-Never cached: every call runs the engines again.
+process start), `compare_drafts` (any EAGLE-3 checkpoints side by side: `eagle3 evaluate --draft`)
+and `check_acceptance_gate`. Reads the target model, the draft checkpoint directories (speculators
+EAGLE-3 format, checked here before any engine starts) and the prompts: token ids already rendered
+with the chat template and its generation prompt, with a category each (a `prompts.PromptSet`:
+`evaluate.prompts` or prepare's held-out rows; plain lists of ids are one category "default").
+Writes into `out_dir`: `job.json`, `evaluate.log` (the child's full output), `<label>.result.json`
+per engine run (counters per category, timings, generated token ids) and `evaluate.json` (the report
+of `evaluate_pair` / `compare_drafts`), all under `out_dir/.lock` (store.dir_lock: two evaluations
+never write one out_dir at once). Never cached: every call runs the engines again.
 
 The engines run in a child process (`evaluate.worker`) under `cfg.timeout_s`; one child makes one
 engine per run, in order: each draft with `speculative_config={"method": "eagle3", ...}`, then,
 only with `cfg.check_lossless` and `cfg.lossless_reference: plain` (or no baseline), the target
-alone. Metrics are vLLM's speculative-decoding counters:
+alone; with `cfg.speedup` the target-alone run is always made (`plain`). Metrics are vLLM's
+speculative-decoding counters, per prompt category (the child diffs the engine-global counters around
+each category's generate call, evaluate/worker.py):
   acceptance length τ = 1 + accepted_tokens / drafts   (tokens per target forward, bonus included)
   per-position acceptance p_k = accepted_at_position_k / drafts   (k = 1..num_speculative_tokens)
+at temperature 0, and for the trained draft (every draft in `compare_drafts`) also at
+`cfg.temperature` (a second, seeded pass in the same engine). Speed-up: output tokens/s of the trained
+draft's engine ÷ the target alone's, both greedy over all prompts in one generate call, same engine
+settings, `cfg.speedup_rounds` timed calls each (median; min-max in `speedup_detail`); engine start-up
+is not timed. It is what this machine gives: on a 2-core CPU with a tiny target it is usually below 1
+(the draft's forward costs about as much as the target's).
 
 Lossless check: greedy speculative decoding must emit exactly the target's own greedy tokens,
 whatever the draft, so with `cfg.check_lossless` the trained draft's tokens are compared with a
@@ -34,6 +44,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -76,6 +87,50 @@ class LosslessMismatch(BaseModel):
     found: int | None  # speculative token (None: speculative output ended here)
 
 
+class CategoryResult(BaseModel):
+    """Counters of one category (or a whole pass) and the rates made from them."""
+    prompts: int
+    generated_tokens: int
+    drafts: int
+    draft_tokens: int
+    accepted_tokens: int
+    accepted_per_position: list[int]
+    acceptance_length: float | None  # None: no drafts were made (every answer ended at once)
+    per_position_acceptance: list[float]  # [] when acceptance_length is None
+
+
+class SampledResult(BaseModel):
+    """The pass at temperature > 0 (same engine, request i seeded with seed + i)."""
+    temperature: float
+    seed: int
+    total: CategoryResult
+    per_category: dict[str, CategoryResult]
+
+
+class SpeedResult(BaseModel):
+    """Timed greedy generate calls over all prompts (engine start-up not included)."""
+    rounds: int
+    generate_s: list[float]
+    generated_tokens: list[int]
+    tokens_per_s: list[float]
+    tokens_per_s_median: float
+    tokens_per_s_min: float
+    tokens_per_s_max: float
+
+
+class CategoryReport(BaseModel):
+    """report.json stages.evaluate.per_category[<category>] (schema agreed in issue 17)."""
+    prompts: int
+    acceptance_length: float | None  # temperature 0, this draft
+    per_position_acceptance: list[float]
+    acceptance_length_untrained: float | None = None
+    acceptance_length_sampled: float | None = None  # at evaluate.temperature
+    per_position_acceptance_sampled: list[float] | None = None
+    drafts: int = 0
+    accepted_tokens: int = 0
+    generated_tokens: int = 0
+
+
 class EvalResult(BaseModel):
     label: str
     draft_dir: str
@@ -97,6 +152,11 @@ class EvalResult(BaseModel):
     lossless_mismatches: list[LosslessMismatch] | None = None
     lossless_reference: str | None = None  # label of the reference run: "untrained" or "plain"
     plain_tokens_per_s: float | None = None  # the target alone, same prompts (reference "plain" only)
+    per_category: dict[str, CategoryResult] = {}  # temperature 0; the totals above are their sums
+    sampled: SampledResult | None = None
+    speed: SpeedResult | None = None  # timed rounds with this draft (cfg.speedup)
+    speedup: float | None = None  # median tokens/s with this draft ÷ the target alone's
+    speedup_detail: dict | None = None
 
 
 class EvaluateReport(BaseModel):
@@ -114,6 +174,26 @@ class EvaluateReport(BaseModel):
     out_dir: str
     acceptance_length_previous: float | None = None  # the previous version's draft on the same prompts (refresh)
     previous: EvalResult | None = None
+    per_category: dict[str, CategoryReport] = {}
+    speedup: float | None = None  # output tokens/s with the trained draft ÷ without any draft (temperature 0)
+    speedup_detail: dict | None = None  # tokens_per_s_draft, tokens_per_s_plain, rounds, min-max, seconds
+    sampling_temperature: float | None = None
+    acceptance_length_sampled: float | None = None  # the trained draft at sampling_temperature, all prompts
+    per_position_acceptance_sampled: list[float] | None = None
+    prompt_set: dict | None = None  # PromptSet.summary(): source, categories, skipped rows, quarantine file
+
+
+class DraftComparison(BaseModel):
+    """`compare_drafts`: several EAGLE-3 checkpoints on the same prompts, one engine each + the target alone."""
+    drafts: dict[str, EvalResult]
+    per_category: dict[str, dict[str, CategoryReport]]  # label -> category -> numbers
+    speedup: dict[str, float | None]  # label -> median tokens/s with the draft ÷ the target alone's
+    plain_tokens_per_s: float | None  # median of the target alone's timed rounds
+    sampling_temperature: float | None
+    prompt_set: dict | None
+    wall_s: float
+    engine_start_s: float
+    out_dir: str
 
 
 # ---------------------------------------------------------------- checks before any engine
@@ -163,27 +243,48 @@ def _check_prompts(prompts: list[list[int]]) -> None:
             raise ValueError(f"evaluate: prompt {i} must be a non-empty list of token ids, found {str(p)[:80]}")
 
 
+def _prompt_set(prompts, n: int):
+    """The first `n` prompts as a PromptSet (plain lists of token ids: one category "default")."""
+    from eagle3_pipeline.evaluate.prompts import DEFAULT_CATEGORY, PromptSet
+
+    if not isinstance(prompts, PromptSet):
+        ids = [list(map(int, p)) for p in prompts]
+        prompts = PromptSet(source="token ids", prompts=ids, categories=[DEFAULT_CATEGORY] * len(ids),
+                            ids=[str(i) for i in range(len(ids))], rows_in=len(ids))
+    if len(prompts.categories) != len(prompts.prompts):
+        raise ValueError(f"evaluate: {len(prompts.categories)} categories for {len(prompts.prompts)} prompts")
+    cut = prompts.model_copy(update={"prompts": [list(map(int, p)) for p in prompts.prompts[:n]],
+                                     "categories": prompts.categories[:n], "ids": prompts.ids[:n]})
+    _check_prompts(cut.prompts)
+    return cut
+
+
 # ---------------------------------------------------------------- the child
 
-def _run_engines(cfg: EvaluateConfig, target: TargetConfig, drafts: dict[str, Path], prompts: list[list[int]],
-                 out_dir: Path, log: Callable[[str], None]) -> dict:
-    """Run one child that evaluates `drafts` (label -> dir) and, with check_lossless, the target alone;
-    return {label: RunOutput}."""
+def _run_engines(cfg: EvaluateConfig, target: TargetConfig, drafts: dict[str, Path], prompts, out_dir: Path,
+                 log: Callable[[str], None], sampled: set[str] = frozenset(), timed: set[str] = frozenset()) -> dict:
+    """Run one child that evaluates `drafts` (label -> dir) on `prompts` (a PromptSet) and, with
+    check_lossless or speedup, the target alone; return {label: RunOutput}. Labels in `sampled` also
+    get the pass at cfg.temperature, those in `timed` (and the target alone) the timed rounds."""
     from eagle3_pipeline.evaluate.worker import PLAIN, EvalJob, EvalRunSpec, RunOutput, result_path
 
     if PLAIN in drafts:
         raise ValueError(f"evaluate: {PLAIN!r} is reserved for the run without speculation")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    runs = [EvalRunSpec(label=k, draft_dir=str(Path(v).resolve()), num_speculative_tokens=cfg.num_speculative_tokens)
+    runs = [EvalRunSpec(label=k, draft_dir=str(Path(v).resolve()), num_speculative_tokens=cfg.num_speculative_tokens,
+                        sampled=k in sampled and cfg.temperature is not None, timed=k in timed and cfg.speedup)
             for k, v in drafts.items()]
-    if _reference(cfg, drafts) == PLAIN:
-        runs.append(EvalRunSpec(label=PLAIN, draft_dir=None))
+    if _reference(cfg, drafts) == PLAIN or cfg.speedup:
+        runs.append(EvalRunSpec(label=PLAIN, draft_dir=None, timed=cfg.speedup))
     for r in runs:  # a gate never reads an earlier attempt's numbers
         result_path(out_dir, r.label).unlink(missing_ok=True)
-    max_len = cfg.max_model_len or max(len(p) for p in prompts) + cfg.max_tokens + cfg.num_speculative_tokens + 8
+    ids = prompts.prompts
+    max_len = cfg.max_model_len or max(len(p) for p in ids) + cfg.max_tokens + cfg.num_speculative_tokens + 8
     job = EvalJob(target=target, engine=cfg.engine(), max_model_len=max_len, max_tokens=cfg.max_tokens,
-                  sample_texts=cfg.sample_texts, prompts=prompts, runs=runs, out_dir=str(out_dir.resolve()))
+                  sample_texts=cfg.sample_texts, prompts=ids, categories=prompts.categories,
+                  temperature=cfg.temperature, seed=cfg.sampling_seed,
+                  timing_rounds=cfg.speedup_rounds if cfg.speedup else 0, runs=runs, out_dir=str(out_dir.resolve()))
     job_path = write_json(out_dir / "job.json", job.model_dump(mode="json"))
     errors: list[dict] = []
     causes: list[str] = []
@@ -199,13 +300,15 @@ def _run_engines(cfg: EvaluateConfig, target: TargetConfig, drafts: dict[str, Pa
         if kind == "engine_ready":
             log(f"evaluate: engine for {ev['label']} ready in {ev['seconds']:.1f}s")
         elif kind == "run_done":
+            speed = f", timed rounds {ev['timed_tokens_per_s']} tok/s" if ev.get("timed_tokens_per_s") else ""
             log(f"evaluate: {ev['label']}: {ev['generated_tokens']} tokens in {ev['generate_s']:.2f}s, "
-                f"{ev['drafts']} drafts, {ev['accepted']} draft tokens accepted")
+                f"{ev['drafts']} drafts, {ev['accepted']} draft tokens accepted{speed}")
         elif kind == "error":
             errors.append(ev)
 
     env = engine_env(cfg)
-    log(f"evaluate: {len(prompts)} prompts, runs {[r.label for r in runs]}, "
+    counts = prompts.category_counts()
+    log(f"evaluate: {len(ids)} prompts in {len(counts)} categories, runs {[r.label for r in runs]}, "
         f"engine {'in process' if env else 'in its own processes'}, log {out_dir / 'evaluate.log'}")
     try:
         run_child(python_child(WORKER, str(job_path)), name="evaluate", timeout_s=cfg.timeout_s,
@@ -249,7 +352,60 @@ def _compare(plain: list[list[int]], spec: list[list[int]]) -> list[LosslessMism
     return out
 
 
-def _result(run, ref, n_prompts: int) -> EvalResult:
+# ---------------------------------------------------------------- counters -> rates (pure)
+
+def category_result(c, k: int) -> CategoryResult:
+    """τ and per-position rates of one worker.SpecCounts (k drafted tokens per step)."""
+    per_pos = (list(c.accepted_per_position) + [0] * k)[:k]
+    tau = 1.0 + c.accepted_tokens / c.drafts if c.drafts > 0 else None
+    return CategoryResult(prompts=c.prompts, generated_tokens=c.generated_tokens, drafts=c.drafts,
+                          draft_tokens=c.draft_tokens, accepted_tokens=c.accepted_tokens, accepted_per_position=per_pos,
+                          acceptance_length=tau, per_position_acceptance=[a / c.drafts for a in per_pos] if c.drafts > 0 else [])
+
+
+def check_category_sums(label: str, per_category: dict, total) -> None:
+    """The categories' counters must add up to the pass's (each category's are a difference of the
+    engine-global counters around its own generate call: a gap or an overlap shows here)."""
+    fields = ("prompts", "generated_tokens", "drafts", "draft_tokens", "accepted_tokens")
+    for f in fields:
+        got = sum(getattr(c, f) for c in per_category.values())
+        if got != getattr(total, f):
+            raise EvaluateError(f"evaluate: the {label} run's per-category {f} add up to {got}, the pass counted "
+                                f"{getattr(total, f)} ({ {k: getattr(c, f) for k, c in per_category.items()} })")
+    k = max([len(total.accepted_per_position)] + [len(c.accepted_per_position) for c in per_category.values()])
+    summed = [sum((list(c.accepted_per_position) + [0] * k)[j] for c in per_category.values()) for j in range(k)]
+    if summed != (list(total.accepted_per_position) + [0] * k)[:k]:
+        raise EvaluateError(f"evaluate: the {label} run's per-category accepted tokens per position add up to "
+                            f"{summed}, the pass counted {total.accepted_per_position}")
+
+
+def speed_result(timed) -> SpeedResult | None:
+    """Median and spread of the timed rounds (worker.TimedPass list); None without any."""
+    if not timed:
+        return None
+    tps = [t.generated_tokens / max(t.generate_s, 1e-9) for t in timed]
+    return SpeedResult(rounds=len(timed), generate_s=[t.generate_s for t in timed],
+                       generated_tokens=[t.generated_tokens for t in timed], tokens_per_s=tps,
+                       tokens_per_s_median=statistics.median(tps), tokens_per_s_min=min(tps), tokens_per_s_max=max(tps))
+
+
+def speedup_of(draft: SpeedResult, plain: SpeedResult) -> tuple[float, dict]:
+    """(median tokens/s with the draft ÷ the target alone's, the numbers behind it)."""
+    ratio = draft.tokens_per_s_median / plain.tokens_per_s_median
+    return ratio, {
+        "tokens_per_s_draft": draft.tokens_per_s_median, "tokens_per_s_plain": plain.tokens_per_s_median,
+        "rounds": draft.rounds, "tokens_per_s_draft_min": draft.tokens_per_s_min,
+        "tokens_per_s_draft_max": draft.tokens_per_s_max, "tokens_per_s_plain_min": plain.tokens_per_s_min,
+        "tokens_per_s_plain_max": plain.tokens_per_s_max,
+        "speedup_min": draft.tokens_per_s_min / plain.tokens_per_s_max,
+        "speedup_max": draft.tokens_per_s_max / plain.tokens_per_s_min,
+        "generate_s_draft": draft.generate_s, "generate_s_plain": plain.generate_s,
+        "generated_tokens_draft": draft.generated_tokens, "generated_tokens_plain": plain.generated_tokens,
+        "temperature": 0.0}
+
+
+def _result(run, ref, n_prompts: int, plain_speed: SpeedResult | None = None, temperature: float | None = None,
+            seed: int = 0) -> EvalResult:
     if run.drafts <= 0:
         raise EvaluateError(f"evaluate: the {run.label} run made no drafts ({run.generated_tokens} tokens generated "
                             f"for {n_prompts} prompts): τ is undefined; is evaluate.max_tokens > 1?")
@@ -263,6 +419,22 @@ def _result(run, ref, n_prompts: int) -> EvalResult:
         prompts=n_prompts, prompt_tokens=run.prompt_tokens, generated_tokens=run.generated_tokens,
         engine_start_s=run.engine_start_s, generate_s=run.generate_s,
         tokens_per_s=run.generated_tokens / max(run.generate_s, 1e-9), sample_texts=run.texts)
+    if run.per_category:
+        from eagle3_pipeline.evaluate.worker import SpecCounts
+
+        total = SpecCounts(prompts=n_prompts, generated_tokens=run.generated_tokens, drafts=run.drafts,
+                           draft_tokens=run.draft_tokens, accepted_tokens=run.accepted_tokens,
+                           accepted_per_position=run.accepted_per_position)
+        check_category_sums(run.label, run.per_category, total)
+        res.per_category = {c: category_result(v, k) for c, v in run.per_category.items()}
+    if run.sampled is not None and run.sampled_total is not None:
+        check_category_sums(f"{run.label} (sampled)", run.sampled, run.sampled_total)
+        res.sampled = SampledResult(temperature=temperature or 0.0, seed=seed,
+                                    total=category_result(run.sampled_total, k),
+                                    per_category={c: category_result(v, k) for c, v in run.sampled.items()})
+    res.speed = speed_result(run.timed)
+    if res.speed is not None and plain_speed is not None:
+        res.speedup, res.speedup_detail = speedup_of(res.speed, plain_speed)
     if ref is not None:
         res.lossless_checked, res.lossless_reference = n_prompts, ref.label
         res.lossless_mismatches = _compare(ref.token_ids, run.token_ids)
@@ -274,52 +446,94 @@ def _result(run, ref, n_prompts: int) -> EvalResult:
 def _describe(r: EvalResult) -> str:
     pos = ", ".join(f"{p:.3f}" for p in r.per_position_acceptance)
     s = (f"{r.label}: τ={r.acceptance_length:.3f}, per position [{pos}], {r.drafts} drafts, "
-         f"{r.generated_tokens} tokens at {r.tokens_per_s:.1f} tok/s")
+         f"{r.generated_tokens} tokens")
+    if r.sampled is not None and r.sampled.total.acceptance_length is not None:
+        s += f", τ={r.sampled.total.acceptance_length:.3f} at temperature {r.sampled.temperature}"
+    if r.speed is not None:
+        s += f", {r.speed.tokens_per_s_median:.1f} tok/s (median of {r.speed.rounds})"
+    if r.speedup is not None:
+        s += f", speed-up {r.speedup:.3f}x"
     if r.lossless_mismatches is not None:
         s += f", lossless mismatches {len(r.lossless_mismatches)}/{r.lossless_checked} vs {r.lossless_reference}"
     return s
 
 
-def _evaluate(cfg: EvaluateConfig, target: TargetConfig, drafts: dict[str, Path], prompts: list[list[int]],
-              out_dir: Path, log: Callable[[str], None]) -> tuple[dict[str, EvalResult], float]:
-    """({label: EvalResult}, summed engine start-up seconds of every run incl. the reference)."""
+def _tau(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _evaluate(cfg: EvaluateConfig, target: TargetConfig, drafts: dict[str, Path], prompts, out_dir: Path,
+              log: Callable[[str], None], sampled: set[str] = frozenset(), timed: set[str] = frozenset()
+              ) -> tuple[dict[str, EvalResult], float, SpeedResult | None, object]:
+    """({label: EvalResult}, summed engine start-up seconds of every run incl. the reference, the target
+    alone's timed rounds or None, the PromptSet used)."""
+    from eagle3_pipeline.evaluate.worker import PLAIN
+
     for d in drafts.values():
         validate_draft_dir(d, target)
-    prompts = [list(map(int, p)) for p in prompts[: cfg.num_prompts]]
-    _check_prompts(prompts)
-    outs = _run_engines(cfg, target, drafts, prompts, out_dir, log)
+    pset = _prompt_set(prompts, cfg.num_prompts)
+    outs = _run_engines(cfg, target, drafts, pset, out_dir, log, sampled=sampled, timed=timed)
     ref = _reference(cfg, drafts)
-    results = {k: _result(outs[k], outs[ref] if ref and ref != k else None, len(prompts)) for k in drafts}
+    plain_speed = speed_result(outs[PLAIN].timed) if PLAIN in outs else None
+    results = {k: _result(outs[k], outs[ref] if ref and ref != k else None, len(pset.prompts), plain_speed,
+                          cfg.temperature, cfg.sampling_seed) for k in drafts}
+    if plain_speed is not None:
+        log(f"evaluate: target alone: {plain_speed.tokens_per_s_median:.1f} tok/s (median of {plain_speed.rounds}, "
+            f"{plain_speed.tokens_per_s_min:.1f}-{plain_speed.tokens_per_s_max:.1f})")
     for r in results.values():
         log(f"evaluate: {_describe(r)}")
+        if len(r.per_category) > 1 or (r.per_category and next(iter(r.per_category)) != "default"):
+            cats = ", ".join(f"{c} {_tau(v.acceptance_length)}" + (
+                f"/{_tau(r.sampled.per_category[c].acceptance_length)}" if r.sampled else "")
+                for c, v in r.per_category.items())
+            log(f"evaluate: {r.label} τ per category (temperature 0" + (
+                f"/{r.sampled.temperature}" if r.sampled else "") + f"): {cats}")
         for m in (r.lossless_mismatches or [])[:5]:
             log(f"evaluate: WARNING {r.label}: prompt {m.prompt} differs from plain greedy decoding at generated "
                 f"position {m.position}: expected token {m.expected}, found {m.found}")
-    return results, round(sum(o.engine_start_s for o in outs.values()), 3)
+    return results, round(sum(o.engine_start_s for o in outs.values()), 3), plain_speed, pset
+
+
+def category_reports(r: EvalResult, untrained: EvalResult | None = None) -> dict[str, CategoryReport]:
+    """report.json's per_category entries of draft `r` (and the untrained baseline's τ beside them)."""
+    out = {}
+    for c, v in r.per_category.items():
+        s = r.sampled.per_category.get(c) if r.sampled else None
+        u = untrained.per_category.get(c) if untrained else None
+        out[c] = CategoryReport(
+            prompts=v.prompts, acceptance_length=v.acceptance_length, per_position_acceptance=v.per_position_acceptance,
+            acceptance_length_untrained=u.acceptance_length if u else None,
+            acceptance_length_sampled=s.acceptance_length if s else None,
+            per_position_acceptance_sampled=s.per_position_acceptance if s else None,
+            drafts=v.drafts, accepted_tokens=v.accepted_tokens, generated_tokens=v.generated_tokens)
+    return out
 
 
 # ---------------------------------------------------------------- public API
 
-def evaluate_draft(cfg: EvaluateConfig, target: TargetConfig, draft_dir: Path, prompts: list[list[int]],
+def evaluate_draft(cfg: EvaluateConfig, target: TargetConfig, draft_dir: Path, prompts,
                    out_dir: Path, *, log: Callable[[str], None] = print, label: str = "trained") -> EvalResult:
     """Serve `draft_dir` as the EAGLE-3 draft of `target` in vLLM, decode the first `cfg.num_prompts`
-    prompts (token ids) greedily and measure acceptance. One child process; see the module doc."""
+    prompts (token ids or a PromptSet) and measure acceptance (and, with cfg.temperature / cfg.speedup,
+    the sampled pass and the speed-up). One child process; see the module doc."""
     with dir_lock(Path(out_dir), f"evaluate dir {out_dir}", log):
-        return _evaluate(cfg, target, {label: Path(draft_dir)}, prompts, out_dir, log)[0][label]
+        return _evaluate(cfg, target, {label: Path(draft_dir)}, prompts, out_dir, log,
+                         sampled={label}, timed={label})[0][label]
 
 
 def evaluate_pair(cfg: EvaluateConfig, target: TargetConfig, trained_dir: Path, untrained_dir: Path | None,
-                  prompts: list[list[int]], out_dir: Path, log: Callable[[str], None] = print,
+                  prompts, out_dir: Path, log: Callable[[str], None] = print,
                   previous_dir: Path | None = None) -> EvaluateReport:
     """Evaluate the trained draft and (unless `untrained_dir` is None) the untrained baseline in one
-    child, on the same prompts; `passed` compares the trained τ with `cfg.min_acceptance_length`.
-    Does not raise on a low τ: call `check_acceptance_gate`. Writes `out_dir/evaluate.json`."""
+    child, on the same prompts (token ids or a PromptSet); `passed` compares the trained τ with
+    `cfg.min_acceptance_length`. Does not raise on a low τ: call `check_acceptance_gate`. Writes
+    `out_dir/evaluate.json`."""
     with dir_lock(Path(out_dir), f"evaluate dir {out_dir}", log):
         return _evaluate_pair(cfg, target, trained_dir, untrained_dir, prompts, out_dir, log, previous_dir)
 
 
 def _evaluate_pair(cfg: EvaluateConfig, target: TargetConfig, trained_dir: Path, untrained_dir: Path | None,
-                   prompts: list[list[int]], out_dir: Path, log: Callable[[str], None],
+                   prompts, out_dir: Path, log: Callable[[str], None],
                    previous_dir: Path | None = None) -> EvaluateReport:
     """`previous_dir`: the previous version's draft (a refresh), run in the same child on the same prompts."""
     t0 = time.time()
@@ -328,7 +542,8 @@ def _evaluate_pair(cfg: EvaluateConfig, target: TargetConfig, trained_dir: Path,
         drafts[UNTRAINED] = Path(untrained_dir)
     if previous_dir is not None:
         drafts[PREVIOUS] = Path(previous_dir)
-    res, engine_start_s = _evaluate(cfg, target, drafts, prompts, out_dir, log)
+    res, engine_start_s, _, pset = _evaluate(cfg, target, drafts, prompts, out_dir, log,
+                                             sampled={"trained"}, timed={"trained"})
     tr, un = res["trained"], res.get(UNTRAINED)
     lossless_ok = None if tr.lossless_mismatches is None else not tr.lossless_mismatches
     rep = EvaluateReport(
@@ -339,12 +554,39 @@ def _evaluate_pair(cfg: EvaluateConfig, target: TargetConfig, trained_dir: Path,
         trained=tr, untrained=un, wall_s=round(time.time() - t0, 3), engine_start_s=engine_start_s,
         out_dir=str(Path(out_dir).resolve()),
         acceptance_length_previous=res[PREVIOUS].acceptance_length if PREVIOUS in res else None,
-        previous=res.get(PREVIOUS))
+        previous=res.get(PREVIOUS), per_category=category_reports(tr, un), speedup=tr.speedup,
+        speedup_detail=tr.speedup_detail, sampling_temperature=tr.sampled.temperature if tr.sampled else None,
+        acceptance_length_sampled=tr.sampled.total.acceptance_length if tr.sampled else None,
+        per_position_acceptance_sampled=tr.sampled.total.per_position_acceptance if tr.sampled else None,
+        prompt_set=pset.summary())
     rep.passed = gate_failure(rep, cfg) is None
     if un is not None and tr.acceptance_length <= un.acceptance_length:
         log(f"evaluate: WARNING the trained draft (τ={tr.acceptance_length:.3f}) is no better than the untrained "
             f"one (τ={un.acceptance_length:.3f})")
     write_json(Path(out_dir) / "evaluate.json", rep.model_dump(mode="json"))
+    return rep
+
+
+def compare_drafts(cfg: EvaluateConfig, target: TargetConfig, drafts: dict[str, Path], prompts, out_dir: Path,
+                   log: Callable[[str], None] = print) -> DraftComparison:
+    """Evaluate every checkpoint of `drafts` (label -> speculators EAGLE-3 dir; all validated against
+    `target` before any engine starts) on the same prompts in one child: τ per category at temperature 0
+    and at cfg.temperature, and each one's speed-up over the target alone (cfg.speedup). No gate.
+    Writes `out_dir/evaluate.json` (the DraftComparison)."""
+    if not drafts:
+        raise ValueError("evaluate: no drafts to compare")
+    t0 = time.time()
+    with dir_lock(Path(out_dir), f"evaluate dir {out_dir}", log):
+        labels = set(drafts)
+        res, engine_start_s, plain_speed, pset = _evaluate(cfg, target, {k: Path(v) for k, v in drafts.items()},
+                                                           prompts, out_dir, log, sampled=labels, timed=labels)
+        rep = DraftComparison(
+            drafts=res, per_category={k: category_reports(r) for k, r in res.items()},
+            speedup={k: r.speedup for k, r in res.items()},
+            plain_tokens_per_s=plain_speed.tokens_per_s_median if plain_speed else None,
+            sampling_temperature=cfg.temperature, prompt_set=pset.summary(), wall_s=round(time.time() - t0, 3),
+            engine_start_s=engine_start_s, out_dir=str(Path(out_dir).resolve()))
+        write_json(Path(out_dir) / "evaluate.json", rep.model_dump(mode="json"))
     return rep
 
 

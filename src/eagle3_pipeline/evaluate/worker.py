@@ -3,11 +3,19 @@
 Owns the engine side of the evaluate stage. Reads the job file (`EvalJob`, written by
 `evaluate/__init__.py`) and the target model and draft checkpoints it names. For each run of the
 job, in order, it builds one `vllm.LLM` (`engine.build_llm`: the target, with `engine.eagle3_config`
-for a draft run, without a speculative config for the `plain` reference run), decodes every prompt
-greedily (temperature 0, `max_tokens`), reads vLLM's speculative-decoding counters before and after (so the numbers are this
-run's own, whatever the process-wide Prometheus registry held before), shuts the engine down and
-writes `<out_dir>/<label>.result.json` (`RunOutput`: counters, timings, generated token ids and the
-first texts). Runs share the process, so the Python/vLLM imports are paid once; each run still
+for a draft run, without a speculative config for the `plain` reference run) and makes these passes:
+  1. greedy (temperature 0, `max_tokens`), one generate call per prompt category;
+  2. with `sampled` and the job's `temperature`: the same at that temperature (request i seeded with
+     `seed + i`, so the pass is reproducible whatever the batch);
+  3. with `timed`: one untimed warm-up call over all prompts at once (the first call at a new batch
+     size was up to 3x slower on CPU), then `timing_rounds` such calls, greedy, each timed alone (the
+     speed-up's tokens/s; engine start-up and the measured passes are not in it).
+vLLM's speculative-decoding counters are engine-global (`LLM.get_metrics()`, no per-request numbers in
+vLLM 0.32), so each category's numbers are the difference of the counters read right before and right
+after its own generate call, which nothing else runs beside; the run's totals are the difference over
+the whole pass (= the sum over categories, checked by the parent). Then it shuts the engine down and
+writes `<out_dir>/<label>.result.json` (`RunOutput`: counters per category, timings, generated token
+ids and the first texts). Runs share the process, so the Python/vLLM imports are paid once; each run still
 loads the target, because one engine holds one speculative config. The parent decides where the
 engine core runs (`engine.engine_env`: in this process on CPU, via VLLM_ENABLE_V1_MULTIPROCESSING=0).
 Prints an `engine_ready` and a `run_done` event per run (proc.emit_event). Any exception prints the
@@ -41,6 +49,8 @@ class EvalRunSpec(BaseModel):
     label: str
     draft_dir: str | None  # None: plain greedy decoding of the target alone
     num_speculative_tokens: int = 0
+    sampled: bool = False  # also the pass at the job's temperature
+    timed: bool = False  # also the timed rounds (speed-up)
 
 
 class EvalJob(BaseModel):
@@ -51,8 +61,30 @@ class EvalJob(BaseModel):
     max_tokens: int
     sample_texts: int = 4
     prompts: list[list[int]]
+    categories: list[str] | None = None  # one per prompt; None: all in one category "default"
+    temperature: float | None = None  # the sampled pass's temperature (runs with `sampled`)
+    seed: int = 0
+    timing_rounds: int = 0  # timed passes of runs with `timed`
     runs: list[EvalRunSpec]
     out_dir: str
+
+
+class SpecCounts(BaseModel):
+    """vLLM's speculative-decoding counters over some generate calls, and what those calls produced."""
+    model_config = ConfigDict(extra="forbid")
+    prompts: int = 0
+    generated_tokens: int = 0
+    generate_s: float = 0.0
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = []
+
+
+class TimedPass(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    generate_s: float
+    generated_tokens: int
 
 
 class RunOutput(BaseModel):
@@ -71,6 +103,10 @@ class RunOutput(BaseModel):
     accepted_per_position: list[int]
     token_ids: list[list[int]]  # generated ids per prompt, prompt order
     texts: list[str]  # generated text of the first `sample_texts` prompts
+    per_category: dict[str, SpecCounts] = {}  # greedy pass, one generate call per category
+    sampled: dict[str, SpecCounts] | None = None  # the pass at the job's temperature, per category
+    sampled_total: SpecCounts | None = None
+    timed: list[TimedPass] = []
 
 
 def result_path(out_dir: str | Path, label: str) -> Path:
@@ -113,6 +149,46 @@ def _shutdown(llm) -> None:
     gc.collect()
 
 
+def category_groups(categories: list[str] | None, n: int) -> list[tuple[str, list[int]]]:
+    """[(category, prompt indices)] in order of first appearance; None: one group "default"."""
+    if categories is None:
+        return [("default", list(range(n)))]
+    if len(categories) != n:
+        raise ValueError(f"evaluate job: {len(categories)} categories for {n} prompts")
+    groups: dict[str, list[int]] = {}
+    for i, c in enumerate(categories):
+        groups.setdefault(c, []).append(i)
+    return list(groups.items())
+
+
+def _counts(d: dict, prompts: int, generated: int, seconds: float) -> SpecCounts:
+    return SpecCounts(prompts=prompts, generated_tokens=generated, generate_s=round(seconds, 4), drafts=d["drafts"],
+                      draft_tokens=d["draft_tokens"], accepted_tokens=d["accepted"], accepted_per_position=d["per_pos"])
+
+
+def _pass(llm, job: EvalJob, k: int, params_for) -> tuple[dict[str, SpecCounts], SpecCounts, list]:
+    """One generate call per category, counters read around each: ({category: counts}, totals, outputs
+    in prompt order)."""
+    from vllm.inputs import TokensPrompt
+
+    outs: list = [None] * len(job.prompts)
+    per_cat: dict[str, SpecCounts] = {}
+    first = before = read_spec_counters(llm.get_metrics())
+    seconds = 0.0
+    for cat, idx in category_groups(job.categories, len(job.prompts)):
+        t = time.time()
+        got = llm.generate([TokensPrompt(prompt_token_ids=job.prompts[i]) for i in idx], [params_for(i) for i in idx],
+                           use_tqdm=False)
+        dt = time.time() - t
+        after = read_spec_counters(llm.get_metrics())
+        for i, o in zip(idx, got, strict=True):
+            outs[i] = o
+        per_cat[cat] = _counts(_delta(after, before, k), len(idx), sum(len(o.outputs[0].token_ids) for o in got), dt)
+        before, seconds = after, seconds + dt
+    total = _counts(_delta(before, first, k), len(job.prompts), sum(len(o.outputs[0].token_ids) for o in outs), seconds)
+    return per_cat, total, outs
+
+
 def _run(job: EvalJob, run: EvalRunSpec) -> RunOutput:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -125,23 +201,34 @@ def _run(job: EvalJob, run: EvalRunSpec) -> RunOutput:
                     disable_log_stats=False)  # get_metrics() asserts that stats are on
     start_s = time.time() - t0
     emit_event(kind="engine_ready", label=run.label, seconds=round(start_s, 3))
+    k = run.num_speculative_tokens
+    sampled = sampled_total = None
+    timed: list[TimedPass] = []
     try:
-        before = read_spec_counters(llm.get_metrics())
-        params = SamplingParams(temperature=0.0, max_tokens=job.max_tokens)
-        t1 = time.time()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job.prompts], params, use_tqdm=False)
-        gen_s = time.time() - t1
-        d = _delta(read_spec_counters(llm.get_metrics()), before, run.num_speculative_tokens)
+        greedy = SamplingParams(temperature=0.0, max_tokens=job.max_tokens)
+        per_cat, total, outs = _pass(llm, job, k, lambda i: greedy)
+        if run.sampled and job.temperature:
+            sampled, sampled_total, _ = _pass(llm, job, k, lambda i: SamplingParams(
+                temperature=job.temperature, max_tokens=job.max_tokens, seed=job.seed + i))
+        if run.timed:
+            every = [TokensPrompt(prompt_token_ids=p) for p in job.prompts]
+            llm.generate(every, greedy, use_tqdm=False)  # warm-up: the first call at this batch size is slower
+            for _ in range(job.timing_rounds):
+                t1 = time.time()
+                got = llm.generate(every, greedy, use_tqdm=False)
+                timed.append(TimedPass(generate_s=round(time.time() - t1, 5),
+                                       generated_tokens=sum(len(o.outputs[0].token_ids) for o in got)))
     finally:
         _shutdown(llm)
     token_ids = [list(o.outputs[0].token_ids) for o in outs]
     return RunOutput(
-        label=run.label, draft_dir=run.draft_dir, num_speculative_tokens=run.num_speculative_tokens,
-        engine_start_s=round(start_s, 3), generate_s=round(gen_s, 4),
-        prompt_tokens=sum(len(p) for p in job.prompts), generated_tokens=sum(len(t) for t in token_ids),
-        drafts=d["drafts"], draft_tokens=d["draft_tokens"], accepted_tokens=d["accepted"],
-        accepted_per_position=d["per_pos"], token_ids=token_ids,
-        texts=[o.outputs[0].text for o in outs[: job.sample_texts]])
+        label=run.label, draft_dir=run.draft_dir, num_speculative_tokens=k,
+        engine_start_s=round(start_s, 3), generate_s=total.generate_s,
+        prompt_tokens=sum(len(p) for p in job.prompts), generated_tokens=total.generated_tokens,
+        drafts=total.drafts, draft_tokens=total.draft_tokens, accepted_tokens=total.accepted_tokens,
+        accepted_per_position=total.accepted_per_position, token_ids=token_ids,
+        texts=[o.outputs[0].text for o in outs[: job.sample_texts]], per_category=per_cat, sampled=sampled,
+        sampled_total=sampled_total, timed=timed)
 
 
 def main(argv: list[str]) -> int:
@@ -169,7 +256,8 @@ def main(argv: list[str]) -> int:
         rss = psutil.Process().memory_info().rss / 2**30
         print(f"evaluate worker: {run.label} done, engine shut down, worker RSS {rss:.2f} GiB", flush=True)
         emit_event(kind="run_done", label=run.label, drafts=out.drafts, accepted=out.accepted_tokens,
-                   generated_tokens=out.generated_tokens, generate_s=out.generate_s)
+                   generated_tokens=out.generated_tokens, generate_s=out.generate_s,
+                   timed_tokens_per_s=[round(t.generated_tokens / max(t.generate_s, 1e-9), 1) for t in out.timed])
     return 0
 
 
