@@ -11,6 +11,7 @@ Runs each bench script as its own process (their own tables print as they go), i
   prefect   bench/prefect_overhead.py     Prefect overhead per shard group on a 32-shard run
   train     bench/train_vs_speculators.py our train stage ÷ speculators' own trainer
   prepare   bench/prepare_throughput.py   2 processes ÷ 1
+  online    bench/online_vs_offline.py    online training (a vLLM server) ÷ offline (stored records), disk peak
   run       `eagle3 run` on configs/tiny-cpu.yaml (what `make run` runs) into a fresh store, then again
             (the reuse path), wall time of each
 Every ratio is the median over >= 5 alternating rounds, printed with its min-max (bench_results.spread).
@@ -47,6 +48,7 @@ BENCHES = {
     "prefect": (["bench/prefect_overhead.py"], ["--repeats", "1"]),
     "train": (["bench/train_vs_speculators.py", "--rounds", "5", "--max-steps", "40"], ["--rounds", "1", "--max-steps", "20"]),
     "prepare": (["bench/prepare_throughput.py", "--scale", "10"], ["--scale", "2"]),
+    "online": (["bench/online_vs_offline.py", "--rounds", "5", "--max-steps", "20"], ["--rounds", "1", "--max-steps", "5"]),
 }
 
 
@@ -128,6 +130,12 @@ def ratio_rows(res: dict) -> list[tuple[str, str, str]]:
             r = d[key]
             rows.append((f"training ÷ speculators trainer ({what})",
                          _spread(r["ratio_spread"], f=".3f") if r.get("ratio_spread") else f"{r['ratio']:.3f}", ">= 0.95"))
+    if d := data("online"):
+        for key in ("median step tok/s", "e2e tok/s"):
+            rows.append((f"online ÷ offline training ({key})", _spread(d[key]["ratio_spread"], f=".3f"),
+                         "same train stage; the server's round trips"))
+        rows.append(("online hidden states on disk ÷ offline", f"{d['online_peak_bytes'] / d['offline_bytes']:.4f}",
+                     f"peak in flight {d['online_peak_bytes'] / 1e6:.2f} MB vs {d['offline_bytes'] / 1e6:.0f} MB stored"))
     if d := data("prepare"):
         rows.append(("prepare 2 processes ÷ 1 (rows/s)", f"{d['ratio_2_over_1']:.2f}", "> 1 on a quiet machine"))
     if d := data("run"):

@@ -1,17 +1,22 @@
 """The pipeline flow: [regenerate → gpu-gate →] prepare → preflight → gpu-gate → extract → gpu-gate →
-verify → vocab → train → gpu-gate → evaluate → report ([regenerate] with regenerate.enabled). The report is written also when a stage fails."""
+verify → vocab → train → gpu-gate → evaluate → report ([regenerate] with regenerate.enabled).
+With train.mode online: prepare → preflight → gpu-gate → vocab → train
+(its own vLLM server; the verify gate on rows sampled from it first) → gpu-gate → evaluate → report.
+The report is written also when a stage fails."""
 
 from __future__ import annotations
 
 import traceback
 from pathlib import Path
+from typing import Literal
 
 from prefect import flow
 
 from eagle3_pipeline.config import PipelineConfig
 from eagle3_pipeline.preflight import installed_versions
 from eagle3_pipeline.runs import RunDir, StageClock, create_run_dir
-from flows.config_param import DEFAULT_CONFIG_PATH, resolve_config
+from eagle3_pipeline.verify.gate import VerifyResult
+from flows.config_param import DEFAULT_CONFIG_PATH, resolve_config, switches
 from flows.extract import extract
 from flows.hub_auth import use_hub_secret
 from tasks import stage_tasks as t
@@ -19,10 +24,16 @@ from tasks import stage_tasks as t
 
 @flow(name="pipeline", log_prints=True)
 def pipeline(config: PipelineConfig | None = None, output_dir: str = "runs", run_dir: str | None = None,
-             config_path: str = DEFAULT_CONFIG_PATH) -> dict:
+             config_path: str = DEFAULT_CONFIG_PATH, regenerate: bool | None = None,
+             train_mode: Literal["offline", "online"] | None = None, evaluate_prompts: str | None = None,
+             overrides: list[str] | None = None) -> dict:
     """The whole pipeline. `run_dir` defaults to a new `<output_dir>/<run-id>/` (what a UI run gets).
-    Without `config`, the config is read from `config_path` (flows/config_param.py)."""
-    config = resolve_config(config, config_path)
+    Without `config`, the config is read from `config_path` (flows/config_param.py). The switches a UI
+    run sets on the form without writing a whole config: `regenerate` (regenerate.enabled),
+    `train_mode` (train.mode), `evaluate_prompts` (evaluate.prompts: a JSONL file or dataset of
+    prompts with categories) and `overrides` (any `key.sub=value`, as `eagle3 run --set`)."""
+    config = resolve_config(config, config_path, switches(regenerate=regenerate, train_mode=train_mode,
+                                                          evaluate_prompts=evaluate_prompts, overrides=overrides))
     run = RunDir(Path(run_dir) if run_dir else create_run_dir(Path(output_dir), config))
     recs: dict = {}  # stage name -> its typed record (report.json is built from these)
     clock = StageClock()  # clock(stage, task, *args) runs the task and adds its wall seconds to `timings`
@@ -37,12 +48,16 @@ def pipeline(config: PipelineConfig | None = None, output_dir: str = "runs", run
         recs["prepare"] = prep = clock("prepare", t.prepare, config, regen)
         recs["preflight"] = pre = clock("preflight", t.preflight, config, prep)
         version = clock("preflight", t.plan_extract, config, prep, pre)
-        clock("gpu-gate", t.gpu_gate, "before-extract")
-        recs["extract"] = clock("extract", extract, config, version)
-        clock("gpu-gate", t.gpu_gate, "after-extract")
-        recs["verify"] = clock("verify", t.verify, config, version)
+        online = config.train.mode == "online"  # no extract: the train stage's server makes hidden states
+        clock("gpu-gate", t.gpu_gate, "before-extract" if not online else "before-train")
+        if not online:
+            recs["extract"] = clock("extract", extract, config, version)
+            clock("gpu-gate", t.gpu_gate, "after-extract")
+            recs["verify"] = clock("verify", t.verify, config, version)
         recs["vocab"] = voc = clock("vocab", t.vocab, config, prep, version)
         recs["train"] = tr = clock("train", t.train, config, version, voc)
+        if online:  # the gate ran inside train, on rows taken from its server before training started
+            recs["verify"] = VerifyResult.model_validate(tr.online["verify"])
         clock("gpu-gate", t.gpu_gate, "after-train")
         recs["evaluate"] = clock("evaluate", t.evaluate, config, prep, version, voc, tr, str(run.path))
     except Exception as e:

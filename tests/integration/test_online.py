@@ -63,7 +63,9 @@ def test_online_training_takes_every_row_from_the_server(llama_online):
     # the gate ran on rows from the server before training: every check, nothing failed
     ver = on["verify"]
     assert ver["mode"] == "online" and ver["passed"] and ver["samples_checked"] == len(on["sample_rows"]) == 24
-    assert ver["fingerprint"]["files_checked"] == 24 and ver["fingerprint"]["tokens_checked"] > 0
+    fp = ver["fingerprint"]
+    assert fp["rows_checked"] == 24 and fp["rows_failed"] == fp["rows_without"] == 0 and fp["skipped"] is None
+    assert fp["min_agreement"] >= 0.9
     assert ver["reference_samples"] and ver["reference_max_rel_err"] < 0.05
     assert ver["invariance_samples"] and ver["invariance_max_rel_err"] < 0.05
     # nothing stored for the dataset: the version has no records, the server's scratch dir is gone
@@ -123,7 +125,7 @@ def test_online_on_the_moe_target(tiny_moe_target, tmp_path):
     version, tr = _run_online(cfg, lines)
     assert version.dims.mla and tr.mode == "online" and tr.steps == 2 and tr.export_checked
     ver = tr.online["verify"]
-    assert ver["passed"] and ver["samples_checked"] == 24 and ver["fingerprint"]["files_checked"] == 24
+    assert ver["passed"] and ver["samples_checked"] == 24 and ver["fingerprint"]["rows_checked"] == 24
     assert ver["identity_files"] == 24 and ver["invariance_samples"]
     assert any("one request at a time" in ln for ln in lines)
     assert tr.hidden_states_peak_bytes < tr.online["offline_bytes_estimate"]

@@ -403,8 +403,34 @@ def test_disk_estimate_larger_than_free_space(tiny_target, tmp_path, no_api_prob
     real = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=10 << 20))  # 10 MiB free
     cfg = load_config(TINY_YAML, [f"store={tmp_path / 'store'}", f"target.model={tiny_target}"])
-    with pytest.raises(PreflightFailed, match=r"disk: extraction needs about 0\.0[0-9] GiB, 0\.01 GiB free at "):
+    with pytest.raises(PreflightFailed, match=r"disk: offline bf16 needs about 0\.0[0-9] GiB of hidden states, "
+                                              r"0\.01 GiB free at .*; neither fp8 storage nor online training fits"):
         preflight(cfg, 50_000, tmp_path / "store" / "x", log=lambda m: None)  # 50k tokens x 4 x 128 x 2 B = 51 MB
+
+
+def test_disk_plans_offline_bf16_fp8_and_online(tiny_target, tmp_path, no_api_probe, monkeypatch):
+    """Preflight compares the three ways of holding hidden states and checks the one this run uses: online
+    keeps only the verified sample and the rows in flight, so it fits where the stored dataset does not."""
+    from eagle3_pipeline.preflight import PreflightFailed, disk_plans, preflight
+
+    cfg = load_config(TINY_YAML, [f"store={tmp_path / 'store'}", f"target.model={tiny_target}"])
+    plans = disk_plans(cfg, 4, 128, 1_000_000)
+    assert plans["offline bf16"] == int(1_000_000 * (4 * 128 * 2 + 8) * 1.05)
+    assert plans["offline fp8"] == int(1_000_000 * (4 * 128 + 12) * 1.05)
+    online_tokens = (cfg.verify.online_rows + min(cfg.extract.max_num_seqs, 16) + 8) * cfg.prepare.max_length
+    assert plans["online"] == int(online_tokens * (4 * 128 * 2 + 8) * 1.05) < plans["offline fp8"]
+    assert disk_plans(cfg, 4, 128, 100)["online"] == int(100 * (4 * 128 * 2 + 8) * 1.05)  # never more than offline
+
+    real = shutil.disk_usage
+    free = plans["online"] + (1 << 20)  # room for online only
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=free))
+    lines: list[str] = []
+    with pytest.raises(PreflightFailed, match=r"offline bf16 needs about .*; what fits: online \("):
+        preflight(cfg, 1_000_000, tmp_path / "store" / "x", log=lines.append)
+    assert any("fits: online (this run: offline bf16)" in m for m in lines), lines
+    online = load_config(TINY_YAML, [f"store={tmp_path / 'store'}", f"target.model={tiny_target}", "train.mode=online"])
+    res = preflight(online, 1_000_000, tmp_path / "store" / "x", log=lambda m: None)
+    assert res.estimated_bytes == plans["online"] and set(res.disk_plans) == {"offline bf16", "offline fp8", "online"}
 
 
 def test_bad_layer_ids_through_the_cli_exit_5(tiny_target, tmp_path, no_api_probe):

@@ -79,3 +79,38 @@ def test_a_given_config_wins_over_config_path(monkeypatch, tmp_path):
     params = load_flow_from_entrypoint(_deployment("pipeline")["entrypoint"]).validate_parameters(params)
     cfg = resolve_config(params["config"], params["config_path"])
     assert cfg.name == "from-event" and cfg.train.epochs == 1
+
+
+def test_the_form_switches_regenerate_online_training_and_prompt_sets(monkeypatch):
+    """A UI run turns on regeneration, online training and a categorized prompt set from the form:
+    the pipeline deployment's parameter schema (what the UI renders) has a checkbox, a choice and a text
+    field for them, and a run with them set resolves the default config with exactly those changes."""
+    from prefect.flows import load_flow_from_entrypoint
+
+    from eagle3_pipeline.config import load_config
+    from flows.config_param import resolve_config, switches
+
+    monkeypatch.chdir(ROOT)
+    flow = load_flow_from_entrypoint(_deployment("pipeline")["entrypoint"])
+    props = flow.parameters.model_dump()["properties"]
+    assert props["regenerate"]["anyOf"][0]["type"] == "boolean"
+    assert props["train_mode"]["anyOf"][0]["enum"] == ["offline", "online"]
+    assert props["evaluate_prompts"]["anyOf"][0]["type"] == "string"
+    assert props["overrides"]["anyOf"][0]["type"] == "array"
+    form = {**_deployment("pipeline")["parameters"], "regenerate": True, "train_mode": "online",
+            "evaluate_prompts": "configs/prompts/tiny-chat.jsonl", "overrides": ["train.epochs=1"]}
+    p = flow.validate_parameters(form)
+    cfg = resolve_config(p["config"], p["config_path"], switches(
+        regenerate=p["regenerate"], train_mode=p["train_mode"], evaluate_prompts=p["evaluate_prompts"],
+        overrides=p["overrides"]))
+    want = load_config(ROOT / "configs" / "tiny-cpu.yaml", [
+        "regenerate.enabled=true", "train.mode=online", "evaluate.prompts=configs/prompts/tiny-chat.jsonl",
+        "train.epochs=1"])
+    assert cfg.model_dump(mode="json") == want.model_dump(mode="json")
+    assert cfg.regenerate.enabled and cfg.train.mode == "online" and cfg.train.epochs == 1
+    # unset switches change nothing; a bad value is refused with the key named
+    assert switches() == []
+    base = load_config(ROOT / "configs" / "tiny-cpu.yaml")
+    assert resolve_config(base, None, switches()) is base
+    with pytest.raises(Exception, match="train.mode"):
+        resolve_config(base, None, ["train.mode=sometimes"])

@@ -57,7 +57,7 @@ class ExportCheckError(GateFailed, ValueError):
 
 
 class TrainResult(BaseModel):
-    mode: str = "offline"  # offline: stored hidden states (the only mode the train stage has today)
+    mode: str = "offline"  # offline: stored hidden states; online: from a vLLM server started by the stage
     world_size: int = 1  # training processes (torchrun ranks; GPUs on cuda, gloo processes on cpu)
     steps: int
     final_loss: float | None
@@ -240,21 +240,36 @@ def _run_worker(job: dict, job_path: Path, cfg: TrainConfig, log: Callable[[str]
 
 
 def train_draft(cfg: TrainConfig, target: TargetConfig, version: ExtractVersion, vocab_dir: Path, out_dir: Path, *,
-                log: Callable[[str], None] = print, previous=None) -> TrainResult:
+                log: Callable[[str], None] = print, previous=None, online: dict | None = None) -> TrainResult:
     """Train (or resume training) the EAGLE-3 draft on `version`'s records; see the module docstring
     for files. Holds `out_dir/.lock` throughout: two trainers never write one checkpoint dir (the
-    second waits, then resumes from what the first left)."""
+    second waits, then resumes from what the first left). `online` ({"endpoint", "model",
+    "request_timeout_s"}): take every row's hidden states from that running server instead of the
+    stored records (train/online.py)."""
     with dir_lock(Path(out_dir), f"train dir {out_dir}", log):
-        return _train_draft(cfg, target, version, Path(vocab_dir), Path(out_dir), log, previous)
+        return _train_draft(cfg, target, version, Path(vocab_dir), Path(out_dir), log, previous, online)
+
+
+def _check_tokenized(version: ExtractVersion) -> int:
+    """Online: the rows the server will be asked for exist and have the columns the loader reads."""
+    from eagle3_pipeline.data.prepare import load_tokenized
+
+    ds = load_tokenized(version.tokenized_dir)
+    missing_cols = {"input_ids", "loss_mask", "seq_len"} - set(ds.column_names)
+    if missing_cols:
+        raise ContractError(f"{version.tokenized_dir}: missing columns {sorted(missing_cols)} (found {ds.column_names})")
+    if len(ds) == 0:
+        raise ContractError(f"{version.tokenized_dir}: no rows")
+    return len(ds)
 
 
 def _train_draft(cfg: TrainConfig, target: TargetConfig, version: ExtractVersion, vocab_dir: Path, out_dir: Path,
-                 log: Callable[[str], None], previous=None) -> TrainResult:
+                 log: Callable[[str], None], previous=None, online: dict | None = None) -> TrainResult:
     """`previous` (lineage.PreviousDraft): initialise the draft from its checkpoint (a refresh)."""
     dims, aux = version.dims, version.aux_layer_ids
     load_vocab(vocab_dir, dims.vocab_size)  # raises on an inconsistent vocab before any work
     d2t_path, t2d_path = vocab_paths(vocab_dir)
-    rows = _check_inputs(version)
+    rows = _check_tokenized(version) if online else _check_inputs(version)
     save_path = out_dir / "checkpoints"
     _move_incomplete_checkpoints(save_path, log)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -273,7 +288,8 @@ def _train_draft(cfg: TrainConfig, target: TargetConfig, version: ExtractVersion
            "result_path": str((out_dir / "train_result.json").resolve()),
            "init_from": previous.checkpoint if previous is not None else None,
            # the evaluate stage's baseline, written by the same child (stages.stage_evaluate finds it there)
-           "untrained_dir": str((out_dir / UNTRAINED_DIR).resolve())}
+           "untrained_dir": str((out_dir / UNTRAINED_DIR).resolve()),
+           "online": None if online is None else {**online, "cache_dir": str((out_dir / "online" / "no_stored_rows").resolve())}}
     res = _run_worker(job, out_dir / "train_job.json", cfg, log, out_dir / "train.log", cfg.timeout_s)
     best = Path(res["checkpoint_best"])
     checked = Path(target.model).is_dir()
@@ -292,7 +308,7 @@ def _train_draft(cfg: TrainConfig, target: TargetConfig, version: ExtractVersion
         init="previous" if previous is not None else "scratch",
         previous_draft=previous.checkpoint if previous is not None else None,
         previous_version=f"{previous.prepare_version}/{previous.extract_version}" if previous is not None else None,
-        engine_start_s=res.get("startup_s"))
+        engine_start_s=res.get("startup_s"), mode="online" if online else "offline")
     write_json(out_dir / RECORD_NAME, result.model_dump(mode="json"))
     return result
 

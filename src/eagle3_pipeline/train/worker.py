@@ -299,7 +299,8 @@ def _loaders(job: dict, hidden_size: int, num_aux: int):
     """speculators' own train/val loaders (`create_train_val_loaders`, what `speculators train` uses):
     its ArrowDataset over our tokenized rows + hs files, split by row index (the last val_ratio of
     the rows for validation), packed into rows of max_seq_len tokens by its multipack sampler.
-    A row without its hidden-state file raises (never generated on demand from a vLLM server).
+    Offline, a row without its hidden-state file raises; online (job["online"]), every row is generated
+    on demand by the stage's vLLM server (speculators' on_missing=generate) and its file deleted once read.
     Files are read through hs_connectors' FP8Transfer: bf16 files pass unchanged, fp8 files
     (extract.storage_dtype=fp8: + hidden_states_scales) are dequantized to bf16 per token."""
     import torch
@@ -314,13 +315,28 @@ def _loaders(job: dict, hidden_size: int, num_aux: int):
     if n_train < 1 or n_rows - n_train < 1:
         raise ValueError(f"{job['tokenized_dir']}: {n_rows} rows cannot be split into train and validation "
                          f"with train.val_ratio={cfg['val_ratio']} (each needs at least one row)")
-    return create_train_val_loaders(
+    on = job.get("online")
+    if on:  # every row from the server: an empty directory of stored rows, so each one is generated
+        Path(on["cache_dir"]).mkdir(parents=True, exist_ok=True)
+        source = dict(transfer=FP8Transfer(Path(on["cache_dir"]), torch.bfloat16), vllm_endpoint=on["endpoint"],
+                      on_missing="generate", request_timeout=on["request_timeout_s"], max_retries=2,
+                      generation_validation_retries=2, max_consecutive_generation_failures=5)
+    else:
+        source = dict(transfer=FP8Transfer(Path(job["hidden_states_dir"]), torch.bfloat16), vllm_endpoint="",
+                      on_missing="raise", request_timeout=None, max_retries=0, generation_validation_retries=0,
+                      max_consecutive_generation_failures=1)
+    loaders = create_train_val_loaders(
         data_path=job["tokenized_dir"], total_seq_len=cfg["max_seq_len"], hidden_states_dtype=torch.bfloat16,
-        transfer=FP8Transfer(Path(job["hidden_states_dir"]), torch.bfloat16), vllm_endpoint="", on_missing="raise",
-        verifier_name_or_path=job["target"]["model"], request_timeout=None, max_retries=0,
-        generation_validation_retries=0, max_consecutive_generation_failures=1, hidden_size=hidden_size,
+        verifier_name_or_path=job["target"]["model"], **source, hidden_size=hidden_size,
         num_target_layers=num_aux, num_workers=cfg["num_workers"], prefetch_factor=4, preprocess=shift_batch,
         train_data_ratio=1 - cfg["val_ratio"], seed=cfg["seed"])
+    if on:  # the rows of a packed batch are requested at once (train/online_data.py)
+        from eagle3_pipeline.train.online_data import ConcurrentArrowDataset
+
+        for loader in loaders:
+            loader.dataset.__class__ = ConcurrentArrowDataset
+            loader.dataset.max_in_flight = int(on.get("max_in_flight", 16))
+    return loaders
 
 
 def _install_save_kill(trainer, epoch: int) -> None:

@@ -50,6 +50,7 @@ class VerifyFailed(GateFailed):
 class VerifyResult(BaseModel):
     content_key: str
     passed: bool
+    mode: str = "offline"  # offline: the stored records; online: rows sampled from the training server (train/online.py)
     samples_checked: int
     tokens_checked: int
     reference_max_rel_err: float | None
@@ -88,12 +89,16 @@ def _config_key(cfg: VerifyConfig) -> str:
 
 
 def verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, *, log=print,
-           extract_cfg: ExtractConfig | None = None) -> VerifyResult:
+           extract_cfg: ExtractConfig | None = None, rows: list[int] | None = None,
+           fingerprints: bool | None = None) -> VerifyResult:
     """Check everything, record the result in `verify.json`, and return it (the caller raises on failure).
     Holds the extract dir's verify lock throughout. `extract_cfg` is accepted for callers that pass it;
-    the invariance numbers come from the manifest, written by the engine that extracted the records."""
+    the invariance numbers come from the manifest, written by the engine that extracted the records.
+    `rows`: check only these rows' records (a sample, e.g. the rows an online-training server produced
+    before training: train/online.py); nothing is reused from caches or the record pool then, and
+    `fingerprints` says whether every record must have its fingerprint (default: the manifest's setting)."""
     with file_lock(version.path / "locks" / "verify.lock", f"verify of {version.dir}", log):
-        return _verify(cfg, target, version, log)
+        return _verify(cfg, target, version, log, rows, fingerprints)
 
 
 def _reusable(cfg: VerifyConfig, version: ExtractVersion, shards: list[dict], log) -> tuple[dict, dict[str, str]]:
@@ -154,19 +159,29 @@ def _pool_save(cfg: VerifyConfig, version: ExtractVersion, pool, keys: dict[int,
         cache.save_pool(pool, _config_key(cfg), new)
 
 
-def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, log) -> VerifyResult:
+def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, log, sample: list[int] | None = None,
+            fingerprints: bool | None = None) -> VerifyResult:
     t0 = time.time()
     extract_dir, tokenized_dir = version.path, version.tokenized_dir
     man = read_json(version.manifest_path) or {}
     shards = man.get("shards", [])
-    reused, reused_hashes = _reusable(cfg, version, shards, log)
     ds = load_tokenized(tokenized_dir)
     fp_required = bool((man.get("config") or {}).get("extract", {}).get("fingerprints"))
-    pool = version_pool(version)
-    keys = row_keys(tokenized_dir, [r for r in range(len(ds)) if r not in reused], pool.key) if pool else {}
-    from_pool = _pool_reusable(cfg, version, pool, keys, fp_required)
-    reused.update(from_pool)
-    todo = [r for r in range(len(ds)) if r not in reused]
+    if fingerprints is not None:
+        fp_required = fingerprints
+    if sample is not None:
+        bad_ids = [r for r in sample if not 0 <= r < len(ds)]
+        if bad_ids or not sample:
+            raise ValueError(f"verify: sample rows {bad_ids or sample} outside the {len(ds)} rows of {tokenized_dir}")
+        reused, reused_hashes, pool, keys, from_pool = {}, {}, None, {}, {}
+        todo = sorted(set(sample))
+    else:
+        reused, reused_hashes = _reusable(cfg, version, shards, log)
+        pool = version_pool(version)
+        keys = row_keys(tokenized_dir, [r for r in range(len(ds)) if r not in reused], pool.key) if pool else {}
+        from_pool = _pool_reusable(cfg, version, pool, keys, fp_required)
+        reused.update(from_pool)
+        todo = [r for r in range(len(ds)) if r not in reused]
     final, final_skipped = final_layer_check(target, version.dims, cfg, version.storage_dtype)
     if final_skipped:
         log(f"verify: final-layer fingerprint check skipped: {final_skipped}")
@@ -190,14 +205,18 @@ def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, lo
                           problems=[], skipped="reference_samples is 0")
     if cfg.reference_samples > 0 and good_new:
         new = set(good_new)
-        rows = [r for r in choose_rows(seq_lens, cfg.reference_samples, version.rows_per_shard) if r in new]
-        rows = rows or good_new[: cfg.reference_samples]
+        if sample is not None:  # spread over the sample
+            step = max(1, len(good_new) // cfg.reference_samples)
+            rows = good_new[::step][: cfg.reference_samples]
+        else:
+            rows = [r for r in choose_rows(seq_lens, cfg.reference_samples, version.rows_per_shard) if r in new]
+            rows = rows or good_new[: cfg.reference_samples]
         ref = reference_check(target, version, rows, log=log, cfg=cfg)
     elif cfg.reference_samples > 0 and reused:
         ref.skipped = "every shard was verified before and is unchanged"
         ref.samples_checked, ref.max_rel_err = prev.get("reference_samples", []), prev.get("reference_max_rel_err")
         ref.min_cosine = prev.get("reference_min_cosine")
-    inv = _invariance(cfg, version, man, ds, log)
+    inv = _invariance(cfg, version, man, ds, log, sample)
     problems = st.problems + ref.problems + inv.problems
     bad_rows = sorted(bad_st | set(ref.bad_rows) | set(inv.bad_rows))
     moved = []
@@ -244,9 +263,12 @@ def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, lo
     return res
 
 
-def _invariance(cfg: VerifyConfig, version: ExtractVersion, man: dict, ds, log) -> InvarianceResult:
-    """Judge the batch-invariance entries the extract engine wrote into the manifest."""
-    published = {r for e in man.get("shards", []) if e["status"] == "published" for r in range(e["row_start"], e["row_end"])}
+def _invariance(cfg: VerifyConfig, version: ExtractVersion, man: dict, ds, log,
+                sample: list[int] | None = None) -> InvarianceResult:
+    """Judge the batch-invariance entries the extract engine (or the online server's sampler) wrote into
+    the manifest: those of published shards, or with `sample`, of those rows."""
+    published = set(sample) if sample is not None else {
+        r for e in man.get("shards", []) if e["status"] == "published" for r in range(e["row_start"], e["row_end"])}
     entries = {int(k): v for k, v in (man.get("invariance") or {}).items() if int(k) in published}
     if not entries:
         why = ("extract.invariance_rows is 0" if not (man.get("config") or {}).get("extract", {}).get("invariance_rows")
