@@ -60,6 +60,22 @@ def test_report_contract_and_numbers(pipeline_run, tiny_config):
     ev = st["evaluate"]
     assert len(ev["per_position_acceptance"]) == tiny_config.evaluate.num_speculative_tokens
     assert ev["acceptance_length"] > ev["acceptance_length_untrained"] >= 1.0
+    # the configured categorized prompt set (evaluate.prompts of tiny-cpu.yaml, 16 prompts taken round-robin
+    # over its 7 categories): τ per category for the trained and the untrained draft, at temperature 0 and
+    # at evaluate.temperature, and the speed-up with its tokens/s (no threshold: it is what the CPU gives)
+    cats, det = ev["per_category"], ev["details"]
+    assert det["prompt_set"]["source"] == tiny_config.evaluate.prompts and len(cats) == 7
+    assert sum(c["prompts"] for c in cats.values()) == tiny_config.evaluate.num_prompts == det["trained"]["prompts"]
+    assert sum(c["drafts"] for c in cats.values()) == det["trained"]["drafts"]
+    assert sum(c["accepted_tokens"] for c in cats.values()) == det["trained"]["accepted_tokens"]
+    for name, c in cats.items():
+        assert c["acceptance_length"] >= 1.0 and c["acceptance_length_untrained"] >= 1.0, name
+        assert c["acceptance_length_sampled"] >= 1.0 and len(c["per_position_acceptance_sampled"]) == 3, name
+        assert all(0.0 <= p <= 1.0 for p in c["per_position_acceptance"] + c["per_position_acceptance_sampled"])
+    assert det["sampling_temperature"] == tiny_config.evaluate.temperature and det["acceptance_length_sampled"] >= 1.0
+    assert ev["speedup"] > 0 and ev["speedup"] == pytest.approx(
+        det["speedup_detail"]["tokens_per_s_draft"] / det["speedup_detail"]["tokens_per_s_plain"])
+    assert det["speedup_detail"]["rounds"] == tiny_config.evaluate.speedup_rounds
     for k in ("tokenized", "hidden_states", "manifest", "vocab", "checkpoint", "report_md", "target_model"):
         assert rep["artifacts"][k] and Path(rep["artifacts"][k]).exists(), k
     assert (run_dir / "plots" / "acceptance.png").exists() and (run_dir / "plots" / "train_loss.png").exists()
