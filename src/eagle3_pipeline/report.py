@@ -236,7 +236,9 @@ def _summary(stages: dict) -> list[str]:
         if have:
             sampled = sum(n * t for n, t in have) / sum(n for n, _ in have)
     if _isnum(sampled):
-        out.append(f"- **τ at temperature {_num(temp) if _isnum(temp) else '> 0'}** (trained): {sampled:.3f}")
+        warn = _get(ev, "sampling_warning")
+        out.append(f"- **τ at temperature {_num(temp) if _isnum(temp) else '> 0'}** (trained): {sampled:.3f}"
+                   + (f" — ⚠ not a measure of the draft here: {warn}" if warn else ""))
     speedup = _get(ev, "speedup")
     if _isnum(speedup):
         d = _get(ev, "speedup_detail") or {}

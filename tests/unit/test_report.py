@@ -202,3 +202,17 @@ def test_a_failing_plot_is_a_warning_and_the_others_stay(tmp_path):
     assert "[train_loss]: data:image/png" in md and "[tau_per_category]: data:image/png" in md
     assert "[acceptance]" not in md and not (tmp_path / "run/plots/acceptance.png").exists()
     assert "- warning: plot acceptance failed: " in md
+
+
+def test_a_sampled_tau_the_build_cannot_measure_is_flagged(tmp_path):
+    """evaluate's sampling_warning (vLLM's CPU build samples wrong tokens with a draft at T > 0) stands next
+    to the sampled τ in the summary, so nobody reads 1.0 at T=0.7 as the draft's quality."""
+    from tests.helpers.report_sample import sample_report
+
+    rep = sample_report()
+    rep["stages"]["evaluate"]["details"]["sampling_warning"] = "vLLM's CPU build emits wrong tokens at T > 0"
+    md = open(write_report(tmp_path / "run", rep)["report_md"]).read()
+    assert ("**τ at temperature 0.7** (trained): 1.813 — ⚠ not a measure of the draft here: vLLM's CPU build "
+            "emits wrong tokens at T > 0") in md
+    plain = open(write_report(tmp_path / "run2", sample_report())["report_md"]).read()
+    assert "not a measure of the draft" not in plain

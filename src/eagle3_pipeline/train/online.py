@@ -223,7 +223,7 @@ class HiddenStateServer:
         if not path:
             raise ContractError(f"online: the server returned no hidden_states_path (kv_transfer_params="
                                 f"{out.get('kv_transfer_params')!r}); is the extract_hidden_states method active?")
-        _await_file(Path(path), timeout_s)
+        await_hidden_states_file(Path(path), timeout_s)
         data = load_file(path)
         Path(path).unlink(missing_ok=True)
         fp = None
@@ -234,7 +234,7 @@ class HiddenStateServer:
         return data, fp
 
 
-def _await_file(path: Path, timeout_s: float) -> None:
+def await_hidden_states_file(path: Path, timeout_s: float) -> None:
     """Wait until the connector has written `path` (it holds `<path>.lock` while writing), then drop the lock."""
     lock = Path(f"{path}.lock")
     deadline = time.time() + timeout_s

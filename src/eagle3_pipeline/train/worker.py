@@ -318,7 +318,9 @@ def _loaders(job: dict, hidden_size: int, num_aux: int):
     on = job.get("online")
     if on:  # every row from the server: an empty directory of stored rows, so each one is generated
         Path(on["cache_dir"]).mkdir(parents=True, exist_ok=True)
-        source = dict(transfer=FP8Transfer(Path(on["cache_dir"]), torch.bfloat16), vllm_endpoint=on["endpoint"],
+        from eagle3_pipeline.train.online_data import ServerFileTransfer
+
+        source = dict(transfer=ServerFileTransfer(Path(on["cache_dir"]), on["request_timeout_s"]), vllm_endpoint=on["endpoint"],
                       on_missing="generate", request_timeout=on["request_timeout_s"], max_retries=2,
                       generation_validation_retries=2, max_consecutive_generation_failures=5)
     else:
