@@ -38,7 +38,8 @@ def refresh(config_path: str = "configs/tiny-cpu.yaml", overrides: list[str] | N
     if config.prepare.heldout_fraction is None:
         print("refresh: prepare.heldout_fraction is not set: the held-out set is the heldout_rows lowest hashes, "
               "which added rows can shift; set it to keep held-out conversations out of training across refreshes")
-    prep = t.prepare(config)
+    regen = t.regenerate(config) if config.regenerate.enabled else None  # the store answers a done version
+    prep = t.prepare(config, regen)
     version = t.plan_extract(config, prep, t.preflight(config, prep))
     draft = trained_draft(config, version)
     t.record_refresh(config, prep, draft, changed=retrain or draft is None)

@@ -18,7 +18,8 @@ def rerun_failed(config: PipelineConfig | None = None, force_shards: list[int] |
                  config_path: str = DEFAULT_CONFIG_PATH):
     config = resolve_config(config, config_path)  # flows/config_param.py: the deployment's default is a path
     use_hub_secret(config)
-    prep = t.prepare(config)
+    regen = t.regenerate(config) if config.regenerate.enabled else None  # the store answers a done version
+    prep = t.prepare(config, regen)
     version = t.plan_extract(config, prep, t.preflight(config, prep))
     t.gpu_gate("before-extract")
     extract(config, version, force_shards=force_shards)
