@@ -73,6 +73,8 @@ def test_online_training_takes_every_row_from_the_server(llama_online):
     assert not (Path(on["work_dir"]) / "server_hidden_states").exists()
     assert on["scratch_peak_bytes"] > 0  # files really passed through the scratch dir while training
     assert tr.hidden_states_peak_bytes == on["sample_bytes"] + on["scratch_peak_bytes"]
+    dumped = tr.model_dump(mode="json")  # what report.json and Prefect get: the online fields are real fields
+    assert dumped["hidden_states_peak_bytes"] == tr.hidden_states_peak_bytes and dumped["online"]["verify"]["passed"]
     assert tr.hidden_states_peak_bytes < on["offline_bytes_estimate"] / 2
     # the server is gone with the stage, and its log is kept
     assert _servers_left() == []

@@ -77,6 +77,8 @@ class TrainResult(BaseModel):
     init: str = "scratch"  # scratch, or previous: initialised from the previous version's draft (train.init)
     previous_draft: str | None = None    # that draft's checkpoint (lineage)
     previous_version: str | None = None  # "<prepare version>/<extract version>" it was trained on
+    hidden_states_peak_bytes: int | None = None  # online: most bytes of hidden states on disk (train/online.py)
+    online: dict | None = None  # online: the OnlineResult (server start-up, verified sample, disk peak) + its verify
 
 
 def _check_inputs(version: ExtractVersion) -> int:
