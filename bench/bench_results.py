@@ -22,3 +22,20 @@ def spread(values: list[float]) -> dict:
 
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)} \
         if values else {"median": None, "min": None, "max": None, "n": 0}
+
+
+def tiny_default_data(work: Path) -> dict:
+    """The tiny default (configs/tiny-cpu.yaml) prepared, extracted and its vocab built in a store under
+    `work` (content-addressed: a second call reuses it): {"cfg", "prep", "version", "ext", "voc"}."""
+    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.stages import plan_extract, stage_extract, stage_preflight, stage_prepare, stage_vocab
+
+    root = Path(__file__).resolve().parents[1]
+    tiny = root / ".cache" / "tiny-target"
+    cfg = load_config(root / "configs" / "tiny-cpu.yaml", [f"store={work / 'store'}", f"target.model={tiny}"])
+    quiet = lambda _: None  # noqa: E731
+    prep = stage_prepare(cfg, log=quiet)
+    version = plan_extract(cfg, prep, stage_preflight(cfg, prep, log=quiet))
+    ext = stage_extract(cfg, version, log=quiet)
+    voc = stage_vocab(cfg, prep, version, log=quiet)
+    return {"cfg": cfg, "prep": prep, "version": version, "ext": ext, "voc": voc}

@@ -28,25 +28,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from bench_results import record, spread  # bench/ is sys.path[0] when run as a script
+from bench_results import record, spread, tiny_default_data  # bench/ is sys.path[0] when run as a script
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 console = Console(width=160)
-
-
-def build_data(work: Path) -> dict:
-    from eagle3_pipeline.config import load_config
-    from eagle3_pipeline.stages import plan_extract, stage_extract, stage_preflight, stage_prepare, stage_vocab
-
-    tiny = ROOT / ".cache" / "tiny-target"
-    cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml", [f"store={work / 'store'}", f"target.model={tiny}"])
-    quiet = lambda _: None  # noqa: E731
-    prep = stage_prepare(cfg, log=quiet)
-    version = plan_extract(cfg, prep, stage_preflight(cfg, prep, log=quiet))
-    ext = stage_extract(cfg, version, log=quiet)
-    voc = stage_vocab(cfg, prep, version, log=quiet)
-    return {"cfg": cfg, "prep": prep, "version": version, "ext": ext, "voc": voc}
 
 
 def run(d: dict, out: Path, args, online: dict | None) -> dict:
@@ -74,7 +60,7 @@ def main() -> None:
     from eagle3_pipeline.train.online import HiddenStateServer
 
     work = Path(args.work)
-    d = build_data(work)
+    d = tiny_default_data(work)
     version, cfg = d["version"], d["cfg"]
     ds = load_tokenized(version.tokenized_dir)
     stored = sum(p.stat().st_size for p in version.hidden_states_dir.glob("hs_*.safetensors"))

@@ -32,26 +32,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from bench_results import record, spread  # bench/ is sys.path[0] when run as a script
+from bench_results import record, spread, tiny_default_data  # bench/ is sys.path[0] when run as a script
 
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("fetch_ms", "fwd_ms", "bwd_ms", "opt_ms")  # speculators' step profiler, median per run
 sys.path.insert(0, str(ROOT))  # tests.helpers.speculators_cpu (tests/ is not an installed package)
 console = Console(width=160)
-
-
-def build_data(work: Path) -> dict:
-    from eagle3_pipeline.config import load_config
-    from eagle3_pipeline.stages import plan_extract, stage_extract, stage_preflight, stage_prepare, stage_vocab
-
-    tiny = ROOT / ".cache" / "tiny-target"
-    cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml", [f"store={work / 'store'}", f"target.model={tiny}"])
-    quiet = lambda _: None  # noqa: E731
-    prep = stage_prepare(cfg, log=quiet)
-    version = plan_extract(cfg, prep, stage_preflight(cfg, prep, log=quiet))
-    ext = stage_extract(cfg, version, log=quiet)
-    voc = stage_vocab(cfg, prep, version, log=quiet)
-    return {"cfg": cfg, "prep": prep, "version": version, "ext": ext, "voc": voc}
 
 
 def _rates(steps: list[tuple[float, float]]) -> tuple[int, float, float]:
@@ -124,7 +110,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     work = Path(args.work)
     t0 = time.time()
-    d = build_data(work)
+    d = tiny_default_data(work)
     console.print(f"data: {d['prep'].rows_out} rows, {d['prep'].tokens} tokens ({time.time() - t0:.0f}s to "
                   f"prepare/extract, cached in {work}); {args.epochs} epoch(s), {args.max_seq_len}-token rows, "
                   f"lr {args.lr}; torch threads default, {os.cpu_count()} cores")

@@ -65,6 +65,22 @@ def exit_child(rc: int):
     os._exit(rc)
 
 
+def child_main(main: Callable[[list[str]], int]) -> None:
+    """The whole `if __name__ == "__main__":` of an engine child: run `main(sys.argv[1:])`; on any failure
+    print the whole traceback (the parent needs the whole story, whatever it was) and exit 1, otherwise
+    exit with main's code through `exit_child` (no interpreter teardown)."""
+    import traceback
+
+    try:
+        rc = main(sys.argv[1:])
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    exit_child(rc)
+
+
 def kill_group(pgid: int, grace_s: float = 10.0, leader: subprocess.Popen | None = None) -> None:
     """SIGTERM the process group, wait up to `grace_s`, then SIGKILL whatever is left. `leader`: the
     group's leader when it is our child; it is reaped while waiting (an unreaped zombie still counts

@@ -24,7 +24,6 @@ import os
 import signal
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Literal
 
@@ -34,7 +33,7 @@ from eagle3_pipeline.config import EngineConfig, TargetConfig
 from eagle3_pipeline.contracts import (FP_TOP, ContractError, fingerprint_from_logprobs, fingerprint_name, record_name,
                                       to_record, write_record, write_fingerprint)
 from eagle3_pipeline.layout import Shard
-from eagle3_pipeline.proc import emit_event, exit_child
+from eagle3_pipeline.proc import child_main, emit_event
 
 KILL_AFTER_ENV = "EAGLE3_TEST_KILL_AFTER_SHARDS"
 RECORD_DELAY_ENV = "EAGLE3_TEST_RECORD_DELAY_S"
@@ -278,11 +277,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        rc = main(sys.argv[1:])
-    except BaseException:  # noqa: BLE001 - the parent needs the whole story, whatever it was
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    exit_child(rc)  # every record is published: skip the engine's teardown
+    child_main(main)  # every file is written before main returns: no engine teardown (proc.exit_child)

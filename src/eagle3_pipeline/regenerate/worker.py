@@ -25,10 +25,9 @@ import os
 import signal
 import sys
 import time
-import traceback
 from pathlib import Path
 
-from eagle3_pipeline.proc import emit_event, exit_child
+from eagle3_pipeline.proc import child_main, emit_event
 from eagle3_pipeline.regenerate.job import (QUARANTINE_DIR, ROWS_DIR, RegenerateJob, ShardInput, input_sha, shard_file,
                                             source_rows)
 
@@ -249,11 +248,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":  # vLLM's spawned engine processes re-import this module: keep the work here
-    try:
-        rc = main(sys.argv[1:])
-    except BaseException:  # noqa: BLE001 - the parent needs the whole story, whatever it was
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    exit_child(rc)  # every shard is written: skip the engine's teardown
+    child_main(main)  # every file is written before main returns: no engine teardown (proc.exit_child)
