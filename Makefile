@@ -55,7 +55,7 @@ browser:
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; }
 
 test: $(STAMP) tiny tiny-moe browser
-	$(PY) -m pytest tests -q -p no:cacheprovider --timeout 3600
+	$(PY) -m pytest tests -q -p no:cacheprovider --timeout 3600 --durations=25
 
 test-fast: $(STAMP)
 	$(PY) -m pytest tests/unit -q -p no:cacheprovider

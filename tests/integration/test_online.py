@@ -41,9 +41,11 @@ def _run_online(cfg, log_lines: list[str]):
 
 
 @pytest.fixture(scope="module")
-def llama_online(tiny_config):
-    cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml",
-                      [f"{k}={v}" for k, v in _flat(tiny_config).items()] + ONLINE)
+def llama_online(tiny_config, tmp_path_factory):
+    """The session's tiny data in a store of its own (the session store holds the offline extraction of the
+    same version, and this run must show that online training writes no records)."""
+    overrides = {**_flat(tiny_config), "store": str(tmp_path_factory.mktemp("online-store"))}
+    cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml", [f"{k}={v}" for k, v in overrides.items()] + ONLINE)
     lines: list[str] = []
     version, tr = _run_online(cfg, lines)
     return cfg, version, tr, lines

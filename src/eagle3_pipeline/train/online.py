@@ -162,7 +162,7 @@ class HiddenStateServer:
         try:
             self._wait_ready()
         except BaseException:
-            self.child.__exit__(None, None, None)
+            self.__exit__(None, None, None)  # the server's group and its scratch dir go with the failure
             raise
         self.start_s = round(time.time() - t0, 2)
         self.log(f"online: server ready in {self.start_s:.1f}s at {self.endpoint}")
