@@ -148,6 +148,13 @@ def stage_train(cfg: PipelineConfig, version: ExtractVersion, voc, log=print):
     if cfg.train.mode == "online":
         return stage_train_online(cfg, version, voc, log=log)
     require_verified(version)
+    prev, tcfg = _train_start(cfg, version, log)
+    return train_draft(tcfg, cfg.target, version, Path(voc.dir), version.train_dir(train_key(cfg, version)),
+                       log=log, previous=prev)
+
+
+def _train_start(cfg: PipelineConfig, version: ExtractVersion, log):
+    """(the previous draft to continue from or None, the train settings for it), said in the log."""
     prev = previous_for(cfg, version)
     if cfg.train.init == "previous" and prev is None:
         log("train: train.init=previous but no other version of this dataset/model/layers has a trained draft; "
@@ -156,8 +163,7 @@ def stage_train(cfg: PipelineConfig, version: ExtractVersion, voc, log=print):
     if prev is not None:
         log(f"train: continuing from the draft of version {prev.prepare_version}/{prev.extract_version} "
             f"({prev.checkpoint}) for {tcfg.epochs} epoch(s)")
-    return train_draft(tcfg, cfg.target, version, Path(voc.dir), version.train_dir(train_key(cfg, version)),
-                       log=log, previous=prev)
+    return prev, tcfg
 
 
 def stage_train_online(cfg: PipelineConfig, version: ExtractVersion, voc, log=print):
@@ -166,17 +172,17 @@ def stage_train_online(cfg: PipelineConfig, version: ExtractVersion, voc, log=pr
     states fetched from it (train/online.py); the server ends with the stage. The TrainResult carries
     the OnlineResult and its `verify` (the VerifyResult of the sample) for the report."""
     from eagle3_pipeline.data.prepare import load_tokenized
+    from eagle3_pipeline.preflight import disk_plans
+    from eagle3_pipeline.store import write_json
     from eagle3_pipeline.train import train_draft
     from eagle3_pipeline.train.online import HiddenStateServer, OnlineResult, sample_and_verify
-    from eagle3_pipeline.store import write_json
 
-    prev = previous_for(cfg, version)
-    tcfg = cfg.train if prev is None else cfg.train.model_copy(update={"epochs": cfg.train.refresh_epochs})
+    prev, tcfg = _train_start(cfg, version, log)
     out_dir = version.train_dir(train_key(cfg, version))
     work = out_dir / "online"
-    ds = load_tokenized(version.tokenized_dir)
-    max_len = int(max(ds["seq_len"])) + 1
-    offline_bytes = int(sum(ds["seq_len"])) * len(version.layer_ids) * version.dims.hidden_size * 2
+    seq_lens = load_tokenized(version.tokenized_dir)["seq_len"]
+    max_len = int(max(seq_lens)) + 1
+    offline_bytes = disk_plans(cfg, len(version.layer_ids), version.dims.hidden_size, int(sum(seq_lens)))["offline bf16"]
     with dir_lock(work, f"online training dir {work}", log), HiddenStateServer(
             cfg.extract, cfg.target, version, work, max_model_len=max_len,
             start_timeout_s=cfg.train.online_start_timeout_s, log=log) as srv:

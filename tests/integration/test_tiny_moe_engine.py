@@ -110,14 +110,9 @@ def _child(model_dir: str, out_dir: str, layer_ids: list[int]) -> None:
 # ---------------------------------------------------------------- fixtures (parent side)
 
 @pytest.fixture(scope="module")
-def tiny_moe() -> Path:
-    """The tiny-moe target dir; built (≈3 min) when the Makefile has not built it yet."""
-    path = Path(os.environ.get("EAGLE3_TINY_MOE", ROOT / ".cache" / "tiny-moe"))
-    if not (path / "tiny_target.json").exists():
-        from eagle3_pipeline.tiny.moe_target import TinyMoeConfig, build_tiny_moe
-
-        build_tiny_moe(TinyMoeConfig(), path)
-    return path
+def tiny_moe(tiny_moe_target) -> Path:
+    """The tiny-moe target dir (the session's tests/conftest.py fixture builds it when needed)."""
+    return tiny_moe_target
 
 
 @pytest.fixture(scope="module")
