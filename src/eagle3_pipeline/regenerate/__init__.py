@@ -158,6 +158,7 @@ def _count(shards: list[ShardInput]) -> int:
 def version_key(cfg: RegenerateConfig, shards: list[ShardInput], target: TargetConfig, tok, kwargs: dict) -> dict:
     """Everything that decides the rows of a version (its content key is the version)."""
     from eagle3_pipeline.data.prepare import TOKENIZER_FILES
+    from eagle3_pipeline.engine import cpu_build_kwargs
 
     tok_id = (dir_fingerprint(Path(target.tokenizer), TOKENIZER_FILES) if Path(target.tokenizer).exists()
               else f"{target.tokenizer}@{target.revision}")
@@ -168,7 +169,7 @@ def version_key(cfg: RegenerateConfig, shards: list[ShardInput], target: TargetC
                          "seed": cfg.seed},
             "turns": {"max_turns": cfg.max_turns, "on_length": cfg.on_length},
             "reasoning_parser": cfg.reasoning_parser, "max_model_len": cfg.max_model_len,
-            "format": REGENERATE_FORMAT}
+            "format": REGENERATE_FORMAT, **({"engine": e} if (e := cpu_build_kwargs()) else {})}
 
 
 def prepare_config(prep: PrepareConfig, res: RegenerateResult) -> PrepareConfig:

@@ -141,11 +141,10 @@ class HiddenStateServer:
 
     def __enter__(self) -> HiddenStateServer:
         from eagle3_pipeline.engine import extract_hidden_states_config, hidden_states_kv_config, server_argv, server_env
-        from eagle3_pipeline.extract.shards import _cpu_mla_one_at_a_time
 
         shutil.rmtree(self.scratch, ignore_errors=True)
         self.scratch.mkdir(parents=True)
-        cfg = _cpu_mla_one_at_a_time(self.cfg, self.version, self.log)
+        cfg = self.cfg
         self.port = free_port()
         batched = {} if cfg.max_num_batched_tokens is None else {"max_num_batched_tokens": cfg.max_num_batched_tokens}
         argv = server_argv(cfg, self.target, max_model_len=self.max_model_len, port=self.port,
