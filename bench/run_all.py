@@ -7,7 +7,7 @@ Runs each bench script as its own process (their own tables print as they go), i
   extract   bench/extract_vs_prefill.py   extraction ÷ plain prefill and ÷ speculators generate-offline-data,
                                           with and without fingerprints, at two sizes (~90M and ~0.6B
                                           random-weight models, built on first use), bytes/token bf16 vs fp8
-  verify    bench/verify_throughput.py    verify ÷ raw read (cat) of the same files, warm page cache
+  verify    bench/verify_throughput.py    verify ÷ raw read (cat) of the same files, warm and cold page cache
   prefect   bench/prefect_overhead.py     Prefect overhead per shard group on a 32-shard run
   train     bench/train_vs_speculators.py our train stage ÷ speculators' own trainer
   prepare   bench/prepare_throughput.py   2 processes ÷ 1

@@ -1,6 +1,13 @@
 """Verify throughput: the structure check of every record (verify/structure.py: parse, token ids,
 [T, L, H], dtype, finite, zero/identical layers, statistics, norm bounds) against a raw sequential
-read of the same files (`cat` to /dev/null), both with a warm page cache. Goal: ratio >= 0.8.
+read of the same files (`cat` to /dev/null). Goal: ratio >= 0.8.
+
+Two cache states, each timed for cat and verify alike:
+  warm  the files are in the page cache: `cat` is a memory copy (5-8 GB/s here), so the ratio is the
+        checks' arithmetic against memcpy;
+  cold  every file is dropped from the page cache (posix_fadvise DONTNEED) before each timed pass, as
+        a dataset far larger than memory (a 1T target's TBs of records) is always read: the ratio is
+        then what verify costs over reading the bytes from disk at all.
 
 Usage: .venv/bin/python bench/verify_throughput.py [--config configs/tiny-cpu.yaml] [--store .cache/bench/verify]
            [--repeats 5] [--synthetic-hidden 4096]
@@ -68,18 +75,35 @@ def synthetic_data(store: str, hidden: int, files: int = 16, tokens: int = 512) 
     return {"tokenized": str(tok), "hs": str(hs), "layer_ids": [1, 2, 3, 4], "hidden": hidden}
 
 
-def bench(name: str, data: dict, repeats: int, workers: list[int]) -> list[tuple]:
+def evict(files: list[Path]) -> None:
+    """Drop `files` from the page cache (clean pages only: they were written and synced long before)."""
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def bench(name: str, data: dict, repeats: int, workers: list[int], cold: bool = False) -> list[tuple]:
     from eagle3_pipeline.verify.structure import verify_structure
 
     files = sorted(Path(data["hs"]).glob("hs_*.safetensors"))
     nbytes = sum(f.stat().st_size for f in files)
+    if cold:
+        os.sync()  # written pages must be clean before they can be dropped
+    name = f"{name}, {'cold' if cold else 'warm'}"
 
     def cat() -> float:
+        if cold:
+            evict(files)
         t0 = time.perf_counter()
         subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
         return time.perf_counter() - t0
 
     def ver(w: int) -> float:
+        if cold:
+            evict(files)
         t0 = time.perf_counter()
         res = verify_structure(Path(data["tokenized"]), Path(data["hs"]), data["layer_ids"], data["hidden"],
                                log=lambda m: None, workers=w)
@@ -106,13 +130,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--synthetic-hidden", type=int, default=4096, help="0 = no synthetic data set")
     ap.add_argument("--workers", default="1,2", help="verify worker threads to time, comma-separated")
+    ap.add_argument("--cache", default="warm,cold", help="page-cache states to time: warm, cold or both")
     args = ap.parse_args()
     workers = [int(w) for w in args.workers.split(",")]
-    rows = bench("tiny (real extraction)", tiny_data(args.config, args.store), args.repeats, workers)
+    sets = [("tiny (real extraction)", tiny_data(args.config, args.store))]
     if args.synthetic_hidden:
-        rows += bench(f"synthetic H={args.synthetic_hidden}", synthetic_data(args.store, args.synthetic_hidden),
-                      args.repeats, workers)
-    t = Table(title=f"verify throughput vs cat (warm page cache, median of {args.repeats}, {os.cpu_count()} CPUs)")
+        sets.append((f"synthetic H={args.synthetic_hidden}", synthetic_data(args.store, args.synthetic_hidden)))
+    rows = [r for cache in args.cache.split(",") for name, data in sets
+            for r in bench(name, data, args.repeats, workers, cold=cache == "cold")]
+    t = Table(title=f"verify throughput vs cat (median of {args.repeats}, {os.cpu_count()} CPUs)")
     for c in ("data", "method", "files", "MB", "seconds", "MB/s", "ratio vs cat", "per round: median (min-max)"):
         t.add_column(c, justify="right")
     for name, m, n, b, s, r, sp in rows:
