@@ -237,3 +237,44 @@ def test_hidden_states_agree_with_hf(engine_run, layer_ids, tiny_moe):
 
 if __name__ == "__main__":
     _child(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))
+
+
+def test_tensor_parallel_2_extraction_agrees_with_tp1(engine_run, layer_ids, tiny_moe, tmp_path):
+    """The pipeline's extraction (extract/shards.py: child process, our connector, manifest) of the same
+    rows with tensor parallel 2 on CPU (2 heads of MLA per rank, experts split, gloo): rank 0 writes, and
+    the records agree with the TP=1 engine's above (bf16 partial sums in another order, MoE near-ties)."""
+    import datasets
+    import torch
+    from safetensors.torch import load_file
+
+    from eagle3_pipeline.config import ExtractConfig, TargetConfig
+    from eagle3_pipeline.contracts import read_record
+    from eagle3_pipeline.extract.connector import CONNECTOR_LOG
+    from tests.helpers.version import extract_all, make_version
+
+    out, _, _ = engine_run
+    ids = [load_file(str(out / f"hs_{i}.safetensors"))["input_ids"].tolist() for i in range(N_EXTRACT)]
+    tok_dir = tmp_path / "tokenized"
+    datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": [[1] * len(x) for x in ids],
+                                "seq_len": [len(x) for x in ids],
+                                "sample_id": [f"moe-{i}" for i in range(N_EXTRACT)]}).save_to_disk(str(tok_dir))
+    target = TargetConfig(model=str(tiny_moe), trust_remote_code=True)
+    version = make_version(target, tok_dir, tmp_path / "tp2", content_key="tp2", rows_per_shard=N_EXTRACT,
+                           layer_ids=layer_ids)
+    lines: list[str] = []
+    res = extract_all(ExtractConfig(rows_per_shard=N_EXTRACT, timeout_s=600, tensor_parallel_size=2,
+                                    gpu_memory_utilization=0.2), target, version, log=lines.append)
+    assert res.shards_published == res.shards_total == 1
+    ranks = [x for x in lines if CONNECTOR_LOG in x]
+    assert any("TP rank 0 of 2 writes hidden states" in x for x in ranks), ranks or lines[-30:]
+    worst = 1.0
+    for i in range(N_EXTRACT):
+        tp1 = load_file(str(out / f"hs_{i}.safetensors"))["hidden_states"].float()  # [T, L, H]
+        tp2 = read_record(version.record_path(i))
+        assert tp2["token_ids"].tolist() == ids[i]
+        got = tp2["hidden_states"].float()
+        assert got.shape == tp1.shape, (i, got.shape, tp1.shape)
+        cos = torch.nn.functional.cosine_similarity(got, tp1, dim=-1)  # [T, L]
+        worst = min(worst, cos.mean(dim=0).min().item())
+        assert cos.mean(dim=0).min() > 0.99, f"hs_{i}: TP=2 vs TP=1 mean token cosine per layer {cos.mean(dim=0)}"
+    print(f"tiny-moe TP=2 vs TP=1: worst per-layer mean token cosine {worst:.5f}")

