@@ -91,6 +91,14 @@ def params(model_dir: Path) -> int:
     return n
 
 
+def lm_head_share(model_dir: Path) -> float:
+    """The floor of any fingerprint of the target's own logits: lm_head's multiply-adds for every prompt
+    token ÷ the rest of the model's per token (parameters other than embeddings and lm_head; dense)."""
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    head = c["vocab_size"] * c["hidden_size"]
+    return head / (params(model_dir) - head * (1 if c.get("tie_word_embeddings") else 2))
+
+
 def _prod(shape) -> int:
     out = 1
     for d in shape:
@@ -277,7 +285,10 @@ def bench_size(size: str, n_rows: int, args) -> dict:
     t.add_row("seconds after the last shard (invariance, exit)", f"{sp['median']:.1f}", f"{sp['min']:.1f}",
               f"{sp['max']:.1f}", " ".join(f"{x:.1f}" for x in tail_s))
     console.print(t)
-    rec = {"params": n_params, "rows": rows, "tokens": results["bf16"].tokens,
+    floor = lm_head_share(model)
+    console.print(f"fingerprint floor, {size}: lm_head is {floor:.1%} of the rest of the model's multiply-adds per "
+                  f"token (vLLM computes full-vocabulary logits for every prompt token to return prompt logprobs)")
+    rec = {"params": n_params, "rows": rows, "tokens": results["bf16"].tokens, "lm_head_share": floor,
            "tok_s": {m: tps[m] for m in methods}, "tok_s_spread": {m: spread(tps[m]) for m in methods},
            "ratios": {k: spread(v) | {"values": v} for k, v in ratios.items()}, "after_last_shard_s": spread(tail_s)}
     if "fp8" in results:

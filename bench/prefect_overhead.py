@@ -7,13 +7,15 @@ published (the fast path: manifest read + sha256 of every file, no engine), thro
                persisted), its task results cleared first so every task runs
   cached       the same flow again: every group answered from Prefect's cache (a retried run)
   no-op        a flow of 32 tasks that do nothing (Prefect's floor per task run)
+  empty flow   a flow with no task: the fixed cost of a flow run (~1 s: Prefect's heartbeat thread sleeps
+               in 1-s steps and is joined when the flow ends), paid once per flow, not per group
   slot/task    a flow of 8 tasks each taking and releasing the GPU slot (tasks.stage_tasks.gpu_slot:
                the strict global concurrency limit with its lease): what every group paid before the
                extract flow took one slot for all its groups (gpu_slot_scope); per task
 
 against a temporary Prefect server (prefect_test_harness, SQLite). `--repeats` rounds (default 5)
 alternate the paths; every number is the median over the rounds with min-max, and the overhead per
-group is (path - direct) / groups within each round. Also set against the one real extraction of the
+group is (path - direct - empty flow) / groups within each round. Also set against the one real extraction of the
 same shards this script does first (one engine start).
 
 Where the time went before (2 CPU cores, SQLite): a strict slot per group (acquire, a lease-renewal
@@ -114,7 +116,7 @@ def run(args, tmp: Path) -> None:
 
     n, n_slot = len(groups), 8
     paths = {"direct": direct, "executed": executed, "cached": cached, "no-op": flow_of("noop", lambda k: k, n),
-             "slot/task": flow_of("gpu-slot", take_slot, n_slot)}
+             "empty flow": flow_of("empty", lambda k: k, 0), "slot/task": flow_of("gpu-slot", take_slot, n_slot)}
     times: dict[str, list[float]] = {k: [] for k in paths}
     with prefect_test_harness(server_startup_timeout=120):
         executed()  # warm-up: imports, the GPU limit, the first flow run
@@ -124,9 +126,14 @@ def run(args, tmp: Path) -> None:
                 fn()
                 times[name].append(time.perf_counter() - t0)
 
-    per = {k: n_slot if k == "slot/task" else n for k in paths}
+    per = {k: n_slot if k == "slot/task" else max(1, n if k != "empty flow" else 1) for k in paths}
     ms = {k: [1000 * s / per[k] for s in v] for k, v in times.items()}  # per group (per task)
-    over = {k: [1000 * (s - d) / n for s, d in zip(times[k], times["direct"])] for k in ("executed", "cached", "no-op")}
+    # A flow run costs ~1 s whatever it runs: Prefect's flow-run heartbeat thread sleeps in 1-s steps and
+    # the engine joins it when the flow ends (prefect/flow_engine.py `_send_heartbeats`; heartbeats are
+    # what detects crashed runs, so they stay on). That is per flow run, not per group: the per-group
+    # overhead is (path - direct - empty flow) / groups, and the fixed cost is its own row.
+    over = {k: [1000 * (s - d - e) / n for s, d, e in zip(times[k], times["direct"], times["empty flow"])]
+            for k in ("executed", "cached", "no-op")}
     tab = Table(title=f"Prefect overhead, extract stage, {n} published shards (fast path), {args.repeats} "
                       f"alternating rounds: median (min-max)")
     for col in ("path", "seconds", "ms per group", "overhead ms per group", "goal", "overhead ÷ one real extraction"):
@@ -139,12 +146,14 @@ def run(args, tmp: Path) -> None:
                     f"{n * spread(o)['median'] / 1000 / engine_s:.1%}" if o else "-")
     Console().print(tab)
     record("prefect", {"groups": n, "rounds": args.repeats, "engine_s": engine_s, "seconds": times,
+                       "flow_run_fixed_s": spread(times["empty flow"]),
                        "seconds_spread": {k: spread(v) for k, v in times.items()},
                        "ms_per_group": {k: spread(v) for k, v in ms.items()},
                        "overhead_ms_per_group": {k: spread(v) | {"values": v} for k, v in over.items()}})
     print(f"per-group Prefect overhead: executed {spread(over['executed'])['median']:.0f} ms, cached "
           f"{spread(over['cached'])['median']:.0f} ms (direct {spread(ms['direct'])['median']:.1f} ms/group); "
-          f"a GPU slot per task would cost {spread(ms['slot/task'])['median']:.0f} ms each")
+          f"a GPU slot per task would cost {spread(ms['slot/task'])['median']:.0f} ms each; every flow run costs "
+          f"{spread(times['empty flow'])['median']:.2f} s fixed (Prefect's heartbeat thread, joined at the end)")
 
 
 def _fmt(sp: dict, f: str) -> str:

@@ -106,6 +106,9 @@ def ratio_rows(res: dict) -> list[tuple[str, str, str]]:
                 rows.append((f"{name}, {size} ({sd['params'] / 1e6:.0f}M params)", _spread(r, pct), goals.get(name, "")))
             rows.append((f"seconds after a group's last shard, {size}", _spread(sd["after_last_shard_s"], False, ".1f"),
                          "invariance rows + child exit"))
+            if "lm_head_share" in sd:
+                rows.append((f"lm_head ÷ rest of the model (MACs per token), {size}", f"{sd['lm_head_share']:.1%}",
+                             "the fingerprint's floor: full-vocab logits per prompt token (Kimi-K2.5: ~4% of its 32B active)"))
         if "bytes_per_token_bf16" in d:
             rows.append(("bytes/token fp8 ÷ bf16", f"{d['bytes_per_token_fp8'] / d['bytes_per_token_bf16']:.2f}",
                          f"bf16 {d['bytes_per_token_bf16']:,.0f} B/token"))
@@ -122,6 +125,9 @@ def ratio_rows(res: dict) -> list[tuple[str, str, str]]:
                      "<= 200, incl. the GPU slot"))
         rows.append(("GPU slot taken per task (ms), for comparison", _spread(d["ms_per_group"]["slot/task"], False, ".0f"),
                      "the extract flow takes one per flow"))
+        if "flow_run_fixed_s" in d:
+            rows.append(("Prefect fixed cost per flow run (s)", _spread(d["flow_run_fixed_s"], False, ".2f"),
+                         "heartbeat thread joined at flow end (not per group)"))
         share = d["groups"] * o["executed"]["median"] / 1000 / d["engine_s"]
         rows.append((f"orchestration ÷ extraction, {d['groups']} tiny shards", f"{share:.0%}",
                      "median executed overhead × groups ÷ one real extraction"))

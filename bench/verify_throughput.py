@@ -1,6 +1,7 @@
-"""Verify throughput: the structure check of every record (verify/structure.py: parse, token ids,
-[T, L, H], dtype, finite, zero/identical layers, statistics, norm bounds) against a raw sequential
-read of the same files (`cat` to /dev/null). Goal: ratio >= 0.8.
+"""Verify throughput: the gate's pass over every record (verify/structure.py: parse, token ids,
+[T, L, H], dtype, finite, zero/identical layers, statistics, norm bounds, the layer-identity signature
+and, where the extraction stored fingerprints, the final-layer check against two lm_head rows per token)
+against a raw sequential read of the same files (`cat` to /dev/null). Goal: ratio >= 0.8.
 
 Two cache states, each timed for cat and verify alike:
   warm  the files are in the page cache: `cat` is a memory copy (5-8 GB/s here), so the ratio is the
@@ -50,8 +51,12 @@ def tiny_data(config: str, store: str) -> dict:
     prep = stage_prepare(cfg, log=lambda m: None)
     version = plan_extract(cfg, prep, stage_preflight(cfg, prep, log=lambda m: None))
     ext = stage_extract(cfg, version, log=lambda m: None)
+    from eagle3_pipeline.verify.fingerprint import final_layer_check
+
+    final, skipped = final_layer_check(cfg.target, version.dims, cfg.verify, version.storage_dtype)
+    assert final is not None, skipped
     return {"tokenized": version.tokenized_dir, "hs": ext.hidden_states_dir, "layer_ids": version.layer_ids,
-            "hidden": version.dims.hidden_size}
+            "hidden": version.dims.hidden_size, "final": final, "fingerprints": str(version.fingerprints_dir)}
 
 
 def synthetic_data(store: str, hidden: int, files: int = 16, tokens: int = 512) -> dict:
@@ -86,7 +91,12 @@ def evict(files: list[Path]) -> None:
 
 
 def bench(name: str, data: dict, repeats: int, workers: list[int], cold: bool = False) -> list[tuple]:
-    from eagle3_pipeline.verify.structure import verify_structure
+    from eagle3_pipeline.config import VerifyConfig
+    from eagle3_pipeline.verify.structure import _Extras, verify_structure
+
+    vc = VerifyConfig()  # the gate's defaults
+    extras = _Extras(identity=True, final=data.get("final"), fingerprints_dir=data.get("fingerprints"),
+                     fingerprints_required=bool(data.get("final")), min_agreement=vc.fingerprint_min_agreement)
 
     files = sorted(Path(data["hs"]).glob("hs_*.safetensors"))
     nbytes = sum(f.stat().st_size for f in files)
@@ -106,9 +116,10 @@ def bench(name: str, data: dict, repeats: int, workers: list[int], cold: bool = 
             evict(files)
         t0 = time.perf_counter()
         res = verify_structure(Path(data["tokenized"]), Path(data["hs"]), data["layer_ids"], data["hidden"],
-                               log=lambda m: None, workers=w)
+                               log=lambda m: None, workers=w, extras=extras, identity_max_z=vc.identity_max_z)
         dt = time.perf_counter() - t0
         assert res.passed, res.problems[:3]
+        assert data.get("final") is None or res.fingerprint.rows_checked == len(files), res.fingerprint
         return dt
 
     times: dict[str, list[float]] = {"cat": []} | {f"verify, {w} worker{'s' * (w > 1)}": [] for w in workers}

@@ -50,29 +50,65 @@ def feature_names(layer_ids: list[int]) -> list[str]:
 
 def signature(x) -> np.ndarray:
     """float32 [F] of one record x fp32 [T, L, H] (features in `feature_names` order)."""
-    import torch
+    q = TokenQuantities(x.shape[0], x.shape[1])
+    q.add(x, 0, x.shape[0], 0)
+    return q.features()
 
-    L = x.shape[1]
-    n = torch.linalg.vector_norm(x, dim=-1)  # [T, L]
-    u = x / n.clamp_min(1e-12).unsqueeze(-1)  # [T, L, H]
-    near_last = (u * u[:, -1:]).sum(dim=-1)  # [T, L]: cosine with the last slot
-    f = []
-    for a in range(L - 1):
-        for b in range(a + 1, L):
-            f.append((n[:, b] > n[:, a]).float().mean())
-            if b < L - 1:
-                f.append((near_last[:, b] > near_last[:, a]).float().mean())
-    for a in range(L - 1):
-        c = (u[:, a] * u[:, a + 1]).sum(dim=-1)  # [T]
-        f.append(c.mean())
-        f.append((c < LOW_COSINE).float().mean())
-        if x.shape[0] >= 3:  # token t of slot a against tokens t-1, t+1 of slot a+1: a shifted slot aligns off by one
-            prev = (u[1:-1, a] * u[:-2, a + 1]).sum(dim=-1)
-            nxt = (u[1:-1, a] * u[2:, a + 1]).sum(dim=-1)
-            f.append((c[1:-1] > torch.maximum(prev, nxt)).float().mean())
+
+class TokenQuantities:
+    """The per-token quantities the features are means of, filled chunk by chunk (the structure pass
+    converts a record to fp32 a cache-sized block of tokens at a time): per token t and slot a, the
+    norm, the cosine with the last slot, the cosine with slot a+1 of the same token and of tokens t-1
+    and t+1 (which is why a chunk comes with one token of context on each side)."""
+
+    def __init__(self, T: int, L: int):
+        import torch
+
+        self.T, self.L = T, L
+        self.norm = torch.zeros(T, L)
+        self.near_last = torch.zeros(T, L)
+        self.c = torch.zeros(T, max(L - 1, 0))
+        self.prev = torch.zeros(T, max(L - 1, 0))
+        self.nxt = torch.zeros(T, max(L - 1, 0))
+
+    def add(self, x, t0: int, t1: int, lo: int) -> None:
+        """x fp32 [m, L, H] holds tokens lo .. lo+m-1 of the record; fill tokens t0 .. t1-1 (with
+        lo <= t0 - 1 and lo + m >= t1 + 1 wherever those tokens exist)."""
+        import torch
+
+        n = torch.linalg.vector_norm(x, dim=-1)  # [m, L]
+        u = x / n.clamp_min(1e-12).unsqueeze(-1)  # [m, L, H]
+        s = slice(t0 - lo, t1 - lo)
+        self.norm[t0:t1] = n[s]
+        self.near_last[t0:t1] = (u[s] * u[s, -1:]).sum(dim=-1)
+        self.c[t0:t1] = (u[s, :-1] * u[s, 1:]).sum(dim=-1)
+        p0, p1 = max(t0, 1), min(t1, self.T - 1)  # tokens with both neighbours
+        if p1 > p0:
+            i = slice(p0 - lo, p1 - lo)
+            self.prev[p0:p1] = (u[i, :-1] * u[p0 - 1 - lo:p1 - 1 - lo, 1:]).sum(dim=-1)
+            self.nxt[p0:p1] = (u[i, :-1] * u[p0 + 1 - lo:p1 + 1 - lo, 1:]).sum(dim=-1)
+
+    def features(self) -> np.ndarray:
+        """The features (`feature_names` order), each a mean over the record's tokens, computed for all
+        slot pairs at once (a few tensor operations instead of a few per pair: records are many and small)."""
+        import torch
+
+        L, T = self.L, self.T
+        grows = (self.norm[:, None, :] > self.norm[:, :, None]).float().mean(dim=0)  # [a, b]: norm of b > norm of a
+        nearer = (self.near_last[:, None, :] > self.near_last[:, :, None]).float().mean(dim=0)
+        cos_mean, cos_low = self.c.mean(dim=0), (self.c < LOW_COSINE).float().mean(dim=0)  # [L - 1]
+        if T >= 3:  # token t of slot a against tokens t-1, t+1 of slot a+1: a shifted slot aligns off by one
+            own = (self.c[1:-1] > torch.maximum(self.prev[1:-1], self.nxt[1:-1])).float().mean(dim=0)
         else:
-            f.append(torch.tensor(1.0))
-    return torch.stack(f).numpy().astype(np.float32)
+            own = torch.ones(L - 1)
+        f = []
+        for a in range(L - 1):
+            for b in range(a + 1, L):
+                f.append(grows[a, b])
+                if b < L - 1:
+                    f.append(nearer[a, b])
+        f += [x for a in range(L - 1) for x in (cos_mean[a], cos_low[a], own[a])]
+        return torch.stack(f).numpy().astype(np.float32)
 
 
 def learn(sigs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
