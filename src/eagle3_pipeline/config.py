@@ -159,7 +159,8 @@ class VerifyConfig(Strict):
     # every row, aux layers: each slot must look like its own layer (verify/identity.py)
     identity_max_z: float | None = Field(20.0, gt=0, description="largest robust deviation of a record's layer-slot "
                                          "relations from the typical ones (verify/identity.py); None = no identity check")
-    workers: int | None = Field(None, ge=1, description="threads reading and checking files; None = CPU count (max 8)")
+    workers: int | None = Field(None, ge=1, description="threads reading and checking files; None = CPU count "
+                                "(max 8), or 1 for records under 4 MB on average")
     online_rows: int = Field(64, ge=1, description="train.mode online: rows whose hidden states are taken from the "
                              "training server (spread over the dataset) and verified like stored records before "
                              "training starts (structure, fingerprints, identity, reference, invariance)")

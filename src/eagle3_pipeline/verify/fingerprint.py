@@ -68,7 +68,7 @@ def _find(names: list[str], suffixes: tuple[str, ...]) -> str | None:
 
 
 class FinalLayerCheck:
-    """The final norm + lm_head of a target, loaded once; `agreement(h_N, fingerprint)` per record."""
+    """The final norm + lm_head of a target, loaded once; `agreement_many` checks records against their fingerprints."""
 
     def __init__(self, model_dir: str | Path, eps: float, atol: float, rtol: float, slack: float = 1.0):
         import torch
@@ -89,14 +89,11 @@ class FinalLayerCheck:
         self.eps, self.atol, self.rtol = float(eps), atol * slack, rtol * slack
         self.torch = torch
 
-    def agreement(self, h_final, fingerprint: dict) -> tuple[float, int, int | None]:
-        """(fraction of tokens that agree, tokens compared, first disagreeing token) for one record:
-        `h_final` fp32 [T, H] (the stored final-layer state), `fingerprint` the sidecar's tensors."""
-        return self.agreement_many([(h_final, fingerprint)])[0]
-
     def agreement_many(self, records: list[tuple]) -> list[tuple[float, int, int | None]]:
-        """`agreement` of several records at once (one set of tensor operations for all their tokens:
-        per record they cost more in call overhead than in arithmetic on small records)."""
+        """Per record (h_final fp32 [T, H]: the stored final-layer state, fingerprint: the sidecar's
+        tensors): (fraction of tokens that agree, tokens compared, first disagreeing token). One set of
+        tensor operations for all the records' tokens: per record they cost more in call overhead than
+        in arithmetic on small records."""
         import numpy as np
 
         from eagle3_pipeline.contracts import FP_IDS_KEY, FP_LOGPROBS_KEY

@@ -9,7 +9,7 @@ a's" and "fraction of tokens where slot b is closer (cosine) to the last slot th
 0 or 1 for every record and flip when two slots are swapped; and adjacent slots of the same token are
 similar (mean cosine; fraction of tokens below cosine 0.5) and each token's state is nearer its own
 token's state in the next slot than the neighbouring tokens' (a slot shifted by a token flips this),
-which states of another request or of a shifted span break. `signature` computes these features per record in the structure pass (the
+which states of another request or of a shifted span break. `TokenQuantities` computes these features per record in the structure pass (the
 same read); `learn` takes the median and MAD of each feature over the records (robust: a few percent
 of bad records do not move them); a record fails when a feature is more than `max_z` robust
 deviations from the median. A whole extraction with a wrong layer id is consistent with itself: that
@@ -46,13 +46,6 @@ def feature_names(layer_ids: list[int]) -> list[str]:
         names.append(f"layers {layer_ids[a]}/{layer_ids[a + 1]}: share of tokens below cosine {LOW_COSINE}")
         names.append(f"layers {layer_ids[a]}/{layer_ids[a + 1]}: share of tokens nearest their own token (not a neighbour)")
     return names
-
-
-def signature(x) -> np.ndarray:
-    """float32 [F] of one record x fp32 [T, L, H] (features in `feature_names` order)."""
-    q = TokenQuantities(x.shape[0], x.shape[1])
-    q.add(x, 0, x.shape[0], 0)
-    return q.features()
 
 
 class TokenQuantities:
