@@ -158,17 +158,52 @@ def to_record(hidden_states, token_ids, storage_dtype: str) -> dict:
     return rec
 
 
-def write_record(path: Path, record: dict, layer_ids: list[int], storage_dtype: str, tag: str = "0") -> Path:
-    """Write a `to_record` dict atomically (store.atomic_write). One metadata key only: safetensors
-    orders several keys at random (a Rust HashMap), and a record's bytes must not depend on the
-    process that wrote it."""
+def record_metadata(layer_ids: list[int], storage_dtype: str) -> dict[str, str]:
+    """The safetensors metadata of a record. One key only: safetensors orders several keys at random
+    (a Rust HashMap), and a record's bytes must not depend on the process that wrote it."""
+    return {RECORD_META_KEY: json.dumps({"layer_ids": list(layer_ids), "storage_dtype": storage_dtype}, sort_keys=True)}
+
+
+def write_record(path: Path, record: dict, layer_ids: list[int], storage_dtype: str, tag: str = "0",
+                 durable: bool = True) -> Path:
+    """Write a `to_record` dict atomically (store.atomic_write; `durable=False`: written to the returned
+    temporary name, the caller fsyncs and renames it with store.durable_replace)."""
     from safetensors.torch import save_file
 
     from eagle3_pipeline.store import atomic_write
 
-    meta = {RECORD_META_KEY: json.dumps({"layer_ids": list(layer_ids), "storage_dtype": storage_dtype},
-                                        sort_keys=True)}
-    return atomic_write(Path(path), lambda p: save_file(record, str(p), metadata=meta), tag=tag)
+    meta = record_metadata(layer_ids, storage_dtype)
+    return atomic_write(Path(path), lambda p: save_file(record, str(p), metadata=meta), tag=tag, durable=durable)
+
+
+def record_file_problem(path: str | Path, token_ids, layer_ids: list[int], hidden_size: int,
+                        storage_dtype: str) -> str | None:
+    """None when the file at `path` is already a record of `token_ids` (int64 [T]) as `write_record`
+    writes it: our metadata for these layer ids and storage dtype, exactly the record's keys, token
+    ids equal, hidden states [T, L, H] of the storage dtype (fp8: scales fp32 [T, 1, 1]); else what
+    differs. Reads the header and the token ids only (memory-mapped), not the hidden states."""
+    import torch
+    from safetensors import safe_open
+
+    T, L = len(token_ids), len(layer_ids)
+    keys = {HS_KEY, TOKENS_KEY} | ({SCALES_KEY} if storage_dtype == "fp8" else set())
+    with safe_open(str(path), framework="pt") as f:
+        if (f.metadata() or {}) != record_metadata(layer_ids, storage_dtype):
+            return f"metadata {f.metadata()!r} is not a record's"
+        if set(f.keys()) != keys:
+            return f"keys {sorted(f.keys())}, a record has {sorted(keys)}"
+        hs = f.get_slice(HS_KEY)
+        if list(hs.get_shape()) != [T, L, hidden_size] or hs.get_dtype() != STORAGE_DTYPES[storage_dtype]:
+            return f"hidden_states {hs.get_dtype()} {hs.get_shape()}, expected {STORAGE_DTYPES[storage_dtype]} {[T, L, hidden_size]}"
+        if storage_dtype == "fp8":
+            sc = f.get_slice(SCALES_KEY)
+            if list(sc.get_shape()) != [T, 1, 1] or sc.get_dtype() != "F32":
+                return f"{SCALES_KEY} {sc.get_dtype()} {sc.get_shape()}, expected F32 {[T, 1, 1]}"
+        tok = f.get_tensor(TOKENS_KEY)
+        expect = torch.as_tensor(token_ids, dtype=torch.int64)
+        if tok.dtype != torch.int64 or tok.shape != expect.shape or not torch.equal(tok, expect):
+            return f"token_ids {tok.dtype} {list(tok.shape)} differ from the row's {list(expect.shape)}"
+    return None
 
 
 def read_record(path: Path) -> dict:
@@ -239,9 +274,37 @@ def fingerprint_from_logprobs(prompt_logprobs: list, last_logprobs: dict | None,
     return {FP_IDS_KEY: ids.contiguous(), FP_LOGPROBS_KEY: lps.contiguous()}
 
 
-def write_fingerprint(path: Path, fingerprint: dict, tag: str = "0") -> Path:
+def fingerprint_from_flat(prompt_logprobs, last_logprobs, num_tokens: int) -> dict:
+    """The sidecar tensors from vLLM's flat logprobs (`SamplingParams(flat_logprobs=True)`: a
+    `FlatLogprobs` with parallel `token_ids` / `logprobs` / `ranks` lists and per-position
+    `start_indices` / `end_indices`; position 0 of the prompt's is empty) of the prompt and of the
+    generated token: the same tensors as `fingerprint_from_logprobs`, without a Python object per
+    position. Each position holds vLLM's (scored token, rank r), then ranks 1..k."""
+    import numpy as np
+    import torch
+
+    ids = np.full((num_tokens, FP_TOP), -1, dtype=np.int64)  # [T, 2]
+    lps = np.full((num_tokens, FP_TOP), np.nan, dtype=np.float32)  # [T, 2]
+    for flat, first_pos, row0 in ((prompt_logprobs, 1, 0), (last_logprobs, 0, num_tokens - 1)):
+        if flat is None or not len(flat.start_indices):
+            continue
+        starts = np.asarray(flat.start_indices[first_pos:], dtype=np.int64)
+        ends = np.asarray(flat.end_indices[first_pos:], dtype=np.int64)
+        n = min(len(starts), num_tokens - row0)
+        starts, ends = starts[:n], ends[:n]
+        tok, lp = np.asarray(flat.token_ids, dtype=np.int64), np.asarray(flat.logprobs, dtype=np.float32)
+        rank = np.asarray([-1 if r is None else r for r in flat.ranks], dtype=np.int64)
+        for j in range(FP_TOP):  # the entry of rank j+1 of each position: vLLM puts it at start + 1 + j
+            at = starts + 1 + j
+            ok = (at < ends) & (rank[np.minimum(at, len(rank) - 1)] == j + 1) if len(rank) else at < ends
+            rows = row0 + np.flatnonzero(ok)
+            ids[rows, j], lps[rows, j] = tok[at[ok]], lp[at[ok]]
+    return {FP_IDS_KEY: torch.from_numpy(ids), FP_LOGPROBS_KEY: torch.from_numpy(lps)}
+
+
+def write_fingerprint(path: Path, fingerprint: dict, tag: str = "0", durable: bool = True) -> Path:
     from safetensors.torch import save_file
 
     from eagle3_pipeline.store import atomic_write
 
-    return atomic_write(Path(path), lambda p: save_file(fingerprint, str(p)), tag=tag)
+    return atomic_write(Path(path), lambda p: save_file(fingerprint, str(p)), tag=tag, durable=durable)

@@ -101,11 +101,21 @@ def eagle3_config(draft_dir: str, num_speculative_tokens: int) -> dict:
     return {"method": "eagle3", "model": draft_dir, "num_speculative_tokens": num_speculative_tokens}
 
 
-def hidden_states_kv_config(connector_module: str, connector_name: str, scratch_dir: str) -> dict:
+def hidden_states_kv_config(connector_module: str, connector_name: str, scratch_dir: str, *,
+                            record: dict | None = None, locks: bool = True) -> dict:
     """The KV-transfer config of a hidden-states connector (default ours: `ExtractConfig.connector_*`),
-    writing one file per request into `scratch_dir`."""
+    writing one file per request into `scratch_dir`. `record` ({"layer_ids", "storage_dtype"}: the
+    extract worker) lets a request name its own file (`hidden_states_path` in its kv_transfer_params,
+    vLLM's `allow_custom_save_path`) and has our connector write the record format itself
+    (extract/connector.py); `locks=False` turns off vLLM's per-request `.lock` files (a connector that
+    renames complete files into place needs none: ours on the CPU)."""
+    extra: dict = {"shared_storage_path": scratch_dir}
+    if record is not None:
+        extra |= {"eagle3_record": dict(record), "allow_custom_save_path": True}
+    if not locks:
+        extra["use_synchronization_lock"] = False
     return {"kv_connector": connector_name, "kv_connector_module_path": connector_module, "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": scratch_dir}}
+            "kv_connector_extra_config": extra}
 
 
 def build_llm(engine: EngineConfig, target: TargetConfig, *, max_model_len: int,

@@ -53,26 +53,58 @@ def dir_fingerprint(path: Path, patterns: tuple[str, ...] = ("*",)) -> str:
     return h.hexdigest()[:16]
 
 
-def atomic_write(path: Path, write: Callable[[Path], None], tag: str = "0") -> Path:
-    """Call `write(tmp)` on a temporary name beside `path`, fsync it, then rename into place."""
+def tmp_name(path: Path, tag: str = "0") -> Path:
+    """The temporary name beside `path` that a write of attempt `tag` by this process uses."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{tag}-{os.getpid()}")
+    return path.with_name(f"{path.name}.tmp-{tag}-{os.getpid()}")
+
+
+def _disk_full(path: Path, e: OSError) -> OSError:
+    from eagle3_pipeline.errors import DiskFull, is_disk_full
+
+    if is_disk_full(e) and not isinstance(e, DiskFull):
+        return DiskFull(f"{path}: write failed, the disk is full ({type(e).__name__}: {e}); nothing was "
+                        f"written under this name", e.errno)
+    return e
+
+
+def durable_replace(tmp: Path, path: Path) -> Path:
+    """fsync the complete file `tmp`, then rename it to `path` (the second half of `atomic_write`, for
+    files written elsewhere, e.g. by the engine's connector, or fsynced off the writer's thread).
+    `tmp` is removed when this fails."""
     try:
-        write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
-        from eagle3_pipeline.errors import DiskFull, is_disk_full
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        err = _disk_full(Path(path), e)
+        if err is e:
+            raise
+        raise err from e
+    return Path(path)
 
-        if is_disk_full(e) and not isinstance(e, DiskFull):
-            raise DiskFull(f"{path}: write failed, the disk is full ({type(e).__name__}: {e}); nothing was "
-                           f"written under this name", e.errno) from e
-        raise
-    finally:
-        if tmp.exists():
+
+def atomic_write(path: Path, write: Callable[[Path], None], tag: str = "0", durable: bool = True) -> Path:
+    """Call `write(tmp)` on a temporary name beside `path`, fsync it, then rename into place.
+    `durable=False` stops after the write and returns the temporary name: the caller finishes with
+    `durable_replace(tmp, path)` (e.g. on a thread that fsyncs while the writer goes on)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_name(path, tag)
+    try:
+        write(tmp)
+        if not durable:
+            return tmp
+        durable_replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
             tmp.unlink()
+        err = _disk_full(path, e) if isinstance(e, OSError) else e
+        if err is e:
+            raise
+        raise err from e
     return path
 
 

@@ -2,18 +2,28 @@
 
 Owns `Eagle3HiddenStatesConnector`, loaded by vLLM inside its worker processes through
 `kv_transfer_config={"kv_connector": "Eagle3HiddenStatesConnector",
-"kv_connector_module_path": "eagle3_pipeline.extract.connector", ...}`.
-Writes one `<shared_storage_path>/<request id>.safetensors` per finished request
-(`hidden_states` [T, L, H] in the model dtype, `token_ids` int64[T]); the worker
-(`extract/worker.py`) turns it into our record and deletes it. Reads the hidden-states KV cache.
+"kv_connector_module_path": "eagle3_pipeline.extract.connector", ...}` (engine.hidden_states_kv_config).
+Writes one file per finished request: at the path the request names (`kv_transfer_params`
+`hidden_states_path`, with `allow_custom_save_path`; the extract worker names a temporary name beside
+the row's final record), else `<shared_storage_path>/<request id>.safetensors`. Reads the
+hidden-states KV cache.
+
+What it writes: with `kv_connector_extra_config["eagle3_record"] = {"layer_ids", "storage_dtype"}`
+(the extract worker) the record itself, byte for byte what `contracts.write_record` writes (bf16, or
+fp8 + per-token scales; our metadata), so the worker only checks its header and token ids and renames
+it into place instead of reading, converting and writing every byte again; without it (the online
+training server, whose reader expects vLLM's layout) `hidden_states` [T, L, H] in the model dtype and
+`token_ids` int64[T].
 
 Why a subclass: vLLM's `ExampleHiddenStatesConnector` copies device -> pinned host memory on a CUDA
 stream and writes from a thread pool, finishing when a CUDA event completes. On CPU that path fails
 inside the writer, the request's `.lock` file is never released and no data is written, so a
 reader waits forever. Here, when the cache lives on the CPU, the tensors are sliced out of the
-cache and written synchronously, and an already-completed stand-in event is recorded so that
-vLLM's `get_finished` reports the request done (and frees its blocks) on the same step.
-On CUDA the parent's asynchronous path is used unchanged.
+cache and written synchronously (write to a temporary name, then rename: a reader never sees a
+partial file, so no `.lock` file is needed: the worker turns `use_synchronization_lock` off on the CPU
+build), and an already-completed stand-in event is recorded so that vLLM's `get_finished` reports the
+request done (and frees its blocks) on the same step. On CUDA the parent's asynchronous path is used
+unchanged (vLLM's layout, a lock file; the worker converts).
 Only TP rank 0 writes (the parent's rule); the other ranks return at once, so TP>1 runs this
 same code.
 """
@@ -30,6 +40,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     extract_from_kv_cache,
 )
 from vllm.logger import init_logger
+
+from eagle3_pipeline.contracts import record_metadata, to_record
 
 logger = init_logger(f"vllm.{__name__}")  # under `vllm`, so vLLM's handler prints it in every worker
 CONNECTOR_LOG = "eagle3 hidden-states connector"  # prefix of the one line each TP rank logs at start
@@ -70,15 +82,22 @@ class Eagle3HiddenStatesConnector(ExampleHiddenStatesConnector):
         num_tokens = pending.token_ids.shape[0]
         # Advanced indexing copies, so the blocks may be reused as soon as we return.
         hidden_states = extract_from_kv_cache(self._kv_cache, slot_mapping, num_tokens)  # [T, L, H]
-        tensors = {"hidden_states": hidden_states.contiguous(),
-                   "token_ids": pending.token_ids.clone()}  # [T]
+        self._write(pending, hidden_states)
 
-        # Atomic: a reader never sees a partial file under the final name.
+    def _write(self, pending: PendingSave, hidden_states: torch.Tensor) -> None:
+        """Write `hidden_states` [T, L, H] of `pending` (CPU): the record when `eagle3_record` is
+        configured, else vLLM's layout; atomic, so a reader never sees a partial file under the name."""
+        spec = self._kv_transfer_config.get_from_extra_config("eagle3_record", None)
+        if spec:
+            tensors = to_record(hidden_states, pending.token_ids, spec["storage_dtype"])
+            meta = record_metadata(spec["layer_ids"], spec["storage_dtype"])
+        else:
+            tensors, meta = {"hidden_states": hidden_states.contiguous(), "token_ids": pending.token_ids.clone()}, None
         os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
         tmp = f"{pending.filename}.tmp-{os.getpid()}"
-        lock_fd = self._lock_fds.pop(pending.req_id, None)  # LOCK_EX taken in wait_for_save
+        lock_fd = self._lock_fds.pop(pending.req_id, None)  # LOCK_EX taken in wait_for_save (if locks are on)
         try:
-            save_file(tensors, tmp)
+            save_file(tensors, tmp, metadata=meta)
             os.replace(tmp, pending.filename)
         finally:
             if os.path.exists(tmp):

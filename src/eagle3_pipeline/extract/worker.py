@@ -5,11 +5,17 @@ Owns the engine side of the extract stage. Reads the job file (`ExtractJob`, wri
 (`engine.build_llm`) with the native `extract_hidden_states` speculative method and the job's
 connector (default ours, `extract/connector.py`; `ExtractConfig.connector_*`), then
 for each shard of the job, in order:
-  1. prefills the shard's rows (token ids in, `max_tokens=1`),
-  2. reads each request's file from `kv_transfer_params["hidden_states_path"]` (in `scratch_dir`),
-  3. checks it against the row (token ids, [T, L, H]) and writes our record
-     `hidden_states_dir/hs_{row}.safetensors` atomically (bf16, or fp8 + per-token scales),
-  4. deletes vLLM's file, then prints one `shard_done` event (proc.emit_event) for the parent.
+  1. prefills the shard's rows (token ids in, `max_tokens=1`), each request naming where its file goes
+     (`hidden_states_path`: `hs_{row}.safetensors.tmp-<attempt>-engine` beside the final record),
+  2. takes each request's file from `kv_transfer_params["hidden_states_path"]`: when it already is the
+     record (our connector writes the record format: `contracts.record_file_problem` reads only its
+     header and token ids), it is fsynced and renamed into place; anything else (another connector's
+     vLLM layout, a file in `scratch_dir`) is read, checked against the row (token ids, [T, L, H]) and
+     written as our record `hidden_states_dir/hs_{row}.safetensors` (bf16, or fp8 + per-token scales),
+  3. writes the row's fingerprint sidecar from vLLM's flat prompt logprobs (no Python object per token),
+  4. prints one `shard_done` event (proc.emit_event) for the parent once every file of the shard is
+     fsynced and under its final name. fsync + rename run on a small thread pool (`_Durable`) while this
+     thread checks the next files: the waits for the disk overlap the work.
 Also prints an `engine_ready` event with the engine start-up time. Any exception prints the full
 traceback and exits non-zero. Test hooks: env EAGLE3_TEST_KILL_AFTER_SHARDS=n makes the process
 SIGKILL itself right after its n-th `shard_done` event; EAGLE3_TEST_RECORD_DELAY_S=x makes it sleep
@@ -30,8 +36,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from eagle3_pipeline.config import EngineConfig, TargetConfig
-from eagle3_pipeline.contracts import (FP_TOP, ContractError, fingerprint_from_logprobs, fingerprint_name, record_name,
-                                      to_record, write_record, write_fingerprint)
+from eagle3_pipeline.contracts import (FP_TOP, ContractError, fingerprint_from_flat, fingerprint_name, read_record,
+                                      record_file_problem, record_name, to_record, write_fingerprint, write_record)
 from eagle3_pipeline.layout import Shard
 from eagle3_pipeline.proc import child_main, emit_event
 
@@ -97,6 +103,15 @@ def _remove(path: str) -> None:
             pass
 
 
+ENGINE_TAG = "engine"  # a request's file beside its record: hs_{row}.safetensors.tmp-<attempt>-engine
+
+
+def _engine_path(hs_dir: Path, row: int, attempt: int) -> str:
+    """Where the connector writes row `row`'s file: a temporary name beside its record (same filesystem:
+    renamed into place, never copied; the `*.tmp-<attempt>-*` names the parent removes after a kill)."""
+    return str(hs_dir / f"{record_name(row)}.tmp-{attempt}-{ENGINE_TAG}")
+
+
 class _Engine:
     """The LLM plus the one workaround it needs: a request's file is written on the engine step
     *after* the request finished (the scheduler hands the finished request to the connector in the
@@ -112,25 +127,36 @@ class _Engine:
         self.llm, self.job = llm, job
         self.in_process = isinstance(llm.llm_engine.engine_core, InprocClient)
         # with fingerprints: vLLM's top-2 next-token logprobs at every prompt position and for the
-        # generated token (no detokenization: ids only; ~0.1 s per 16k tokens on the tiny target)
-        fp = {"prompt_logprobs": FP_TOP, "logprobs": FP_TOP, "detokenize": False} if job.fingerprints_dir else {}
+        # generated token, as flat lists (no Python object per position) of ids (no detokenization)
+        fp = {"prompt_logprobs": FP_TOP, "logprobs": FP_TOP, "detokenize": False, "flat_logprobs": True} \
+            if job.fingerprints_dir else {}
         self.params = SamplingParams(max_tokens=1, temperature=0.0, **fp)
         self.outputs: list = []  # the RequestOutputs of the last prefill
         self.nudge_token = nudge_token
         self.nudge_files: list[str] = []
 
-    def prefill(self, rows: list[list[int]]) -> list[str]:
-        outs = self.llm.generate([{"prompt_token_ids": ids} for ids in rows], self.params, use_tqdm=False)
+    def _params(self, path: str | None):
+        if path is None:
+            return self.params
+        sp = self.params.clone()
+        sp.extra_args = {"kv_transfer_params": {"hidden_states_path": path}}
+        return sp
+
+    def prefill(self, rows: list[list[int]], paths: list[str] | None = None) -> list[str]:
+        """Prefill `rows`; `paths`: where each request's file should go (the connector may write
+        elsewhere: the paths it reports are returned)."""
+        params = [self._params(p) for p in paths] if paths else self.params
+        outs = self.llm.generate([{"prompt_token_ids": ids} for ids in rows], params, use_tqdm=False)
         self.outputs = outs
-        paths = []
+        got = []
         for i, out in enumerate(outs):
             params = out.kv_transfer_params or {}
             if "hidden_states_path" not in params:
                 raise RuntimeError(f"request {out.request_id} (batch position {i}): vLLM returned no "
                                    f"hidden_states_path in kv_transfer_params={params!r}; is the "
                                    f"extract_hidden_states method + {self.job.connector_name} active?")
-            paths.append(params["hidden_states_path"])
-        return paths
+            got.append(params["hidden_states_path"])
+        return got
 
     def await_files(self, paths: list[str]) -> None:
         t0 = last_nudge = time.time()
@@ -141,19 +167,42 @@ class _Engine:
                                    f"{self.job.file_timeout_s:.0f}s, e.g. {missing[0]}")
             if self.in_process:
                 self.llm.llm_engine.step()  # runs the connector's get_finished -> writes
-            elif now - last_nudge > self.job.nudge_after_s:
+                continue
+            if now - last_nudge > self.job.nudge_after_s:
                 print(f"extract worker: {len(missing)} file(s) not written yet; driving another engine step",
                       flush=True)
                 self.nudge_files += self.prefill([[self.nudge_token]])
                 last_nudge = time.time()
-            time.sleep(0.01)
+            time.sleep(0.005)
 
     def drop_nudge_files(self) -> None:
         for p in self.nudge_files:
             _remove(p)
 
 
-def _run_shard(engine: _Engine, ds, job: ExtractJob, shard: ShardSpec) -> None:
+class _Durable:
+    """fsync + rename of complete files on a few threads (store.durable_replace), so that this thread
+    checks the next record while the disk catches up; `wait()` returns when every file submitted so
+    far is under its final name, and raises the first failure (DiskFull included)."""
+
+    def __init__(self, threads: int = 2):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="eagle3-fsync")
+        self.pending: list = []
+
+    def submit(self, tmp: Path, final: Path) -> None:
+        from eagle3_pipeline.store import durable_replace
+
+        self.pending.append(self.pool.submit(durable_replace, Path(tmp), Path(final)))
+
+    def wait(self) -> None:
+        pending, self.pending = self.pending, []
+        for f in pending:
+            f.result()
+
+
+def _run_shard(engine: _Engine, ds, job: ExtractJob, shard: ShardSpec, durable: _Durable) -> None:
     import torch
 
     t0 = time.time()
@@ -161,42 +210,75 @@ def _run_shard(engine: _Engine, ds, job: ExtractJob, shard: ShardSpec) -> None:
     rows = ds.select(row_ids)
     input_ids: list[list[int]] = rows["input_ids"]
     sample_ids = rows["sample_id"] if "sample_id" in rows.column_names else [None] * len(rows)
-    paths = engine.prefill(input_ids)
+    hs_dir = Path(job.hidden_states_dir)
+    paths = engine.prefill(input_ids, [_engine_path(hs_dir, r, job.attempt) for r in row_ids])
     outs = engine.outputs
     engine.await_files(paths)
-    hs_dir = Path(job.hidden_states_dir)
     L, H = len(job.layer_ids), job.hidden_size
-    files, fp_files, tokens = [], [], 0
+    files, fp_files, tokens, converted = [], [], 0, 0
     for k, (ids, sid, path) in enumerate(zip(input_ids, sample_ids, paths)):
         row = row_ids[k]
         who = f"{record_name(row)} (row {row}, sample {sid})"
-        data = _load_file(path)
-        hs, tok = data["hidden_states"], data["token_ids"]  # [T, L, H], [T]
-        expect = torch.tensor(ids, dtype=torch.int64)  # [T]
-        if tok.shape != expect.shape or not torch.equal(tok.to(torch.int64), expect):
-            n = min(len(tok), len(expect))
-            diff = next((i for i in range(n) if int(tok[i]) != int(expect[i])), n)
-            raise ContractError(f"{who}: vLLM token_ids differ from the tokenized row: expected "
-                                f"[{len(expect)}], found [{len(tok)}], first difference at position {diff}")
-        if tuple(hs.shape) != (len(ids), L, H):
-            raise ContractError(f"{who}: layers {job.layer_ids}: hidden_states expected "
-                                f"{[len(ids), L, H]}, found {list(hs.shape)} (file {path})")
         name = record_name(row)
-        write_record(hs_dir / name, to_record(hs, tok, job.storage_dtype), job.layer_ids, job.storage_dtype,
-                     tag=str(job.attempt))
-        _remove(path)
+        if _is_record(path, hs_dir, ids, job):
+            durable.submit(path, hs_dir / name)  # the connector wrote the record itself
+        else:  # another layout (another connector, vLLM's own): read, check, convert, write
+            data = _load_file(path)
+            hs, tok = data["hidden_states"], data["token_ids"]  # [T, L, H], [T]
+            expect = torch.tensor(ids, dtype=torch.int64)  # [T]
+            if tok.shape != expect.shape or not torch.equal(tok.to(torch.int64), expect):
+                n = min(len(tok), len(expect))
+                diff = next((i for i in range(n) if int(tok[i]) != int(expect[i])), n)
+                raise ContractError(f"{who}: vLLM token_ids differ from the tokenized row: expected "
+                                    f"[{len(expect)}], found [{len(tok)}], first difference at position {diff}")
+            if tuple(hs.shape) != (len(ids), L, H):
+                raise ContractError(f"{who}: layers {job.layer_ids}: hidden_states expected "
+                                    f"{[len(ids), L, H]}, found {list(hs.shape)} (file {path})")
+            tmp = write_record(hs_dir / name, to_record(hs, tok, job.storage_dtype), job.layer_ids,
+                               job.storage_dtype, tag=str(job.attempt), durable=False)
+            durable.submit(tmp, hs_dir / name)
+            _remove(path)
+            converted += 1
         files.append(name)
         if job.fingerprints_dir:
             out = outs[k]
-            last = out.outputs[0].logprobs[0] if out.outputs and out.outputs[0].logprobs else None
-            fp = fingerprint_from_logprobs(out.prompt_logprobs or [None], last, len(ids))
-            write_fingerprint(Path(job.fingerprints_dir) / fingerprint_name(row), fp, tag=str(job.attempt))
+            last = out.outputs[0].logprobs if out.outputs else None
+            fp = fingerprint_from_flat(out.prompt_logprobs, last, len(ids))
+            fp_path = Path(job.fingerprints_dir) / fingerprint_name(row)
+            durable.submit(write_fingerprint(fp_path, fp, tag=str(job.attempt), durable=False), fp_path)
             fp_files.append(fingerprint_name(row))
         if delay := float(os.environ.get(RECORD_DELAY_ENV, "0") or 0):
-            time.sleep(delay)  # test hook (RECORD_DELAY_ENV)
+            durable.wait()
+            time.sleep(delay)  # test hook (RECORD_DELAY_ENV): the record is in place, then a pause
         tokens += len(ids)
+    durable.wait()  # every file of the shard fsynced and under its final name
     emit_event(kind="shard_done", shard=shard.index, files=files, fingerprint_files=fp_files, tokens=tokens,
-               seconds=round(time.time() - t0, 4))
+               seconds=round(time.time() - t0, 4), converted=converted)
+
+
+def _is_record(path: str, hs_dir: Path, ids: list[int], job: ExtractJob) -> bool:
+    """The connector's file at `path` is this row's finished record, beside its final name (not one
+    still being written under a lock: the CUDA path), so renaming it into place is all that is left."""
+    if os.path.dirname(path) != str(hs_dir) or os.path.exists(path + ".lock"):
+        return False
+    try:
+        return record_file_problem(path, ids, job.layer_ids, job.hidden_size, job.storage_dtype) is None
+    except Exception:  # noqa: BLE001 - unreadable as a record: the general path reads it and says why
+        return False
+
+
+def _load_record(path: str, storage_dtype: str) -> dict:
+    """The record of a connector's file in either layout (ours as written, vLLM's converted)."""
+    from safetensors import safe_open
+
+    from eagle3_pipeline.contracts import RECORD_META_KEY
+
+    with safe_open(path, framework="pt") as f:
+        ours = RECORD_META_KEY in (f.metadata() or {})
+    if ours:
+        return read_record(Path(path))
+    data = _load_file(path)
+    return to_record(data["hidden_states"], data["token_ids"], storage_dtype)
 
 
 def _invariance(engine: _Engine, ds, job: ExtractJob) -> None:
@@ -205,7 +287,7 @@ def _invariance(engine: _Engine, ds, job: ExtractJob) -> None:
     on a request's place in a batch (offsets that drift between requests, one request's states under
     another's name, stale cache slots) without a second model load. Prints one `invariance` event per
     row with per-layer differences; the verify gate judges them (thresholds live in its config)."""
-    from eagle3_pipeline.contracts import compare_layers, dequantise, read_record
+    from eagle3_pipeline.contracts import compare_layers, dequantise
     from eagle3_pipeline.verify.invariance import invariance_rows, shift_explaining
 
     rows = [r for s in job.shards for r in s.row_ids()]  # only rows this engine extracted
@@ -215,11 +297,10 @@ def _invariance(engine: _Engine, ds, job: ExtractJob) -> None:
     for i in picks:
         row = rows[i]
         ids = ds[row]["input_ids"]
-        (path,) = engine.prefill([ids])
+        (path,) = engine.prefill([ids], [str(Path(job.scratch_dir) / f"invariance-{row}.safetensors")])
         engine.await_files([path])
-        data = _load_file(path)
+        alone = dequantise(_load_record(path, job.storage_dtype))  # [T, L, H]
         _remove(path)
-        alone = dequantise(to_record(data["hidden_states"], data["token_ids"], job.storage_dtype))  # [T, L, H]
         stored = dequantise(read_record(Path(job.hidden_states_dir) / record_name(row)))  # [T, L, H]
         if tuple(alone.shape) != tuple(stored.shape):
             emit_event(kind="invariance", row=row, error=f"stored {list(stored.shape)}, alone {list(alone.shape)}")
@@ -239,7 +320,7 @@ def main(argv: list[str]) -> int:
           f"in-process engine core: {os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING') == '0'}", flush=True)
 
     from eagle3_pipeline.data.prepare import load_tokenized
-    from eagle3_pipeline.engine import build_llm, extract_hidden_states_config, hidden_states_kv_config
+    from eagle3_pipeline.engine import build_llm, extract_hidden_states_config, hidden_states_kv_config, vllm_is_cpu_build
 
     ds = load_tokenized(job.tokenized_dir)
     for s in job.shards:
@@ -254,12 +335,15 @@ def main(argv: list[str]) -> int:
 
     # one request = one whole prompt and one file: no chunked prefill, no prefix cache
     batched = {} if job.max_num_batched_tokens is None else {"max_num_batched_tokens": job.max_num_batched_tokens}
+    kv = hidden_states_kv_config(job.connector_module, job.connector_name, job.scratch_dir,
+                                 record={"layer_ids": job.layer_ids, "storage_dtype": job.storage_dtype},
+                                 locks=not vllm_is_cpu_build())
     llm = build_llm(job.engine, job.target, max_model_len=int(max_len) + 1,
-                    speculative_config=extract_hidden_states_config(job.layer_ids),
-                    kv_transfer_config=hidden_states_kv_config(job.connector_module, job.connector_name, job.scratch_dir),
+                    speculative_config=extract_hidden_states_config(job.layer_ids), kv_transfer_config=kv,
                     max_num_seqs=job.max_num_seqs, enable_chunked_prefill=False, enable_prefix_caching=False, **batched)
     emit_event(kind="engine_ready", seconds=round(time.time() - t_start, 2))
     engine = _Engine(llm, job, nudge_token=int(ds[job.shards[0].row_ids()[0]]["input_ids"][0]))
+    durable = _Durable()
     kill_after = int(os.environ.get(KILL_AFTER_ENV, "0") or 0)
     fail = {int(x) for x in os.environ.get(FAIL_SHARDS_ENV, "").split(",") if x.strip()}
     for n, shard in enumerate(job.shards, start=1):
@@ -267,7 +351,7 @@ def main(argv: list[str]) -> int:
         if shard.index in fail and not marker.exists():
             marker.touch()
             raise RuntimeError(f"injected fault in shard {shard.index} ({FAIL_SHARDS_ENV})")
-        _run_shard(engine, ds, job, shard)
+        _run_shard(engine, ds, job, shard, durable)
         if kill_after and n >= kill_after:
             os.kill(os.getpid(), signal.SIGKILL)  # test hook: die like an OOM kill, mid-group
     if job.invariance_rows > 0:

@@ -91,11 +91,7 @@ class FinalLayerCheck:
 
     def agreement_many(self, records: list[tuple]) -> list[tuple[float, int, int | None]]:
         """Per record (h_final fp32 [T, H]: the stored final-layer state, fingerprint: the sidecar's
-        tensors): (fraction of tokens that agree, tokens compared, first disagreeing token). One set of
-        tensor operations for all the records' tokens: per record they cost more in call overhead than
-        in arithmetic on small records."""
-        import numpy as np
-
+        tensors): (fraction of tokens that agree, tokens compared, first disagreeing token)."""
         from eagle3_pipeline.contracts import FP_IDS_KEY, FP_LOGPROBS_KEY
 
         torch = self.torch
@@ -107,15 +103,29 @@ class FinalLayerCheck:
             ids_.append(ids[:T])
             lps_.append(lps[:T])
             lens.append(T)
-        h, ids, lps = torch.cat(hs), torch.cat(ids_), torch.cat(lps_)
-        V = self.head.shape[0]
-        valid = (ids >= 0).all(dim=-1) & torch.isfinite(lps).all(dim=-1) & (ids < V).all(dim=-1)  # [sum T]
-        n = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + self.eps) * self.norm  # [sum T, H]
-        w = self.head[ids.clamp(0, V - 1)].float()  # [sum T, 2, H]
-        logits = torch.einsum("th,tkh->tk", n, w)  # [sum T, 2]
-        margin, stored = logits[:, 0] - logits[:, 1], lps[:, 0] - lps[:, 1]  # [sum T]
-        # vLLM's logits are bf16: each carries a rounding error ~2^-8 of its magnitude
-        ok = (margin - stored).abs() <= self.atol + self.rtol * logits.abs().sum(dim=-1)
+        return self.agreement_arrays(torch.cat(hs), torch.cat(ids_), torch.cat(lps_), lens)
+
+    def agreement_arrays(self, h, ids, lps, lens: list[int], block: int = 2048) -> list[tuple[float, int, int | None]]:
+        """The same for records laid end to end: h fp32 [N, H], ids int64 [N, 2], lps fp32 [N, 2],
+        record i the next lens[i] rows. Rows whose ids are -1 or logprobs not finite are not compared.
+        Done `block` tokens at a time (the gathered lm_head rows stay in cache), in one set of tensor
+        operations per block for all the records: per record they cost more in call overhead than in
+        arithmetic on small records."""
+        import numpy as np
+
+        torch = self.torch
+        N, V = h.shape[0], self.head.shape[0]
+        valid = (ids >= 0).all(dim=-1) & torch.isfinite(lps).all(dim=-1) & (ids < V).all(dim=-1)  # [N]
+        ok = torch.empty(N, dtype=torch.bool)
+        for a in range(0, N, block):
+            b = min(N, a + block)
+            x = h[a:b]
+            n = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps) * self.norm  # [m, H]
+            w = self.head[ids[a:b].clamp(0, V - 1)].float()  # [m, 2, H]
+            logits = torch.bmm(w, n.unsqueeze(-1)).squeeze(-1)  # [m, 2]
+            margin, stored = logits[:, 0] - logits[:, 1], lps[a:b, 0] - lps[a:b, 1]  # [m]
+            # vLLM's logits are bf16: each carries a rounding error ~2^-8 of its magnitude
+            ok[a:b] = (margin - stored).abs() <= self.atol + self.rtol * logits.abs().sum(dim=-1)
         valid_np, bad_np = valid.numpy(), (valid & ~ok).numpy()
         out, o = [], 0
         for T in lens:

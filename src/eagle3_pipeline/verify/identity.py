@@ -9,8 +9,8 @@ a's" and "fraction of tokens where slot b is closer (cosine) to the last slot th
 0 or 1 for every record and flip when two slots are swapped; and adjacent slots of the same token are
 similar (mean cosine; fraction of tokens below cosine 0.5) and each token's state is nearer its own
 token's state in the next slot than the neighbouring tokens' (a slot shifted by a token flips this),
-which states of another request or of a shifted span break. `TokenQuantities` computes these features per record in the structure pass (the
-same read); `learn` takes the median and MAD of each feature over the records (robust: a few percent
+which states of another request or of a shifted span break. `features` computes these per record from the
+products the structure pass takes of every token (verify/scan.py: one read); `learn` takes the median and MAD of each feature over the records (robust: a few percent
 of bad records do not move them); a record fails when a feature is more than `max_z` robust
 deviations from the median. A whole extraction with a wrong layer id is consistent with itself: that
 is the reference check's job (verify/reference.py); the final slot is also checked against the
@@ -48,60 +48,58 @@ def feature_names(layer_ids: list[int]) -> list[str]:
     return names
 
 
-class TokenQuantities:
-    """The per-token quantities the features are means of, filled chunk by chunk (the structure pass
-    converts a record to fp32 a cache-sized block of tokens at a time): per token t and slot a, the
-    norm, the cosine with the last slot, the cosine with slot a+1 of the same token and of tokens t-1
-    and t+1 (which is why a chunk comes with one token of context on each side)."""
+def features(gram, cross, starts, lengths) -> np.ndarray:
+    """The features (`feature_names` order) of every record of a batch, [files, F] float32, from the
+    scan's per-token products (verify/scan.py `reduce_batch`): `gram` fp32 [N, L, L] (x_t,a . x_t,b),
+    `cross` fp32 [N, L, L] (x_t,a . x_t-1,b), the records' tokens at `starts` with `lengths` (in the
+    batch's token order). Per token t and slot a: the norm (the Gram diagonal), the cosine with the
+    last slot, with slot a+1 of the same token and of tokens t-1 and t+1 (cross products whose other
+    token is in another record are not used); each feature a mean over the record's tokens."""
+    import torch
 
-    def __init__(self, T: int, L: int):
-        import torch
-
-        self.T, self.L = T, L
-        self.norm = torch.zeros(T, L)
-        self.near_last = torch.zeros(T, L)
-        self.c = torch.zeros(T, max(L - 1, 0))
-        self.prev = torch.zeros(T, max(L - 1, 0))
-        self.nxt = torch.zeros(T, max(L - 1, 0))
-
-    def add(self, x, t0: int, t1: int, lo: int) -> None:
-        """x fp32 [m, L, H] holds tokens lo .. lo+m-1 of the record; fill tokens t0 .. t1-1 (with
-        lo <= t0 - 1 and lo + m >= t1 + 1 wherever those tokens exist)."""
-        import torch
-
-        n = torch.linalg.vector_norm(x, dim=-1)  # [m, L]
-        u = x / n.clamp_min(1e-12).unsqueeze(-1)  # [m, L, H]
-        s = slice(t0 - lo, t1 - lo)
-        self.norm[t0:t1] = n[s]
-        self.near_last[t0:t1] = (u[s] * u[s, -1:]).sum(dim=-1)
-        self.c[t0:t1] = (u[s, :-1] * u[s, 1:]).sum(dim=-1)
-        p0, p1 = max(t0, 1), min(t1, self.T - 1)  # tokens with both neighbours
-        if p1 > p0:
-            i = slice(p0 - lo, p1 - lo)
-            self.prev[p0:p1] = (u[i, :-1] * u[p0 - 1 - lo:p1 - 1 - lo, 1:]).sum(dim=-1)
-            self.nxt[p0:p1] = (u[i, :-1] * u[p0 + 1 - lo:p1 + 1 - lo, 1:]).sum(dim=-1)
-
-    def features(self) -> np.ndarray:
-        """The features (`feature_names` order), each a mean over the record's tokens, computed for all
-        slot pairs at once (a few tensor operations instead of a few per pair: records are many and small)."""
-        import torch
-
-        L, T = self.L, self.T
-        grows = (self.norm[:, None, :] > self.norm[:, :, None]).float().mean(dim=0)  # [a, b]: norm of b > norm of a
-        nearer = (self.near_last[:, None, :] > self.near_last[:, :, None]).float().mean(dim=0)
-        cos_mean, cos_low = self.c.mean(dim=0), (self.c < LOW_COSINE).float().mean(dim=0)  # [L - 1]
-        if T >= 3:  # token t of slot a against tokens t-1, t+1 of slot a+1: a shifted slot aligns off by one
-            own = (self.c[1:-1] > torch.maximum(self.prev[1:-1], self.nxt[1:-1])).float().mean(dim=0)
-        else:
-            own = torch.ones(L - 1)
-        f = []
-        for a in range(L - 1):
-            for b in range(a + 1, L):
-                f.append(grows[a, b])
-                if b < L - 1:
-                    f.append(nearer[a, b])
-        f += [x for a in range(L - 1) for x in (cos_mean[a], cos_low[a], own[a])]
-        return torch.stack(f).numpy().astype(np.float32)
+    N, L = gram.shape[0], gram.shape[1]
+    starts_t = torch.as_tensor(np.asarray(starts, dtype=np.int64))
+    lens_t = torch.as_tensor(np.asarray(lengths, dtype=np.int64))
+    pos = torch.arange(N) - torch.repeat_interleave(starts_t, lens_t)  # token position within its record
+    end = torch.repeat_interleave(lens_t, lens_t)                       # its record's length
+    d = torch.diagonal(gram, dim1=1, dim2=2)                            # [N, L] squared norms
+    norm = d.clamp_min(0).sqrt()
+    inv = 1.0 / norm.clamp_min(1e-12)
+    ia, ib = torch.arange(L - 1), torch.arange(1, L)
+    near_last = gram[:, :, L - 1] * inv * inv[:, L - 1:L]               # [N, L]
+    c = gram[:, ia, ib] * inv[:, :-1] * inv[:, 1:]                     # [N, L-1]: slot a vs a+1, same token
+    prev = torch.zeros_like(c)
+    nxt = torch.zeros_like(c)
+    if N > 1:
+        prev[1:] = cross[1:, ia, ib] * inv[1:, :-1] * inv[:-1, 1:]     # token t slot a vs token t-1 slot a+1
+        nxt[:-1] = cross[1:, ib, ia] * inv[:-1, :-1] * inv[1:, 1:]     # token t slot a vs token t+1 slot a+1
+    grows = (norm[:, None, :] > norm[:, :, None]).float()               # [N, a, b]: norm of b > norm of a
+    nearer = (near_last[:, None, :] > near_last[:, :, None]).float()
+    interior = ((pos >= 1) & (pos <= end - 2)).float()[:, None]          # tokens with both neighbours
+    own = (c > torch.maximum(prev, nxt)).float() * interior             # [N, L-1]
+    per_token = torch.cat([grows.reshape(N, L * L), nearer.reshape(N, L * L), c, (c < LOW_COSINE).float(), own,
+                           interior], dim=1).double().numpy()
+    st = np.asarray(starts, dtype=np.int64)
+    sums = np.add.reduceat(per_token, st, axis=0) if len(st) else np.zeros((0, per_token.shape[1]))
+    n = np.asarray(lengths, dtype=np.float64)[:, None]
+    means = sums / n
+    k = 0
+    g = means[:, k:k + L * L].reshape(-1, L, L); k += L * L
+    nr = means[:, k:k + L * L].reshape(-1, L, L); k += L * L
+    cos_mean = means[:, k:k + L - 1]; k += L - 1
+    cos_low = means[:, k:k + L - 1]; k += L - 1
+    own_sum = sums[:, k:k + L - 1]; k += L - 1
+    inner = sums[:, k:k + 1]
+    own_mean = np.where(inner > 0, own_sum / np.maximum(inner, 1), 1.0)  # records of < 3 tokens: 1
+    cols = []
+    for a in range(L - 1):
+        for b in range(a + 1, L):
+            cols.append(g[:, a, b])
+            if b < L - 1:
+                cols.append(nr[:, a, b])
+    for a in range(L - 1):
+        cols += [cos_mean[:, a], cos_low[:, a], own_mean[:, a]]
+    return np.stack(cols, axis=1).astype(np.float32) if cols else np.zeros((len(st), 0), np.float32)
 
 
 def learn(sigs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -10,16 +10,16 @@ every problem (file, sample, layer, expected vs found) and per-layer statistics 
 (tokens, mean, std, min, max, mean token norm, the learned norm bounds); it never raises for bad data
 (the gate decides).
 
-Speed (bench/verify_throughput.py; profile-driven): worker threads (one OpenMP thread each) take
-batches of files. A file is read with one `readinto` into the thread's reused buffer and its
-safetensors header parsed and validated here (zero-copy views; the library's `load` copied every byte
-again into fresh memory, and page faults of fresh buffers cost more than the checks). Its values are
-converted once into a reused fp32 buffer that stays in cache, and four reductions over H (sum, L2
-norm, min, max) per token give everything: finiteness (sums and extrema propagate NaN/Inf), all-zero
-layers (min == max == 0), candidate identical layers (equal extrema and sums, then confirmed or
-cleared by an exact comparison) and the statistics (per file by segment reductions over the batch's
-per-token values, in float64). Only a suspect file is read again with the safetensors library for the
-exact diagnosis that names the layer and the first bad token.
+Speed (bench/verify_throughput.py; profile-driven): the records are read once, by verify/scan.py (a
+reader thread that validates each header and scatters the tensors of a batch of files straight into
+contiguous arenas, asking the kernel for the next files ahead; compute threads that reduce every
+token in cache-sized fp32 blocks: sum, min, max over H and the Gram / cross Gram matrices of its
+slots). Everything here is arithmetic on those per-token arrays: finiteness (sums and extrema
+propagate NaN/Inf), all-zero layers and tokens (zero norms), candidate identical layers (equal
+extrema and sums, then confirmed or cleared by an exact comparison), the statistics (per file by
+segment reductions, in float64), the identity features and the final-layer agreement. Only a suspect
+file is read again with the safetensors library for the exact diagnosis that names the layer and the
+first bad token.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import math
 import os
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -35,13 +36,12 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from eagle3_pipeline.contracts import HS_KEY, SCALES_KEY, TOKENS_KEY, RecordSpec, record_name
+from eagle3_pipeline.contracts import HS_KEY, SCALES_KEY, RecordSpec, fingerprint_name, record_name
 from eagle3_pipeline.data.prepare import load_tokenized
+from eagle3_pipeline.verify import scan
 from eagle3_pipeline.verify.fingerprint import FingerprintSummary
-from eagle3_pipeline.verify.identity import TokenQuantities
 
-BATCH_BYTES = 32 << 20  # a batch (one task of a worker thread): files up to this many bytes ...
-BATCH_FILES = 256       # ... or this many files
+SMALL_RECORD_BYTES = 4 << 20  # records smaller than this on average are reduced by one compute thread
 MIN_NORM_FILES = 8      # fewer good files than this: no norm bounds (noted in the result)
 MAD_TO_SIGMA = 1.4826   # MAD of a normal distribution x this = its standard deviation
 
@@ -85,12 +85,7 @@ def _fmt(shape) -> str:
     return "[" + ", ".join(str(int(d)) for d in shape) + "]"
 
 
-@dataclass
-class _Item:
-    row: int
-    path: str
-    input_ids: object  # int64 numpy [T]
-    sample_id: object
+_Item = scan.Item
 
 
 @dataclass
@@ -114,115 +109,7 @@ class _Extras:
     min_agreement: float = 0.9
 
 
-def _name(it: _Item) -> str:
-    return f"{os.path.basename(it.path)} (row {it.row}, sample {it.sample_id})"
-
-
-_ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn",
-              "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-              "BOOL": "bool"}
-
-
-def _read_safetensors(path: str) -> tuple[dict, int]:
-    """Tensors of a safetensors file as zero-copy views into this thread's read buffer (valid until the
-    thread reads the next file), and the file size. Validates like the safetensors library: header
-    length, JSON, known dtypes, each tensor's byte size, offsets contiguous and covering the data.
-    Raises FileNotFoundError, or ValueError naming what is malformed."""
-    import json
-
-    import torch
-
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        buf = _buffer("read", size, torch.uint8)
-        view = memoryview(buf.numpy())[:size]
-        got = f.readinto(view)
-    if got != size:
-        raise ValueError(f"read {got} of {size} bytes")
-    if size < 8:
-        raise ValueError(f"{size} bytes: shorter than the 8-byte header length")
-    n = int.from_bytes(view[:8], "little")
-    if 8 + n > size:
-        raise ValueError(f"header of {n} bytes does not fit in the file of {size} bytes")
-    header = json.loads(bytes(view[8:8 + n]))
-    if not isinstance(header, dict):
-        raise ValueError("header is not a JSON object")
-    header.pop("__metadata__", None)
-    data_start, data_len = 8 + n, size - 8 - n
-    tensors, spans = {}, []
-    for name, info in header.items():
-        dtype = getattr(torch, _ST_DTYPES.get(info.get("dtype"), ""), None)
-        if dtype is None:
-            raise ValueError(f"tensor {name!r}: unknown dtype {info.get('dtype')!r}")
-        shape, (a, b) = [int(d) for d in info["shape"]], info["data_offsets"]
-        numel = math.prod(shape)
-        itemsize = dtype.itemsize
-        if not 0 <= a <= b <= data_len or b - a != numel * itemsize:
-            raise ValueError(f"tensor {name!r}: data_offsets [{a}, {b}] for {numel} x {itemsize} bytes in a data "
-                             f"section of {data_len} bytes")
-        spans.append((a, b))
-        raw = buf[data_start + a:data_start + b]
-        if (data_start + a) % itemsize:  # legal but unaligned: a copy can be viewed as `dtype`
-            raw = raw.clone()
-        tensors[name] = raw.view(dtype).view(shape)
-    end = 0
-    for a, b in sorted(spans):
-        if a != end:
-            raise ValueError(f"data section: bytes [{end}, {a}) belong to no tensor")
-        end = b
-    if end != data_len:
-        raise ValueError(f"data section of {data_len} bytes, tensors cover {end}")
-    return tensors, size
-
-
-def _parse(it: _Item, spec: RecordSpec, layer_ids: list[int]) -> tuple[list[str], dict | None, int]:
-    """Read and parse one file and check everything but the values: (problems, tensors, bytes).
-    The tensors are views into the thread's read buffer: use them before the next `_parse`."""
-    import torch
-
-    name = _name(it)
-    try:
-        tensors, nbytes = _read_safetensors(it.path)
-    except FileNotFoundError:
-        return [f"{name}: file missing"], None, 0
-    except Exception as e:  # truncated or not a safetensors file
-        return [f"{name}: unreadable ({type(e).__name__}: {e})"], None, 0
-    problems = []
-    keys = set(tensors)
-    for k in (HS_KEY, TOKENS_KEY) + ((SCALES_KEY,) if spec.storage_dtype == "fp8" else ()):
-        if k not in keys:
-            problems.append(f"{name}: key {k!r} missing (found {sorted(keys)})")
-    if problems:
-        return problems, None, nbytes
-    tok, hs = tensors[TOKENS_KEY], tensors[HS_KEY]
-    expect = torch.from_numpy(it.input_ids)  # [T]
-    T = expect.shape[0]
-    if tok.dtype != torch.int64 or tok.shape != (T,):
-        problems.append(f"{name}: token_ids expected int64 [{T}], found {str(tok.dtype).split('.')[-1]} "
-                        f"{_fmt(tok.shape)}")
-    elif not torch.equal(tok, expect):
-        first = int((tok != expect).nonzero()[0, 0])
-        problems.append(f"{name}: token_ids differ from the tokenized row from position {first} "
-                        f"(expected {expect[first:first + 5].tolist()}, found {tok[first:first + 5].tolist()})")
-    expected = spec.shape(T)
-    if tuple(hs.shape) != expected:
-        detail = ""
-        if hs.dim() == 3 and hs.shape[1] != expected[1]:
-            detail = f" ({hs.shape[1]} layers captured, {expected[1]} configured: ids {layer_ids})"
-        elif hs.dim() != 3:
-            detail = f" (rank {hs.dim()}, expected rank 3 [T, L, H])"
-        problems.append(f"{name}: hidden_states expected {_fmt(expected)}, found {_fmt(hs.shape)}{detail}")
-        return problems, None, nbytes
-    want_dtype = torch.bfloat16 if spec.storage_dtype == "bf16" else torch.float8_e4m3fn
-    if hs.dtype != want_dtype:
-        problems.append(f"{name}: hidden_states dtype expected {want_dtype}, found {hs.dtype}")
-        return problems, None, nbytes
-    if spec.storage_dtype == "fp8":
-        sc = tensors[SCALES_KEY]
-        if tuple(sc.shape) != (T, 1, 1) or sc.dtype != torch.float32:
-            problems.append(f"{name}: {SCALES_KEY} expected float32 [{T}, 1, 1], found "
-                            f"{str(sc.dtype).split('.')[-1]} {_fmt(sc.shape)}")
-    return problems, (None if problems else tensors), nbytes
+_name = scan.item_name
 
 
 def _diagnose_values(name: str, x, layer_ids: list[int]) -> list[str]:
@@ -262,96 +149,51 @@ def _file_stats(x):
                         xd.norm(dim=-1).sum(dim=0)]).numpy()
 
 
-_local = threading.local()
-
-
-def _buffer(kind: str, numel: int, dtype=None):
-    """This thread's scratch buffer `kind` of at least `numel` elements, reused across files (fresh
-    allocations for every file cost more in page faults than the checks themselves)."""
-    import torch
-
-    dtype = dtype or torch.float32
-    b = getattr(_local, kind, None)
-    if b is None or b.numel() < numel:
-        b = torch.empty(max(numel, 1 << 20), dtype=dtype)
-        setattr(_local, kind, b)
-    return b
-
-
-def _values(tensors: dict, spec: RecordSpec, out, lo: int = 0, hi: int | None = None, layer=slice(None)):
-    """Tokens lo..hi of the record's hidden states (slots `layer`) as fp32 in `out` (fp8: times the
-    per-token scales)."""
-    out.copy_(tensors[HS_KEY][lo:hi, layer])
+def _values(tensors: dict, spec: RecordSpec, out):
+    """A record's hidden states as fp32 in `out` [T, L, H] (fp8: times the per-token scales)."""
+    out.copy_(tensors[HS_KEY])
     if spec.storage_dtype == "fp8":
-        out.mul_(tensors[SCALES_KEY][lo:hi, 0 if isinstance(layer, int) else slice(None)])
+        out.mul_(tensors[SCALES_KEY])
     return out
 
 
-# fp32 values converted and checked per block of tokens, so that the checks' several passes over them
-# run in cache, not from memory: ~1 MB blocks made the statistics 2.7x faster on [512, 4, 4096] records
-# (8.0 -> 2.9 ms a record, 2 cores) than one fp32 copy of the whole record; small records are one block.
-BLOCK_FLOATS = 1 << 18
-SMALL_RECORD_BYTES = 4 << 20  # records smaller than this on average are scanned by one thread
+_local = threading.local()
 
 
-def _scan_batch(items: list[_Item], spec: RecordSpec, layer_ids: list[int], extras: _Extras | None = None) -> list[_FileResult]:
-    """Check a batch of records; per-file problems and statistics (plus, with `extras`, the identity
-    signature and the final-layer fingerprint agreement of each file, from the same read)."""
+def _process(batch: scan.Batch, spec: RecordSpec, layer_ids: list[int], extras: _Extras | None,
+             release) -> list[_FileResult]:
+    """Per-file results of one batch the reader filled (then hands its arenas back with `release`)."""
     import numpy as np
     import torch
 
-    out = [_FileResult(row=it.row) for it in items]
-    L, H = spec.num_layers_captured, spec.hidden_size
-    # per token and layer: sum, L2 norm, min, max over H, for the good files one after the other;
-    # each file goes through a reused fp32 buffer right after it is read (it stays in cache)
-    per_tok = torch.empty((4, sum(len(it.input_ids) for it in items), L), dtype=torch.float32)  # [4, sum T, L]
-    good, lengths, o = [], [], 0
-    pending_fp: list[tuple] = []  # (file index, final slot fp32 [T, H], fingerprint) for the batched check
-    for k, it in enumerate(items):
-        probs, tensors, nbytes = _parse(it, spec, layer_ids)
-        out[k].nbytes = nbytes
-        if probs:
-            out[k].problems = probs
-            continue
-        n = tensors[HS_KEY].shape[0]
-        q = TokenQuantities(n, L) if extras is not None and extras.identity and L >= 2 else None
-        halo = 1 if q is not None else 0  # the identity features look at each token's neighbours
-        step = max(1, BLOCK_FLOATS // (L * H))
-        for a in range(0, n, step):
-            b = min(n, a + step)
-            lo, hi = max(0, a - halo), min(n, b + halo)
-            y = _values(tensors, spec, _buffer("values", (hi - lo) * L * H)[:(hi - lo) * L * H].view(hi - lo, L, H),
-                        lo, hi)  # [hi - lo, L, H] fp32
-            x = y[a - lo:b - lo]
-            torch.sum(x, dim=-1, out=per_tok[0, o + a:o + b])
-            torch.linalg.vector_norm(x, dim=-1, out=per_tok[1, o + a:o + b])
-            torch.amin(x, dim=-1, out=per_tok[2, o + a:o + b])
-            torch.amax(x, dim=-1, out=per_tok[3, o + a:o + b])
-            if q is not None:
-                q.add(y, a, b, lo)
-        if extras is not None:
-            if q is not None:
-                out[k].sig = q.features()
-            if (fp := _fingerprint(items[k], out[k], extras)) is not None:  # the final slot, checked below
-                final = _values(tensors, spec, torch.empty((n, H)), layer=L - 1)  # [T, H]
-                pending_fp.append((k, final, fp))
-        good.append(k)
-        lengths.append(n)
-        o += n
-    if extras is not None:
-        _final_layer_checks(items, out, pending_fp, extras)
-    if not good:
+    L = spec.num_layers_captured
+    out = [_FileResult(row=e.item.row, problems=list(e.problems), nbytes=e.nbytes) for e in batch.files]
+    inside = [k for k, e in enumerate(batch.files) if e.offset >= 0]
+    if not inside:
+        release(batch.arenas)
         return out
-    d = per_tok[:, :o].double()
-    lens = torch.tensor(lengths)
-    sums = torch.segment_reduce(torch.stack([d[0], d[1] * d[1], d[1]], dim=1), "sum", lengths=lens,
-                                axis=0)  # [files, 3, L]: sum, sum of squares, sum of token norms
-    lo = torch.segment_reduce(d[2], "min", lengths=lens, axis=0)  # [files, L]
-    hi = torch.segment_reduce(d[3], "max", lengths=lens, axis=0)
-    min_norm = torch.segment_reduce(d[1], "min", lengths=lens, axis=0).numpy()  # [files, L]: a zero token
-    stats = torch.stack([sums[:, 0], sums[:, 1], lo, hi, sums[:, 2]], dim=1).numpy()  # [files, 5, L]
-    # suspects: non-finite (sums and extrema propagate NaN/Inf), an all-zero layer (min == max == 0),
-    # two layers with equal extrema and sums (confirmed or cleared by an exact comparison)
+    final = extras is not None and extras.final is not None
+    buffers = _local.__dict__.setdefault("buffers", {})
+    red = scan.reduce_batch(batch, spec, final, buffers)
+    ar = batch.arenas
+    starts = np.asarray([batch.files[k].offset for k in inside], dtype=np.int64)
+    lengths = [batch.files[k].tokens for k in inside]
+    fp_rows = None
+    if final:  # the arenas are reused by the reader once released: copies of the fingerprint rows
+        fp_rows = (torch.from_numpy(ar.fp_ids[:batch.tokens].copy()), torch.from_numpy(ar.fp_lps[:batch.tokens].copy()))
+    release(batch.arenas)  # everything below reads the per-token arrays only
+
+    d = torch.diagonal(red.gram, dim1=1, dim2=2).double()  # [N, L] squared norms
+    norm = d.clamp_min(0).sqrt()
+    s = np.add.reduceat(red.sum.double().numpy(), starts, axis=0)  # [files, L]
+    s2 = np.add.reduceat(d.numpy(), starts, axis=0)
+    lo = np.minimum.reduceat(red.min.numpy(), starts, axis=0).astype(np.float64)
+    hi = np.maximum.reduceat(red.max.numpy(), starts, axis=0).astype(np.float64)
+    ns = np.add.reduceat(norm.numpy(), starts, axis=0)
+    min_norm = np.minimum.reduceat(norm.numpy(), starts, axis=0)  # a zero token
+    stats = np.stack([s, s2, lo, hi, ns], axis=1)  # [files, 5, L]
+    # suspects: non-finite (sums and extrema propagate NaN/Inf), an all-zero layer (min == max == 0), a
+    # zero token, two layers with equal extrema and sums (confirmed or cleared by an exact comparison)
     suspect = ~np.isfinite(stats).all(axis=(1, 2)) | ((stats[:, 2] == 0) & (stats[:, 3] == 0)).any(axis=1) \
         | (min_norm == 0).any(axis=1)
     for a in range(L):
@@ -359,54 +201,48 @@ def _scan_batch(items: list[_Item], spec: RecordSpec, layer_ids: list[int], extr
             suspect |= ((stats[:, 2, a] == stats[:, 2, b]) & (stats[:, 3, a] == stats[:, 3, b])
                         & np.isclose(stats[:, 0, a], stats[:, 0, b], rtol=1e-5, atol=1e-6)
                         & np.isclose(stats[:, 1, a], stats[:, 1, b], rtol=1e-5, atol=0))
-    for j, (k, n) in enumerate(zip(good, lengths)):
-        out[k].tokens = n
+    sigs = None
+    if extras is not None and extras.identity and L >= 2:
+        from eagle3_pipeline.verify.identity import features
+
+        sigs = features(red.gram, red.cross, starts, lengths)  # [files, F]
+    agree = {}
+    if final:
+        with_fp = [j for j, k in enumerate(inside) if batch.files[k].fingerprint]
+        if with_fp:
+            h, ids, lps = red.final, fp_rows[0], fp_rows[1]
+            if len(with_fp) < len(inside):  # only the tokens of records that have a fingerprint
+                keep = np.zeros(batch.tokens, dtype=bool)
+                for j in with_fp:
+                    keep[starts[j]:starts[j] + lengths[j]] = True
+                idx = torch.from_numpy(np.flatnonzero(keep))
+                h, ids, lps = h[idx], ids[idx], lps[idx]
+            res = extras.final.agreement_arrays(h, ids, lps, [lengths[j] for j in with_fp])
+            agree = dict(zip(with_fp, res))
+    for j, k in enumerate(inside):
+        r, it = out[k], batch.files[k].item
+        r.tokens = lengths[j]
+        if sigs is not None:
+            r.sig = sigs[j]
+        if j in agree:
+            a, n, first = agree[j]
+            r.agreement = a
+            if n and a < extras.min_agreement:
+                r.problems.append(
+                    f"{_name(it)}: final layer does not reproduce the target's logits: {a:.0%} of {n} tokens "
+                    f"agree with the fingerprint vLLM wrote in the same pass (min {extras.min_agreement:.0%}; first "
+                    f"disagreeing token {first}): another request's or another depth's states, or a corrupted record")
         if not suspect[j]:
-            out[k].stats = stats[j]
+            r.stats = stats[j]
             continue
         from safetensors.torch import load_file  # the slow path reads the file again, with the library
 
-        rec = _values(load_file(items[k].path), spec, torch.empty((n, L, H)))
-        out[k].problems = _diagnose_values(_name(items[k]), rec, layer_ids)
-        if not out[k].problems:  # a false alarm (e.g. fp32 overflow of a square): exact float64 stats
-            out[k].stats = _file_stats(rec)
+        rec = _values(load_file(it.path), spec, torch.empty((lengths[j], L, spec.hidden_size)))
+        found = _diagnose_values(_name(it), rec, layer_ids)
+        r.problems += found
+        if not found:  # a false alarm (e.g. fp32 overflow of a square): exact float64 stats
+            r.stats = _file_stats(rec)
     return out
-
-
-def _fingerprint(it: _Item, res: _FileResult, extras: _Extras) -> dict | None:
-    """The fingerprint sidecar of one good record, or None (a missing or unreadable one is a problem
-    of the record when fingerprints are required)."""
-    from eagle3_pipeline.contracts import fingerprint_name
-
-    if extras.final is None or not extras.fingerprints_dir:
-        return None
-    fp_path = os.path.join(extras.fingerprints_dir, fingerprint_name(it.row))
-    if not os.path.exists(fp_path):
-        if extras.fingerprints_required:
-            res.problems.append(f"{_name(it)}: fingerprint {fingerprint_name(it.row)} missing (the extract pass "
-                                f"writes one per record): the final layer cannot be checked")
-        return None
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(fp_path)
-    except Exception as e:  # noqa: BLE001 - a damaged sidecar is a problem of this record
-        res.problems.append(f"{_name(it)}: fingerprint {fingerprint_name(it.row)} unreadable ({type(e).__name__}: {e})")
-        return None
-
-
-def _final_layer_checks(items: list[_Item], out: list[_FileResult], pending: list[tuple], extras: _Extras) -> None:
-    """Fingerprint agreement of the final slots in `pending` [(file index, final slot fp32 [T, H],
-    fingerprint)], computed for all of them at once."""
-    if not pending:
-        return
-    for (k, _, _), (agree, n, first) in zip(pending, extras.final.agreement_many([(h, fp) for _, h, fp in pending])):
-        out[k].agreement = agree
-        if n and agree < extras.min_agreement:
-            out[k].problems.append(
-                f"{_name(items[k])}: final layer does not reproduce the target's logits: {agree:.0%} of {n} tokens "
-                f"agree with the fingerprint vLLM wrote in the same pass (min {extras.min_agreement:.0%}; first "
-                f"disagreeing token {first}): another request's or another depth's states, or a corrupted record")
 
 
 @contextmanager
@@ -431,7 +267,7 @@ def _mean_tokens(ds, rows: list[int], sample: int = 256) -> float:
     return float(pc.mean(pc.list_value_length(ds.with_format("arrow")[pick].column("input_ids"))).as_py())
 
 
-def _row_items(ds, rows: list[int], hidden_states_dir: Path):
+def _row_items(ds, rows: list[int], hidden_states_dir: Path, fingerprints_dir: str | None = None):
     """Items for `rows` in batches of consecutive dataset rows (token ids straight from Arrow)."""
     import numpy as np
 
@@ -446,19 +282,7 @@ def _row_items(ds, rows: list[int], hidden_states_dir: Path):
         sids = t.column("sample_id").to_pylist() if has_sid else [None] * len(chunk)
         for j, r in enumerate(chunk):
             yield _Item(r, os.path.join(hidden_states_dir, record_name(r)), values[offsets[j]:offsets[j + 1]],
-                        sids[j])
-
-
-def _batches(items, row_bytes):
-    batch, size = [], 0
-    for it in items:
-        batch.append(it)
-        size += row_bytes(it)
-        if size >= BATCH_BYTES or len(batch) >= BATCH_FILES:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
+                        sids[j], os.path.join(fingerprints_dir, fingerprint_name(r)) if fingerprints_dir else None)
 
 
 def learn_norm_bounds(mean_norms, n_samples: int, factor: float, min_ratio: float):
@@ -476,29 +300,34 @@ def learn_norm_bounds(mean_norms, n_samples: int, factor: float, min_ratio: floa
 
 def scan_records(ds, hidden_states_dir: Path, layer_ids: list[int], hidden_size: int, storage_dtype: str,
                  rows: list[int], *, workers: int | None = None, extras: _Extras | None = None) -> list[_FileResult]:
-    """Read and check the records of `rows` once each (worker threads over batches of files): per-file
-    problems, statistics and, with `extras`, identity signatures and fingerprint agreement."""
+    """Read and check the records of `rows` once each (verify/scan.py: a reader thread, `workers`
+    compute threads over batches of files): per-file problems, statistics and, with `extras`, identity
+    signatures and fingerprint agreement, in row order."""
     spec = RecordSpec(len(layer_ids), hidden_size, storage_dtype)
     bytes_per_token = len(layer_ids) * hidden_size * (2 if storage_dtype == "bf16" else 1)
-    items = _row_items(ds, rows, str(hidden_states_dir))
-    batches = _batches(items, lambda it: len(it.input_ids) * bytes_per_token)
+    fp_dir = extras.fingerprints_dir if extras is not None and extras.final is not None else None
+    items = _row_items(ds, rows, str(hidden_states_dir), fp_dir)
     if not workers:
-        # threads pay off on large records only: on small ones the per-file Python work holds the GIL and
-        # two threads were slower than one (1568 tiny records: 1.77 s vs 0.96 s; [512, 4, 4096] records:
-        # 0.33 s vs 0.38 s; bench/verify_throughput.py)
+        # a second compute thread pays off on large records only: on small ones the batch's Python work
+        # holds the GIL (bench/verify_throughput.py)
         mean_bytes = _mean_tokens(ds, rows) * bytes_per_token
         workers = min(8, len(os.sched_getaffinity(0))) if mean_bytes >= SMALL_RECORD_BYTES else 1
+    arenas = [scan.Arenas(spec, max(1, scan.BATCH_BYTES // bytes_per_token)) for _ in range(workers + 1)]
+    reader = scan._Reader(items, spec, arenas, bool(extras and extras.fingerprints_required), layer_ids)
     results: list[_FileResult] = []
-    # one OpenMP thread per worker: torch's intra-op threads on small tensors (and on a busy machine)
-    # cost more in barriers than they save; the parallelism is across batches of files
-    with _torch_threads(1), ThreadPoolExecutor(workers, thread_name_prefix="verify") as pool:
-        pending = []
-        for b in batches:  # bounded read-ahead: at most 2 batches per worker in flight
-            pending.append(pool.submit(_scan_batch, b, spec, layer_ids, extras))
-            if len(pending) >= 2 * workers:
-                results += pending.pop(0).result()
-        for f in pending:
-            results += f.result()
+    # one OpenMP thread per compute thread: torch's intra-op threads on small tensors (and on a busy
+    # machine) cost more in barriers than they save; the parallelism is across batches of files
+    try:
+        with _torch_threads(1), ThreadPoolExecutor(workers, thread_name_prefix="verify") as pool:
+            pending: deque = deque()
+            for b in reader.batches():
+                pending.append(pool.submit(_process, b, spec, layer_ids, extras, reader.release))
+                while len(pending) >= workers:
+                    results += pending.popleft().result()
+            while pending:
+                results += pending.popleft().result()
+    finally:
+        reader.close()
     return results
 
 
@@ -644,4 +473,9 @@ def check_record(path: Path, row: int, sample_id: str, input_ids: list[int], spe
     import numpy as np
 
     it = _Item(row, str(path), np.asarray(input_ids, dtype=np.int64), sample_id)
-    return _scan_batch([it], spec, layer_ids)[0].problems
+    reader = scan._Reader([it], spec, [scan.Arenas(spec, len(input_ids))], False, layer_ids)
+    try:
+        out = [r for b in reader.batches() for r in _process(b, spec, layer_ids, None, reader.release)]
+    finally:
+        reader.close()
+    return out[0].problems
