@@ -33,7 +33,6 @@ from __future__ import annotations
 import os
 
 import torch
-from safetensors.torch import save_file
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
     PendingSave,
@@ -41,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 from vllm.logger import init_logger
 
-from eagle3_pipeline.contracts import record_metadata, to_record
+from eagle3_pipeline.contracts import record_metadata, save_safetensors, to_record
 
 logger = init_logger(f"vllm.{__name__}")  # under `vllm`, so vLLM's handler prints it in every worker
 CONNECTOR_LOG = "eagle3 hidden-states connector"  # prefix of the one line each TP rank logs at start
@@ -81,7 +80,8 @@ class Eagle3HiddenStatesConnector(ExampleHiddenStatesConnector):
         slot_mapping = (blocks[:, None] * self._block_size + offsets[None, :]).flatten()
         num_tokens = pending.token_ids.shape[0]
         # Advanced indexing copies, so the blocks may be reused as soon as we return.
-        hidden_states = extract_from_kv_cache(self._kv_cache, slot_mapping, num_tokens)  # [T, L, H]
+        # only the request's own slots (vLLM's helper gathers whole blocks, then cuts them to T)
+        hidden_states = extract_from_kv_cache(self._kv_cache, slot_mapping[:num_tokens], num_tokens)  # [T, L, H]
         self._write(pending, hidden_states)
 
     def _write(self, pending: PendingSave, hidden_states: torch.Tensor) -> None:
@@ -97,7 +97,7 @@ class Eagle3HiddenStatesConnector(ExampleHiddenStatesConnector):
         tmp = f"{pending.filename}.tmp-{os.getpid()}"
         lock_fd = self._lock_fds.pop(pending.req_id, None)  # LOCK_EX taken in wait_for_save (if locks are on)
         try:
-            save_file(tensors, tmp, metadata=meta)
+            save_safetensors(tmp, tensors, meta)
             os.replace(tmp, pending.filename)
         finally:
             if os.path.exists(tmp):
