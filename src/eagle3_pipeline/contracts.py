@@ -216,31 +216,56 @@ def write_record(path: Path, record: dict, layer_ids: list[int], storage_dtype: 
 
 def record_file_problem(path: str | Path, token_ids, layer_ids: list[int], hidden_size: int,
                         storage_dtype: str) -> str | None:
-    """None when the file at `path` is already a record of `token_ids` (int64 [T]) as `write_record`
+    """None when the file at `path` is already a record of `token_ids` ([T] ints) as `write_record`
     writes it: our metadata for these layer ids and storage dtype, exactly the record's keys, token
-    ids equal, hidden states [T, L, H] of the storage dtype (fp8: scales fp32 [T, 1, 1]); else what
-    differs. Reads the header and the token ids only (memory-mapped), not the hidden states."""
-    import torch
-    from safetensors import safe_open
+    ids equal, hidden states [T, L, H] of the storage dtype (fp8: scales fp32 [T, 1, 1]), the data
+    section exactly its tensors; else what differs. Reads the header and the token ids only (two
+    preads: no memory map, whose unmapping interrupts every other thread of the process), not the
+    hidden states."""
+    import numpy as np
 
     T, L = len(token_ids), len(layer_ids)
-    keys = {HS_KEY, TOKENS_KEY} | ({SCALES_KEY} if storage_dtype == "fp8" else set())
-    with safe_open(str(path), framework="pt") as f:
-        if (f.metadata() or {}) != record_metadata(layer_ids, storage_dtype):
-            return f"metadata {f.metadata()!r} is not a record's"
-        if set(f.keys()) != keys:
-            return f"keys {sorted(f.keys())}, a record has {sorted(keys)}"
-        hs = f.get_slice(HS_KEY)
-        if list(hs.get_shape()) != [T, L, hidden_size] or hs.get_dtype() != STORAGE_DTYPES[storage_dtype]:
-            return f"hidden_states {hs.get_dtype()} {hs.get_shape()}, expected {STORAGE_DTYPES[storage_dtype]} {[T, L, hidden_size]}"
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, 4096, 0)
+        if len(head) < 8:
+            return f"{size} bytes: no safetensors header"
+        n = int.from_bytes(head[:8], "little")
+        if 8 + n > size:
+            return f"header of {n} bytes does not fit in {size} bytes"
+        raw = head[8:8 + n] if 8 + n <= len(head) else os.pread(fd, n, 8)
+        try:
+            header = json.loads(raw)
+        except ValueError as e:
+            return f"header is not JSON ({e})"
+        if not isinstance(header, dict):
+            return "header is not a JSON object"
+        meta = header.pop("__metadata__", None)
+        if meta != record_metadata(layer_ids, storage_dtype):
+            return f"metadata {meta!r} is not a record's"
+        want = {TOKENS_KEY: ("I64", [T]), HS_KEY: (STORAGE_DTYPES[storage_dtype], [T, L, hidden_size])}
         if storage_dtype == "fp8":
-            sc = f.get_slice(SCALES_KEY)
-            if list(sc.get_shape()) != [T, 1, 1] or sc.get_dtype() != "F32":
-                return f"{SCALES_KEY} {sc.get_dtype()} {sc.get_shape()}, expected F32 {[T, 1, 1]}"
-        tok = f.get_tensor(TOKENS_KEY)
-        expect = torch.as_tensor(token_ids, dtype=torch.int64)
-        if tok.dtype != torch.int64 or tok.shape != expect.shape or not torch.equal(tok, expect):
-            return f"token_ids {tok.dtype} {list(tok.shape)} differ from the row's {list(expect.shape)}"
+            want[SCALES_KEY] = ("F32", [T, 1, 1])
+        if set(header) != set(want):
+            return f"keys {sorted(header)}, a record has {sorted(want)}"
+        itemsize = {"I64": 8, "F32": 4, "BF16": 2, "F8_E4M3": 1}
+        end = 0
+        for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            code, shape = want[name]
+            a, b = info["data_offsets"]
+            if info["dtype"] != code or list(info["shape"]) != shape or a != end or \
+                    b - a != itemsize[code] * int(np.prod(shape)):
+                return f"{name} {info['dtype']} {info['shape']} at {info['data_offsets']}, expected {code} {shape}"
+            end = b
+        if 8 + n + end != size:
+            return f"{size} bytes, the header describes {8 + n + end}"
+        a, b = header[TOKENS_KEY]["data_offsets"]
+        tok = np.frombuffer(os.pread(fd, b - a, 8 + n + a), dtype="<i8")
+    finally:
+        os.close(fd)
+    if len(tok) != T or not np.array_equal(tok, np.asarray(token_ids, dtype=np.int64)):
+        return f"token_ids [{len(tok)}] differ from the row's [{T}]"
     return None
 
 
@@ -317,24 +342,32 @@ def fingerprint_from_flat(prompt_logprobs, last_logprobs, num_tokens: int) -> di
     `FlatLogprobs` with parallel `token_ids` / `logprobs` / `ranks` lists and per-position
     `start_indices` / `end_indices`; position 0 of the prompt's is empty) of the prompt and of the
     generated token: the same tensors as `fingerprint_from_logprobs`, without a Python object per
-    position. Each position holds vLLM's (scored token, rank r), then ranks 1..k."""
+    position. vLLM gives each position (the scored token, its rank) and then ranks 1..k in order."""
     import numpy as np
     import torch
 
+    k = FP_TOP + 1
     ids = np.full((num_tokens, FP_TOP), -1, dtype=np.int64)  # [T, 2]
     lps = np.full((num_tokens, FP_TOP), np.nan, dtype=np.float32)  # [T, 2]
     for flat, first_pos, row0 in ((prompt_logprobs, 1, 0), (last_logprobs, 0, num_tokens - 1)):
-        if flat is None or not len(flat.start_indices):
+        if flat is None or len(flat.start_indices) <= first_pos:
             continue
-        starts = np.asarray(flat.start_indices[first_pos:], dtype=np.int64)
-        ends = np.asarray(flat.end_indices[first_pos:], dtype=np.int64)
-        n = min(len(starts), num_tokens - row0)
-        starts, ends = starts[:n], ends[:n]
-        tok, lp = np.asarray(flat.token_ids, dtype=np.int64), np.asarray(flat.logprobs, dtype=np.float32)
-        rank = np.asarray([-1 if r is None else r for r in flat.ranks], dtype=np.int64)
-        for j in range(FP_TOP):  # the entry of rank j+1 of each position: vLLM puts it at start + 1 + j
-            at = starts + 1 + j
-            ok = (at < ends) & (rank[np.minimum(at, len(rank) - 1)] == j + 1) if len(rank) else at < ends
+        n = min(len(flat.start_indices) - first_pos, num_tokens - row0)
+        starts = np.asarray(flat.start_indices[first_pos:first_pos + n], dtype=np.int64)
+        ends = np.asarray(flat.end_indices[first_pos:first_pos + n], dtype=np.int64)
+        a, b = int(starts[0]), int(ends[-1])
+        tok = np.asarray(flat.token_ids[a:b], dtype=np.int64)
+        lp = np.asarray(flat.logprobs[a:b], dtype=np.float32)
+        rank = np.asarray([-1 if r is None else r for r in flat.ranks[a:b]], dtype=np.int64)
+        if b - a == n * k and (ends - starts == k).all():  # vLLM's layout: k entries at every position
+            tok, lp, rank = tok.reshape(n, k)[:, 1:], lp.reshape(n, k)[:, 1:], rank.reshape(n, k)[:, 1:]
+            ok = rank == np.arange(1, k)  # [n, 2]: the entry of rank j+1 is where it should be
+            rows, cols = np.nonzero(ok)
+            ids[row0 + rows, cols], lps[row0 + rows, cols] = tok[rows, cols], lp[rows, cols]
+            continue
+        for j in range(FP_TOP):  # any other layout: the entry of rank j+1 of each position, if there
+            at = starts - a + 1 + j
+            ok = (at < ends - a) & (rank[np.minimum(at, len(rank) - 1)] == j + 1)
             rows = row0 + np.flatnonzero(ok)
             ids[rows, j], lps[rows, j] = tok[at[ok]], lp[at[ok]]
     return {FP_IDS_KEY: torch.from_numpy(ids), FP_LOGPROBS_KEY: torch.from_numpy(lps)}

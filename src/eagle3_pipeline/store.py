@@ -86,6 +86,56 @@ def durable_replace(tmp: Path, path: Path) -> Path:
     return Path(path)
 
 
+def _syncfs(fd: int) -> bool:
+    """syncfs(2) on the filesystem of `fd` (Linux); False where it is not available."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.syncfs
+    except (OSError, AttributeError):
+        return False
+    if fn(fd) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return True
+
+
+def durable_files(pairs: list[tuple[Path, Path]]) -> None:
+    """Make every complete temporary file of `pairs` [(tmp, final)] durable, then rename each into
+    place: one syncfs per filesystem they are on (all dirty data and metadata of that filesystem to
+    disk, one journal commit) where the system has it, else an fsync per file. Equivalent to
+    `durable_replace` on each pair, much cheaper for many small files. On a failure (DiskFull
+    included) the temporary files left are removed; one before the renames (the flush) renames none."""
+    if not pairs:
+        return
+    try:
+        devices: dict[int, Path] = {}
+        for tmp, _ in pairs:
+            devices.setdefault(os.stat(tmp).st_dev, tmp)
+        for tmp in devices.values():
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                synced = _syncfs(fd)
+            finally:
+                os.close(fd)
+            if not synced:
+                for t, _ in pairs:
+                    with open(t, "rb+") as f:
+                        os.fsync(f.fileno())
+                break
+        for tmp, final in pairs:
+            os.replace(tmp, final)
+    except OSError as e:
+        for tmp, _ in pairs:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        err = _disk_full(Path(pairs[0][1]), e)
+        if err is e:
+            raise
+        raise err from e
+
+
 def atomic_write(path: Path, write: Callable[[Path], None], tag: str = "0", durable: bool = True) -> Path:
     """Call `write(tmp)` on a temporary name beside `path`, fsync it, then rename into place.
     `durable=False` stops after the write and returns the temporary name: the caller finishes with

@@ -67,6 +67,7 @@ class ShardRecord(BaseModel):
     tokens: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    phases: dict[str, float] | None = None  # the child's seconds per phase (rows, prefill, files, records, fsync_wait)
     files: dict[str, str] = {}  # record name -> sha256
     fingerprints: dict[str, str] = {}  # fingerprint sidecar name -> sha256 (extract.fingerprints)
     error: str | None = None
@@ -450,7 +451,8 @@ def _publish(man: Manifest, hs_dir: Path, shard: Shard, ev: dict, pool: RecordPo
     tokens = int(ev["tokens"]) + (sum(sub.tokens[r] for r in span if r not in set(extracted)) if sub else 0)
     with man.edit() as m:
         m["shards"][shard.index].update(status="published", tokens=tokens, bytes=size,
-                                        seconds=float(ev["seconds"]), files=files, fingerprints=fps, error=None,
+                                        seconds=float(ev["seconds"]), phases=ev.get("phases"), files=files,
+                                        fingerprints=fps, error=None,
                                         extracted_rows=len(extracted), reused_rows=len(span) - len(extracted),
                                         extracted_tokens=int(ev["tokens"]))
         inv = m.get("invariance") or {}

@@ -175,31 +175,36 @@ class _Engine:
                 last_nudge = time.time()
             time.sleep(0.005)
 
+    def warm_up(self) -> None:
+        """One short request through the whole path (prefill, prompt logprobs, the connector's write)
+        before the first shard, so that first-use costs count as start-up, not as a shard's work."""
+        path = str(Path(self.job.scratch_dir) / "warm-up.safetensors")
+        self.await_files(self.prefill([[self.nudge_token] * 2], [path]))
+        _remove(path)
+
     def drop_nudge_files(self) -> None:
         for p in self.nudge_files:
             _remove(p)
 
 
 class _Durable:
-    """fsync + rename of complete files on a few threads (store.durable_replace), so that this thread
-    checks the next record while the disk catches up; `wait()` returns when every file submitted so
-    far is under its final name, and raises the first failure (DiskFull included)."""
+    """The shard's files made durable and put in place together: each is written complete under its
+    temporary name (the connector's, or ours), `wait()` flushes them all to disk, then renames each
+    into place (store.durable_files: one syncfs per filesystem on Linux instead of an fsync per file:
+    22 ms instead of 75 ms for a shard of 100 records and their fingerprints, and no per-file journal
+    commits in the way of the next files' writes)."""
 
-    def __init__(self, threads: int = 2):
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="eagle3-fsync")
-        self.pending: list = []
+    def __init__(self):
+        self.pending: list[tuple[Path, Path]] = []
 
     def submit(self, tmp: Path, final: Path) -> None:
-        from eagle3_pipeline.store import durable_replace
-
-        self.pending.append(self.pool.submit(durable_replace, Path(tmp), Path(final)))
+        self.pending.append((Path(tmp), Path(final)))
 
     def wait(self) -> None:
+        from eagle3_pipeline.store import durable_files
+
         pending, self.pending = self.pending, []
-        for f in pending:
-            f.result()
+        durable_files(pending)
 
 
 def _run_shard(engine: _Engine, ds, job: ExtractJob, shard: ShardSpec, durable: _Durable) -> None:
@@ -211,9 +216,12 @@ def _run_shard(engine: _Engine, ds, job: ExtractJob, shard: ShardSpec, durable: 
     input_ids: list[list[int]] = rows["input_ids"]
     sample_ids = rows["sample_id"] if "sample_id" in rows.column_names else [None] * len(rows)
     hs_dir = Path(job.hidden_states_dir)
+    t_prefill = time.time()
     paths = engine.prefill(input_ids, [_engine_path(hs_dir, r, job.attempt) for r in row_ids])
     outs = engine.outputs
+    t_await = time.time()
     engine.await_files(paths)
+    t_files = time.time()
     L, H = len(job.layer_ids), job.hidden_size
     files, fp_files, tokens, converted = [], [], 0, 0
     for k, (ids, sid, path) in enumerate(zip(input_ids, sample_ids, paths)):
@@ -251,9 +259,15 @@ def _run_shard(engine: _Engine, ds, job: ExtractJob, shard: ShardSpec, durable: 
             durable.wait()
             time.sleep(delay)  # test hook (RECORD_DELAY_ENV): the record is in place, then a pause
         tokens += len(ids)
+    t_wait = time.time()
     durable.wait()  # every file of the shard fsynced and under its final name
+    t1 = time.time()
+    # where the shard's time went: rows read, engine prefill, the last files written, records checked and
+    # fingerprints written, waiting for the last fsyncs
+    phases = {"rows": t_prefill - t0, "prefill": t_await - t_prefill, "files": t_files - t_await,
+              "records": t_wait - t_files, "fsync_wait": t1 - t_wait}
     emit_event(kind="shard_done", shard=shard.index, files=files, fingerprint_files=fp_files, tokens=tokens,
-               seconds=round(time.time() - t0, 4), converted=converted)
+               seconds=round(t1 - t0, 4), converted=converted, phases={k: round(v, 4) for k, v in phases.items()})
 
 
 def _is_record(path: str, hs_dir: Path, ids: list[int], job: ExtractJob) -> bool:
@@ -341,8 +355,9 @@ def main(argv: list[str]) -> int:
     llm = build_llm(job.engine, job.target, max_model_len=int(max_len) + 1,
                     speculative_config=extract_hidden_states_config(job.layer_ids), kv_transfer_config=kv,
                     max_num_seqs=job.max_num_seqs, enable_chunked_prefill=False, enable_prefix_caching=False, **batched)
-    emit_event(kind="engine_ready", seconds=round(time.time() - t_start, 2))
     engine = _Engine(llm, job, nudge_token=int(ds[job.shards[0].row_ids()[0]]["input_ids"][0]))
+    engine.warm_up()
+    emit_event(kind="engine_ready", seconds=round(time.time() - t_start, 2))
     durable = _Durable()
     kill_after = int(os.environ.get(KILL_AFTER_ENV, "0") or 0)
     fail = {int(x) for x in os.environ.get(FAIL_SHARDS_ENV, "").split(",") if x.strip()}
