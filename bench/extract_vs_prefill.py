@@ -112,6 +112,7 @@ def prefill(model: Path, tokenized: str, rows: int, cfg) -> float:
 
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"model": str(model), "tokenized": tokenized, "rows": rows, "max_num_seqs": cfg.max_num_seqs,
+                   "max_num_batched_tokens": cfg.max_num_batched_tokens, "rows_per_call": cfg.rows_per_shard,
                    "engine": cfg.engine().model_dump()}, f)
     res = run_child([sys.executable, "-u", str(ROOT / "bench" / "prefill_child.py"), f.name], name="bench-prefill",
                     timeout_s=1800, env=engine_env(cfg))
@@ -154,6 +155,7 @@ def speculators_offline(model: Path, tokenized: str, rows: int, cfg, out: Path) 
          "--max-model-len", str(max(map(len, ids)) + 8), "--max-num-seqs", str(cfg.max_num_seqs),
          "--gpu-memory-utilization", str(cfg.gpu_memory_utilization), "--enforce-eager", "--seed", "0",
          "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
+         *(["--max-num-batched-tokens", str(cfg.max_num_batched_tokens)] if cfg.max_num_batched_tokens else []),
          "--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv)],
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
@@ -270,6 +272,8 @@ def bench_size(size: str, n_rows: int, args) -> dict:
               "fingerprint share of extraction time": [1 - e / b for e, b in zip(tps["extract"], tps["extract-bare"])]}
     if args.speculators:
         ratios["extract ÷ speculators"] = [e / s for e, s in zip(tps["extract"], tps["speculators"])]
+        # like for like: speculators' path computes no logits for the prompt tokens either
+        ratios["extract-bare ÷ speculators"] = [e / s for e, s in zip(tps["extract-bare"], tps["speculators"])]
     t = Table(title=f"extraction, {size} target ({n_params / 1e6:.0f}M parameters, {rows} rows, "
                     f"{results['bf16'].tokens:,} tokens), {args.rounds} alternating rounds, engine start excluded")
     for c in ("measure", "median", "min", "max", "per round"):

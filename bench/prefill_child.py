@@ -1,5 +1,9 @@
 """Child for bench/extract_vs_prefill.py: plain prefill (max_tokens=1, no speculation, no connector) on
-the same engine settings as the extract worker; reports tokens and seconds (engine start excluded)."""
+the same engine settings as the extract worker and the same requests: the rows in the extraction's
+shards (`rows_per_call` each, one `generate` per shard, as the extract worker calls it) after the same
+one short warm-up request; reports tokens and the summed seconds of the shard calls (engine start
+excluded, as for the extraction). One generate over every row would let the first-use costs of a
+large batch (memory first touched) land in one call, while the extraction's later shards reuse it."""
 
 import json
 import sys
@@ -16,12 +20,17 @@ if __name__ == "__main__":
     from vllm.inputs import TokensPrompt
 
     prompts = load_tokenized(job["tokenized"])["input_ids"][: job["rows"]]
+    batched = {"max_num_batched_tokens": job["max_num_batched_tokens"]} if job.get("max_num_batched_tokens") else {}
     llm = build_llm(EngineConfig(**job["engine"]), TargetConfig(model=job["model"]),
-                    max_model_len=max(map(len, prompts)) + 8, max_num_seqs=job["max_num_seqs"],
-                    enable_chunked_prefill=False, enable_prefix_caching=False)
+                    max_model_len=max(map(len, prompts)) + 1, max_num_seqs=job["max_num_seqs"],
+                    enable_chunked_prefill=False, enable_prefix_caching=False, **batched)
     sp = SamplingParams(max_tokens=1, temperature=0)
-    llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], sp, use_tqdm=False)  # warm-up
-    t0 = time.perf_counter()
-    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
-    emit_event(kind="prefill", tokens=sum(map(len, prompts)), seconds=time.perf_counter() - t0)
+    llm.generate([TokensPrompt(prompt_token_ids=prompts[0][:1] * 2)], sp, use_tqdm=False)  # warm-up, as the worker's
+    per = max(1, int(job.get("rows_per_call") or len(prompts)))
+    seconds = 0.0
+    for a in range(0, len(prompts), per):
+        t0 = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[a:a + per]], sp, use_tqdm=False)
+        seconds += time.perf_counter() - t0
+    emit_event(kind="prefill", tokens=sum(map(len, prompts)), seconds=seconds)
     exit_child(0)  # skip the engine teardown (seconds)
