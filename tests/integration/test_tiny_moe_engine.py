@@ -171,21 +171,29 @@ def test_vllm_greedy_turns_match_hf_and_parse(engine_run, tok, tiny_moe):
     """vLLM's greedy turns (bf16) equal HF's greedy turns (fp32) for most prompts (MoE routing flips
     on near-ties may change a token), and are well-formed turns: a <think> block, closed by
     <|turn_end|>; the agentic prompt through LLM.chat gets a tool-call turn whose arguments are JSON.
-    How often they equal the corpus answers is the builder's `greedy_accuracy` (tiny_target.json)."""
+    How often they equal the corpus answers is the builder's `greedy_accuracy` (tiny_target.json).
+    The 4.9 M-parameter target is weak: a malformed turn is allowed where transformers' greedy gives
+    exactly the same turn (the model's own answer, not vLLM's), for at most a third of the prompts
+    (0 of 6 on a CPU with AMX, 1 of 6 without: other kernels, another trained model); before the
+    rotary fix most turns were malformed and differed from transformers'."""
     import torch
     from transformers import AutoModelForCausalLM
 
     _, result, _ = engine_run
     model = AutoModelForCausalLM.from_pretrained(str(tiny_moe), dtype=torch.float32).eval()
-    same = 0
+    same, malformed = 0, []
     for g in result["generate"]:
         ids = torch.tensor([g["prompt_token_ids"]])
         with torch.no_grad():
             out = model.generate(ids, max_new_tokens=64, do_sample=False, eos_token_id=tok.eos_token_id,
                                  pad_token_id=tok.pad_token_id)
-        same += out[0, ids.shape[1]:].tolist() == g["output_token_ids"]
+        hf = out[0, ids.shape[1]:].tolist()
+        same += hf == g["output_token_ids"]
         text = tok.decode(g["output_token_ids"], skip_special_tokens=False)
-        assert text.startswith("<think>") and "</think>" in text and text.endswith("<|turn_end|>"), text
+        if not (text.startswith("<think>") and "</think>" in text and text.endswith("<|turn_end|>")):
+            malformed.append(text)
+            assert hf == g["output_token_ids"], f"vLLM: {text!r}; transformers: {tok.decode(hf)!r}"
+    assert len(malformed) <= len(result["generate"]) // 3, malformed
     call = tok.decode(result["chat"]["output_token_ids"], skip_special_tokens=False)
     assert "<|calls|><|call|>" in call and call.endswith("<|calls_end|><|turn_end|>"), call
     json.loads(call.split("<|args|>")[1].split("<|call_end|>")[0])

