@@ -99,6 +99,7 @@ def ratio_rows(res: dict) -> list[tuple[str, str, str]]:
     if d := data("extract"):
         goals = {"extract ÷ prefill": ">= 0.95", "extract ÷ speculators": ">= 1.3 (same engine, no HTTP)",
                  "extract-bare ÷ prefill": "no fingerprints, no invariance rows",
+                 "extract-bare ÷ speculators": "neither computes prompt logits",
                  "fingerprint share of extraction time": "<= 10%"}
         for size, sd in (d.get("sizes") or {}).items():
             for name, r in sd["ratios"].items():
