@@ -38,8 +38,9 @@ kernel compiles for 16 only) while CPU_ATTN, the draft's attention backend, decl
 32, so the engine stopped at start-up with "No common block size for 16 (CPU_MLA: [16]; CPU_ATTN:
 [MultipleOf(32)])". CPU_ATTN's kernel has a 16-token path ('vec16', which its ISA choice takes for
 every block size that is not a multiple of 32); declaring 16 as well lets draft and target share the
-cache. With AMX, MLA runs on AMX_MLA (multiples of 32) and nothing changes. Engines built here run in
-this process on the CPU build (`engine_env`), where the declaration is made.
+cache. With AMX, MLA runs on AMX_MLA (multiples of 32) and nothing changes. The declaration is made
+in the process that calls `build_llm`: where the engine core runs (the CPU build's default with TP 1,
+`engine_env`); a TP > 1 CPU engine's worker processes would not see it.
 vLLM is imported only inside `build_llm`, so the parent may import this module.
 """
 

@@ -24,8 +24,9 @@ EVERY = 12  # ~8% of requests: a few bad records in a run of ~80 rows
 def _why(out: str) -> str:
     """The run's error lines (the CLI's one-line error, exceptions, failed stages) before its tail: a
     tail alone is mostly the temporary Prefect server shutting down."""
-    keys = ("eagle3 run: error", "Error", "Exception", "Traceback", "failed", "Failed", "Crashed")
-    lines = [x for x in out.splitlines() if any(k in x for k in keys)]
+    from eagle3_pipeline.proc import EXCEPTION_LINE
+
+    lines = [x for x in out.splitlines() if "eagle3 run: error" in x or EXCEPTION_LINE.search(x)]
     return "error lines:\n" + "\n".join(lines[:40]) + "\n--- tail:\n" + out[-2500:]
 
 
