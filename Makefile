@@ -61,8 +61,12 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; }
 
+# Two pytest-xdist workers, each taking whole test modules (and the chaos and server groups whole: see
+# tests/conftest.py); TEST_WORKERS=0 runs the suite in this one process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope)
 test: $(STAMP) tiny tiny-moe browser
-	$(PY) -m pytest tests -q -p no:cacheprovider --timeout 3600 --durations=25
+	$(PY) -m pytest tests -q -p no:cacheprovider --timeout 3600 --durations=25 $(XDIST)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest tests/unit -q -p no:cacheprovider

@@ -18,6 +18,46 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+# `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadscope`): the serial suite kept
+# one of two cores idle half the time (engine start-ups are single-threaded imports, server tests wait on
+# workers). A worker takes whole groups, never part of one: a test module each (its module fixtures
+# built once), except two groups of several modules. The session fixtures (the tiny prepare + extraction,
+# a Prefect harness) are built once per worker.
+#   "processes": the tests that make leftover engine processes on purpose and check that the gpu-gate
+#     ends exactly theirs (the chaos suite, tests/unit/test_proc_gpu.py): one worker, one at a time, so
+#     no test sees another's leftovers.
+#   "server": tests/server/, which share one real Prefect server with its workers and deployments.
+# Groups are handed out longest first (the serial suite's seconds), so no long group starts last.
+_GROUP_RULES = (("tests/chaos/", "processes"), ("tests/unit/test_proc_gpu.py", "processes"), ("tests/server/", "server"))
+_GROUP_ORDER = ("processes", "server", "tests/integration/test_online.py", "tests/integration/test_train.py",
+                "tests/integration/test_extract.py", "tests/integration/test_extract_flow.py")
+
+
+def group_of(nodeid: str) -> str:
+    """The group (see above) of a test id: the worker that runs one of its tests runs all of them."""
+    module = nodeid.split("::", 1)[0]
+    return next((g for prefix, g in _GROUP_RULES if module.startswith(prefix)), module)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {g: i for i, g in enumerate(_GROUP_ORDER)}
+    items.sort(key=lambda it: rank.get(group_of(it.nodeid), len(rank)))  # stable: the rest keep their order
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """With `--dist loadscope`, xdist's scope of a test is its group. (Its `loadgroup` cannot be used: it
+    renames node ids through `item._nodeid`, which pytest 9 no longer reads.)"""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    return ByGroup(config, log)
+
 
 @pytest.fixture(scope="session")
 def tiny_target() -> Path:
