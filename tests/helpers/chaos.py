@@ -56,16 +56,19 @@ def child_running(marker: str) -> Callable[[], int | None]:
 
 def gate_after_kill(tag: str, log: Callable[[str], None] = print):
     """Run the real gpu-gate and check that no engine or trainer process of this trial survives it.
-    Leftovers that are not this trial's (another test session on a shared machine) stop the test
-    instead of being ended by it."""
+    Leftovers that are not this trial's and not this test session's (another session on a shared
+    machine) stop the test instead of being ended by it."""
     import psutil
 
     from eagle3_pipeline.gpu import find_leftovers, gpu_gate
 
     foreign = []
+    run_uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # set in every worker of one xdist session
     for p, desc in find_leftovers():
         try:
-            if p.environ().get(TAG_ENV) != tag:
+            env = p.environ()
+            same_session = run_uid is not None and env.get("PYTEST_XDIST_TESTRUNUID") == run_uid
+            if env.get(TAG_ENV) != tag and not same_session:  # another worker's leftover is the gate's to end
                 foreign.append(desc)
         except psutil.Error:
             pass
