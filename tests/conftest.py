@@ -148,9 +148,14 @@ def prefect_harness(tmp_path_factory):
     os.environ["PREFECT_HOME"] = str(home)
     # Prefect 3.7 keeps persisted results in ~/.prefect/storage whatever PREFECT_HOME says
     os.environ["PREFECT_LOCAL_STORAGE_PATH"] = str(home / "storage")
+    from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
+    from tests.helpers.prefect_events import events_to
+
+    # the harness sets the API URL but leaves the events worker where it was: the real server's, when
+    # this xdist worker ran tests/server/ first, and this harness's task runs would be sent there
+    with prefect_test_harness(server_startup_timeout=120), events_to(PREFECT_API_URL.value()):
         yield
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from tests.helpers.prefect_events import events_to
 from tests.helpers.server import BIN, GPU_LIMIT, POOL, ROOT, Proc, free_port, run_cmd
 
 
@@ -30,8 +31,6 @@ from tests.helpers.server import BIN, GPU_LIMIT, POOL, ROOT, Proc, free_port, ru
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory):
     import httpx
-    from prefect.events.clients import PrefectEventsClient
-    from prefect.events.worker import EventsWorker
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     home = tmp_path_factory.mktemp("prefect-server")
@@ -61,16 +60,10 @@ def prefect_server(tmp_path_factory):
                 pass
             time.sleep(0.5)
         print(f"\nprefect server up at {api} in {time.time() - t0:.1f}s")
-        # Events emitted from this process must reach this server. Prefect keeps one EventsWorker per
-        # client type, bound to the API URL current when it was first used: without the override the
-        # worker that the earlier tests' harness server created would swallow them.
-        EventsWorker.drain_all()
-        EventsWorker.set_client_override(PrefectEventsClient, api_url=api)
-        with temporary_settings({PREFECT_API_URL: api}):
+        # events emitted from this process (task runs among them) must reach this server too
+        with temporary_settings({PREFECT_API_URL: api}), events_to(api):
             yield SimpleNamespace(api=api, ui=api.removesuffix("/api"), env=client_env, home=home, proc=server)
     finally:
-        EventsWorker.drain_all()
-        EventsWorker.set_client_override(None)
         server.stop()
 
 
