@@ -148,6 +148,9 @@ def build_llm(engine: EngineConfig, target: TargetConfig, *, max_model_len: int,
               speculative_config: dict | None = None, kv_transfer_config: dict | None = None, **overrides):
     """One `vllm.LLM` of `target` with `engine`'s settings, seed 0. `kv_transfer_config` is passed only
     when given; `overrides` are further vLLM keyword arguments (they win over the ones set here)."""
+    from eagle3_pipeline.cpu_isa import allow_amx
+
+    allow_amx()  # before vLLM's first kernel (also its plugin; here too where VLLM_PLUGINS leaves it out)
     from vllm import LLM
 
     if vllm_is_cpu_build():

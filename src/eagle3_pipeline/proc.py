@@ -104,6 +104,16 @@ def kill_group(pgid: int, grace_s: float = 10.0, leader: subprocess.Popen | None
         pass
 
 
+def exit_code(rc: int | None) -> str:
+    """'code 1', or for a child ended by a signal 'code -4 (SIGILL)'."""
+    if rc is not None and rc < 0:
+        try:
+            return f"code {rc} ({signal.Signals(-rc).name})"
+        except ValueError:
+            pass
+    return f"code {rc}"
+
+
 def python_child(module: str, *args: str) -> list[str]:
     """argv that runs `python -m module args...` with this interpreter."""
     return [sys.executable, "-u", "-m", module, *args]
@@ -145,7 +155,7 @@ def run_child(
             log_f.close()
     res = ChildResult(proc.returncode, time.time() - t0, events, list(tail))
     if check and (timed_out or proc.returncode != 0):
-        why = f"ran past its deadline of {timeout_s:.0f}s" if timed_out else f"exited with code {proc.returncode}"
+        why = f"ran past its deadline of {timeout_s:.0f}s" if timed_out else f"exited with {exit_code(proc.returncode)}"
         where = f" (full log: {log_path})" if log_path else ""
         raise (ChildTimedOut if timed_out else ChildFailed)(f"{name} {why}{where}; last output:\n" + "\n".join(tail))
     return res
@@ -157,6 +167,7 @@ def _spawn(argv: list[str], name: str, log_path: Path | None, on_line: Callable[
     returns (proc, reader thread, tail, events, log file)."""
     full_env = {**os.environ, **(env or {}), CHILD_MARKER_ENV: name, LAUNCHER_ENV: str(os.getpid()),
                 "PYTHONUNBUFFERED": "1"}
+    full_env.setdefault("PYTHONFAULTHANDLER", "1")  # a child killed by SIGSEGV / SIGILL logs its Python stack
     if log_path:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     log_f = open(log_path, "a", buffering=1) if log_path else None  # noqa: SIM115
@@ -220,7 +231,7 @@ class BackgroundChild:
         rc = self.proc.poll() if self.proc else None
         first = first_exception_line(self.log_path) if self.log_path else None
         cause = f"; first error in the log: {first}" if first else ""
-        return f"{self.name} exited with code {rc}{where}{cause}; last output:\n" + "\n".join(self.tail)
+        return f"{self.name} exited with {exit_code(rc)}{where}{cause}; last output:\n" + "\n".join(self.tail)
 
     def __exit__(self, *exc) -> None:
         if self.proc is None:

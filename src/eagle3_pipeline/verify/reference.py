@@ -114,7 +114,7 @@ def stream_reference(target, samples: dict[int, list[int]], layer_ids: list[int]
     ReferenceFailed (non-zero exit, deadline)."""
     from safetensors.torch import load_file
 
-    from eagle3_pipeline.proc import ChildFailed, python_child, run_child
+    from eagle3_pipeline.proc import ChildFailed, exit_code, python_child, run_child
     from eagle3_pipeline.store import read_json, write_json
     from eagle3_pipeline.verify.worker import (BUDGET_EXIT, RESULT_FILE, ReferenceJob, ReferenceOutput,
                                                ReferenceSample)
@@ -135,7 +135,7 @@ def stream_reference(target, samples: dict[int, list[int]], layer_ids: list[int]
         if child.returncode == BUDGET_EXIT and out is not None and out.error:
             raise ReferenceBudgetExceeded(out.error)
         if child.returncode != 0 or out is None:
-            raise ReferenceFailed(f"verify reference child exited with code {child.returncode}{where}; last output:\n"
+            raise ReferenceFailed(f"verify reference child exited with {exit_code(child.returncode)}{where}; last output:\n"
                                   + "\n".join(child.tail[-30:]))
         if out.skipped:
             return out, {}
