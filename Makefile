@@ -17,6 +17,10 @@ export PREFECT_LOCAL_STORAGE_PATH ?= $(PREFECT_HOME)/storage
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
+# The venv keeps the bytecode Python compiles: with PYTHONDONTWRITEBYTECODE set (as in these machines'
+# environment) every process compiled vLLM, torch and transformers from source again, several seconds
+# of every engine start-up.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install run test test-fast tiny tiny-moe bench gpu-check clean browser
 

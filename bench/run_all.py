@@ -12,6 +12,7 @@ Runs each bench script as its own process (their own tables print as they go), i
   train     bench/train_vs_speculators.py our train stage ÷ speculators' own trainer
   prepare   bench/prepare_throughput.py   2 processes ÷ 1
   online    bench/online_vs_offline.py    online training (a vLLM server) ÷ offline (stored records), disk peak
+  startup   bench/startup_bytecode.py     process start-up with the venv's bytecode ÷ compiling from source
   run       `eagle3 run` on configs/tiny-cpu.yaml (what `make run` runs) into a fresh store, then again
             (the reuse path), wall time of each
 Every ratio is the median over >= 5 alternating rounds, printed with its min-max (bench_results.spread).
@@ -49,6 +50,7 @@ BENCHES = {
     "train": (["bench/train_vs_speculators.py", "--rounds", "5", "--max-steps", "40"], ["--rounds", "1", "--max-steps", "20"]),
     "prepare": (["bench/prepare_throughput.py", "--scale", "10"], ["--scale", "2"]),
     "online": (["bench/online_vs_offline.py", "--rounds", "5", "--max-steps", "20"], ["--rounds", "1", "--max-steps", "5"]),
+    "startup": (["bench/startup_bytecode.py", "--rounds", "5"], ["--rounds", "1"]),
 }
 
 
@@ -145,6 +147,10 @@ def ratio_rows(res: dict) -> list[tuple[str, str, str]]:
                      f"peak in flight {d['online_peak_bytes'] / 1e6:.2f} MB vs {d['offline_bytes'] / 1e6:.0f} MB stored"))
     if d := data("prepare"):
         rows.append(("prepare 2 processes ÷ 1 (rows/s)", f"{d['ratio_2_over_1']:.2f}", "> 1 on a quiet machine"))
+    if d := data("startup"):
+        for name, sd in d["sets"].items():
+            rows.append((f"process start-up with bytecode ÷ from source, {name} imports", _spread(sd["ratio"]),
+                         f"saves {_spread(sd['saved_s'], False, '.1f')} s per process (PYTHONDONTWRITEBYTECODE unset)"))
     if d := data("run"):
         rows.append(("make run wall time, fresh store", f"{d['fresh_s'] / 60:.1f} min",
                      f"<= 2.5 min; τ {d['fresh_tau']:.2f} (untrained {d['untrained_tau']:.2f})"))
