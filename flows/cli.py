@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import functools
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, NoReturn
@@ -21,6 +22,11 @@ from rich.console import Console
 
 from eagle3_pipeline.errors import ExitCode, InputError, culprit, exit_code
 from eagle3_pipeline.signals import raise_on_termination
+
+# A run without PREFECT_API_URL starts a temporary Prefect server and waits for it Prefect's 20 s by default;
+# on a loaded 2-core machine its start-up took longer and `eagle3 run` failed before any stage ran
+# ("Timed out while attempting to connect to ephemeral Prefect API server"). Set before Prefect is imported.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="eagle3-pipeline: target LLM + chat data -> EAGLE-3 draft")
 console = Console()
@@ -115,7 +121,9 @@ def make_tiny_target(out: Annotated[Path | None, typer.Option(help="model direct
                                                             "trust_remote_code, agentic chat")] = TinyKind.llama,
                      force: bool = False,
                      steps: Annotated[int | None, typer.Option(help="training steps (default: the tiny config's)")] = None) -> None:
-    """Build an embedded target: procedural corpus, BPE tokenizer, a tiny model trained on it."""
+    """Build an embedded target: procedural corpus, BPE tokenizer, a tiny model trained on it (or copy the
+    same build from this machine's build cache: eagle3_pipeline/tiny/build_cache.py)."""
+    from eagle3_pipeline.tiny.build_cache import cached_build
     from eagle3_pipeline.tiny.moe_target import TinyMoeConfig, build_tiny_moe
     from eagle3_pipeline.tiny.target import TinyTargetConfig, build_tiny_target
 
@@ -128,7 +136,7 @@ def make_tiny_target(out: Annotated[Path | None, typer.Option(help="model direct
         console.print(f"tiny target already built at {out} (greedy accuracy {s['greedy_accuracy']:.2f}); --force rebuilds")
         return
     cfg = config_cls(**({"max_steps": steps} if steps else {}))
-    s = build(cfg, out, log=console.print)
+    s = cached_build(kind.value, cfg, out, build, log=console.print, reuse=not force)
     console.print(f"[green]tiny target[/] ({kind.value}) {out}: {s['params']:,} params, greedy accuracy "
                   f"{s['greedy_accuracy']:.2f}, {s['build_seconds']:.0f}s")
 

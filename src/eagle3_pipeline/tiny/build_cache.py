@@ -1,0 +1,109 @@
+"""A machine-wide cache of built tiny targets, keyed by everything that determines their bytes.
+
+The tiny builds are deterministic (seeded corpus, tokenizer and weights; a fixed number of training
+steps) and cost minutes of both cores (the MoE one ~6-15 min on 2 cores): every fresh clone on the
+same machine (CI runs on one, a developer's second checkout) would train the same model again.
+`cached_build` keys a build by the builder's code (every file of `tiny/` and `data/` and `store.py`,
+the only project modules the builders import), its config (pydantic JSON) and the versions of the
+libraries it trains and tokenizes with, and keeps one copy per key under
+`$EAGLE3_BUILD_CACHE` (default `${XDG_CACHE_HOME:-~/.cache}/eagle3-pipeline/tiny/<kind>/<key>/`).
+A hit is copied into `out` (a few MB); a miss builds into `out` and publishes a copy (atomically:
+a temporary name, then a rename; a failure to publish is logged, never fatal). A changed builder,
+config or library version is another key: built from nothing again. `EAGLE3_BUILD_CACHE=off` turns
+the cache off. Writes `build_key` into the summary it returns (and into `tiny_target.json` of a
+build it made).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from eagle3_pipeline.store import atomic_write_text
+
+PACKAGE = Path(__file__).resolve().parents[1]  # src/eagle3_pipeline
+SOURCES = ("tiny", "data", "store.py")
+LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "tiktoken")
+ENV = "EAGLE3_BUILD_CACHE"
+
+
+def cache_root() -> Path | None:
+    setting = os.environ.get(ENV, "")
+    if setting.lower() in ("off", "0", "none"):
+        return None
+    if setting:
+        return Path(setting)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "eagle3-pipeline" / "tiny"
+
+
+def build_key(kind: str, cfg: BaseModel) -> str:
+    """sha256 (16 hex) of the builder's sources, its config and the library versions."""
+    h = hashlib.sha256()
+    h.update(f"kind={kind}\nconfig={cfg.model_dump_json()}\n".encode())
+    for lib in LIBRARIES:
+        try:
+            version = importlib.metadata.version(lib)
+        except importlib.metadata.PackageNotFoundError:
+            version = None
+        h.update(f"{lib}={version}\n".encode())
+    files: list[Path] = []
+    for name in SOURCES:
+        p = PACKAGE / name
+        files += sorted(p.rglob("*.py")) if p.is_dir() else [p]
+    for f in files:
+        if f == Path(__file__).resolve():
+            continue  # this module changes no byte of a build
+        h.update(f"{f.relative_to(PACKAGE)}\n".encode())
+        h.update(hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()[:16]
+
+
+def _summary(out: Path) -> dict:
+    return json.loads((out / "tiny_target.json").read_text())
+
+
+def _copy(src: Path, dst: Path) -> None:
+    """`src` as `dst`, whole or not at all (a temporary sibling, then a rename)."""
+    tmp = dst.with_name(f"{dst.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    try:
+        os.replace(tmp, dst)
+    except OSError:  # dst appeared meanwhile (another build of the same key) or is a non-empty dir
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (dst / "tiny_target.json").exists():
+            raise
+
+
+def cached_build(kind: str, cfg: BaseModel, out: Path, build: Callable[..., dict], log=print,
+                 reuse: bool = True) -> dict:
+    """The tiny target of `kind` built with `cfg` in `out`: copied from the cache when it holds this
+    build's key (and `reuse`), else built by `build(cfg, out, log=log)` and published to the cache."""
+    out = Path(out)
+    key = build_key(kind, cfg)
+    root = cache_root()
+    entry = root / kind / key if root is not None else None
+    if reuse and entry is not None and (entry / "tiny_target.json").exists():
+        shutil.rmtree(out, ignore_errors=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _copy(entry, out)
+        log(f"tiny target ({kind}): build {key} reused from {entry} (the same builder code, config and libraries)")
+        return _summary(out) | {"build_key": key, "reused_from": str(entry)}
+    summary = build(cfg, out, log=log) | {"build_key": key}
+    atomic_write_text(out / "tiny_target.json", json.dumps(summary, indent=2))  # the build's last file
+    if entry is not None:
+        try:
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            _copy(out, entry)
+            log(f"tiny target ({kind}): build {key} kept in {entry}")
+        except OSError as e:
+            log(f"tiny target ({kind}): could not keep build {key} in {entry} ({type(e).__name__}: {e}); built anyway")
+    return summary
