@@ -112,8 +112,9 @@ def test_engine_child_killed(trial, small_reference, tag, tmp_path, monkeypatch)
     m = _check_after_kill(out, ref)
     published = [s["index"] for s in m["shards"] if s["status"] == "published"]
     print(f"trial {trial}: killed with shards {published} published")
-    if phase == "init":
-        assert published == []
+    if phase == "init" and not any("engine ready" in line for line in lines):
+        assert published == []  # killed before its engine was ready: nothing can be published (a loaded
+        # machine may start the engine sooner than the reference's start-up the delay was drawn from)
     assert m["children"][-1]["status"] == "failed" and "code -9" in m["children"][-1]["error"]
     assert temporaries(out) == [] and scratch_left(out) == []  # the live parent cleaned up after its child
     gate_after_kill(tag)

