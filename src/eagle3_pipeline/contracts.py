@@ -311,10 +311,11 @@ def compare_layers(got, ref, layer_ids: list[int], cos_bound: float) -> list[Lay
 # ---------------------------------------------------------------- the fingerprint sidecar of a record
 # `fingerprints/fp_{i}.safetensors`, written in the same extraction pass from vLLM's own logits:
 #   top_ids       int64[T, 2]   the target's two most likely next tokens after position t
-#   top_logprobs  fp32[T, 2]    their log-probabilities
+#   top_logprobs  fp32[T, 2]    their scores: raw logits (engine.FINGERPRINT_ENGINE_KWARGS; sidecars of
+#                               earlier extractions hold log-probabilities: the check is the same)
 # (t < T-1 from vLLM's prompt logprobs of position t+1; t = T-1 from the one generated token's).
 # Verify recomputes the logit margin top1 - top2 from the stored final-layer state with the final
-# norm and the two lm_head rows alone (the log-softmax normaliser cancels): every row, every token.
+# norm and the two lm_head rows alone (a log-softmax normaliser would cancel): every row, every token.
 
 def fingerprint_name(row: int) -> str:
     return f"fp_{row}.safetensors"

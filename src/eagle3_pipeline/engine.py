@@ -115,6 +115,13 @@ def cpu_attention_accepts_block_16() -> bool:
     return True
 
 
+# vLLM's scores for prompt logprobs: raw logits instead of log-probabilities. The fingerprint (contracts.py)
+# keeps the top-2 ids and their scores, and verify compares the margin of the two, in which the
+# log-softmax normaliser cancels: the same check, without a log-softmax over [T, V] (the vocabulary at
+# every prompt token) per request (bench/fingerprint_cost.py).
+FINGERPRINT_ENGINE_KWARGS = {"logprobs_mode": "raw_logits"}
+
+
 def extract_hidden_states_config(layer_ids: list[int]) -> dict:
     """vLLM's native hidden-states method: the target's states at `layer_ids` (aux ids + N, ascending)
     leave through the KV connector; one (unused) speculative token."""

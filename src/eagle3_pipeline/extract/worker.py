@@ -12,7 +12,7 @@ for each shard of the job, in order:
      header and token ids), it is fsynced and renamed into place; anything else (another connector's
      vLLM layout, a file in `scratch_dir`) is read, checked against the row (token ids, [T, L, H]) and
      written as our record `hidden_states_dir/hs_{row}.safetensors` (bf16, or fp8 + per-token scales),
-  3. writes the row's fingerprint sidecar from vLLM's flat prompt logprobs (no Python object per token),
+  3. writes the row's fingerprint sidecar from vLLM's flat prompt logprobs (raw logits; no Python object per token),
   4. prints one `shard_done` event (proc.emit_event) for the parent once every file of the shard is
      fsynced and under its final name. fsync + rename run on a small thread pool (`_Durable`) while this
      thread checks the next files: the waits for the disk overlap the work.
@@ -126,8 +126,9 @@ class _Engine:
 
         self.llm, self.job = llm, job
         self.in_process = isinstance(llm.llm_engine.engine_core, InprocClient)
-        # with fingerprints: vLLM's top-2 next-token logprobs at every prompt position and for the
-        # generated token, as flat lists (no Python object per position) of ids (no detokenization)
+        # with fingerprints: vLLM's top-2 next-token scores (raw logits: engine.FINGERPRINT_ENGINE_KWARGS)
+        # at every prompt position and for the generated token, as flat lists (no Python object per
+        # position) of ids (no detokenization)
         fp = {"prompt_logprobs": FP_TOP, "logprobs": FP_TOP, "detokenize": False, "flat_logprobs": True} \
             if job.fingerprints_dir else {}
         self.params = SamplingParams(max_tokens=1, temperature=0.0, **fp)
@@ -334,7 +335,8 @@ def main(argv: list[str]) -> int:
           f"in-process engine core: {os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING') == '0'}", flush=True)
 
     from eagle3_pipeline.data.prepare import load_tokenized
-    from eagle3_pipeline.engine import build_llm, extract_hidden_states_config, hidden_states_kv_config, vllm_is_cpu_build
+    from eagle3_pipeline.engine import (FINGERPRINT_ENGINE_KWARGS, build_llm, extract_hidden_states_config,
+                                        hidden_states_kv_config, vllm_is_cpu_build)
 
     ds = load_tokenized(job.tokenized_dir)
     for s in job.shards:
@@ -352,9 +354,11 @@ def main(argv: list[str]) -> int:
     kv = hidden_states_kv_config(job.connector_module, job.connector_name, job.scratch_dir,
                                  record={"layer_ids": job.layer_ids, "storage_dtype": job.storage_dtype},
                                  locks=not vllm_is_cpu_build())
+    scores = FINGERPRINT_ENGINE_KWARGS if job.fingerprints_dir else {}
     llm = build_llm(job.engine, job.target, max_model_len=int(max_len) + 1,
                     speculative_config=extract_hidden_states_config(job.layer_ids), kv_transfer_config=kv,
-                    max_num_seqs=job.max_num_seqs, enable_chunked_prefill=False, enable_prefix_caching=False, **batched)
+                    max_num_seqs=job.max_num_seqs, enable_chunked_prefill=False, enable_prefix_caching=False,
+                    **batched, **scores)
     engine = _Engine(llm, job, nudge_token=int(ds[job.shards[0].row_ids()[0]]["input_ids"][0]))
     engine.warm_up()
     emit_event(kind="engine_ready", seconds=round(time.time() - t_start, 2))

@@ -140,7 +140,8 @@ class HiddenStateServer:
         return self.target.model  # the served model name (engine.server_argv)
 
     def __enter__(self) -> HiddenStateServer:
-        from eagle3_pipeline.engine import extract_hidden_states_config, hidden_states_kv_config, server_argv, server_env
+        from eagle3_pipeline.engine import (FINGERPRINT_ENGINE_KWARGS, extract_hidden_states_config,
+                                            hidden_states_kv_config, server_argv, server_env)
 
         shutil.rmtree(self.scratch, ignore_errors=True)
         self.scratch.mkdir(parents=True)
@@ -152,7 +153,7 @@ class HiddenStateServer:
                            kv_transfer_config=hidden_states_kv_config(cfg.connector_module, cfg.connector_name,
                                                                       str(self.scratch)),
                            max_num_seqs=cfg.max_num_seqs, enable_chunked_prefill=False, enable_prefix_caching=False,
-                           **batched)
+                           **batched, **FINGERPRINT_ENGINE_KWARGS)
         log_path = self.work_dir / "server.log"
         self.log(f"online: starting a vLLM server of {self.target.model} on 127.0.0.1:{self.port} (layers "
                  f"{self.version.layer_ids}, max_num_seqs {cfg.max_num_seqs}, log {log_path})")

@@ -1,0 +1,86 @@
+"""What the fingerprint costs the extraction, by vLLM's score mode, on the bench targets of
+bench/extract_vs_prefill.py.
+
+The fingerprint (contracts.py) is vLLM's top-2 next-token scores at every prompt token: the engine
+computes full-vocabulary logits for every prompt token ([T, V]), then per request the scores (with
+`logprobs_mode` raw_logprobs, vLLM's default: a log-softmax over [T, V] in fp32; with raw_logits: a
+cast to fp32), the top-2 and the scored token's rank (one comparison pass over [T, V]). The verify
+check uses the margin of the two scores, the same in both modes (engine.FINGERPRINT_ENGINE_KWARGS).
+
+Per size and mode, one engine (plain prefill: no speculation, no connector, so nothing but the
+fingerprint differs) prefills the same rows, per shard-sized call as the extract worker does, with and
+without prompt logprobs in `--rounds` alternating rounds. Prints per mode the fingerprint's share of
+the time with it (1 - plain / with, per round: median with min-max) next to the floor (lm_head's
+multiply-adds ÷ the rest of the model's, per token).
+Usage: .venv/bin/python bench/fingerprint_cost.py [--sizes small,large] [--rounds 6] [--rows 400] [--rows-large 96]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench_results import record, spread  # noqa: E402  (bench/ is sys.path[0])
+from extract_vs_prefill import build_bench_target, lm_head_share  # noqa: E402
+
+MODES = ("raw_logprobs", "raw_logits")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="small,large")
+    ap.add_argument("--rows", type=int, default=400, help="rows of the small size")
+    ap.add_argument("--rows-large", type=int, default=96, help="rows of the large size")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--work", default=str(ROOT / ".cache" / "bench"))
+    args = ap.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from eagle3_pipeline.config import ExtractConfig, PrepareConfig, SourceConfig, TargetConfig
+    from eagle3_pipeline.data.prepare import prepare
+    from eagle3_pipeline.engine import FINGERPRINT_ENGINE_KWARGS, engine_env
+    from eagle3_pipeline.proc import run_child
+
+    work, tiny = Path(args.work), ROOT / ".cache" / "tiny-target"
+    t = Table(title=f"fingerprint cost: share of prefill time with prompt logprobs, {args.rounds} alternating rounds")
+    for c in ("target", "vLLM scores", "tokens", "plain s", "with fingerprint s", "share: median (min-max)", "floor"):
+        t.add_column(c, justify="right")
+    out: dict = {"rounds": args.rounds, "pipeline_mode": FINGERPRINT_ENGINE_KWARGS["logprobs_mode"], "sizes": {}}
+    for size in args.sizes.split(","):
+        rows = args.rows if size == "small" else args.rows_large
+        model = build_bench_target(work / ("bench-target" if size == "small" else f"bench-target-{size}"), tiny, size)
+        prep = prepare(PrepareConfig(sources=[SourceConfig(path=str(tiny / "corpus" / "sharegpt.jsonl"), limit=rows // 2),
+                                              SourceConfig(path=str(tiny / "corpus" / "openai.jsonl"), limit=rows - rows // 2)],
+                                     heldout_rows=0), TargetConfig(model=str(model)), work / f"store-{size}", log=lambda m: None)
+        cfg = ExtractConfig(rows_per_shard=max(1, prep.rows_out // 4), gpu_memory_utilization=0.2)
+        floor = lm_head_share(model)
+        out["sizes"][size] = {"lm_head_share": floor, "modes": {}}
+        for mode in MODES:
+            with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+                json.dump({"model": str(model), "tokenized": prep.tokenized, "rows": prep.rows_out,
+                           "max_num_seqs": cfg.max_num_seqs, "rows_per_call": cfg.rows_per_shard,
+                           "engine": cfg.engine().model_dump(), "rounds": args.rounds, "logprobs_mode": mode}, f)
+            res = run_child([sys.executable, "-u", str(ROOT / "bench" / "fingerprint_child.py"), f.name],
+                            name=f"bench-fingerprint-{mode}", timeout_s=3600, env=engine_env(cfg))
+            ev = next(e for e in res.events if e.get("kind") == "fingerprint_cost")
+            s = ev["seconds"]
+            share = [1 - p / w for p, w in zip(s["plain"], s["fingerprint"])]
+            sp, pl, fw = spread(share), spread(s["plain"]), spread(s["fingerprint"])
+            out["sizes"][size]["modes"][mode] = {"tokens": ev["tokens"], "seconds": s, "share": sp | {"values": share}}
+            t.add_row(size, mode + (" (pipeline)" if mode == out["pipeline_mode"] else ""), f"{ev['tokens']:,}",
+                      f"{pl['median']:.2f}", f"{fw['median']:.2f}",
+                      f"{sp['median']:.1%} ({sp['min']:.1%}-{sp['max']:.1%})", f"{floor:.1%}")
+    Console().print(t)
+    record("fingerprint", out)
+
+
+if __name__ == "__main__":
+    main()
