@@ -7,6 +7,8 @@ Runs each bench script as its own process (their own tables print as they go), i
   extract   bench/extract_vs_prefill.py   extraction ÷ plain prefill and ÷ speculators generate-offline-data,
                                           with and without fingerprints, at two sizes (~90M and ~0.6B
                                           random-weight models, built on first use), bytes/token bf16 vs fp8
+  fingerprint bench/fingerprint_cost.py  the fingerprint's share of prefill time per vLLM score mode
+                                          (raw log-probabilities vs raw logits), at the extract bench's two sizes
   verify    bench/verify_throughput.py    verify ÷ raw read (cat) of the same files, warm and cold page cache
   prefect   bench/prefect_overhead.py     Prefect overhead per shard group on a 32-shard run
   train     bench/train_vs_speculators.py our train stage ÷ speculators' own trainer
@@ -45,6 +47,7 @@ console = Console()
 
 BENCHES = {
     "extract": (["bench/extract_vs_prefill.py", "--rounds", "5"], ["--rows", "100", "--rows-large", "16", "--rounds", "1"]),
+    "fingerprint": (["bench/fingerprint_cost.py", "--rounds", "6"], ["--rows", "100", "--rows-large", "16", "--rounds", "2"]),
     "verify": (["bench/verify_throughput.py", "--repeats", "5"], ["--repeats", "1", "--synthetic-hidden", "0"]),
     "prefect": (["bench/prefect_overhead.py"], ["--repeats", "1"]),
     "train": (["bench/train_vs_speculators.py", "--rounds", "5", "--max-steps", "40"], ["--rounds", "1", "--max-steps", "20"]),
@@ -116,6 +119,11 @@ def ratio_rows(res: dict) -> list[tuple[str, str, str]]:
             rows.append(("bytes/token fp8 ÷ bf16", f"{d['bytes_per_token_fp8'] / d['bytes_per_token_bf16']:.2f}",
                          f"bf16 {d['bytes_per_token_bf16']:,.0f} B/token"))
             rows.append(("fp8 max relative error per token", f"{d['fp8_max_rel_err']:.4f}", "bf16: exact"))
+    if d := data("fingerprint"):
+        for size, sd in d["sizes"].items():
+            for mode, md in sd["modes"].items():
+                rows.append((f"fingerprint share of prefill, {size}, {mode}" + (" (pipeline)" if mode == d["pipeline_mode"] else ""),
+                             _spread(md["share"], True), f"<= 10%; floor {sd['lm_head_share']:.1%} (lm_head ÷ rest)"))
     if d := data("verify"):
         for r in d["rows"]:
             if r["method"] != "cat":
