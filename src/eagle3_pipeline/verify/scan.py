@@ -16,10 +16,10 @@ Two stages overlap (bench/verify_throughput.py, profile-driven):
   of small files overlap (cold: 1,568 tiny records in 59 ms instead of 171 ms read one by one) and
   large files are read in 1 MB pieces (the kernel's readahead then pipelines them: 110 ms instead of
   172 ms for one read per 16 MB file);
-- **compute threads** (one per batch in flight) take, per token, the sum, minimum and maximum over H,
-  the Gram matrix of its L slots (x_a . x_b: squared norms on the diagonal) and the cross Gram with
-  the previous token (x_t,a . x_t-1,b), in one compiled pass without the GIL (verify/kernels.py:
-  each token's slots converted to fp32 once, in cache); the final slot is kept for the fingerprint check.
+- **compute threads** (one per batch in flight) convert the arena to fp32 in cache-sized blocks of
+  tokens and take, per token, the sum, minimum and maximum over H, the Gram matrix of its L slots
+  (x_a . x_b: squared norms on the diagonal) and the cross Gram with the previous token
+  (x_t,a . x_t-1,b), each one BLAS call per block; the final slot is kept for the fingerprint check.
   Everything else is arithmetic on those [sum T, L, L] arrays and per-file segment reductions:
   statistics, suspects (non-finite, zero layers or tokens, identical layers), the layer-identity
   features (verify/identity.py) and the final-layer agreement (verify/fingerprint.py).
@@ -42,6 +42,7 @@ from eagle3_pipeline.contracts import FP_IDS_KEY, FP_LOGPROBS_KEY, FP_TOP, HS_KE
 
 BATCH_BYTES = 32 << 20  # a batch: files of up to this many hidden-state bytes ...
 BATCH_FILES = 512       # ... or this many files
+BLOCK_FLOATS = 1 << 20  # fp32 values converted and reduced at a time (1 MB: stays in cache)
 FIRST_READ = 64 << 10   # the first read of a file: its header and, for small records, all of it
 CHUNK = 1 << 20         # large tensors are read in pieces of this size (the kernel reads ahead)
 AHEAD_BYTES = 8 << 20   # posix_fadvise(WILLNEED) this far ahead of the file being read
@@ -393,18 +394,41 @@ class Reduced:
     final: object  # fp32 [N, H] (the last slot) or None
 
 
-def reduce_batch(batch: Batch, spec: RecordSpec, keep_final: bool) -> Reduced:
-    """The per-token reductions of every token in the batch's arenas (verify/kernels.py: one compiled
-    pass that converts each token's slots once and reduces them from cache, without the GIL)."""
+def reduce_batch(batch: Batch, spec: RecordSpec, keep_final: bool, buffers: dict) -> Reduced:
+    """The per-token reductions of every token in the batch's arenas, block by block in cache."""
     import torch
 
-    from eagle3_pipeline.verify.kernels import reduce_tokens
-
+    L, H, N = spec.num_layers_captured, spec.hidden_size, batch.tokens
     ar = batch.arenas
-    r = reduce_tokens(ar.hs, spec.storage_dtype, batch.tokens, spec.num_layers_captured, spec.hidden_size,
-                      ar.scales if spec.storage_dtype == "fp8" else None, keep_final)
-    t = {k: None if v is None else torch.from_numpy(v) for k, v in r.items()}
-    return Reduced(sum=t["sum"], min=t["min"], max=t["max"], gram=t["gram"], cross=t["cross"], final=t["final"])
+    dtype = torch.bfloat16 if spec.storage_dtype == "bf16" else torch.float8_e4m3fn
+    hs = torch.from_numpy(ar.hs[:N * ar.token_bytes]).view(dtype).view(N, L, H)
+    out = Reduced(sum=torch.empty(N, L), min=torch.empty(N, L), max=torch.empty(N, L),
+                  gram=torch.empty(N, L, L), cross=torch.empty(N, L, L),
+                  final=torch.empty(N, H) if keep_final else None)
+    step = max(1, BLOCK_FLOATS // (L * H))
+    stage = buffers.get("stage")
+    if stage is None or stage.shape[0] < step + 1 or stage.shape[1:] != (L, H):
+        stage = buffers["stage"] = torch.empty(step + 1, L, H)
+    stage[0].zero_()  # the token before the batch: none (its cross products are masked anyway)
+    scales = torch.from_numpy(ar.scales[:N]).view(N, 1, 1) if spec.storage_dtype == "fp8" else None
+    for a in range(0, N, step):
+        b = min(N, a + step)
+        m = b - a
+        if a:
+            stage[0].copy_(stage[prev_m])
+        x = stage[1:m + 1]
+        x.copy_(hs[a:b])  # [m, L, H] fp32
+        if scales is not None:
+            x.mul_(scales[a:b])
+        torch.sum(x, dim=-1, out=out.sum[a:b])
+        torch.amin(x, dim=-1, out=out.min[a:b])
+        torch.amax(x, dim=-1, out=out.max[a:b])
+        torch.bmm(x, x.transpose(1, 2), out=out.gram[a:b])
+        torch.bmm(x, stage[:m].transpose(1, 2), out=out.cross[a:b])
+        if keep_final:
+            out.final[a:b].copy_(x[:, L - 1])
+        prev_m = m
+    return out
 
 
 def segment_starts(lengths: list[int]) -> np.ndarray:

@@ -13,9 +13,9 @@ every problem (file, sample, layer, expected vs found) and per-layer statistics 
 Speed (bench/verify_throughput.py; profile-driven): the records are read once, by verify/scan.py (a
 reader thread that validates each header and scatters the tensors of a batch of files straight into
 contiguous arenas, asking the kernel for the next files ahead; compute threads that reduce every
-token in one compiled pass, verify/kernels.py: sum, min, max over H and the Gram / cross Gram
-matrices of its slots). Everything here is arithmetic on those per-token arrays: finiteness (sums
-and squared norms propagate NaN/Inf), all-zero layers and tokens (zero norms), candidate identical layers (equal
+token in cache-sized fp32 blocks: sum, min, max over H and the Gram / cross Gram matrices of its
+slots). Everything here is arithmetic on those per-token arrays: finiteness (sums and extrema
+propagate NaN/Inf), all-zero layers and tokens (zero norms), candidate identical layers (equal
 extrema and sums, then confirmed or cleared by an exact comparison), the statistics (per file by
 segment reductions, in float64), the identity features and the final-layer agreement. Only a suspect
 file is read again with the safetensors library for the exact diagnosis that names the layer and the
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -156,6 +157,9 @@ def _values(tensors: dict, spec: RecordSpec, out):
     return out
 
 
+_local = threading.local()
+
+
 def _process(batch: scan.Batch, spec: RecordSpec, layer_ids: list[int], extras: _Extras | None,
              release) -> list[_FileResult]:
     """Per-file results of one batch the reader filled (then hands its arenas back with `release`)."""
@@ -169,7 +173,8 @@ def _process(batch: scan.Batch, spec: RecordSpec, layer_ids: list[int], extras: 
         release(batch.arenas)
         return out
     final = extras is not None and extras.final is not None
-    red = scan.reduce_batch(batch, spec, final)
+    buffers = _local.__dict__.setdefault("buffers", {})
+    red = scan.reduce_batch(batch, spec, final, buffers)
     ar = batch.arenas
     starts = np.asarray([batch.files[k].offset for k in inside], dtype=np.int64)
     lengths = [batch.files[k].tokens for k in inside]
