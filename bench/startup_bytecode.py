@@ -1,5 +1,5 @@
-"""Process start-up with and without the venv's bytecode: what `unexport PYTHONDONTWRITEBYTECODE` in the
-Makefile buys every child the pipeline starts (engine children, the trainer, the verify reference, the CLI).
+"""Process start-up with and without the venv's bytecode: what the install's `compileall` in the Makefile
+buys every child the pipeline starts (engine children, the trainer, the verify reference, the CLI).
 
 With PYTHONDONTWRITEBYTECODE set (these machines' environment) Python never writes `__pycache__/*.pyc`,
 so every process compiled each module it imported from source again. Two ways of starting the same
