@@ -179,6 +179,10 @@ class TrainConfig(Strict):
     ttt_step_loss_decay: float = 1.0
     attention: Literal["sdpa", "eager", "flex_attention"] = "sdpa"
     device: Literal["cpu", "cuda"] = "cpu"
+    compute_dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto", description="the trainer's autocast dtype (and the hidden states' in its batches): auto = bfloat16 "
+        "on cuda and on CPUs with native bf16 (AVX512-BF16 or AMX), float32 on other CPUs, where bf16 matmuls "
+        "are emulated (~25x slower than fp32 on an AVX2 core)")
     seed: int = 0
     optimizer: Literal["adamw", "muon"] = "muon"
     loss: str = Field("kl_div", description="speculators loss spec: a name (kl_div, ce, tv, ...) or a JSON dict of weights")

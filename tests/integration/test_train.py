@@ -113,6 +113,23 @@ def test_resume_continues_from_last_epoch(trained, inputs):
     export_check(res.checkpoint_best, inputs.vocab_dir, inputs.model_dir)
 
 
+def test_compute_dtype_is_reported_and_bf16_trains_on_any_cpu(trained, inputs, tmp_path):
+    """The shared run used auto (this CPU's choice, named in the start line); an explicit bfloat16 run
+    (what GPUs and CPUs with native bf16 use) trains a few steps here too, with finite, falling loss."""
+    from eagle3_pipeline.train.worker import compute_dtype
+
+    auto = str(compute_dtype(_cfg().model_dump(mode="json"))).removeprefix("torch.")
+    assert any(x.startswith("train: start") and f"{auto} compute" in x for x in trained.lines), trained.lines[:3]
+    lines: list[str] = []
+    res = train_draft(_cfg(epochs=1, max_steps=4, compute_dtype="bfloat16"), inputs.target, inputs.version,
+                      inputs.vocab_dir, tmp_path / "bf16", log=lines.append)
+    assert any(x.startswith("train: start") and "bfloat16 compute" in x for x in lines), lines[:3]
+    rows = [json.loads(x) for x in (tmp_path / "bf16" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if r["kind"] == "train_step"]
+    assert res.steps == len(losses) == 4 and all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+    export_check(res.checkpoint_best, inputs.vocab_dir, inputs.model_dir)
+
+
 def test_untrained_draft_has_same_architecture(trained, inputs, tmp_path):
     out = make_untrained_draft(inputs.target, inputs.version, inputs.vocab_dir, tmp_path / "untrained",
                                _cfg(), log=lambda _: None)
@@ -277,8 +294,9 @@ def test_trained_checkpoint_is_served_by_vllm(trained, inputs, tmp_path):
 
 
 def test_fp8_hidden_states_are_dequantized_for_training(inputs, tmp_path):
-    """extract.storage_dtype=fp8 files (float8 + per-token scales) reach the draft as bf16 hidden
-    states equal to the bf16 files' up to fp8 rounding: the train worker's loaders dequantize them."""
+    """extract.storage_dtype=fp8 files (float8 + per-token scales) reach the draft as hidden states in the
+    trainer's compute dtype, equal to the bf16 files' up to fp8 rounding: the train worker's loaders
+    dequantize them."""
     from safetensors.torch import load_file, save_file
 
     from eagle3_pipeline.train.worker import _loaders
@@ -297,7 +315,10 @@ def test_fp8_hidden_states_are_dequantized_for_training(inputs, tmp_path):
         return next(iter(train_loader))
 
     a, b = first_batch(inputs.hidden_states), first_batch(fp8_dir)
-    assert torch.equal(a["input_ids"], b["input_ids"]) and b["hidden_states"].dtype == torch.bfloat16
+    from eagle3_pipeline.train.worker import compute_dtype
+
+    want = compute_dtype(_cfg().model_dump(mode="json"))  # the trainer's dtype (fp32 on CPUs without native bf16)
+    assert torch.equal(a["input_ids"], b["input_ids"]) and a["hidden_states"].dtype == b["hidden_states"].dtype == want
     for key in ("hidden_states", "verifier_last_hidden_states"):
         x, y = a[key].float(), b[key].float()
         rel = ((x - y).norm() / x.norm()).item()

@@ -206,7 +206,7 @@ def _format_event(ev: dict) -> str | None:
     if kind == "start":
         return (f"train: start (resumed from epoch {ev.get('resumed_from_epoch')}, step {ev.get('global_step')}); "
                 f"{ev.get('train_batches_per_epoch')} packed rows/epoch, {ev.get('val_batches')} for validation, "
-                f"{ev.get('params_trainable')} trainable parameters, {ev.get('threads')} threads, "
+                f"{ev.get('params_trainable')} trainable parameters, {ev.get('compute_dtype')} compute, {ev.get('threads')} threads, "
                 f"child ready after {ev.get('startup_s')}s")
     if kind == "done":
         return f"train: done, {ev['steps']} steps" if "steps" in ev else "train: done"

@@ -15,9 +15,9 @@ mode "untrained" writes a randomly initialised draft of the same architecture to
 
 Structured progress goes to the parent as `proc.emit_event` lines: {"kind": "train_step" | "val" |
 "done", ...}. Device "cpu" installs a small shim (speculators' trainer assumes an accelerator):
-the trainer's device is "cpu" (autocast on cpu in bf16), `torch.accelerator.synchronize` is a no-op,
-and checkpoints are loaded to "cpu"; draft attention is sdpa/eager and the loss is speculators' eager
-implementation. Device "cuda" uses speculators untouched (flex attention, fused Triton losses). With
+the trainer's device is "cpu" (autocast in train.compute_dtype: bf16 where the CPU has it natively, else
+fp32), `torch.accelerator.synchronize` is a no-op, and checkpoints are loaded to "cpu"; draft attention
+is sdpa/eager and the loss is speculators' eager implementation. Device "cuda" uses speculators untouched (flex attention, fused Triton losses). With
 train.world_size > 1 the parent starts this module under torchrun and every rank trains through
 speculators' own distributed path (DDP, or FSDP with `train.fsdp`; its rank-0 checkpointing and
 multipack sampler split by rank): on cuda `maybe_setup_distributed` (NCCL, one GPU per rank), on cpu
@@ -94,6 +94,29 @@ def _install_cpu_shim() -> None:
     if not torch.accelerator.is_available():
         torch.accelerator.synchronize = lambda *a, **k: None  # the step timer calls it around every phase
     ckpt.get_current_device = lambda: "cpu"  # resume: load model/optimizer state onto the cpu
+
+
+def native_bf16_cpu() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX tiles): elsewhere oneDNN/ATen
+    emulate it, a bf16 matmul costing ~25x an fp32 one on an AVX2 core (a tiny draft's step: 2.8 s)."""
+    import torch
+
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    try:
+        return any(getattr(torch.cpu, name)() for name in probes if hasattr(torch.cpu, name))
+    except Exception:  # noqa: BLE001 - a probe that fails: no native bf16 assumed
+        return False
+
+
+def compute_dtype(cfg: dict):
+    """train.compute_dtype resolved: the trainer's autocast dtype and the dtype of the hidden states in its
+    batches. auto: bfloat16 on cuda and on CPUs with native bf16, float32 on other CPUs."""
+    import torch
+
+    name = cfg.get("compute_dtype", "auto")
+    if name == "auto":
+        name = "bfloat16" if cfg["device"] != "cpu" or native_bf16_cpu() else "float32"
+    return getattr(torch, name)
 
 
 def _setup_cpu_distributed() -> None:
@@ -328,7 +351,7 @@ def _loaders(job: dict, hidden_size: int, num_aux: int):
                       on_missing="raise", request_timeout=None, max_retries=0, generation_validation_retries=0,
                       max_consecutive_generation_failures=1)
     loaders = create_train_val_loaders(
-        data_path=job["tokenized_dir"], total_seq_len=cfg["max_seq_len"], hidden_states_dtype=torch.bfloat16,
+        data_path=job["tokenized_dir"], total_seq_len=cfg["max_seq_len"], hidden_states_dtype=compute_dtype(cfg),
         verifier_name_or_path=job["target"]["model"], **source, hidden_size=hidden_size,
         num_target_layers=num_aux, num_workers=cfg["num_workers"], prefetch_factor=4, preprocess=shift_batch,
         train_data_ratio=1 - cfg["val_ratio"], seed=cfg["seed"])
@@ -382,10 +405,13 @@ def run_train(job: dict) -> dict:
             super().setup_model()
 
     trainer_cls = CpuTrainer if cpu else Trainer
+    dtype = compute_dtype(cfg)
+    if dtype == torch.float32:  # autocast to fp32 is plain fp32: torch warns that it disables itself, every step
+        warnings.filterwarnings("ignore", message=".*[Aa]utocast.*")
     trainer = trainer_cls(model, TrainerConfig(
         lr=cfg["lr"], num_epochs=cfg["epochs"], save_path=str(save_path), resume_from_checkpoint=True,
         train_call_kwargs=train_kwargs, val_call_kwargs=val_kwargs, optimizer=cfg["optimizer"],
-        muon_lr=cfg["lr"], checkpoint_freq=1, save_best=False, hidden_states_dtype=torch.bfloat16,
+        muon_lr=cfg["lr"], checkpoint_freq=1, save_best=False, hidden_states_dtype=dtype,
         log_freq=cfg["log_freq"], fsdp_shard=cfg["fsdp"], gradient_checkpointing=cfg["gradient_checkpointing"],
         max_steps=cfg["max_steps"]), train_loader, val_loader)
     if kill and kill[0] == "save":
@@ -397,7 +423,8 @@ def run_train(job: dict) -> dict:
         _trim_metrics(metrics_path, trainer.global_step, trainer.current_epoch)
         emit_event(kind="start", startup_s=startup_s, resumed_from_epoch=resumed_from, global_step=trainer.global_step,
                    epochs=cfg["epochs"], train_batches_per_epoch=len(train_loader),
-                   val_batches=len(val_loader), threads=torch.get_num_threads(), params_trainable=sum(
+                   val_batches=len(val_loader), threads=torch.get_num_threads(), compute_dtype=str(dtype).removeprefix("torch."),
+                   params_trainable=sum(
                        p.numel() for p in model.parameters() if p.requires_grad))
     mlog = logging.getLogger("speculators.metrics")
     mlog.setLevel(logging.INFO)
