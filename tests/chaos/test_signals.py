@@ -115,6 +115,13 @@ def _held_locks(store: Path) -> list[Path]:
     return held
 
 
+def _default_sigint() -> None:
+    """A command started from a background job (`nohup make test &`) inherits SIGINT ignored, and
+    Python then installs no KeyboardInterrupt handler: SIGINT would do nothing. Give the child the
+    default disposition a terminal user's command has."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def signal_mid_extraction(kind: str, sig: int, root: Path, overrides: list[str], tag: str) -> dict:
     """Start `eagle3 <kind>`, wait for a newly published shard, walk the tree, send `sig` to the
     command, and check the shutdown. Returns {before, after: published shards, output}."""
@@ -123,7 +130,8 @@ def signal_mid_extraction(kind: str, sig: int, root: Path, overrides: list[str],
     log = root / f"{kind}-{signal.Signals(sig).name}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(_command(kind, root, overrides), cwd=ROOT, env=_env(root, tag), stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=_default_sigint)
     try:
         while True:
             assert proc.poll() is None, f"eagle3 {kind} exited ({proc.returncode}) before a new shard was published:\n" \

@@ -44,7 +44,11 @@ def test_sigterm_unwinds_and_exits_143(tmp_path):
 
 def test_an_ignored_sigterm_stays_ignored(tmp_path):
     marker = tmp_path / "marker"
-    p = _start(marker, preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN))
+    def ignore_sigterm():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # not inherited ignored from a background job
+
+    p = _start(marker, preexec_fn=ignore_sigterm)
     p.send_signal(signal.SIGTERM)
     p.send_signal(signal.SIGINT)  # KeyboardInterrupt, Python's default: still works
     assert p.wait(timeout=60) != 0
