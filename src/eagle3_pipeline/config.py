@@ -34,7 +34,9 @@ class TargetConfig(Strict):
     model: str = Field(description="HF model directory (or hub name on machines that can reach a hub)")
     tokenizer: str | None = Field(None, description="defaults to the model directory")
     revision: str | None = None
-    dtype: Literal["bfloat16", "float16"] = "bfloat16"
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="the dtype vLLM (extract, regenerate, evaluate) and the streamed verify reference "
+        "run the target in; float32 for a small target on a CPU without native bf16, where vLLM emulates bf16 matmuls")
     trust_remote_code: bool = Field(False, description="run Python code shipped with the model/tokenizer; "
                                     "only for a model you trust")
     hub_token_env: str = Field("HF_TOKEN", description="environment variable holding a hub token (never "
