@@ -271,6 +271,7 @@ def _assemble(cfg: PrepareConfig, chunk_dirs: list[Path], computed: int, out: Pa
               vocab: int) -> PrepareResult:
     """Concatenate chunks; drop duplicate ids (later ones quarantined); pick the held-out conversations."""
     import datasets
+    from datasets.table import InMemoryTable
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -312,8 +313,11 @@ def _assemble(cfg: PrepareConfig, chunk_dirs: list[Path], computed: int, out: Pa
     features = datasets.Features({
         "input_ids": datasets.Sequence(datasets.Value("int64")), "loss_mask": datasets.Sequence(datasets.Value("int64")),
         "seq_len": datasets.Value("int64"), "sample_id": datasets.Value("string")})
-    cols = ({k: table[k].to_pylist() for k in ("input_ids", "loss_mask", "seq_len", "sample_id")} if n_out
-            else {k: [] for k in features})
+    # The Arrow columns as they are (no Python lists), cast to the features' schema. The dataset gets the
+    # version's own key as its fingerprint: otherwise `datasets` hashes the whole table through dill on
+    # construction (a pass over every token, and dill's `dis` output landed in the flow log as prints).
+    arrow = (pa.table({k: table[k] for k in features}).cast(features.arrow_schema).combine_chunks() if n_out
+             else features.arrow_schema.empty_table())
     counts = np.zeros(vocab, dtype=np.int64)
     if n_out:
         ids = pc.list_flatten(table["input_ids"]).to_numpy()
@@ -322,7 +326,8 @@ def _assemble(cfg: PrepareConfig, chunk_dirs: list[Path], computed: int, out: Pa
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "tokenized.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    ds = datasets.Dataset.from_dict(cols, features=features)
+    ds = datasets.Dataset(InMemoryTable(arrow), info=datasets.DatasetInfo(features=features),
+                          fingerprint=hashlib.sha256(f"eagle3-prepare:{version}:{n_out}".encode()).hexdigest()[:16])
     ds.set_format(type="torch")  # speculators' convention (its prepare-data does the same)
     try:
         ds.save_to_disk(str(tmp))
@@ -347,7 +352,7 @@ def _assemble(cfg: PrepareConfig, chunk_dirs: list[Path], computed: int, out: Pa
         top = ", ".join(f"{k} ({v})" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1])[:3])
         raise InputError(f"prepare: no usable rows: the sources hold {rows_in} rows" +
                          (f", all quarantined ({top}); see {out / 'quarantine.jsonl'}" if rows_in else ""))
-    seq = cols["seq_len"]
+    seq = arrow["seq_len"].to_pylist()
     edges = [0, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 1 << 30]
     hist = {f"{a}-{b - 1}" if b < 1 << 30 else f">={a}": sum(a <= s < b for s in seq) for a, b in zip(edges, edges[1:])}
     res = PrepareResult(
