@@ -6,6 +6,7 @@ and are run by `make tiny tiny-moe` (and the session fixtures) before the suite.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from pydantic import BaseModel
@@ -99,3 +100,43 @@ def test_a_cache_that_cannot_be_written_still_builds(tmp_path, monkeypatch):
     out = build_cache.cached_build("llama", Cfg(), tmp_path / "a", fake_build(calls), log=logs.append)
     assert calls == [0] and (tmp_path / "a" / "tiny_target.json").exists() and out["build_key"]
     assert any("could not keep" in m for m in logs)
+
+
+def test_every_project_module_the_builders_import_is_in_the_key():
+    """The key hashes `SOURCES`, not the whole package (a change to prepare.py must not retrain two
+    targets: ~20 min of CI). So: walk every `eagle3_pipeline` import of the builders, at any depth and
+    inside functions too, and require each module's file to be covered."""
+    import ast
+
+    pkg = build_cache.PACKAGE
+    covered = set()
+    for name in build_cache.SOURCES:
+        p = pkg / name
+        covered |= set(p.rglob("*.py")) if p.is_dir() else {p}
+
+    def module_file(mod: str) -> Path:
+        rel = Path(*mod.split(".")[1:])
+        return pkg / rel / "__init__.py" if (pkg / rel).is_dir() else pkg / rel.with_suffix(".py")
+
+    todo = [pkg / "tiny" / "target.py", pkg / "tiny" / "moe_target.py"]
+    seen: set[Path] = set()
+    while todo:
+        f = todo.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        for node in ast.walk(ast.parse(f.read_text())):
+            mods = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("eagle3_pipeline"):
+                mods = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                mods = [a.name for a in node.names if a.name.startswith("eagle3_pipeline")]
+            for m in mods:
+                parts = m.split(".")
+                for i in range(1, len(parts) + 1):  # every package on the way is imported too
+                    target = module_file(".".join(["eagle3_pipeline", *parts[1:i]])) if i > 1 else pkg / "__init__.py"
+                    if target.exists():
+                        todo.append(target)
+    assert pkg / "data" / "chat.py" in seen and pkg / "tiny" / "training.py" in seen  # the walk works
+    missing = sorted(str(f.relative_to(pkg)) for f in seen - covered if f != Path(build_cache.__file__).resolve())
+    assert not missing, f"the builders import modules the build key does not hash: {missing}"

@@ -3,8 +3,9 @@
 The tiny builds are deterministic (seeded corpus, tokenizer and weights; a fixed number of training
 steps) and cost minutes of both cores (the MoE one ~6-15 min on 2 cores): every fresh clone on the
 same machine (CI runs on one, a developer's second checkout) would train the same model again.
-`cached_build` keys a build by the builder's code (every file of `tiny/` and `data/` and `store.py`,
-the only project modules the builders import), its config (pydantic JSON) and the versions of the
+`cached_build` keys a build by the builder's code (every file of `tiny/` and the project modules the
+builders import: `data/chat.py`, `store.py`, `errors.py`, the package's `__init__.py`; a test walks the
+imports so that this list cannot fall behind), its config (pydantic JSON) and the versions of the
 libraries it trains and tokenizes with, and keeps one copy per key under
 `$EAGLE3_BUILD_CACHE` (default `${XDG_CACHE_HOME:-~/.cache}/eagle3-pipeline/tiny/<kind>/<key>/`).
 A hit is copied into `out` (a few MB); a miss builds into `out` and publishes a copy (atomically:
@@ -29,7 +30,7 @@ from pydantic import BaseModel
 from eagle3_pipeline.store import atomic_write_text
 
 PACKAGE = Path(__file__).resolve().parents[1]  # src/eagle3_pipeline
-SOURCES = ("tiny", "data", "store.py")
+SOURCES = ("tiny", "data/__init__.py", "data/chat.py", "store.py", "errors.py", "__init__.py")
 LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "tiktoken")
 ENV = "EAGLE3_BUILD_CACHE"
 
@@ -57,7 +58,7 @@ def build_key(kind: str, cfg: BaseModel) -> str:
     files: list[Path] = []
     for name in SOURCES:
         p = PACKAGE / name
-        files += sorted(p.rglob("*.py")) if p.is_dir() else [p]
+        files += sorted(p.rglob("*.py")) if p.is_dir() else [p] if p.exists() else []
     for f in files:
         if f == Path(__file__).resolve():
             continue  # this module changes no byte of a build
