@@ -404,24 +404,60 @@ def gpu_slot_scope() -> Iterator[None]:
             _SCOPE.reset(token)
 
 
+NODE_LOCK = "gpu-node.lock"  # in PREFECT_HOME: runs on a temporary server hold it with their GPU slot
+
+
 @contextlib.contextmanager
 def _acquire_gpu_slot() -> Iterator[None]:
     from prefect.concurrency._asyncio import ConcurrencySlotAcquisitionError
     from prefect.concurrency.sync import concurrency
+    from prefect.settings import get_current_settings
 
-    if not os.environ.get("PREFECT__FLOW_RUN_ID"):  # not started by a worker: this process is the node
-        from prefect.settings import get_current_settings
+    settings = get_current_settings()
+    with contextlib.ExitStack() as stack:
+        if not os.environ.get("PREFECT__FLOW_RUN_ID"):  # not started by a worker: this process is the node
+            key = (str(settings.api.url), GPU_LIMIT)
+            if key not in _ENSURED:
+                ensure_gpu_limit(1)
+                _ENSURED.add(key)
+            if not settings.api.url:  # a temporary server: see _node_lock
+                stack.enter_context(_node_lock(Path(settings.home)))
+        try:
+            with concurrency(GPU_LIMIT, occupy=1, strict=True):
+                yield
+        except ConcurrencySlotAcquisitionError as e:
+            raise RuntimeError(f"no slot of the global concurrency limit {GPU_LIMIT!r}: {e}. Create it once per "
+                               f"server, one slot per GPU node: prefect gcl create {GPU_LIMIT} --limit <nodes>") from e
 
-        key = (str(get_current_settings().api.url), GPU_LIMIT)
-        if key not in _ENSURED:
-            ensure_gpu_limit(1)
-            _ENSURED.add(key)
-    try:
-        with concurrency(GPU_LIMIT, occupy=1, strict=True):
-            yield
-    except ConcurrencySlotAcquisitionError as e:
-        raise RuntimeError(f"no slot of the global concurrency limit {GPU_LIMIT!r}: {e}. Create it once per "
-                           f"server, one slot per GPU node: prefect gcl create {GPU_LIMIT} --limit <nodes>") from e
+
+@contextlib.contextmanager
+def _node_lock(prefect_home: Path) -> Iterator[None]:
+    """The GPU slot of runs on Prefect's temporary server (no PREFECT_API_URL): every such run on this
+    machine shares PREFECT_HOME's database and so the slot count, but a temporary server keeps the
+    slot's lease in its own memory and runs no service that revokes expired leases. A run killed while
+    holding the slot (kill -9, OOM, a reboot) left the count at 1 for good, and every later run waited
+    forever at its first GPU stage, saying nothing. So such runs also hold an flock in PREFECT_HOME
+    (released by the kernel however the holder dies; a waiter logs who holds it): whoever has the lock
+    is the only live holder, and slots the database still counts are nobody's and are released."""
+    from eagle3_pipeline.store import file_lock
+
+    with file_lock(prefect_home / NODE_LOCK, "the GPU node (local runs' slot)", log=_logger().info):
+        _release_orphaned_slots()
+        yield
+
+
+def _release_orphaned_slots(name: str = GPU_LIMIT) -> int:
+    """Set the limit's active slots to 0 (caller: the node lock's holder); returns how many were held."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
+
+    with get_client(sync_client=True) as client:
+        held = client.read_global_concurrency_limit_by_name(name).active_slots
+        if held:
+            client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(active_slots=0))
+            _logger().warning(f"{name}: {held} slot(s) counted but held by no live run (one ended without releasing "
+                              f"its slot: killed, out of memory, a reboot): released")
+    return held
 
 
 def publish_dataset_event(cfg: PipelineConfig, prep: PrepareResult, training: str | None = None) -> None:
