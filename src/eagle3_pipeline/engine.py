@@ -160,6 +160,8 @@ def build_llm(engine: EngineConfig, target: TargetConfig, *, max_model_len: int,
     allow_amx()  # before vLLM's first kernel (also its plugin; here too where VLLM_PLUGINS leaves it out)
     from vllm import LLM
 
+    guard_load_time_log()
+
     if vllm_is_cpu_build():
         cpu_attention_accepts_block_16()
     kwargs = dict(
@@ -173,6 +175,42 @@ def build_llm(engine: EngineConfig, target: TargetConfig, *, max_model_len: int,
         kwargs["kv_transfer_config"] = kv_transfer_config
     kwargs.update(overrides)
     return LLM(**kwargs)
+
+
+class _ImpossibleLoadTime:
+    """A logging filter for vLLM's "Loading weights took %.2f seconds": a model with no weights in
+    files (extract_hidden_states' capture model) never starts the loader's timer, whose zero is then
+    the clock's (boot), and every extraction log said "Loading weights took 53060.77 seconds". A
+    duration longer than this process has lived is rewritten to say what happened."""
+
+    def filter(self, record) -> bool:
+        if record.msg == "Loading weights took %.2f seconds" and record.args:
+            try:
+                took = float(record.args[0])
+            except (TypeError, ValueError, IndexError):
+                return True
+            if took > process_age() + 1.0:
+                record.msg, record.args = ("Loading weights: none read from files (vLLM's timer never started; "
+                                           "it reported %.0f s, the clock since boot)"), (took,)
+        return True
+
+
+def process_age() -> float:
+    """Seconds since this process started (its start time from the kernel)."""
+    import time
+
+    import psutil
+
+    return time.time() - psutil.Process().create_time()
+
+
+def guard_load_time_log() -> None:
+    """Install `_ImpossibleLoadTime` on vLLM's weight loader's logger (once)."""
+    import logging
+
+    log = logging.getLogger("vllm.model_executor.model_loader.default_loader")
+    if not any(isinstance(f, _ImpossibleLoadTime) for f in log.filters):
+        log.addFilter(_ImpossibleLoadTime())
 
 
 def _flag(key: str, value) -> list[str]:

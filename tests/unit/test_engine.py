@@ -57,8 +57,19 @@ def test_stage_configs_carry_the_engine_keys():
 def llm_kwargs(monkeypatch):
     """`vllm.LLM` replaced by a recorder: build_llm returns the keyword arguments it passed (and does not
     touch vLLM's attention backends)."""
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=lambda **kw: kw))
+    fake, saved = types.SimpleNamespace(LLM=lambda **kw: kw), sys.modules.get("vllm")
+    sys.modules["vllm"] = fake
     monkeypatch.setattr("eagle3_pipeline.engine.cpu_attention_accepts_block_16", lambda: False)
+    yield
+    # Not monkeypatch.setitem: a test that went on to import the real vLLM (sys.modules.pop("vllm")) loaded
+    # vllm.* submodules as attributes of that package; dropping it left them orphaned, and the next module's
+    # `import vllm` made a package without them (AttributeError: module vllm has no attribute config).
+    # vLLM cannot be imported twice in a process either (torch opaque types register once).
+    now = sys.modules.get("vllm")
+    if isinstance(saved, types.ModuleType):
+        sys.modules["vllm"] = saved
+    elif not isinstance(now, types.ModuleType):
+        sys.modules.pop("vllm", None)
 
 
 TARGET = TargetConfig(model="/m", revision="r1", trust_remote_code=False)
@@ -181,3 +192,22 @@ def test_engine_settings_that_change_records_are_in_their_keys(monkeypatch, tmp_
     fp = model_fingerprint(str(tmp_path), None)
     assert keys[False][0] == extract_key("p1", fp, [2, 4], "bf16", "m.C")
     assert keys[True][0] == extract_key("p1", fp, [2, 4], "bf16", "m.C", {"compilation_config": CPU_COMPILATION_CONFIG})
+
+
+def test_an_impossible_weight_load_time_is_rewritten_a_real_one_is_kept(caplog):
+    """vLLM's loader times from 0.0 when no weight came from files (the capture model of
+    extract_hidden_states): its log said "Loading weights took 53060.77 seconds" (the clock since boot)."""
+    import logging
+
+    from eagle3_pipeline.engine import guard_load_time_log, process_age
+
+    guard_load_time_log()
+    guard_load_time_log()  # once, however often engines are built
+    log = logging.getLogger("vllm.model_executor.model_loader.default_loader")
+    assert sum(type(f).__name__ == "_ImpossibleLoadTime" for f in log.filters) == 1
+    with caplog.at_level(logging.INFO, logger=log.name):
+        log.info("Loading weights took %.2f seconds", 0.02)
+        log.info("Loading weights took %.2f seconds", process_age() + 53060.77)
+    real, impossible = [r.getMessage() for r in caplog.records]
+    assert real == "Loading weights took 0.02 seconds"
+    assert "none read from files" in impossible and "took" not in impossible, impossible
