@@ -20,6 +20,13 @@ Data sets:
           into --store with one vLLM engine, then reused: the store is content-addressed)
   synth   --synthetic-hidden H: 16 records of 512 tokens x 4 layers x H, random bf16 values, with a
           matching tokenized dataset (per-file overhead negligible: the per-value cost shows)
+With a warm cache the bench also times the checks' arithmetic alone ("checks alone (in memory)": the
+reductions of scan.reduce_batch over records already read into memory, on 1 and 2 threads): the ceiling of
+verify ÷ cat on this machine. Measured here (2026-12-03, 5 rounds): at H=4096 the arithmetic alone is
+0.16 (1 thread) / 0.32 (2 threads) of a warm `cat`, so 0.8 is out of reach for any pass that converts,
+sums, bounds and Gram-multiplies every value; on the tiny records it is 1.1 / 2.2, and verify's 0.33 is
+its per-file work (header, token ids, fingerprint sidecar: ~190 us per record, reader and compute
+threads sharing the GIL).
 Each timing is the median of --repeats runs; cat and verify alternate inside one invocation (the
 machine's noise is shared). The first run of each is a discarded warm-up (page cache, imports).
 """
@@ -93,6 +100,28 @@ def evict(files: list[Path]) -> None:
             os.close(fd)
 
 
+def in_memory(data: dict, files: list[Path]) -> tuple:
+    """(spec, batches): every record of `data` read once into arenas of its own (kept, not reused)."""
+    from eagle3_pipeline.contracts import RecordSpec
+    from eagle3_pipeline.data.prepare import load_tokenized
+    from eagle3_pipeline.verify import scan
+    from eagle3_pipeline.verify.structure import _row_items
+
+    ds = load_tokenized(Path(data["tokenized"]))
+    L, H = len(data["layer_ids"]), data["hidden"]
+    spec = RecordSpec(L, H, "bf16")
+    items = list(_row_items(ds, list(range(len(ds))), data["hs"], data.get("fingerprints") if data.get("final") else None))
+    per = max(1, scan.BATCH_BYTES // (L * H * 2))
+    n = sum(f.stat().st_size for f in files) // scan.BATCH_BYTES + len(files) // scan.BATCH_FILES + 4
+    reader = scan._Reader(items, spec, [scan.Arenas(spec, per) for _ in range(n)], False, data["layer_ids"])
+    try:
+        batches = list(reader.batches())  # never released: each batch keeps its arenas
+    finally:
+        reader.close()
+    assert sum(len(b.files) for b in batches) == len(items) and all(e.offset >= 0 for b in batches for e in b.files)
+    return spec, batches
+
+
 def bench(name: str, data: dict, repeats: int, workers: list[int], cold: bool = False) -> list[tuple]:
     from eagle3_pipeline.config import VerifyConfig
     from eagle3_pipeline.verify.structure import _Extras, verify_structure
@@ -127,9 +156,35 @@ def bench(name: str, data: dict, repeats: int, workers: list[int], cold: bool = 
         assert data.get("final") is None or res.fingerprint.rows_checked == res.files_checked, res.fingerprint
         return dt
 
+    loaded = None if cold else in_memory(data, files)
+
+    def checks(w: int) -> float:
+        """The checks' arithmetic alone (scan.reduce_batch: convert, sums, extrema, Gram products) over
+        records already in memory, on `w` threads: the ceiling of verify ÷ cat on this machine."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        import torch
+
+        from eagle3_pipeline.verify import scan
+
+        spec, batches = loaded
+        old = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(w) as pool:
+                list(pool.map(lambda b: scan.reduce_batch(b, spec, data.get("final") is not None, {}), batches))
+            return time.perf_counter() - t0
+        finally:
+            torch.set_num_threads(old)
+
     times: dict[str, list[float]] = {"cat": []} | {f"verify, {w} worker{'s' * (w > 1)}": [] for w in workers}
+    if loaded is not None:
+        times |= {f"checks alone (in memory), {w} thread{'s' * (w > 1)}": [] for w in workers}
     for k in range(repeats + 1):  # alternate; the first round warms the cache and the imports
         row = {"cat": cat()} | {f"verify, {w} worker{'s' * (w > 1)}": ver(w) for w in workers}
+        if loaded is not None:
+            row |= {f"checks alone (in memory), {w} thread{'s' * (w > 1)}": checks(w) for w in workers}
         if k:
             for m, t in row.items():
                 times[m].append(t)
