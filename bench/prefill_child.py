@@ -21,7 +21,7 @@ if __name__ == "__main__":
 
     prompts = load_tokenized(job["tokenized"])["input_ids"][: job["rows"]]
     batched = {"max_num_batched_tokens": job["max_num_batched_tokens"]} if job.get("max_num_batched_tokens") else {}
-    llm = build_llm(EngineConfig(**job["engine"]), TargetConfig(model=job["model"]),
+    llm = build_llm(EngineConfig(**job["engine"]), TargetConfig(model=job["model"], dtype=job.get("dtype", "auto")),
                     max_model_len=max(map(len, prompts)) + 1, max_num_seqs=job["max_num_seqs"],
                     enable_chunked_prefill=False, enable_prefix_caching=False, **batched)
     sp = SamplingParams(max_tokens=1, temperature=0)
