@@ -163,20 +163,15 @@ def bench(name: str, data: dict, repeats: int, workers: list[int], cold: bool = 
         records already in memory, on `w` threads: the ceiling of verify ÷ cat on this machine."""
         from concurrent.futures import ThreadPoolExecutor
 
-        import torch
-
         from eagle3_pipeline.verify import scan
+        from eagle3_pipeline.verify.structure import _torch_threads
 
         spec, batches = loaded
-        old = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+        with _torch_threads(1):  # one OpenMP thread per compute thread, as verify runs them
             t0 = time.perf_counter()
             with ThreadPoolExecutor(w) as pool:
                 list(pool.map(lambda b: scan.reduce_batch(b, spec, data.get("final") is not None, {}), batches))
             return time.perf_counter() - t0
-        finally:
-            torch.set_num_threads(old)
 
     times: dict[str, list[float]] = {"cat": []} | {f"verify, {w} worker{'s' * (w > 1)}": [] for w in workers}
     if loaded is not None:
