@@ -90,13 +90,18 @@ def run(config: ConfigOpt, output_dir: Annotated[Path, typer.Option(help="where 
         set_: SetOpt = None) -> None:
     """Run the whole pipeline; prints where the report is."""
     from eagle3_pipeline.config import load_config
+    from flows.local_server import EarlyServer
+
+    cfg = load_config(config, set_ or [])
+    server = EarlyServer.start()  # Prefect's temporary server starts while the flows are imported
     from eagle3_pipeline.runs import create_run_dir
     from flows.pipeline import pipeline
 
-    cfg = load_config(config, set_ or [])
     run_dir = create_run_dir(output_dir, cfg)
     console.print(f"[bold]run[/] {run_dir.name} -> {run_dir}")
     try:
+        if server is not None:
+            server.adopt()
         pipeline(config=cfg, run_dir=str(run_dir))
     except BaseException as e:  # noqa: BLE001 - mapped to an exit code by `fail`
         console.print(f"report: {run_dir / 'report.md'}")
@@ -184,9 +189,15 @@ def rerun_failed(config: ConfigOpt, set_: SetOpt = None,
                  force_shards: Annotated[list[int] | None, typer.Option("--force-shard", help="re-extract this shard even if published")] = None) -> None:
     """Re-extract the failed/unpublished shards of this config's extract version, then verify."""
     from eagle3_pipeline.config import load_config
+    from flows.local_server import EarlyServer
+
+    cfg = load_config(config, set_ or [])
+    server = EarlyServer.start()  # Prefect's temporary server starts while the flow is imported
     from flows.rerun_failed import rerun_failed as flow_
 
-    rec = flow_(config=load_config(config, set_ or []), force_shards=force_shards or [])
+    if server is not None:
+        server.adopt()
+    rec = flow_(config=cfg, force_shards=force_shards or [])
     console.print(f"[green]verified[/] {rec['samples_checked']} records, reference max rel err {rec['reference_max_rel_err']}")
 
 

@@ -1,0 +1,130 @@
+"""Prefect's temporary server, started when a flow command starts instead of when its flow does.
+
+A command run without PREFECT_API_URL gets a temporary Prefect server at its flow's first API call:
+Prefect imports its server package in the command's process (4-5 s on 2 cores), then starts the
+server process, which imports that package again and migrates PREFECT_HOME's database (6.5 s more on
+a fresh one), and the command waits for all of it after its own imports. `EarlyServer.start()` starts
+the same server process (Prefect's command line and environment) before the command's imports, so that
+its start-up overlaps them; `adopt()`, right before the flow, waits until it answers and hands it to
+Prefect as its temporary server (`SubprocessASGIServer`, the one every Prefect client of this process
+asks for), and Prefect starts none. The server is stopped at exit as Prefect stops its own.
+With an API URL configured (env, profile) nothing is started. Whatever goes wrong on the way (a port
+taken meanwhile, the process exiting, a Prefect without that class) ends ours and leaves the start to
+Prefect, as it was; the command never fails for it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+
+PORTS = range(8000, 9000)  # where Prefect's temporary servers listen
+PORT_TAKEN = 3  # uvicorn's exit code when its port is taken
+
+
+def _free_port() -> int:
+    for _ in range(20):
+        port = random.choice(PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {PORTS}")
+
+
+class EarlyServer:
+    def __init__(self, proc: subprocess.Popen, port: int, argv: list[str], env: dict[str, str]):
+        self.proc, self.port, self._argv, self._env = proc, port, argv, env
+        self.adopted = False
+        atexit.register(self._end)
+
+    @classmethod
+    def start(cls) -> EarlyServer | None:
+        """Start the temporary server's process now; None when an API URL is configured (or temporary
+        servers are not allowed: Prefect raises its own error then)."""
+        try:
+            import prefect
+            from prefect.settings import get_current_settings
+
+            settings = get_current_settings()
+            if settings.api.url or not settings.server.ephemeral.enabled:
+                return None
+            env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
+                   "PREFECT__SERVER_FINAL": "1", **settings.to_environment_variables(exclude_unset=True)}
+            port = _free_port()
+            argv = [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent), "--factory",
+                    "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", "{port}",
+                    "--log-level", "error", "--lifespan", "on"]
+            return cls(cls._spawn(argv, env, port), port, argv, env)
+        except Exception as e:  # noqa: BLE001 - Prefect starts its own, as without this
+            _log().debug(f"no early temporary server: {type(e).__name__}: {e}")
+            return None
+
+    @staticmethod
+    def _spawn(argv: list[str], env: dict[str, str], port: int) -> subprocess.Popen:
+        return subprocess.Popen([a.format(port=port) for a in argv], env=env)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def adopt(self) -> bool:
+        """Wait until the server answers, then make it Prefect's temporary server of this process.
+        Returns whether it did; otherwise the server is ended and Prefect will start its own."""
+        try:
+            import httpx
+            from prefect.server.api.server import SubprocessASGIServer, subprocess_server_logger
+            from prefect.settings import get_current_settings
+
+            limit = time.monotonic() + get_current_settings().server.ephemeral.startup_timeout_seconds
+            with httpx.Client() as client:
+                while True:
+                    if self.proc.poll() == PORT_TAKEN:  # taken since we looked: another port, as Prefect does
+                        self.port = _free_port()
+                        self.proc = self._spawn(self._argv, self._env, self.port)
+                    elif self.proc.poll() is not None:
+                        raise RuntimeError(f"the server process exited with code {self.proc.returncode}")
+                    try:
+                        if client.get(f"{self.url}/api/health").status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        pass
+                    if time.monotonic() > limit:
+                        raise TimeoutError(f"no answer from {self.url} in time")
+                    time.sleep(0.1)
+            server = SubprocessASGIServer()
+            if server.running:  # Prefect started one already: it is the one in use
+                raise RuntimeError(f"Prefect's own temporary server runs already ({server.address})")
+            server.port, server.server_process, server.running = self.port, self.proc, True
+            atexit.register(server.stop)
+            self.adopted = True
+            subprocess_server_logger.info(f"Started temporary server on {server.address} (with this command's "
+                                          "imports)")
+            return True
+        except Exception as e:  # noqa: BLE001
+            _log().warning(f"the temporary server started early is not used ({type(e).__name__}: {e}); "
+                           "Prefect starts its own")
+            self._end()
+            return False
+
+    def _end(self) -> None:
+        if self.adopted or self.proc.poll() is not None:
+            return  # Prefect stops an adopted one (SubprocessASGIServer.stop, at exit)
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _log() -> logging.Logger:
+    return logging.getLogger("eagle3.local_server")
