@@ -61,8 +61,8 @@ class EarlyServer:
                    "PREFECT__SERVER_FINAL": "1", **settings.to_environment_variables(exclude_unset=True)}
             port = _free_port()
             argv = [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent), "--factory",
-                    "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", "{port}",
-                    "--log-level", "error", "--lifespan", "on"]
+                    "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--log-level", "error",
+                    "--lifespan", "on"]
             return cls(cls._spawn(argv, env, port), port, argv, env)
         except Exception as e:  # noqa: BLE001 - Prefect starts its own, as without this
             _log().debug(f"no early temporary server: {type(e).__name__}: {e}")
@@ -70,7 +70,7 @@ class EarlyServer:
 
     @staticmethod
     def _spawn(argv: list[str], env: dict[str, str], port: int) -> subprocess.Popen:
-        return subprocess.Popen([a.format(port=port) for a in argv], env=env)
+        return subprocess.Popen([*argv, "--port", str(port)], env=env)
 
     @property
     def url(self) -> str:
