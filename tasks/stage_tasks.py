@@ -138,7 +138,12 @@ def regenerate(cfg: PipelineConfig):
 def prepare(cfg: PipelineConfig, regenerated=None) -> PrepareResult:
     rec = stages.stage_prepare(cfg, log=_log(), regenerated=regenerated)
     counts = [{"what": k, "value": getattr(rec, k)} for k in ("version", "rows_in", "rows_out", "rows_heldout", "rows_quarantined",
-                                                      "rows_truncated", "turns_dropped", "tokens", "chunks_computed")]
+                                                      "rows_truncated", "turns_dropped", "rows_trimmed", "turns_trimmed",
+                                                      "tokens", "chunks_computed")]
+    counts += [{"what": f"turns trimmed: {why}", "value": n} for why, n in rec.trim_reasons.items()]
+    counts += [{"what": "WARNING", "value": w} for w in rec.source_warnings]
+    counts += [{"what": f"damaged source {d['source']}", "value": f"{d['records_complete']} complete records kept, "
+                f"{d['bytes_lost']} bytes lost after byte {d['good_end']}"} for d in rec.damaged_sources]
     hist = [{"what": f"rows of {k} tokens", "value": v} for k, v in rec.length_histogram.items()]
     reasons = [{"what": f"quarantined: {r['source']} row {r['row']}", "value": r["reason"]}
                for r in stages.first_quarantined(rec, 10)]

@@ -57,6 +57,9 @@ class SourceConfig(Strict):
     limit: int | None = Field(None, description="use at most this many rows of the source")
     split: str = "train"
     revision: str | None = None
+    on_damaged: Literal["error", "keep_complete"] = Field(
+        "error", description="a JSON file cut or corrupt part-way: stop with the byte offset (error), or keep the "
+        "complete records before the damage and record the loss in prepare.json (keep_complete)")
 
 
 class PrepareConfig(Strict):
@@ -139,8 +142,9 @@ class VerifyConfig(Strict):
                                        "one layer (Kimi-K2.5: ~17B parameters, ~34 GB in bf16) plus ~1 GB")
     reference_timeout_s: float = Field(7200.0, gt=0, description="deadline of the reference child")
     move_bad_files: bool = Field(True, description="move failing files to hidden_states_failed/ (never deleted)")
-    norm_bounds_samples: int = Field(64, ge=0, description="per-layer mean-token-norm bounds are learned from the "
-                                     "first N good files (median/MAD in log space); 0 = no norm check")
+    norm_bounds_samples: int = Field(1024, ge=0, description="per-layer median-token-norm bounds are learned from up "
+                                     "to N good files spread evenly over every shard (median/MAD in log space); "
+                                     "0 = no norm check")
     norm_bounds_factor: float = Field(10.0, gt=0, description="bounds = median x/÷ exp(factor * 1.4826 * MAD) "
                                       "of the log mean token norms")
     norm_bounds_min_ratio: float = Field(1.5, ge=1.0, description="the bounds are never tighter than "

@@ -294,16 +294,38 @@ def test_unusable_source_is_a_clear_input_error(tiny_target, tmp_path, kind):
     assert exit_code(ei.value) == 3
 
 
-def test_malformed_json_file_is_quarantined_whole(tiny_target, tmp_path):
+def test_damaged_json_file_stops_or_keeps_its_complete_records(tiny_target, tmp_path):
+    """A JSON array cut part-way: by default prepare stops naming the file, the byte offset and the complete
+    records before it; with on_damaged: keep_complete those records are prepared, the tail is one
+    quarantined row with the offsets, and prepare.json records the loss."""
+    from eagle3_pipeline.data.formats import DamagedSource
     from eagle3_pipeline.data.prepare import prepare
 
     good = write_jsonl(tmp_path / "good.jsonl", [good_row(i) for i in range(6)])
-    (tmp_path / "broken.json").write_text('[{"id": "a", "messages": [')
-    res = prepare(PrepareConfig(sources=[SourceConfig(path=str(good)), SourceConfig(path=str(tmp_path / "broken.json"))],
-                                heldout_rows=0), TargetConfig(model=str(tiny_target)), tmp_path / "store", log=lambda m: None)
+    text = json.dumps([good_row(10 + i) for i in range(3)])
+    cut = text[: text.rindex('"content"')]  # inside the last record
+    broken = tmp_path / "broken.json"
+    broken.write_text(cut)
+
+    def run(on_damaged):
+        return prepare(PrepareConfig(sources=[SourceConfig(path=str(good)),
+                                              SourceConfig(path=str(broken), on_damaged=on_damaged)],
+                                     heldout_rows=0), TargetConfig(model=str(tiny_target)), tmp_path / "store",
+                       log=lambda m: None)
+
+    with pytest.raises(DamagedSource) as e:
+        run("error")
+    msg = str(e.value)
+    assert msg.startswith(f"damaged file {broken}: the file ends inside a record: it is truncated at byte "), msg
+    assert f"of {len(cut):,}; 2 complete records precede it" in msg and "on_damaged: keep_complete" in msg, msg
+    res = run("keep_complete")
+    assert res.rows_in == 6 + 3 and res.rows_out == 6 + 2 and res.rows_quarantined == 1
     q = [json.loads(x) for x in Path(res.quarantine).read_text().splitlines()]
-    assert [(r["source"], r["row"]) for r in q] == [(str(tmp_path / "broken.json"), 0)]
-    assert q[0]["reason"].startswith("malformed JSON file: ")
+    assert [(r["source"], r["row"]) for r in q] == [(str(broken), 2)]
+    assert q[0]["reason"].startswith(f"damaged file {broken}: ")
+    [d] = res.damaged_sources
+    assert d["records_complete"] == 2 and d["size"] == len(cut) and d["bytes_lost"] == len(cut) - d["good_end"] > 0
+    assert res.source_warnings and "does not end with ']'" in res.source_warnings[0]
 
 
 def test_bad_data_through_the_cli_exits_3(tiny_target, tmp_path):

@@ -133,3 +133,37 @@ def test_two_processes_give_the_same_bytes(tiny_target, tmp_path):
     two = prepare(PrepareConfig(sources=[SourceConfig(path=str(src))], chunk_rows=8, num_proc=2), tgt, tmp_path / "s2")
     assert one.version == two.version
     assert load_tokenized(one.tokenized).to_dict() == load_tokenized(two.tokenized).to_dict()
+
+
+def test_chat_data_as_it_comes_is_trimmed_and_counted(tiny_target, tmp_path):
+    """ShareGPT V3's shapes: a piece that opens with the assistant's answer, an empty turn, a trailing
+    question, the chatgpt/bing/bard speakers. The row keeps what can be supervised and prepare.json
+    counts every turn left out by its reason; a row with nothing left is quarantined saying why."""
+    from eagle3_pipeline.data.formats import TRIM_AFTER_EMPTY, TRIM_LEADING, TRIM_TRAILING
+    from eagle3_pipeline.data.prepare import load_tokenized
+
+    def conv(i, *turns):
+        return {"id": f"c{i}", "conversations": [{"from": f, "value": v} for f, v in turns]}
+
+    rows = [
+        conv(0, ("gpt", "the end of an earlier answer"), ("human", "What is 2 + 2?"), ("gpt", "4.")),
+        conv(1, ("system", "be brief"), ("gpt", "dangling"), ("gpt", "more"), ("human", "hi"), ("chatgpt", "hello")),
+        conv(2, ("human", "q1"), ("bing", "a1"), ("human", ""), ("bard", "a2"), ("human", "q3"), ("gpt", "a3")),
+        conv(3, ("human", "q1"), ("gpt", "a1"), ("human", "and then?")),
+        conv(4, ("gpt", "only an answer")),
+        conv(5, ("human", " "), ("gpt", "an answer to nothing")),
+        conv(6, ("human", "plain"), ("gpt", "row")),
+    ]
+    src = tmp_path / "sg.json"
+    src.write_text(json.dumps(rows))
+    res = prepare(PrepareConfig(sources=[SourceConfig(path=str(src))], max_length=128, heldout_rows=0),
+                  TargetConfig(model=str(tiny_target)), tmp_path / "store")
+    assert res.rows_in == 7 and res.rows_out == 5 and res.rows_quarantined == 2
+    assert res.rows_trimmed == 4 and res.turns_trimmed == 3 + 4 + 1
+    assert res.trim_reasons == {TRIM_LEADING: 3, TRIM_AFTER_EMPTY: 4, TRIM_TRAILING: 1}
+    q = {r["row"]: r["reason"] for r in map(json.loads, Path(res.quarantine).read_text().splitlines())}
+    assert q == {4: "no assistant turn after a user turn (1 turn(s), none answers a user turn)",
+                 5: "turn 0 (user): empty content, and no answered user turn before it"}
+    ds = load_tokenized(res.tokenized)
+    assert sorted(ds["sample_id"]) == ["c0", "c1", "c2", "c3", "c6"]
+    assert json.loads((Path(res.dir) / "prepare.json").read_text())["trim_reasons"] == res.trim_reasons

@@ -30,7 +30,9 @@ from eagle3_pipeline.errors import InputError
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "tool": "tool", "function": "tool", "observation": "tool",
-                  "function_call": "assistant"}  # function_call: the assistant's call(s), as JSON
+                  "function_call": "assistant",  # function_call: the assistant's call(s), as JSON
+                  # ShareGPT V3 names the assistant after the chatbot a conversation was shared from
+                  "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
 OPENAI_ROLES = {"system", "user", "assistant", "tool"}
 OPENAI_ALIASES = {"developer": "system", "function": "tool"}  # function: the legacy function-result role
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -43,6 +45,14 @@ class Conversation:
     source: str           # tool_calls); optional tool_calls, reasoning_content, name, tool_call_id
     row: int
     tools: list[dict] | None = None  # OpenAI tool definitions ({"type": "function", "function": {...}})
+    trimmed: dict[str, int] = field(default_factory=dict)  # turns left out of the row, by TRIM reason
+
+
+# Turns left out of a kept conversation (the community's conventions for chat data as it comes): the
+# row keeps what can be supervised, and prepare counts every turn left out by its reason.
+TRIM_LEADING = "leading assistant turn (before the first user turn)"
+TRIM_AFTER_EMPTY = "empty turn and the turns after it"
+TRIM_TRAILING = "trailing turn without an answer"
 
 
 @dataclass
@@ -60,6 +70,11 @@ class Rejected:
     row: int
     reason: str
     raw: Any = field(default=None)
+    damage: dict | None = None  # a damaged file's tail: byte offsets and the complete records before it
+
+
+class _Empty(str):
+    """The reason for a turn with empty content: a kept conversation ends before it."""
 
 
 def detect_format(rec: dict) -> str | None:
@@ -172,7 +187,7 @@ def _turn(t: dict, j: int, fmt: str, prev: dict | None) -> dict | str:
         except ValueError as e:
             return f"malformed row: turn {j} ({role}): {e}"
         if not text.strip() and not calls:
-            return f"turn {j} ({role}): empty content"
+            return _Empty(f"turn {j} ({role}): empty content")
     if calls and fmt == "sharegpt" and prev is not None and prev["role"] == "assistant" and "tool_calls" not in prev:
         prev["tool_calls"] = calls  # the gpt turn's text and its calls are one assistant turn
         return prev
@@ -207,23 +222,57 @@ def normalise(rec: dict, fmt: str, source: str, row: int,
             first = turns[0].get("from") if isinstance(turns[0], dict) else None
             if str(first).lower() != "system":  # LLaMA-Factory style: the system prompt is a column
                 msgs.append({"role": "system", "content": rec["system"]})
+        trimmed: dict[str, int] = {}
         for j, t in enumerate(turns):
             if not isinstance(t, dict):
                 return Rejected(source, row, f"turn {j} is not an object", rec)
             msg = _turn(t, j, fmt, msgs[-1] if msgs else None)
+            if isinstance(msg, _Empty):  # keep the exchanges before it
+                trimmed[TRIM_AFTER_EMPTY] = len(turns) - j
+                empty = str(msg)
+                break
             if isinstance(msg, str):
                 return Rejected(source, row, msg, rec)
             if not msgs or msg is not msgs[-1]:
                 msgs.append(msg)
+        msgs = _trim(msgs, trimmed, require_assistant)
         if require_assistant and not any(m["role"] == "assistant" for m in msgs):
-            return Rejected(source, row, "no assistant turn", rec)
+            return Rejected(source, row, _no_assistant(turns, trimmed, empty if TRIM_AFTER_EMPTY in trimmed else None),
+                            rec)
         try:
             tools = _tools(rec.get("tools"))
         except ValueError as e:
             return Rejected(source, row, f"malformed row: {e}", rec)
-        return Conversation(sample_id, msgs, source, row, tools)
+        return Conversation(sample_id, msgs, source, row, tools, trimmed)
     except (ValueError, TypeError, KeyError) as e:
         return Rejected(source, row, f"malformed row: {e}", rec)
+
+
+def _trim(msgs: list[dict], trimmed: dict[str, int], require_assistant: bool) -> list[dict]:
+    """Leading assistant (and tool) turns before the first user turn go (a split conversation's piece
+    often starts with the answer to a question in the piece before); with `require_assistant` (training
+    rows) so do trailing turns that nothing answers. System turns at the start stay."""
+    first_user = next((i for i, m in enumerate(msgs) if m["role"] == "user"), len(msgs))
+    head = [m for m in msgs[:first_user] if m["role"] == "system"]
+    if len(head) < first_user:
+        trimmed[TRIM_LEADING] = first_user - len(head)
+        msgs = head + msgs[first_user:]
+    if require_assistant and any(m["role"] == "assistant" for m in msgs):
+        end = max(i for i, m in enumerate(msgs) if m["role"] == "assistant") + 1
+        if end < len(msgs):
+            trimmed[TRIM_TRAILING] = len(msgs) - end
+            msgs = msgs[:end]
+    return msgs
+
+
+def _no_assistant(turns: list, trimmed: dict[str, int], empty: str | None) -> str:
+    """Why a conversation has nothing to supervise, in terms of the row."""
+    if empty is not None:
+        return f"{empty}, and no answered user turn before it"
+    if TRIM_LEADING in trimmed or not any(isinstance(t, dict) and (t.get("role") or t.get("from")) in
+                                          ("user", "human") for t in turns):
+        return f"no assistant turn after a user turn ({len(turns)} turn(s), none answers a user turn)"
+    return "no assistant turn"
 
 
 @dataclass
@@ -234,9 +283,115 @@ class RawRow:
     rec: dict | None
     err: str | None
     blob: bytes  # what identifies the row's content (for content-keyed chunks)
+    damage: dict | None = None  # set on the row that stands for a damaged file's unreadable tail
 
 
-def _records(path: Path) -> Iterator[RawRow]:
+@dataclass
+class Damage:
+    """Where a JSON file stops being readable: the complete records before it are intact."""
+    path: Path
+    byte_offset: int       # the first byte that cannot be read as part of a record
+    good_end: int          # the byte after the last complete record
+    size: int
+    records_complete: int
+    what: str
+
+    def reason(self) -> str:
+        return (f"damaged file {self.path}: {self.what} at byte {self.byte_offset:,} of {self.size:,}; "
+                f"{self.records_complete:,} complete records precede it (they end at byte {self.good_end:,}; "
+                f"{self.size - self.good_end:,} bytes after them are lost)")
+
+    def model(self) -> dict:
+        return {"source": str(self.path), "byte_offset": self.byte_offset, "good_end": self.good_end,
+                "size": self.size, "bytes_lost": self.size - self.good_end,
+                "records_complete": self.records_complete, "what": self.what}
+
+
+class DamagedSource(InputError):
+    """A source file that is cut or corrupt part-way (`on_damaged: error`)."""
+
+
+def _json_values(path: Path, on_damaged: str = "error") -> Iterator[Any]:
+    """The values of a JSON file (the elements of a top-level array, else the one value), decoded one
+    at a time so that a damaged file yields its complete records; at the damage, a `Damage` last
+    (`on_damaged: keep_complete`) or `DamagedSource` naming the byte offset (`error`)."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+        bad_byte = None
+    except UnicodeDecodeError as e:  # e.g. a cut in the middle of a multi-byte character
+        text, bad_byte = data[: e.start].decode("utf-8"), e.start
+    dec = json.JSONDecoder()
+    ws = " \t\r\n"
+    i = len(text) - len(text.lstrip(ws))
+    array = text.startswith("[", i)
+    i += array
+    n = 0
+    good_end = i
+
+    def damage(char_pos: int, what: str) -> Damage:
+        at = len(text[:char_pos].encode("utf-8")) if bad_byte is None or char_pos < len(text) else bad_byte
+        return Damage(path, at, len(text[:good_end].encode("utf-8")), len(data), n, what)
+
+    while True:
+        while i < len(text) and text[i] in ws:
+            i += 1
+        if array and i < len(text) and text[i] == "]":
+            rest = text[i + 1:].strip(ws)
+            if not rest and bad_byte is None:
+                return
+            d = damage(i + 1 + text[i + 1:].index(rest[0]) if rest else len(text),
+                       "data after the closing ']'" if rest else "invalid UTF-8")
+            break
+        if i >= len(text):
+            if not array and n and bad_byte is None:
+                return
+            d = damage(len(text), "invalid UTF-8" if bad_byte is not None else "no JSON value (empty file)"
+                       if not array else "the file ends inside the top-level array (no closing ']'): it is truncated")
+            break
+        try:
+            rec, j = dec.raw_decode(text, i)
+        except json.JSONDecodeError as e:
+            what = ("the file ends inside a record: it is truncated" if e.pos >= len(text) - 1 or
+                    e.msg.startswith("Unterminated") else f"malformed JSON ({e.msg})")
+            d = damage(e.pos, what)
+            break
+        yield rec
+        n += 1
+        i = good_end = j
+        if not array:
+            continue
+        while i < len(text) and text[i] in ws:
+            i += 1
+        if i < len(text) and text[i] == ",":
+            i += 1
+        elif i < len(text) and text[i] != "]":
+            d = damage(i, f"expected ',' or ']' after record {n - 1}")
+            break
+    if on_damaged == "keep_complete":
+        yield d
+        return
+    raise DamagedSource(f"{d.reason()}. To train on the complete records, set on_damaged: keep_complete on this "
+                        f"source (prepare.sources[].on_damaged); the loss is then recorded in prepare.json")
+
+
+def tail_warning(path: str | Path) -> str | None:
+    """A cheap look at a JSON source's last bytes: a top-level array that does not end with ']' is cut.
+    Prepare records it even when `limit` stops reading before the damage."""
+    p = Path(path)
+    if p.suffix != ".json" or not p.is_file():
+        return None
+    with p.open("rb") as f:
+        head = f.read(64).lstrip()
+        f.seek(max(0, p.stat().st_size - 64))
+        tail = f.read().rstrip()
+    if head.startswith(b"[") and not tail.endswith(b"]"):
+        return (f"{p}: the top-level JSON array does not end with ']' ({p.stat().st_size:,} bytes): the file is "
+                f"truncated; rows past the damage cannot be read")
+    return None
+
+
+def _records(path: Path, on_damaged: str = "error") -> Iterator[RawRow]:
     src = str(path)
     if path.suffix == ".jsonl":
         with path.open("rb") as f:
@@ -250,12 +405,10 @@ def _records(path: Path) -> Iterator[RawRow]:
                     continue
                 yield RawRow(src, i, rec, None if isinstance(rec, dict) else "JSON line is not an object", line)
     elif path.suffix == ".json":
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            yield RawRow(src, 0, None, f"malformed JSON file: {e}", path.read_bytes()[:4096])
-            return
-        for i, rec in enumerate(data if isinstance(data, list) else [data]):
+        for i, rec in enumerate(_json_values(path, on_damaged)):
+            if isinstance(rec, Damage):
+                yield RawRow(src, i, None, rec.reason(), rec.reason().encode(), rec.model())
+                return
             blob = json.dumps(rec, sort_keys=True, default=str).encode()
             yield RawRow(src, i, rec, None if isinstance(rec, dict) else "JSON row is not an object", blob)
     elif path.suffix == ".parquet":
@@ -310,13 +463,15 @@ def source_files(path: str | Path) -> list[Path]:
 
 
 def raw_rows(path: str, limit: int | None = None, split: str = "train", revision: str | None = None,
-             token: str | None = None) -> Iterator[RawRow]:
+             token: str | None = None, on_damaged: str = "error") -> Iterator[RawRow]:
     """Every row of a source (local file, directory, save_to_disk dir, or hub name), at most `limit`.
-    `token` is the hub token for a hub name (never logged)."""
+    `token` is the hub token for a hub name (never logged). A damaged JSON file raises `DamagedSource`
+    when reading reaches the damage, or (`on_damaged="keep_complete"`) ends with one row standing for
+    its unreadable tail, which prepare quarantines with the byte offsets."""
     if not Path(path).exists() and looks_like_hub_name(path):
         it = _hub_rows(path, split, revision, token)
     else:
-        it = (r for f in source_files(path) for r in _records(f))
+        it = (r for f in source_files(path) for r in _records(f, on_damaged))
     for n, r in enumerate(it):
         if limit is not None and n >= limit:
             return
@@ -325,7 +480,7 @@ def raw_rows(path: str, limit: int | None = None, split: str = "train", revision
 
 def parse_row(raw: RawRow, fmt: str = "auto", require_assistant: bool = True) -> Conversation | Pretokenized | Rejected:
     if raw.err:
-        return Rejected(raw.source, raw.row, raw.err, raw.blob.decode(errors="replace")[:2000])
+        return Rejected(raw.source, raw.row, raw.err, raw.blob.decode(errors="replace")[:2000], raw.damage)
     kind = fmt if fmt != "auto" else detect_format(raw.rec)
     if kind is None:
         return Rejected(raw.source, raw.row, f"unknown format: keys {sorted(raw.rec)[:8]}", raw.rec)

@@ -29,15 +29,16 @@ from pydantic import BaseModel
 from eagle3_pipeline.config import PrepareConfig, SourceConfig, TargetConfig, hub_token
 from eagle3_pipeline.data.chat import (MaskUnavailable, TemplateMismatch, ToolCallsNotRendered, encode_conversation,
                                        render)
-from eagle3_pipeline.data.formats import Conversation, RawRow, Rejected, parse_row, raw_rows
+from eagle3_pipeline.data.formats import Conversation, RawRow, Rejected, parse_row, raw_rows, tail_warning
 from eagle3_pipeline.errors import DiskFull, InputError, is_disk_full
 from eagle3_pipeline.store import (atomic_write, atomic_write_text, content_key, dir_fingerprint, dir_lock, read_json,
                                    slug, within, write_json)
 
 TOKENIZER_FILES = ("tokenizer*.json", "special_tokens_map.json", "*.jinja", "*.model", "vocab*", "merges.txt")
 # Bump when the same rows, tokenizer and settings give different chunk bytes or quarantine decisions:
-# 2 = tool use, history-rewriting (thinking) templates, masks without offsets (issue 14).
-PREPARE_FORMAT = 2
+# 2 = tool use, history-rewriting (thinking) templates, masks without offsets; 3 = leading assistant,
+# trailing and post-empty turns trimmed, ShareGPT's chatgpt/bing/bard speakers, damaged-file tails.
+PREPARE_FORMAT = 3
 ROW_COLUMNS = ("sample_id", "conv_id", "input_ids", "loss_mask", "seq_len", "truncated", "prompt_ids", "reference",
                "source", "row")
 
@@ -56,6 +57,11 @@ class PrepareResult(BaseModel):
     rows_quarantined: int
     rows_truncated: int
     turns_dropped: int
+    rows_trimmed: int = 0            # kept rows that lost turns (formats.TRIM_*), and the turns by reason
+    turns_trimmed: int = 0
+    trim_reasons: dict[str, int] = {}
+    damaged_sources: list[dict] = []  # JSON files cut part-way (on_damaged: keep_complete): offsets, records kept
+    source_warnings: list[str] = []
     tokens: int
     supervised_tokens: int
     quarantine_reasons: dict[str, int]
@@ -91,7 +97,7 @@ def tokenization_key(cfg: PrepareConfig, target: TargetConfig, tokenizer) -> str
 
 def _chunks(src: SourceConfig, size: int, token: str | None = None) -> Iterator[list[RawRow]]:
     buf: list[RawRow] = []
-    for r in raw_rows(src.path, src.limit, src.split, src.revision, token):
+    for r in raw_rows(src.path, src.limit, src.split, src.revision, token, src.on_damaged):
         buf.append(r)
         if len(buf) == size:
             yield buf
@@ -101,18 +107,18 @@ def _chunks(src: SourceConfig, size: int, token: str | None = None) -> Iterator[
 
 
 def _chunk_key(tok_key: str, src: SourceConfig, rows: list[RawRow]) -> str:
-    h = hashlib.sha256(f"{tok_key}|{src.format}|{rows[0].source}|{rows[0].row}".encode())
+    h = hashlib.sha256(f"{tok_key}|{src.format}|{src.on_damaged}|{rows[0].source}|{rows[0].row}".encode())
     for r in rows:
         h.update(len(r.blob).to_bytes(8, "little"))
         h.update(r.blob)
     return h.hexdigest()[:16]
 
 
-def _encode_chunk(rows: list[RawRow], fmt: str, tok, cfg: PrepareConfig) -> tuple[dict[str, list], list[dict], int]:
-    """Tokenize one chunk: output columns, rejected rows, and the number of turns dropped."""
+def _encode_chunk(rows: list[RawRow], fmt: str, tok, cfg: PrepareConfig) -> tuple[dict[str, list], list[dict], dict]:
+    """Tokenize one chunk: output columns, rejected rows, and the counts of turns dropped and trimmed."""
     cols: dict[str, list] = {k: [] for k in ROW_COLUMNS}
     rejected: list[dict] = []
-    dropped = 0
+    counts = {"turns_dropped": 0, "rows_trimmed": 0, "trim_reasons": {}}
     vocab = len(tok)
 
     def reject(item, reason: str, raw=None, partial: bool = False):
@@ -122,7 +128,7 @@ def _encode_chunk(rows: list[RawRow], fmt: str, tok, cfg: PrepareConfig) -> tupl
         item = parse_row(raw, fmt)
         if isinstance(item, Rejected):
             rejected.append({"source": item.source, "row": item.row, "reason": item.reason, "raw": item.raw,
-                             "partial": False})
+                             "partial": False, **({"damage": item.damage} if item.damage else {})})
             continue
         prompt_ids, reference = None, None
         if isinstance(item, Conversation):
@@ -165,7 +171,7 @@ def _encode_chunk(rows: list[RawRow], fmt: str, tok, cfg: PrepareConfig) -> tupl
                 why = f"token ids {[t for t in ids if not 0 <= t < vocab][:5]} outside the tokenizer's vocab of {vocab}"
             if why:
                 if len(pieces) > 1:
-                    dropped += 1
+                    counts["turns_dropped"] += 1
                     reject(item, f"turn {sid}: {why}", None, partial=True)
                 else:
                     reject(item, why, raw.rec)
@@ -176,7 +182,11 @@ def _encode_chunk(rows: list[RawRow], fmt: str, tok, cfg: PrepareConfig) -> tupl
                 cols[k].append(v)
         if pieces and not kept and len(pieces) > 1:
             reject(item, "every assistant turn dropped (see the turn entries)", raw.rec)
-    return cols, rejected, dropped
+        elif kept and isinstance(item, Conversation) and item.trimmed:
+            counts["rows_trimmed"] += 1
+            for why, n in item.trimmed.items():
+                counts["trim_reasons"][why] = counts["trim_reasons"].get(why, 0) + n
+    return cols, rejected, counts
 
 
 def _chunk(store: Path, key: str, rows: list[RawRow], fmt: str, tok, cfg: PrepareConfig) -> tuple[Path, bool]:
@@ -202,7 +212,7 @@ def _write_parquet(table, path: Path) -> None:
 def _write_chunk(d: Path, rows: list[RawRow], fmt: str, tok, cfg: PrepareConfig) -> bool:
     import pyarrow as pa
 
-    cols, rejected, dropped = _encode_chunk(rows, fmt, tok, cfg)
+    cols, rejected, counts = _encode_chunk(rows, fmt, tok, cfg)
     schema = pa.schema([("sample_id", pa.string()), ("conv_id", pa.string()), ("input_ids", pa.list_(pa.int64())),
                         ("loss_mask", pa.list_(pa.int64())), ("seq_len", pa.int64()), ("truncated", pa.bool_()),
                         ("prompt_ids", pa.list_(pa.int64())), ("reference", pa.string()), ("source", pa.string()),
@@ -211,7 +221,7 @@ def _write_chunk(d: Path, rows: list[RawRow], fmt: str, tok, cfg: PrepareConfig)
     atomic_write(d / "rows.parquet", lambda p: _write_parquet(table, p))
     atomic_write_text(d / "rejected.jsonl", "".join(json.dumps(r, default=str) + "\n" for r in rejected))
     write_json(d / "chunk.json", {"rows_in": len(rows), "rows_out": table.num_rows, "rejected": len(rejected),
-                                  "turns_dropped": dropped})
+                                  **counts})
     return True
 
 
@@ -259,6 +269,14 @@ def prepare(cfg: PrepareConfig, target: TargetConfig, store_root: Path, log=prin
         res = _assemble(cfg, chunk_dirs, computed, out, version, len(tok))
     log(f"prepare: {res.rows_in} rows in, {res.rows_out} out, {res.rows_heldout} held out, "
         f"{res.rows_quarantined} quarantined, {res.tokens} tokens -> {out}")
+    if res.turns_trimmed:
+        log(f"prepare: {res.rows_trimmed} kept rows lost {res.turns_trimmed} turns: " +
+            ", ".join(f"{why} ({n})" for why, n in res.trim_reasons.items()))
+    for w in res.source_warnings:
+        log(f"prepare: WARNING {w}")
+    for d in res.damaged_sources:
+        log(f"prepare: WARNING damaged source {d['source']}: kept its {d['records_complete']} complete records, "
+            f"lost {d['bytes_lost']} bytes after byte {d['good_end']} ({d['what']})")
     return res
 
 
@@ -352,6 +370,10 @@ def _assemble(cfg: PrepareConfig, chunk_dirs: list[Path], computed: int, out: Pa
         top = ", ".join(f"{k} ({v})" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1])[:3])
         raise InputError(f"prepare: no usable rows: the sources hold {rows_in} rows" +
                          (f", all quarantined ({top}); see {out / 'quarantine.jsonl'}" if rows_in else ""))
+    trims: dict[str, int] = {}
+    for m in metas:
+        for why, n in m.get("trim_reasons", {}).items():
+            trims[why] = trims.get(why, 0) + n
     seq = arrow["seq_len"].to_pylist()
     edges = [0, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 1 << 30]
     hist = {f"{a}-{b - 1}" if b < 1 << 30 else f">={a}": sum(a <= s < b for s in seq) for a, b in zip(edges, edges[1:])}
@@ -362,7 +384,11 @@ def _assemble(cfg: PrepareConfig, chunk_dirs: list[Path], computed: int, out: Pa
         rows_out=n_out, rows_out_sources=len(set(zip(table["source"].to_pylist(), table["row"].to_pylist()))) if n_out else 0,
         rows_heldout=len(held), rows_quarantined=len(full),
         rows_truncated=int(sum(table["truncated"].to_pylist())) if n_out else 0,
-        turns_dropped=sum(m["turns_dropped"] for m in metas), tokens=int(sum(seq)), supervised_tokens=int(counts.sum()),
+        turns_dropped=sum(m["turns_dropped"] for m in metas), rows_trimmed=sum(m.get("rows_trimmed", 0) for m in metas),
+        turns_trimmed=sum(trims.values()), trim_reasons=trims,
+        damaged_sources=[r["damage"] for r in rejected if r.get("damage")],
+        source_warnings=[w for src in cfg.sources if (w := tail_warning(src.path))],
+        tokens=int(sum(seq)), supervised_tokens=int(counts.sum()),
         quarantine_reasons=reasons, length_histogram={k: v for k, v in hist.items() if v},
         chunks_total=len(chunk_dirs), chunks_computed=computed)
     write_json(out / "prepare.json", res.model_dump())

@@ -45,7 +45,7 @@ def source_rows(sources: list[SourceConfig], token: str | None = None) -> Iterat
 
     n = 0
     for src in sources:
-        for raw in raw_rows(src.path, src.limit, src.split, src.revision, token):
+        for raw in raw_rows(src.path, src.limit, src.split, src.revision, token, src.on_damaged):
             yield n, src.format, raw
             n += 1
 
