@@ -160,8 +160,8 @@ NORM_FILES = 40
 
 
 def test_norm_outlier_is_caught(extracted, tmp_path):
-    """One layer scaled x50 (structurally perfect) is caught by the bounds learned from the first files,
-    inside and after the learning window; the clean copy passes; statistics leave the outliers out."""
+    """One layer scaled x50 (structurally perfect) is caught by the bounds learned from files spread over
+    the extraction, sampled or not; the clean copy passes; statistics leave the outliers out."""
     d = tmp_path / "hidden_states"
     d.mkdir()
     for r in range(NORM_FILES):
@@ -177,20 +177,42 @@ def test_norm_outlier_is_caught(extracted, tmp_path):
             return {**rec, "hidden_states": hs}
         return fn
 
-    _rewrite(d / "hs_35.safetensors", scale(1))  # after the learning window
-    _rewrite(d / "hs_3.safetensors", scale(3))   # inside it
+    _rewrite(d / "hs_35.safetensors", scale(1))  # a file the bounds' sample leaves out
+    _rewrite(d / "hs_3.safetensors", scale(3))
     res = check()
     assert res.bad_rows == [3, 35], res.problems
     assert len(res.problems) == 2
     for p, r, lid in zip(res.problems, (3, 35), (extracted.layer_ids[3], extracted.layer_ids[1])):
-        assert p.startswith(f"hs_{r}.safetensors (row {r}, sample ") and f": layer {lid}: mean token norm " in p, p
-        assert "outside the bounds [" in p and "learned from the first 32 good files (median " in p, p
-        value, med = float(p.split("mean token norm ")[1].split()[0]), float(p.split("(median ")[1].split(",")[0])
+        assert p.startswith(f"hs_{r}.safetensors (row {r}, sample ") and f": layer {lid}: median token norm " in p, p
+        assert "outside the bounds [" in p and "learned from 32 good files spread over every shard (median " in p, p
+        value, med = float(p.split("median token norm ")[1].split()[0]), float(p.split("(median ")[1].split(",")[0])
         assert 30 < value / med < 80, p
     stats = {s.layer_id: s for s in res.layer_stats}
     clean_stats = {s.layer_id: s for s in clean.layer_stats}
     assert stats[extracted.layer_ids[1]].norm_outliers == 1 and stats[extracted.layer_ids[1]].files == NORM_FILES - 2
     assert stats[extracted.layer_ids[1]].max <= clean_stats[extracted.layer_ids[1]].max  # outliers left out
+
+
+def test_norm_bounds_hold_when_the_first_shard_is_bad(extracted, tmp_path):
+    """The first 12 of 40 records (the first shard, say) have a layer scaled x50: bounds learned from the
+    first files would be the bad ones' and flag the good; spread over every file they flag exactly the bad."""
+    d = tmp_path / "hidden_states"
+    d.mkdir()
+    for r in range(NORM_FILES):
+        shutil.copy(extracted.hidden_states / f"hs_{r}.safetensors", d)
+
+    def scale(rec):
+        hs = rec["hidden_states"].clone()
+        hs[:, 1] *= 50
+        return {**rec, "hidden_states": hs}
+
+    for r in range(12):
+        _rewrite(d / f"hs_{r}.safetensors", scale)
+    res = verify_structure(extracted.tokenized, d, extracted.layer_ids, extracted.hidden_size,
+                           rows=list(range(NORM_FILES)), log=lambda m: None, norm_samples=16)
+    assert res.bad_rows == list(range(12)), res.problems
+    kept = {s.layer_id: s for s in res.layer_stats}[extracted.layer_ids[1]]
+    assert kept.norm_margin is not None and kept.norm_margin < 1.0
 
 
 def test_norm_bounds_are_robust():

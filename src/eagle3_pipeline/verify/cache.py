@@ -1,7 +1,7 @@
 """What verify keeps per record so that a re-run reads only new or re-extracted shards.
 
 Owns `<extract-dir>/verify_rows.safetensors` (no pickle): per verified-good record its row, token
-count, bytes, statistics [5, L], identity signature [F] and fingerprint agreement, and the shard
+count, bytes, statistics [STAT_ROWS, L], identity signature [F] and fingerprint agreement, and the shard
 hash that ties a shard's entry in verify.json to its files: sha256 over the manifest's record and
 fingerprint hashes of the shard and each file's size and mtime (shard_hash). A shard is reused when verify.json holds the same hash, for the same
 content key and the same verify settings, and every row of it is in the cache; its records are not
@@ -52,7 +52,7 @@ def save(path: Path, results: list) -> None:
     t = {"row": torch.tensor([r.row for r in good], dtype=torch.int64),
          "tokens": torch.tensor([r.tokens for r in good], dtype=torch.int64),
          "nbytes": torch.tensor([r.nbytes for r in good], dtype=torch.int64),
-         "stats": torch.from_numpy(np.stack([r.stats for r in good]).astype(np.float64)),  # [R, 5, L]
+         "stats": torch.from_numpy(np.stack([r.stats for r in good]).astype(np.float64)),  # [R, STAT_ROWS, L]
          "agreement": torch.tensor([np.nan if r.agreement is None else r.agreement for r in good], dtype=torch.float32)}
     if all(r.sig is not None for r in good):
         t["sig"] = torch.from_numpy(np.stack([r.sig for r in good]).astype(np.float32))  # [R, F]
@@ -68,6 +68,10 @@ def load(path: Path) -> dict:
     try:
         t = load_file(str(path))
     except Exception:  # noqa: BLE001 - no cache (or a damaged one): everything is read again
+        return {}
+    from eagle3_pipeline.verify.structure import STAT_ROWS
+
+    if t["stats"].ndim != 3 or t["stats"].shape[1] != STAT_ROWS:  # written by an older verify: read again
         return {}
     out = {}
     for i, row in enumerate(t["row"].tolist()):
@@ -113,6 +117,10 @@ def load_pool(path: Path) -> dict[str, tuple[list[int], object]]:
             t = {k: f.get_tensor(k) for k in f.keys()}
     except Exception:  # noqa: BLE001 - no cache (or a damaged one): those records are read again
         return {}
+    from eagle3_pipeline.verify.structure import STAT_ROWS
+
+    if t["stats"].ndim != 3 or t["stats"].shape[1] != STAT_ROWS:  # written by an older verify: read again
+        return {}
     out = {}
     for i, rk in enumerate(keys):
         a = float(t["agreement"][i])
@@ -143,7 +151,7 @@ def save_pool(pool, config_key: str, new: dict[str, tuple[list[int], object]]) -
         t = {"ident": torch.tensor([keep[k][0] for k in ks], dtype=torch.int64),  # [R, 5]
              "tokens": torch.tensor([r.tokens for r in rs], dtype=torch.int64),
              "nbytes": torch.tensor([r.nbytes for r in rs], dtype=torch.int64),
-             "stats": torch.from_numpy(np.stack([r.stats for r in rs]).astype(np.float64)),  # [R, 5, L]
+             "stats": torch.from_numpy(np.stack([r.stats for r in rs]).astype(np.float64)),  # [R, STAT_ROWS, L]
              "agreement": torch.tensor([np.nan if r.agreement is None else r.agreement for r in rs], dtype=torch.float32)}
         if all(r.sig is not None for r in rs):
             t["sig"] = torch.from_numpy(np.stack([r.sig for r in rs]).astype(np.float32))  # [R, L, F]

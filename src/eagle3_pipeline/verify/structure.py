@@ -1,14 +1,17 @@
 """Structural verification of every hidden-state record against the contract (contracts.py), plus
-per-layer statistics and per-layer norm bounds learned from the first good files.
+per-layer statistics and per-layer norm bounds learned over the whole extraction.
 
 Reads `tokenized/` (the rows) and `hidden_states/hs_{i}.safetensors`. Checks per file: readable,
 keys present, `token_ids` equal the row's input_ids, `hidden_states` rank 3 with [T, L, H] matching
 the row length, configured layer count and model hidden size, storage dtype, all values finite, no
-layer identically zero and no token whose hidden state is all zeros, no two layers identical, and each layer's mean token norm inside bounds
-learned (median/MAD of log norms) from the first `norm_samples` good files. Returns a record with
-every problem (file, sample, layer, expected vs found) and per-layer statistics over the good files
-(tokens, mean, std, min, max, mean token norm, the learned norm bounds); it never raises for bad data
-(the gate decides).
+layer identically zero and no token whose hidden state is all zeros, no two layers identical, and
+each layer's median token norm inside bounds learned (median/MAD of log norms) from up to
+`norm_samples` good files spread evenly over every shard (median and MAD: robust to a bad shard,
+wherever it lies). The median, not the mean: a real model's first tokens carry norms tens of times the
+rest (attention sinks), so a short row's mean token norm sits far above a long row's while its median
+does not. Returns a record with every problem (file, sample, layer, expected vs found) and per-layer
+statistics over the good files (tokens, mean, std, min, max, mean token norm, the learned norm bounds
+and the clean margin); it never raises for bad data (the gate decides).
 
 Speed (bench/verify_throughput.py; profile-driven): the records are read once, by verify/scan.py (a
 reader thread that validates each header and scatters the tensors of a batch of files straight into
@@ -44,6 +47,7 @@ from eagle3_pipeline.verify.fingerprint import FingerprintSummary
 SMALL_RECORD_BYTES = 4 << 20  # records smaller than this on average are reduced by one compute thread
 MIN_NORM_FILES = 8      # fewer good files than this: no norm bounds (noted in the result)
 MAD_TO_SIGMA = 1.4826   # MAD of a normal distribution x this = its standard deviation
+STAT_ROWS = 6           # rows of a file's stats (_FileResult.stats)
 
 
 class LayerStats(BaseModel):
@@ -55,10 +59,11 @@ class LayerStats(BaseModel):
     min: float
     max: float
     mean_token_norm: float
-    norm_lo: float | None = None   # bounds of a file's mean token norm (None: not checked)
+    norm_lo: float | None = None   # bounds of a file's median token norm (None: not checked)
     norm_hi: float | None = None
     norm_median: float | None = None
     norm_outliers: int = 0         # files outside [norm_lo, norm_hi]
+    norm_margin: float | None = None  # the largest |log(norm / median)| of a kept file ÷ the bound's half-width
 
 
 class StructureResult(BaseModel):
@@ -69,7 +74,7 @@ class StructureResult(BaseModel):
     problems: list[str]
     bad_rows: list[int]
     layer_stats: list[LayerStats]
-    norm_bounds_files: int = 0            # the first good files the norm bounds were learned from
+    norm_bounds_files: int = 0            # good files (spread over every shard) the norm bounds were learned from
     norm_bounds_skipped: str | None = None
     fingerprint: FingerprintSummary = FingerprintSummary()
     identity_files: int = 0               # good records the layer profiles were learned from
@@ -94,7 +99,8 @@ class _FileResult:
     problems: list[str] = field(default_factory=list)
     tokens: int = 0
     nbytes: int = 0
-    stats: object = None  # float64 numpy [5, L]: sum, sum of squares, min, max, sum of token norms
+    stats: object = None  # float64 numpy [STAT_ROWS, L]: sum, sum of squares, min, max, sum of token norms,
+                          # median token norm
     sig: object = None    # float32 numpy [L, F]: the layer-identity signature (verify/identity.py)
     agreement: float | None = None  # final-layer fingerprint agreement (None: no fingerprint)
 
@@ -141,12 +147,13 @@ def _diagnose_values(name: str, x, layer_ids: list[int]) -> list[str]:
 
 
 def _file_stats(x):
-    """float64 numpy [5, L] of one record x fp32 [T, L, H], computed in float64 (slow path)."""
+    """float64 numpy [STAT_ROWS, L] of one record x fp32 [T, L, H], computed in float64 (slow path)."""
     import torch
 
     xd = x.double()
+    tn = xd.norm(dim=-1)  # [T, L]
     return torch.stack([xd.sum(dim=(0, 2)), (xd ** 2).sum(dim=(0, 2)), xd.amin(dim=(0, 2)), xd.amax(dim=(0, 2)),
-                        xd.norm(dim=-1).sum(dim=0)]).numpy()
+                        tn.sum(dim=0), tn.quantile(0.5, dim=0)]).numpy()
 
 
 def _values(tensors: dict, spec: RecordSpec, out):
@@ -189,9 +196,11 @@ def _process(batch: scan.Batch, spec: RecordSpec, layer_ids: list[int], extras: 
     s2 = np.add.reduceat(d.numpy(), starts, axis=0)
     lo = np.minimum.reduceat(red.min.numpy(), starts, axis=0).astype(np.float64)
     hi = np.maximum.reduceat(red.max.numpy(), starts, axis=0).astype(np.float64)
-    ns = np.add.reduceat(norm.numpy(), starts, axis=0)
-    min_norm = np.minimum.reduceat(norm.numpy(), starts, axis=0)  # a zero token
-    stats = np.stack([s, s2, lo, hi, ns], axis=1)  # [files, 5, L]
+    norm_np = norm.numpy()
+    ns = np.add.reduceat(norm_np, starts, axis=0)
+    min_norm = np.minimum.reduceat(norm_np, starts, axis=0)  # a zero token
+    med = np.stack([np.median(norm_np[a:a + n], axis=0) for a, n in zip(starts, lengths)])  # [files, L]
+    stats = np.stack([s, s2, lo, hi, ns, med], axis=1)  # [files, STAT_ROWS, L]
     # suspects: non-finite (sums and extrema propagate NaN/Inf), an all-zero layer (min == max == 0), a
     # zero token, two layers with equal extrema and sums (confirmed or cleared by an exact comparison)
     suspect = ~np.isfinite(stats).all(axis=(1, 2)) | ((stats[:, 2] == 0) & (stats[:, 3] == 0)).any(axis=1) \
@@ -285,17 +294,24 @@ def _row_items(ds, rows: list[int], hidden_states_dir: Path, fingerprints_dir: s
                         sids[j], os.path.join(fingerprints_dir, fingerprint_name(r)) if fingerprints_dir else None)
 
 
-def learn_norm_bounds(mean_norms, n_samples: int, factor: float, min_ratio: float):
-    """Per-layer bounds of a file's mean token norm from the first `n_samples` rows of `mean_norms`
-    (numpy [files, L], files in row order): median x/÷ exp(max(factor * 1.4826 * MAD, log(min_ratio)))
-    of the log norms. Returns (median [L], lo [L], hi [L], files used)."""
+def spread_sample(n: int, k: int):
+    """Indices of at most `k` of `n` files (in row order, so over every shard), evenly spaced."""
     import numpy as np
 
-    first = np.log(np.maximum(mean_norms[:n_samples], 1e-30))
-    med = np.median(first, axis=0)
-    mad = np.median(np.abs(first - med), axis=0)
+    return np.arange(n) if n <= k else np.unique(np.linspace(0, n - 1, k).round().astype(np.int64))
+
+
+def learn_norm_bounds(norms, n_samples: int, factor: float, min_ratio: float):
+    """Per-layer bounds of a file's median token norm from up to `n_samples` rows of `norms` (numpy
+    [files, L], files in row order) spread evenly over all of them: median x/÷ exp(max(factor * 1.4826 *
+    MAD, log(min_ratio))) of the log norms. Returns (median [L], lo [L], hi [L], files used)."""
+    import numpy as np
+
+    sample = np.log(np.maximum(norms[spread_sample(len(norms), n_samples)], 1e-30))
+    med = np.median(sample, axis=0)
+    mad = np.median(np.abs(sample - med), axis=0)
     half = np.maximum(factor * MAD_TO_SIGMA * mad, math.log(min_ratio))
-    return np.exp(med), np.exp(med - half), np.exp(med + half), len(first)
+    return np.exp(med), np.exp(med - half), np.exp(med + half), len(sample)
 
 
 def scan_records(ds, hidden_states_dir: Path, layer_ids: list[int], hidden_size: int, storage_dtype: str,
@@ -376,8 +392,8 @@ def judge_records(ds, results: list[_FileResult], layer_ids: list[int], hidden_s
     stats = np.stack([r.stats for r in good]) if good else np.zeros((0, 5, L))  # [files, 5, L]
     tokens = np.array([r.tokens for r in good], dtype=np.float64)  # [files]
 
-    # norm bounds from the first good files, then every good file against them
-    lo = hi = med = None
+    # norm bounds from good files spread over the whole extraction, then every good file against them
+    lo = hi = med = margin = None
     n_learn, skipped = 0, None
     keep = np.ones(len(good), dtype=bool)
     outliers = np.zeros(L, dtype=int)
@@ -386,19 +402,24 @@ def judge_records(ds, results: list[_FileResult], layer_ids: list[int], hidden_s
     elif len(good) < MIN_NORM_FILES:
         skipped = f"only {len(good)} good files; norm bounds need at least {MIN_NORM_FILES}"
     else:
-        mean_norm = stats[:, 4, :] / tokens[:, None]  # [files, L]
-        med, lo, hi, n_learn = learn_norm_bounds(mean_norm, norm_samples, norm_factor, norm_min_ratio)
-        out = (mean_norm < lo) | (mean_norm > hi)  # [files, L]
+        med_norm = stats[:, 5, :]  # [files, L]
+        med, lo, hi, n_learn = learn_norm_bounds(med_norm, norm_samples, norm_factor, norm_min_ratio)
+        out = (med_norm < lo) | (med_norm > hi)  # [files, L]
         outliers = out.sum(axis=0)
+        dev = np.abs(np.log(np.maximum(med_norm, 1e-30)) - np.log(med)) / np.log(hi / med)  # 1.0 = at a bound
+        if (~out.any(axis=1)).any():
+            margin = dev[~out.any(axis=1)].max(axis=0)
         for j in np.nonzero(out.any(axis=1))[0]:
             r = good[j]
             keep[j] = False
-            it_name = f"{record_name(r.row)} (row {r.row}, sample {_sample_id(ds, r.row)})"
+            it_name = f"{record_name(r.row)} (row {r.row}, sample {_sample_id(ds, r.row)}, {r.tokens} tokens)"
             problems[r.row] = [
-                f"{it_name}: layer {layer_ids[li]}: mean token norm {mean_norm[j, li]:.4g} outside the bounds "
-                f"[{lo[li]:.4g}, {hi[li]:.4g}] learned from the first {n_learn} good files "
+                f"{it_name}: layer {layer_ids[li]}: median token norm {med_norm[j, li]:.4g} outside the bounds "
+                f"[{lo[li]:.4g}, {hi[li]:.4g}] learned from {n_learn} good files spread over every shard "
                 f"(median {med[li]:.4g}, factor {norm_factor:g})"
                 for li in np.nonzero(out[j])[0]]
+        log(f"verify: norm bounds from {n_learn} files; clean margin (largest deviation of a kept file ÷ bound) "
+            f"{'n/a' if margin is None else f'{margin.max():.2f}'}, {int(out.any(axis=1).sum())} files outside")
     if skipped and norm_samples > 0:
         log(f"verify: norm bounds skipped: {skipped}")
 
@@ -417,7 +438,8 @@ def judge_records(ds, results: list[_FileResult], layer_ids: list[int], hidden_s
                                   norm_lo=None if lo is None else float(lo[k]),
                                   norm_hi=None if hi is None else float(hi[k]),
                                   norm_median=None if med is None else float(med[k]),
-                                  norm_outliers=int(outliers[k]))
+                                  norm_outliers=int(outliers[k]),
+                                  norm_margin=None if margin is None else round(float(margin[k]), 4))
                        for k, lid in enumerate(layer_ids)]
     all_problems = list(extra_problems) + [p for r in sorted(problems) for p in problems[r]]
     return StructureResult(files_checked=len(results), tokens_checked=n_tok, bytes_read=0, seconds=0.0,
