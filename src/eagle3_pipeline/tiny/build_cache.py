@@ -13,6 +13,9 @@ a temporary name, then a rename; a failure to publish is logged, never fatal). A
 config or library version is another key: built from nothing again. `EAGLE3_BUILD_CACHE=off` turns
 the cache off. Writes `build_key` into the summary it returns (and into `tiny_target.json` of a
 build it made).
+A builder outside `tiny/` (a real target converted from a wheel: targets/smollm2.py) names its own
+`sources`, `libraries` and `summary` file; the defaults are the tiny builders', whose keys they leave as
+they were.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ PACKAGE = Path(__file__).resolve().parents[1]  # src/eagle3_pipeline
 SOURCES = ("tiny", "data/__init__.py", "data/chat.py", "store.py", "errors.py", "__init__.py")
 LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "tiktoken")
 ENV = "EAGLE3_BUILD_CACHE"
+SUMMARY = "tiny_target.json"  # a build's last file: its presence means the build is whole
 
 
 def cache_root() -> Path | None:
@@ -45,18 +49,20 @@ def cache_root() -> Path | None:
     return Path(base) / "eagle3-pipeline" / "tiny"
 
 
-def build_key(kind: str, cfg: BaseModel) -> str:
-    """sha256 (16 hex) of the builder's sources, its config and the library versions."""
+def build_key(kind: str, cfg: BaseModel, sources: tuple[str, ...] = SOURCES,
+              libraries: tuple[str, ...] = LIBRARIES) -> str:
+    """sha256 (16 hex) of the builder's sources, its config and the library versions (distribution
+    names; one not installed counts as None)."""
     h = hashlib.sha256()
     h.update(f"kind={kind}\nconfig={cfg.model_dump_json()}\n".encode())
-    for lib in LIBRARIES:
+    for lib in libraries:
         try:
             version = importlib.metadata.version(lib)
         except importlib.metadata.PackageNotFoundError:
             version = None
         h.update(f"{lib}={version}\n".encode())
     files: list[Path] = []
-    for name in SOURCES:
+    for name in sources:
         p = PACKAGE / name
         files += sorted(p.rglob("*.py")) if p.is_dir() else [p] if p.exists() else []
     for f in files:
@@ -67,11 +73,11 @@ def build_key(kind: str, cfg: BaseModel) -> str:
     return h.hexdigest()[:16]
 
 
-def _summary(out: Path) -> dict:
-    return json.loads((out / "tiny_target.json").read_text())
+def _summary(out: Path, summary: str) -> dict:
+    return json.loads((out / summary).read_text())
 
 
-def _copy(src: Path, dst: Path) -> None:
+def _copy(src: Path, dst: Path, summary: str = SUMMARY) -> None:
     """`src` as `dst`, whole or not at all (a temporary sibling, then a rename)."""
     tmp = dst.with_name(f"{dst.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -80,31 +86,34 @@ def _copy(src: Path, dst: Path) -> None:
         os.replace(tmp, dst)
     except OSError:  # dst appeared meanwhile (another build of the same key) or is a non-empty dir
         shutil.rmtree(tmp, ignore_errors=True)
-        if not (dst / "tiny_target.json").exists():
+        if not (dst / summary).exists():
             raise
 
 
 def cached_build(kind: str, cfg: BaseModel, out: Path, build: Callable[..., dict], log=print,
-                 reuse: bool = True) -> dict:
-    """The tiny target of `kind` built with `cfg` in `out`: copied from the cache when it holds this
-    build's key (and `reuse`), else built by `build(cfg, out, log=log)` and published to the cache."""
+                 reuse: bool = True, sources: tuple[str, ...] = SOURCES,
+                 libraries: tuple[str, ...] = LIBRARIES, summary: str = SUMMARY) -> dict:
+    """The target of `kind` built with `cfg` in `out`: copied from the cache when it holds this
+    build's key (and `reuse`), else built by `build(cfg, out, log=log)` and published to the cache.
+    `sources` (paths under the package), `libraries` and `summary` (the file name of the build's
+    summary, written last) are the builder's; the defaults are the tiny builders'."""
     out = Path(out)
-    key = build_key(kind, cfg)
+    key = build_key(kind, cfg, sources, libraries)
     root = cache_root()
     entry = root / kind / key if root is not None else None
-    if reuse and entry is not None and (entry / "tiny_target.json").exists():
+    if reuse and entry is not None and (entry / summary).exists():
         shutil.rmtree(out, ignore_errors=True)
         out.parent.mkdir(parents=True, exist_ok=True)
-        _copy(entry, out)
-        log(f"tiny target ({kind}): build {key} reused from {entry} (the same builder code, config and libraries)")
-        return _summary(out) | {"build_key": key, "reused_from": str(entry)}
-    summary = build(cfg, out, log=log) | {"build_key": key}
-    atomic_write_text(out / "tiny_target.json", json.dumps(summary, indent=2))  # the build's last file
+        _copy(entry, out, summary)
+        log(f"target ({kind}): build {key} reused from {entry} (the same builder code, config and libraries)")
+        return _summary(out, summary) | {"build_key": key, "reused_from": str(entry)}
+    record = build(cfg, out, log=log) | {"build_key": key}
+    atomic_write_text(out / summary, json.dumps(record, indent=2))  # the build's last file
     if entry is not None:
         try:
             entry.parent.mkdir(parents=True, exist_ok=True)
-            _copy(out, entry)
-            log(f"tiny target ({kind}): build {key} kept in {entry}")
+            _copy(out, entry, summary)
+            log(f"target ({kind}): build {key} kept in {entry}")
         except OSError as e:
-            log(f"tiny target ({kind}): could not keep build {key} in {entry} ({type(e).__name__}: {e}); built anyway")
-    return summary
+            log(f"target ({kind}): could not keep build {key} in {entry} ({type(e).__name__}: {e}); built anyway")
+    return record
