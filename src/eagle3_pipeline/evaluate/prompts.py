@@ -37,7 +37,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from eagle3_pipeline.data.chat import render
-from eagle3_pipeline.data.formats import RawRow, SourceError, _tools, _turn, raw_rows
+from eagle3_pipeline.data.formats import RawRow, SourceError, _tools, _turn, raw_rows, resolve_path
 from eagle3_pipeline.errors import InputError
 
 DEFAULT_CATEGORY = "default"
@@ -192,7 +192,7 @@ def prompt_token_limit(max_model_len: int | None, model_dir: str, max_tokens: in
 # ---------------------------------------------------------------- the set
 
 def _rows(source: str, split: str, revision: str | None, token: str | None) -> Iterator[RawRow]:
-    p = Path(source)
+    p = Path(resolve_path(source))
     if p.is_dir() and (p / "dataset_dict.json").is_file():  # save_to_disk of a DatasetDict: pick the split
         from datasets import load_from_disk
 

@@ -45,6 +45,7 @@ from eagle3_pipeline.layout import (FINGERPRINTS_DIR, MANIFEST_NAME, ExtractVers
                                     plan_shards)
 from eagle3_pipeline.engine import engine_env
 from eagle3_pipeline.extract.pool import RecordPool, row_keys, version_pool
+from eagle3_pipeline.engine_start import refusal_of
 from eagle3_pipeline.proc import ChildFailed, python_child, run_child
 from eagle3_pipeline.store import file_locks, read_json, sha256_file, write_json
 
@@ -399,6 +400,9 @@ def _run_group(cfg: ExtractConfig, target: TargetConfig, tokenized_dir: Path, ou
                   env=engine_env(cfg))
     except ChildFailed as e:
         error, child_error = str(e), e
+        refused = None if published else refusal_of(e, log_path, "extract", cfg, "prepare.max_length")
+        if refused is not None:  # the same settings would be refused again: no retry, the key to change
+            error, child_error = f"{refused}\n{e}", refused
     except BaseException as e:  # cancelled: the child is gone (run_child killed it); record, re-raise
         _close_group(man, attempt, shards, published, f"interrupted: {type(e).__name__}: {e}", t0, engine_s)
         raise

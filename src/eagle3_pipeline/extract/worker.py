@@ -40,6 +40,7 @@ from eagle3_pipeline.contracts import (FP_TOP, ContractError, fingerprint_from_f
                                       record_file_problem, record_name, to_record, write_fingerprint, write_record)
 from eagle3_pipeline.layout import Shard
 from eagle3_pipeline.proc import child_main, emit_event
+from eagle3_pipeline.progress import LineProgress
 
 KILL_AFTER_ENV = "EAGLE3_TEST_KILL_AFTER_SHARDS"
 RECORD_DELAY_ENV = "EAGLE3_TEST_RECORD_DELAY_S"
@@ -143,11 +144,12 @@ class _Engine:
         sp.extra_args = {"kv_transfer_params": {"hidden_states_path": path}}
         return sp
 
-    def prefill(self, rows: list[list[int]], paths: list[str] | None = None) -> list[str]:
+    def prefill(self, rows: list[list[int]], paths: list[str] | None = None, what: str | None = None) -> list[str]:
         """Prefill `rows`; `paths`: where each request's file should go (the connector may write
-        elsewhere: the paths it reports are returned)."""
+        elsewhere: the paths it reports are returned). `what` names the work in progress lines."""
         params = [self._params(p) for p in paths] if paths else self.params
-        outs = self.llm.generate([{"prompt_token_ids": ids} for ids in rows], params, use_tqdm=False)
+        progress = LineProgress(what, total_tokens=sum(map(len, rows)), generates=False) if what else False
+        outs = self.llm.generate([{"prompt_token_ids": ids} for ids in rows], params, use_tqdm=progress)
         self.outputs = outs
         got = []
         for i, out in enumerate(outs):
@@ -218,7 +220,8 @@ def _run_shard(engine: _Engine, ds, job: ExtractJob, shard: ShardSpec, durable: 
     sample_ids = rows["sample_id"] if "sample_id" in rows.column_names else [None] * len(rows)
     hs_dir = Path(job.hidden_states_dir)
     t_prefill = time.time()
-    paths = engine.prefill(input_ids, [_engine_path(hs_dir, r, job.attempt) for r in row_ids])
+    paths = engine.prefill(input_ids, [_engine_path(hs_dir, r, job.attempt) for r in row_ids],
+                           what=f"extract: shard {shard.index}")
     outs = engine.outputs
     t_await = time.time()
     engine.await_files(paths)

@@ -53,6 +53,7 @@ from eagle3_pipeline import FORMAT_VERSION
 from eagle3_pipeline.config import PrepareConfig, RegenerateConfig, SourceConfig, TargetConfig, hub_token
 from eagle3_pipeline.engine import engine_env
 from eagle3_pipeline.errors import InputError
+from eagle3_pipeline.engine_start import refusal_of
 from eagle3_pipeline.proc import ChildFailed, python_child, run_child
 from eagle3_pipeline.regenerate.job import (QUARANTINE_DIR, ROWS_DIR, RegenerateJob, ShardInput, input_sha,
                                             shard_file, source_rows)
@@ -375,6 +376,9 @@ def _run_child(cfg: RegenerateConfig, target: TargetConfig, sources: list[Source
                   log_path=log_path, on_line=log, on_event=on_event, env=engine_env(cfg))
     except ChildFailed as e:
         error, child_error = str(e), e
+        refused = None if published else refusal_of(e, log_path, "regenerate", cfg, "regenerate.max_model_len")
+        if refused is not None:  # the same settings would be refused again: no retry, the key to change
+            error, child_error = f"{refused}\n{e}", refused
     except BaseException as e:  # cancelled: the child is gone; close the attempt, re-raise
         _close(man, attempt, shards, published, f"interrupted: {type(e).__name__}: {e}", t0, engine_s, errors)
         raise

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from eagle3_pipeline.proc import child_main, emit_event
+from eagle3_pipeline.progress import LineProgress
 from eagle3_pipeline.regenerate.job import (QUARANTINE_DIR, ROWS_DIR, RegenerateJob, ShardInput, input_sha, shard_file,
                                             source_rows)
 
@@ -152,7 +153,8 @@ def _run_shard(llm, target: _Target, job: RegenerateJob, shard: ShardInput, rows
         if not batch:
             continue
         t1 = time.time()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        what = f"regenerate: shard {shard.index}, round {rounds}"
+        outs = llm.generate(prompts, params, use_tqdm=LineProgress(what, sum(len(p["prompt_token_ids"]) for p in prompts)))
         gen_s += time.time() - t1
         for c, text, out in zip(batch, texts, outs):
             o = out.outputs[0] if out.outputs else None

@@ -1,0 +1,28 @@
+"""progress.LineProgress: the calls vLLM's LLM.generate makes on its tqdm bar give timed lines."""
+
+from eagle3_pipeline.progress import LineProgress
+
+
+def test_lines_every_interval_and_at_the_end():
+    out: list[str] = []
+    bar = LineProgress("extract: shard 2", total_tokens=1000, every_s=0.0, out=out.append)(total=3, desc="x")
+    for _ in range(3):  # what vLLM does per finished request: postfix, then update
+        bar.postfix = "est. speed input: 250.00 toks/s, output: 3.00 toks/s"
+        bar.update(1)
+    bar.refresh()
+    bar.close()
+    assert len(out) == 4 and out[2].startswith("extract: shard 2: 3 of 3 requests done (")
+    assert " of 1,000 prompt tokens, 250 tok/s, 3 generated tok/s" in out[2], out[2]
+
+
+def test_the_prompts_vllm_adds_pass_through():
+    prompts = [[1, 2], [3]]
+    assert LineProgress("extract")(prompts, desc="Adding requests") is prompts
+
+
+def test_quiet_below_the_interval():
+    out: list[str] = []
+    bar = LineProgress("evaluate", every_s=3600, out=out.append)(total=2)
+    bar.update(2)
+    bar.close()
+    assert out == []
