@@ -1,0 +1,55 @@
+"""Model identity by content: a checkpoint rewritten in place with the same names, sizes and even
+mtime is another target (a new extract version); an untouched one is identified by a stat."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from eagle3_pipeline.store import extract_key, model_fingerprint, weight_digests
+
+
+@pytest.fixture
+def model_copy(tiny_target, tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLE3_DIGEST_CACHE", str(tmp_path / "digests.json"))
+    d = tmp_path / "model"
+    shutil.copytree(tiny_target, d, ignore=shutil.ignore_patterns("corpus"))
+    return d
+
+
+def _scale_layer_in_place(path, layer: int, factor: float) -> None:
+    """Decoder layer `layer`'s weights x factor, written back over the same file: same size, same mtime."""
+    from safetensors.torch import load_file, save_file
+
+    st = os.stat(path)
+    tensors = load_file(str(path))
+    for k in tensors:
+        if f".layers.{layer}." in k:
+            tensors[k] = tensors[k] * factor
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(path).st_size == st.st_size and os.stat(path).st_mtime_ns == st.st_mtime_ns
+
+
+def test_checkpoint_changed_in_place_is_a_new_target(model_copy):
+    before = model_fingerprint(str(model_copy))
+    assert model_fingerprint(str(model_copy)) == before  # stable
+    key_before = extract_key("tok", before, [2, 4, 5, 8], "bf16", "conn")
+    _scale_layer_in_place(model_copy / "model.safetensors", 3, 1.25)
+    after = model_fingerprint(str(model_copy))
+    assert after != before
+    assert extract_key("tok", after, [2, 4, 5, 8], "bf16", "conn") != key_before
+
+
+def test_unchanged_weights_are_not_read_again(model_copy, monkeypatch):
+    from eagle3_pipeline import store
+
+    w = model_copy / "model.safetensors"
+    first = weight_digests([w])
+    reads = []
+    monkeypatch.setattr(store, "sha256_file", lambda p, *a: reads.append(p) or "x")
+    assert weight_digests([w]) == first and reads == []  # a stat, no read
+    w.touch()  # a new ctime: read again
+    assert weight_digests([w]) == {w: "x"} and reads == [w]
