@@ -30,7 +30,8 @@ from eagle3_pipeline.errors import ConfigError
 GIB = 2 ** 30
 # vLLM CPU worker: what the engine process holds besides the KV cache is ~0.6 GiB of runtime (torch,
 # vLLM; the tiny target: 0.64 GiB), the weights once more as loaded (mmap), and the warm-up's rows of
-# fp32 logits (SmolLM2-135M, plain engine, 4,096 rows: 1.63 GiB in all)
+# fp32 logits (SmolLM2-135M, 4,096 rows: 1.63 GiB in all plain, 1.57 GiB as the extract engine; the
+# estimate, 1.85 GiB, errs high)
 CPU_RUNTIME_BYTES = int(0.6 * GIB)
 CPU_DEFAULT_BATCHED_TOKENS = 4096
 
@@ -198,8 +199,8 @@ def kv_bytes_per_token(c: dict, dtype_bytes: int, tp: int) -> int:
 def memory_plan(stage: str, engine: EngineConfig, target: TargetConfig, *, max_model_len: int,
                 captured_layers: int = 0) -> MemoryPlan | None:
     """The estimate for a local model directory (None for a hub name: no files to size here). `engine`
-    is the stage's config: its max_num_batched_tokens and fingerprints, where it has them, size the
-    CPU engine's warm-up (rows of fp32 logits; the fingerprint's prompt scores hold more copies)."""
+    is the stage's config: its max_num_batched_tokens, where it has one, sizes the CPU engine's warm-up
+    (rows of fp32 logits)."""
     model_dir = Path(target.model)
     if not (model_dir / "config.json").is_file():
         return None
@@ -215,8 +216,7 @@ def memory_plan(stage: str, engine: EngineConfig, target: TargetConfig, *, max_m
     if cpu:
         device = int(_machine_gib() * GIB)
         rows = getattr(engine, "max_num_batched_tokens", None) or max(CPU_DEFAULT_BATCHED_TOKENS, max_model_len)
-        copies = 3 if getattr(engine, "fingerprints", False) else 1
-        runtime = CPU_RUNTIME_BYTES + weights + rows * int(c.get("vocab_size", 0)) * 4 * copies
+        runtime = CPU_RUNTIME_BYTES + weights + rows * int(c.get("vocab_size", 0)) * 4
     else:
         device, runtime = None, int(2 * GIB)  # activations and CUDA graphs: vLLM profiles them; a floor
     reserved = int(engine.gpu_memory_utilization * device) if device else None
