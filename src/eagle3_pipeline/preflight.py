@@ -182,6 +182,12 @@ def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=prin
                         f"takes 576 only (512 + 64, as in DeepSeek-V3 / Kimi-K2)")
     elif flavour == "cpu" and dims.head_dim < 32:
         problems.append(f"head_dim {dims.head_dim}: vLLM's CPU attention needs head_dim >= 32")
+    if cfg.extract.fingerprints and "fingerprint" not in cfg.verify.allow_skip:
+        from eagle3_pipeline.verify.fingerprint import fingerprint_blocker
+
+        if why := fingerprint_blocker(cfg.target, dims):
+            problems.append(f"verify's final-layer fingerprint check cannot run: {why}; set verify.allow_skip: "
+                            f"[fingerprint] to train on records it cannot check (or extract.fingerprints: false)")
     if cfg.train.device == "cpu" and cfg.train.attention == "flex_attention":
         problems.append("train.attention flex_attention has no CPU backward; use sdpa or eager on CPU")
     memory = memory_plan("extract", cfg.extract, cfg.target, max_model_len=cfg.prepare.max_length + 1,

@@ -56,7 +56,10 @@ def _write(connector, pending, hidden_states) -> None:
 # ---------------------------------------------------------------- rare, structurally perfect corruption
 
 CORRUPT_EVERY_ENV = "EAGLE3_TEST_CORRUPT_EVERY"  # one request in N is corrupted (default 50: 2%)
-MODES = ("permuted aux layers", "zeroed tail after the first KV block", "another request's states")
+MODES = ("permuted aux layers", "zeroed tail after the first KV block", "another request's states",
+         # few tokens: every layer of them taken from the request written before, at the same positions
+         "a single token (the last)", "a stale last KV block", "another request's states after the shared prefix")
+FEW_TOKEN_MODES = MODES[3:]
 
 
 def corruption_of(token_ids, every: int | None = None) -> str | None:
@@ -78,6 +81,7 @@ class RareCorruptionConnector(Eagle3HiddenStatesConnector):
     tiled to this request's length) under this request's name."""
 
     _previous = None
+    _previous_ids = None
 
     def _submit_async_write(self, pending) -> None:
         mode = corruption_of(pending.token_ids) if self._is_tp_rank_zero else None
@@ -87,6 +91,7 @@ class RareCorruptionConnector(Eagle3HiddenStatesConnector):
                 from safetensors.torch import load_file
 
                 self._previous = load_file(pending.filename)["hidden_states"]
+                self._previous_ids = pending.token_ids.clone()
             return
         blocks = torch.tensor(pending.block_ids, dtype=torch.long)
         offsets = torch.arange(self._block_size, dtype=torch.long)
@@ -95,8 +100,10 @@ class RareCorruptionConnector(Eagle3HiddenStatesConnector):
         hs = extract_from_kv_cache(self._kv_cache, slots, num_tokens).clone()  # [T, L, H]
         if mode == MODES[0]:
             hs[:, [0, 1]] = hs[:, [1, 0]]
-        elif mode == MODES[1]:
-            hs[self._block_size:] = 0
+        elif mode == MODES[1]:  # a row within one block loses its second half (else it would be clean)
+            hs[self._block_size if num_tokens > self._block_size else num_tokens // 2:] = 0
+        elif mode in FEW_TOKEN_MODES:
+            hs = _few_tokens(hs, mode, self._previous, self._block_size, pending.token_ids, self._previous_ids)
         elif self._previous is not None:
             prev = self._previous
             reps = -(-num_tokens // prev.shape[0])
@@ -104,3 +111,28 @@ class RareCorruptionConnector(Eagle3HiddenStatesConnector):
         else:  # nothing written yet to borrow from: roll this request's own states by half its length
             hs = torch.roll(hs, shifts=max(1, num_tokens // 2), dims=0)
         _write(self, pending, hs)
+
+
+def _few_tokens(hs, mode: str, prev, block: int, ids, prev_ids):
+    """`hs` [T, L, H] with a few tokens' states (every layer) replaced by the previous clean request's at
+    the same positions (where it has none, this request's own states of the first tokens): the last
+    token; the last KV block; the tokens after the prefix the two requests share. The tokens replaced
+    are ones whose states differ from the previous request's, so each record is really wrong."""
+    T = hs.shape[0]
+    src = prev if prev is not None else hs
+    shared = 0
+    if prev_ids is not None:
+        n = min(T, len(prev_ids))
+        diff = (ids[:n].to(torch.int64) != prev_ids[:n].to(torch.int64)).nonzero()
+        shared = int(diff[0]) if len(diff) else n
+    if mode == FEW_TOKEN_MODES[0]:
+        pos = [T - 1]
+    elif mode == FEW_TOKEN_MODES[1]:
+        pos = list(range(max(shared, ((T - 1) // block) * block), T))
+    else:
+        pos = list(range(shared, min(T, shared + 4)))
+    pos = [p for p in pos if p >= shared] or [T - 1]
+    out = hs.clone()
+    for p in pos:
+        out[p] = src[p].to(hs.dtype) if src is not hs and p < src.shape[0] else hs[(p + 1) % T]
+    return out

@@ -369,3 +369,33 @@ def test_layer_off_by_one_from_a_broken_extraction_config(extracted, tiny_config
             assert any(p.startswith(f"hs_{r} (sample ") and f"layer {lid} differs from the reference" in p
                        for p in ref.problems), ref.problems
     assert not any(f"layer {extracted.layer_ids[-1]} differs" in p for p in ref.problems)  # the final layer is right
+
+
+def test_a_check_that_cannot_run_fails_unless_allowed(extracted, tiny_config, tmp_path):
+    """A target whose logits are soft-capped after lm_head: the fingerprint cannot reproduce them. That
+    is a failure, not a pass, until verify.allow_skip names the check; then the report says it was
+    skipped and why. Preflight says the same before any engine starts."""
+    import json as _json
+
+    from eagle3_pipeline.preflight import PreflightFailed, preflight
+
+    out = _copy_extract(extracted, tmp_path)
+    model = tmp_path / "model"
+    shutil.copytree(tiny_config.target.model, model, ignore=shutil.ignore_patterns("corpus"))
+    c = _json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(_json.dumps({**c, "final_logit_softcapping": 30.0}))
+    target = tiny_config.target.model_copy(update={"model": str(model), "tokenizer": str(model)})
+    version = relocated(extracted.version, out)
+    res = verify(VerifyConfig(reference_samples=0), target, version, log=lambda m: None)
+    assert not res.passed and res.bad_rows == []
+    assert any("fingerprint check cannot run" in p and "final_logit_softcapping" in p and
+               "verify.allow_skip: [fingerprint]" in p for p in res.problems), res.problems
+    res = verify(VerifyConfig(reference_samples=0, allow_skip=["fingerprint"]), target, version, log=lambda m: None)
+    assert res.passed, res.problems
+    fp = res.checks["fingerprint"]
+    assert not fp.ran and "final_logit_softcapping" in fp.skipped
+    assert res.checks["structure"].ran and res.checks["structure"].records == version.rows
+    assert not res.checks["reference"].ran and res.checks["reference"].skipped == "reference_samples is 0"
+    cfg = tiny_config.model_copy(update={"target": target})
+    with pytest.raises(PreflightFailed, match=r"fingerprint check cannot run: .*final_logit_softcapping"):
+        preflight(cfg, 1000, tmp_path, log=lambda m: None)

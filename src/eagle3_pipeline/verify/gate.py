@@ -47,6 +47,12 @@ class VerifyFailed(GateFailed):
     """The gate found bad data; the message lists the problems (file, sample, layer, shapes)."""
 
 
+class CheckRun(BaseModel):
+    ran: bool
+    records: int = 0
+    skipped: str | None = None
+
+
 class VerifyResult(BaseModel):
     content_key: str
     passed: bool
@@ -82,6 +88,37 @@ class VerifyResult(BaseModel):
     config_key: str | None = None
     shard_hashes: dict[str, str] = {}  # verified-good shard -> cache.shard_hash of its manifest entry
     seconds: float | None = None
+    checks: dict[str, CheckRun] = {}   # every check: ran (on how many records) or skipped, and why
+
+
+def _checks(st, ref, inv, fp_required: bool) -> dict[str, CheckRun]:
+    """What ran on this verify's records, and what did not (and why)."""
+    fp = st.fingerprint
+    return {
+        "structure": CheckRun(ran=True, records=st.files_checked),
+        "fingerprint": CheckRun(ran=fp.skipped is None and fp.rows_checked > 0, records=fp.rows_checked,
+                                skipped=fp.skipped or (None if fp.rows_checked else
+                                                       "no fingerprints (extract.fingerprints false)" if not fp_required
+                                                       else "no records to check")),
+        "identity": CheckRun(ran=st.identity_skipped is None, records=st.identity_files, skipped=st.identity_skipped),
+        "norm_bounds": CheckRun(ran=st.norm_bounds_skipped is None, records=st.norm_bounds_files,
+                                skipped=st.norm_bounds_skipped),
+        "reference": CheckRun(ran=bool(ref.samples_checked) and ref.skipped is None, records=len(ref.samples_checked),
+                              skipped=ref.skipped),
+        "invariance": CheckRun(ran=inv.skipped is None, records=len(inv.samples_checked), skipped=inv.skipped),
+    }
+
+
+def unrunnable(cfg: VerifyConfig, final_skipped: str | None, ref_skipped: str | None, ref_wanted: bool) -> list[str]:
+    """Problems for the checks against the model itself that could not run and that verify.allow_skip
+    does not name: a check that cannot run is not a check that passed."""
+    out = []
+    hint = "make it runnable here, or set verify.allow_skip: [{}] to go on without it (the report says so)"
+    if final_skipped and "fingerprint" not in cfg.allow_skip:
+        out.append(f"verify: the final-layer fingerprint check cannot run: {final_skipped}; " + hint.format("fingerprint"))
+    if ref_wanted and ref_skipped and "reference" not in cfg.allow_skip:
+        out.append(f"verify: the reference check did not run: {ref_skipped}; " + hint.format("reference"))
+    return out
 
 
 def _config_key(cfg: VerifyConfig) -> str:
@@ -217,7 +254,9 @@ def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, lo
         ref.samples_checked, ref.max_rel_err = prev.get("reference_samples", []), prev.get("reference_max_rel_err")
         ref.min_cosine = prev.get("reference_min_cosine")
     inv = _invariance(cfg, version, man, ds, log, sample)
-    problems = st.problems + ref.problems + inv.problems
+    ref_ran_here = cfg.reference_samples > 0 and bool(good_new)
+    problems = st.problems + ref.problems + inv.problems + unrunnable(
+        cfg, final_skipped if fp_required else None, ref.skipped if ref_ran_here else None, ref_ran_here)
     bad_rows = sorted(bad_st | set(ref.bad_rows) | set(inv.bad_rows))
     moved = []
     if problems and cfg.move_bad_files:
@@ -255,7 +294,9 @@ def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, lo
         reference_peak_rss_bytes=getattr(ref, "peak_rss_bytes", None), shards_rechecked=n_rechecked,
         shards_reused=len(reused_hashes), config_key=_config_key(cfg), shard_hashes=hashes,
         rows_rechecked=len(todo), rows_reused=len(reused), rows_reused_pool=len(from_pool),
-        seconds=round(time.time() - t0, 2))
+        seconds=round(time.time() - t0, 2), checks=_checks(st, ref, inv, fp_required))
+    for name, c in res.checks.items():
+        log(f"verify: check {name}: " + (f"ran on {c.records} records" if c.ran else f"skipped ({c.skipped})"))
     cache.save(extract_dir / cache.CACHE_NAME, [r for r in [*reused.values(), *st.results] if r.row not in bad])
     if pool is not None:
         _pool_save(cfg, version, pool, keys, [r for r in st.results if r.row not in bad], fp_required)

@@ -112,7 +112,7 @@ class _Extras:
     final: object = None           # fingerprint.FinalLayerCheck or None
     fingerprints_dir: str | None = None
     fingerprints_required: bool = False
-    min_agreement: float = 0.9
+    min_agreement: float = 1.0
 
 
 _name = scan.item_name
@@ -234,13 +234,18 @@ def _process(batch: scan.Batch, spec: RecordSpec, layer_ids: list[int], extras: 
         if sigs is not None:
             r.sig = sigs[j]
         if j in agree:
-            a, n, first = agree[j]
+            a, n, bad = agree[j]
             r.agreement = a
-            if n and a < extras.min_agreement:
+            if not n and lengths[j]:  # an empty or all-invalid sidecar: nothing was compared, nothing passed
+                r.problems.append(f"{_name(it)}: its fingerprint has no usable token (top ids -1 or logprobs not "
+                                  f"finite at all {lengths[j]}): the final layer cannot be checked")
+            elif n and a < extras.min_agreement:
+                n_bad = round((1 - a) * n)
                 r.problems.append(
-                    f"{_name(it)}: final layer does not reproduce the target's logits: {a:.0%} of {n} tokens "
-                    f"agree with the fingerprint vLLM wrote in the same pass (min {extras.min_agreement:.0%}; first "
-                    f"disagreeing token {first}): another request's or another depth's states, or a corrupted record")
+                    f"{_name(it)}: final layer does not reproduce the target's logits at {n_bad} of {n} tokens "
+                    f"(positions {bad}{' ...' if n_bad > len(bad) else ''}; {a:.2%} agree with the fingerprint vLLM "
+                    f"wrote in the same pass, min {extras.min_agreement:.0%}): another request's or another depth's "
+                    f"states, stale states of those tokens, or a corrupted record")
         if not suspect[j]:
             r.stats = stats[j]
             continue
