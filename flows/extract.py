@@ -11,6 +11,8 @@ deployment (one node each; flows/fanout.py), at most parallel_groups at a time."
 
 from __future__ import annotations
 
+import time
+
 from prefect import flow
 from prefect.utilities.annotations import quote
 
@@ -24,6 +26,7 @@ from tasks import stage_tasks as t
 @flow(name="extract")
 def extract(config: PipelineConfig, version: ExtractVersion, force_shards: list[int] | None = None):
     force = set(force_shards or [])
+    t0 = time.time()  # the summary counts what this run did; earlier runs' shards are "from the store"
     if config.extract.parallel_groups > 1:
         failed = run_groups_as_deployments(config, version, force)
     else:
@@ -42,4 +45,4 @@ def extract(config: PipelineConfig, version: ExtractVersion, force_shards: list[
     if failed:
         raise ExtractFailed(f"{len(failed)} of {len(version.groups)} shard groups failed "
                             f"(their finished shards stay published; a re-run does the rest):\n  " + "\n  ".join(failed))
-    return t.extract_summary(config, version)
+    return t.extract_summary(config, version, t0)

@@ -187,10 +187,10 @@ def extract_group(cfg: PipelineConfig, version: ExtractVersion, shard_ids: list[
 
 
 @task(name="extract-summary", cache_policy=NO_CACHE)
-def extract_summary(cfg: PipelineConfig, version: ExtractVersion):
+def extract_summary(cfg: PipelineConfig, version: ExtractVersion, since: float | None = None):
     from eagle3_pipeline.extract.shards import Manifest
 
-    rec = stages.stage_extract_summary(version)
+    rec = stages.stage_extract_summary(version, since)
     shards = Manifest(version.path).read()["shards"]
     status = {st: sum(s["status"] == st for s in shards) for st in sorted({s["status"] for s in shards})}
     create_table_artifact(key=_record_key("extract", cfg), table=[{

@@ -13,6 +13,7 @@ Test hook: `faults.fail_once` at the start of prepare, verify and vocab (EAGLE3_
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from eagle3_pipeline.config import PipelineConfig
@@ -82,18 +83,19 @@ def stage_extract_group(cfg: PipelineConfig, version: ExtractVersion, shard_ids:
     return extract_group(cfg.extract, cfg.target, version, shard_ids, log=log, force=force, on_shard=on_shard)
 
 
-def stage_extract_summary(version: ExtractVersion):
-    """The ExtractResult of `version`, from its manifest."""
+def stage_extract_summary(version: ExtractVersion, since: float | None = None):
+    """The ExtractResult of `version`, from its manifest; `since` a run's start (counts that run's work)."""
     from eagle3_pipeline.extract.shards import summarize
 
-    return summarize(version.path)
+    return summarize(version.path, since)
 
 
 def stage_extract(cfg: PipelineConfig, version: ExtractVersion, log=print):
     """The whole extract stage without Prefect: every group in turn (tests, `eagle3 extract`)."""
+    t0 = time.time()
     for group in version.groups:
         stage_extract_group(cfg, version, group, log=log)
-    return stage_extract_summary(version)
+    return stage_extract_summary(version, since=t0)
 
 
 def stage_verify(cfg: PipelineConfig, version: ExtractVersion, log=print):

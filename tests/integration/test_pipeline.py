@@ -81,6 +81,10 @@ def test_report_contract_and_numbers(pipeline_run, tiny_config):
     assert (run_dir / "plots" / "acceptance.png").exists() and (run_dir / "plots" / "train_loss.png").exists()
 
 
+def tiny_config_rows(rep) -> int:
+    return json.loads(Path(rep["artifacts"]["manifest"]).read_text())["shards"][-1]["row_end"]
+
+
 def test_corrupted_extraction_stops_before_training_and_rerun_repairs(pipeline_run, tiny_config, tmp_path):
     """The `[0]` bug in one file: verify fails the run before train; the bad file is moved aside, and
     the next extract re-does exactly its shard (from the record pool when it holds the clean record)."""
@@ -102,6 +106,9 @@ def test_corrupted_extraction_stops_before_training_and_rerun_repairs(pipeline_r
     assert bad["status"] == "failed" and "hs_5.safetensors (row 5" in bad["error"]
     assert "found [4, 128]" in bad["error"]
     assert "train" not in bad["stages"] and "evaluate" not in bad["stages"]
+    ext_bad = bad["stages"]["extract"]  # every shard was published by the first run: this run did nothing
+    assert ext_bad["details"]["cached"] is True and ext_bad["rows_extracted"] == 0 and ext_bad["rows_reused"] == 0
+    assert ext_bad["details"]["rows_from_store"] == tiny_config_rows(rep), ext_bad
     assert not victim.exists() and (hs_dir.parent / "hidden_states_failed" / "hs_5.safetensors").exists()
 
     manifest = Path(rep["artifacts"]["manifest"])

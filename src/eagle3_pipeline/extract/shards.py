@@ -88,8 +88,10 @@ class ExtractResult(BaseModel):
     bytes_on_disk: int
     hidden_states_dir: str
     manifest: str
-    rows_extracted: int = 0     # rows of published shards the engine extracted for this version
-    rows_reused: int = 0        # rows of published shards linked from the record pool instead
+    rows_extracted: int = 0     # rows the engine extracted for this version (with `since`: in this run)
+    rows_reused: int = 0        # rows linked from the record pool instead (with `since`: in this run)
+    rows_from_store: int = 0    # with `since`: rows of shards published before this run (nothing done now)
+    cached: bool = False        # with `since`: every shard was published before this run
 
 
 def tool_versions() -> dict[str, str | None]:
@@ -454,7 +456,7 @@ def _publish(man: Manifest, hs_dir: Path, shard: Shard, ev: dict, pool: RecordPo
     fps = {n: sha256_file(fp_dir / n) for n in fp_names}
     tokens = int(ev["tokens"]) + (sum(sub.tokens[r] for r in span if r not in set(extracted)) if sub else 0)
     with man.edit() as m:
-        m["shards"][shard.index].update(status="published", tokens=tokens, bytes=size,
+        m["shards"][shard.index].update(status="published", published_at=time.time(), tokens=tokens, bytes=size,
                                         seconds=float(ev["seconds"]), phases=ev.get("phases"), files=files,
                                         fingerprints=fps, error=None,
                                         extracted_rows=len(extracted), reused_rows=len(span) - len(extracted),
@@ -478,11 +480,14 @@ def _close_group(man: Manifest, attempt: int, shards: list[Shard], published: se
                      published=sorted(published), error=error)
 
 
-def summarize(out_dir: Path) -> ExtractResult:
-    """The ExtractResult of a version dir, from its manifest alone."""
+def summarize(out_dir: Path, since: float | None = None) -> ExtractResult:
+    """The ExtractResult of a version dir, from its manifest alone. `since` (epoch seconds, a run's
+    start): the row counts are that run's work, and shards published before it count as from the store."""
     man = Manifest(Path(out_dir))
     m = man.read()
     pub = [s for s in m["shards"] if s["status"] == "published"]
+    now = pub if since is None else [s for s in pub if s.get("published_at", 0) >= since]
+    old = [s for s in pub if s not in now]
     tokens, seconds = sum(s["tokens"] for s in pub), sum(s["seconds"] for s in pub)
     extracted = sum(s.get("extracted_tokens", s["tokens"]) for s in pub)  # rows linked from the pool took no time
     return ExtractResult(content_key=m["content_key"], dir=str(Path(out_dir).resolve()),
@@ -491,8 +496,10 @@ def summarize(out_dir: Path) -> ExtractResult:
                          bytes_on_disk=sum(s["bytes"] for s in pub),
                          hidden_states_dir=str((Path(out_dir) / "hidden_states").resolve()),
                          manifest=str(man.path.resolve()),
-                         rows_extracted=sum(s.get("extracted_rows", s["row_end"] - s["row_start"]) for s in pub),
-                         rows_reused=sum(s.get("reused_rows", 0) for s in pub))
+                         rows_extracted=sum(s.get("extracted_rows", s["row_end"] - s["row_start"]) for s in now),
+                         rows_reused=sum(s.get("reused_rows", 0) for s in now),
+                         rows_from_store=sum(s["row_end"] - s["row_start"] for s in old),
+                         cached=since is not None and bool(pub) and not now)
 
 
 def engine_start_since(out_dir: Path, since: float) -> float | None:

@@ -79,6 +79,7 @@ class TrainResult(BaseModel):
     previous_version: str | None = None  # "<prepare version>/<extract version>" it was trained on
     hidden_states_peak_bytes: int | None = None  # online: most bytes of hidden states on disk (train/online.py)
     online: dict | None = None  # online: the OnlineResult (server start-up, verified sample, disk peak) + its verify
+    cached: bool = False  # every epoch was trained before this call (its checkpoints were found): nothing trained now
 
 
 def _check_inputs(version: ExtractVersion) -> int:
@@ -310,7 +311,8 @@ def _train_draft(cfg: TrainConfig, target: TargetConfig, version: ExtractVersion
         init="previous" if previous is not None else "scratch",
         previous_draft=previous.checkpoint if previous is not None else None,
         previous_version=f"{previous.prepare_version}/{previous.extract_version}" if previous is not None else None,
-        engine_start_s=res.get("startup_s"), mode="online" if online else "offline")
+        engine_start_s=res.get("startup_s"), mode="online" if online else "offline",
+        cached=res["resumed_from_epoch"] + 1 >= res["epochs_done"])
     write_json(out_dir / RECORD_NAME, result.model_dump(mode="json"))
     return result
 
