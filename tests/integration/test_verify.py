@@ -399,3 +399,26 @@ def test_a_check_that_cannot_run_fails_unless_allowed(extracted, tiny_config, tm
     cfg = tiny_config.model_copy(update={"target": target})
     with pytest.raises(PreflightFailed, match=r"fingerprint check cannot run: .*final_logit_softcapping"):
         preflight(cfg, 1000, tmp_path, log=lambda m: None)
+
+
+def test_a_changed_loss_mask_is_caught(extracted, tiny_config, tmp_path):
+    """The loss mask lives in no record: the manifest keeps each extracted row's hash of tokens + mask,
+    and verify compares it with the row the trainer will read. One row's mask shifted by a token fails,
+    named; the other rows pass the mask check."""
+    import datasets
+
+    out = _copy_extract(extracted, tmp_path)
+    ds = datasets.load_from_disk(str(extracted.tokenized)).with_format(None)
+    rows = ds.to_list()
+    m = rows[3]["loss_mask"]
+    rows[3]["loss_mask"] = [0] + m[:-1]  # shifted right by one token
+    assert rows[3]["loss_mask"] != m
+    tok = tmp_path / "tokenized"
+    datasets.Dataset.from_list(rows, features=ds.features).save_to_disk(str(tok))
+    version = relocated(extracted.version, out, tokenized_dir=tok)
+    res = verify(VerifyConfig(reference_samples=0), tiny_config.target, version, log=lambda m: None)
+    assert 3 in res.bad_rows and not res.passed
+    assert any(p.startswith("hs_3.safetensors (row 3, ") and "tokens or loss mask are not those it was extracted "
+               "from" in p for p in res.problems), res.problems
+    assert res.checks["masks"].ran and res.checks["masks"].records == version.rows
+    assert [p for p in res.problems if "loss mask" in p and "row 3," not in p] == []

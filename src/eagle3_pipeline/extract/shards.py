@@ -460,7 +460,7 @@ def _publish(man: Manifest, hs_dir: Path, shard: Shard, ev: dict, pool: RecordPo
                                         seconds=float(ev["seconds"]), phases=ev.get("phases"), files=files,
                                         fingerprints=fps, error=None,
                                         extracted_rows=len(extracted), reused_rows=len(span) - len(extracted),
-                                        extracted_tokens=int(ev["tokens"]))
+                                        extracted_tokens=int(ev["tokens"]), row_hashes=ev.get("row_hashes") or {})
         inv = m.get("invariance") or {}
         for r in range(shard.row_start, shard.row_end):  # judged on the previous records of these rows
             inv.pop(str(r), None)

@@ -37,7 +37,8 @@ from pydantic import BaseModel, ConfigDict
 
 from eagle3_pipeline.config import EngineConfig, TargetConfig
 from eagle3_pipeline.contracts import (FP_TOP, ContractError, fingerprint_from_flat, fingerprint_name, read_record,
-                                      record_file_problem, record_name, to_record, write_fingerprint, write_record)
+                                       record_file_problem, record_name, row_hash, to_record, write_fingerprint,
+                                       write_record)
 from eagle3_pipeline.layout import Shard
 from eagle3_pipeline.proc import child_main, emit_event
 from eagle3_pipeline.progress import LineProgress
@@ -270,8 +271,10 @@ def _run_shard(engine: _Engine, ds, job: ExtractJob, shard: ShardSpec, durable: 
     # fingerprints written, waiting for the last fsyncs
     phases = {"rows": t_prefill - t0, "prefill": t_await - t_prefill, "files": t_files - t_await,
               "records": t_wait - t_files, "fsync_wait": t1 - t_wait}
+    masks = rows["loss_mask"]
     emit_event(kind="shard_done", shard=shard.index, files=files, fingerprint_files=fp_files, tokens=tokens,
-               seconds=round(t1 - t0, 4), converted=converted, phases={k: round(v, 4) for k, v in phases.items()})
+               seconds=round(t1 - t0, 4), converted=converted, phases={k: round(v, 4) for k, v in phases.items()},
+               row_hashes={str(r): row_hash(ids, m) for r, ids, m in zip(row_ids, input_ids, masks)})
 
 
 def _is_record(path: str, hs_dir: Path, ids: list[int], job: ExtractJob) -> bool:

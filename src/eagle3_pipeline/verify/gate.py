@@ -33,6 +33,7 @@ from eagle3_pipeline.store import content_key, file_lock, read_json, write_json
 from eagle3_pipeline.verify import cache
 from eagle3_pipeline.verify.fingerprint import FingerprintSummary, final_layer_check
 from eagle3_pipeline.verify.invariance import InvarianceResult, judge
+from eagle3_pipeline.verify.masks import mask_problems
 from eagle3_pipeline.verify.reference import ReferenceResult, choose_rows, reference_check
 from eagle3_pipeline.verify.structure import LayerStats, _Extras, verify_structure
 
@@ -254,10 +255,11 @@ def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, lo
         ref.samples_checked, ref.max_rel_err = prev.get("reference_samples", []), prev.get("reference_max_rel_err")
         ref.min_cosine = prev.get("reference_min_cosine")
     inv = _invariance(cfg, version, man, ds, log, sample)
+    mask_found, mask_bad, mask_rows = mask_problems(ds, shards, todo)
     ref_ran_here = cfg.reference_samples > 0 and bool(good_new)
-    problems = st.problems + ref.problems + inv.problems + unrunnable(
+    problems = st.problems + ref.problems + inv.problems + mask_found + unrunnable(
         cfg, final_skipped if fp_required else None, ref.skipped if ref_ran_here else None, ref_ran_here)
-    bad_rows = sorted(bad_st | set(ref.bad_rows) | set(inv.bad_rows))
+    bad_rows = sorted(bad_st | set(ref.bad_rows) | set(inv.bad_rows) | set(mask_bad))
     moved = []
     if problems and cfg.move_bad_files:
         failed_dir = extract_dir / "hidden_states_failed"
@@ -295,6 +297,8 @@ def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, lo
         shards_reused=len(reused_hashes), config_key=_config_key(cfg), shard_hashes=hashes,
         rows_rechecked=len(todo), rows_reused=len(reused), rows_reused_pool=len(from_pool),
         seconds=round(time.time() - t0, 2), checks=_checks(st, ref, inv, fp_required))
+    res.checks["masks"] = CheckRun(ran=bool(mask_rows), records=mask_rows, skipped=None if mask_rows else
+                                   "no row hashes in the manifest (rows linked from the pool, or extracted before)")
     for name, c in res.checks.items():
         log(f"verify: check {name}: " + (f"ran on {c.records} records" if c.ran else f"skipped ({c.skipped})"))
     cache.save(extract_dir / cache.CACHE_NAME, [r for r in [*reused.values(), *st.results] if r.row not in bad])
