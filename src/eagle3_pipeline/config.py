@@ -163,9 +163,15 @@ class VerifyConfig(Strict):
     fingerprint_atol: float = Field(0.005, gt=0, description="logit margin tolerance, absolute floor (logits); fp8 x8")
     fingerprint_rtol: float = Field(0.008, ge=0, description="logit margin tolerance relative to |logit1| + |logit2| "
                                     "(vLLM's bf16 logits: 2^-8; measured <= 0.0042); fp8 x8")
+    fingerprint_stol: float = Field(0.02, ge=0, description="logit margin tolerance relative to ||(w1 - w2) * "
+                                    "rmsnorm(h)||: the bf16 rounding of the stored state (measured <= 0.0098 on "
+                                    "SmolLM2); fp8 x8")
     # every row, aux layers: each slot must look like its own layer (verify/identity.py)
     identity_max_z: float | None = Field(20.0, gt=0, description="largest robust deviation of a record's layer-slot "
                                          "relations from the typical ones (verify/identity.py); None = no identity check")
+    confirm_rows: int = Field(32, ge=0, description="rows flagged only by learned checks (layer identity, norm "
+                              "bounds) that are recomputed with the target before they may stop the run; a row "
+                              "the model agrees with is cleared (0: learned checks alone decide)")
     allow_skip: list[Literal["reference", "fingerprint"]] = Field(
         [], description="checks against the model itself that may be skipped when they cannot run here (a hub name "
         "without a local copy, layers transformers cannot build on CPU, logits the fingerprint cannot reproduce); "

@@ -422,3 +422,27 @@ def test_a_changed_loss_mask_is_caught(extracted, tiny_config, tmp_path):
                "from" in p for p in res.problems), res.problems
     assert res.checks["masks"].ran and res.checks["masks"].records == version.rows
     assert [p for p in res.problems if "loss mask" in p and "row 3," not in p] == []
+
+
+def test_learned_flags_are_confirmed_by_the_target_before_they_stop_a_run(extracted, tiny_config, tmp_path):
+    """Layer identity with a limit far too tight flags clean records: the streamed reference recomputes
+    them and the model agrees, so they are cleared (and the result says which and why they were flagged).
+    A record whose aux layers are really swapped is flagged by the same check and confirmed: it fails."""
+    out = _copy_extract(extracted, tmp_path)
+    version = relocated(extracted.version, out)
+    rows = list(range(16))
+    tight = VerifyConfig(reference_samples=0, identity_max_z=1.0, norm_bounds_samples=0)
+    res = verify(tight, tiny_config.target, version, rows=rows, log=lambda m: None)
+    assert res.passed, res.problems
+    assert res.cleared and all("aux layers do not relate like layers" in " ".join(v) for v in res.cleared.values())
+
+    def swap(rec):
+        hs = rec["hidden_states"].clone()
+        hs[:, [0, 1]] = hs[:, [1, 0]]
+        return {**rec, "hidden_states": hs}
+
+    _rewrite(out / "hidden_states" / "hs_5.safetensors", swap)
+    res = verify(VerifyConfig(reference_samples=0, norm_bounds_samples=0), tiny_config.target, version, rows=rows,
+                 log=lambda m: None)
+    assert res.bad_rows == [5] and 5 not in res.cleared, res.problems
+    assert any(p.startswith("hs_5.safetensors (row 5,") and "aux layers do not relate" in p for p in res.problems)

@@ -90,6 +90,7 @@ class VerifyResult(BaseModel):
     shard_hashes: dict[str, str] = {}  # verified-good shard -> cache.shard_hash of its manifest entry
     seconds: float | None = None
     checks: dict[str, CheckRun] = {}   # every check: ran (on how many records) or skipped, and why
+    cleared: dict[int, list[str]] = {}  # rows learned checks flagged and the target itself cleared: their flags
 
 
 def _checks(st, ref, inv, fp_required: bool) -> dict[str, CheckRun]:
@@ -120,6 +121,37 @@ def unrunnable(cfg: VerifyConfig, final_skipped: str | None, ref_skipped: str | 
     if ref_wanted and ref_skipped and "reference" not in cfg.allow_skip:
         out.append(f"verify: the reference check did not run: {ref_skipped}; " + hint.format("reference"))
     return out
+
+
+def _confirm_learned(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, st, log) -> list[int]:
+    """Rows that only learned checks flagged (layer identity, norm bounds: judgements of records against
+    each other, calibrated on a few architectures) are recomputed with the target itself (the streamed
+    reference, verify.confirm_rows of them at most) before they may stop the run: a row the model agrees
+    with is cleared, and says so. Rows past the cap, or when the reference cannot run, stay flagged.
+    Changes `st` in place; returns the cleared rows."""
+    rows = st.learned_rows[: cfg.confirm_rows]
+    if not rows:
+        return []
+    try:
+        ref = reference_check(target, version, rows, log=log, cfg=cfg)
+    except Exception as e:  # noqa: BLE001 - the flags stand; say why they were not confirmed
+        log(f"verify: {len(rows)} rows flagged by learned checks could not be confirmed by the reference "
+            f"({type(e).__name__}: {e}); they stay flagged")
+        return []
+    if ref.skipped:
+        log(f"verify: {len(rows)} rows flagged by learned checks stay flagged: the reference did not run ({ref.skipped})")
+        return []
+    cleared = [r for r in rows if r not in set(ref.bad_rows)]
+    if cleared:
+        mine = tuple(f"{record_name(r)} (row {r}," for r in cleared)
+        dropped = [p for p in st.problems if p.startswith(mine)]
+        st.problems = [p for p in st.problems if not p.startswith(mine)]
+        st.bad_rows = [r for r in st.bad_rows if r not in set(cleared)]
+        st.cleared = {r: [p for p in dropped if p.startswith(f"{record_name(r)} (row {r},")] for r in cleared}
+    log(f"verify: {len(rows)} rows flagged by learned checks recomputed with the target: {len(rows) - len(cleared)} "
+        f"confirmed bad, {len(cleared)} cleared (the model agrees: max relative error {ref.max_rel_err}, "
+        f"min cosine {ref.min_cosine}){'; ' + str(len(st.learned_rows) - len(rows)) + ' more not confirmed' if len(st.learned_rows) > len(rows) else ''}")
+    return cleared
 
 
 def _config_key(cfg: VerifyConfig) -> str:
@@ -235,6 +267,7 @@ def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, lo
                           reused=list(reused.values()))
     if final_skipped:
         st.fingerprint.skipped = final_skipped
+    cleared = _confirm_learned(cfg, target, version, st, log)
     bad_st = set(st.bad_rows)
     good_new = [r for r in todo if r not in bad_st and r < len(ds)]
     seq_lens = ds["seq_len"] if good_new else []
@@ -296,7 +329,7 @@ def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, lo
         reference_peak_rss_bytes=getattr(ref, "peak_rss_bytes", None), shards_rechecked=n_rechecked,
         shards_reused=len(reused_hashes), config_key=_config_key(cfg), shard_hashes=hashes,
         rows_rechecked=len(todo), rows_reused=len(reused), rows_reused_pool=len(from_pool),
-        seconds=round(time.time() - t0, 2), checks=_checks(st, ref, inv, fp_required))
+        seconds=round(time.time() - t0, 2), checks=_checks(st, ref, inv, fp_required), cleared=st.cleared)
     res.checks["masks"] = CheckRun(ran=bool(mask_rows), records=mask_rows, skipped=None if mask_rows else
                                    "no row hashes in the manifest (rows linked from the pool, or extracted before)")
     for name, c in res.checks.items():

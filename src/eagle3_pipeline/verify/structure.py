@@ -79,6 +79,8 @@ class StructureResult(BaseModel):
     fingerprint: FingerprintSummary = FingerprintSummary()
     identity_files: int = 0               # good records the layer profiles were learned from
     identity_skipped: str | None = None
+    learned_rows: list[int] = []          # rows flagged only by learned checks (identity, norm bounds)
+    cleared: dict[int, list[str]] = {}    # of those, rows the target itself cleared (verify/gate.py) and their flags
     results: list = Field(default_factory=list, exclude=True)  # per-file results of the records read (verify cache)
 
     @property
@@ -392,6 +394,7 @@ def judge_records(ds, results: list[_FileResult], layer_ids: list[int], hidden_s
         if r.problems:
             problems[r.row] = list(r.problems)
     fp_summary = _fingerprint_summary(results, extras)
+    hard = set(problems)  # rows a check of the record alone failed; the rest below are learned judgements
     id_files, id_skipped = _identity(ds, good, layer_ids, identity_max_z, problems, log)
     good = [r for r in good if r.row not in problems]
     stats = np.stack([r.stats for r in good]) if good else np.zeros((0, 5, L))  # [files, 5, L]
@@ -450,7 +453,8 @@ def judge_records(ds, results: list[_FileResult], layer_ids: list[int], hidden_s
     return StructureResult(files_checked=len(results), tokens_checked=n_tok, bytes_read=0, seconds=0.0,
                            problems=all_problems, bad_rows=sorted(problems), layer_stats=layer_stats,
                            norm_bounds_files=n_learn, norm_bounds_skipped=skipped, fingerprint=fp_summary,
-                           identity_files=id_files, identity_skipped=id_skipped)
+                           identity_files=id_files, identity_skipped=id_skipped,
+                           learned_rows=sorted(set(problems) - hard))
 
 
 def _fingerprint_summary(results: list[_FileResult], extras: _Extras | None) -> FingerprintSummary:
