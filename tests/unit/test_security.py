@@ -264,7 +264,7 @@ def remote_code_problems(files: dict[str, str]) -> tuple[list[str], int]:
                 value = next((a for a in call.args if _from_config(a)), None)
             if value is None:
                 problems.append(f"{name}:{call.lineno}: {dotted(call.func)}(...) without trust_remote_code=")
-            elif not _from_config(value):
+            elif not (_from_config(value) or _is_false(value)):  # a literal False never trusts anything
                 problems.append(f"{name}:{call.lineno}: {dotted(call.func)}(trust_remote_code="
                                 f"{ast.unparse(value)}) is not the configured value")
     return problems, checked

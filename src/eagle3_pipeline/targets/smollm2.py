@@ -117,8 +117,10 @@ def build_smollm2(cfg: Smollm2Config, out_dir: Path, log=print) -> dict:
     (out_dir / SUMMARY).unlink(missing_ok=True)  # a rebuild in place is whole again only when its summary is
 
     with _quiet_progress():
-        tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
-        gguf_model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+        # a GGUF holds no code: nothing from it (or from the directory saved below) is ever run
+        tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name, trust_remote_code=False)
+        gguf_model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32,
+                                                          trust_remote_code=False)
     log(f"smollm2: {src.name} ({src.stat().st_size / 1e6:.0f} MB, {WHEEL} {cfg.wheel_version}) dequantised "
         f"in {time.time() - t0:.0f}s")
     d = gguf_model.config.to_dict()
@@ -148,7 +150,7 @@ def build_smollm2(cfg: Smollm2Config, out_dir: Path, log=print) -> dict:
     with _quiet_progress():
         model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
-    saved = AutoTokenizer.from_pretrained(out_dir)
+    saved = AutoTokenizer.from_pretrained(out_dir, trust_remote_code=False)
     if saved.chat_template != tok.chat_template:
         raise InputError(f"{out_dir}: the saved tokenizer lost the GGUF's chat template")
     summary = {
