@@ -140,3 +140,30 @@ def test_every_project_module_the_builders_import_is_in_the_key():
     assert pkg / "data" / "chat.py" in seen and pkg / "tiny" / "training.py" in seen  # the walk works
     missing = sorted(str(f.relative_to(pkg)) for f in seen - covered if f != Path(build_cache.__file__).resolve())
     assert not missing, f"the builders import modules the build key does not hash: {missing}"
+
+
+def test_the_builds_kept_in_the_repository_are_the_current_ones():
+    """prebuilt/<kind>/<key>/ (the tiny builds a fresh clone copies instead of training): each kind kept
+    there is the build of today's builder code, config and libraries. After a change to what the key
+    covers, rebuild (`make tiny tiny-moe`) and commit the new build in place of the old one."""
+    current = {"llama": build_cache.build_key("llama", TinyTargetConfig()),
+               "moe": build_cache.build_key("moe", TinyMoeConfig())}
+    kept = {d.name: sorted(k.name for k in d.iterdir()) for d in build_cache.PREBUILT.iterdir()} \
+        if build_cache.PREBUILT.is_dir() else {}
+    for kind, keys in kept.items():
+        assert keys == [current[kind]], (f"prebuilt/{kind} holds {keys}, the builder's key is now {current[kind]}: "
+                                         f"rebuild with `make tiny tiny-moe` and commit the new build")
+        summary = json.loads((build_cache.PREBUILT / kind / keys[0] / build_cache.SUMMARY).read_text())
+        assert summary["build_key"] == keys[0]
+
+
+def test_a_prebuilt_build_is_copied_not_built(tmp_path, cache, monkeypatch):
+    calls: list = []
+    kept = tmp_path / "prebuilt"
+    monkeypatch.setattr(build_cache, "PREBUILT", kept)
+    key = build_cache.build_key("llama", Cfg())
+    fake_build([])(Cfg(), kept / "llama" / key)
+    (kept / "llama" / key / "tiny_target.json").write_text(json.dumps({"params": 64, "build_key": key}))
+    s = build_cache.cached_build("llama", Cfg(), tmp_path / "out", fake_build(calls), log=lambda m: None)
+    assert calls == [] and s["reused_from"] == str(kept / "llama" / key)
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == bytes([0]) * 64

@@ -36,6 +36,11 @@ PACKAGE = Path(__file__).resolve().parents[1]  # src/eagle3_pipeline
 SOURCES = ("tiny", "data/__init__.py", "data/chat.py", "store.py", "errors.py", "__init__.py")
 LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "tiktoken")
 ENV = "EAGLE3_BUILD_CACHE"
+# Builds kept in the repository (a few MB each: the tiny Llama's weights and corpus), under the key
+# they were built with: a fresh clone copies them instead of training for minutes; a builder, config or
+# library change is another key, and builds from nothing (tests/unit/test_build_cache.py says when the
+# kept build no longer matches the builder, so that it is rebuilt and committed again).
+PREBUILT = PACKAGE.parents[1] / "prebuilt"
 SUMMARY = "tiny_target.json"  # a build's last file: its presence means the build is whole
 
 
@@ -101,12 +106,13 @@ def cached_build(kind: str, cfg: BaseModel, out: Path, build: Callable[..., dict
     key = build_key(kind, cfg, sources, libraries)
     root = cache_root()
     entry = root / kind / key if root is not None else None
-    if reuse and entry is not None and (entry / summary).exists():
+    found = [e for e in (entry, PREBUILT / kind / key) if e is not None and (e / summary).exists()]
+    if reuse and found:
         shutil.rmtree(out, ignore_errors=True)
         out.parent.mkdir(parents=True, exist_ok=True)
-        _copy(entry, out, summary)
-        log(f"target ({kind}): build {key} reused from {entry} (the same builder code, config and libraries)")
-        return _summary(out, summary) | {"build_key": key, "reused_from": str(entry)}
+        _copy(found[0], out, summary)
+        log(f"target ({kind}): build {key} reused from {found[0]} (the same builder code, config and libraries)")
+        return _summary(out, summary) | {"build_key": key, "reused_from": str(found[0])}
     record = build(cfg, out, log=log) | {"build_key": key}
     atomic_write_text(out / summary, json.dumps(record, indent=2))  # the build's last file
     if entry is not None:
