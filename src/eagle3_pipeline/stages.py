@@ -194,7 +194,8 @@ def stage_train_online(cfg: PipelineConfig, version: ExtractVersion, voc, log=pr
         tr = train_draft(tcfg, cfg.target, version, Path(voc.dir), out_dir, log=log, previous=prev,
                          online={"endpoint": srv.endpoint, "model": srv.model,
                                  "request_timeout_s": cfg.train.online_request_timeout_s,
-                                 "max_in_flight": max(1, min(cfg.extract.max_num_seqs, 16))})
+                                 "max_in_flight": max(1, min(cfg.extract.max_num_seqs, 16)),
+                                 "hidden_size": version.dims.hidden_size})
     peak = srv.scratch_peak()
     res = OnlineResult(endpoint=srv.endpoint, server_start_s=srv.start_s, sample_rows=rows, sample_tokens=tokens,
                        sample_seconds=seconds, sample_bytes=nbytes, scratch_peak_bytes=peak,

@@ -375,7 +375,9 @@ def _loaders(job: dict, hidden_size: int, num_aux: int):
         Path(on["cache_dir"]).mkdir(parents=True, exist_ok=True)
         from eagle3_pipeline.train.online_data import ServerFileTransfer
 
-        source = dict(transfer=ServerFileTransfer(Path(on["cache_dir"]), on["request_timeout_s"]), vllm_endpoint=on["endpoint"],
+        transfer = ServerFileTransfer(Path(on["cache_dir"]), on["request_timeout_s"], len(job["aux_layer_ids"]) + 1,
+                                      on.get("hidden_size"))
+        source = dict(transfer=transfer, vllm_endpoint=on["endpoint"],
                       on_missing="generate", request_timeout=on["request_timeout_s"], max_retries=2,
                       generation_validation_retries=2, max_consecutive_generation_failures=5)
     else:
