@@ -26,3 +26,11 @@ def test_quiet_below_the_interval():
     bar.update(2)
     bar.close()
     assert out == []
+
+
+def test_train_step_lines_say_how_far_the_run_is():
+    from eagle3_pipeline.train import _format_event
+
+    ev = {"kind": "train_step", "step": 90, "epoch": 0, "loss": 11.15, "acc": [0.24, 0.06], "tokens_per_s": 138}
+    assert _format_event(ev, 218).startswith("train: step 90/218 epoch 0 loss 11.150 acc[0.24 0.06] 138 tok/s")
+    assert _format_event(ev).startswith("train: step 90 epoch 0")

@@ -189,7 +189,7 @@ def _check_resume_spec(out_dir: Path, save_path: Path, spec: dict) -> None:
     write_json(path, spec)
 
 
-def _format_event(ev: dict) -> str | None:
+def _format_event(ev: dict, total_steps: int | None = None) -> str | None:
     def f(x, spec=".3f"):
         return "-" if x is None else format(x, spec)
 
@@ -197,7 +197,8 @@ def _format_event(ev: dict) -> str | None:
     if kind == "train_step":
         acc = " ".join(f(a, ".2f") for a in ev.get("acc") or [])
         dropped = ev.get("error_records") or 0
-        return (f"train: step {ev.get('step')} epoch {ev.get('epoch')} loss {f(ev.get('loss'))} "
+        of = f"/{total_steps}" if total_steps else ""
+        return (f"train: step {ev.get('step')}{of} epoch {ev.get('epoch')} loss {f(ev.get('loss'))} "
                 f"acc[{acc}] {f(ev.get('tokens_per_s'), '.0f')} tok/s"
                 + (f"; WARNING {dropped:.0f} rows dropped (hidden states missing or token_ids != input_ids)"
                    if dropped else ""))
@@ -229,8 +230,14 @@ def _run_worker(job: dict, job_path: Path, cfg: TrainConfig, log: Callable[[str]
     write_json(job_path, job)
     Path(job["result_path"]).unlink(missing_ok=True)  # never report a previous attempt's result
 
+    total: list[int | None] = [None]  # optimizer steps of the whole run, from the start event (progress)
+
     def on_event(ev: dict):
-        line = _format_event(ev)
+        if ev.get("kind") == "start" and ev.get("train_batches_per_epoch") and ev.get("epochs"):
+            total[0] = int(ev["train_batches_per_epoch"]) * int(ev["epochs"])
+            if cfg.max_steps:
+                total[0] = min(total[0], cfg.max_steps)
+        line = _format_event(ev, total[0])
         if line:
             log(line)
 
