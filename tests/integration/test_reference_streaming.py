@@ -179,8 +179,10 @@ def test_gate_reference_check_streams_and_reports(extracted, tiny_config, tmp_pa
     res = reference_check(tiny_config.target, version, [0, 3], log=lines.append, cfg=VerifyConfig(reference_memory_gb=4))
     lid = version.layer_ids[0]
     assert res.bad_rows == [3] and res.skipped is None, res.problems
-    assert len(res.problems) == 1 and res.problems[0].startswith("hs_3 (sample "), res.problems
+    assert len(res.problems) == 2 and all(p.startswith("hs_3 (sample ") for p in res.problems), res.problems
     assert f"layer {lid} differs from the reference" in res.problems[0]
+    # and it is nearer the layer beside it than its own (the neighbour check: the layer map is off)
+    assert f"layer slot 0 (layer {lid}) is nearer the reference's layer {lid + 1} " in res.problems[1], res.problems
     assert sorted(res.per_layer) == sorted(version.layer_ids)
     for k, st in res.per_layer.items():
         assert 0.0 <= st["max_frac_below"] <= 1.0 and st["mean_cosine"] >= st["min_cosine"], (k, st)

@@ -446,3 +446,18 @@ def test_learned_flags_are_confirmed_by_the_target_before_they_stop_a_run(extrac
                  log=lambda m: None)
     assert res.bad_rows == [5] and 5 not in res.cleared, res.problems
     assert any(p.startswith("hs_5.safetensors (row 5,") and "aux layers do not relate" in p for p in res.problems)
+
+
+def test_a_layer_map_off_by_one_is_caught_against_the_neighbours(extracted, tiny_config):
+    """Every record holds layers [2, 4, 5, 8]; a version that says they are [3, 5, 6, 8] (the off-by-one
+    every row shares, which comparing records with each other cannot see): each shifted slot is nearer
+    the reference's neighbouring layer than its own, and the reference says so."""
+    ids = extracted.layer_ids
+    shifted = [ids[0] + 1, ids[1] + 1, ids[2] + 1, ids[3]]
+    version = extracted.version.model_copy(update={"layer_ids": shifted})
+    res = reference_check(tiny_config.target, version, [0, 1], log=lambda m: None)
+    for j in range(3):
+        assert any(f"layer slot {j} (layer {shifted[j]}) is nearer the reference's layer {ids[j]} " in p
+                   for p in res.problems), res.problems
+    clean = reference_check(tiny_config.target, extracted.version, [0, 1], log=lambda m: None)
+    assert not clean.problems, clean.problems

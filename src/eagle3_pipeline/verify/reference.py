@@ -89,6 +89,35 @@ def choose_rows(seq_lens: list[int], count: int, rows_per_shard: int) -> list[in
     return sorted(set(picks))[: max(count, 2)]
 
 
+def neighbour_layers(layer_ids: list[int], num_layers: int) -> list[int]:
+    """The captured layer ids and their neighbours (k - 1, k + 1 within 0..N), ascending: what the
+    reference streams so that each slot can be told from the layers beside it."""
+    return sorted({n for k in layer_ids for n in (k - 1, k, k + 1) if 0 <= n <= num_layers})
+
+
+def _layer_map_problems(got, every, layer_ids: list[int], at: dict[int, int]) -> list[str]:
+    """Each captured slot must be nearer its own reference layer than the layers beside it. Adjacent
+    layers of a deep model differ little (SmolLM2-135M, layer 15 vs 16: relative error 0.037, inside the
+    per-layer tolerance), so an off-by-one or permuted layer map that every row shares passes the
+    per-layer bounds; against the neighbours it does not (clean: 0.0024)."""
+    out = []
+    for j, k in enumerate(layer_ids):
+        g = got[:, j].float()
+
+        def rel(lid: int) -> float:
+            r = every[:, at[lid]]
+            return float((g - r).norm() / r.norm().clamp_min(1e-12))
+
+        own = rel(k)
+        near = [(rel(n), n) for n in (k - 1, k + 1) if n in at]
+        better = [(e, n) for e, n in near if e < own]
+        if better:
+            e, n = min(better)
+            out.append(f"layer slot {j} (layer {k}) is nearer the reference's layer {n} (relative error {e:.4f}) "
+                       f"than its own (relative error {own:.4f}): the captured layers are off by one or permuted")
+    return out
+
+
 def _row_problems(diffs) -> list[str]:
     """The pass/fail decision for one record: a problem per layer (contracts.LayerDiff) that is off."""
     return [f"layer {d.layer_id} differs from the reference: relative error {d.rel_err:.4f} (max {MAX_REL_ERR}), "
@@ -162,7 +191,8 @@ def reference_check(target, version, rows: list[int], *, log: Callable[[str], No
     if not rows:
         return _skipped("reference check skipped: no rows to check", log)
     ds = load_tokenized(version.tokenized_dir)
-    out, refs = stream_reference(target, {i: ds[i]["input_ids"] for i in rows}, layer_ids,
+    streamed = neighbour_layers(layer_ids, version.dims.num_layers)  # the captured ids and the ones beside them
+    out, refs = stream_reference(target, {i: ds[i]["input_ids"] for i in rows}, streamed,
                                  version.path / ".scratch" / f"verify-reference-{os.getpid()}",
                                  memory_gb=cfg.reference_memory_gb, timeout_s=cfg.reference_timeout_s, log=log,
                                  log_path=version.path / "logs" / "verify-reference.log")
@@ -171,9 +201,11 @@ def reference_check(target, version, rows: list[int], *, log: Callable[[str], No
         res.peak_rss_bytes = out.peak_rss_bytes
         return res
     problems, bad_rows, per_layer = [], set(), {}
+    at = {lid: j for j, lid in enumerate(streamed)}
     for i in rows:
         got = dequantise(read_record(version.record_path(i)))  # [T, L, H] fp32
-        ref = refs[i].float()  # [T, L, H]
+        every = refs[i].float()  # [T, len(streamed), H]
+        ref = every[:, [at[lid] for lid in layer_ids]]  # [T, L, H]
         if got.shape != ref.shape:
             bad_rows.add(i)
             problems.append(f"hs_{i} (sample {ds[i]['sample_id']}): hidden_states expected {list(ref.shape)} "
@@ -187,7 +219,7 @@ def reference_check(target, version, rows: list[int], *, log: Callable[[str], No
             s["min_cosine"] = min(s["min_cosine"], d.min_cosine)
             s["mean_cosine"] = min(s["mean_cosine"], d.mean_cosine)
             s["max_frac_below"] = max(s["max_frac_below"], d.frac_below)
-        row_problems = _row_problems(diffs)
+        row_problems = _row_problems(diffs) + _layer_map_problems(got, every, layer_ids, at)
         if row_problems:
             bad_rows.add(i)
             problems += [f"hs_{i} (sample {ds[i]['sample_id']}): {p}" for p in row_problems]
