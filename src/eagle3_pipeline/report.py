@@ -31,13 +31,16 @@ CONTRACT = {
     "vocab": ("draft_vocab_size", "coverage"),
     "train": ("mode", "world_size", "steps", "final_loss", "tokens_per_s"),
     "evaluate": ("acceptance_length", "acceptance_length_untrained", "per_position_acceptance", "per_category",
-                 "speedup"),
+                 "speedup", "baseline_ngram"),
 }
 
 
 def build_report(run_id: str, config: dict, versions: dict, stages: dict[str, dict], artifacts: dict[str, str],
                  status: str, error: str | None = None, timings: dict[str, dict] | None = None) -> dict:
-    """report.json's record; `timings` is {stage: {"seconds", "engine_start_s"}} (runs.StageClock)."""
+    """report.json's record; `timings` is {stage: {"seconds", "engine_start_s"}} (runs.StageClock). The
+    evaluate stage's n-gram baseline costs one more engine: its seconds (`run_s`, inside evaluate's) are
+    added to timings.evaluate as `baseline_ngram_s` (and its engine start as `baseline_ngram_engine_start_s`)."""
+    timings = _with_baseline_cost(timings or {}, stages.get("evaluate"))
     out_stages: dict[str, Any] = {}
     for name in STAGES:
         rec = stages.get(name)
@@ -48,7 +51,18 @@ def build_report(run_id: str, config: dict, versions: dict, stages: dict[str, di
         entry["details"] = {k: v for k, v in rec.items() if k not in keys}
         out_stages[name] = entry
     return {"run_id": run_id, "status": status, "error": error, "config": config, "versions": versions,
-            "timings": timings or {}, "stages": out_stages, "artifacts": artifacts}
+            "timings": timings, "stages": out_stages, "artifacts": artifacts}
+
+
+def _with_baseline_cost(timings: dict[str, dict], evaluate: dict | None) -> dict[str, dict]:
+    base = _get(evaluate, "baseline_ngram") if isinstance(evaluate, dict) else None
+    if "evaluate" not in timings or not isinstance(base, dict) or not _isnum(base.get("run_s")):
+        return timings
+    out = dict(timings)
+    out["evaluate"] = {**timings["evaluate"], "baseline_ngram_s": round(base["run_s"], 2),
+                       "baseline_ngram_engine_start_s": round(base["engine_start_s"], 2)
+                       if _isnum(base.get("engine_start_s")) else None}
+    return out
 
 
 # ------------------------------------------------------------------------------------------- plots
@@ -154,10 +168,12 @@ def _acceptance_plot(plt, run_dir: Path, ev: dict) -> Plot | None:
 
 
 def _category_plot(plt, run_dir: Path, cats: dict[str, dict], temperature) -> Plot | None:
-    """τ per prompt category: the trained draft at temperature 0, the untrained one, and the trained one
-    at the sampling temperature (the bars a category has no number for are left out)."""
+    """τ per prompt category: the trained draft at temperature 0, the untrained one, the trained one at
+    the sampling temperature, and vLLM's n-gram speculation (tokens per target step, τ's convention over
+    every step); the bars a category has no number for are left out."""
     series = [("acceptance_length", "trained, T=0"), ("acceptance_length_untrained", "untrained, T=0"),
-              ("acceptance_length_sampled", f"trained, T={_num(temperature)}" if temperature else "trained, sampled")]
+              ("acceptance_length_sampled", f"trained, T={_num(temperature)}" if temperature else "trained, sampled"),
+              ("tokens_per_step_ngram", "n-gram, T=0")]
     series = [(k, label) for k, label in series if any(_isnum(c.get(k)) for c in cats.values())]
     if not series:
         return None
@@ -174,7 +190,7 @@ def _category_plot(plt, run_dir: Path, cats: dict[str, dict], temperature) -> Pl
     ax.set_xticklabels(names, rotation=30 if len(names) > 4 else 0, ha="right" if len(names) > 4 else "center",
                        fontsize=8)
     ax.set(title="acceptance length τ per prompt category", ylabel="τ (tokens per step)", ylim=(0, top * 1.25))
-    ax.legend(fontsize=8, ncol=len(series), loc="upper center")  # in one row above the bars
+    ax.legend(fontsize=8, ncol=min(len(series), 3), loc="upper center")  # in a row (or two) above the bars
     return _save(fig, run_dir, "tau_per_category", "acceptance length per prompt category")
 
 
@@ -228,6 +244,7 @@ def _summary(stages: dict) -> list[str]:
     if _isnum(tau):
         out.append(f"- **Acceptance length τ** (temperature 0): **{tau:.3f}** trained"
                    + (f" vs {tau0:.3f} untrained" if _isnum(tau0) else ""))
+    out += _ngram_summary(ev, tau)
     temp, sampled = _get(ev, "sampling_temperature"), _get(ev, "acceptance_length_sampled")
     cats = _categories(ev)
     if not _isnum(sampled) and cats:  # the prompt-weighted mean over the categories that have it
@@ -270,6 +287,38 @@ def _summary(stages: dict) -> list[str]:
     return out
 
 
+def _ngram_summary(ev: dict, tau) -> list[str]:
+    """The n-gram baseline beside τ: tokens per target step over every decode step (τ's convention), how
+    often the lookup proposed, vLLM's own mean acceptance length over those steps, the tokens per step
+    that reached the answers (without those a stop token or max_tokens cut off), and what it cost."""
+    base = _get(ev, "baseline_ngram")
+    if not isinstance(base, dict) or not _isnum(base.get("tokens_per_step")):
+        return []
+    k, lo, hi = base.get("num_speculative_tokens"), base.get("prompt_lookup_min"), base.get("prompt_lookup_max")
+    how = "".join(x for x in (f", k={k}" if _isnum(k) else "", f", n {lo}–{hi}" if _isnum(lo) and _isnum(hi) else ""))
+    line = (f"- **n-gram baseline** (vLLM prompt lookup, no draft{how}): **{base['tokens_per_step']:.3f}** tokens "
+            "per target step" + (f" vs τ {tau:.3f} trained" if _isnum(tau) else ""))
+    steps, proposed = base.get("steps"), base.get("proposed_steps")
+    if _isnum(steps) and _isnum(proposed):
+        line += f" (over all {_num(steps)} decode steps; it proposed on {_num(proposed)}"
+        mal = base.get("acceptance_length_proposed")
+        line += (f", vLLM's mean acceptance length over those {mal:.3f})" if _isnum(mal) else ")")
+    out_ng, tr = base.get("output_tokens_per_step"), _get(ev, "trained")
+    out_tr = tr.get("output_tokens_per_step") if isinstance(tr, dict) else None
+    if _isnum(out_ng):  # confirmed tokens a stop token or max_tokens cut off count in τ, not in the answers
+        line += (f"; tokens that reached the answers per step {out_ng:.3f}"
+                 + (f" vs {out_tr:.3f} trained" if _isnum(out_tr) else ""))
+    if _isnum(base.get("speedup")):
+        line += f"; speed-up {base['speedup']:.2f}×"
+    if _isnum(base.get("run_s")):
+        start = base.get("engine_start_s")
+        line += f"; cost {_secs(base['run_s'])} s" + (f" (engine start {_secs(start)} s)" if _isnum(start) else "")
+    if base.get("lossless_mismatches"):
+        line += (f" — ⚠ {_num(base['lossless_mismatches'])}/{_num(base.get('lossless_checked'))} prompts differ "
+                 f"from the {_cell(str(base.get('lossless_reference')))} decoding")
+    return [line]
+
+
 def _categories(ev: dict) -> dict[str, dict]:
     cats = _get(ev, "per_category")
     return {str(k): v for k, v in cats.items() if isinstance(v, dict)} if isinstance(cats, dict) else {}
@@ -282,13 +331,13 @@ def _category_table(ev: dict) -> list[str]:
     temp = _get(ev, "sampling_temperature")
     cols = [("prompts", "prompts"), ("acceptance_length", "τ trained"), ("acceptance_length_untrained", "τ untrained"),
             ("acceptance_length_sampled", f"τ at T={_num(temp)}" if _isnum(temp) else "τ sampled"),
-            ("per_position_acceptance", "accepted per position")]
+            ("tokens_per_step_ngram", "n-gram tok/step"), ("per_position_acceptance", "accepted per position")]
     cols = [(k, h) for k, h in cols if any(c.get(k) is not None for c in cats.values())]
     out = ["| category | " + " | ".join(h for _, h in cols) + " |",
            "|---|" + "|".join("---" if k == "per_position_acceptance" else "---:" for k, _ in cols) + "|"]
     for name, c in cats.items():
         cells = [_positions(c[k]) if k == "per_position_acceptance" and isinstance(c.get(k), list)
-                 else f"{c[k]:.3f}" if k.startswith("acceptance_length") and _isnum(c.get(k))
+                 else f"{c[k]:.3f}" if k.startswith(("acceptance_length", "tokens_per_step")) and _isnum(c.get(k))
                  else _value(k, c.get(k)) for k, _ in cols]
         label = name if len(name) <= 24 else name[:23] + "…"  # the table must fit the page: cells never wrap
         out.append(f"| {_cell(label)} | " + " | ".join(cells) + " |")
@@ -323,6 +372,10 @@ def _timings_table(timings: dict[str, dict]) -> list[str]:
         s, e = t.get("seconds") or 0.0, t.get("engine_start_s")
         total += s
         out.append(f"| {name} | {_secs(s)} | {'-' if e is None else _secs(e)} | {_secs(s - (e or 0.0))} |")
+        b, be = t.get("baseline_ngram_s"), t.get("baseline_ngram_engine_start_s")
+        if _isnum(b):  # a part of the row above, not added to the total again
+            out.append(f"| ↳ of which n-gram baseline | {_secs(b)} | {_secs(be) if _isnum(be) else '-'} | "
+                       f"{_secs(b - (be if _isnum(be) else 0.0))} |")
     starts = sum(t.get("engine_start_s") or 0.0 for t in timings.values())
     out.append(f"| **total** | **{_secs(total)}** | **{_secs(starts)}** | **{_secs(total - starts)}** |")
     return out

@@ -15,7 +15,7 @@ from pathlib import Path
 # (content key, layer ids, config, tool versions, each shard's rows, status, tokens, bytes and file
 # hashes) must be the same after a crash and resume as after one clean run.
 VOLATILE_TOP = ("updated_at", "children", "invariance")  # invariance: rows of the attempt that finished
-VOLATILE_SHARD = ("attempts", "seconds", "phases", "error")
+VOLATILE_SHARD = ("attempts", "seconds", "phases", "error", "published_at")
 
 
 def sha256(path: Path) -> str:

@@ -3,9 +3,9 @@
 The drafts are randomly initialised speculators checkpoints (tests/helpers/draft.py), so nothing is
 accepted and τ is exactly 1: these tests check the plumbing (counters, per-position rates, the
 lossless comparison with plain greedy decoding, the gate, errors), not the trainer's quality.
-One child with three engines (trained, untrained, plain; engine core in process, ≈ 25 s) is shared by
-the module; the broken-weights cases cost one child each (≈ 15 s in process, ≈ 50 s with engine
-processes).
+One child with four engines (trained, untrained, the n-gram baseline, plain; engine core in process,
+≈ 30 s) is shared by the module; the broken-weights cases cost one child each (≈ 15 s in process, ≈ 50 s
+with engine processes).
 """
 
 from __future__ import annotations
@@ -107,16 +107,75 @@ def test_pair_measures_acceptance(pair, prompts):
         assert r.lossless_checked == len(prompts) and r.lossless_reference == "plain"
         assert r.lossless_mismatches == [], r.lossless_mismatches
     assert rep.engine_start_s == pytest.approx(sum(json.loads((out / f"{k}.result.json").read_text())["engine_start_s"]
-                                                   for k in ("trained", "untrained", "plain")), abs=0.01)
+                                                   for k in ("trained", "untrained", "ngram", "plain")), abs=0.01)
     assert rep.acceptance_length == rep.trained.acceptance_length
     assert rep.acceptance_length_untrained == rep.untrained.acceptance_length
     assert rep.per_position_acceptance == rep.trained.per_position_acceptance
     assert rep.passed and rep.lossless_ok
     saved = json.loads((out / "evaluate.json").read_text())
     assert saved["acceptance_length"] == rep.acceptance_length
-    for label in ("trained", "untrained", "plain"):
+    for label in ("trained", "untrained", "ngram", "plain"):
         assert (out / f"{label}.result.json").is_file()
     assert (out / "evaluate.log").stat().st_size > 0
+
+
+@pytest.mark.timeout(1200)
+def test_ngram_baseline_beside_tau(pair, prompts, eval_cfg):
+    """vLLM's n-gram speculation in the same child, same prompts, k, greedy and max_tokens: tokens per
+    target step over every decode step, per category, and the step count checked two more ways: against
+    the tokens generated, and by replaying vLLM's own n-gram proposer over each prompt and its answer."""
+    import numpy as np
+
+    rep, out, _ = pair
+    b = rep.baseline_ngram
+    assert b is not None and b.method == "ngram" and b.num_speculative_tokens == K
+    assert (b.prompt_lookup_min, b.prompt_lookup_max) == (eval_cfg.ngram_prompt_lookup_min, eval_cfg.ngram_prompt_lookup_max)
+    assert b.steps_source == "inter_token_latency"
+    assert set(b.per_category) == set(rep.per_category) == {"default"}
+    for g in [b, *b.per_category.values()]:
+        assert g.tokens_per_step is not None and g.tokens_per_step >= 1.0
+        assert g.tokens_per_step == pytest.approx(1 + g.accepted_tokens / g.steps)
+        assert 0 <= g.proposed_steps <= g.steps and g.draft_tokens <= K * g.proposed_steps
+        # each request: 1 token at prefill, 1 + accepted per decode step, at most k cut off at its end
+        assert g.tokens_past_end == g.prompts + g.steps + g.accepted_tokens - g.generated_tokens
+        assert 0 <= g.tokens_past_end <= K * g.prompts
+    assert rep.per_category["default"].tokens_per_step_ngram == b.tokens_per_step
+    assert b.prompts == len(prompts) and b.generated_tokens == sum(
+        len(t) for t in json.loads((out / "ngram.result.json").read_text())["token_ids"])
+    # greedy n-gram speculation is lossless too, and its cost is measured
+    assert (b.lossless_checked, b.lossless_mismatches, b.lossless_reference) == (len(prompts), 0, "plain")
+    assert b.engine_start_s > 0 and b.run_s >= b.engine_start_s + b.generate_s
+    assert b.speedup is not None and b.speedup > 0
+    saved = json.loads((out / "evaluate.json").read_text())["baseline_ngram"]
+    assert saved["tokens_per_step"] == b.tokens_per_step and saved["steps"] == b.steps
+    # the EAGLE drafts propose at every decode step: the same count gives exactly τ for them
+    for r in (rep.trained, rep.untrained):
+        assert r.steps == r.drafts == json.loads((out / f"{r.label}.result.json").read_text())["steps"]
+        assert r.per_category["default"].tokens_per_step == pytest.approx(r.acceptance_length)
+        assert r.output_tokens_per_step == pytest.approx((r.generated_tokens - r.prompts) / r.steps)
+    plain = json.loads((out / "plain.result.json").read_text())  # no speculation: one token per step
+    assert plain["generated_tokens"] == len(prompts) + plain["steps"]
+
+    # the second way: replay vLLM's proposer over the prompts and the tokens the n-gram run generated
+    from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as propose
+
+    max_len = json.loads((out / "job.json").read_text())["max_model_len"]
+    steps = proposed = draft_tokens = 0
+    for p, gen in zip(prompts, json.loads((out / "ngram.result.json").read_text())["token_ids"], strict=True):
+        pos = 1  # the prefill's token
+        while pos < len(gen):
+            d = list(propose(np.array(p + gen[:pos], dtype=np.int32), b.prompt_lookup_min, b.prompt_lookup_max,
+                             max_len, K))
+            m = 0
+            while m < len(d) and pos + m < len(gen) and d[m] == gen[pos + m]:
+                m += 1
+            steps, proposed, draft_tokens = steps + 1, proposed + bool(d), draft_tokens + len(d)
+            pos += m + 1
+    assert (steps, proposed, draft_tokens) == (b.steps, b.proposed_steps, b.draft_tokens)
+    print(f"n-gram baseline on the tiny target: {b.tokens_per_step:.3f} tokens/step over {b.steps} steps "
+          f"({b.proposed_steps} proposed, vLLM's mean acceptance length {b.acceptance_length_proposed}), "
+          f"τ trained {rep.acceptance_length:.3f}, untrained {rep.acceptance_length_untrained:.3f}; cost {b.run_s:.1f}s "
+          f"(engine start {b.engine_start_s:.1f}s, greedy pass {b.generate_s:.2f}s)")
 
 
 @pytest.mark.timeout(1200)

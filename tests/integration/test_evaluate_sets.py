@@ -1,6 +1,6 @@
 """evaluate with categorized prompt sets, the sampled pass and the speed-up, for real on both tiny targets.
 
-Two engine children in all:
+Two engine children in all (each also runs vLLM's n-gram baseline as its last engine):
   - the tiny Llama through `eagle3 evaluate --draft` (the command, in process): the shipped MT-Bench-style
     set (configs/prompts/tiny-chat.jsonl) plus two bad rows, a random draft and the target alone;
   - the tiny MoE (MLA + MoE, Python tokenizer through trust_remote_code, tools/thinking template) through
@@ -45,6 +45,22 @@ def check_categories(per_category: dict, total, prompt_categories: dict[str, int
         # cut by max_tokens / end of turn: a category's counters belong to its own requests
         most = v.prompts + v.drafts + v.accepted_tokens
         assert most - k * v.prompts <= v.generated_tokens <= most, (c, v)
+
+
+def check_ngram(base, prompt_categories: dict[str, int], per_category_reports: dict, k: int = K) -> None:
+    """The n-gram baseline (same child, same prompts): per category, every category's counters its own,
+    adding up to the pass's, and the steps consistent with the tokens generated."""
+    assert base is not None and base.num_speculative_tokens == k and base.steps_source == "inter_token_latency"
+    assert {c: v.prompts for c, v in base.per_category.items()} == prompt_categories
+    for f in ("prompts", "generated_tokens", "steps", "proposed_steps", "draft_tokens", "accepted_tokens"):
+        assert sum(getattr(v, f) for v in base.per_category.values()) == getattr(base, f), f
+    for c, v in [("all", base), *base.per_category.items()]:
+        assert v.tokens_per_step is not None and v.tokens_per_step >= 1.0, c
+        assert v.proposed_steps <= v.steps and 0 <= v.tokens_past_end <= k * v.prompts, (c, v)
+        assert v.tokens_past_end == v.prompts + v.steps + v.accepted_tokens - v.generated_tokens
+        if c != "all":
+            assert per_category_reports[c].tokens_per_step_ngram == v.tokens_per_step
+    assert base.speedup is not None and base.speedup > 0 and base.run_s > base.engine_start_s > 0
 
 
 def check_speed(r, plain_rounds: int = 3) -> None:
@@ -111,11 +127,14 @@ def test_cli_compares_drafts_per_category_with_speedup(llama_compare):
     assert r.lossless_mismatches == [] and r.lossless_reference == "plain"  # greedy speculation is lossless
     per = rep.per_category["random"]
     assert set(per) == set(cats) and all(per[c].acceptance_length_sampled is not None for c in cats)
-    for line in ("multi-turn", "speed-up", "tokens/s (T=0)", f"{r.speedup:.3f}x"):  # the rich table
+    for line in ("multi-turn", "speed-up", "tokens/s (T=0)", f"{r.speedup:.3f}x", "n-gram (T=0)"):  # the rich table
         assert line in stdout, line
+    check_ngram(rep.baseline_ngram, cats, per)
+    assert f"{rep.baseline_ngram.tokens_per_step:.3f}" in stdout
     job = json.loads((ev / "job.json").read_text())
     assert job["temperature"] == 0.7 and job["timing_rounds"] == 3
-    assert [(x["label"], x["sampled"], x["timed"]) for x in job["runs"]] == [("random", True, True), ("plain", False, True)]
+    assert [(x["label"], x["sampled"], x["timed"]) for x in job["runs"]] == [
+        ("random", True, True), ("plain", False, True), ("ngram", False, True)]
 
 
 # ---------------------------------------------------------------- tiny MoE: evaluate_pair
@@ -156,6 +175,7 @@ def test_moe_target_per_category_sampled_and_speedup(moe_pair):
         assert v.acceptance_length_untrained is None  # no baseline in this call
         assert v.acceptance_length_sampled == tr.sampled.per_category[c].acceptance_length
     assert rep.prompt_set["categories"] == cats and rep.prompt_set["source"].endswith("tiny-agentic.jsonl")
+    check_ngram(rep.baseline_ngram, cats, rep.per_category)  # n-gram on an MLA + MoE target too
     # the tool prompts reached vLLM as rendered by the Python tokenizer's template
     job = json.loads((out / "job.json").read_text())
     assert job["prompts"] == pset.prompts and job["categories"] == pset.categories

@@ -202,7 +202,7 @@ def test_step_lines_reach_the_log_callback(trained):
     full-sequence accuracy per TTT step and throughput, one line per logged optimizer step."""
     import re
 
-    pat = re.compile(r"^train: step (\d+) epoch (\d+) loss (\d+\.\d{3}) acc\[(\d\.\d\d) (\d\.\d\d) (\d\.\d\d)\] "
+    pat = re.compile(r"^train: step (\d+)(?:/\d+)? epoch (\d+) loss (\d+\.\d{3}) acc\[(\d\.\d\d) (\d\.\d\d) (\d\.\d\d)\] "
                      r"(\d+) tok/s$")
     steps = [m for m in map(pat.match, trained.lines) if m]
     assert [int(m.group(1)) for m in steps] == list(range(trained.res.steps))

