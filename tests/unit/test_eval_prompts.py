@@ -250,7 +250,8 @@ def test_category_counters_to_tau():
     s0 = read_spec_counters(_snapshot(10, [6, 4, 2], other_engine=1))
     s1 = read_spec_counters(_snapshot(30, [20, 14, 8], other_engine=1))
     s2 = read_spec_counters(_snapshot(70, [35, 20, 7], other_engine=2))
-    assert s0 == {"drafts": 11, "draft_tokens": 33, "accepted": 15, "per_pos": [7, 5, 3]}  # engines summed
+    assert s0 == {"drafts": 11, "draft_tokens": 33, "accepted": 15, "per_pos": [7, 5, 3],  # engines summed
+                  "steps": None}  # no inter-token-latency histogram in this snapshot
     a = _counts(_delta(s1, s0, k), prompts=2, generated=70, seconds=0.5)
     b = _counts(_delta(s2, s1, k), prompts=3, generated=80, seconds=0.25)
     total = _counts(_delta(s2, s0, k), prompts=5, generated=150, seconds=0.75)
