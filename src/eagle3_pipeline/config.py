@@ -106,8 +106,8 @@ class ExtractConfig(EngineConfig):
     layer_ids: list[int] | None = Field(None, description="aux layer ids; default [2, N//2, N-3]; N is appended")
     rows_per_shard: int = 64
     shards_per_group: int | None = Field(None, description="shards one engine child runs (one model load); "
-                                                             "None = all remaining shards in one group")
-    parallel_groups: int = Field(1, description=">1: groups fan out to the extract-group deployment (GPU pool)")
+                                                             "None = spread evenly over parallel_groups")
+    parallel_groups: int = Field(1, ge=1, description=">1: groups fan out to the extract-group deployment (GPU pool)")
     storage_dtype: Literal["bf16", "fp8"] = "bf16"
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None

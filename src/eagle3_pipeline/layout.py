@@ -144,7 +144,7 @@ def plan_extract(cfg, prep, pre) -> ExtractVersion:
     rows = datasets.load_from_disk(prep.tokenized).num_rows
     shards = plan_shards(rows, e.rows_per_shard)
     ids = [s.index for s in shards]
-    per = e.shards_per_group or max(1, len(ids))
+    per = e.shards_per_group or max(1, math.ceil(len(ids) / e.parallel_groups))  # one group per parallel slot
     pkey = pool_key(cfg.target, pre.layer_ids, e.storage_dtype, f"{e.connector_module}.{e.connector_name}",
                     e.tensor_parallel_size)
     pool = pool_location(Path(prep.dir).parent, cfg.target.model, pkey) if e.record_pool else None
