@@ -36,7 +36,7 @@ console = Console(width=160)
 
 
 def run(d: dict, out: Path, args, online: dict | None) -> dict:
-    from eagle3_pipeline.train import train_draft
+    from eagle3_pipeline.train.stage import train_draft
 
     cfg = d["cfg"].train.model_copy(update={"epochs": 1, "max_steps": args.max_steps})
     t0 = time.time()

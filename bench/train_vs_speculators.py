@@ -52,7 +52,7 @@ def _child_cpu_s() -> float:
 
 
 def run_ours(d: dict, out: Path, args) -> dict:
-    from eagle3_pipeline.train import train_draft
+    from eagle3_pipeline.train.stage import train_draft
 
     cfg = d["cfg"].train.model_copy(update={"epochs": args.epochs, "lr": args.lr, "max_seq_len": args.max_seq_len,
                                             "val_ratio": args.val_ratio, "max_steps": args.max_steps})

@@ -384,8 +384,8 @@ def evaluate(config: ConfigOpt, set_: SetOpt = None,
     from eagle3_pipeline import stages
     from eagle3_pipeline.config import load_config
     from eagle3_pipeline.runs import create_run_dir
-    from eagle3_pipeline.train import RECORD_NAME, TrainResult
-    from eagle3_pipeline.vocab import VocabResult
+    from eagle3_pipeline.train.stage import RECORD_NAME, TrainResult
+    from eagle3_pipeline.train.vocab import VocabResult
 
     cfg = load_config(config, set_ or [])
     if draft:

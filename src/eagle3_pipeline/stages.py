@@ -22,6 +22,7 @@ from eagle3_pipeline.faults import fail_once
 from eagle3_pipeline.layout import ExtractVersion, plan_extract
 from eagle3_pipeline.preflight import PreflightResult
 from eagle3_pipeline.store import content_key, dir_lock
+from eagle3_pipeline.store_check import check_store
 
 __all__ = ["plan_extract", "stage_regenerate", "stage_prepare", "stage_preflight", "stage_gpu_gate", "stage_extract_group",
            "stage_extract_summary", "stage_extract", "stage_verify", "stage_vocab", "train_key", "stage_train",
@@ -31,6 +32,7 @@ __all__ = ["plan_extract", "stage_regenerate", "stage_prepare", "stage_preflight
 def stage_regenerate(cfg: PipelineConfig, log=print):
     """The optional regenerate stage: the target answers the sources' turns (regenerate/); its
     RegenerateResult is what stage_prepare then reads instead of prepare.sources."""
+    check_store(Path(cfg.store), log)  # on every host: the pod's mount must hold the store's contract
     from eagle3_pipeline.regenerate import regenerate
 
     return regenerate(cfg.regenerate, cfg.prepare, cfg.target, Path(cfg.store), log=log)
@@ -38,6 +40,7 @@ def stage_regenerate(cfg: PipelineConfig, log=print):
 
 def stage_prepare(cfg: PipelineConfig, log=print, regenerated=None) -> PrepareResult:
     """Tokenize prepare.sources, or with `regenerated` (a RegenerateResult) the regenerated rows."""
+    check_store(Path(cfg.store), log)
     from eagle3_pipeline.data.prepare import prepare
 
     fail_once("prepare")
@@ -78,6 +81,7 @@ def stage_gpu_gate(where: str, log=print):
 def stage_extract_group(cfg: PipelineConfig, version: ExtractVersion, shard_ids: list[int], force: bool = False,
                         log=print, on_shard=None) -> list:
     """Publish shards `shard_ids` of `version` with one engine child: list[extract.shards.ShardRecord]."""
+    check_store(Path(cfg.store), log)
     from eagle3_pipeline.extract.shards import extract_group
 
     return extract_group(cfg.extract, cfg.target, version, shard_ids, log=log, force=force, on_shard=on_shard)
@@ -100,6 +104,7 @@ def stage_extract(cfg: PipelineConfig, version: ExtractVersion, log=print):
 
 def stage_verify(cfg: PipelineConfig, version: ExtractVersion, log=print):
     """The verify gate: raises VerifyFailed naming every bad record; returns the VerifyResult."""
+    check_store(Path(cfg.store), log)
     from eagle3_pipeline.verify.gate import check_verify_gate, verify
 
     fail_once("verify")
@@ -110,7 +115,7 @@ def stage_verify(cfg: PipelineConfig, version: ExtractVersion, log=print):
 
 def stage_vocab(cfg: PipelineConfig, prep: PrepareResult, version: ExtractVersion, log=print):
     from eagle3_pipeline.data.prepare import load_tokenizer
-    from eagle3_pipeline.vocab import build_vocab
+    from eagle3_pipeline.train.vocab import build_vocab
 
     fail_once("vocab")
     tok = load_tokenizer(cfg.target)
@@ -144,7 +149,8 @@ def previous_for(cfg: PipelineConfig, version: ExtractVersion):
 
 def stage_train(cfg: PipelineConfig, version: ExtractVersion, voc, log=print):
     """offline: the verified stored records; online: a vLLM server started here (stage_train_online)."""
-    from eagle3_pipeline.train import train_draft
+    check_store(Path(cfg.store), log)
+    from eagle3_pipeline.train.stage import train_draft
     from eagle3_pipeline.verify.gate import require_verified
 
     if cfg.train.mode == "online":
@@ -176,7 +182,7 @@ def stage_train_online(cfg: PipelineConfig, version: ExtractVersion, voc, log=pr
     from eagle3_pipeline.data.prepare import load_tokenized
     from eagle3_pipeline.preflight import disk_plans
     from eagle3_pipeline.store import write_json
-    from eagle3_pipeline.train import train_draft
+    from eagle3_pipeline.train.stage import train_draft
     from eagle3_pipeline.train.online import HiddenStateServer, OnlineResult, sample_and_verify
 
     prev, tcfg = _train_start(cfg, version, log)
@@ -250,8 +256,9 @@ def stage_compare_drafts(cfg: PipelineConfig, drafts: dict[str, Path], run_dir: 
 
 def stage_evaluate(cfg: PipelineConfig, prep: PrepareResult, version: ExtractVersion, voc, tr, run_dir: Path,
                    log=print):
+    check_store(Path(cfg.store), log)
     from eagle3_pipeline.evaluate import check_acceptance_gate, evaluate_pair
-    from eagle3_pipeline.train import UNTRAINED_DIR, make_untrained_draft
+    from eagle3_pipeline.train.stage import UNTRAINED_DIR, make_untrained_draft
 
     prompts = evaluate_prompts(cfg, prep, Path(run_dir) / "evaluate", log=log)
     untrained = None

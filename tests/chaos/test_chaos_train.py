@@ -25,7 +25,8 @@ from types import SimpleNamespace
 import pytest
 
 from eagle3_pipeline.proc import ChildFailed
-from eagle3_pipeline.train import CKPT_FILES, export_check, train_draft
+from eagle3_pipeline.train.export import export_check
+from eagle3_pipeline.train.stage import CKPT_FILES, train_draft
 from eagle3_pipeline.train.worker import STEP_DELAY_ENV
 from tests.helpers.chaos import TRAINER_TRIALS, DelayedKill, child_running, gate_after_kill, trial_rng
 from tests.helpers.store import temporaries

@@ -6,7 +6,7 @@ Owns `make_random_draft(target_dir, out_dir, ...)`. Reads the target's config.js
 writes a speculators checkpoint directory (config.json + model.safetensors holding `d2t`/`t2d`) that
 vLLM serves as an EAGLE-3 draft. The decoder weights are random, so acceptance is near zero. Used by
 tests/integration/test_evaluate.py to test the evaluate stage's plumbing on its own; the pipeline's
-own untrained baseline is `eagle3_pipeline.train.make_untrained_draft` (the train worker's
+own untrained baseline is `eagle3_pipeline.train.stage.make_untrained_draft` (the train worker's
 `untrained` mode, with the vocab stage's d2t/t2d and the version's aux layer ids).
 """
 

@@ -26,7 +26,7 @@ def vocab_dir(tiny_config, prepared, extracted) -> Path:
 
 
 def test_speculators_own_trainer_trains_on_our_data(tiny_target, extracted, vocab_dir, tmp_path):
-    from eagle3_pipeline.train import export_check
+    from eagle3_pipeline.train.export import export_check
 
     aux = extracted.version.aux_layer_ids  # the draft's inputs: the captured ids without the final layer N
     assert aux + [json.loads((tiny_target / "config.json").read_text())["num_hidden_layers"]] == extracted.layer_ids
@@ -63,7 +63,7 @@ def test_speculators_cli_draft_has_the_architecture_of_ours(tiny_target, extract
     from safetensors import safe_open
 
     from eagle3_pipeline.config import TargetConfig, TrainConfig
-    from eagle3_pipeline.train import make_untrained_draft
+    from eagle3_pipeline.train.stage import make_untrained_draft
 
     aux = extracted.version.aux_layer_ids
     theirs = tmp_path / "theirs"

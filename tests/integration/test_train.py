@@ -22,7 +22,8 @@ import torch
 from eagle3_pipeline.config import EvaluateConfig, TargetConfig, TrainConfig
 from eagle3_pipeline.contracts import to_record
 from eagle3_pipeline.proc import ChildFailed
-from eagle3_pipeline.train import CKPT_FILES, ExportCheckError, export_check, make_untrained_draft, train_draft
+from eagle3_pipeline.train.export import ExportCheckError, export_check
+from eagle3_pipeline.train.stage import CKPT_FILES, make_untrained_draft, train_draft
 from eagle3_pipeline.train.worker import KILL_ENV
 
 
@@ -146,7 +147,7 @@ def test_untrained_draft_has_same_architecture(trained, inputs, tmp_path):
 
 
 def test_incomplete_checkpoint_is_moved_aside_and_spec_guards_resume(tmp_path):
-    from eagle3_pipeline.train import _check_resume_spec, _move_incomplete_checkpoints
+    from eagle3_pipeline.train.stage import _check_resume_spec, _move_incomplete_checkpoints
 
     save = tmp_path / "checkpoints"
     for epoch, files in ((0, ("config.json", "model.safetensors", "optimizer_state_dict.pt", "training_state.json")),
@@ -176,7 +177,7 @@ def test_incomplete_checkpoint_is_moved_aside_and_spec_guards_resume(tmp_path):
 def test_epoch_killed_between_save_and_validation_is_trained_again(tmp_path, val_lines, best, trained_again):
     """speculators saves an epoch's checkpoint before validating it and before moving checkpoint_best;
     a kill in between (found by the chaos suite) must not leave that epoch unvalidated on resume."""
-    from eagle3_pipeline.train import _move_incomplete_checkpoints
+    from eagle3_pipeline.train.stage import _move_incomplete_checkpoints
 
     save = tmp_path / "checkpoints"
     for epoch in (0, 1):

@@ -577,7 +577,7 @@ def test_bad_token_frequencies(tmp_path, kind, counts, fragment):
     import numpy as np
     from safetensors.numpy import save_file
 
-    from eagle3_pipeline.vocab import VocabError, read_token_freq
+    from eagle3_pipeline.train.vocab import VocabError, read_token_freq
 
     path = tmp_path / "token_freq.safetensors"
     save_file({"counts": np.asarray(counts, dtype=np.int64)}, str(path))
@@ -700,8 +700,8 @@ def _exit_code_cases():
     from eagle3_pipeline.gpu import GpuGateFailed
     from eagle3_pipeline.preflight import PreflightFailed
     from eagle3_pipeline.proc import ChildFailed, ChildTimedOut
-    from eagle3_pipeline.train import ExportCheckError
-    from eagle3_pipeline.vocab import VocabError
+    from eagle3_pipeline.train.export import ExportCheckError
+    from eagle3_pipeline.train.vocab import VocabError
 
     timed_out = ChildTimedOut("evaluate ran past its deadline of 60s")
     evaluate_wrapped = EvaluateError("evaluate: child failed")

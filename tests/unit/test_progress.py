@@ -29,7 +29,7 @@ def test_quiet_below_the_interval():
 
 
 def test_train_step_lines_say_how_far_the_run_is():
-    from eagle3_pipeline.train import _format_event
+    from eagle3_pipeline.train.stage import _format_event
 
     ev = {"kind": "train_step", "step": 90, "epoch": 0, "loss": 11.15, "acc": [0.24, 0.06], "tokens_per_s": 138}
     assert _format_event(ev, 218).startswith("train: step 90/218 epoch 0 loss 11.150 acc[0.24 0.06] 138 tok/s")

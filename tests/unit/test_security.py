@@ -170,7 +170,7 @@ def test_pickle_disguised_as_a_hidden_state_shard(tokenized, tmp_path, kind):
 @pytest.mark.parametrize("which", ["d2t", "t2d"])
 @pytest.mark.parametrize("kind", ["pickle", "npy object array"])
 def test_pickle_disguised_as_a_vocab_file(tmp_path, which, kind):
-    from eagle3_pipeline.vocab import VocabError, load_vocab
+    from eagle3_pipeline.train.vocab import VocabError, load_vocab
 
     vocab, marker = tmp_path / "vocab", tmp_path / "pwned"
     vocab.mkdir()
@@ -189,7 +189,7 @@ def test_pickle_disguised_as_a_vocab_file(tmp_path, which, kind):
 
 
 def test_pickle_disguised_as_token_frequencies(tmp_path):
-    from eagle3_pipeline.vocab import VocabError, read_token_freq
+    from eagle3_pipeline.train.vocab import VocabError, read_token_freq
 
     path, marker = tmp_path / "token_freq.safetensors", tmp_path / "pwned"
     _malicious("pickle", path, marker)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from eagle3_pipeline.config import ConfigError, TrainConfig, load_config
-from eagle3_pipeline.train import WORKER, _argv
+from eagle3_pipeline.train.stage import WORKER, _argv
 
 ROOT = Path(__file__).resolve().parents[2]
 

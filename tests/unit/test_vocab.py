@@ -9,7 +9,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from eagle3_pipeline.config import VocabConfig
-from eagle3_pipeline.vocab import VocabError, build_vocab, check_vocab, load_vocab
+from eagle3_pipeline.train.vocab import VocabError, build_vocab, check_vocab, load_vocab
 
 V = 64
 

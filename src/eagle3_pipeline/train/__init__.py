@@ -1,0 +1,10 @@
+"""The train stage: offline data + draft vocab -> an EAGLE-3 draft checkpoint that vLLM serves.
+
+  stage.py        parent side: train_draft, make_untrained_draft, TrainResult (what the flow calls)
+  job.py          TrainJob, the JOB.json the parent writes and the child reads
+  worker.py       the child process (speculators' trainer), `python -m eagle3_pipeline.train.worker`
+  export.py       export_check: is a checkpoint the draft we meant
+  vocab.py        the draft vocabulary (d2t / t2d) from prepare's token frequencies
+  online.py, online_data.py   online training: hidden states from a running vLLM server
+Nothing is re-exported here, so the child does not import the parent's modules.
+"""
