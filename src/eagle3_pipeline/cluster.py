@@ -1,0 +1,122 @@
+"""Kubernetes job variables of each GPU stage, derived from the config and reconciled with its deadlines.
+
+Owns `GPU_STAGES`, `stage_deadline_s` (the stage's own child/engine deadline, from the config) and
+`job_variables(config, stage, shards)`: the job variables a Kubernetes work pool's Job template
+(infra/k8s/gpu-job-template.json, infra/k8s/cpu-job-template.json) takes for one stage's flow run, so
+that the pod asks for what the config implies and Kubernetes' own deadline never fires before the
+pipeline's. Core: no Prefect import (flows pass the dict to `run_deployment(job_variables=...)`).
+
+  gpu_count                   extract: extract.tensor_parallel_size x pipeline parallel (1 here)
+                              verify: 0 (the reference child streams the target one layer at a time on
+                                  CPU, verify/reference.py) -> a CPU pod with verify.reference_memory_gb
+                              train: train.world_size on cuda, else 0 (online: at least the server's TP)
+                              evaluate: evaluate.tensor_parallel_size
+  cpu_request / memory_*      GPU stages: CPU_PER_GPU cores and HOST_MEMORY_GIB_PER_GPU per GPU (fits every
+                              8 x H100/H200 node type: 96+ vCPU, 1.8+ TiB); verify: the reference child's
+                              reference_memory_gb + VERIFY_PARENT_MEMORY_GIB for the record scan
+  deadline_seconds            the Job's activeDeadlineSeconds, counted from the Job's creation: the pod's
+                              start (pod_watch_timeout_seconds: scheduling, node scale-up, image pull) +
+                              every in-pod attempt of the stage's task (1 + retries) x the stage's own
+                              deadline + the retry delays + JOB_MARGIN_S. So the pipeline's own deadline
+                              (ChildTimedOut, naming the config key) always fires first, also on the last retry.
+  pod_watch_timeout_seconds   how long the worker waits for the pod to start
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from eagle3_pipeline.config import PipelineConfig
+
+GPU_STAGES = ("extract", "verify", "train", "evaluate")
+
+CPU_PER_GPU = 8                  # cores requested per GPU (vLLM workers, tokenizer, torchrun ranks, loaders)
+HOST_MEMORY_GIB_PER_GPU = 64     # host memory per GPU (engine workers, pinned buffers, the trainer's batches)
+VERIFY_PARENT_MEMORY_GIB = 8     # the verify parent (record scan threads) beside the reference child
+VERIFY_SCAN_S = 4 * 3600.0       # the record scan of a full dataset (not in the config: records x read rate)
+JOB_MARGIN_S = 900               # flow start, imports, store writes, Prefect API calls around the child
+POD_WATCH_GPU_S = 1800           # a GPU node's scale-up + the multi-GB image pull
+POD_WATCH_CPU_S = 900            # a CPU node: image pull only
+
+# In-pod attempts of each stage's task: tasks/stage_tasks.py RETRY_POLICIES (retries, delay_s); extract's
+# count is config.extract.retries. tests/unit/test_cluster.py checks this copy against the policies.
+STAGE_RETRIES = {"verify": (1, 10.0), "train": (2, 60.0), "evaluate": (1, 30.0), "extract": (None, 5.0)}
+RETRY_JITTER = 0.2               # Prefect's retry_jitter_factor the policies use
+
+
+def _check_stage(stage: str) -> None:
+    if stage not in GPU_STAGES:
+        raise ValueError(f"unknown stage {stage!r}: the stages that run as their own Kubernetes Job are "
+                         f"{', '.join(GPU_STAGES)}")
+
+
+def stage_deadline_s(config: PipelineConfig, stage: str, shards: int | None = None) -> float:
+    """The stage's own deadline of one attempt, from the config (what the pipeline enforces itself)."""
+    _check_stage(stage)
+    if stage == "extract":
+        e = config.extract
+        if e.shard_timeout_s is None:
+            return float(e.timeout_s)
+        if shards is None or shards < 1:
+            raise ValueError(f"extract: extract.shard_timeout_s is set, so the group's deadline depends on its "
+                             f"shard count: pass shards >= 1 (got {shards!r})")
+        return float(e.start_timeout_s + e.shard_timeout_s * shards)  # extract/shards.py group_deadline
+    if stage == "verify":
+        # the sampled rows' reference child, and a second one confirming rows flagged by learned checks
+        # (verify/gate.py), then the scan of every record
+        return 2 * config.verify.reference_timeout_s + VERIFY_SCAN_S
+    if stage == "train":
+        t = config.train
+        return float(t.timeout_s + (t.online_start_timeout_s if t.mode == "online" else 0.0))
+    return float(config.evaluate.timeout_s)
+
+
+def _gpu_count(config: PipelineConfig, stage: str) -> int:
+    if stage == "extract":
+        e = config.extract
+        return e.tensor_parallel_size * getattr(e, "pipeline_parallel_size", 1)
+    if stage == "verify":
+        return 0
+    if stage == "train":
+        t = config.train
+        n = t.world_size if t.device == "cuda" else 0
+        if t.mode == "online":  # the trainer's vLLM server runs the target at extract's TP on the same node
+            n = max(n, config.extract.tensor_parallel_size * getattr(config.extract, "pipeline_parallel_size", 1))
+        return n
+    return config.evaluate.tensor_parallel_size * getattr(config.evaluate, "pipeline_parallel_size", 1)
+
+
+def _cpu_and_memory(config: PipelineConfig, stage: str, gpus: int) -> tuple[int, int]:
+    """(cores, GiB) requested."""
+    if gpus:
+        return CPU_PER_GPU * gpus, HOST_MEMORY_GIB_PER_GPU * gpus
+    if stage == "verify":
+        v = config.verify
+        return (v.workers or 8) + 1, math.ceil(v.reference_memory_gb) + VERIFY_PARENT_MEMORY_GIB
+    if stage == "train":  # CPU training: gloo ranks, each with its loader workers
+        t = config.train
+        return max(2, t.world_size * (1 + t.num_workers)), 8 * t.world_size
+    return 8, 32  # an engine stage at TP 0 cannot happen (tensor_parallel_size >= 1); kept total
+
+
+def job_variables(config: PipelineConfig, stage: str, shards: int | None = None) -> dict[str, Any]:
+    """Job variables of one stage's Kubernetes Job (`shards`: the extract group's shard count, needed
+    when extract.shard_timeout_s is set; ignored by the other stages)."""
+    _check_stage(stage)
+    gpus = _gpu_count(config, stage)
+    cpu, mem = _cpu_and_memory(config, stage, gpus)
+    retries, delay = STAGE_RETRIES[stage]
+    if retries is None:
+        retries = config.extract.retries
+    watch = POD_WATCH_GPU_S if gpus else POD_WATCH_CPU_S
+    one = stage_deadline_s(config, stage, shards)
+    deadline = watch + (1 + retries) * one + retries * delay * (1 + RETRY_JITTER) + JOB_MARGIN_S
+    return {
+        "gpu_count": gpus,
+        "cpu_request": str(cpu),
+        "memory_request": f"{mem}Gi",
+        "memory_limit": f"{mem}Gi",
+        "deadline_seconds": int(math.ceil(deadline)),
+        "pod_watch_timeout_seconds": watch,
+    }
