@@ -17,7 +17,9 @@ from eagle3_pipeline.preflight import installed_versions
 from eagle3_pipeline.runs import RunDir, StageClock, create_run_dir
 from eagle3_pipeline.verify.gate import VerifyResult
 from flows.config_param import DEFAULT_CONFIG_PATH, resolve_config, switches
+from flows import stage_runs
 from flows.extract import extract
+from flows.head import Prepared, prepare_run
 from flows.hub_auth import use_hub_secret
 from tasks import stage_tasks as t
 
@@ -26,40 +28,45 @@ from tasks import stage_tasks as t
 def pipeline(config: PipelineConfig | None = None, output_dir: str = "runs", run_dir: str | None = None,
              config_path: str = DEFAULT_CONFIG_PATH, regenerate: bool | None = None,
              train_mode: Literal["offline", "online"] | None = None, evaluate_prompts: str | None = None,
-             overrides: list[str] | None = None) -> dict:
+             overrides: list[str] | None = None, prepared: Prepared | None = None) -> dict:
     """The whole pipeline. `run_dir` defaults to a new `<output_dir>/<run-id>/` (what a UI run gets).
     Without `config`, the config is read from `config_path` (flows/config_param.py). The switches a UI
     run sets on the form without writing a whole config: `regenerate` (regenerate.enabled),
     `train_mode` (train.mode), `evaluate_prompts` (evaluate.prompts: a JSONL file or dataset of
-    prompts with categories) and `overrides` (any `key.sub=value`, as `eagle3 run --set`)."""
+    prompts with categories) and `overrides` (any `key.sub=value`, as `eagle3 run --set`). `prepared`: the head's
+    records when the caller already ran it (the refresh flow)."""
     config = resolve_config(config, config_path, switches(regenerate=regenerate, train_mode=train_mode,
                                                           evaluate_prompts=evaluate_prompts, overrides=overrides))
     run = RunDir(Path(run_dir) if run_dir else create_run_dir(Path(output_dir), config))
     recs: dict = {}  # stage name -> its typed record (report.json is built from these)
-    clock = StageClock()  # clock(stage, task, *args) runs the task and adds its wall seconds to `timings`
+    clock = StageClock()  # `with clock.stage(name)` adds wall seconds to report.json `timings`
     error = None
     try:
         use_hub_secret(config)
-        regen = None
-        if config.regenerate.enabled:  # the target answers the sources' turns; prepare reads its rows
-            recs["regenerate"] = regen = clock("regenerate", t.regenerate.with_options(
-                **t.retry_options("regenerate", config.regenerate.retries)), config)
-            clock("gpu-gate", t.gpu_gate, "after-regenerate")
-        recs["prepare"] = prep = clock("prepare", t.prepare, config, regen)
-        recs["preflight"] = pre = clock("preflight", t.preflight, config, prep)
-        version = clock("preflight", t.plan_extract, config, prep, pre)
+        if prepared is None:
+            prepared = prepare_run(config, clock)
+        recs.update((k, v) for k, v in prepared if v is not None and k != "version")
+        prep, version = prepared.prepare, prepared.version
         online = config.train.mode == "online"  # no extract: the train stage's server makes hidden states
-        clock("gpu-gate", t.gpu_gate, "before-extract" if not online else "before-train")
+        with clock.stage("gpu-gate"):
+            t.gpu_gate("before-extract" if not online else "before-train")
         if not online:
-            recs["extract"] = clock("extract", extract, config, version)
-            clock("gpu-gate", t.gpu_gate, "after-extract")
-            recs["verify"] = clock("verify", t.verify, config, version)
-        recs["vocab"] = voc = clock("vocab", t.vocab, config, prep, version)
-        recs["train"] = tr = clock("train", t.train, config, version, voc)
+            with clock.stage("extract"):
+                recs["extract"] = extract(config, version)
+            with clock.stage("gpu-gate"):
+                t.gpu_gate("after-extract")
+            with clock.stage("verify"):
+                recs["verify"] = stage_runs.verify(config, version)
+        with clock.stage("vocab"):
+            recs["vocab"] = voc = t.vocab(config, prep, version)
+        with clock.stage("train"):
+            recs["train"] = tr = stage_runs.train(config, version, voc)
         if online:  # the gate ran inside train, on rows taken from its server before training started
             recs["verify"] = VerifyResult.model_validate(tr.online["verify"])
-        clock("gpu-gate", t.gpu_gate, "after-train")
-        recs["evaluate"] = clock("evaluate", t.evaluate, config, prep, version, voc, tr, str(run.path))
+        with clock.stage("gpu-gate"):
+            t.gpu_gate("after-train")
+        with clock.stage("evaluate"):
+            recs["evaluate"] = stage_runs.evaluate(config, prep, version, voc, tr, str(run.path))
     except Exception as e:
         error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
         raise

@@ -22,6 +22,7 @@ from eagle3_pipeline import stages
 from eagle3_pipeline.config import PipelineConfig, SourceConfig, load_config
 from eagle3_pipeline.layout import ExtractVersion
 from eagle3_pipeline.store import read_json
+from flows.head import prepare_run
 from flows.hub_auth import use_hub_secret
 from flows.pipeline import pipeline
 from tasks import stage_tasks as t
@@ -38,15 +39,14 @@ def refresh(config_path: str = "configs/tiny-cpu.yaml", overrides: list[str] | N
     if config.prepare.heldout_fraction is None:
         print("refresh: prepare.heldout_fraction is not set: the held-out set is the heldout_rows lowest hashes, "
               "which added rows can shift; set it to keep held-out conversations out of training across refreshes")
-    regen = t.regenerate(config) if config.regenerate.enabled else None  # the store answers a done version
-    prep = t.prepare(config, regen)
-    version = t.plan_extract(config, prep, t.preflight(config, prep))
+    prepared = prepare_run(config)  # the store answers a version already done
+    prep, version = prepared.prepare, prepared.version
     draft = trained_draft(config, version)
     t.record_refresh(config, prep, draft, changed=retrain or draft is None)
     if draft and not retrain:
         print(f"refresh: {config.prepare.dataset}@{prep.version} unchanged; its draft is {draft}")
         return {"changed": False, "version": prep.version, "draft": draft}
-    rec = pipeline(config=config, output_dir=output_dir)
+    rec = pipeline(config=config, output_dir=output_dir, prepared=prepared)  # goes on from this head
     t.record_refresh(config, prep, draft, changed=True, report=rec)
     ex = rec["stages"].get("extract") or {}
     print(f"refresh: {config.prepare.dataset}@{prep.version}: {ex.get('rows_extracted')} rows extracted, "

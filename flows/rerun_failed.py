@@ -9,7 +9,9 @@ from prefect import flow
 from eagle3_pipeline.config import PipelineConfig
 from flows.config_param import DEFAULT_CONFIG_PATH, resolve_config
 from flows.extract import extract
+from flows.head import prepare_run
 from flows.hub_auth import use_hub_secret
+from flows.stage_runs import verify
 from tasks import stage_tasks as t
 
 
@@ -18,10 +20,8 @@ def rerun_failed(config: PipelineConfig | None = None, force_shards: list[int] |
                  config_path: str = DEFAULT_CONFIG_PATH):
     config = resolve_config(config, config_path)  # flows/config_param.py: the deployment's default is a path
     use_hub_secret(config)
-    regen = t.regenerate(config) if config.regenerate.enabled else None  # the store answers a done version
-    prep = t.prepare(config, regen)
-    version = t.plan_extract(config, prep, t.preflight(config, prep))
+    version = prepare_run(config).version  # the store answers a version already done
     t.gpu_gate("before-extract")
     extract(config, version, force_shards=force_shards)
     t.gpu_gate("after-extract")
-    return t.verify(config, version)
+    return verify(config, version)

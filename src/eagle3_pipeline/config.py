@@ -346,6 +346,10 @@ class PipelineConfig(Strict):
     vocab: VocabConfig = VocabConfig()
     train: TrainConfig = TrainConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
+    gpu_stages: Literal["in_flow", "deployments"] = Field(
+        "in_flow", description="where verify, train and evaluate run: in the flow's own process, or as runs of "
+        "their deployments (verify-stage, train-stage, evaluate-stage) that the work pool places on GPU nodes, "
+        "each with job variables derived from this config (cluster.py)")
 
 
 def _set_dotted(d: dict, key: str, value) -> None:

@@ -7,20 +7,17 @@ start-up apart) and the assembly of `report.json`'s record from the stage record
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TypeVar
 
 from eagle3_pipeline.config import PipelineConfig
 from eagle3_pipeline.report import build_report
 from eagle3_pipeline.store import write_json
-
-T = TypeVar("T")
-
 
 def new_run_id() -> str:
     return datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
@@ -50,13 +47,14 @@ class StageClock:
         self.started = time.time()
         self.seconds: dict[str, float] = {}
 
-    def __call__(self, stage: str, fn: Callable[..., T], *args, **kwargs) -> T:
-        """Run `fn(*args, **kwargs)` and add its wall seconds to `stage` (also when it raises)."""
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        """`with clock.stage("train"): ...` adds the body's wall seconds to `name` (also when it raises)."""
         t0 = time.perf_counter()
         try:
-            return fn(*args, **kwargs)
+            yield
         finally:
-            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - t0
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 
     def timings(self, recs: dict) -> dict[str, dict]:
         """report.json `timings`: {stage: {"seconds", "engine_start_s"}} in the order stages ran."""

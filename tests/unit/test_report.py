@@ -43,11 +43,13 @@ def test_timings_contract_and_table(tmp_path):
     from eagle3_pipeline.runs import StageClock
 
     clock = StageClock()
-    assert clock("vocab", lambda a, b=0: a + b, 1, b=2) == 3
-    clock("gpu-gate", lambda: None)
-    clock("gpu-gate", lambda: None)  # a stage timed twice adds up
-    with pytest.raises(ValueError):
-        clock("evaluate", _raise)  # a failing stage is timed too
+    with clock.stage("vocab"):
+        pass
+    for _ in range(2):  # a stage timed twice adds up
+        with clock.stage("gpu-gate"):
+            pass
+    with pytest.raises(ValueError), clock.stage("evaluate"):
+        _raise()  # a failing stage is timed too
     clock.seconds["train"] = 40.0
     recs = {"train": types.SimpleNamespace(engine_start_s=12.5), "vocab": types.SimpleNamespace()}
     timings = clock.timings(recs)

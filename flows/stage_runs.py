@@ -1,0 +1,120 @@
+"""verify, train and evaluate: in the flow's process, or as runs of their own deployments.
+
+With `gpu_stages: deployments` each of these stages is a flow run of `verify-stage`, `train-stage` or
+`evaluate-stage` (prefect.yaml) that the work pool places (Kubernetes: a Job asking for the GPUs,
+memory and deadline `cluster.job_variables` derives from the config), and the calling flow waits for
+it: so the pipeline's flow itself can be a small CPU pod. The stage's record comes back as the run's
+persisted JSON result (result storage on the shared store volume). A run that crashed (a lost node or
+pod) is submitted once more; one that has not finished within its Job's deadline is cancelled.
+With `gpu_stages: in_flow` (the default) the same tasks run in the calling flow.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from prefect import flow, get_run_logger
+from prefect.client.orchestration import get_client
+from prefect.deployments import run_deployment
+from prefect.states import Cancelling
+from pydantic import BaseModel
+
+from eagle3_pipeline.cluster import job_variables
+from eagle3_pipeline.config import PipelineConfig
+from eagle3_pipeline.data.prepare import PrepareResult
+from eagle3_pipeline.layout import ExtractVersion
+from eagle3_pipeline.train.stage import TrainResult
+from eagle3_pipeline.train.vocab import VocabResult
+from flows.fanout import flow_run_link
+from flows.hub_auth import use_hub_secret
+from tasks import stage_tasks as t
+
+DEPLOYMENT = os.environ.get("EAGLE3_STAGE_DEPLOYMENT", "{stage}-stage/{stage}-stage")
+POLL_S = float(os.environ.get("EAGLE3_FANOUT_POLL_S", "5"))
+RESULT = {"persist_result": True, "result_serializer": "json", "log_prints": True}
+
+
+class StageRunFailed(RuntimeError):
+    """A stage's deployment run did not complete (twice, when it crashed)."""
+
+
+@flow(name="verify-stage", **RESULT)
+def verify_stage(config: PipelineConfig, version: ExtractVersion):
+    use_hub_secret(config)
+    return t.verify(config, version)
+
+
+@flow(name="train-stage", **RESULT)
+def train_stage(config: PipelineConfig, version: ExtractVersion, voc: VocabResult):
+    use_hub_secret(config)
+    return t.train(config, version, voc)
+
+
+@flow(name="evaluate-stage", **RESULT)
+def evaluate_stage(config: PipelineConfig, prep: PrepareResult, version: ExtractVersion, voc: VocabResult,
+                   tr: TrainResult, run_dir: str):
+    use_hub_secret(config)
+    return t.evaluate(config, prep, version, voc, tr, run_dir)
+
+
+def verify(config: PipelineConfig, version: ExtractVersion):
+    if config.gpu_stages == "deployments":
+        return on_pool(config, "verify", version=version)
+    return t.verify(config, version)
+
+
+def train(config: PipelineConfig, version: ExtractVersion, voc: VocabResult):
+    if config.gpu_stages == "deployments":
+        return on_pool(config, "train", version=version, voc=voc)
+    return t.train(config, version, voc)
+
+
+def evaluate(config: PipelineConfig, prep: PrepareResult, version: ExtractVersion, voc: VocabResult, tr: TrainResult,
+             run_dir: str):
+    if config.gpu_stages == "deployments":
+        return on_pool(config, "evaluate", prep=prep, version=version, voc=voc, tr=tr, run_dir=run_dir)
+    return t.evaluate(config, prep, version, voc, tr, run_dir)
+
+
+def on_pool(config: PipelineConfig, stage: str, **inputs):
+    """Run `stage` as a run of its deployment and return its record; a crashed run is submitted once more."""
+    log, name = get_run_logger(), DEPLOYMENT.format(stage=stage)
+    jv = job_variables(config, stage)
+    params = {"config": config.model_dump(mode="json"),
+              **{k: v.model_dump(mode="json") if isinstance(v, BaseModel) else v for k, v in inputs.items()}}
+    problems = []
+    for attempt in (1, 2):
+        fr = run_deployment(name, parameters=params, job_variables=jv, timeout=0, as_subflow=True,
+                            flow_run_name=f"{stage}-{config.name}")
+        log.info(f"{stage}: flow run {fr.name} of {name} ({jv['gpu_count']} GPUs, deadline {jv['deadline_seconds']} s): "
+                 f"{flow_run_link(fr.id)}")
+        state = wait_final(fr.id, jv["deadline_seconds"], log)
+        if state is not None and state.is_completed():
+            return state.result()
+        problems.append(f"attempt {attempt}: flow run {fr.name} ({fr.id}) "
+                        + (f"{state.name}: {state.message}" if state else f"not final after {jv['deadline_seconds']} s")
+                        + f" - {flow_run_link(fr.id)}")
+        log.error(f"{stage}: {problems[-1]}")
+        if state is None or not state.is_crashed():
+            break
+    raise StageRunFailed(f"{stage} ran as deployment {name} and did not complete:\n  " + "\n  ".join(problems))
+
+
+def wait_final(flow_run_id, deadline_s: float, log):
+    """The run's final state, or None (after cancelling it) when `deadline_s` passes first. API errors
+    (a server restart, a short outage) are logged and polled through."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        time.sleep(POLL_S)
+        try:
+            with get_client(sync_client=True) as client:
+                fr = client.read_flow_run(flow_run_id)
+        except Exception as e:  # noqa: BLE001 - the API is down for a moment: keep waiting until the deadline
+            log.warning(f"reading flow run {flow_run_id} failed ({type(e).__name__}: {e}); polling on")
+            continue
+        if fr.state is not None and fr.state.is_final():
+            return fr.state
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(flow_run_id, Cancelling(message=f"no result within {deadline_s:.0f} s"), force=True)
+    return None
