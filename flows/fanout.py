@@ -6,12 +6,31 @@ flow run of EAGLE3_EXTRACT_GROUP_DEPLOYMENT (default `extract-group/extract-grou
 calling flow as a subflow; the work pool places it (Kubernetes: one 8-GPU job per group; locally:
 one process worker per "node"). At most `extract.parallel_groups` are in flight; this waits for all
 and returns one line per group that did not complete, naming its flow run and UI link.
+
+A lost group costs its own re-run, never the run (docs/operations.md "A control plane that survives"):
+- a group run that ends Crashed (its process or pod died, the worker said so) is resubmitted once;
+  the new run reads the manifest, so the shards the lost one published are skipped;
+- a group run that stays Running/Pending with nobody behind it (its worker and process killed, a
+  node lost: nothing will ever report it) is found by its flow-run heartbeats (Prefect's
+  `prefect.flow-run.heartbeat` events, every PREFECT_FLOWS_HEARTBEAT_FREQUENCY seconds from the
+  group's own process): none for EAGLE3_FANOUT_MISSED_HEARTBEATS (3) periods -> marked Crashed and
+  resubmitted once;
+- a group run still unfinished past its deadline (`group_deadline_s`: the config's own per-group
+  child deadline x its attempts + the start allowance) is cancelled (its worker ends the process),
+  then marked Crashed if it does not stop, and resubmitted once;
+- Failed (the group's task gave an answer: a bad shard, a config error) and Cancelled by someone
+  else are not resubmitted: they fail the stage as before (the UI's Retry re-runs what is left).
+- API errors while submitting or polling (a server restart, a database outage, a few minutes of no
+  API) are retried with backoff for up to EAGLE3_API_OUTAGE_S (900) seconds of continuous failure.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
+from typing import TypeVar
 from uuid import UUID
 
 from prefect import get_run_logger
@@ -19,14 +38,25 @@ from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
 from prefect.exceptions import ObjectNotFound
 from prefect.settings import get_current_settings
-from prefect.states import Cancelling
+from prefect.states import Cancelling, Crashed
 
 from eagle3_pipeline.config import PipelineConfig
+from eagle3_pipeline.extract.shards import group_deadline
 from eagle3_pipeline.layout import ExtractVersion
 from eagle3_pipeline.store import read_json
+from tasks.stage_tasks import transient_api_error
 
 GROUP_DEPLOYMENT = os.environ.get("EAGLE3_EXTRACT_GROUP_DEPLOYMENT", "extract-group/extract-group")
 POLL_S = float(os.environ.get("EAGLE3_FANOUT_POLL_S", "5"))
+API_OUTAGE_S = float(os.environ.get("EAGLE3_API_OUTAGE_S", "900"))
+MISSED_HEARTBEATS = float(os.environ.get("EAGLE3_FANOUT_MISSED_HEARTBEATS", "3"))
+START_ALLOWANCE_S = float(os.environ.get("EAGLE3_FANOUT_START_S", "1800"))  # pod scheduling, node scale-up,
+# image pull, imports and the GPU slot wait before the group's engine child starts (cluster.POD_WATCH_GPU_S)
+CANCEL_GRACE_S = 120.0  # a group cancelled at its deadline that has not stopped by then is marked Crashed
+RESUBMITS = 1  # a lost group is run again once; the stage fails when that run is lost or fails too
+EXTRACT_RETRY_DELAY_S = 5.0 * 1.2  # tasks/stage_tasks.py RETRY_POLICIES["extract-group"] delay, jittered
+
+T = TypeVar("T")
 
 
 def groups_to_run(version: ExtractVersion, force: set[int]) -> list[list[int]]:
@@ -42,19 +72,161 @@ def flow_run_link(flow_run_id: UUID | str) -> str:
     return f"{ui}/runs/flow-run/{flow_run_id}" if ui else f"flow run {flow_run_id}"
 
 
+def group_deadline_s(config: PipelineConfig, group: list[int]) -> float:
+    """How long a group's flow run may stay unfinished after it started running: every attempt of its
+    `extract-group` task (1 + extract.retries) x the child's own deadline (extract.shard_timeout_s x its
+    shards + start_timeout_s, or extract.timeout_s; extract/shards.py group_deadline), the retry delays
+    and START_ALLOWANCE_S. The child's deadline (ChildTimedOut, naming the key) always fires first."""
+    e = config.extract
+    attempts = e.retries + 1
+    return attempts * group_deadline(e, len(group)) + e.retries * EXTRACT_RETRY_DELAY_S + START_ALLOWANCE_S
+
+
+def heartbeat_grace_s() -> float | None:
+    """Seconds without a heartbeat after which a running group is lost (None: heartbeats are off)."""
+    freq = get_current_settings().flows.heartbeat_frequency
+    return None if not freq else MISSED_HEARTBEATS * max(float(freq), 30.0) + POLL_S
+
+
+def with_api_retry(call: Callable[[], T], what: str, log: Callable[[str], None],
+                   outage_s: float | None = None, sleep: Callable[[float], None] = time.sleep) -> T:
+    """`call()`, retried with backoff (2, 4, ... 30 s) while the API is away, up to `outage_s`
+    (EAGLE3_API_OUTAGE_S) of continuous failure; other errors propagate at once."""
+    budget = API_OUTAGE_S if outage_s is None else outage_s
+    t0, n = time.monotonic(), 0
+    while True:
+        try:
+            out = call()
+            if n:
+                log(f"extract: the Prefect API answers again ({what}) after {time.monotonic() - t0:.0f}s")
+            return out
+        except Exception as e:  # noqa: BLE001
+            waited = time.monotonic() - t0
+            if not transient_api_error(e) or waited >= budget:
+                raise
+            n += 1
+            delay = min(2.0 ** n, 30.0, max(budget - waited, 1.0))
+            log(f"extract: Prefect API unavailable ({what}: {type(e).__name__}: {str(e)[:200]}); "
+                f"retrying in {delay:.0f}s ({waited:.0f}s of {budget:.0f}s)")
+            sleep(delay)
+
+
+class _Group:
+    def __init__(self, shards: list[int], deadline_s: float):
+        self.shards, self.deadline_s = shards, deadline_s
+        self.submissions = 0
+        self.flow_run_id: UUID | None = None
+        self.name = ""
+        self.cancel_requested: float | None = None  # time.time() we asked its worker to end it
+        self.seen_alive: float = time.time()  # last sign of life: submission, state change, heartbeat
+
+
+def _last_heartbeat(client, flow_run_id: UUID, since: datetime) -> float | None:
+    from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventResourceFilter
+
+    page = client.read_events(filter=EventFilter(
+        event=EventNameFilter(name=["prefect.flow-run.heartbeat"]),
+        resource=EventResourceFilter(id=[f"prefect.flow-run.{flow_run_id}"]),
+        occurred=EventOccurredFilter(since=since)), limit=1)
+    return max((e.occurred.timestamp() for e in page.events), default=None)
+
+
 def run_groups_as_deployments(config: PipelineConfig, version: ExtractVersion, force: set[int]) -> list[str]:
+    from prefect.runtime import flow_run as this_run
+
     log = get_run_logger()
-    todo = groups_to_run(version, force)
+    todo = [_Group(g, group_deadline_s(config, g)) for g in groups_to_run(version, force)]
     window = config.extract.parallel_groups
+    grace = heartbeat_grace_s()
     log.info(f"extract: {len(todo)} of {len(version.groups)} shard groups to run as {GROUP_DEPLOYMENT} "
-             f"flow runs, {window} at a time; the others are published")
+             f"flow runs, {window} at a time; the others are published. Each may run "
+             f"{max((g.deadline_s for g in todo), default=0) / 3600:.1f} h; a group lost (Crashed, "
+             + (f"no heartbeat for {grace:.0f}s" if grace else "heartbeats off") + ", past its deadline) "
+             f"is resubmitted {RESUBMITS}x")
     params = {"config": config.model_dump(mode="json"), "version": version.model_dump(mode="json")}
-    running: dict[UUID, list[int]] = {}
+    parent = this_run.get_id() or "none"
+    running: dict[UUID, _Group] = {}
     failed: list[str] = []
+    api = lambda call, what: with_api_retry(call, what, log.warning)  # noqa: E731
+
+    def submit(g: _Group) -> None:
+        g.submissions += 1
+        suffix = "" if g.submissions == 1 else f"-resubmit-{g.submissions - 1}"
+        # the idempotency key makes a submission retried after an API error the same flow run
+        fr = api(lambda: run_deployment(
+            GROUP_DEPLOYMENT, parameters={**params, "shard_ids": g.shards, "force": bool(force & set(g.shards))},
+            timeout=0, as_subflow=True, flow_run_name=f"extract-shards-{g.shards}{suffix}",
+            idempotency_key=f"{parent}-{version.content_key}-{g.shards}-{g.submissions}",
+            tags=[f"eagle3-extract-{version.content_key}"]), f"submit shards {g.shards}")
+        g.flow_run_id, g.name, g.cancel_requested, g.seen_alive = fr.id, fr.name, None, time.time()
+        running[fr.id] = g
+        log.info(f"extract: shards {g.shards} -> {fr.name}: {flow_run_link(fr.id)}")
+
+    def lost(g: _Group, why: str) -> None:
+        """The group's run will not finish by itself: resubmit it once, else it fails the stage."""
+        del running[g.flow_run_id]
+        if g.submissions <= RESUBMITS:
+            log.warning(f"extract: shards {g.shards}: flow run {g.name} lost ({why}); resubmitting it "
+                        f"(its published shards are skipped) - {flow_run_link(g.flow_run_id)}")
+            todo.insert(0, g)
+        else:
+            failed.append(f"shards {g.shards}: flow run {g.name} ({g.flow_run_id}) lost again after "
+                          f"{g.submissions - 1} resubmission(s): {why} - {flow_run_link(g.flow_run_id)}")
+            log.error(f"extract: {failed[-1]}")
+
+    def crash(client, g: _Group, why: str) -> None:
+        api(lambda: client.set_flow_run_state(g.flow_run_id, Crashed(message=f"eagle3 fan-out: {why}"), force=True),
+            f"mark {g.name} Crashed")
+        lost(g, why)
+
+    def check(client, g: _Group) -> None:
+        fid = g.flow_run_id
+        fr = api(lambda: client.read_flow_run(fid), f"read {g.name}")
+        st = fr.state
+        now = time.time()
+        if st is not None and st.is_final():
+            if st.is_crashed() or (st.is_cancelled() and g.cancel_requested is not None):
+                lost(g, f"{st.name}: {st.message}")
+            elif st.is_completed():
+                del running[fid]
+                log.info(f"extract: shards {g.shards} done ({fr.name})")
+            else:
+                del running[fid]
+                failed.append(f"shards {g.shards}: flow run {fr.name} ({fid}) {st.name}: "
+                              f"{st.message} - {flow_run_link(fid)}")
+                log.error(f"extract: {failed[-1]}")
+            return
+        if st is None or st.is_scheduled():  # waiting for a worker (capacity), not lost
+            g.seen_alive = now
+            return
+        g.seen_alive = max(g.seen_alive, st.timestamp.timestamp())
+        if g.cancel_requested is not None:
+            if now - g.cancel_requested > CANCEL_GRACE_S:
+                crash(client, g, f"still {st.name} {CANCEL_GRACE_S:.0f}s after its cancellation at its deadline")
+            return
+        started = fr.start_time.timestamp() if fr.start_time else None
+        if started is not None and now - started > g.deadline_s:
+            log.warning(f"extract: shards {g.shards}: {g.name} still {st.name} after {g.deadline_s:.0f}s "
+                        f"(its deadline): cancelling it")
+            api(lambda: client.set_flow_run_state(fid, Cancelling(message=f"eagle3 fan-out: past the group's "
+                                                                  f"deadline of {g.deadline_s:.0f}s"), force=True),
+                f"cancel {g.name}")
+            g.cancel_requested = now
+            return
+        if grace is None or now - g.seen_alive <= grace:
+            return
+        since = datetime.fromtimestamp(g.seen_alive, timezone.utc) - timedelta(seconds=1)
+        beat = api(lambda: _last_heartbeat(client, fid, since), f"heartbeats of {g.name}")
+        if beat is not None:
+            g.seen_alive = max(g.seen_alive, beat)
+        if now - g.seen_alive > grace:
+            crash(client, g, f"{st.name} without a heartbeat for {now - g.seen_alive:.0f}s (its worker or node "
+                             f"is gone)")
+
     with get_client(sync_client=True) as client:
         try:
             if todo:
-                client.read_deployment_by_name(GROUP_DEPLOYMENT)
+                api(lambda: client.read_deployment_by_name(GROUP_DEPLOYMENT), "read the deployment")
         except ObjectNotFound:
             raise RuntimeError(f"extract.parallel_groups={window} fans shard groups out to the deployment "
                                f"{GROUP_DEPLOYMENT!r}, which {get_current_settings().api.url or 'this server'} does "
@@ -62,27 +234,16 @@ def run_groups_as_deployments(config: PipelineConfig, version: ExtractVersion, f
         try:
             while todo or running:
                 while todo and len(running) < window:
-                    group = todo.pop(0)
-                    fr = run_deployment(GROUP_DEPLOYMENT, parameters={**params, "shard_ids": group,
-                                                                      "force": bool(force & set(group))},
-                                        timeout=0, as_subflow=True, flow_run_name=f"extract-shards-{group}",
-                                        tags=[f"eagle3-extract-{version.content_key}"])
-                    running[fr.id] = group
-                    log.info(f"extract: shards {group} -> {fr.name}: {flow_run_link(fr.id)}")
+                    submit(todo.pop(0))
                 time.sleep(POLL_S)
-                for fid, group in list(running.items()):
-                    fr = client.read_flow_run(fid)
-                    if fr.state is None or not fr.state.is_final():
-                        continue
-                    del running[fid]
-                    if fr.state.is_completed():
-                        log.info(f"extract: shards {group} done ({fr.name})")
-                    else:
-                        failed.append(f"shards {group}: flow run {fr.name} ({fid}) {fr.state.name}: "
-                                      f"{fr.state.message} - {flow_run_link(fid)}")
-                        log.error(f"extract: {failed[-1]}")
+                for g in list(running.values()):
+                    check(client, g)
         except BaseException:  # cancelled or crashed: the groups still running are cancelled with us
             for fid in running:
-                client.set_flow_run_state(fid, Cancelling(message="the extract flow that started it ended"), force=True)
+                try:
+                    client.set_flow_run_state(fid, Cancelling(message="the extract flow that started it ended"),
+                                              force=True)
+                except Exception as e:  # noqa: BLE001
+                    log.warning(f"extract: could not cancel {running[fid].name}: {type(e).__name__}: {e}")
             raise
     return failed

@@ -8,7 +8,9 @@ work from the run store itself, which checks hashes; Prefect's cache is not trus
 Prefect-side records (README "Operations"):
 - GPU ownership: every task that loads the target or the draft (extract-group, verify, train,
   evaluate) holds one slot of the global concurrency limit `gpu-node` (env EAGLE3_GPU_LIMIT), taken
-  with strict=True: a missing limit fails the task instead of silently running unguarded. Create it
+  strictly: a missing limit fails the task instead of silently running unguarded; its lease is kept by
+  `_GpuLease` (a failed renewal never cancels the task; a dead holder's slot is freed when its lease
+  expires, EAGLE3_GPU_LEASE_S, on a server whose lease storage survives restarts). Create it
   once per server with one slot per GPU node (`prefect gcl create gpu-node --limit <nodes>`). A run
   started outside a worker (the `eagle3` CLI, in-process tests) is its own single node: it creates
   the limit with 1 slot when it is missing; runs of deployments never create it.
@@ -29,6 +31,7 @@ import contextlib
 import contextvars
 import dataclasses
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -414,8 +417,6 @@ NODE_LOCK = "gpu-node.lock"  # in PREFECT_HOME: runs on a temporary server hold 
 
 @contextlib.contextmanager
 def _acquire_gpu_slot() -> Iterator[None]:
-    from prefect.concurrency._asyncio import ConcurrencySlotAcquisitionError
-    from prefect.concurrency.sync import concurrency
     from prefect.settings import get_current_settings
 
     settings = get_current_settings()
@@ -427,12 +428,187 @@ def _acquire_gpu_slot() -> Iterator[None]:
                 _ENSURED.add(key)
             if not settings.api.url:  # a temporary server: see _node_lock
                 stack.enter_context(_node_lock(Path(settings.home)))
-        try:
-            with concurrency(GPU_LIMIT, occupy=1, strict=True):
-                yield
-        except ConcurrencySlotAcquisitionError as e:
-            raise RuntimeError(f"no slot of the global concurrency limit {GPU_LIMIT!r}: {e}. Create it once per "
-                               f"server, one slot per GPU node: prefect gcl create {GPU_LIMIT} --limit <nodes>") from e
+        with _GpuLease(GPU_LIMIT):
+            yield
+
+
+# The GPU slot's lease (docs/operations.md "A control plane that survives"). Prefect's `concurrency(...,
+# strict=True)` cancels the holder when a renewal fails (its `raise_on_lease_renewal_failure` follows
+# `strict`), and its renewal thread gives up after 3 attempts (~3 s): a server restart cancelled every
+# running GPU task, and with the server's in-memory lease storage the restarted server answered 410 and
+# the counted slot was never freed. So the slot is taken here with a lease this process keeps itself:
+# strict acquisition (a missing limit is still an error), renewals retried with backoff for as long as
+# the API is away (never fatal), a lease the server no longer has (410: it expired during an outage
+# longer than the lease, and the server freed its slot) taken again, and release retried for a while.
+# A holder that dies stops renewing: the server frees its slot when the lease expires (its repossessor
+# service), which needs a lease storage that survives the server's restarts (the filesystem storage on
+# the server's persistent PREFECT_HOME, or prefect-redis): see infra/docker-compose.yml.
+GPU_LEASE_S = float(os.environ.get("EAGLE3_GPU_LEASE_S", "300"))  # the server accepts 60 s to 1 day
+API_OUTAGE_S = float(os.environ.get("EAGLE3_API_OUTAGE_S", "900"))  # acquisition/release retried this long
+
+
+def transient_api_error(exc: BaseException) -> bool:
+    """An error of the API being away (connection refused/reset, a timeout, a 5xx, 408/429), in `exc`
+    or its causes; a 4xx answer (not found, conflict, gone) is not. (Also flows/fanout.py's.)"""
+    import httpx
+
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, httpx.HTTPStatusError):
+            code = e.response.status_code
+            return code >= 500 or code in (408, 429)
+        if isinstance(e, (httpx.TransportError, ConnectionError, TimeoutError)):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _http_status(exc: BaseException) -> int | None:
+    import httpx
+
+    e: BaseException | None = exc
+    while e is not None:
+        if isinstance(e, httpx.HTTPStatusError):
+            return e.response.status_code
+        e = e.__cause__
+    return None
+
+
+class _GpuLease:
+    """One slot of `name` held under a lease this process renews until it exits (see above)."""
+
+    RENEW_FRACTION = 0.25  # renew 4 times per lease: an outage up to 3/4 of the lease loses nothing
+
+    def __init__(self, name: str, lease_s: float | None = None, outage_s: float | None = None):
+        self.name = name
+        self.lease_s = max(60.0, lease_s or GPU_LEASE_S)
+        self.outage_s = API_OUTAGE_S if outage_s is None else outage_s
+        self.lease_id = None
+        self.limits: list = []
+        self.renewal_failures = self.reacquired = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._holder = self._current_holder()
+
+    @staticmethod
+    def _current_holder():
+        from prefect.client.schemas.objects import ConcurrencyLeaseHolder
+        from prefect.context import FlowRunContext, TaskRunContext
+
+        if (t := TaskRunContext.get()) is not None:
+            return ConcurrencyLeaseHolder(type="task_run", id=t.task_run.id)
+        if (f := FlowRunContext.get()) is not None and f.flow_run is not None:
+            return ConcurrencyLeaseHolder(type="flow_run", id=f.flow_run.id)
+        return None
+
+    def _acquire(self):
+        """A new lease on one slot (waits while the limit is full, retries while the API is away)."""
+        from prefect.concurrency._asyncio import ConcurrencySlotAcquisitionError
+        from prefect.concurrency._sync import acquire_concurrency_slots_with_lease
+
+        t0, n = time.monotonic(), 0
+        while True:
+            try:
+                r = acquire_concurrency_slots_with_lease([self.name], 1, lease_duration=self.lease_s, strict=True,
+                                                         holder=self._holder)
+                self.limits = r.limits
+                return r.lease_id
+            except ConcurrencySlotAcquisitionError as e:
+                waited = time.monotonic() - t0
+                if not transient_api_error(e) or waited >= self.outage_s or self._stop.is_set():
+                    raise RuntimeError(f"no slot of the global concurrency limit {self.name!r}: {e}"
+                                       + (f" ({e.__cause__})" if e.__cause__ else "") + ". Create it once per "
+                                       f"server, one slot per GPU node: prefect gcl create {self.name} --limit <nodes>"
+                                       ) from e
+                n += 1
+                delay = min(2.0 ** n, 30.0)
+                _logger().warning(f"{self.name}: Prefect API unavailable while taking the GPU slot ({e.__cause__}); "
+                                  f"retrying in {delay:.0f}s")
+                time.sleep(delay)
+
+    def _keep(self) -> None:
+        """Renew the lease every RENEW_FRACTION of it; while renewals fail, retry with backoff (never
+        cancels the holder); a lease the server lost is taken again."""
+        from prefect.client.orchestration import get_client
+
+        every = self.lease_s * self.RENEW_FRACTION
+        wait, failing_since, warned, n = every, None, 0.0, 0
+        with get_client(sync_client=True) as client:
+            while not self._stop.wait(wait):
+                try:
+                    client.renew_concurrency_lease(lease_id=self.lease_id, lease_duration=self.lease_s)
+                    if failing_since is not None:
+                        _logger().info(f"{self.name}: GPU slot lease renewed again after "
+                                       f"{time.monotonic() - failing_since:.0f}s of failures")
+                    wait, failing_since = every, None
+                except Exception as e:  # noqa: BLE001
+                    if _http_status(e) in (404, 410):  # expired and revoked: its slot was freed
+                        _logger().warning(f"{self.name}: the server no longer has this GPU slot's lease "
+                                          f"(it expired while the API was away): taking the slot again")
+                        lease_id = self._acquire()
+                        if self._stop.is_set():  # the holder ended meanwhile and released the old one
+                            self.lease_id = lease_id
+                            self._release()
+                            return
+                        self.lease_id, self.reacquired = lease_id, self.reacquired + 1
+                        wait, failing_since = every, None
+                        continue
+                    self.renewal_failures += 1
+                    now = time.monotonic()
+                    if failing_since is None:
+                        failing_since, n = now, 0
+                    n += 1
+                    if now - warned > 60:
+                        warned = now
+                        _logger().warning(f"{self.name}: renewing the GPU slot's lease failed for "
+                                          f"{now - failing_since:.0f}s ({type(e).__name__}: {str(e)[:200]}); the "
+                                          f"task goes on and the renewal is retried")
+                    wait = min(2.0 ** min(n, 4), every)  # 2, 4, 8, 16 s
+
+    def _release(self) -> None:
+        from prefect.client.orchestration import get_client
+
+        t0, n = time.monotonic(), 0
+        budget = min(self.outage_s, self.lease_s)  # after that the lease expires and the server frees it
+        with get_client(sync_client=True) as client:
+            while True:
+                try:
+                    client.release_concurrency_slots_with_lease(self.lease_id)
+                    return
+                except Exception as e:  # noqa: BLE001
+                    if not transient_api_error(e) or time.monotonic() - t0 >= budget:
+                        _logger().warning(f"{self.name}: the GPU slot was not released ({type(e).__name__}: "
+                                          f"{str(e)[:200]}); the server frees it when its lease expires "
+                                          f"(within {self.lease_s:.0f}s)")
+                        return
+                    n += 1
+                    time.sleep(min(2.0 ** n, 15.0))
+
+    def __enter__(self) -> _GpuLease:
+        self.lease_id = self._acquire()
+        events = None
+        with contextlib.suppress(Exception):
+            from prefect.concurrency._events import emit_concurrency_acquisition_events
+
+            events = emit_concurrency_acquisition_events(self.limits, 1)
+        self._events = events
+        self._thread = threading.Thread(target=contextvars.copy_context().run, args=(self._keep,), daemon=True,
+                                        name=f"eagle3-gpu-lease-{self.lease_id}")
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()  # a re-acquisition still in progress releases its own new lease
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._release()
+        with contextlib.suppress(Exception):
+            from prefect.concurrency._events import emit_concurrency_release_events
+
+            if self._events is not None:
+                emit_concurrency_release_events(self.limits, 1, self._events)
 
 
 @contextlib.contextmanager
