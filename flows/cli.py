@@ -389,7 +389,7 @@ def evaluate(config: ConfigOpt, set_: SetOpt = None,
 
     cfg = load_config(config, set_ or [])
     if draft:
-        from eagle3_pipeline.evaluate import validate_draft_dir
+        from eagle3_pipeline.evaluate.stage import validate_draft_dir
 
         drafts = draft_labels(draft)
         for d in drafts.values():  # a checkpoint that does not fit the target fails here, before anything runs

@@ -246,7 +246,7 @@ def stage_compare_drafts(cfg: PipelineConfig, drafts: dict[str, Path], run_dir: 
                          log=print):
     """`eagle3 evaluate --draft`: the given EAGLE-3 checkpoints side by side on this config's prompts
     (evaluate.compare_drafts; no gate). `prep` is needed only without evaluate.prompts."""
-    from eagle3_pipeline.evaluate import compare_drafts, validate_draft_dir
+    from eagle3_pipeline.evaluate.stage import compare_drafts, validate_draft_dir
 
     for d in drafts.values():  # before the prompts are even rendered: a bad checkpoint costs nothing
         validate_draft_dir(Path(d), cfg.target)
@@ -257,7 +257,7 @@ def stage_compare_drafts(cfg: PipelineConfig, drafts: dict[str, Path], run_dir: 
 def stage_evaluate(cfg: PipelineConfig, prep: PrepareResult, version: ExtractVersion, voc, tr, run_dir: Path,
                    log=print):
     check_store(Path(cfg.store), log)
-    from eagle3_pipeline.evaluate import check_acceptance_gate, evaluate_pair
+    from eagle3_pipeline.evaluate.stage import check_acceptance_gate, evaluate_pair
     from eagle3_pipeline.train.stage import UNTRAINED_DIR, make_untrained_draft
 
     prompts = evaluate_prompts(cfg, prep, Path(run_dir) / "evaluate", log=log)

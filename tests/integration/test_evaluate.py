@@ -18,12 +18,11 @@ from pathlib import Path
 import pytest
 
 from eagle3_pipeline.config import EvaluateConfig, TargetConfig
-from eagle3_pipeline.evaluate import (
-    EvaluateError,
+from eagle3_pipeline.evaluate.results import EvaluateError, LosslessMismatch
+from eagle3_pipeline.evaluate.stage import (
     EvaluateGateFailed,
     EvaluateReport,
     InvalidDraftError,
-    LosslessMismatch,
     check_acceptance_gate,
     evaluate_draft,
     evaluate_pair,

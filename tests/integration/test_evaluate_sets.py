@@ -22,7 +22,7 @@ import pytest
 from eagle3_pipeline.config import EvaluateConfig, TargetConfig
 from eagle3_pipeline.contracts import default_aux_layer_ids, model_dims
 from eagle3_pipeline.data.prepare import load_tokenizer
-from eagle3_pipeline.evaluate import sampling_warning
+from eagle3_pipeline.evaluate.stage import sampling_warning
 from tests.helpers.draft import make_random_draft
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,7 +101,7 @@ def llama_compare(tiny_target, tmp_path_factory):
 
 @pytest.mark.timeout(1200)
 def test_cli_compares_drafts_per_category_with_speedup(llama_compare):
-    from eagle3_pipeline.evaluate import DraftComparison
+    from eagle3_pipeline.evaluate.stage import DraftComparison
 
     raw, ev, stdout, n_rows = llama_compare
     rep = DraftComparison.model_validate(raw)
@@ -141,7 +141,7 @@ def test_cli_compares_drafts_per_category_with_speedup(llama_compare):
 
 @pytest.fixture(scope="module")
 def moe_pair(tiny_moe_target, tmp_path_factory):
-    from eagle3_pipeline.evaluate import evaluate_pair
+    from eagle3_pipeline.evaluate.stage import evaluate_pair
     from eagle3_pipeline.evaluate.prompts import load_prompt_set, prompt_token_limit
 
     root = tmp_path_factory.mktemp("eval-sets-moe")

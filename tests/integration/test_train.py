@@ -282,7 +282,7 @@ def test_trained_checkpoint_is_served_by_vllm(trained, inputs, tmp_path):
     """The exported checkpoint_best of train_draft, served by vLLM as the EAGLE-3 draft of the tiny
     target on held-out prompts: drafts are accepted (τ well above the untrained 1.0x), and greedy
     speculative decoding reproduces the target's own greedy tokens."""
-    from eagle3_pipeline.evaluate import evaluate_draft
+    from eagle3_pipeline.evaluate.stage import evaluate_draft
     from eagle3_pipeline.stages import heldout_prompts
 
     cfg = EvaluateConfig(num_prompts=8, num_speculative_tokens=3, max_tokens=32, check_lossless=True, timeout_s=600)

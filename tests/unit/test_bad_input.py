@@ -695,7 +695,8 @@ def _chain(outer: type[BaseException], inner: BaseException, suppress: bool = Fa
 def _exit_code_cases():
     from eagle3_pipeline.contracts import ContractError
     from eagle3_pipeline.data.formats import SourceError
-    from eagle3_pipeline.evaluate import EvaluateError, EvaluateGateFailed, InvalidDraftError
+    from eagle3_pipeline.evaluate.results import EvaluateError
+    from eagle3_pipeline.evaluate.stage import EvaluateGateFailed, InvalidDraftError
     from eagle3_pipeline.extract.shards import ExtractFailed
     from eagle3_pipeline.gpu import GpuGateFailed
     from eagle3_pipeline.preflight import PreflightFailed

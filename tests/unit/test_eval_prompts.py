@@ -242,7 +242,7 @@ def _snapshot(drafts: int, per_pos: list[int], other_engine: int = 0):
 
 
 def test_category_counters_to_tau():
-    from eagle3_pipeline.evaluate import EvaluateError, category_result, check_category_sums
+    from eagle3_pipeline.evaluate.results import EvaluateError, category_result, check_category_sums
     from eagle3_pipeline.evaluate.worker import SpecCounts, _counts, _delta, category_groups, read_spec_counters
 
     k = 3
@@ -279,7 +279,7 @@ def test_category_counters_to_tau():
 
 
 def test_speedup_is_the_ratio_of_medians():
-    from eagle3_pipeline.evaluate import speed_result, speedup_of
+    from eagle3_pipeline.evaluate.results import speed_result, speedup_of
     from eagle3_pipeline.evaluate.worker import TimedPass
 
     draft = speed_result([TimedPass(generate_s=s, generated_tokens=400) for s in (0.5, 0.4, 1.0)])
@@ -340,7 +340,7 @@ def test_cli_bad_draft_fails_before_any_engine(tmp_path, tiny_target):
 def test_sampled_tau_is_flagged_on_a_cpu_build_of_vllm():
     from importlib.metadata import PackageNotFoundError, version
 
-    from eagle3_pipeline.evaluate import sampling_warning
+    from eagle3_pipeline.evaluate.stage import sampling_warning
 
     assert sampling_warning(False) is None
     try:

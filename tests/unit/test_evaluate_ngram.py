@@ -10,13 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3_pipeline.evaluate import (
-    EvaluateError,
-    category_result,
-    check_category_sums,
-    ngram_baseline,
-    ngram_category,
-)
+from eagle3_pipeline.evaluate.ngram import ngram_baseline, ngram_category
+from eagle3_pipeline.evaluate.results import EvaluateError, category_result, check_category_sums
 from eagle3_pipeline.evaluate.worker import (
     ACCEPTED,
     ACCEPTED_PER_POS,
@@ -115,7 +110,7 @@ def test_baseline_from_a_run_per_category_lossless_and_speed():
                     timed=[TimedPass(generate_s=0.5, generated_tokens=63)] * 3)
     ref = run.model_copy(update={"label": "plain", "token_ids": [[1, 2, 3]] * 7 + [[1, 2, 4]], "timed": [
         TimedPass(generate_s=0.7, generated_tokens=63)] * 3})
-    from eagle3_pipeline.evaluate import speed_result
+    from eagle3_pipeline.evaluate.results import speed_result
 
     b = ngram_baseline(run, ref, speed_result(ref.timed))
     assert b.tokens_per_step == pytest.approx(1.3125) and b.steps == 48 and b.proposed_steps == 10

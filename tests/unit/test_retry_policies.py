@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from eagle3_pipeline.errors import DiskFull, is_transient
-from eagle3_pipeline.evaluate import EvaluateError, EvaluateGateFailed, InvalidDraftError
+from eagle3_pipeline.evaluate.results import EvaluateError
+from eagle3_pipeline.evaluate.stage import EvaluateGateFailed, InvalidDraftError
 from eagle3_pipeline.faults import FAIL_ONCE_DIR_ENV, FAIL_ONCE_ENV, InjectedFault, fail_once, take_fault
 from eagle3_pipeline.preflight import PreflightFailed
 from eagle3_pipeline.proc import ChildFailed, ChildTimedOut

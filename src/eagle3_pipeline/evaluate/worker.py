@@ -1,7 +1,7 @@
 """The evaluate child process: `python -m eagle3_pipeline.evaluate.worker JOB.json`.
 
 Owns the engine side of the evaluate stage. Reads the job file (`EvalJob`, written by
-`evaluate/__init__.py`) and the target model and draft checkpoints it names. For each run of the
+`evaluate/stage.py`) and the target model and draft checkpoints it names. For each run of the
 job, in order, it builds one `vllm.LLM` (`engine.build_llm`: the target, with `engine.eagle3_config`
 for a draft run, with vLLM's n-gram prompt lookup (`ngram_config`) for the `ngram` baseline run, without
 a speculative config for the `plain` reference run) and makes these passes:
@@ -18,7 +18,7 @@ the whole pass (= the sum over categories, checked by the parent). Beside them i
 `vllm:inter_token_latency_seconds`: the frontend observes one inter-token latency per request per engine
 step that gave the request tokens after its first (the prefill's token is a time-to-first-token
 instead), so its difference is the number of target decode steps (`steps`), proposing or not (the
-n-gram baseline's tokens per step: evaluate/__init__.py's module doc). Then it shuts the engine down and
+n-gram baseline's tokens per step: evaluate/ngram.py). Then it shuts the engine down and
 writes `<out_dir>/<label>.result.json` (`RunOutput`: counters per category, timings, generated token
 ids and the first texts). Runs share the process, so the Python/vLLM imports are paid once; each run still
 loads the target, because one engine holds one speculative config.

