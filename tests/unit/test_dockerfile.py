@@ -28,3 +28,75 @@ def test_dockerfile_python_matches_requires_python():
     if UBUNTU_PYTHON[ubuntu] != minor:
         assert "ppa:deadsnakes/ppa" in text, (f"Ubuntu {ubuntu} ships Python {UBUNTU_PYTHON[ubuntu]}, not {minor}: "
                                               "the Dockerfile must add a source for it")
+
+
+def _instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of infra/Dockerfile, continuation lines joined, comments dropped."""
+    text = (ROOT / "infra" / "Dockerfile").read_text()
+    text = re.sub(r"\\\n\s*", " ", "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#")))
+    return [(m.group(1).upper(), m.group(2)) for m in re.finditer(r"^\s*([A-Za-z]+)\s+(.*)$", text, re.M)]
+
+
+def test_dependencies_are_installed_from_the_lock_before_the_code_is_copied():
+    """An edit of src/ must not rebuild the multi-GB dependency layer: the lock is copied and installed
+    (hash-checked, nothing resolved) before any project file is copied, and the project is installed after
+    the code without dependencies."""
+    ins = _instructions()
+    idx = {i: (k, a) for i, (k, a) in enumerate(ins)}
+    lock_copy = [i for i, (k, a) in idx.items() if k == "COPY" and "requirements-gpu-k8s.lock" in a]
+    deps = [i for i, (k, a) in idx.items() if k == "RUN" and "--require-hashes" in a and "-r " in a]
+    code = [i for i, (k, a) in idx.items() if k == "COPY" and re.match(r"(src|flows|tasks|configs|pyproject\.toml)\b", a)]
+    project = [i for i, (k, a) in idx.items() if k == "RUN" and re.search(r"pip install[^&]*--no-deps[^&]*-e \.", a)]
+    assert lock_copy and deps and code and project, ins
+    assert lock_copy[0] < deps[0] < min(code) < project[0], "order: lock, dependencies, code, project"
+    assert "--no-deps" in idx[deps[0]][1], "the lock is complete: pip must not resolve anything beside it"
+
+
+def test_runs_as_a_fixed_non_root_user_matching_the_job_templates():
+    import json
+
+    users = [a for k, a in _instructions() if k == "USER"]
+    assert users, "infra/Dockerfile sets no USER: it runs as root"
+    uid = users[-1].split(":")[0]
+    assert uid.isdigit() and int(uid) != 0, users  # numeric: runAsNonRoot can check it
+    for name in ("k8s-gpu-job-template.json", "k8s-cpu-job-template.json"):
+        pod = json.loads((ROOT / "infra" / name).read_text())["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsUser"] == int(uid) and pod["securityContext"]["runAsNonRoot"] is True
+
+
+def _lock() -> dict[str, str]:
+    text = (ROOT / "infra" / "requirements-gpu-k8s.lock").read_text()
+    return {m.group(1).lower().replace("_", "-"): m.group(2) for m in re.finditer(r"^([A-Za-z0-9_.-]+)==(\S+)", text, re.M)}
+
+
+def test_the_lock_pins_every_dependency_of_the_image_within_pyproject():
+    """infra/requirements-gpu-k8s.lock holds a version (and hashes) for each requirement of pyproject.toml's
+    base + gpu + k8s sets that satisfies it: a dependency added or re-pinned in pyproject.toml without
+    regenerating the lock fails here, not in a docker build."""
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    lock = _lock()
+    text = (ROOT / "infra" / "requirements-gpu-k8s.lock").read_text()
+    assert text.count("--hash=sha256:") >= len(lock), "every pin carries its hashes (--require-hashes)"
+    reqs = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["gpu"]
+            + project["optional-dependencies"]["k8s"]]
+    problems = []
+    for r in reqs:
+        name = r.name.lower().replace("_", "-")
+        if name not in lock:
+            problems.append(f"{r}: not in the lock")
+        elif not r.specifier.contains(lock[name], prereleases=True):
+            problems.append(f"{r}: the lock has {lock[name]}")
+    assert not problems, "regenerate infra/requirements-gpu-k8s.lock (its header says how): " + "; ".join(problems)
+    assert "torch" in lock and "vllm" in lock and "prefect-kubernetes" in lock
+
+
+def test_build_context_is_limited_to_what_the_image_copies():
+    ignore = [line for line in (ROOT / "infra" / "Dockerfile.dockerignore").read_text().splitlines() if line and not line.startswith("#")]
+    assert ignore[0] == "**", "exclude everything (.venv, .cache, runs, prebuilt), then re-include what is copied"
+    copied = {a.split()[0] for k, a in _instructions() if k == "COPY" and not a.startswith("--")}
+    for path in copied:
+        if path.startswith("infra/requirements"):
+            continue
+        assert any(line.lstrip("!").split("/")[0] == path.split("/")[0] for line in ignore if line.startswith("!")), path
