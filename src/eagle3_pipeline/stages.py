@@ -33,7 +33,7 @@ def stage_regenerate(cfg: PipelineConfig, log=print):
     """The optional regenerate stage: the target answers the sources' turns (regenerate/); its
     RegenerateResult is what stage_prepare then reads instead of prepare.sources."""
     check_store(Path(cfg.store), log)  # on every host: the pod's mount must hold the store's contract
-    from eagle3_pipeline.regenerate import regenerate
+    from eagle3_pipeline.regenerate.stage import regenerate
 
     return regenerate(cfg.regenerate, cfg.prepare, cfg.target, Path(cfg.store), log=log)
 
@@ -46,7 +46,7 @@ def stage_prepare(cfg: PipelineConfig, log=print, regenerated=None) -> PrepareRe
     fail_once("prepare")
     prep_cfg = cfg.prepare
     if regenerated is not None:
-        from eagle3_pipeline.regenerate import prepare_config
+        from eagle3_pipeline.regenerate.stage import prepare_config
 
         prep_cfg = prepare_config(cfg.prepare, regenerated)
         log(f"prepare: reading the regenerated rows of version {regenerated.version} ({regenerated.rows_dir})")

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 
 from eagle3_pipeline.config import load_config
-from eagle3_pipeline.regenerate import RegenerateFailed, read_quarantine, read_rows, regenerate
+from eagle3_pipeline.regenerate.stage import RegenerateFailed, read_quarantine, read_rows, regenerate
 from eagle3_pipeline.regenerate import turns as T
 from eagle3_pipeline.regenerate.worker import KILL_AFTER_ENV
 
@@ -201,7 +201,7 @@ def test_a_killed_run_resumes_only_the_unpublished_shards_and_a_repeat_reuses_ev
 def test_a_changed_published_shard_is_regenerated_not_trusted(llama, tmp_path):
     """A published shard whose file no longer hashes to the manifest is not answered from the store
     (checked without an engine: the version is then simply not complete)."""
-    from eagle3_pipeline.regenerate import _complete
+    from eagle3_pipeline.regenerate.stage import _complete
 
     assert _complete(llama.out) is not None
     p = llama.out / "rows" / "shard-00002.jsonl"

@@ -11,7 +11,7 @@ import pytest
 
 from eagle3_pipeline.config import PipelineConfig, RegenerateConfig, SourceConfig, load_config
 from eagle3_pipeline.data.formats import RawRow
-from eagle3_pipeline.regenerate import plan_shards, prepare_config, regenerate, thinking_kwargs
+from eagle3_pipeline.regenerate.stage import plan_shards, prepare_config, regenerate, thinking_kwargs
 from eagle3_pipeline.regenerate import turns as T
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -206,7 +206,7 @@ def test_config_section_defaults_off_and_rejects_unknown_keys():
 
 
 def test_prepare_reads_the_regenerated_rows_instead_of_its_sources():
-    from eagle3_pipeline.regenerate import RegenerateResult
+    from eagle3_pipeline.regenerate.stage import RegenerateResult
 
     cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml")
     res = RegenerateResult.model_construct(rows_dir="/store/d/regenerated/v1/rows", version="v1")

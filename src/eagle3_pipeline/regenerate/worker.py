@@ -1,7 +1,7 @@
 """The regenerate child process: `python -m eagle3_pipeline.regenerate.worker JOB.json`.
 
 Owns the engine side of the regenerate stage. Reads the job file (`RegenerateJob`, written by
-regenerate/__init__.py), the source rows of its shards (the configured sources, read again and
+regenerate/stage.py), the source rows of its shards (the configured sources, read again and
 checked against the sha256 the parent planned with), the target's tokenizer and chat template.
 Builds ONE `vllm.LLM` (engine.build_llm) and, shard after shard, answers the conversations' turns
 (regenerate/turns.py: which turns, in which order, what is kept, what is quarantined): a batch

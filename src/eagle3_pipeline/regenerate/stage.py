@@ -1,0 +1,483 @@
+"""The regenerate stage (optional, before prepare): the target answers the conversations' turns itself.
+
+Owns `regenerate(cfg, prepare_cfg, target, store_root)` -> `RegenerateResult`, and `prepare_config`:
+the prepare settings that read the regenerated rows instead of `prepare.sources`. Reads the
+configured sources (data/formats.py: every row, at most each source's `limit`), the target's
+tokenizer and chat template (here only to fail early and to key the version; the child renders),
+and writes one version under `<store>/<dataset>/regenerated/<version>/`:
+  rows/shard-<k>.jsonl        the regenerated conversations, OpenAI format, input order (worker.py)
+  quarantine/shard-<k>.jsonl  the shard's rows that are not in rows/, each with kind and reason
+  quarantine.jsonl            all of them, written once every shard is published
+  manifest.json               format, content key, lineage (sources and their fingerprint, target model,
+                              revision and fingerprint, chat template, sampling, turn policy, vLLM and
+                              other versions, one pass or two and why), per shard: row range, input
+                              sha256, status, attempts, counts, sha256 of both files, last error; the
+                              child attempts (engine start, shards published, error)
+  regenerate.json             the RegenerateResult; its presence marks the version complete
+  jobs/regenerate-<a>.json, logs/regenerate-<a>.log   job and full output of child attempt a
+  .lock                       store.dir_lock, held for the whole call: one writer per version
+The version is a content key of everything that decides the rows: the input rows (sha256 per shard),
+the target (store.model_fingerprint + revision + dtype), tokenizer files, chat template and its
+kwargs, sampling, turn policy, reasoning parser, max_model_len and the shard size. Same inputs =>
+same version => nothing recomputed (no engine). A shard is published when the child reported it and
+both its files hash into the manifest; a rerun (after an error, a timeout or a kill -9 of either
+process) starts one child for only the unpublished shards, and a published shard whose files no
+longer hash to the manifest is redone. Invariant: rows_in == rows_out + rows_quarantined.
+
+One pass or two. Where the installed vLLM can save the hidden states of generated tokens in the
+generating request, regenerating and extracting could share one pass. The child checks that by
+feature (worker.output_token_states). This pipeline always makes two passes (regenerate, then
+prepare + extract on the regenerated rows) and records `single_pass: false` with the reason: the
+rows that extract records are prepare's rendering of the whole regenerated conversation, which a
+generation request's states do not line up with (see SINGLE_PASS_GAP).
+Held-out rows: prepare picks the held-out conversations from the regenerated rows by conversation
+id, exactly as from raw sources, so a held-out conversation never reaches training in either form;
+its evaluation prompt is the history before its first assistant turn, which regeneration never
+changes (only assistant replies are replaced). A conversation quarantined here is simply absent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from eagle3_pipeline import FORMAT_VERSION
+from eagle3_pipeline.config import PrepareConfig, RegenerateConfig, SourceConfig, TargetConfig, hub_token
+from eagle3_pipeline.engine import engine_env
+from eagle3_pipeline.errors import InputError
+from eagle3_pipeline.engine_start import refusal_of
+from eagle3_pipeline.proc import ChildFailed, python_child, run_child
+from eagle3_pipeline.regenerate.job import (QUARANTINE_DIR, ROWS_DIR, RegenerateJob, ShardInput, input_sha,
+                                            shard_file, source_rows)
+from eagle3_pipeline.store import (atomic_write_text, content_key, dir_fingerprint, dir_lock, model_fingerprint,
+                                   read_json, sha256_file, slug, within, write_json)
+
+WORKER = "eagle3_pipeline.regenerate.worker"
+REGENERATED_DIR = "regenerated"  # <store>/<dataset>/regenerated/<version>/
+MANIFEST = "manifest.json"
+DONE = "regenerate.json"
+# Bump when the same inputs and settings give different rows or quarantine decisions.
+REGENERATE_FORMAT = 1
+SINGLE_PASS_GAP = ("this pipeline regenerates and extracts in two passes: the rows extract records are prepare's "
+                   "rendering of each whole regenerated conversation (templates re-render history, e.g. drop the "
+                   "reasoning of earlier turns; re-tokenized text can split differently from the generated ids; the "
+                   "end-of-turn markup after the stop token is never generated; every answered turn is a request of "
+                   "its own), so the hidden states of a generation request do not line up with those rows")
+
+
+class RegenerateFailed(RuntimeError):
+    """Some shards are not published after the child; the message names them and the child's error."""
+
+
+class RegenerateResult(BaseModel):
+    version: str
+    dir: str
+    rows_dir: str  # prepare reads this directory (prepare_config)
+    quarantine: str
+    manifest: str
+    rows_in: int
+    rows_out: int
+    rows_quarantined: int
+    tokens_generated: int  # every generated token, also of answers whose conversation was quarantined
+    prompt_tokens: int
+    turns_regenerated: int
+    kept_tool_turns: int
+    quarantine_kinds: dict[str, int]
+    turns_rendered_differently: int  # answered turns whose rendering is not prompt + generated text
+    shards_total: int
+    shards_computed: int  # by this call
+    single_pass: bool
+    single_pass_reason: str
+    output_token_states: bool | None  # the installed vLLM's capability (None: not checked)
+    thinking: dict
+    generate_s: float  # engine time of all shards of the version
+    rows_per_s: float
+    tokens_per_s: float
+    engine_start_s: float | None = None  # this call's engine start (None: no engine started)
+    cached: bool = False
+
+
+# ------------------------------------------------------------------------------------ planning
+
+def thinking_kwargs(cfg: RegenerateConfig, template: str) -> tuple[dict, dict]:
+    """The chat template's extra variables and a note on thinking: `cfg.thinking` is passed as
+    `cfg.thinking_kwarg` only where the template reads that variable."""
+    kwargs = dict(cfg.chat_template_kwargs)
+    note: dict = {"requested": cfg.thinking, "variable": cfg.thinking_kwarg, "applied": False}
+    if cfg.thinking is None:
+        note["why"] = "regenerate.thinking is not set: the template's default"
+        return kwargs, note
+    if cfg.thinking_kwarg in template_variables(template):
+        kwargs[cfg.thinking_kwarg] = cfg.thinking
+        note.update(applied=True, why=f"passed as the template variable {cfg.thinking_kwarg!r}")
+    else:
+        note["why"] = (f"the chat template has no variable {cfg.thinking_kwarg!r} (no thinking switch): it renders "
+                       f"as it always does")
+    return kwargs, note
+
+
+def template_variables(template: str) -> set[str]:
+    """Variables a chat template reads from its context (jinja2's own analysis; a word search when
+    the template uses tags plain jinja2 does not know)."""
+    import jinja2
+    import jinja2.meta
+
+    try:
+        env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+        return set(jinja2.meta.find_undeclared_variables(env.parse(template)))
+    except jinja2.TemplateError:
+        return set(re.findall(r"[A-Za-z_]\w*", template))
+
+
+def plan_shards(sources: list[SourceConfig], rows_per_shard: int, token: str | None) -> list[ShardInput]:
+    """Shards of `rows_per_shard` consecutive input rows, each with the sha256 of its raw rows."""
+    shards: list[ShardInput] = []
+    h, start, count = hashlib.sha256(), 0, 0
+    for n, _, raw in source_rows(sources, token):
+        if n - start == rows_per_shard:
+            shards.append(ShardInput(index=len(shards), row_start=start, row_end=n, input_sha=h.hexdigest()))
+            h, start = hashlib.sha256(), n
+        input_sha(h, raw)
+        count = n + 1
+    if count > start:
+        shards.append(ShardInput(index=len(shards), row_start=start, row_end=count, input_sha=h.hexdigest()))
+    return shards
+
+
+def _count(shards: list[ShardInput]) -> int:
+    return shards[-1].row_end if shards else 0
+
+
+def version_key(cfg: RegenerateConfig, shards: list[ShardInput], target: TargetConfig, tok, kwargs: dict) -> dict:
+    """Everything that decides the rows of a version (its content key is the version)."""
+    from eagle3_pipeline.data.prepare import TOKENIZER_FILES
+    from eagle3_pipeline.engine import cpu_build_kwargs
+
+    tok_id = (dir_fingerprint(Path(target.tokenizer), TOKENIZER_FILES) if Path(target.tokenizer).exists()
+              else f"{target.tokenizer}@{target.revision}")
+    return {"inputs": [s.input_sha for s in shards], "rows_per_shard": cfg.rows_per_shard,
+            "model": model_fingerprint(target.model, target.revision), "revision": target.revision,
+            "dtype": target.dtype, "tokenizer": tok_id, "template": tok.chat_template, "template_kwargs": kwargs,
+            "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_tokens,
+                         "seed": cfg.seed},
+            "turns": {"max_turns": cfg.max_turns, "on_length": cfg.on_length},
+            "reasoning_parser": cfg.reasoning_parser, "max_model_len": cfg.max_model_len,
+            "format": REGENERATE_FORMAT, **({"engine": e} if (e := cpu_build_kwargs()) else {})}
+
+
+def prepare_config(prep: PrepareConfig, res: RegenerateResult) -> PrepareConfig:
+    """`prep` reading the regenerated rows (OpenAI format) instead of its configured sources."""
+    return prep.model_copy(update={"sources": [SourceConfig(path=res.rows_dir, format="openai")]})
+
+
+# ------------------------------------------------------------------------------------ manifest
+
+class _Manifest:
+    """manifest.json of one version, written only by the holder of the version's dir lock; the
+    thread lock orders the caller and run_child's event thread."""
+
+    def __init__(self, out: Path):
+        self.path = out / MANIFEST
+        self._lock = threading.Lock()
+
+    def read(self) -> dict:
+        return read_json(self.path, default={})
+
+    @contextlib.contextmanager
+    def edit(self) -> Iterator[dict]:
+        with self._lock:
+            data = self.read()
+            yield data
+            data["updated_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            write_json(self.path, data)
+
+
+def _lineage(cfg: RegenerateConfig, sources: list[SourceConfig], shards: list[ShardInput], target: TargetConfig,
+             tok, kwargs: dict, note: dict) -> dict:
+    from eagle3_pipeline.extract.shards import tool_versions
+
+    model = str(Path(target.model).resolve()) if Path(target.model).exists() else target.model
+    return {
+        "sources": [s.model_dump() for s in sources], "source_rows": _count(shards),
+        "source_fingerprint": content_key([s.input_sha for s in shards], 16),
+        "target": {"model": model, "revision": target.revision, "dtype": target.dtype,
+                   "model_fingerprint": model_fingerprint(target.model, target.revision),
+                   "tokenizer": target.tokenizer,
+                   "chat_template_sha256": hashlib.sha256((tok.chat_template or "").encode()).hexdigest()},
+        "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_tokens,
+                     "seed": cfg.seed, "request_seed": "sha256(seed|conversation id|turn)"},
+        "turns": {"max_turns": cfg.max_turns, "on_length": cfg.on_length,
+                  "policy": "text replies answered in order, each on the regenerated history; assistant turns with "
+                            "tool calls, system prompts, tools, user turns and tool results kept verbatim; a "
+                            "conversation ending in a user turn or tool result gets one more answer"},
+        "template_kwargs": kwargs, "thinking": note, "reasoning_parser": cfg.reasoning_parser,
+        "max_model_len": cfg.max_model_len, "engine": cfg.engine().model_dump(), "versions": tool_versions(),
+    }
+
+
+def _ensure_manifest(man: _Manifest, version: str, lineage: dict, shards: list[ShardInput],
+                     log: Callable[[str], None]) -> None:
+    """Create the manifest, or take over the one a previous call left: its `running` attempts were
+    abandoned (we hold the version's lock, so their parent is gone)."""
+    with man.edit() as m:
+        if m and m.get("content_key") != version:
+            raise RegenerateFailed(f"{man.path} belongs to version {m.get('content_key')!r}, not {version!r}")
+        if not m:
+            m.update(format_version=FORMAT_VERSION, regenerate_format=REGENERATE_FORMAT, content_key=version,
+                     lineage=lineage, single_pass=False, single_pass_reason=None, output_token_states=None,
+                     children=[], shards=[{**s.model_dump(), "status": "pending", "attempts": 0, "error": None}
+                                          for s in shards])
+            return
+        for c in m.get("children", []):
+            if c.get("status") == "running":
+                c.update(status="failed", error=f"abandoned: its parent {c.get('owner')} ended without closing it")
+                log(f"regenerate: child attempt {c['attempt']} was abandoned (its parent was killed?)")
+        for e in m["shards"]:
+            if e["status"] == "running":
+                e.update(status="failed", error=f"abandoned: attempt {e['attempts']} never finished")
+
+
+def _check_published(out: Path, e: dict) -> str | None:
+    """None if both files of a published shard are present and hash to the manifest, else why not."""
+    for d, sha in ((ROWS_DIR, e.get("rows_sha256")), (QUARANTINE_DIR, e.get("quarantine_sha256"))):
+        p = out / d / shard_file(e["index"])
+        if not p.is_file():
+            return f"{p} is missing"
+        if sha256_file(p) != sha:
+            return f"{p} no longer hashes to the manifest"
+    return None
+
+
+def _remove_leftovers(out: Path) -> None:
+    """Half-written files of killed attempts (only the lock holder writes here)."""
+    for d in (ROWS_DIR, QUARANTINE_DIR):
+        for tmp in (out / d).glob("*.tmp-*"):
+            tmp.unlink(missing_ok=True)
+    (out / DONE).unlink(missing_ok=True)
+
+
+# ------------------------------------------------------------------------------------ the stage
+
+def regenerate(cfg: RegenerateConfig, prep: PrepareConfig, target: TargetConfig, store_root: Path,
+               log: Callable[[str], None] = print) -> RegenerateResult:
+    """Regenerate `prep.sources` with the target, or return the complete version already in the store.
+    Raises RegenerateFailed naming the unpublished shards (the published ones stay for the retry)."""
+    from eagle3_pipeline.data.prepare import load_tokenizer
+
+    tok = load_tokenizer(target)
+    if not getattr(tok, "chat_template", None):
+        raise InputError(f"tokenizer {target.tokenizer}: no chat template, so the target cannot be asked to answer "
+                         f"the conversations (regenerate needs the target's own template)")
+    kwargs, note = thinking_kwargs(cfg, tok.chat_template)
+    shards = plan_shards(prep.sources, cfg.rows_per_shard, hub_token(target))
+    if not shards:
+        raise InputError(f"regenerate: the sources {[s.path for s in prep.sources]} hold no rows")
+    version = content_key(version_key(cfg, shards, target, tok, kwargs))
+    out = within(store_root, slug(prep.dataset), REGENERATED_DIR, version)
+    done = _complete(out)
+    if done is not None:
+        log(f"regenerate: version {version} already complete at {out}")
+        return done
+    with dir_lock(out, f"regenerate version {version}", log):
+        done = _complete(out)  # a concurrent run may have finished it while we waited
+        if done is not None:
+            log(f"regenerate: version {version} already complete at {out}")
+            return done
+        if note["requested"] is not None and not note["applied"]:
+            log(f"regenerate: thinking={note['requested']} not applied: {note['why']}")
+        man = _Manifest(out)
+        _ensure_manifest(man, version, _lineage(cfg, prep.sources, shards, target, tok, kwargs, note), shards, log)
+        _remove_leftovers(out)
+        todo = []
+        for e in man.read()["shards"]:
+            if e["status"] == "published":
+                why = _check_published(out, e)
+                if why is None:
+                    continue
+                log(f"regenerate: shard {e['index']} was published but {why}; regenerating it")
+            todo.append(shards[e["index"]])
+        engine_s = None
+        if todo:
+            log(f"regenerate: {len(todo)} of {len(shards)} shards to regenerate -> {out}")
+            engine_s = _run_child(cfg, target, prep.sources, kwargs, out, man, todo, log)
+        res = _assemble(out, man, note, shards_computed=len(todo), engine_start_s=engine_s)
+    log(f"regenerate: {res.rows_in} rows in, {res.rows_out} out, {res.rows_quarantined} quarantined, "
+        f"{res.tokens_generated} tokens generated ({res.tokens_per_s} tok/s, {res.rows_per_s} rows/s) -> {out}")
+    return res
+
+
+def _complete(out: Path) -> RegenerateResult | None:
+    """The version's result when it is complete and every shard's files still hash to the manifest."""
+    data = read_json(out / DONE)
+    if data is None:
+        return None
+    entries = _Manifest(out).read().get("shards", [])
+    if not entries or any(e["status"] != "published" or _check_published(out, e) for e in entries):
+        return None
+    return RegenerateResult(**{**data, "cached": True, "shards_computed": 0, "engine_start_s": None})
+
+
+def _run_child(cfg: RegenerateConfig, target: TargetConfig, sources: list[SourceConfig], kwargs: dict, out: Path,
+               man: _Manifest, shards: list[ShardInput], log: Callable[[str], None]) -> float | None:
+    """One engine child for `shards`; each is published as the child reports it. Returns the child's
+    engine start-up seconds; raises RegenerateFailed when some shard is not published."""
+    import os
+    import socket
+
+    with man.edit() as m:
+        attempt = len(m["children"]) + 1
+        m["children"].append({"attempt": attempt, "owner": f"{socket.gethostname()}:{os.getpid()}",
+                              "shards": [s.index for s in shards], "status": "running",
+                              "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        for s in shards:
+            e = m["shards"][s.index]
+            e.update(status="running", attempts=e["attempts"] + 1, error=None)
+    job = RegenerateJob(target=target, engine=cfg.engine(), regenerate=cfg, template_kwargs=kwargs, sources=sources,
+                        shards=shards, out_dir=str(out.resolve()), attempt=attempt)
+    job_path = write_json(out / "jobs" / f"regenerate-{attempt}.json", job.model_dump(mode="json"))
+    log_path = out / "logs" / f"regenerate-{attempt}.log"
+    log(f"regenerate: child {attempt} for shards {[s.index for s in shards]} (log {log_path})")
+    published: set[int] = set()
+    errors: dict[int, str] = {}
+    engine_s: list[float] = []
+
+    def on_event(ev: dict) -> None:
+        try:  # runs on run_child's reader thread: never raise
+            if ev.get("kind") == "capability":
+                with man.edit() as m:
+                    m.update(output_token_states=bool(ev["output_token_states"]),
+                             single_pass=False, single_pass_reason=single_pass_reason(ev["output_token_states"],
+                                                                                      ev["reason"]))
+            elif ev.get("kind") == "engine_ready":
+                engine_s.append(float(ev["seconds"]))
+                log(f"regenerate: engine ready after {ev['seconds']:.1f}s (max_model_len {ev.get('max_model_len')})")
+            elif ev.get("kind") == "shard_done":
+                _publish(out, man, ev)
+                published.add(int(ev["shard"]))
+                log(f"regenerate: shard {ev['shard']} published ({ev['rows_out']} rows, {ev['rows_quarantined']} "
+                    f"quarantined, {ev['tokens_generated']} tokens in {ev['generate_s']:.2f}s)")
+        except Exception as e:  # noqa: BLE001
+            k = int(ev.get("shard", -1))
+            errors[k] = f"publishing shard {k} failed: {type(e).__name__}: {e}"
+            log(f"regenerate: {errors[k]}")
+
+    error, child_error = None, None
+    t0 = time.time()
+    try:
+        run_child(python_child(WORKER, str(job_path)), name=f"regenerate-{attempt}", timeout_s=cfg.timeout_s,
+                  log_path=log_path, on_line=log, on_event=on_event, env=engine_env(cfg))
+    except ChildFailed as e:
+        error, child_error = str(e), e
+        refused = None if published else refusal_of(e, log_path, "regenerate", cfg, "regenerate.max_model_len")
+        if refused is not None:  # the same settings would be refused again: no retry, the key to change
+            error, child_error = f"{refused}\n{e}", refused
+    except BaseException as e:  # cancelled: the child is gone; close the attempt, re-raise
+        _close(man, attempt, shards, published, f"interrupted: {type(e).__name__}: {e}", t0, engine_s, errors)
+        raise
+    missing = [s.index for s in shards if s.index not in published]
+    if error is None and missing:
+        error = f"regenerate child {attempt} exited 0 but reported no shard_done for shards {missing}" + "".join(
+            f"; {v}" for v in errors.values())
+    _close(man, attempt, shards, published, error, t0, engine_s, errors)
+    if missing:
+        raise RegenerateFailed(f"regenerate child {attempt} (log {log_path}): shards {missing} not published "
+                               f"({len(published)} of {len(shards)} published this attempt): {error}") from child_error
+    return engine_s[0] if engine_s else None
+
+
+def single_pass_reason(can: bool, why: str) -> str:
+    if can:
+        return f"{why}, but {SINGLE_PASS_GAP}"
+    return f"{why}: two passes (regenerate, then prepare + extract on the regenerated rows)"
+
+
+def _publish(out: Path, man: _Manifest, ev: dict) -> None:
+    k = int(ev["shard"])
+    name = shard_file(k)
+    rows, quarantine = out / ROWS_DIR / name, out / QUARANTINE_DIR / name
+    for p in (rows, quarantine):
+        if not p.is_file():
+            raise RegenerateFailed(f"shard {k}: the child reported it done but {p} is missing")
+    n_rows = sum(1 for _ in rows.open()) if rows.stat().st_size else 0
+    n_q = sum(1 for _ in quarantine.open()) if quarantine.stat().st_size else 0
+    if (n_rows, n_q) != (ev["rows_out"], ev["rows_quarantined"]) or n_rows + n_q != ev["rows_in"]:
+        raise RegenerateFailed(f"shard {k}: {n_rows} rows + {n_q} quarantined on disk, the child reported "
+                               f"{ev['rows_out']} + {ev['rows_quarantined']} of {ev['rows_in']}")
+    keys = ("rows_in", "rows_out", "rows_quarantined", "quarantine_kinds", "turns_regenerated", "kept_tool_turns",
+            "tokens_generated", "prompt_tokens", "rounds", "turns_rendered_differently", "first_difference",
+            "generate_s", "seconds")
+    with man.edit() as m:
+        e = m["shards"][k]
+        if e["row_end"] - e["row_start"] != ev["rows_in"]:
+            raise RegenerateFailed(f"shard {k}: the child read {ev['rows_in']} rows, the plan has "
+                                   f"{e['row_end'] - e['row_start']}")
+        e.update(status="published", error=None, rows_sha256=sha256_file(rows), quarantine_sha256=sha256_file(quarantine),
+                 **{key: ev.get(key) for key in keys})
+
+
+def _close(man: _Manifest, attempt: int, shards: list[ShardInput], published: set[int], error: str | None,
+           t0: float, engine_s: list[float], errors: dict[int, str]) -> None:
+    with man.edit() as m:
+        for s in shards:
+            e = m["shards"][s.index]
+            if s.index not in published and e["status"] == "running":
+                e.update(status="failed", error=errors.get(s.index) or error)
+        c = next(c for c in m["children"] if c["attempt"] == attempt)
+        c.update(status="failed" if error else "ok", seconds=round(time.time() - t0, 2),
+                 engine_start_s=engine_s[0] if engine_s else None, published=sorted(published), error=error)
+
+
+def _assemble(out: Path, man: _Manifest, note: dict, shards_computed: int,
+              engine_start_s: float | None) -> RegenerateResult:
+    """Every shard is published: the combined quarantine file and the version's record."""
+    m = man.read()
+    es = m["shards"]
+    atomic_write_text(out / "quarantine.jsonl",
+                      "".join((out / QUARANTINE_DIR / shard_file(e["index"])).read_text() for e in es))
+    kinds: dict[str, int] = {}
+    for e in es:
+        for k, v in (e.get("quarantine_kinds") or {}).items():
+            kinds[k] = kinds.get(k, 0) + v
+
+    def total(key: str):
+        return sum(e.get(key) or 0 for e in es)
+
+    gen_s, seconds = total("generate_s"), total("seconds")
+    res = RegenerateResult(
+        version=m["content_key"], dir=str(out.resolve()), rows_dir=str((out / ROWS_DIR).resolve()),
+        quarantine=str((out / "quarantine.jsonl").resolve()), manifest=str(man.path.resolve()),
+        rows_in=total("rows_in"), rows_out=total("rows_out"), rows_quarantined=total("rows_quarantined"),
+        tokens_generated=total("tokens_generated"), prompt_tokens=total("prompt_tokens"),
+        turns_regenerated=total("turns_regenerated"), kept_tool_turns=total("kept_tool_turns"),
+        quarantine_kinds=kinds, turns_rendered_differently=total("turns_rendered_differently"),
+        shards_total=len(es), shards_computed=shards_computed, single_pass=bool(m.get("single_pass")),
+        single_pass_reason=m.get("single_pass_reason") or "", output_token_states=m.get("output_token_states"),
+        thinking=note, generate_s=round(gen_s, 3),
+        rows_per_s=round(total("rows_in") / seconds, 2) if seconds else 0.0,
+        tokens_per_s=round(total("tokens_generated") / gen_s, 1) if gen_s else 0.0,
+        engine_start_s=engine_start_s)
+    if res.rows_in != res.rows_out + res.rows_quarantined or res.rows_in != m["lineage"]["source_rows"]:
+        raise RegenerateFailed(f"{out}: {res.rows_in} rows in (sources: {m['lineage']['source_rows']}), "
+                               f"{res.rows_out} out + {res.rows_quarantined} quarantined")
+    write_json(out / DONE, res.model_dump(exclude={"cached", "shards_computed", "engine_start_s"}))
+    return res
+
+
+def read_rows(res: RegenerateResult) -> list[dict]:
+    """Every regenerated row of a version, in input order (tests, inspection)."""
+    return [json.loads(line) for p in sorted(Path(res.rows_dir).glob("*.jsonl")) for line in p.read_text().splitlines()]
+
+
+def read_quarantine(res: RegenerateResult) -> list[dict]:
+    return [json.loads(line) for line in Path(res.quarantine).read_text().splitlines()]
+
+
+__all__ = ["RegenerateFailed", "RegenerateResult", "prepare_config", "read_quarantine", "read_rows", "regenerate"]
