@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Step 1 of docs/kubernetes.md, and the build/push steps of infra/k8s/prefect.yaml: build infra/Dockerfile and push
+# it; `push` prints on stdout only the pushed image pinned by digest (<repo>@sha256:<digest>), which the deployments
+# take as their `image` job variable (everything else goes to stderr).
+#   EAGLE3_IMAGE_REPO=<registry>/eagle3-pipeline   build and push this checkout (docker with buildx/BuildKit)
+#   EAGLE3_IMAGE=<repo>@sha256:<digest>            use an image already pushed (CI built it): no docker needed
+# The same sources give the same layers (docker's cache), so running it again pushes nothing new and prints the
+# same digest: `prefect deploy --all` gives the same deployments every time.
+set -euo pipefail
+cmd=${1:?usage: image.sh build|push}
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+if [[ -n "${EAGLE3_IMAGE:-}" ]]; then
+  if [[ ! "$EAGLE3_IMAGE" =~ @sha256:[0-9a-f]{64}$ ]]; then
+    echo "EAGLE3_IMAGE=$EAGLE3_IMAGE is not pinned by digest (<repo>@sha256:<64 hex digits>)" >&2; exit 2
+  fi
+  [[ $cmd == push ]] && echo "$EAGLE3_IMAGE"
+  exit 0
+fi
+repo=${EAGLE3_IMAGE_REPO:?set EAGLE3_IMAGE_REPO=<registry>/eagle3-pipeline to build and push, or EAGLE3_IMAGE=<repo>@sha256:<digest> of an image already pushed (docs/kubernetes.md step 1)}
+tag=$(git -C "$root" describe --always --dirty --abbrev=12)
+case $cmd in
+  build)
+    docker build -f "$root/infra/Dockerfile" -t "$repo:$tag" "$root" >&2 ;;
+  push)
+    docker push "$repo:$tag" >&2
+    ref=$(docker image inspect --format '{{range .RepoDigests}}{{println .}}{{end}}' "$repo:$tag" | grep -m1 "^$repo@sha256:" || true)
+    [[ -n "$ref" ]] || { echo "no digest of $repo:$tag after the push" >&2; exit 1; }
+    echo "$ref" ;;
+  *) echo "usage: image.sh build|push" >&2; exit 2 ;;
+esac

@@ -1,0 +1,214 @@
+"""Every manifest under infra/k8s/ and the Jobs of a Kimi-K2.5 run validate against the Kubernetes API schemas
+that kubernetes-validate ships (offline; strict: an unknown or misplaced field fails), for the oldest and newest
+Kubernetes versions this setup supports. The run's Jobs are rendered by prefect-kubernetes' own worker code from
+the pools' job templates with `cluster.job_variables(kimi config, stage)`: four extract groups, verify (a CPU
+pod), train and evaluate, and they must request what the config implies. Also: the worker's Role is exactly
+what the worker needs, and infra/k8s/prefect.yaml's deployments name pools that infra/k8s/pools.sh creates."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed "
+                                          "(the test extra: pip install -e '.[test]')")
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "infra" / "k8s"
+KUBERNETES_VERSIONS = ("1.30.0", "1.37.0")
+IMAGE = "registry.example/eagle3-pipeline@sha256:" + "0123456789abcdef" * 4
+# the ${VARS} the manifests take (docs/kubernetes.md sets each with envsubst), with sample values
+SAMPLE = {"EAGLE3_IMAGE": IMAGE, "PREFECT_API_URL": "http://prefect.example:4200/api",
+          "STORE_STORAGE_CLASS": "cephfs", "STORE_SIZE": "100Ti", "MODELS_STORAGE_CLASS": "cephfs",
+          "MODELS_SIZE": "4Ti", "MODEL_REPO": "moonshotai/Kimi-K2.5", "MODEL_REVISION": "main",
+          "MODEL_DIR": "Kimi-K2.5"}
+NOT_MANIFESTS = {"prefect.yaml"}  # a Prefect deployment file, not a Kubernetes object
+
+
+def manifest_files() -> list[Path]:
+    files = sorted(p for p in K8S.glob("*.yaml") if p.name not in NOT_MANIFESTS)
+    assert files, "no manifests under infra/k8s/"
+    return files
+
+
+def load_manifests(path: Path) -> list[dict]:
+    text = path.read_text()
+    used = set(re.findall(r"\$\{([A-Z0-9_]+)\}", text))
+    assert used <= set(SAMPLE), f"{path.name}: unknown variables {sorted(used - set(SAMPLE))} (docs/kubernetes.md)"
+    text = re.sub(r"\$\{([A-Z0-9_]+)\}", lambda m: SAMPLE[m.group(1)], text)  # what envsubst '$A $B' does
+    docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    assert docs, f"{path.name}: no documents"
+    return docs
+
+
+def validate(doc: dict, where: str) -> None:
+    for version in KUBERNETES_VERSIONS:
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            pytest.fail(f"{where} ({doc.get('kind')}) is not a valid Kubernetes {version} object: {e.message} "
+                        f"at {'.'.join(map(str, e.path))}")
+
+
+@pytest.mark.parametrize("path", manifest_files(), ids=lambda p: p.name)
+def test_manifest_validates(path):
+    for doc in load_manifests(path):
+        validate(doc, path.name)
+        assert doc["metadata"].get("namespace", "eagle3") == "eagle3" or doc["kind"] == "Namespace"
+
+
+def _objects() -> dict[tuple[str, str], dict]:
+    return {(d["kind"], d["metadata"]["name"]): d for p in manifest_files() for d in load_manifests(p)}
+
+
+def test_the_pieces_docs_kubernetes_md_names_are_all_there():
+    objs = _objects()
+    store = objs["PersistentVolumeClaim", "eagle3-store"]
+    models = objs["PersistentVolumeClaim", "models"]
+    assert store["spec"]["accessModes"] == ["ReadWriteMany"] == models["spec"]["accessModes"]
+    assert {("Namespace", "eagle3"), ("Secret", "hf-token"), ("Secret", "prefect-auth"),
+            ("ServiceAccount", "eagle3-worker"), ("ServiceAccount", "eagle3-job"), ("Role", "eagle3-worker"),
+            ("RoleBinding", "eagle3-worker"), ("Deployment", "eagle3-worker"), ("Job", "stage-model")} <= set(objs)
+    for (kind, name), d in objs.items():
+        if kind == "Secret":  # templates only: no value that could be a real one
+            assert all(v.startswith("REPLACE_") for v in d["stringData"].values()), name
+    staging = objs["Job", "stage-model"]["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in staging["env"]}
+    assert env["HF_HUB_OFFLINE"]["value"] == "0"  # the one pod that reaches the hub
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token", "optional": True}
+
+
+def test_worker_role_allows_exactly_what_the_kubernetes_worker_needs():
+    objs = _objects()
+    rules = {(g, r): set(rule["verbs"]) for rule in objs["Role", "eagle3-worker"]["rules"]
+             for g in rule["apiGroups"] for r in rule["resources"]}
+    assert rules == {("batch", "jobs"): {"create", "get", "list", "watch", "delete"},
+                     ("", "pods"): {"get", "list", "watch"}, ("", "pods/log"): {"get"},
+                     ("", "events"): {"get", "list", "watch", "create", "patch"}}
+    assert not any(k == "ClusterRole" for k, _ in objs)
+    binding = objs["RoleBinding", "eagle3-worker"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "eagle3-worker", "namespace": "eagle3"}]
+    pod = objs["Deployment", "eagle3-worker"]["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "eagle3-worker"
+    pools = set()
+    for c in pod["containers"]:
+        env = {e["name"]: e for e in c["env"]}
+        # namespaced observer (the Role is namespaced) and the auth string as a secretKeyRef in the Jobs
+        assert env["PREFECT_INTEGRATIONS_KUBERNETES_OBSERVER_NAMESPACES"]["value"] == "eagle3"
+        assert env["PREFECT_API_AUTH_STRING"]["valueFrom"]["secretKeyRef"]["name"] == "prefect-auth"
+        assert env["PREFECT_INTEGRATIONS_KUBERNETES_WORKER_API_AUTH_STRING_SECRET_NAME"]["value"] == "prefect-auth"
+        pools.add(c["command"][c["command"].index("--pool") + 1])
+    assert pools == {"eagle3-gpu", "eagle3-cpu"}
+    assert objs["ServiceAccount", "eagle3-job"]["automountServiceAccountToken"] is False
+
+
+# ------------------------------------------------------------------ the Jobs of a Kimi run
+
+
+@pytest.fixture(scope="module")
+def kimi():
+    from eagle3_pipeline.config import load_config
+
+    return load_config(ROOT / "configs" / "kimi-k2.5-tp8.yaml")
+
+
+def kimi_run_jobs(cfg, given: dict | None = None) -> dict[str, tuple[dict, dict]]:
+    """name -> (job variables, rendered Job) of one Kimi run: 100 shards in 4 groups, verify, train, evaluate."""
+    pytest.importorskip("prefect_kubernetes")
+    from tests.unit.test_k8s_job_template import CPU_TEMPLATE, TEMPLATE, render
+
+    from eagle3_pipeline.cluster import job_variables
+
+    assert cfg.extract.parallel_groups == 4
+    jobs = {}
+    stages = [(f"extract-{g}", "extract", 25, "extract-group") for g in range(4)]
+    stages += [("verify", "verify", None, "verify-stage"), ("train", "train", None, "train-stage"),
+               ("evaluate", "evaluate", None, "evaluate-stage")]
+    for name, stage, shards, flow in stages:
+        jv = {"image": IMAGE, **job_variables(cfg, stage, shards), **(given or {})}
+        template = TEMPLATE if jv["gpu_count"] else CPU_TEMPLATE
+        jobs[name] = (jv, render(jv, template, flow))
+    return jobs
+
+
+def test_kimi_run_jobs_validate_and_request_what_the_config_implies(kimi):
+    from eagle3_pipeline.cluster import stage_deadline_s
+
+    jobs = kimi_run_jobs(kimi)
+    assert len([n for n in jobs if n.startswith("extract-")]) == 4
+    for name, (jv, job) in jobs.items():
+        validate(job, f"the {name} Job")
+        (c,) = job["spec"]["template"]["spec"]["containers"]
+        gpus = c["resources"]["limits"].get("nvidia.com/gpu", 0)
+        stage = name.split("-")[0]
+        want = {"extract": kimi.extract.tensor_parallel_size, "train": kimi.train.world_size,
+                "evaluate": kimi.evaluate.tensor_parallel_size, "verify": 0}[stage]
+        assert gpus == want == (8 if stage != "verify" else 0), name
+        assert c["resources"]["requests"].get("nvidia.com/gpu", 0) == gpus
+        deadline = job["spec"]["activeDeadlineSeconds"]
+        own = stage_deadline_s(kimi, stage, 25 if stage == "extract" else None)
+        assert deadline == jv["deadline_seconds"] > own, name
+        assert c["resources"]["requests"]["memory"] == jv["memory_request"]
+        assert c["image"] == IMAGE
+    # the config's own deadlines, each strictly inside its Job's
+    assert jobs["extract-0"][1]["spec"]["activeDeadlineSeconds"] > kimi.extract.start_timeout_s + 25 * kimi.extract.shard_timeout_s
+    assert jobs["train"][1]["spec"]["activeDeadlineSeconds"] > kimi.train.timeout_s
+    assert jobs["evaluate"][1]["spec"]["activeDeadlineSeconds"] > kimi.evaluate.timeout_s
+    assert jobs["verify"][1]["spec"]["activeDeadlineSeconds"] > kimi.verify.reference_timeout_s
+    mem = jobs["verify"][1]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"]
+    assert int(mem.removesuffix("Gi")) > kimi.verify.reference_memory_gb
+
+
+def test_kimi_run_jobs_carry_tolerations_service_account_and_pull_secrets_when_given(kimi):
+    given = {"tolerations": [{"key": "dedicated", "operator": "Equal", "value": "eagle3", "effect": "NoSchedule"}],
+             "service_account_name": "eagle3-runner", "image_pull_secrets": [{"name": "regcred"}],
+             "cpu_limit": "96"}
+    for name, (_, job) in kimi_run_jobs(kimi, given).items():
+        validate(job, f"the {name} Job")
+        pod = job["spec"]["template"]["spec"]
+        assert pod["tolerations"] == given["tolerations"], name
+        assert pod["serviceAccountName"] == "eagle3-runner" and pod["automountServiceAccountToken"] is False
+        assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+        assert pod["containers"][0]["resources"]["limits"]["cpu"] == "96"
+
+
+def test_a_broken_job_fails_validation(kimi):
+    """The schemas are strict: a field in the wrong place (what the old template had: parallelism in the pod
+    spec) or a wrong type is caught."""
+    (_, job) = kimi_run_jobs(kimi)["train"]
+    job["spec"]["template"]["spec"]["parallelism"] = 1
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(job, KUBERNETES_VERSIONS[0], strict=True)
+
+
+# ------------------------------------------------------------------ infra/k8s/prefect.yaml
+
+
+def test_kubernetes_deployments_name_the_pools_pools_sh_creates_and_flows_that_exist():
+    spec = yaml.safe_load((K8S / "prefect.yaml").read_text())
+    pools_sh = (K8S / "pools.sh").read_text()
+    created = dict(re.findall(r"work-pool create (\S+) --type kubernetes --base-job-template \"\$infra/(\S+)\"", pools_sh))
+    assert created == {"eagle3-gpu": "k8s-gpu-job-template.json", "eagle3-cpu": "k8s-cpu-job-template.json"}
+    assert all((ROOT / "infra" / t).is_file() for t in created.values())
+    assert "set-concurrency-limit eagle3-gpu" in pools_sh
+    steps = [next(iter(s.values())) for s in spec["build"] + spec["push"]]
+    assert [s["id"] for s in steps] == ["build-image", "push-image"]
+    deps = {d["name"]: d for d in spec["deployments"]}
+    assert set(deps) == {"pipeline-k8s", "extract-group-k8s", "verify-stage", "train-stage", "evaluate-stage"}
+    process = {d["name"] for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]}
+    assert not set(deps) & process, "a name in both files would move a deployment between pools"
+    pools = {"extract-group-k8s": "eagle3-gpu", "train-stage": "eagle3-gpu", "evaluate-stage": "eagle3-gpu",
+             "verify-stage": "eagle3-cpu", "pipeline-k8s": "eagle3-cpu"}
+    for name, d in deps.items():
+        assert d["work_pool"]["name"] == pools[name] and d["work_pool"]["name"] in created
+        assert d["work_pool"]["job_variables"]["image"] == "{{ push-image.stdout }}"  # pinned by digest
+        path, func = d["entrypoint"].split(":")
+        tree = ast.parse((ROOT / path).read_text())
+        assert func in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}, d["entrypoint"]
+    env = deps["pipeline-k8s"]["work_pool"]["job_variables"]["env"]
+    assert env["EAGLE3_EXTRACT_GROUP_DEPLOYMENT"] == "extract-group/extract-group-k8s"
+    assert deps["pipeline-k8s"]["parameters"]["output_dir"].startswith("/data/")  # on the store, not the pod
