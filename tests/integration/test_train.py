@@ -119,7 +119,7 @@ def test_compute_dtype_is_reported_and_bf16_trains_on_any_cpu(trained, inputs, t
     (what GPUs and CPUs with native bf16 use) trains a few steps here too, with finite, falling loss."""
     from eagle3_pipeline.train.worker import compute_dtype
 
-    auto = str(compute_dtype(_cfg().model_dump(mode="json"))).removeprefix("torch.")
+    auto = str(compute_dtype(_cfg())).removeprefix("torch.")
     assert any(x.startswith("train: start") and f"{auto} compute" in x for x in trained.lines), trained.lines[:3]
     lines: list[str] = []
     res = train_draft(_cfg(epochs=1, max_steps=4, compute_dtype="bfloat16"), inputs.target, inputs.version,
@@ -300,6 +300,7 @@ def test_fp8_hidden_states_are_dequantized_for_training(inputs, tmp_path):
     dequantize them."""
     from safetensors.torch import load_file, save_file
 
+    from eagle3_pipeline.train.job import TrainJob
     from eagle3_pipeline.train.worker import _loaders
 
     fp8_dir = tmp_path / "hidden_states_fp8"
@@ -310,15 +311,16 @@ def test_fp8_hidden_states_are_dequantized_for_training(inputs, tmp_path):
     hidden = json.loads((inputs.model_dir / "config.json").read_text())["hidden_size"]
 
     def first_batch(hs_dir: Path) -> dict:
-        job = {"train": _cfg().model_dump(mode="json"), "target": inputs.target.model_dump(mode="json"),
-               "tokenized_dir": str(inputs.tokenized), "hidden_states_dir": str(hs_dir)}
+        job = TrainJob(mode="train", train=_cfg(), target=inputs.target, tokenized_dir=str(inputs.tokenized),
+                       hidden_states_dir=str(hs_dir), d2t_path="", t2d_path="", aux_layer_ids=[], out_dir="",
+                       result_path="")
         train_loader, _ = _loaders(job, hidden, len(inputs.layer_ids) - 1)
         return next(iter(train_loader))
 
     a, b = first_batch(inputs.hidden_states), first_batch(fp8_dir)
     from eagle3_pipeline.train.worker import compute_dtype
 
-    want = compute_dtype(_cfg().model_dump(mode="json"))  # the trainer's dtype (fp32 on CPUs without native bf16)
+    want = compute_dtype(_cfg())  # the trainer's dtype (fp32 on CPUs without native bf16)
     assert torch.equal(a["input_ids"], b["input_ids"]) and a["hidden_states"].dtype == b["hidden_states"].dtype == want
     for key in ("hidden_states", "verifier_last_hidden_states"):
         x, y = a[key].float(), b[key].float()

@@ -17,14 +17,14 @@ from eagle3_pipeline.train import worker
     ("cpu", True, torch.bfloat16), ("cpu", False, torch.float32)])
 def test_auto_follows_the_device_and_the_cpu(monkeypatch, device, native, want):
     monkeypatch.setattr(worker, "native_bf16_cpu", lambda: native)
-    assert worker.compute_dtype(TrainConfig(device=device).model_dump(mode="json")) is want
+    assert worker.compute_dtype(TrainConfig(device=device)) is want
 
 
 @pytest.mark.parametrize("name", ["bfloat16", "float32"])
 def test_an_explicit_dtype_wins_on_any_cpu(monkeypatch, name):
     for native in (True, False):
         monkeypatch.setattr(worker, "native_bf16_cpu", lambda native=native: native)
-        assert worker.compute_dtype(TrainConfig(compute_dtype=name).model_dump(mode="json")) is getattr(torch, name)
+        assert worker.compute_dtype(TrainConfig(compute_dtype=name)) is getattr(torch, name)
 
 
 def test_native_bf16_probe_reads_the_cpu_and_survives_a_failing_probe(monkeypatch):

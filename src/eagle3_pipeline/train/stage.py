@@ -37,8 +37,9 @@ from eagle3_pipeline.config import TargetConfig, TrainConfig
 from eagle3_pipeline.contracts import HS_KEY, TOKENS_KEY, ContractError, record_name
 from eagle3_pipeline.layout import ExtractVersion
 from eagle3_pipeline.proc import python_child, run_child
-from eagle3_pipeline.store import dir_lock, read_json, sha256_file, write_json
+from eagle3_pipeline.store import atomic_write_text, dir_lock, read_json, sha256_file, write_json
 from eagle3_pipeline.train.export import export_check
+from eagle3_pipeline.train.job import OnlineSource, TrainJob, TrainOutput
 from eagle3_pipeline.train.vocab import load_vocab, vocab_paths
 
 WORKER = "eagle3_pipeline.train.worker"
@@ -216,10 +217,11 @@ def _argv(cfg: TrainConfig, job_path: Path, distributed: bool = True) -> list[st
     return python_child(WORKER, str(job_path))
 
 
-def _run_worker(job: dict, job_path: Path, cfg: TrainConfig, log: Callable[[str], None],
-                log_path: Path | None, timeout_s: float, distributed: bool = True) -> dict:
-    write_json(job_path, job)
-    Path(job["result_path"]).unlink(missing_ok=True)  # never report a previous attempt's result
+def _run_worker(job: TrainJob, job_path: Path, log: Callable[[str], None], log_path: Path | None,
+                timeout_s: float, distributed: bool = True) -> dict:
+    cfg = job.train
+    atomic_write_text(job_path, job.model_dump_json(indent=2))
+    Path(job.result_path).unlink(missing_ok=True)  # never report a previous attempt's result
 
     total: list[int | None] = [None]  # optimizer steps of the whole run, from the start event (progress)
 
@@ -234,9 +236,9 @@ def _run_worker(job: dict, job_path: Path, cfg: TrainConfig, log: Callable[[str]
 
     run_child(_argv(cfg, job_path, distributed), name="train", timeout_s=timeout_s, log_path=log_path, on_line=log,
               on_event=on_event, env={"TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false"})
-    result = read_json(Path(job["result_path"]))
+    result = read_json(Path(job.result_path))
     if result is None:
-        raise RuntimeError(f"train worker exited 0 without writing {job['result_path']}")
+        raise RuntimeError(f"train worker exited 0 without writing {job.result_path}")
     return result
 
 
@@ -280,37 +282,38 @@ def _train_draft(cfg: TrainConfig, target: TargetConfig, version: ExtractVersion
     log(f"train: {rows} rows, aux layers {aux} (+ final {dims.num_layers}), draft vocab "
         f"{d2t_path.name}, device {cfg.device} x {cfg.world_size} process(es), attention {cfg.attention}, "
         f"{cfg.epochs} epochs -> {save_path}")
-    job = {"mode": "train", "train": cfg.model_dump(mode="json"), "target": target.model_dump(mode="json"),
-           "tokenized_dir": version.tokenized_dir,
-           "hidden_states_dir": str(version.hidden_states_dir),
-           "d2t_path": str(d2t_path.resolve()), "t2d_path": str(t2d_path.resolve()), "aux_layer_ids": aux,
-           "out_dir": str(out_dir.resolve()), "save_path": str(save_path.resolve()),
-           "metrics_path": str((out_dir / "metrics.jsonl").resolve()),
-           "result_path": str((out_dir / "train_result.json").resolve()),
-           "init_from": previous.checkpoint if previous is not None else None,
-           # the evaluate stage's baseline, written by the same child (stages.stage_evaluate finds it there)
-           "untrained_dir": str((out_dir / UNTRAINED_DIR).resolve()),
-           "online": None if online is None else {**online, "cache_dir": str((out_dir / "online" / "no_stored_rows").resolve())}}
-    res = _run_worker(job, out_dir / "train_job.json", cfg, log, out_dir / "train.log", cfg.timeout_s)
-    best = Path(res["checkpoint_best"])
+    job = TrainJob(mode="train", train=cfg, target=target, tokenized_dir=version.tokenized_dir,
+                   hidden_states_dir=str(version.hidden_states_dir),
+                   d2t_path=str(d2t_path.resolve()), t2d_path=str(t2d_path.resolve()), aux_layer_ids=aux,
+                   out_dir=str(out_dir.resolve()), save_path=str(save_path.resolve()),
+                   metrics_path=str((out_dir / "metrics.jsonl").resolve()),
+                   result_path=str((out_dir / "train_result.json").resolve()),
+                   init_from=previous.checkpoint if previous is not None else None,
+                   # the evaluate stage's baseline, written by the same child (stages.stage_evaluate finds it there)
+                   untrained_dir=str((out_dir / UNTRAINED_DIR).resolve()),
+                   online=None if online is None else OnlineSource(
+                       **online, cache_dir=str((out_dir / "online" / "no_stored_rows").resolve())))
+    res = TrainOutput.model_validate(_run_worker(job, out_dir / "train_job.json", log, out_dir / "train.log",
+                                                 cfg.timeout_s))
+    best = Path(res.checkpoint_best)
     checked = Path(target.model).is_dir()
     if checked:  # the exported draft must be the one we meant before anything serves it
         export_check(best, vocab_dir, Path(target.model))
-        log(f"train: export check passed for {best} (-> epoch {res.get('checkpoint_best_epoch')}): d2t/t2d equal "
+        log(f"train: export check passed for {best} (-> epoch {res.checkpoint_best_epoch}): d2t/t2d equal "
             f"{d2t_path.name}/{t2d_path.name}, shapes, verifier embeddings and lm_head rows")
     else:
         log(f"train: export check skipped: target {target.model} is not a local directory")
     result = TrainResult(
-        world_size=res.get("world_size", cfg.world_size), steps=res["steps"], final_loss=res["final_loss"], first_loss=res["first_loss"], val_loss=res["val_loss"],
-        final_acc=res["final_acc"], tokens_per_s=res["tokens_per_s"], tokens=res["tokens"],
-        epochs_done=res["epochs_done"], resumed_from_epoch=res["resumed_from_epoch"],
-        checkpoint_best=best, checkpoint_last=Path(res["checkpoint_last"]),
-        metrics=Path(res["metrics"]), export_checked=checked, dir=str(out_dir.resolve()),
+        world_size=res.world_size, steps=res.steps, final_loss=res.final_loss, first_loss=res.first_loss,
+        val_loss=res.val_loss, final_acc=res.final_acc, tokens_per_s=res.tokens_per_s, tokens=res.tokens,
+        epochs_done=res.epochs_done, resumed_from_epoch=res.resumed_from_epoch,
+        checkpoint_best=best, checkpoint_last=Path(res.checkpoint_last),
+        metrics=Path(res.metrics), export_checked=checked, dir=str(out_dir.resolve()),
         init="previous" if previous is not None else "scratch",
         previous_draft=previous.checkpoint if previous is not None else None,
         previous_version=f"{previous.prepare_version}/{previous.extract_version}" if previous is not None else None,
-        engine_start_s=res.get("startup_s"), mode="online" if online else "offline",
-        cached=res["resumed_from_epoch"] + 1 >= res["epochs_done"])
+        engine_start_s=res.startup_s, mode="online" if online else "offline",
+        cached=res.resumed_from_epoch + 1 >= res.epochs_done)
     write_json(out_dir / RECORD_NAME, result.model_dump(mode="json"))
     return result
 
@@ -327,10 +330,10 @@ def make_untrained_draft(target: TargetConfig, version: ExtractVersion, vocab_di
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-") as tmp:
         staging = Path(tmp) / "draft"
-        job = {"mode": "untrained", "train": cfg.model_dump(mode="json"), "target": target.model_dump(mode="json"),
-               "d2t_path": str(d2t_path.resolve()), "t2d_path": str(t2d_path.resolve()), "aux_layer_ids": aux,
-               "out_dir": str(staging), "result_path": str(Path(tmp) / "result.json")}
-        _run_worker(job, Path(tmp) / "job.json", cfg, log, None, timeout_s, distributed=False)  # one process writes it
+        job = TrainJob(mode="untrained", train=cfg, target=target, d2t_path=str(d2t_path.resolve()),
+                       t2d_path=str(t2d_path.resolve()), aux_layer_ids=aux, out_dir=str(staging),
+                       result_path=str(Path(tmp) / "result.json"))
+        _run_worker(job, Path(tmp) / "job.json", log, None, timeout_s, distributed=False)  # one process writes it
         if out_dir.exists():
             shutil.rmtree(out_dir)
         staging.rename(out_dir)

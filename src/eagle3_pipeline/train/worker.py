@@ -1,8 +1,8 @@
 """Child process of the train stage: `python -m eagle3_pipeline.train.worker JOB.json`.
 
 Runs speculators' EAGLE-3 draft model and Trainer on offline data, in its own process (started by
-`train.train_draft` / `train.make_untrained_draft` through `proc.run_child`), so that accelerator
-memory is released when it exits. JOB.json (written by train.py) names every input and output.
+`train.stage.train_draft` / `make_untrained_draft` through `proc.run_child`), so that accelerator
+memory is released when it exits. JOB.json (job.TrainJob, written by train/stage.py) names every input and output.
 
 mode "train" reads:  tokenized_dir (datasets.save_to_disk: input_ids, loss_mask, seq_len, ...),
                      hidden_states_dir/hs_{i}.safetensors (token_ids [T], hidden_states [T, L, H]),
@@ -46,9 +46,11 @@ import time
 import warnings
 from pathlib import Path
 
+from eagle3_pipeline.config import TrainConfig
 from eagle3_pipeline.faults import take_fault
 from eagle3_pipeline.proc import emit_event
 from eagle3_pipeline.store import write_json
+from eagle3_pipeline.train.job import TrainJob, TrainOutput, UntrainedOutput
 
 ATTN_IMPL = {"sdpa": "sdpa", "eager": "eager", "flex_attention": "simple_flex_attention"}
 KILL_ENV = "EAGLE3_TRAIN_KILL_AT"
@@ -108,14 +110,14 @@ def native_bf16_cpu() -> bool:
         return False
 
 
-def compute_dtype(cfg: dict):
+def compute_dtype(cfg: TrainConfig):
     """train.compute_dtype resolved: the trainer's autocast dtype and the dtype of the hidden states in its
     batches. auto: bfloat16 on cuda and on CPUs with native bf16, float32 on other CPUs."""
     import torch
 
-    name = cfg.get("compute_dtype", "auto")
+    name = cfg.compute_dtype
     if name == "auto":
-        name = "bfloat16" if cfg["device"] != "cpu" or native_bf16_cpu() else "float32"
+        name = "bfloat16" if cfg.device != "cpu" or native_bf16_cpu() else "float32"
     return getattr(torch, name)
 
 
@@ -285,7 +287,7 @@ def _summarise(path: Path) -> dict:
             "tokens": tokens, "train_seconds": secs, "tokens_per_s": tokens / secs if secs > 0 else 0.0}
 
 
-def build_draft(job: dict):
+def build_draft(job: TrainJob):
     """speculators' Eagle3DraftModel for the target, as `speculators train` builds it by default
     (llama decoder, norm_before_fc, norm_output, norm_before_residual), except that every draft layer
     uses full attention (classic EAGLE-3; vLLM then serves it without sliding-window layers)."""
@@ -294,21 +296,21 @@ def build_draft(job: dict):
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.train.cli import create_transformer_layer_config
 
-    cfg, target = job["train"], job["target"]
-    d2t_path, t2d_path = job["d2t_path"], job["t2d_path"]
+    cfg, target = job.train, job.target
+    d2t_path, t2d_path = job.d2t_path, job.t2d_path
     d2t = torch.from_numpy(np.load(d2t_path, allow_pickle=False))  # [K] offsets
     t2d = torch.from_numpy(np.load(t2d_path, allow_pickle=False))  # [V] bool
-    n = cfg["draft_layers"]
+    n = cfg.draft_layers
     tl_config = create_transformer_layer_config(
-        verifier_name_or_path=target["model"], num_layers=n, draft_arch="llama", hidden_act="silu",
-        sliding_window=cfg["max_seq_len"], full_attention_indices=list(range(n)),
-        trust_remote_code=target["trust_remote_code"])
+        verifier_name_or_path=target.model, num_layers=n, draft_arch="llama", hidden_act="silu",
+        sliding_window=cfg.max_seq_len, full_attention_indices=list(range(n)),
+        trust_remote_code=target.trust_remote_code)
     return Eagle3DraftModel.from_training_args(
-        verifier_config=tl_config, t2d=t2d, d2t=d2t, verifier_name_or_path=target["model"],
-        trust_remote_code=target["trust_remote_code"], target_layer_ids=job["aux_layer_ids"],
+        verifier_config=tl_config, t2d=t2d, d2t=d2t, verifier_name_or_path=target.model,
+        trust_remote_code=target.trust_remote_code, target_layer_ids=job.aux_layer_ids,
         draft_vocab_size=int(d2t.shape[0]), norm_before_residual=True, norm_before_fc=True, fc_norm=False,
-        norm_output=True, embed_requires_grad=False, ttt_steps=cfg["ttt_steps"],
-        draft_attn_impl=ATTN_IMPL[cfg["attention"]])
+        norm_output=True, embed_requires_grad=False, ttt_steps=cfg.ttt_steps,
+        draft_attn_impl=ATTN_IMPL[cfg.attention])
 
 
 def init_from_draft(model, checkpoint: Path) -> dict:
@@ -350,11 +352,11 @@ def init_from_draft(model, checkpoint: Path) -> dict:
     return {"copied": copied, "remapped": remapped, "skipped": skipped}
 
 
-def _loaders(job: dict, hidden_size: int, num_aux: int):
+def _loaders(job: TrainJob, hidden_size: int, num_aux: int):
     """speculators' own train/val loaders (`create_train_val_loaders`, what `speculators train` uses):
     its ArrowDataset over our tokenized rows + hs files, split by row index (the last val_ratio of
     the rows for validation), packed into rows of max_seq_len tokens by its multipack sampler.
-    Offline, a row without its hidden-state file raises; online (job["online"]), every row is generated
+    Offline, a row without its hidden-state file raises; online (job.online), every row is generated
     on demand by the stage's vLLM server (speculators' on_missing=generate) and its file deleted once read.
     Files are read through hs_connectors' FP8Transfer: bf16 files pass unchanged, fp8 files
     (extract.storage_dtype=fp8: + hidden_states_scales) are dequantized to bf16 per token."""
@@ -364,37 +366,37 @@ def _loaders(job: dict, hidden_size: int, num_aux: int):
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.dataloader import create_train_val_loaders
 
-    cfg = job["train"]
-    n_rows = len(load_from_disk(job["tokenized_dir"]))
-    n_train = int(n_rows * (1 - cfg["val_ratio"]))
+    cfg = job.train
+    n_rows = len(load_from_disk(job.tokenized_dir))
+    n_train = int(n_rows * (1 - cfg.val_ratio))
     if n_train < 1 or n_rows - n_train < 1:
-        raise ValueError(f"{job['tokenized_dir']}: {n_rows} rows cannot be split into train and validation "
-                         f"with train.val_ratio={cfg['val_ratio']} (each needs at least one row)")
-    on = job.get("online")
+        raise ValueError(f"{job.tokenized_dir}: {n_rows} rows cannot be split into train and validation "
+                         f"with train.val_ratio={cfg.val_ratio} (each needs at least one row)")
+    on = job.online
     if on:  # every row from the server: an empty directory of stored rows, so each one is generated
-        Path(on["cache_dir"]).mkdir(parents=True, exist_ok=True)
+        Path(on.cache_dir).mkdir(parents=True, exist_ok=True)
         from eagle3_pipeline.train.online_data import ServerFileTransfer
 
-        transfer = ServerFileTransfer(Path(on["cache_dir"]), on["request_timeout_s"], len(job["aux_layer_ids"]) + 1,
-                                      on.get("hidden_size"))
-        source = dict(transfer=transfer, vllm_endpoint=on["endpoint"],
-                      on_missing="generate", request_timeout=on["request_timeout_s"], max_retries=2,
+        transfer = ServerFileTransfer(Path(on.cache_dir), on.request_timeout_s, len(job.aux_layer_ids) + 1,
+                                      on.hidden_size)
+        source = dict(transfer=transfer, vllm_endpoint=on.endpoint,
+                      on_missing="generate", request_timeout=on.request_timeout_s, max_retries=2,
                       generation_validation_retries=2, max_consecutive_generation_failures=5)
     else:
-        source = dict(transfer=FP8Transfer(Path(job["hidden_states_dir"]), torch.bfloat16), vllm_endpoint="",
+        source = dict(transfer=FP8Transfer(Path(job.hidden_states_dir), torch.bfloat16), vllm_endpoint="",
                       on_missing="raise", request_timeout=None, max_retries=0, generation_validation_retries=0,
                       max_consecutive_generation_failures=1)
     loaders = create_train_val_loaders(
-        data_path=job["tokenized_dir"], total_seq_len=cfg["max_seq_len"], hidden_states_dtype=compute_dtype(cfg),
-        verifier_name_or_path=job["target"]["model"], **source, hidden_size=hidden_size,
-        num_target_layers=num_aux, num_workers=cfg["num_workers"], prefetch_factor=4, preprocess=shift_batch,
-        train_data_ratio=1 - cfg["val_ratio"], seed=cfg["seed"])
+        data_path=job.tokenized_dir, total_seq_len=cfg.max_seq_len, hidden_states_dtype=compute_dtype(cfg),
+        verifier_name_or_path=job.target.model, **source, hidden_size=hidden_size,
+        num_target_layers=num_aux, num_workers=cfg.num_workers, prefetch_factor=4, preprocess=shift_batch,
+        train_data_ratio=1 - cfg.val_ratio, seed=cfg.seed)
     if on:  # the rows of a packed batch are requested at once (train/online_data.py)
         from eagle3_pipeline.train.online_data import ConcurrentArrowDataset
 
         for loader in loaders:
             loader.dataset.__class__ = ConcurrentArrowDataset
-            loader.dataset.max_in_flight = int(on.get("max_in_flight", 16))
+            loader.dataset.max_in_flight = int(on.max_in_flight)
     return loaders
 
 
@@ -411,26 +413,26 @@ def _install_save_kill(trainer, epoch: int) -> None:
     trainer._save_training_state = save_training_state
 
 
-def run_train(job: dict) -> dict:
+def run_train(job: TrainJob) -> TrainOutput | None:
     import torch
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.train.cli import set_seed
     from speculators.train.trainer import Trainer, TrainerConfig
 
-    cfg = job["train"]
-    cpu = cfg["device"] == "cpu"
+    cfg = job.train
+    cpu = cfg.device == "cpu"
     kill = _parse_kill(os.environ.get(KILL_ENV))
-    save_path = Path(job["save_path"])
-    metrics_path = Path(job["metrics_path"])
-    set_seed(cfg["seed"])
+    save_path = Path(job.save_path)
+    metrics_path = Path(job.metrics_path)
+    set_seed(cfg.seed)
     model = build_draft(job)
-    if job.get("init_from"):
-        init_from_draft(model, Path(job["init_from"]))
+    if job.init_from:
+        init_from_draft(model, Path(job.init_from))
     hidden_size = model.config.transformer_layer_config.hidden_size
-    train_loader, val_loader = _loaders(job, hidden_size, len(job["aux_layer_ids"]))
+    train_loader, val_loader = _loaders(job, hidden_size, len(job.aux_layer_ids))
     train_kwargs, val_kwargs = Eagle3DraftModel.get_trainer_kwargs(
-        loss_fn=cfg["loss"], loss_implementation="eager" if cpu else "fused",
-        ttt_steps=cfg["ttt_steps"], ttt_step_loss_decay=cfg["ttt_step_loss_decay"])
+        loss_fn=cfg.loss, loss_implementation="eager" if cpu else "fused",
+        ttt_steps=cfg.ttt_steps, ttt_step_loss_decay=cfg.ttt_step_loss_decay)
 
     class CpuTrainer(Trainer):
         def setup_model(self):  # speculators moves the model to the local rank (an accelerator index)
@@ -444,11 +446,11 @@ def run_train(job: dict) -> dict:
         warnings.filterwarnings("ignore", message=".*[Aa]utocast.*")
         muon_in_fp32()
     trainer = trainer_cls(model, TrainerConfig(
-        lr=cfg["lr"], num_epochs=cfg["epochs"], save_path=str(save_path), resume_from_checkpoint=True,
-        train_call_kwargs=train_kwargs, val_call_kwargs=val_kwargs, optimizer=cfg["optimizer"],
-        muon_lr=cfg["lr"], checkpoint_freq=1, save_best=False, hidden_states_dtype=dtype,
-        log_freq=cfg["log_freq"], fsdp_shard=cfg["fsdp"], gradient_checkpointing=cfg["gradient_checkpointing"],
-        max_steps=cfg["max_steps"]), train_loader, val_loader)
+        lr=cfg.lr, num_epochs=cfg.epochs, save_path=str(save_path), resume_from_checkpoint=True,
+        train_call_kwargs=train_kwargs, val_call_kwargs=val_kwargs, optimizer=cfg.optimizer,
+        muon_lr=cfg.lr, checkpoint_freq=1, save_best=False, hidden_states_dtype=dtype,
+        log_freq=cfg.log_freq, fsdp_shard=cfg.fsdp, gradient_checkpointing=cfg.gradient_checkpointing,
+        max_steps=cfg.max_steps), train_loader, val_loader)
     if kill and kill[0] == "save":
         _install_save_kill(trainer, kill[1])
     resumed_from = trainer.checkpointer.previous_epoch
@@ -457,7 +459,7 @@ def run_train(job: dict) -> dict:
     if rank0:
         _trim_metrics(metrics_path, trainer.global_step, trainer.current_epoch)
         emit_event(kind="start", startup_s=startup_s, resumed_from_epoch=resumed_from, global_step=trainer.global_step,
-                   epochs=cfg["epochs"], train_batches_per_epoch=len(train_loader),
+                   epochs=cfg.epochs, train_batches_per_epoch=len(train_loader),
                    val_batches=len(val_loader), threads=torch.get_num_threads(), compute_dtype=str(dtype).removeprefix("torch."),
                    params_trainable=sum(
                        p.numel() for p in model.parameters() if p.requires_grad))
@@ -465,12 +467,12 @@ def run_train(job: dict) -> dict:
     mlog.setLevel(logging.INFO)
     mlog.propagate = False
     if rank0:
-        mlog.addHandler(_MetricSink(metrics_path, cfg["ttt_steps"], kill, last_epoch=cfg["epochs"] - 1))
+        mlog.addHandler(_MetricSink(metrics_path, cfg.ttt_steps, kill, last_epoch=cfg.epochs - 1))
     t0 = time.time()
     trainer.run_training()
     wall = time.time() - t0
     if not rank0:  # every rank has passed speculators' final barrier; rank 0 reports
-        return {}
+        return None
 
     if (save_path / "interrupted").is_dir():  # speculators caught SIGTERM/SIGINT, saved this, and returned
         raise RuntimeError(f"training was interrupted by a signal at step {trainer.global_step}; its partial save "
@@ -485,14 +487,14 @@ def run_train(job: dict) -> dict:
             best.unlink()
         best.symlink_to(str(last), target_is_directory=True)
     summary = _summarise(metrics_path)
-    if job.get("untrained_dir"):
+    if job.untrained_dir:
         _write_untrained_once(job)
     from speculators.train.distributed import get_world_size
 
-    return {"steps": trainer.global_step, "world_size": get_world_size(), "epochs_done": last + 1, "resumed_from_epoch": resumed_from,
-            "checkpoint_best": str(best), "checkpoint_best_epoch": int(os.readlink(best)),
-            "checkpoint_last": str(save_path / str(last)), "metrics": str(metrics_path),
-            "wall_seconds_this_attempt": wall, "startup_s": startup_s, **summary}
+    return TrainOutput(steps=trainer.global_step, world_size=get_world_size(), epochs_done=last + 1,
+                       resumed_from_epoch=resumed_from, checkpoint_best=str(best),
+                       checkpoint_best_epoch=int(os.readlink(best)), checkpoint_last=str(save_path / str(last)),
+                       metrics=str(metrics_path), wall_seconds_this_attempt=wall, startup_s=startup_s, **summary)
 
 
 def _process_started() -> float:
@@ -501,37 +503,37 @@ def _process_started() -> float:
     return psutil.Process().create_time()
 
 
-def _write_untrained_once(job: dict) -> None:
-    """The evaluate stage's baseline (`run_untrained`) into job["untrained_dir"] unless it is there,
+def _write_untrained_once(job: TrainJob) -> None:
+    """The evaluate stage's baseline (`run_untrained`) into job.untrained_dir unless it is there,
     written by this child, whose imports are paid already (a child of its own costs ~9 s on 2 cores).
     The parent holds the train dir's lock, which evaluate takes before it looks for the baseline."""
     import shutil
 
-    out = Path(job["untrained_dir"])
+    out = Path(job.untrained_dir)
     if (out / "config.json").exists():
         return
     staging = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
-    run_untrained({**job, "out_dir": str(staging)})
+    run_untrained(job.model_copy(update={"out_dir": str(staging)}))
     if out.exists():
         shutil.rmtree(out)
     staging.rename(out)
 
 
-def run_untrained(job: dict) -> dict:
+def run_untrained(job: TrainJob) -> UntrainedOutput:
     """A randomly initialised draft (verifier embeddings / lm_head rows / norm copied as in training),
     saved in bf16 exactly like speculators' `--dry-run`."""
     import torch
     from speculators.train.checkpointer import patch_config_dtype
     from speculators.train.cli import set_seed
 
-    set_seed(job["train"]["seed"])
+    set_seed(job.train.seed)
     model = build_draft(job)
     model.to(torch.bfloat16)
-    out = Path(job["out_dir"])
+    out = Path(job.out_dir)
     model.save_pretrained(out)
     patch_config_dtype(out / "config.json", torch.bfloat16)
-    return {"checkpoint": str(out)}
+    return UntrainedOutput(checkpoint=str(out))
 
 
 MODES = {"train": run_train, "untrained": run_untrained}
@@ -541,21 +543,22 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print("usage: python -m eagle3_pipeline.train.worker JOB.json", file=sys.stderr)
         return 2
-    job = json.loads(Path(argv[1]).read_text())
+    job = TrainJob.model_validate_json(Path(argv[1]).read_text())
     _setup_logging()
     from speculators.train.distributed import maybe_destroy_distributed, maybe_setup_distributed
 
-    if job["train"]["device"] == "cpu":
+    if job.train.device == "cpu":
         _install_cpu_shim()
         warnings.filterwarnings("ignore", message=".*'pin_memory' argument is set as true but no accelerator")
         _setup_cpu_distributed()
     else:
         maybe_setup_distributed()  # under torchrun: NCCL on the GPU of LOCAL_RANK
     try:
-        result = MODES[job["mode"]](job)
+        result = MODES[job.mode](job)
         if _is_rank0():
-            write_json(Path(job["result_path"]), result)
-            emit_event(kind="done", **{k: v for k, v in result.items() if not isinstance(v, dict)})
+            data = result.model_dump(mode="json")
+            write_json(Path(job.result_path), data)
+            emit_event(kind="done", **{k: v for k, v in data.items() if not isinstance(v, dict)})
     finally:
         maybe_destroy_distributed()
     return 0

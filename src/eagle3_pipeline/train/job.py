@@ -1,0 +1,71 @@
+"""What the train parent and its child share: the job file (JOB.json: `TrainJob`, written by stage.py
+with `model_dump_json`, read by worker.py with `model_validate_json`) and the child's result file
+(`TrainOutput`). Light imports only: `python -m eagle3_pipeline.train.worker` imports this first."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from eagle3_pipeline.config import TargetConfig, TrainConfig
+
+
+class OnlineSource(BaseModel):
+    """Online training: the running vLLM server that the trainer asks for each row's hidden states."""
+    model_config = ConfigDict(extra="forbid")
+    endpoint: str
+    model: str
+    request_timeout_s: float
+    max_in_flight: int = 16  # rows of a packed batch requested at once (train/online_data.py)
+    hidden_size: int | None = None  # checked on every row the server sends
+    cache_dir: str = ""  # where the server's files land; each is deleted once read
+
+
+class TrainJob(BaseModel):
+    """JOB.json of one train child. mode "train" trains (and writes the untrained baseline beside);
+    mode "untrained" writes only a randomly initialised draft of the same architecture to out_dir."""
+    model_config = ConfigDict(extra="forbid")
+    mode: Literal["train", "untrained"]
+    train: TrainConfig
+    target: TargetConfig
+    d2t_path: str
+    t2d_path: str
+    aux_layer_ids: list[int]
+    out_dir: str
+    result_path: str
+    tokenized_dir: str | None = None  # mode "train": the rows (datasets.save_to_disk)
+    hidden_states_dir: str | None = None  # mode "train", offline: hs_{i}.safetensors
+    save_path: str | None = None  # mode "train": the epoch checkpoints
+    metrics_path: str | None = None  # mode "train": metrics.jsonl
+    init_from: str | None = None  # a previous draft's checkpoint to start from (train.init: previous)
+    untrained_dir: str | None = None  # the evaluate stage's baseline, written by the same child
+    online: OnlineSource | None = None  # None: offline, the stored records
+
+
+class TrainOutput(BaseModel):
+    """The result file of a mode "train" child (rank 0), read by the parent."""
+    steps: int
+    world_size: int
+    epochs_done: int
+    resumed_from_epoch: int
+    checkpoint_best: str
+    checkpoint_best_epoch: int
+    checkpoint_last: str
+    metrics: str
+    wall_seconds_this_attempt: float
+    startup_s: float
+    logged_steps: int
+    first_loss: float | None
+    final_loss: float | None
+    final_acc: list[float | None] | None
+    val_loss: float | None
+    val_acc: list[float | None] | None
+    tokens: int
+    train_seconds: float
+    tokens_per_s: float
+
+
+class UntrainedOutput(BaseModel):
+    """The result file of a mode "untrained" child."""
+    checkpoint: str
