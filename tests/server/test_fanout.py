@@ -59,3 +59,26 @@ def test_fanout_to_two_nodes_failed_group_and_retry(client, controller, nodes, s
     assert ev.resource["eagle3.training"] == "no"
     assert not [r for r in client.read_flow_runs() if r.parameters.get("config", {}).get("name") == "srv-fanout"
                 and client.read_flow(r.flow_id).name == "pipeline"]
+
+
+def test_gpu_stages_as_deployments(client, controller, nodes, server_config, prefect_server, tmp_path):
+    """gpu_stages: deployments: the pipeline flow (on the controller) runs verify, train and evaluate as
+    runs of their deployments on the GPU nodes, with the job variables the config implies, and gets
+    their records back (the extraction is the previous test's, from the store)."""
+    from eagle3_pipeline.cluster import job_variables
+
+    cfg = server_config("fanout", "sharegpt.jsonl", "extract.parallel_groups=2", "gpu_stages=deployments")
+    fr = ui_run(client, "pipeline/pipeline", {"config": cfg.model_dump(mode="json"), "output_dir": str(tmp_path)})
+    done = wait_final(client, fr.id, 900, [controller, *nodes])
+    assert done.state.is_completed(), done.state.message
+    rep = json.loads((tmp_path / "latest" / "report.json").read_text())
+    assert rep["status"] == "completed" and rep["stages"]["verify"]["passed"], rep["error"]
+    assert rep["stages"]["evaluate"]["acceptance_length"] >= 1.0
+    logs = {w.name: w.log.read_text(errors="replace") for w in nodes}
+    for stage in ("verify", "train", "evaluate"):
+        (run,) = [r for r in client.read_flow_runs() if r.parent_task_run_id is not None
+                  and client.read_flow(r.flow_id).name == f"{stage}-stage" and r.parameters["config"]["name"] == cfg.name]
+        assert run.state.is_completed(), (stage, run.state)
+        assert run.job_variables == job_variables(cfg, stage), stage
+        assert [n for n, text in logs.items() if f"/flow-run/{run.id}" in text], f"{stage} ran on no GPU node"
+    assert rep["stages"]["train"]["dir"] in rep["artifacts"]["checkpoint"]
