@@ -226,7 +226,7 @@ def main() -> None:
 def bench_size(size: str, n_rows: int, args) -> dict:
     from eagle3_pipeline.config import ExtractConfig, PrepareConfig, SourceConfig, TargetConfig
     from eagle3_pipeline.data.prepare import prepare
-    from eagle3_pipeline.extract.shards import Manifest
+    from eagle3_pipeline.manifest import Manifest
     from tests.helpers.version import extract_all, make_version  # ROOT is on sys.path (above)
 
     work = Path(args.work)

@@ -7,7 +7,7 @@ Every parameter is top-level because a schedule replaces whole parameters: a sch
 prepare.sources). Prepare is content-addressed, so unchanged sources reproduce the same version
 (seconds, nothing published); changed sources publish a new version (event
 `eagle3.dataset.published`) and train a new draft. Extraction links every row an earlier version
-already has from the record pool (extract/pool.py) and extracts only the new ones; verify reuses
+already has from the record pool (pool.py) and extracts only the new ones; verify reuses
 those records' results; `train.init: previous` continues from the previous version's draft, which
 is also evaluated on the same held-out prompts. The `refresh-<dataset>-<model>` artifact gets a
 second version after the run saying what was reused and what was new."""

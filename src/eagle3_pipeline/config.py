@@ -130,7 +130,7 @@ class ExtractConfig(EngineConfig):
                                "(fingerprints/fp_{i}.safetensors): verify checks every row's final layer against them")
     record_pool: bool = Field(True, description="link records of rows already extracted (any version of the dataset, "
                               "same model/layers/storage/engine numerics) from the record pool instead of extracting "
-                              "them again (extract/pool.py)")
+                              "them again (pool.py)")
     invariance_rows: int = Field(2, ge=0, description="rows of each shard group prefilled again alone at the end of the "
                                  "group (same engine, batch of one) and compared with the batched records; verify judges")
 

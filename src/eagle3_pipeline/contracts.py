@@ -331,8 +331,90 @@ def compare_layers(got, ref, layer_ids: list[int], cos_bound: float) -> list[Lay
 # Verify recomputes the logit margin top1 - top2 from the stored final-layer state with the final
 # norm and the two lm_head rows alone (a log-softmax normaliser would cancel): every row, every token.
 
+# ---------------------------------------------------------------- batch invariance (extract's engine, online training)
+
+MAX_SHIFT = 4  # shifts tried when explaining a mismatch
+
+
+def invariance_rows(seq_lens: list[int], count: int, avoid: set[int] = frozenset()) -> list[int]:
+    """Indices into `seq_lens` worth re-extracting alone: the longest, then indices spread evenly,
+    each moved off the positions in `avoid` (the first request of each batch)."""
+    n = len(seq_lens)
+    if n == 0 or count <= 0:
+        return []
+    cands = [i for i in range(n) if i not in avoid] or list(range(n))
+    picks = [max(cands, key=seq_lens.__getitem__)]
+    step = max(1, n // count)
+    for i in range(step // 2, n, step):
+        j = i + 1 if i in avoid and i + 1 < n else i
+        if j not in picks and j not in avoid:
+            picks.append(j)
+    for j in cands:
+        if len(picks) >= count:
+            break
+        if j not in picks:
+            picks.append(j)
+    return sorted(picks[:count])
+
+
+def _rel(a, b) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def shift_explaining(stored, alone, rel_err: float) -> int | None:
+    """The token shift s (|s| <= MAX_SHIFT) for which stored[t] == alone[t+s] explains a mismatch
+    (stored, alone: fp32 [T, H] of one layer), or None."""
+    T = stored.shape[0]
+    for s in sorted(range(-MAX_SHIFT, MAX_SHIFT + 1), key=abs):
+        if s == 0 or T - abs(s) < 2:
+            continue
+        a, b = (stored[:T - s], alone[s:]) if s > 0 else (stored[-s:], alone[:T + s])
+        if _rel(a, b) <= min(0.05, rel_err / 4):
+            return s
+    return None
+
+
+def invariance_entry(stored, alone, layer_ids: list[int]) -> dict:
+    """One row's batch-invariance numbers, as the verify gate judges them (verify/invariance.py): the
+    per-layer differences of the stored record and the same row prefilled alone (fp32 [T, L, H]), and
+    for a layer that differs, the token shift that explains it."""
+    diffs = compare_layers(stored, alone, layer_ids, cos_bound=0.9)
+    shifts = {d.layer_id: shift_explaining(stored[:, li], alone[:, li], d.rel_err)
+              for li, d in enumerate(diffs) if d.mean_cosine < 0.99}
+    return {"layers": [d.model_dump() for d in diffs], "shifts": {str(k): v for k, v in shifts.items() if v is not None}}
+
+
 def fingerprint_name(row: int) -> str:
     return f"fp_{row}.safetensors"
+
+
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_softcapping", "logit_scale", "logits_scaling",
+                    "output_multiplier_scale")
+
+
+def logit_transform(model_dir: Path) -> str | None:
+    """What config.json says happens to the logits after lm_head (soft-capping, scaling), if anything."""
+    try:
+        c = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    c = c.get("text_config") or c
+    found = {k: c[k] for k in LOGIT_TRANSFORMS if c.get(k) not in (None, 1, 1.0)}
+    return f"its logits are transformed after lm_head ({found})" if found else None
+
+
+def fingerprint_blocker(target, dims) -> str | None:
+    """Why verify's final-layer fingerprint check (verify/fingerprint.py) cannot run for `target`, from its
+    config alone (preflight asks before any engine)."""
+    model_dir = Path(target.model)
+    if not model_dir.is_dir():
+        return f"target {target.model} is not a local directory: its lm_head cannot be read here"
+    if "gemma" in dims.model_type:
+        return f"model type {dims.model_type}: its norm and logit scaling differ from RMSNorm + lm_head"
+    scaled = logit_transform(model_dir)
+    if scaled:
+        return f"{model_dir}: {scaled}, which the fingerprint (RMSNorm + lm_head margins) does not model"
+    return None
 
 
 def fingerprint_from_logprobs(prompt_logprobs: list, last_logprobs: dict | None, num_tokens: int) -> dict:

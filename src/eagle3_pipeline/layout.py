@@ -11,7 +11,7 @@ row count; writes nothing.
   <prepare dir>/<model slug>/<extract key>/
       hidden_states/hs_{i}.safetensors   fingerprints/fp_{i}.safetensors   manifest.json   verify.json
       vocab/K<k>/                        train/<train key>/
-  <store>/<dataset>/pool/<model slug>/<pool key>/   the record pool (extract/pool.py): the version's
+  <store>/<dataset>/pool/<model slug>/<pool key>/   the record pool (pool.py): the version's
       records and fingerprints are hard links to pool files addressed by row content
 """
 
@@ -24,6 +24,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from eagle3_pipeline.contracts import ModelDims, fingerprint_name, record_name
+from eagle3_pipeline.pool import pool_key, pool_location
 from eagle3_pipeline.store import content_key, extract_key, model_fingerprint, read_json, slug, within
 
 MANIFEST_NAME = "manifest.json"
@@ -60,7 +61,7 @@ class ExtractVersion(BaseModel):
     rows_per_shard: int
     shards: list[Shard]
     groups: list[list[int]]     # shard ids per engine child (one model load each)
-    pool_dir: str | None = None  # the record pool its records are linked from/into (extract/pool.py)
+    pool_dir: str | None = None  # the record pool its records are linked from/into (pool.py)
 
     # -- layer ids
     @property
@@ -139,8 +140,6 @@ def plan_extract(cfg, prep, pre) -> ExtractVersion:
     e = cfg.extract
     key, out = extract_location(Path(prep.dir), prep.version, cfg.target, pre.layer_ids, e.storage_dtype,
                                 f"{e.connector_module}.{e.connector_name}")
-    from eagle3_pipeline.extract.pool import pool_key, pool_location
-
     rows = datasets.load_from_disk(prep.tokenized).num_rows
     shards = plan_shards(rows, e.rows_per_shard)
     ids = [s.index for s in shards]

@@ -20,7 +20,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from eagle3_pipeline.config import PipelineConfig
-from eagle3_pipeline.contracts import ContractError, ModelDims, model_dims, resolve_layer_ids
+from eagle3_pipeline.contracts import ContractError, ModelDims, fingerprint_blocker, model_dims, resolve_layer_ids
 from eagle3_pipeline.engine_start import MemoryPlan, describe, memory_plan
 from eagle3_pipeline.errors import EnvironmentProblem
 
@@ -183,8 +183,6 @@ def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=prin
     elif flavour == "cpu" and dims.head_dim < 32:
         problems.append(f"head_dim {dims.head_dim}: vLLM's CPU attention needs head_dim >= 32")
     if cfg.extract.fingerprints and "fingerprint" not in cfg.verify.allow_skip:
-        from eagle3_pipeline.verify.fingerprint import fingerprint_blocker
-
         if why := fingerprint_blocker(cfg.target, dims):
             problems.append(f"verify's final-layer fingerprint check cannot run: {why}; set verify.allow_skip: "
                             f"[fingerprint] to train on records it cannot check (or extract.fingerprints: false)")

@@ -183,7 +183,8 @@ def stage_train_online(cfg: PipelineConfig, version: ExtractVersion, voc, log=pr
     from eagle3_pipeline.preflight import disk_plans
     from eagle3_pipeline.store import write_json
     from eagle3_pipeline.train.stage import train_draft
-    from eagle3_pipeline.train.online import HiddenStateServer, OnlineResult, sample_and_verify
+    from eagle3_pipeline.train.online import HiddenStateServer, OnlineResult, take_sample
+    from eagle3_pipeline.verify.gate import check_verify_gate, verify
 
     prev, tcfg = _train_start(cfg, version, log)
     out_dir = version.train_dir(train_key(cfg, version))
@@ -194,9 +195,12 @@ def stage_train_online(cfg: PipelineConfig, version: ExtractVersion, voc, log=pr
     with dir_lock(work, f"online training dir {work}", log), HiddenStateServer(
             cfg.extract, cfg.target, version, work, max_model_len=max_len,
             start_timeout_s=cfg.train.online_start_timeout_s, log=log) as srv:
-        ver, rows, tokens, seconds, nbytes = sample_and_verify(
-            srv, cfg.verify, cfg.extract.invariance_rows, version, work,
-            request_timeout_s=cfg.train.online_request_timeout_s, log=log)
+        sample = take_sample(srv, cfg, version, work, log=log)
+        ver = verify(cfg.verify, srv.target, sample.version, log=log, rows=sample.rows, fingerprints=True)
+        ver = ver.model_copy(update={"mode": "online"})
+        write_json(sample.version.verify_path, ver.model_dump(mode="json"))
+        check_verify_gate(ver)
+        rows, tokens, seconds, nbytes = sample.rows, sample.tokens, sample.seconds, sample.bytes
         tr = train_draft(tcfg, cfg.target, version, Path(voc.dir), out_dir, log=log, previous=prev,
                          online={"endpoint": srv.endpoint, "model": srv.model,
                                  "request_timeout_s": cfg.train.online_request_timeout_s,

@@ -3,7 +3,7 @@
 Keeps the N newest prepare versions of every dataset (lineage.prepare_versions: by prepare.json
 time) and everything under them; removes the other version dirs (tokenized data, every extract
 version with its records, vocab, trained drafts), then the record-pool files no kept version links
-any more (extract/pool.py: a pool file with one link left, its own), and prunes the pool's verify
+any more (pool.py: a pool file with one link left, its own), and prunes the pool's verify
 caches. A dry run (the default) only computes and returns what would go: files and bytes, counted per
 inode, so a record shared with a kept version is never counted as freed.
 Locks, the same as the writers': a version dir is removed holding its prepare lock (`.lock`), and of
@@ -76,7 +76,7 @@ def _version_locks(prep_dir: Path) -> list[Path]:
 
 def gc(store_root: Path, keep: int, apply: bool = False, log: Callable[[str], None] = print) -> GcPlan:
     """Plan (and with `apply`, do) the removal of all but the `keep` newest versions per dataset."""
-    from eagle3_pipeline.extract.pool import RecordPool
+    from eagle3_pipeline.pool import RecordPool
     from eagle3_pipeline.verify import cache
 
     if keep < 1:

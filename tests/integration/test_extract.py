@@ -21,7 +21,8 @@ from eagle3_pipeline.config import ExtractConfig, TargetConfig
 from eagle3_pipeline.contracts import RECORD_META_KEY, to_record
 from eagle3_pipeline.data.prepare import load_tokenized
 from eagle3_pipeline.extract import shards as shards_mod
-from eagle3_pipeline.extract.shards import ExtractFailed, Manifest, extract_group
+from eagle3_pipeline.extract.shards import ExtractFailed, extract_group
+from eagle3_pipeline.manifest import Manifest
 from eagle3_pipeline.extract.worker import KILL_AFTER_ENV, ExtractJob, ShardSpec
 from eagle3_pipeline.layout import ExtractVersion, plan_shards
 from eagle3_pipeline.proc import ChildFailed, python_child

@@ -1,6 +1,6 @@
 """A refresh costs only what changed (issue 12): a second dataset version with more conversations
 extracts only its new rows; the rows both versions share are hard links to one record in the record
-pool (extract/pool.py): byte-identical, one inode, disk grows by about the new rows only; verify of
+pool (pool.py): byte-identical, one inode, disk grows by about the new rows only; verify of
 the second version reads only the new records and reuses the first version's per-record results.
 
 Two prepares of the small config (tests/helpers/store.small_overrides) with different source limits,
@@ -137,7 +137,7 @@ def test_heldout_conversations_stay_held_out(refreshed):
 
 def test_rejected_pooled_record_leaves_the_pool(refreshed, tmp_path):
     """Verify moves a bad record away; when it was a link to the pool, the pool forgets it too."""
-    from eagle3_pipeline.extract.pool import row_keys, version_pool
+    from eagle3_pipeline.pool import row_keys, version_pool
     from eagle3_pipeline.stages import stage_verify
     from eagle3_pipeline.verify.gate import VerifyFailed
 

@@ -14,9 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3_pipeline.config import VerifyConfig
-from eagle3_pipeline.contracts import to_record
+from eagle3_pipeline.contracts import invariance_rows, to_record
 from eagle3_pipeline.verify.gate import verify
-from eagle3_pipeline.verify.invariance import invariance_rows
 from eagle3_pipeline.verify.reference import choose_rows, reference_check
 from eagle3_pipeline.verify.structure import learn_norm_bounds, verify_structure
 from tests.helpers.version import extract_all, make_version, relocated

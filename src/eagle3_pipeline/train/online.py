@@ -4,8 +4,8 @@ never stored for the whole dataset (at Kimi scale a stored record is 56 KiB per 
 Owns `HiddenStateServer` (a context manager: an OpenAI-compatible vLLM server of the target with the
 native `extract_hidden_states` method and our hidden-states connector, the same engine settings, layer
 ids and connector as the extract stage, started in its own process group and ended with it),
-`sample_and_verify` (rows spread over the dataset taken from that server and checked by the verify
-gate before training starts) and `OnlineResult` (what the train record keeps of it).
+`take_sample` (rows spread over the dataset taken from that server, which the stage glue checks with the
+verify gate before training starts) and `OnlineResult` (what the train record keeps of it).
 
 How a row reaches the trainer: speculators' own data loader (`ArrowDataset` with `on_missing:
 generate`, what `speculators train --on-missing generate` uses) finds no stored file for the row, sends
@@ -39,13 +39,14 @@ from types import SimpleNamespace
 
 from pydantic import BaseModel
 
-from eagle3_pipeline.config import ExtractConfig, TargetConfig, VerifyConfig
+from eagle3_pipeline.config import ExtractConfig, PipelineConfig, TargetConfig
 from eagle3_pipeline.contracts import (
     FP_TOP,
     ContractError,
-    compare_layers,
     dequantise,
     fingerprint_from_logprobs,
+    invariance_entry,
+    invariance_rows,
     read_record,
     record_name,
     to_record,
@@ -118,7 +119,7 @@ class _PeakSampler(threading.Thread):
 
 class HiddenStateServer:
     """`with HiddenStateServer(...) as srv:` a running server; `srv.endpoint` (…/v1) and `srv.model` are
-    what a client (speculators' loader, `sample_and_verify`) needs."""
+    what a client (speculators' loader, `take_sample`) needs."""
 
     def __init__(self, extract_cfg: ExtractConfig, target: TargetConfig, version: ExtractVersion, work_dir: Path, *,
                  max_model_len: int, start_timeout_s: float, log: Callable[[str], None] = print):
@@ -295,23 +296,30 @@ def sample_version(version: ExtractVersion, work_dir: Path) -> ExtractVersion:
     return version.model_copy(update={"dir": str((Path(work_dir) / "sample").resolve()), "pool_dir": None})
 
 
-def sample_and_verify(srv: HiddenStateServer, vcfg: VerifyConfig, invariance_rows: int, version: ExtractVersion,
-                      work_dir: Path, *, request_timeout_s: float, log: Callable[[str], None] = print):
-    """Take `vcfg.online_rows` rows from the running server (concurrently, as training will), a few of them
-    again alone (batch invariance), write them as records of a sample version and run the verify gate on
-    them. Returns (VerifyResult, rows, tokens, seconds, bytes); raises VerifyFailed when the gate fails."""
-    from eagle3_pipeline.data.prepare import load_tokenized
-    from eagle3_pipeline.verify.gate import check_verify_gate, verify
-    from eagle3_pipeline.verify.invariance import invariance_rows as pick_invariance
-    from eagle3_pipeline.verify.invariance import shift_explaining
+class OnlineSample(BaseModel):
+    """The rows `take_sample` took from the server, written as records of a sample version."""
+    version: ExtractVersion  # the sample's extraction-shaped directory (sample_version)
+    rows: list[int]
+    tokens: int
+    seconds: float
+    bytes: int  # records and fingerprints kept on disk
 
+
+def take_sample(srv: HiddenStateServer, cfg: PipelineConfig, version: ExtractVersion, work_dir: Path,
+                log: Callable[[str], None] = print) -> OnlineSample:
+    """Take `verify.online_rows` rows from the running server (concurrently, as training will), a few of
+    them again alone (`extract.invariance_rows`: batch invariance) and write them as records of a sample
+    version, for the verify gate to check."""
+    from eagle3_pipeline.data.prepare import load_tokenized
+
+    request_timeout_s = cfg.train.online_request_timeout_s
     t0 = time.time()
     sv = sample_version(version, work_dir)
     shutil.rmtree(sv.path, ignore_errors=True)
     sv.hidden_states_dir.mkdir(parents=True)
     sv.fingerprints_dir.mkdir(parents=True)
     ds = load_tokenized(version.tokenized_dir)
-    rows = sample_rows(len(ds), vcfg.online_rows)
+    rows = sample_rows(len(ds), cfg.verify.online_rows)
     sel = ds.select(rows)
     ids_of = dict(zip(rows, sel["input_ids"]))
     L, H = len(version.layer_ids), version.dims.hidden_size
@@ -335,7 +343,7 @@ def sample_and_verify(srv: HiddenStateServer, vcfg: VerifyConfig, invariance_row
     # batch invariance: a few rows again, alone, compared with what the concurrent pass wrote
     inv: dict[str, dict] = {}
     seq_lens = [len(ids_of[r]) for r in rows]
-    for i in pick_invariance(seq_lens, invariance_rows):
+    for i in invariance_rows(seq_lens, cfg.extract.invariance_rows):
         row = rows[i]
         data, _ = srv.hidden_states([int(x) for x in ids_of[row]], request_timeout_s, fingerprint=False)
         alone = dequantise(to_record(data["hidden_states"], data["token_ids"], sv.storage_dtype))
@@ -343,20 +351,13 @@ def sample_and_verify(srv: HiddenStateServer, vcfg: VerifyConfig, invariance_row
         if tuple(alone.shape) != tuple(stored.shape):
             inv[str(row)] = {"error": f"stored {list(stored.shape)}, alone {list(alone.shape)}"}
             continue
-        diffs = compare_layers(stored, alone, sv.layer_ids, cos_bound=0.9)
-        shifts = {d.layer_id: shift_explaining(stored[:, li], alone[:, li], d.rel_err)
-                  for li, d in enumerate(diffs) if d.mean_cosine < 0.99}
-        inv[str(row)] = {"layers": [d.model_dump() for d in diffs],
-                         "shifts": {str(k): v for k, v in shifts.items() if v is not None}}
+        inv[str(row)] = invariance_entry(stored, alone, sv.layer_ids)
+    extract_cfg = {"fingerprints": True, "invariance_rows": cfg.extract.invariance_rows}
     write_json(sv.manifest_path, {"content_key": sv.content_key, "online_sample": True, "shards": [],
-                                  "config": {"extract": {"fingerprints": True, "invariance_rows": invariance_rows}},
-                                  "invariance": inv, "rows": rows, "endpoint": srv.endpoint})
+                                  "config": {"extract": extract_cfg}, "invariance": inv, "rows": rows,
+                                  "endpoint": srv.endpoint})
     seconds = round(time.time() - t0, 2)
     nbytes = _dir_bytes(sv.hidden_states_dir) + _dir_bytes(sv.fingerprints_dir)
     log(f"online: {len(rows)} rows ({tokens} tokens) taken from the server in {seconds:.1f}s for the verify gate "
         f"({nbytes / 1e6:.1f} MB kept in {sv.path})")
-    res = verify(vcfg, srv.target, sv, log=log, rows=rows, fingerprints=True)
-    res = res.model_copy(update={"mode": "online"})
-    write_json(sv.verify_path, res.model_dump(mode="json"))
-    check_verify_gate(res)
-    return res, rows, tokens, seconds, nbytes
+    return OnlineSample(version=sv, rows=rows, tokens=tokens, seconds=seconds, bytes=nbytes)

@@ -85,7 +85,7 @@ def load(path: Path) -> dict:
 # `<pool dir>/verify/<verify config key>.safetensors`: per pooled record (row key) its good result and
 # the identity of the files it was computed from: [dev, inode, size, mtime_ns] of the record and the
 # inode of its fingerprint (-1: none). A version whose record of a row is the same inode as the pool's
-# record (a hard link: extract/pool.py), unchanged since, reuses that result without reading the file.
+# record (a hard link: pool.py), unchanged since, reuses that result without reading the file.
 POOL_CACHE_DIR = "verify"
 
 

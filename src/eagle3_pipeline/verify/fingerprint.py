@@ -35,6 +35,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from eagle3_pipeline.contracts import fingerprint_blocker
+
 NORM_SUFFIXES = ("model.norm.weight", "norm.weight")  # the final norm (never a layer's: those have "layers.")
 HEAD_SUFFIXES = ("lm_head.weight", "output.weight")
 EMBED_SUFFIXES = ("embed_tokens.weight", "wte.weight", "tok_embeddings.weight")
@@ -150,34 +152,6 @@ class FinalLayerCheck:
                 out.append((1.0 - len(bad) / checked, checked, bad[:MAX_NAMED].tolist()))
             o += T
         return out
-
-
-LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_softcapping", "logit_scale", "logits_scaling",
-                    "output_multiplier_scale")
-
-
-def logit_transform(model_dir: Path) -> str | None:
-    """What config.json says happens to the logits after lm_head (soft-capping, scaling), if anything."""
-    try:
-        c = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    c = c.get("text_config") or c
-    found = {k: c[k] for k in LOGIT_TRANSFORMS if c.get(k) not in (None, 1, 1.0)}
-    return f"its logits are transformed after lm_head ({found})" if found else None
-
-
-def fingerprint_blocker(target, dims) -> str | None:
-    """Why the check cannot run for `target`, from its config alone (preflight asks before any engine)."""
-    model_dir = Path(target.model)
-    if not model_dir.is_dir():
-        return f"target {target.model} is not a local directory: its lm_head cannot be read here"
-    if "gemma" in dims.model_type:
-        return f"model type {dims.model_type}: its norm and logit scaling differ from RMSNorm + lm_head"
-    scaled = logit_transform(model_dir)
-    if scaled:
-        return f"{model_dir}: {scaled}, which the fingerprint (RMSNorm + lm_head margins) does not model"
-    return None
 
 
 def final_layer_check(target, dims, cfg, storage_dtype: str) -> tuple[FinalLayerCheck | None, str | None]:

@@ -27,7 +27,7 @@ from eagle3_pipeline.config import ExtractConfig, TargetConfig, VerifyConfig
 from eagle3_pipeline.contracts import record_name
 from eagle3_pipeline.data.prepare import load_tokenized
 from eagle3_pipeline.errors import GateFailed
-from eagle3_pipeline.extract.pool import row_keys, version_pool
+from eagle3_pipeline.pool import row_keys, version_pool
 from eagle3_pipeline.layout import ExtractVersion
 from eagle3_pipeline.store import content_key, file_lock, read_json, write_json
 from eagle3_pipeline.verify import cache
@@ -308,7 +308,7 @@ def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, lo
                 failed_dir.mkdir(exist_ok=True)
                 shutil.move(str(f), str(failed_dir / f.name))
                 moved.append(str(failed_dir / f.name))
-        from eagle3_pipeline.extract.shards import mark_rows_failed
+        from eagle3_pipeline.manifest import mark_rows_failed
 
         hit = mark_rows_failed(extract_dir, bad_rows, "verify failed")
         log(f"verify: moved {len(moved)} files to {failed_dir}; shards {hit} marked failed for re-extraction")

@@ -30,7 +30,6 @@ from pydantic import BaseModel
 
 from eagle3_pipeline.config import VerifyConfig
 
-MAX_SHIFT = 4  # shifts tried when explaining a mismatch
 FP8_SLACK = 4.0  # fp8 storage: tolerances this many times looser (3 mantissa bits instead of 7)
 
 
@@ -42,44 +41,6 @@ class InvarianceResult(BaseModel):
     problems: list[str]
     bad_rows: list[int] = []
     skipped: str | None = None
-
-
-def invariance_rows(seq_lens: list[int], count: int, avoid: set[int] = frozenset()) -> list[int]:
-    """Indices into `seq_lens` worth re-extracting alone: the longest, then indices spread evenly,
-    each moved off the positions in `avoid` (the first request of each batch)."""
-    n = len(seq_lens)
-    if n == 0 or count <= 0:
-        return []
-    cands = [i for i in range(n) if i not in avoid] or list(range(n))
-    picks = [max(cands, key=seq_lens.__getitem__)]
-    step = max(1, n // count)
-    for i in range(step // 2, n, step):
-        j = i + 1 if i in avoid and i + 1 < n else i
-        if j not in picks and j not in avoid:
-            picks.append(j)
-    for j in cands:
-        if len(picks) >= count:
-            break
-        if j not in picks:
-            picks.append(j)
-    return sorted(picks[:count])
-
-
-def _rel(a, b) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-12))
-
-
-def shift_explaining(stored, alone, rel_err: float) -> int | None:
-    """The token shift s (|s| <= MAX_SHIFT) for which stored[t] == alone[t+s] explains a mismatch
-    (stored, alone: fp32 [T, H] of one layer), or None."""
-    T = stored.shape[0]
-    for s in sorted(range(-MAX_SHIFT, MAX_SHIFT + 1), key=abs):
-        if s == 0 or T - abs(s) < 2:
-            continue
-        a, b = (stored[:T - s], alone[s:]) if s > 0 else (stored[-s:], alone[:T + s])
-        if _rel(a, b) <= min(0.05, rel_err / 4):
-            return s
-    return None
 
 
 def judge(entries: dict[int, dict], cfg: VerifyConfig, storage_dtype: str, names: dict[int, str]) -> InvarianceResult:
