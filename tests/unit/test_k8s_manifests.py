@@ -198,17 +198,37 @@ def test_kubernetes_deployments_name_the_pools_pools_sh_creates_and_flows_that_e
     steps = [next(iter(s.values())) for s in spec["build"] + spec["push"]]
     assert [s["id"] for s in steps] == ["build-image", "push-image"]
     deps = {d["name"]: d for d in spec["deployments"]}
-    assert set(deps) == {"pipeline-k8s", "extract-group-k8s", "verify-stage", "train-stage", "evaluate-stage"}
+    assert set(deps) == {"pipeline-k8s", "extract-group-k8s", "verify-stage-k8s", "train-stage-k8s", "evaluate-stage-k8s"}
     process = {d["name"] for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]}
     assert not set(deps) & process, "a name in both files would move a deployment between pools"
-    pools = {"extract-group-k8s": "eagle3-gpu", "train-stage": "eagle3-gpu", "evaluate-stage": "eagle3-gpu",
-             "verify-stage": "eagle3-cpu", "pipeline-k8s": "eagle3-cpu"}
+    pools = {"extract-group-k8s": "eagle3-gpu", "train-stage-k8s": "eagle3-gpu", "evaluate-stage-k8s": "eagle3-gpu",
+             "verify-stage-k8s": "eagle3-cpu", "pipeline-k8s": "eagle3-cpu"}
     for name, d in deps.items():
         assert d["work_pool"]["name"] == pools[name] and d["work_pool"]["name"] in created
         assert d["work_pool"]["job_variables"]["image"] == "{{ push-image.stdout }}"  # pinned by digest
         path, func = d["entrypoint"].split(":")
         tree = ast.parse((ROOT / path).read_text())
         assert func in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}, d["entrypoint"]
+    # the pipeline pod's targets are this file's deployments: <flow name>/<deployment name>
     env = deps["pipeline-k8s"]["work_pool"]["job_variables"]["env"]
-    assert env["EAGLE3_EXTRACT_GROUP_DEPLOYMENT"] == "extract-group/extract-group-k8s"
+    flows = {name: d["entrypoint"].split(":")[1].replace("_", "-") for name, d in deps.items()}
+    assert env["EAGLE3_EXTRACT_GROUP_DEPLOYMENT"] == f"{flows['extract-group-k8s']}/extract-group-k8s"
+    for stage in ("verify", "train", "evaluate"):
+        assert env["EAGLE3_STAGE_DEPLOYMENT"].format(stage=stage) == f"{flows[stage + '-stage-k8s']}/{stage}-stage-k8s"
     assert deps["pipeline-k8s"]["parameters"]["output_dir"].startswith("/data/")  # on the store, not the pod
+
+
+def test_pipeline_k8s_default_run_is_the_kimi_config_with_its_stages_as_deployments(monkeypatch):
+    """What a run of pipeline-k8s with its default parameters resolves to, the way a worker's pod would (the
+    image's working directory is this checkout's layout): the Kimi config, stages as deployments, 4 groups."""
+    pytest.importorskip("prefect")
+    from prefect.flows import load_flow_from_entrypoint
+
+    from flows.config_param import resolve_config, switches
+
+    (dep,) = [d for d in yaml.safe_load((K8S / "prefect.yaml").read_text())["deployments"] if d["name"] == "pipeline-k8s"]
+    monkeypatch.chdir(ROOT)
+    p = load_flow_from_entrypoint(dep["entrypoint"]).validate_parameters(dep["parameters"])
+    cfg = resolve_config(p["config"], p["config_path"], switches(overrides=p["overrides"]))
+    assert cfg.name == "kimi-k2.5-tp8" and cfg.gpu_stages == "deployments" and cfg.extract.parallel_groups == 4
+    assert cfg.store.startswith("/data/") and cfg.target.model.startswith("/models/")  # the two volumes' mounts
