@@ -13,4 +13,5 @@ def test_work_pools_and_gpu_limit(client, deployed):
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "{{ gpu_count }}"
     assert tmpl["variables"]["properties"]["gpu_count"]["default"] == 8
     assert client.read_global_concurrency_limit_by_name(GPU_LIMIT).limit == 2  # two nodes here
-    assert {d.name for d in client.read_deployments()} == {"pipeline", "refresh", "rerun-failed", "extract-group"}
+    assert {d.name for d in client.read_deployments()} == {"pipeline", "refresh", "rerun-failed", "extract-group",
+                                                           "verify-stage", "train-stage", "evaluate-stage"}
