@@ -124,7 +124,7 @@ def in_memory(data: dict, files: list[Path]) -> tuple:
 
 def bench(name: str, data: dict, repeats: int, workers: list[int], cold: bool = False) -> list[tuple]:
     from eagle3_pipeline.config import VerifyConfig
-    from eagle3_pipeline.verify.structure import _Extras, verify_structure
+    from eagle3_pipeline.verify.structure import StructureCheck, _Extras, verify_structure
 
     vc = VerifyConfig()  # the gate's defaults
     extras = _Extras(identity=True, final=data.get("final"), fingerprints_dir=data.get("fingerprints"),
@@ -149,8 +149,9 @@ def bench(name: str, data: dict, repeats: int, workers: list[int], cold: bool = 
         if cold:
             evict(files)
         t0 = time.perf_counter()
-        res = verify_structure(Path(data["tokenized"]), Path(data["hs"]), data["layer_ids"], data["hidden"],
-                               log=lambda m: None, workers=w, extras=extras, identity_max_z=vc.identity_max_z)
+        check = StructureCheck(Path(data["tokenized"]), Path(data["hs"]), data["layer_ids"], data["hidden"],
+                               identity_max_z=vc.identity_max_z, workers=w)
+        res = verify_structure(check, log=lambda m: None, extras=extras)
         dt = time.perf_counter() - t0
         assert res.passed, res.problems[:3]
         assert data.get("final") is None or res.fingerprint.rows_checked == res.files_checked, res.fingerprint

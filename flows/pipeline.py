@@ -15,7 +15,7 @@ from prefect import flow
 from eagle3_pipeline.config import PipelineConfig
 from eagle3_pipeline.preflight import installed_versions
 from eagle3_pipeline.runs import RunDir, StageClock, create_run_dir
-from eagle3_pipeline.verify.gate import VerifyResult
+from eagle3_pipeline.verify.stage import VerifyResult
 from flows.config_param import DEFAULT_CONFIG_PATH, resolve_config, switches
 from flows import stage_runs
 from flows.extract import extract

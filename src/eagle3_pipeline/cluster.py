@@ -64,7 +64,7 @@ def stage_deadline_s(config: PipelineConfig, stage: str, shards: int | None = No
         return float(e.start_timeout_s + e.shard_timeout_s * shards)  # extract/shards.py group_deadline
     if stage == "verify":
         # the sampled rows' reference child, and a second one confirming rows flagged by learned checks
-        # (verify/gate.py), then the scan of every record
+        # (verify/stage.py), then the scan of every record
         return 2 * config.verify.reference_timeout_s + VERIFY_SCAN_S
     if stage == "train":
         t = config.train

@@ -105,7 +105,7 @@ def stage_extract(cfg: PipelineConfig, version: ExtractVersion, log=print):
 def stage_verify(cfg: PipelineConfig, version: ExtractVersion, log=print):
     """The verify gate: raises VerifyFailed naming every bad record; returns the VerifyResult."""
     check_store(Path(cfg.store), log)
-    from eagle3_pipeline.verify.gate import check_verify_gate, verify
+    from eagle3_pipeline.verify.stage import check_verify_gate, verify
 
     fail_once("verify")
     res = verify(cfg.verify, cfg.target, version, log=log, extract_cfg=cfg.extract)
@@ -151,7 +151,7 @@ def stage_train(cfg: PipelineConfig, version: ExtractVersion, voc, log=print):
     """offline: the verified stored records; online: a vLLM server started here (stage_train_online)."""
     check_store(Path(cfg.store), log)
     from eagle3_pipeline.train.stage import train_draft
-    from eagle3_pipeline.verify.gate import require_verified
+    from eagle3_pipeline.verify.stage import require_verified
 
     if cfg.train.mode == "online":
         return stage_train_online(cfg, version, voc, log=log)
@@ -184,7 +184,7 @@ def stage_train_online(cfg: PipelineConfig, version: ExtractVersion, voc, log=pr
     from eagle3_pipeline.store import write_json
     from eagle3_pipeline.train.stage import train_draft
     from eagle3_pipeline.train.online import HiddenStateServer, OnlineResult, take_sample
-    from eagle3_pipeline.verify.gate import check_verify_gate, verify
+    from eagle3_pipeline.verify.stage import check_verify_gate, verify
 
     prev, tcfg = _train_start(cfg, version, log)
     out_dir = version.train_dir(train_key(cfg, version))

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from eagle3_pipeline.config import load_config
-from eagle3_pipeline.verify.gate import VerifyFailed
+from eagle3_pipeline.verify.stage import VerifyFailed
 from tests.helpers.store import processes_with_env
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -40,7 +40,7 @@ def clean_run(request, tiny_target, tmp_path_factory):
 
 
 def test_clean_extraction_passes_verify_with_defaults(clean_run, tmp_path):
-    from eagle3_pipeline.verify.gate import verify
+    from eagle3_pipeline.verify.stage import verify
 
     name, cfg, version = clean_run
     assert cfg.verify == VerifyConfig(**cfg.verify.model_dump())  # the config's own (default) settings
@@ -55,7 +55,7 @@ def test_clean_extraction_passes_verify_with_defaults(clean_run, tmp_path):
 
 
 def test_one_permuted_record_is_named(clean_run, tmp_path):
-    from eagle3_pipeline.verify.gate import verify
+    from eagle3_pipeline.verify.stage import verify
 
     name, cfg, version = clean_run
     copy = version.model_copy(update={"dir": str(tmp_path / "x"), "pool_dir": None})

@@ -139,7 +139,7 @@ def test_rejected_pooled_record_leaves_the_pool(refreshed, tmp_path):
     """Verify moves a bad record away; when it was a link to the pool, the pool forgets it too."""
     from eagle3_pipeline.pool import row_keys, version_pool
     from eagle3_pipeline.stages import stage_verify
-    from eagle3_pipeline.verify.gate import VerifyFailed
+    from eagle3_pipeline.verify.stage import VerifyFailed
 
     b = refreshed["second"]
     version, pool = b["version"], version_pool(b["version"])

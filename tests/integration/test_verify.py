@@ -15,9 +15,9 @@ from safetensors.torch import load_file, save_file
 
 from eagle3_pipeline.config import VerifyConfig
 from eagle3_pipeline.contracts import invariance_rows, to_record
-from eagle3_pipeline.verify.gate import verify
+from eagle3_pipeline.verify.stage import verify
 from eagle3_pipeline.verify.reference import choose_rows, reference_check
-from eagle3_pipeline.verify.structure import learn_norm_bounds, verify_structure
+from eagle3_pipeline.verify.structure import StructureCheck, learn_norm_bounds, verify_structure
 from tests.helpers.version import extract_all, make_version, relocated
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +40,8 @@ def _rewrite(path: Path, fn):
 
 
 def _check(extracted, d, rows=ROWS):
-    return verify_structure(extracted.tokenized, d, extracted.layer_ids, extracted.hidden_size, rows=rows, log=lambda m: None)
+    return verify_structure(StructureCheck(extracted.tokenized, d, extracted.layer_ids, extracted.hidden_size), rows=rows,
+                            log=lambda m: None)
 
 
 def test_clean_extraction_passes(extracted):
@@ -137,8 +138,8 @@ def test_fp8_records(extracted, hs_copy):
     writes with) passes as fp8; without its scales, or a bf16 record checked as fp8, is caught."""
     for r in ROWS:
         _rewrite(hs_copy / f"hs_{r}.safetensors", lambda rec: to_record(rec["hidden_states"], rec["token_ids"], "fp8"))
-    fp8 = lambda: verify_structure(extracted.tokenized, hs_copy, extracted.layer_ids, extracted.hidden_size, "fp8",
-                                   rows=ROWS, log=lambda m: None)
+    fp8 = lambda: verify_structure(StructureCheck(extracted.tokenized, hs_copy, extracted.layer_ids, extracted.hidden_size,
+                                                  "fp8"), rows=ROWS, log=lambda m: None)
     res = fp8()
     assert res.passed, res.problems
     bf = _check(extracted, extracted.hidden_states)
@@ -165,8 +166,8 @@ def test_norm_outlier_is_caught(extracted, tmp_path):
     d.mkdir()
     for r in range(NORM_FILES):
         shutil.copy(extracted.hidden_states / f"hs_{r}.safetensors", d)
-    check = lambda: verify_structure(extracted.tokenized, d, extracted.layer_ids, extracted.hidden_size,
-                                     rows=list(range(NORM_FILES)), log=lambda m: None, norm_samples=32)
+    check = lambda: verify_structure(StructureCheck(extracted.tokenized, d, extracted.layer_ids, extracted.hidden_size,
+                                                    norm_samples=32), rows=list(range(NORM_FILES)), log=lambda m: None)
     clean = check()
     assert clean.passed and clean.norm_bounds_files == 32, clean.problems
     def scale(li):
@@ -207,8 +208,8 @@ def test_norm_bounds_hold_when_the_first_shard_is_bad(extracted, tmp_path):
 
     for r in range(12):
         _rewrite(d / f"hs_{r}.safetensors", scale)
-    res = verify_structure(extracted.tokenized, d, extracted.layer_ids, extracted.hidden_size,
-                           rows=list(range(NORM_FILES)), log=lambda m: None, norm_samples=16)
+    res = verify_structure(StructureCheck(extracted.tokenized, d, extracted.layer_ids, extracted.hidden_size,
+                                          norm_samples=16), rows=list(range(NORM_FILES)), log=lambda m: None)
     assert res.bad_rows == list(range(12)), res.problems
     kept = {s.layer_id: s for s in res.layer_stats}[extracted.layer_ids[1]]
     assert kept.norm_margin is not None and kept.norm_margin < 1.0
@@ -329,8 +330,8 @@ def test_broken_connector_is_caught_by_batch_invariance_and_fingerprints(extract
     version = version.model_copy(update={"rows_per_shard": rows, "shards": version.shards[:1], "groups": [[0]]}) \
         if len(version.shards) > 1 else version
     extract_all(broken, tiny_config.target, version, log=lambda m: None)  # one shard: batches of many requests
-    structure = verify_structure(tok, version.hidden_states_dir, extracted.layer_ids, extracted.hidden_size,
-                                 log=lambda m: None)
+    structure = verify_structure(StructureCheck(tok, version.hidden_states_dir, extracted.layer_ids,
+                                                extracted.hidden_size), log=lambda m: None)
     assert structure.passed, structure.problems[:3]  # nothing structural to see
     res = verify(VerifyConfig(reference_samples=0), tiny_config.target, version, log=lambda m: None)
     assert not res.passed and res.bad_rows, res.problems

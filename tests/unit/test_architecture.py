@@ -1,9 +1,14 @@
-"""The layout rules of DESIGN §4, checked on the source (parsed with `ast`, nothing imported):
+"""The layout rules of the code (README.md, "The code"), checked on the source (parsed with `ast`, nothing imported):
   - the core (src/eagle3_pipeline) never imports Prefect, not even inside a function;
   - the import direction is flows -> tasks -> eagle3_pipeline: tasks/ never imports flows/;
   - one place builds a vLLM engine: nothing but src/eagle3_pipeline/engine.py constructs `vllm.LLM`
     (src/ and bench/ are checked);
-  - one shape per stage: a stage's child is `<stage>/worker.py`, never a top-level `*_worker.py`.
+  - one shape per stage: a stage's child is `<stage>/worker.py`, never a top-level `*_worker.py`;
+    each stage package has `stage.py` (the glue the flow calls) and an `__init__.py` of at most 60 lines;
+  - layers: the ground floor (the top-level modules of src/eagle3_pipeline and the shared packages
+    data, targets, tiny) never imports a stage package (extract, verify, train, evaluate, regenerate),
+    and a stage package never imports a sibling stage package; shared pieces live on the ground floor;
+  - no function in the core takes more than 6 parameters (self/cls not counted), but the listed ones.
 Each checker takes source text, so each rule is also shown to fail on a small synthetic violation.
 """
 
@@ -64,6 +69,104 @@ def top_level_workers(package_dir: Path) -> list[str]:
     return sorted(p.name for p in Path(package_dir).glob("*_worker.py"))
 
 
+STAGES = ("extract", "verify", "train", "evaluate", "regenerate")
+# Top-level modules that sit above the stages, each with why it must import them.
+ABOVE_STAGES = {
+    "stages.py": "the glue the tasks call: one stage_<name> function per stage",
+    "store_gc.py": "gc sweeps what every stage keeps (versions, the record pool, the pool's verify caches)",
+}
+# Stage packages whose glue is not yet called stage.py: the list can only shrink.
+NO_STAGE_PY = {
+    "extract": "its glue is shards.py (imported by flows/ and tasks/); it becomes stage.py when the shard-run "
+               "bookkeeping it shares with regenerate moves to a module of its own",
+}
+INIT_MAX_LINES = 60
+MAX_PARAMS = 6
+# Functions over MAX_PARAMS parameters today, "path:function" -> why; the list can only shrink.
+PARAM_EXCEPTIONS = {
+    "engine.py:server_argv": "the vLLM server's command line from engine settings, layers, connector and paths",
+    "evaluate/prompts.py:load_prompt_set": "public reader: source, tokenizer, template and selection knobs; a typed request next",
+    "evaluate/stage.py:evaluate_draft": "public API (tests, eagle3 evaluate): cfg, target, draft, prompts, dir, log, label",
+    "evaluate/stage.py:evaluate_pair": "public API called by stages.py and tests; the drafts belong in one typed record",
+    "evaluate/stage.py:_evaluate_pair": "evaluate_pair's body under the dir lock; shrinks with evaluate_pair",
+    "extract/shards.py:extract_group": "public API (flows, tasks, tests); shrinks with the shared shard-run module",
+    "extract/shards.py:_job": "builds the ExtractJob field by field; shrinks with the shared shard-run module",
+    "extract/shards.py:_link_from_pool": "shard-run bookkeeping; shrinks with the shared shard-run module",
+    "extract/shards.py:_run_group": "shard-run bookkeeping; shrinks with the shared shard-run module",
+    "extract/shards.py:_publish": "shard-run bookkeeping; shrinks with the shared shard-run module",
+    "extract/shards.py:_close_group": "shard-run bookkeeping; shrinks with the shared shard-run module",
+    "proc.py:run_child": "the one child runner: its keyword options (deadline, log, callbacks, env) are its interface",
+    "proc.py:_spawn": "run_child's process start; takes run_child's options",
+    "regenerate/stage.py:_lineage": "the manifest's lineage from every input of the version; shrinks with the shard-run module",
+    "regenerate/stage.py:_run_child": "shard-run bookkeeping; shrinks with the shared shard-run module",
+    "regenerate/stage.py:_close": "shard-run bookkeeping; shrinks with the shared shard-run module",
+    "report.py:build_report": "one record per stage result; a typed run record next",
+    "stages.py:stage_evaluate": "the glue takes the earlier stages' records one by one, as the flow holds them",
+    "tiny/build_cache.py:cached_build": "tiny/ keys the kept builds: changing it forces a rebuild",
+    "tiny/training.py:train_lm": "tiny/ keys the kept builds: changing it forces a rebuild",
+    "train/online.py:__init__": "HiddenStateServer: the server's engine settings, version, work dir, deadlines, log",
+    "train/stage.py:train_draft": "public API (stages.py, bench, tests); the inputs belong in one typed record",
+    "train/stage.py:_train_draft": "train_draft's body under the dir lock; shrinks with train_draft",
+    "train/stage.py:make_untrained_draft": "public API (stages.py, tests); shrinks with train_draft",
+    "verify/reference.py:stream_reference": "the reference child's inputs: target, version, rows, budget, work dir, log",
+    "verify/stage.py:verify": "public API (stages.py, tests): cfg, target, version and the online sample's rows",
+}
+
+
+def module_of(path: Path, core: Path = CORE) -> str:
+    """Dotted module name of a file under the core (`eagle3_pipeline.extract.shards`)."""
+    rel = Path(path).relative_to(core).with_suffix("")
+    parts = [p for p in rel.parts if p != "__init__"]
+    return ".".join(["eagle3_pipeline", *parts])
+
+
+def stage_of(module: str) -> str | None:
+    """The stage package a dotted module belongs to (None: ground floor or not ours)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "eagle3_pipeline" and parts[1] in STAGES else None
+
+
+def layer_violations(module: str, source: str) -> list[str]:
+    """`line N: imported` for each import in `source` (the text of `module`) that breaks the layers: a
+    ground-floor module importing a stage package, or a stage package importing a sibling."""
+    own = stage_of(module)
+    bad = set()
+    for n, m in imported_modules(source):
+        other = stage_of(m)
+        if other is not None and other != own:
+            bad.add(f"line {n}: {'.'.join(m.split('.')[:2])}")
+    return sorted(bad)
+
+
+def stage_shape_problems(package_dir: Path) -> list[str]:
+    """What keeps a stage package from the one shape: no stage.py, an __init__.py over INIT_MAX_LINES."""
+    d = Path(package_dir)
+    out = []
+    if not (d / "stage.py").is_file():
+        out.append(f"{d.name}: no stage.py")
+    init = d / "__init__.py"
+    n = len(init.read_text().splitlines()) if init.is_file() else 0
+    if n > INIT_MAX_LINES:
+        out.append(f"{d.name}/__init__.py: {n} lines (at most {INIT_MAX_LINES})")
+    return out
+
+
+def long_signatures(source: str, limit: int = MAX_PARAMS) -> dict[str, int]:
+    """{function name: parameter count} of every function (methods too) over `limit` parameters;
+    self/cls do not count, *args and **kwargs count one each."""
+    out = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+            if names and names[0] in ("self", "cls"):
+                names = names[1:]
+            n = len(names) + (a.vararg is not None) + (a.kwarg is not None)
+            if n > limit:
+                out[node.name] = n
+    return out
+
+
 # ---------------------------------------------------------------- the rules on this repository
 
 def test_core_never_imports_prefect():
@@ -88,6 +191,43 @@ def test_no_top_level_worker_modules():
     assert top_level_workers(CORE) == [], \
         "a stage's child lives in its package as <stage>/worker.py (extract/, train/, evaluate/)"
     assert {p.parent.name for p in CORE.glob("*/worker.py")} >= {"extract", "train", "evaluate"}
+
+
+def test_ground_floor_never_imports_a_stage():
+    bad = {}
+    for p, src in _sources(CORE).items():
+        mod = module_of(p)
+        if stage_of(mod) is None and p.relative_to(CORE).as_posix() not in ABOVE_STAGES:
+            if hits := layer_violations(mod, src):
+                bad[str(p.relative_to(ROOT))] = hits
+    assert bad == {}, f"the ground floor imports a stage package (move the shared piece down): {bad}"
+    assert all((CORE / m).is_file() for m in ABOVE_STAGES), "ABOVE_STAGES names a module that is gone"
+
+
+def test_no_stage_imports_a_sibling_stage():
+    bad = {}
+    for p, src in _sources(*(CORE / s for s in STAGES)).items():
+        if hits := layer_violations(module_of(p), src):
+            bad[str(p.relative_to(ROOT))] = hits
+    assert bad == {}, f"a stage package imports a sibling stage (move the shared piece down, or call both from stages.py): {bad}"
+
+
+def test_every_stage_has_one_shape():
+    assert {p.parent.name for p in CORE.glob("*/__init__.py")} >= set(STAGES)
+    bad = {s: probs for s in STAGES
+           if (probs := [x for x in stage_shape_problems(CORE / s) if not (s in NO_STAGE_PY and x.endswith("no stage.py"))])}
+    assert bad == {}, f"stage packages out of shape: {bad}"
+    stale = [s for s in NO_STAGE_PY if (CORE / s / "stage.py").is_file()]
+    assert stale == [], f"{stale} have stage.py now: drop them from NO_STAGE_PY"
+
+
+def test_no_function_over_six_parameters():
+    found = {f"{p.relative_to(CORE).as_posix()}:{name}": n
+             for p, src in _sources(CORE).items() for name, n in long_signatures(src).items()}
+    new = {k: n for k, n in found.items() if k not in PARAM_EXCEPTIONS}
+    assert new == {}, f"functions over {MAX_PARAMS} parameters (pass a typed record whole): {new}"
+    fixed = sorted(set(PARAM_EXCEPTIONS) - set(found))
+    assert fixed == [], f"{fixed} take {MAX_PARAMS} parameters or fewer now (or are gone): drop them from PARAM_EXCEPTIONS"
 
 
 # ---------------------------------------------------------------- each checker can fail
@@ -129,3 +269,38 @@ def test_worker_checker_finds_top_level_workers(tmp_path):
     assert top_level_workers(tmp_path) == []
     (tmp_path / "train_worker.py").write_text("")
     assert top_level_workers(tmp_path) == ["train_worker.py"]
+
+
+def test_layer_checker_finds_crossings():
+    assert layer_violations("eagle3_pipeline.layout", "from eagle3_pipeline.extract.shards import x\n") == \
+        ["line 1: eagle3_pipeline.extract"]
+    assert layer_violations("eagle3_pipeline.runs", "def f():\n    import eagle3_pipeline.verify.gate\n") == \
+        ["line 2: eagle3_pipeline.verify"]
+    assert layer_violations("eagle3_pipeline.train.online", "from eagle3_pipeline.verify import gate\n") == \
+        ["line 1: eagle3_pipeline.verify"]
+    # a stage's own modules, the ground floor and other packages are fine
+    assert layer_violations("eagle3_pipeline.train.stage", "from eagle3_pipeline.train.vocab import x\n"
+                            "from eagle3_pipeline.contracts import y\nfrom eagle3_pipeline.data.prepare import z\n"
+                            "import extract\nfrom . import verify\n") == []
+    assert stage_of("eagle3_pipeline.pool") is None and stage_of("eagle3_pipeline.evaluate.ngram") == "evaluate"
+    assert module_of(CORE / "train" / "__init__.py") == "eagle3_pipeline.train"
+
+
+def test_stage_shape_checker_finds_a_missing_stage_py_and_a_long_init(tmp_path):
+    d = tmp_path / "evaluate"
+    d.mkdir()
+    (d / "__init__.py").write_text('"""doc"""\n')
+    assert stage_shape_problems(d) == ["evaluate: no stage.py"]
+    (d / "stage.py").write_text("")
+    assert stage_shape_problems(d) == []
+    (d / "__init__.py").write_text("x = 1\n" * (INIT_MAX_LINES + 1))
+    assert stage_shape_problems(d) == [f"evaluate/__init__.py: {INIT_MAX_LINES + 1} lines (at most {INIT_MAX_LINES})"]
+
+
+def test_signature_checker_counts_parameters():
+    src = ("def ok(a, b, c, d, e, f): pass\n"
+           "def over(a, b, c, d, e, f, g): pass\n"
+           "def kw(a, b, c, *, d, e, f, g=1): pass\n"
+           "def star(a, b, c, d, e, *args, **kwargs): pass\n"
+           "class C:\n    def m(self, a, b, c, d, e, f): pass\n    def n(self, a, b, c, d, e, f, g): pass\n")
+    assert long_signatures(src) == {"over": 7, "kw": 7, "star": 7, "n": 7}

@@ -26,7 +26,7 @@ import pytest
 from eagle3_pipeline.config import PrepareConfig, SourceConfig, TargetConfig, load_config
 from eagle3_pipeline.errors import (ConfigError, DiskFull, ExitCode, GateFailed, InputError, StageTimeout,
                                     exit_code)
-from eagle3_pipeline.verify.gate import VerifyFailed
+from eagle3_pipeline.verify.stage import VerifyFailed
 
 ROOT = Path(__file__).resolve().parents[2]
 EAGLE3 = ROOT / ".venv" / "bin" / "eagle3"
@@ -532,7 +532,7 @@ RECORD_CASES = {  # kind: (change to record 1 or its file, fragment; {T} = the r
 def test_bad_record_is_named_by_verify(tokenized, tmp_path, kind):
     from safetensors.torch import save_file
 
-    from eagle3_pipeline.verify.structure import verify_structure
+    from eagle3_pipeline.verify.structure import StructureCheck, verify_structure
 
     tok_dir, ids = tokenized
     (where, change), fragment = RECORD_CASES[kind]
@@ -543,7 +543,7 @@ def test_bad_record_is_named_by_verify(tokenized, tmp_path, kind):
         save_file(change(rec) if (where == "rec" and i == 1) else rec, str(hs / f"hs_{i}.safetensors"))
     if where == "file":
         change(hs / "hs_1.safetensors")
-    res = verify_structure(tok_dir, hs, LAYER_IDS, HIDDEN, rows=[0, 1, 2], log=lambda m: None)
+    res = verify_structure(StructureCheck(tok_dir, hs, LAYER_IDS, HIDDEN), rows=[0, 1, 2], log=lambda m: None)
     assert not res.passed and res.bad_rows == [1], res.problems
     assert all(p.startswith("hs_1.safetensors (row 1, sample ") for p in res.problems), res.problems
     assert any(fragment.format(T=len(ids[1])) in p for p in res.problems), res.problems
@@ -553,16 +553,16 @@ def test_good_records_pass_and_a_stray_file_is_named(tokenized, tmp_path):
     """The control for the table above (the synthetic records are good), plus a file with no row."""
     from safetensors.torch import save_file
 
-    from eagle3_pipeline.verify.structure import verify_structure
+    from eagle3_pipeline.verify.structure import StructureCheck, verify_structure
 
     tok_dir, ids = tokenized
     hs = tmp_path / "hidden_states"
     hs.mkdir()
     for i, row in enumerate(ids):
         save_file(record(row, seed=i), str(hs / f"hs_{i}.safetensors"))
-    assert verify_structure(tok_dir, hs, LAYER_IDS, HIDDEN, rows=[0, 1, 2], log=lambda m: None).passed
+    assert verify_structure(StructureCheck(tok_dir, hs, LAYER_IDS, HIDDEN), rows=[0, 1, 2], log=lambda m: None).passed
     save_file(record(ids[0]), str(hs / "hs_999.safetensors"))
-    res = verify_structure(tok_dir, hs, LAYER_IDS, HIDDEN, rows=[0, 1, 2], log=lambda m: None)
+    res = verify_structure(StructureCheck(tok_dir, hs, LAYER_IDS, HIDDEN), rows=[0, 1, 2], log=lambda m: None)
     assert not res.passed and res.problems[0].startswith("hs_999.safetensors: no tokenized row 999 (dataset has ")
 
 

@@ -13,7 +13,7 @@ from eagle3_pipeline.faults import FAIL_ONCE_DIR_ENV, FAIL_ONCE_ENV, InjectedFau
 from eagle3_pipeline.preflight import PreflightFailed
 from eagle3_pipeline.proc import ChildFailed, ChildTimedOut
 from eagle3_pipeline.train.export import ExportCheckError
-from eagle3_pipeline.verify.gate import VerifyFailed
+from eagle3_pipeline.verify.stage import VerifyFailed
 from eagle3_pipeline.errors import ConfigError
 from eagle3_pipeline.contracts import ContractError
 from tasks.stage_tasks import RETRY_POLICIES, retry_options

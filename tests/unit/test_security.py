@@ -156,12 +156,12 @@ def tokenized(tiny_target, tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("kind", ["pickle", "torch.save"])
 def test_pickle_disguised_as_a_hidden_state_shard(tokenized, tmp_path, kind):
-    from eagle3_pipeline.verify.structure import verify_structure
+    from eagle3_pipeline.verify.structure import StructureCheck, verify_structure
 
     hs, marker = tmp_path / "hidden_states", tmp_path / "pwned"
     hs.mkdir()
     _malicious(kind, hs / "hs_0.safetensors", marker)
-    res = verify_structure(tokenized, hs, [2, 4, 5, 8], 128, rows=[0], log=lambda m: None)
+    res = verify_structure(StructureCheck(tokenized, hs, [2, 4, 5, 8], 128), rows=[0], log=lambda m: None)
     assert not res.passed and res.bad_rows == [0]
     assert res.problems[0].startswith("hs_0.safetensors (row 0, sample g") and ": unreadable (ValueError: " in res.problems[0]
     assert not marker.exists()

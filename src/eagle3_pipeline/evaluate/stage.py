@@ -47,6 +47,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -221,13 +222,22 @@ def _prompt_set(prompts, n: int):
 
 # ---------------------------------------------------------------- the child
 
-def _run_engines(cfg: EvaluateConfig, target: TargetConfig, drafts: dict[str, Path], prompts, out_dir: Path,
-                 log: Callable[[str], None], sampled: set[str] = frozenset(), timed: set[str] = frozenset(),
-                 ngram: bool = False) -> dict:
-    """Run one child that evaluates `drafts` (label -> dir) on `prompts` (a PromptSet), with `ngram`
-    vLLM's n-gram speculation (label NGRAM), and, with check_lossless or speedup, the target alone;
-    return {label: RunOutput}. Labels in `sampled` also get the pass at cfg.temperature, those in
-    `timed` (and the target alone, and n-gram) the timed rounds."""
+@dataclass(frozen=True)
+class EnginePlan:
+    """The engine runs of one evaluate child: the drafts (label -> checkpoint dir), the labels that also
+    get the sampled pass and the timed rounds, and whether vLLM's n-gram baseline runs (last)."""
+    drafts: dict[str, Path]
+    sampled: frozenset[str] = frozenset()
+    timed: frozenset[str] = frozenset()
+    ngram: bool = False
+
+
+def _run_engines(cfg: EvaluateConfig, target: TargetConfig, plan: EnginePlan, prompts, out_dir: Path,
+                 log: Callable[[str], None]) -> dict:
+    """Run one child that evaluates `plan.drafts` (label -> dir) on `prompts` (a PromptSet), with
+    `plan.ngram` vLLM's n-gram speculation (label NGRAM), and, with check_lossless or speedup, the target
+    alone; return {label: RunOutput}. Labels in `plan.sampled` also get the pass at cfg.temperature, those
+    in `plan.timed` (and the target alone, and n-gram) the timed rounds."""
     from eagle3_pipeline.evaluate.worker import (
         NGRAM,
         PLAIN,
@@ -238,6 +248,7 @@ def _run_engines(cfg: EvaluateConfig, target: TargetConfig, drafts: dict[str, Pa
         result_path,
     )
 
+    drafts, sampled, timed, ngram = plan.drafts, plan.sampled, plan.timed, plan.ngram
     for reserved, what in ((PLAIN, "the run without speculation"), (NGRAM, "the n-gram baseline")):
         if reserved in drafts:
             raise ValueError(f"evaluate: {reserved!r} is reserved for {what}")
@@ -337,24 +348,23 @@ def _describe(r: EvalResult) -> str:
     return s
 
 
-def _evaluate(cfg: EvaluateConfig, target: TargetConfig, drafts: dict[str, Path], prompts, out_dir: Path,
-              log: Callable[[str], None], sampled: set[str] = frozenset(), timed: set[str] = frozenset(),
-              ngram: bool = False
+def _evaluate(cfg: EvaluateConfig, target: TargetConfig, plan: EnginePlan, prompts, out_dir: Path,
+              log: Callable[[str], None]
               ) -> tuple[dict[str, EvalResult], float, SpeedResult | None, object, NgramBaseline | None]:
     """({label: EvalResult}, summed engine start-up seconds of every run incl. the reference and n-gram,
-    the target alone's timed rounds or None, the PromptSet used, the n-gram baseline (with `ngram` and
-    cfg.baseline_ngram) or None)."""
+    the target alone's timed rounds or None, the PromptSet used, the n-gram baseline (with `plan.ngram`
+    and cfg.baseline_ngram) or None)."""
     from eagle3_pipeline.evaluate.worker import NGRAM, PLAIN
 
+    drafts = plan.drafts
     for d in drafts.values():
         validate_draft_dir(d, target)
     pset = _prompt_set(prompts, cfg.num_prompts)
-    outs = _run_engines(cfg, target, drafts, pset, out_dir, log, sampled=sampled, timed=timed,
-                        ngram=ngram and cfg.baseline_ngram)
+    outs = _run_engines(cfg, target, replace(plan, ngram=plan.ngram and cfg.baseline_ngram), pset, out_dir, log)
     ref = _reference(cfg, drafts)
     plain_speed = speed_result(outs[PLAIN].timed) if PLAIN in outs else None
     results = {k: eval_result(outs[k], outs[ref] if ref and ref != k else None, len(pset.prompts), plain_speed,
-                          cfg.temperature, cfg.sampling_seed) for k in drafts}
+                              cfg.temperature, cfg.sampling_seed) for k in drafts}
     base = ngram_baseline(outs[NGRAM], outs[ref] if ref else None, plain_speed) if NGRAM in outs else None
     if plain_speed is not None:
         log(f"evaluate: target alone: {plain_speed.tokens_per_s_median:.1f} tok/s (median of {plain_speed.rounds}, "
@@ -402,8 +412,8 @@ def evaluate_draft(cfg: EvaluateConfig, target: TargetConfig, draft_dir: Path, p
     prompts (token ids or a PromptSet) and measure acceptance (and, with cfg.temperature / cfg.speedup,
     the sampled pass and the speed-up). One child process; see the module doc."""
     with dir_lock(Path(out_dir), f"evaluate dir {out_dir}", log):
-        return _evaluate(cfg, target, {label: Path(draft_dir)}, prompts, out_dir, log,
-                         sampled={label}, timed={label})[0][label]
+        plan = EnginePlan({label: Path(draft_dir)}, sampled=frozenset({label}), timed=frozenset({label}))
+        return _evaluate(cfg, target, plan, prompts, out_dir, log)[0][label]
 
 
 def evaluate_pair(cfg: EvaluateConfig, target: TargetConfig, trained_dir: Path, untrained_dir: Path | None,
@@ -427,8 +437,8 @@ def _evaluate_pair(cfg: EvaluateConfig, target: TargetConfig, trained_dir: Path,
         drafts[UNTRAINED] = Path(untrained_dir)
     if previous_dir is not None:
         drafts[PREVIOUS] = Path(previous_dir)
-    res, engine_start_s, _, pset, base = _evaluate(cfg, target, drafts, prompts, out_dir, log,
-                                                   sampled={"trained"}, timed={"trained"}, ngram=True)
+    plan = EnginePlan(drafts, sampled=frozenset({"trained"}), timed=frozenset({"trained"}), ngram=True)
+    res, engine_start_s, _, pset, base = _evaluate(cfg, target, plan, prompts, out_dir, log)
     tr, un = res["trained"], res.get(UNTRAINED)
     lossless_ok = None if tr.lossless_mismatches is None else not tr.lossless_mismatches
     rep = EvaluateReport(
@@ -467,10 +477,9 @@ def compare_drafts(cfg: EvaluateConfig, target: TargetConfig, drafts: dict[str, 
         raise ValueError("evaluate: no drafts to compare")
     t0 = time.time()
     with dir_lock(Path(out_dir), f"evaluate dir {out_dir}", log):
-        labels = set(drafts)
-        res, engine_start_s, plain_speed, pset, base = _evaluate(
-            cfg, target, {k: Path(v) for k, v in drafts.items()}, prompts, out_dir, log, sampled=labels,
-            timed=labels, ngram=True)
+        labels = frozenset(drafts)
+        plan = EnginePlan({k: Path(v) for k, v in drafts.items()}, sampled=labels, timed=labels, ngram=True)
+        res, engine_start_s, plain_speed, pset, base = _evaluate(cfg, target, plan, prompts, out_dir, log)
         rep = DraftComparison(
             drafts=res, per_category={k: category_reports(r, ngram=base) for k, r in res.items()},
             speedup={k: r.speedup for k, r in res.items()},

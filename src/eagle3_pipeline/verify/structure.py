@@ -80,7 +80,7 @@ class StructureResult(BaseModel):
     identity_files: int = 0               # good records the layer profiles were learned from
     identity_skipped: str | None = None
     learned_rows: list[int] = []          # rows flagged only by learned checks (identity, norm bounds)
-    cleared: dict[int, list[str]] = {}    # of those, rows the target itself cleared (verify/gate.py) and their flags
+    cleared: dict[int, list[str]] = {}    # of those, rows the target itself cleared (verify/stage.py) and their flags
     results: list = Field(default_factory=list, exclude=True)  # per-file results of the records read (verify cache)
 
     @property
@@ -115,6 +115,22 @@ class _Extras:
     fingerprints_dir: str | None = None
     fingerprints_required: bool = False
     min_agreement: float = 1.0
+
+
+@dataclass(frozen=True)
+class StructureCheck:
+    """What `verify_structure` reads and how it learns: the records (tokenized rows, their hidden-state
+    files, captured layers, hidden size, storage dtype) and the settings of the learned checks."""
+    tokenized_dir: Path
+    hidden_states_dir: Path
+    layer_ids: list[int]
+    hidden_size: int
+    storage_dtype: str = "bf16"
+    norm_samples: int = 64  # good files the per-layer norm bounds are learned from (0: no bounds)
+    norm_factor: float = 10.0
+    norm_min_ratio: float = 1.5
+    identity_max_z: float | None = None  # None: no layer-identity check
+    workers: int | None = None  # compute threads (None: chosen from the mean record size)
 
 
 _name = scan.item_name
@@ -321,15 +337,16 @@ def learn_norm_bounds(norms, n_samples: int, factor: float, min_ratio: float):
     return np.exp(med), np.exp(med - half), np.exp(med + half), len(sample)
 
 
-def scan_records(ds, hidden_states_dir: Path, layer_ids: list[int], hidden_size: int, storage_dtype: str,
-                 rows: list[int], *, workers: int | None = None, extras: _Extras | None = None) -> list[_FileResult]:
-    """Read and check the records of `rows` once each (verify/scan.py: a reader thread, `workers`
+def scan_records(ds, check: StructureCheck, rows: list[int], *, extras: _Extras | None = None) -> list[_FileResult]:
+    """Read and check the records of `rows` once each (verify/scan.py: a reader thread, `check.workers`
     compute threads over batches of files): per-file problems, statistics and, with `extras`, identity
     signatures and fingerprint agreement, in row order."""
+    layer_ids, hidden_size, storage_dtype = check.layer_ids, check.hidden_size, check.storage_dtype
+    workers = check.workers
     spec = RecordSpec(len(layer_ids), hidden_size, storage_dtype)
     bytes_per_token = len(layer_ids) * hidden_size * (2 if storage_dtype == "bf16" else 1)
     fp_dir = extras.fingerprints_dir if extras is not None and extras.final is not None else None
-    items = _row_items(ds, rows, str(hidden_states_dir), fp_dir)
+    items = _row_items(ds, rows, str(check.hidden_states_dir), fp_dir)
     if not workers:
         # a second compute thread pays off on large records only: on small ones the batch's Python work
         # holds the GIL (bench/verify_throughput.py)
@@ -354,26 +371,21 @@ def scan_records(ds, hidden_states_dir: Path, layer_ids: list[int], hidden_size:
     return results
 
 
-def verify_structure(tokenized_dir: Path, hidden_states_dir: Path, layer_ids: list[int], hidden_size: int,
-                     storage_dtype: str = "bf16", rows: list[int] | None = None, log=print, *,
-                     norm_samples: int = 64, norm_factor: float = 10.0, norm_min_ratio: float = 1.5,
-                     workers: int | None = None, extras: _Extras | None = None,
-                     identity_max_z: float | None = None, reused: list[_FileResult] = ()) -> StructureResult:
-    """Check every record (or `rows`), learn per-layer norm bounds from the first `norm_samples` good
-    files and flag files outside them, learn layer profiles and flag slots that do not look like their
+def verify_structure(check: StructureCheck, rows: list[int] | None = None, log=print, *,
+                     extras: _Extras | None = None, reused: list[_FileResult] = ()) -> StructureResult:
+    """Check every record (or `rows`), learn per-layer norm bounds from the first `check.norm_samples`
+    good files and flag files outside them, learn layer profiles and flag slots that do not look like their
     layer, and gather per-layer statistics over the remaining good files. `reused`: results of records
     checked by an earlier verify and unchanged since (not read again; they count in the learning)."""
     t0 = time.perf_counter()
-    ds = load_tokenized(tokenized_dir)
+    ds = load_tokenized(check.tokenized_dir)
     rows = list(range(len(ds))) if rows is None else list(rows)
-    results = scan_records(ds, hidden_states_dir, layer_ids, hidden_size, storage_dtype, rows,
-                           workers=workers, extras=extras)
-    extra = sorted(int(p.stem.split("_")[1]) for p in Path(hidden_states_dir).glob("hs_*.safetensors")
+    results = scan_records(ds, check, rows, extras=extras)
+    extra = sorted(int(p.stem.split("_")[1]) for p in Path(check.hidden_states_dir).glob("hs_*.safetensors")
                    if int(p.stem.split("_")[1]) >= len(ds))
     extra_problems = [f"{record_name(i)}: no tokenized row {i} (dataset has {len(ds)} rows)" for i in extra]
-    res = judge_records(ds, sorted([*reused, *results], key=lambda r: r.row), layer_ids, hidden_size, log,
-                        norm_samples=norm_samples, norm_factor=norm_factor, norm_min_ratio=norm_min_ratio,
-                        identity_max_z=identity_max_z, extras=extras, extra_problems=extra_problems)
+    res = judge_records(ds, sorted([*reused, *results], key=lambda r: r.row), check, log, extras=extras,
+                        extra_problems=extra_problems)
     dt = time.perf_counter() - t0
     nbytes = sum(r.nbytes for r in results)
     log(f"verify: {len(rows)} files read ({len(reused)} reused), {res.tokens_checked} tokens, {nbytes / 1e6:.1f} MB "
@@ -381,11 +393,13 @@ def verify_structure(tokenized_dir: Path, hidden_states_dir: Path, layer_ids: li
     return res.model_copy(update={"bytes_read": nbytes, "seconds": round(dt, 4), "results": results})
 
 
-def judge_records(ds, results: list[_FileResult], layer_ids: list[int], hidden_size: int, log, *,
-                  norm_samples: int, norm_factor: float, norm_min_ratio: float, identity_max_z: float | None,
+def judge_records(ds, results: list[_FileResult], check: StructureCheck, log, *,
                   extras: _Extras | None, extra_problems: list[str] = ()) -> StructureResult:
     """Everything that needs all records at once: norm bounds, layer identity, per-layer statistics."""
     import numpy as np
+
+    layer_ids, hidden_size, identity_max_z = check.layer_ids, check.hidden_size, check.identity_max_z
+    norm_samples, norm_factor, norm_min_ratio = check.norm_samples, check.norm_factor, check.norm_min_ratio
 
     L = len(layer_ids)
     problems: dict[int, list[str]] = {}

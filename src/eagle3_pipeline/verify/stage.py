@@ -35,7 +35,7 @@ from eagle3_pipeline.verify.fingerprint import FingerprintSummary, final_layer_c
 from eagle3_pipeline.verify.invariance import InvarianceResult, judge
 from eagle3_pipeline.verify.masks import mask_problems
 from eagle3_pipeline.verify.reference import ReferenceResult, choose_rows, reference_check
-from eagle3_pipeline.verify.structure import LayerStats, _Extras, verify_structure
+from eagle3_pipeline.verify.structure import LayerStats, StructureCheck, _Extras, verify_structure
 
 # verify settings that change no verdict: a new value keeps the verified shards
 CONFIG_KEY_EXCLUDE = frozenset({"workers", "move_bad_files"})
@@ -260,11 +260,11 @@ def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, lo
                      min_agreement=cfg.fingerprint_min_agreement)
     log(f"verify: {len(todo)} records to read, {len(reused)} reused ({len(reused_hashes)} unchanged verified shards, "
         f"{len(from_pool)} records verified in another version through the record pool)")
-    st = verify_structure(tokenized_dir, version.hidden_states_dir, version.layer_ids, version.dims.hidden_size,
-                          version.storage_dtype, rows=todo, log=log, norm_samples=cfg.norm_bounds_samples,
-                          norm_factor=cfg.norm_bounds_factor, norm_min_ratio=cfg.norm_bounds_min_ratio,
-                          workers=cfg.workers, extras=extras, identity_max_z=cfg.identity_max_z,
-                          reused=list(reused.values()))
+    check = StructureCheck(tokenized_dir, version.hidden_states_dir, version.layer_ids, version.dims.hidden_size,
+                           version.storage_dtype, norm_samples=cfg.norm_bounds_samples,
+                           norm_factor=cfg.norm_bounds_factor, norm_min_ratio=cfg.norm_bounds_min_ratio,
+                           identity_max_z=cfg.identity_max_z, workers=cfg.workers)
+    st = verify_structure(check, rows=todo, log=log, extras=extras, reused=list(reused.values()))
     if final_skipped:
         st.fingerprint.skipped = final_skipped
     cleared = _confirm_learned(cfg, target, version, st, log)
