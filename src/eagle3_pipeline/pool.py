@@ -1,6 +1,6 @@
 """The record pool: hidden-state records addressed by row content, shared by every extract version.
 
-Owns, per dataset and target model (DESIGN §2):
+Owns, per dataset and target model (docs/store.md, "Refreshes and the record pool"):
   <store>/<dataset>/pool/<model slug>/<pool key>/
       <aa>/<row key>.safetensors      one record (the bytes extract/worker.py wrote for that row)
       <aa>/<row key>.fp.safetensors   its fingerprint sidecar (extract.fingerprints)

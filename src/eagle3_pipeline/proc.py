@@ -57,7 +57,7 @@ def emit_event(**payload) -> None:
 def exit_child(rc: int):
     """Called at the very end of a child, after its results are on disk: flush the output and end the
     process now, skipping the interpreter's teardown (vLLM's atexit engine shutdown, torch and OpenMP
-    finalisation): 3-9 s per engine child on 2 CPU cores, measured, paid by every extract group and
+    finalisation, seconds per engine child: docs/benchmarks.md), paid by every extract group and
     every evaluate. Safe because every file a child writes is complete and closed (records: atomic
     and fsynced) before it says so, and `run_child` ends the child's whole process group afterwards."""
     sys.stdout.flush()

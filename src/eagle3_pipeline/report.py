@@ -1,4 +1,4 @@
-"""The run report: `report.json` (the stable contract of DESIGN §2), `report.md` and PNG plots.
+"""The run report: `report.json` (a stable contract: docs/operations.md, "Reading a run"), `report.md` and PNG plots.
 
 Reads the small records each stage returned (dicts) and `metrics.jsonl` of training. Writes into the
 run directory: report.json, report.md, plots/train_loss.png, plots/acceptance.png,

@@ -12,7 +12,7 @@ Prefect's temporary server (`uvicorn ... prefect.server.api.server`, started whe
 PREFECT_API_URL is set) has run, so that server was left running, re-parented to init. With
 `raise_on_termination()` installed before the flow starts, Prefect finds our handler and re-sends
 the signal to it: `Terminated` is raised, the flow run is marked crashed, the command exits with
-128 + the signal number (README "Exit codes") and atexit stops the server. Without a flow
+128 + the signal number (docs/operations.md, "Exit codes") and atexit stops the server. Without a flow
 (`eagle3 extract`), the same exception unwinds through run_child, which ends the child.
 
 Only the first signal raises; one that arrives while the process is already stopping is ignored

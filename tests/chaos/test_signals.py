@@ -5,7 +5,7 @@ of 4, one engine child) on one store, with EAGLE3_TEST_RECORD_DELAY_S pacing the
 that extraction takes a few seconds per shard on any machine. The signal is sent, to the command's
 pid only (`kill -TERM <pid>`, `kill -INT <pid>`), once the manifest shows a shard published that was
 not published before; the process tree is walked with psutil just before it. After the command
-exits: its exit code is 128 + the signal (README "Exit codes"), every process of that tree is gone
+exits: its exit code is 128 + the signal (docs/operations.md, "Exit codes"), every process of that tree is gone
 (the engine child and its workers, Prefect's temporary server `uvicorn ... prefect.server.api.server`
 that `eagle3 run` starts without PREFECT_API_URL) and so is every process carrying the test's
 environment tag (wherever it was re-parented), and no lock file of the store is held. The next

@@ -1,4 +1,4 @@
-"""A realistic report.json record, hand-built in the shape of DESIGN §2 and /work/notes' agreed schema
+"""A realistic report.json record, hand-built in the shape of its contract (docs/operations.md, "Reading a run")
 (every stage, regenerate, online training, evaluate per category with a sampled temperature and the
 speed-up), and a training metrics.jsonl, for the report rendering tests (unit and headless browser).
 Numbers are full-precision floats as the stages return them; paths are as long as a real store's."""

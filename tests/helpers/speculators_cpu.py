@@ -5,7 +5,7 @@ Owns nothing of the pipeline; it exists so that tests (test_speculators_interop.
 bench/train_vs_speculators.py can run speculators' trainer, unmodified, on our data;
 `speculators_train_argv(...)` builds the command line for the draft train_draft trains. Before calling
 `speculators.train.cli.main` it patches the two places where speculators 0.9.0 assumes an accelerator
-(FACTS.md, "speculators 0.9.0"), plus the autocast device that follows from the first:
+(train/worker.py installs the same shim for the pipeline's own trainer), plus the autocast device that follows from the first:
   1. `Trainer.setup_model` moves the model to the local rank (`model.to(0)`): the device becomes "cpu"
      (and the autocast device type "cpu", bf16, instead of "cuda", which would silently disable autocast);
   2. `torch.accelerator.synchronize()` (the step timer) becomes a no-op when no accelerator exists;

@@ -181,5 +181,5 @@ def test_moe_target_per_category_sampled_and_speedup(moe_pair):
     assert job["prompts"] == pset.prompts and job["categories"] == pset.categories
     saved = json.loads((out / "evaluate.json").read_text())
     assert saved["speedup"] == rep.speedup and set(saved["per_category"]) == set(cats)
-    # lossless: MoE targets are not batch invariant (FACTS.md), so mismatches are reported, not gated
+    # lossless: MoE targets are not batch invariant (docs/vllm-cpu.md), so mismatches are reported, not gated
     assert rep.trained.lossless_checked == 18 and rep.trained.lossless_reference == "plain"

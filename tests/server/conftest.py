@@ -1,6 +1,6 @@
 """A real Prefect server with the project's deployments, for the tests in this directory.
 
-Session fixtures, each started by the documented commands (README "Operations") and stopped at the
+Session fixtures, each started by the documented commands (docs/operations.md) and stopped at the
 end of the session (whole process groups, descendants included):
   prefect_server  `prefect server start` on 127.0.0.1, a free port, a temporary PREFECT_HOME (SQLite),
                   with its UI (at `prefect_server.ui`)

@@ -1,4 +1,4 @@
-"""The layout rules of the code (README.md, "The code"), checked on the source (parsed with `ast`, nothing imported):
+"""The layout rules of the code (README.md, "Stages, and where their code is"), checked on the source (parsed with `ast`, nothing imported):
   - the core (src/eagle3_pipeline) never imports Prefect, not even inside a function;
   - the import direction is flows -> tasks -> eagle3_pipeline: tasks/ never imports flows/;
   - one place builds a vLLM engine: nothing but src/eagle3_pipeline/engine.py constructs `vllm.LLM`

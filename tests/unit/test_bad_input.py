@@ -1,7 +1,7 @@
 """The bad-input corpus: every kind of broken config, data row, model directory and stored file the
 pipeline can be handed, and what each one gets: an error that names the file / key / row / layer /
 shape, or a quarantine entry with its reason; through the `eagle3` command, the exit code of its
-category (README "Exit codes").
+category (docs/operations.md, "Exit codes").
 
 The tables below are the documented corpus. Every case runs the real code on CPU (load_config,
 prepare, preflight, the verify structure check, the vocab readers, the store's atomic writes, the

@@ -27,7 +27,7 @@ def _deployment(name: str) -> dict:
 
 def _pull_directory() -> Path:
     """Where a worker's flow run starts: prefect.yaml's set_working_directory pull step, with
-    $EAGLE3_PIPELINE_HOME being this checkout (README "Workers")."""
+    $EAGLE3_PIPELINE_HOME being this checkout (docs/operations.md, "Workers")."""
     (step,) = [s for s in _prefect_yaml()["pull"] if "prefect.deployments.steps.set_working_directory" in s]
     directory = step["prefect.deployments.steps.set_working_directory"]["directory"]
     assert directory == "{{ $EAGLE3_PIPELINE_HOME }}", directory

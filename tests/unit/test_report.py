@@ -34,7 +34,7 @@ def test_failed_run_still_reports_the_error(tmp_path):
 
 
 def test_timings_contract_and_table(tmp_path):
-    """report.json `timings` ({stage: {seconds, engine_start_s}}, DESIGN §2) from a StageClock, and the
+    """report.json `timings` ({stage: {seconds, engine_start_s}}, docs/operations.md "Reading a run") from a StageClock, and the
     table in report.md; the stage records say how much of a stage was engine start-up."""
     import types
 

@@ -78,7 +78,7 @@ def test_tokenizer_is_python_backend_via_trust_remote_code(tok, tok_dir):
     ids = tok(text, add_special_tokens=False)["input_ids"]
     assert tok.decode(ids) == text
     assert tok.decode(tok("héllo → 12 ✓", add_special_tokens=False)["input_ids"]) == "héllo → 12 ✓"
-    # the Python backend has no offsets (FACTS); the key is simply absent
+    # the Python backend has no offsets; the key is simply absent
     assert "offset_mapping" not in tok("a b", add_special_tokens=False, return_offsets_mapping=True)
 
 

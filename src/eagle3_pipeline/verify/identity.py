@@ -16,12 +16,7 @@ deviations from the median. A whole extraction with a wrong layer id is consiste
 is the reference check's job (verify/reference.py); the final slot is also checked against the
 target's logits (verify/fingerprint.py).
 
-Calibration (clean extraction of 112 records of the tiny Llama, ids 2/4/5/8, this machine):
-  largest robust deviation of a clean record:            8.9
-  a record with two aux slots swapped (2<->4, 4<->5, 2<->5):   >= 38  (all of them)
-  one aux slot taken from another record (other request):   median 35, min 3.3 (rows sharing a
-                                                              template prefix; see fingerprint/invariance)
-Default max_z (VerifyConfig.identity_max_z) 20; feature scale floor 0.03 (fractions of short rows).
+The calibration: docs/verification.md, "Calibration". Default max_z (VerifyConfig.identity_max_z) 20; feature scale floor 0.03 (fractions of short rows).
 """
 
 from __future__ import annotations

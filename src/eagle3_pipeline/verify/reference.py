@@ -30,16 +30,8 @@ from eagle3_pipeline.errors import EnvironmentProblem
 
 # The pass/fail criteria (per record and layer); decided in `_row_problems` only.
 # Per-layer criteria over a record's tokens, not its single worst token: MoE targets route near-ties
-# differently in vLLM's kernels and in transformers, which moves a few tokens a lot (FACTS: min token
-# cosine ~0.98 on a clean random tiny MoE) while a wrong layer, offset or request moves most of them.
-# Calibration (clean extractions, bf16 reference in the model's dtype, this machine):
-#   tiny Llama:  rel err <= 0.007, mean cosine >= 0.9999, no token below 0.95
-#   random Qwen3 (6 layers): rel err <= 0.008, mean cosine >= 0.9999
-#   random DeepSeek-V3 (MLA + MoE, 5 layers): rel err <= 0.016, worst token cosine 0.995
-#   trained tiny MoE (.cache/tiny-moe, MLA + MoE, 7 layers): rel err <= 0.039, worst token cosine 0.969
-#   (with vLLM's PyTorch rotary on the CPU build: its rotary kernel gave rel err 0.2-0.77, mean cosine 0.65-0.98)
-#   (tests/integration/test_other_architectures.py prints these per run)
-#   the neighbouring layer instead of the asked one (tiny Llama, ids 3/5/6 for 2/4/5): rel err >= 0.2
+# differently in vLLM's kernels and in transformers, which moves a few tokens a lot, while a wrong layer,
+# offset or request moves most of them (the calibration: docs/verification.md, "Calibration").
 COS_BOUND = 0.95          # a token "differs" below this cosine
 MIN_MEAN_COSINE = 0.99    # per layer, mean token cosine
 MAX_FRAC_BELOW = 0.10     # per layer, share of tokens below COS_BOUND

@@ -13,9 +13,8 @@ Two stages overlap (bench/verify_throughput.py, profile-driven):
   states of the batch one contiguous [sum T, L, H] array, token ids, fp8 scales and fingerprint
   rows beside it. No tensor object per file, no copy through a temporary buffer. It asks the kernel
   for the next files ahead of time (`posix_fadvise(WILLNEED)`, a window of a few MB), so disk reads
-  of small files overlap (cold: 1,568 tiny records in 59 ms instead of 171 ms read one by one) and
-  large files are read in 1 MB pieces (the kernel's readahead then pipelines them: 110 ms instead of
-  172 ms for one read per 16 MB file);
+  of small files overlap, and large files are read in 1 MB pieces, which the kernel's readahead
+  pipelines (the timings: docs/benchmarks.md);
 - **compute threads** (one per batch in flight) convert the arena to fp32 in cache-sized blocks of
   tokens and take, per token, the sum, minimum and maximum over H, the Gram matrix of its L slots
   (x_a . x_b: squared norms on the diagonal) and the cross Gram with the previous token

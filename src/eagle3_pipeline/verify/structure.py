@@ -510,17 +510,3 @@ def _identity(ds, good: list[_FileResult], layer_ids: list[int], max_z: float | 
 
 def _sample_id(ds, row: int):
     return ds[row].get("sample_id") if "sample_id" in ds.column_names else None
-
-
-def check_record(path: Path, row: int, sample_id: str, input_ids: list[int], spec: RecordSpec,
-                 layer_ids: list[int]) -> list[str]:
-    """Problems of one record (empty when it is good): every check but the norm bounds."""
-    import numpy as np
-
-    it = _Item(row, str(path), np.asarray(input_ids, dtype=np.int64), sample_id)
-    reader = scan._Reader([it], spec, [scan.Arenas(spec, len(input_ids))], False, layer_ids)
-    try:
-        out = [r for b in reader.batches() for r in _process(b, spec, layer_ids, None, reader.release)]
-    finally:
-        reader.close()
-    return out[0].problems
