@@ -28,7 +28,7 @@ BYTECODE_SKIP := /site-packages/(.+/)?tests/|/site-packages/(anthropic|numba|llv
 COMPILE := env -u SOURCE_DATE_EPOCH $(PY) -m compileall -qq -j 0 --invalidation-mode timestamp
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: install run test test-fast tiny tiny-moe smollm2 bench gpu-check clean browser
+.PHONY: install run test test-fast tiny tiny-moe smollm2 bench gpu-check clean browser postgres
 
 install: $(STAMP)
 
@@ -89,11 +89,18 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update -qq && \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; }
 
+# PostgreSQL for the control-plane chaos tests (tests/chaos/test_control_plane.py: a real Prefect server on the
+# database production uses, tests/helpers/postgres.py runs its own cluster): Debian's package, installed when no
+# initdb is found; `make run` never needs it.
+postgres:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null 2>&1 || { \
+	  $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends postgresql; }
+
 # Two pytest-xdist workers, each taking whole test modules (and the chaos and server groups whole: see
 # tests/conftest.py); TEST_WORKERS=0 runs the suite in this one process.
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope)
-test: $(STAMP) $(BYTECODE_ALL) tiny tiny-moe smollm2 browser
+test: $(STAMP) $(BYTECODE_ALL) tiny tiny-moe smollm2 browser postgres
 	$(PY) -m pytest tests -q -p no:cacheprovider --timeout 3600 --durations=25 $(XDIST)
 
 test-fast: $(STAMP) $(BYTECODE_ALL)

@@ -88,6 +88,10 @@ def heartbeat_grace_s() -> float | None:
     return None if not freq else MISSED_HEARTBEATS * max(float(freq), 30.0) + POLL_S
 
 
+SLOW_CALL_S = 10.0  # an API call that took longer went through the client's own retries
+API_RECOVERED = [0.0]  # time.time() the API last answered again after failing (see check(): heartbeats)
+
+
 def with_api_retry(call: Callable[[], T], what: str, log: Callable[[str], None],
                    outage_s: float | None = None, sleep: Callable[[float], None] = time.sleep) -> T:
     """`call()`, retried with backoff (2, 4, ... 30 s) while the API is away, up to `outage_s`
@@ -96,7 +100,10 @@ def with_api_retry(call: Callable[[], T], what: str, log: Callable[[str], None],
     t0, n = time.monotonic(), 0
     while True:
         try:
+            t_call = time.monotonic()
             out = call()
+            if n or time.monotonic() - t_call > SLOW_CALL_S:  # the client itself retried a while (503s)
+                API_RECOVERED[0] = time.time()
             if n:
                 log(f"extract: the Prefect API answers again ({what}) after {time.monotonic() - t0:.0f}s")
             return out
@@ -213,6 +220,9 @@ def run_groups_as_deployments(config: PipelineConfig, version: ExtractVersion, f
                 f"cancel {g.name}")
             g.cancel_requested = now
             return
+        # heartbeats sent while the API or its database was away are lost, not late: a group gets a
+        # whole grace period again from the moment the API answered again
+        g.seen_alive = max(g.seen_alive, API_RECOVERED[0])
         if grace is None or now - g.seen_alive <= grace:
             return
         since = datetime.fromtimestamp(g.seen_alive, timezone.utc) - timedelta(seconds=1)

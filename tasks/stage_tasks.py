@@ -218,6 +218,7 @@ class _Progress:
         self.log = _log()
         self.id, self.updated = None, 0.0
         self.ctx = contextvars.copy_context()  # the task run's: the artifact is created on another thread
+        self._pool, self._sending = None, None
 
     def shard_done(self, ev: dict) -> None:
         from prefect.artifacts import create_progress_artifact, update_progress_artifact
@@ -228,13 +229,25 @@ class _Progress:
         if self.id is not None and self.done < self.total and now - self.updated < self.MIN_UPDATE_S:
             return
         self.updated, progress = now, 100.0 * self.done / self.total
-        try:
-            if self.id is None:
-                self.id = self.ctx.run(create_progress_artifact, progress=progress, description=self.what)
-            else:
-                update_progress_artifact(self.id, progress=progress)
-        except Exception as e:  # noqa: BLE001
-            self.log(f"progress artifact not updated: {type(e).__name__}: {e}")
+
+        def send() -> None:
+            try:
+                if self.id is None:
+                    self.id = self.ctx.run(create_progress_artifact, progress=progress, description=self.what)
+                else:
+                    update_progress_artifact(self.id, progress=progress)
+            except Exception as e:  # noqa: BLE001
+                self.log(f"progress artifact not updated: {type(e).__name__}: {e}")
+
+        # on a thread of its own: while the API is away (a server restart) the client retries for a
+        # minute, and the child-output thread must go on reading the child's events meanwhile
+        if self._sending is not None and not self._sending.done() and self.done < self.total:
+            return  # the previous update is still on its way: this one is skipped, the last one is not
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eagle3-progress")
+        self._sending = self._pool.submit(send)
 
 
 @task(name="verify", cache_policy=NO_CACHE, **retry_options("verify"))
@@ -545,6 +558,8 @@ class _GpuLease:
                     wait, failing_since = every, None
                 except Exception as e:  # noqa: BLE001
                     if _http_status(e) in (404, 410):  # expired and revoked: its slot was freed
+                        if self._stop.is_set():  # released meanwhile by the holder (a renewal that
+                            return  # was retried while the API was away answered after the release)
                         _logger().warning(f"{self.name}: the server no longer has this GPU slot's lease "
                                           f"(it expired while the API was away): taking the slot again")
                         lease_id = self._acquire()

@@ -1,0 +1,341 @@
+"""Chaos on the control plane: a real Prefect server on a real PostgreSQL, a fan-out extraction with
+two process-worker "GPU nodes", and the server, a worker or the database taken away mid-group.
+
+Set-up (one per module, as docs/operations.md and infra/docker-compose.yml run production):
+  database  a PostgreSQL cluster (tests/helpers/postgres.py; `make postgres` installs Debian's package)
+  server    `prefect server start` on it, PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE = the filesystem
+            lease storage in the server's PREFECT_HOME (leases survive its restarts), the repossessor
+            every 5 s; restarted in place by test (a)
+  pool      eagle3-process, `gpu-node` limit of 2 slots, the `extract-group` deployment of prefect.yaml
+  nodes     two process workers on queue `gpu`, one run each, retrying 500s like 503s
+            (PREFECT_CLIENT_RETRY_EXTRA_CODES=500, docs/operations.md); group runs beat every 30 s
+            (PREFECT_FLOWS_HEARTBEAT_FREQUENCY), GPU leases of 60 s (EAGLE3_GPU_LEASE_S), records
+            paced (EAGLE3_TEST_RECORD_DELAY_S) so that a group takes tens of seconds
+  flow      the extract flow in its own process (flows/extract.py, parallel_groups=2, 6 shards of 4 rows
+            in 2 groups of 3), polling every 2 s, a group lost after 2 missed heartbeats
+
+Each test waits until a shard is published (mid-group), disturbs, and then requires: the flow ends
+Completed, every shard published, the manifest equal to an undisturbed extraction's apart from its
+volatile fields (timestamps, attempts: tests/helpers/store.manifest_content), the hidden states byte
+for byte the same, at most the affected group run again, and 0 active slots on `gpu-node`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import textwrap
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tests.helpers.postgres import PostgresCluster, pg_bin
+from tests.helpers.server import BIN, GPU_LIMIT, POOL, ROOT, Proc, free_port, run_cmd
+from tests.helpers.store import hidden_state_hashes, manifest_content, small_overrides
+
+pytestmark = [pytest.mark.timeout(900),
+              pytest.mark.skipif(pg_bin() is None, reason="PostgreSQL is not installed (make postgres)")]
+
+RECORD_DELAY_S = "2.5"
+HEARTBEAT_S = "30"
+LEASE_S = "60"
+SERVER_DOWN_S = 20.0
+GROUP_OVERRIDES = ["extract.shards_per_group=3", "extract.parallel_groups=2"]
+FLOW = textwrap.dedent("""
+    import json, sys
+    from eagle3_pipeline.config import PipelineConfig
+    from eagle3_pipeline.layout import ExtractVersion
+    from flows.extract import extract
+    cfg = PipelineConfig.model_validate_json(open(sys.argv[1]).read())
+    version = ExtractVersion.model_validate_json(open(sys.argv[2]).read())
+    extract(cfg, version)
+    print("EXTRACT-FLOW-COMPLETED", flush=True)
+""")
+
+
+# ------------------------------------------------------------------------------- the control plane
+
+class ControlPlane:
+    def __init__(self, pg: PostgresCluster, home: Path):
+        self.pg, self.home = pg, home
+        self.port = free_port()
+        self.api = f"http://127.0.0.1:{self.port}/api"
+        base = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+        base.update(PREFECT_SERVER_ANALYTICS_ENABLED="false", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+                    VLLM_CPU_KVCACHE_SPACE="1")
+        self.server_env = {**base, "PREFECT_HOME": str(home / "server"), "PREFECT_UI_ENABLED": "false",
+                           "PREFECT_API_DATABASE_CONNECTION_URL": pg.url,
+                           "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem",
+                           "PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS": "5",
+                           "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false"}
+        self.client_env = {**base, "PREFECT_API_URL": self.api, "PREFECT_HOME": str(home / "client"),
+                           "PREFECT_LOCAL_STORAGE_PATH": str(home / "results"), "PREFECT_WORKER_QUERY_SECONDS": "2",
+                           "EAGLE3_PIPELINE_HOME": str(ROOT), "EAGLE3_FANOUT_POLL_S": "2",
+                           "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": HEARTBEAT_S, "EAGLE3_FANOUT_MISSED_HEARTBEATS": "2",
+                           "EAGLE3_GPU_LEASE_S": LEASE_S, "PYTHONPATH": str(ROOT),
+                           # the server answers 500 (not 503) while PostgreSQL refuses connections: without
+                           # this, workers exit after 3 failed polls and take their flow runs with them
+                           "PREFECT_CLIENT_RETRY_EXTRA_CODES": "500",
+                           "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
+        self.server: Proc | None = None
+        self.nodes: dict[str, Proc] = {}
+        self.starts = 0
+
+    def start_server(self) -> float:
+        import httpx
+
+        self.starts += 1
+        t0 = time.time()
+        self.server = Proc("server", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port",
+                                      str(self.port)],
+                           self.server_env, self.home / f"server-{self.starts}.log")
+        while True:
+            assert self.server.alive(), self.server.tail()
+            assert time.time() - t0 < 240, "prefect server did not come up in 240 s\n" + self.server.tail()
+            try:
+                if httpx.get(f"{self.api}/health", timeout=2).status_code == 200:
+                    return time.time() - t0
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+
+    def stop_server(self) -> None:
+        self.server.stop()
+
+    def start_node(self, name: str) -> Proc:
+        env = {**self.client_env, "EAGLE3_TEST_RECORD_DELAY_S": RECORD_DELAY_S}
+        n = sum(1 for p in self.home.glob(f"{name}*.log"))
+        self.nodes[name] = Proc(name, [str(BIN / "prefect"), "worker", "start", "--pool", POOL, "--name", name,
+                                       "--work-queue", "gpu", "--limit", "1"], env, self.home / f"{name}-{n}.log")
+        return self.nodes[name]
+
+    def procs(self) -> list[Proc]:
+        return [p for p in [self.server, *self.nodes.values()] if p is not None]
+
+    def tails(self) -> str:
+        return "\n".join(p.tail(60) for p in self.procs()) + "\n" + self.pg.tail()
+
+
+@pytest.fixture(scope="module")
+def plane(tmp_path_factory, tiny_target):
+    pg = PostgresCluster(pg_bin()).init()
+    home = tmp_path_factory.mktemp("control-plane")
+    cp = ControlPlane(pg, home)
+    try:
+        print(f"\nprefect server on postgres up in {cp.start_server():.1f}s")
+        env, prefect = cp.client_env, str(BIN / "prefect")
+        run_cmd([prefect, "work-pool", "create", POOL, "--type", "process"], env)
+        run_cmd([prefect, "gcl", "create", GPU_LIMIT, "--limit", "2"], env)
+        run_cmd([prefect, "--no-prompt", "deploy", "--name", "extract-group"], env, timeout=300)
+        for name in ("node-a", "node-b"):
+            cp.start_node(name)
+        yield cp
+    finally:
+        for p in reversed(cp.procs()):
+            p.stop()
+        pg.destroy()
+
+
+@pytest.fixture(scope="module")
+def client(plane):
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: plane.api}), get_client(sync_client=True) as c:
+        yield c
+
+
+def _config(tiny_target: Path, store: Path):
+    from eagle3_pipeline.config import load_config
+
+    return load_config(ROOT / "configs" / "tiny-cpu.yaml", small_overrides(tiny_target, store) + GROUP_OVERRIDES)
+
+
+def _plan(cfg):
+    from eagle3_pipeline.stages import plan_extract, stage_preflight, stage_prepare
+
+    quiet = lambda _: None  # noqa: E731
+    prep = stage_prepare(cfg, log=quiet)
+    return plan_extract(cfg, prep, stage_preflight(cfg, prep, log=quiet))
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tiny_target, tmp_path_factory):
+    """The same extraction, undisturbed and without Prefect (the stage function): what every run must equal."""
+    from eagle3_pipeline.stages import stage_extract
+
+    cfg = _config(tiny_target, tmp_path_factory.mktemp("cp-reference"))
+    version = _plan(cfg)
+    assert len(version.groups) == 2, version.groups
+    stage_extract(cfg, version, log=lambda _: None)
+    return SimpleNamespace(dir=Path(version.path), groups=version.groups)
+
+
+# ------------------------------------------------------------------------------- one disturbed run
+
+class Run:
+    def __init__(self, plane: ControlPlane, client, tiny_target: Path, tmp: Path):
+        self.plane, self.client, self.tmp = plane, client, tmp
+        self.cfg = _config(tiny_target, tmp / "store")
+        self.version = _plan(self.cfg)
+        (tmp / "config.json").write_text(self.cfg.model_dump_json())
+        (tmp / "version.json").write_text(self.version.model_dump_json())
+        self.t0 = time.time()
+        self.flow = Proc("extract-flow", [sys.executable, "-c", FLOW, str(tmp / "config.json"),
+                                          str(tmp / "version.json")], plane.client_env, tmp / "extract-flow.log")
+
+    @property
+    def dir(self) -> Path:
+        return Path(self.version.path)
+
+    def manifest(self) -> dict:
+        try:
+            return json.loads((self.dir / "manifest.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def published(self) -> list[int]:
+        return [s["index"] for s in self.manifest().get("shards", []) if s["status"] == "published"]
+
+    def wait_published(self, n: int = 1, timeout: float = 400) -> list[int]:
+        while len(done := self.published()) < n:
+            assert self.flow.alive(), self.flow.tail(80) + self.plane.tails()
+            assert time.time() - self.t0 < timeout, f"no shard published in {timeout:.0f}s\n" + self.plane.tails()
+            time.sleep(0.5)
+        return done
+
+    def finish(self, timeout: float = 600) -> float:
+        try:
+            self.flow.p.wait(timeout=timeout)
+        except Exception:  # noqa: BLE001
+            self.flow.stop()
+            pytest.fail(f"the extract flow did not end in {timeout:.0f}s\n" + self.flow.tail(80) + self.plane.tails())
+        log = self.flow.log.read_text(errors="replace")
+        assert self.flow.p.returncode == 0 and "EXTRACT-FLOW-COMPLETED" in log, \
+            self.flow.tail(120) + "\n" + self.plane.tails()
+        return time.time() - self.t0
+
+    def group_runs(self):
+        from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+        from prefect.client.schemas.sorting import FlowRunSort
+
+        dep = self.client.read_deployment_by_name("extract-group/extract-group")
+        runs = self.client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep.id])),
+                                          sort=FlowRunSort.EXPECTED_START_TIME_ASC)
+        return [r for r in runs if r.parameters["version"]["dir"] == str(self.version.dir)]
+
+    def running_group(self, shard: int):
+        """The group run extracting `shard` (Running)."""
+        for r in self.group_runs():
+            if shard in r.parameters["shard_ids"] and r.state and r.state.is_running():
+                return r
+        return None
+
+
+def active_slots(client, settle_s: float) -> tuple[int, float]:
+    """Active slots of the GPU limit, waiting up to `settle_s` for them to reach 0 (a lease the
+    server frees at its expiry); returns (slots, seconds waited)."""
+    t0 = time.time()
+    while True:
+        n = client.read_global_concurrency_limit_by_name(GPU_LIMIT).active_slots
+        if n == 0 or time.time() - t0 > settle_s:
+            return n, time.time() - t0
+        time.sleep(1)
+
+
+def check_outcome(run: Run, undisturbed, what: str, max_reruns: int) -> dict:
+    took = run.finish()
+    m = run.manifest()
+    assert [s["status"] for s in m["shards"]] == ["published"] * len(m["shards"]), m["shards"]
+    assert manifest_content(run.dir) == manifest_content(undisturbed.dir)
+    assert hidden_state_hashes(run.dir) == hidden_state_hashes(undisturbed.dir)
+    runs = run.group_runs()
+    by_group: dict[tuple, list] = {}
+    for r in runs:
+        by_group.setdefault(tuple(r.parameters["shard_ids"]), []).append(r)
+    assert sorted(by_group) == sorted(tuple(g) for g in undisturbed.groups), sorted(by_group)
+    reruns = len(runs) - len(by_group)
+    assert reruns <= max_reruns, [(r.name, r.state.name) for r in runs]
+    assert all(rs[-1].state.is_completed() for rs in by_group.values()), [(r.name, r.state.name) for r in runs]
+    rerun_groups = [g for g, rs in by_group.items() if len(rs) > 1]
+    slots, settled = active_slots(run.client, settle_s=float(LEASE_S) + 30)
+    assert slots == 0, f"{slots} slot(s) of {GPU_LIMIT} still held {settled:.0f}s after the run\n" + run.plane.tails()
+    out = {"test": what, "seconds": round(took), "group_runs": len(runs), "groups_rerun": rerun_groups,
+           "shards_published": len(m["shards"]), "shards_lost": 0, "slots_at_end": slots,
+           "slots_settled_after_s": round(settled), "attempts": [s["attempts"] for s in m["shards"]]}
+    print(f"\n{what}: {json.dumps(out)}")
+    return out
+
+
+# ------------------------------------------------------------------------------- the three disturbances
+
+def test_server_restart_mid_extraction(plane, client, undisturbed, tiny_target, tmp_path):
+    run = Run(plane, client, tiny_target, tmp_path)
+    run.wait_published(1)
+    t = time.time()
+    plane.stop_server()  # SIGTERM: what `docker compose restart prefect-server` does
+    time.sleep(max(0.0, SERVER_DOWN_S - (time.time() - t)))  # longer than a renewal period (LEASE_S / 4)
+    up = plane.start_server()
+    print(f"\nserver restarted: down {time.time() - t:.1f}s (start {up:.1f}s), shards published then: "
+          f"{run.published()}")
+    out = check_outcome(run, undisturbed, "server restart", max_reruns=1)
+    # no GPU task was cancelled by a failed lease renewal (what strict=True did on a restart)
+    logs = "".join(p.log.read_text(errors="replace") for p in plane.nodes.values())
+    assert "Terminating execution to prevent over-allocation" not in logs
+    # the leases outlived the restart (filesystem lease storage): no renewal was answered 410
+    assert "no longer has this GPU slot's lease" not in logs
+    assert out["group_runs"] <= 3
+
+
+def test_worker_killed_mid_group(plane, client, undisturbed, tiny_target, tmp_path):
+    import psutil
+
+    run = Run(plane, client, tiny_target, tmp_path)
+    first = run.wait_published(1)[0]
+    victim_run = run.running_group(first)
+    assert victim_run is not None, [(r.name, r.state.name) for r in run.group_runs()]
+    # the worker whose flow-run process runs it: kill the worker and everything under it (the flow-run
+    # process and its engine child, which starts its own session) at once, as a lost node would
+    victim = None
+    for name, w in plane.nodes.items():
+        for p in psutil.Process(w.p.pid).children(recursive=True):
+            try:
+                if p.environ().get("PREFECT__FLOW_RUN_ID") == str(victim_run.id):
+                    victim = name
+            except psutil.Error:
+                pass
+    assert victim is not None, plane.tails()
+    w = plane.nodes[victim]
+    procs = [psutil.Process(w.p.pid), *psutil.Process(w.p.pid).children(recursive=True)]
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+    print(f"\nkilled {victim} and {len(procs) - 1} process(es) under it running {victim_run.name} "
+          f"(shards {victim_run.parameters['shard_ids']}) with shards {run.published()} published")
+    plane.start_node(victim)  # the worker restarts (its pod/service comes back); the lost run stays Running
+    out = check_outcome(run, undisturbed, "worker killed", max_reruns=1)
+    assert out["groups_rerun"] == [tuple(victim_run.parameters["shard_ids"])]
+    lost = client.read_flow_run(victim_run.id)
+    assert lost.state.is_crashed() and "heartbeat" in (lost.state.message or ""), lost.state
+    m = run.manifest()
+    assert m["shards"][first]["attempts"] == 1  # published before the kill: skipped by the re-run
+
+
+def test_database_stopped_30s(plane, client, undisturbed, tiny_target, tmp_path):
+    run = Run(plane, client, tiny_target, tmp_path)
+    run.wait_published(1)
+    plane.pg.stop()
+    t = time.time()
+    time.sleep(30)
+    plane.pg.start()
+    print(f"\ndatabase stopped for {time.time() - t:.1f}s with shards {run.published()} published; "
+          f"server alive: {plane.server.alive()}")
+    assert plane.server.alive(), plane.server.tail(80)
+    check_outcome(run, undisturbed, "database stopped 30 s", max_reruns=1)
