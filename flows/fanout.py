@@ -41,7 +41,7 @@ from prefect.settings import get_current_settings
 from prefect.states import Cancelling, Crashed
 
 from eagle3_pipeline.config import PipelineConfig
-from eagle3_pipeline.extract.shards import group_deadline
+from eagle3_pipeline.extract.stage import group_deadline
 from eagle3_pipeline.layout import ExtractVersion
 from eagle3_pipeline.store import read_json
 from tasks.stage_tasks import transient_api_error
@@ -75,7 +75,7 @@ def flow_run_link(flow_run_id: UUID | str) -> str:
 def group_deadline_s(config: PipelineConfig, group: list[int]) -> float:
     """How long a group's flow run may stay unfinished after it started running: every attempt of its
     `extract-group` task (1 + extract.retries) x the child's own deadline (extract.shard_timeout_s x its
-    shards + start_timeout_s, or extract.timeout_s; extract/shards.py group_deadline), the retry delays
+    shards + start_timeout_s, or extract.timeout_s; extract/stage.py group_deadline), the retry delays
     and START_ALLOWANCE_S. The child's deadline (ChildTimedOut, naming the key) always fires first."""
     e = config.extract
     attempts = e.retries + 1

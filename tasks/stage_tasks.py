@@ -191,7 +191,7 @@ def extract_group(cfg: PipelineConfig, version: ExtractVersion, shard_ids: list[
 
 @task(name="extract-summary", cache_policy=NO_CACHE)
 def extract_summary(cfg: PipelineConfig, version: ExtractVersion, since: float | None = None):
-    from eagle3_pipeline.extract.shards import Manifest
+    from eagle3_pipeline.manifest import Manifest
 
     rec = stages.stage_extract_summary(version, since)
     shards = Manifest(version.path).read()["shards"]

@@ -61,7 +61,7 @@ def stage_deadline_s(config: PipelineConfig, stage: str, shards: int | None = No
         if shards is None or shards < 1:
             raise ValueError(f"extract: extract.shard_timeout_s is set, so the group's deadline depends on its "
                              f"shard count: pass shards >= 1 (got {shards!r})")
-        return float(e.start_timeout_s + e.shard_timeout_s * shards)  # extract/shards.py group_deadline
+        return float(e.start_timeout_s + e.shard_timeout_s * shards)  # extract/stage.py group_deadline
     if stage == "verify":
         # the sampled rows' reference child, and a second one confirming rows flagged by learned checks
         # (verify/stage.py), then the scan of every record

@@ -1,7 +1,7 @@
 """manifest.json of an extract version dir (layout.MANIFEST_NAME): the one locked read-modify-write
 every writer goes through, and what later stages read or mark in it without owning it (the run
 report sums its children's engine start-up; verify marks the shards of bad rows failed). Also the
-tool versions a manifest's lineage records (extract's and regenerate's). extract/shards.py owns
+tool versions a manifest's lineage records (extract's and regenerate's). extract/stage.py owns
 what the manifest holds (its shard table, children, publishing)."""
 
 from __future__ import annotations

@@ -80,16 +80,16 @@ def stage_gpu_gate(where: str, log=print):
 
 def stage_extract_group(cfg: PipelineConfig, version: ExtractVersion, shard_ids: list[int], force: bool = False,
                         log=print, on_shard=None) -> list:
-    """Publish shards `shard_ids` of `version` with one engine child: list[extract.shards.ShardRecord]."""
+    """Publish shards `shard_ids` of `version` with one engine child: list[extract.stage.ShardRecord]."""
     check_store(Path(cfg.store), log)
-    from eagle3_pipeline.extract.shards import extract_group
+    from eagle3_pipeline.extract.stage import extract_group
 
     return extract_group(cfg.extract, cfg.target, version, shard_ids, log=log, force=force, on_shard=on_shard)
 
 
 def stage_extract_summary(version: ExtractVersion, since: float | None = None):
     """The ExtractResult of `version`, from its manifest; `since` a run's start (counts that run's work)."""
-    from eagle3_pipeline.extract.shards import summarize
+    from eagle3_pipeline.extract.stage import summarize
 
     return summarize(version.path, since)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3_pipeline.extract.shards import ExtractFailed
+from eagle3_pipeline.extract.stage import ExtractFailed
 from eagle3_pipeline.extract.worker import RECORD_DELAY_ENV
 from tests.helpers.chaos import ENGINE_TRIALS, PARENT_TRIALS, DelayedKill, child_running, gate_after_kill, trial_rng
 from tests.helpers.store import hidden_state_hashes, manifest_content, scratch_left, sha256, temporaries

@@ -60,7 +60,7 @@ def relocated(version: ExtractVersion, out_dir: Path, *, tokenized_dir: Path | N
 
 def extract_all(cfg: ExtractConfig, target: TargetConfig, version: ExtractVersion, *, log, force: bool = False):
     """Every group of `version`, one engine child each, then its ExtractResult (from the manifest)."""
-    from eagle3_pipeline.extract.shards import extract_group, summarize
+    from eagle3_pipeline.extract.stage import extract_group, summarize
 
     for group in version.groups:
         extract_group(cfg, target, version, group, log=log, force=force)

@@ -20,8 +20,8 @@ import pytest
 from eagle3_pipeline.config import ExtractConfig, TargetConfig
 from eagle3_pipeline.contracts import RECORD_META_KEY, to_record
 from eagle3_pipeline.data.prepare import load_tokenized
-from eagle3_pipeline.extract import shards as shards_mod
-from eagle3_pipeline.extract.shards import ExtractFailed, extract_group
+from eagle3_pipeline.extract import stage as stage_mod
+from eagle3_pipeline.extract.stage import ExtractFailed, extract_group
 from eagle3_pipeline.manifest import Manifest
 from eagle3_pipeline.extract.worker import KILL_AFTER_ENV, ExtractJob, ShardSpec
 from eagle3_pipeline.layout import ExtractVersion, plan_shards
@@ -201,7 +201,7 @@ def test_second_call_with_everything_published_starts_no_child(full_run, small_t
     def no_child(*a, **k):
         raise AssertionError("a child was started although every shard is published")
 
-    monkeypatch.setattr(shards_mod, "run_child", no_child)
+    monkeypatch.setattr(stage_mod, "run_child", no_child)
     lines: list[str] = []
     version = _version(target, small_tokenized, full_run.out)
     recs = extract_group(_cfg(), target, version, [0, 1, 2], log=lines.append)
@@ -225,7 +225,7 @@ def test_damaged_file_sends_only_its_shard_back(full_run, small_tokenized, targe
         jobs.append(ExtractJob.model_validate_json(Path(argv[-1]).read_text()))
         raise ChildFailed("fake child: exited with code 1; last output:\nboom")
 
-    monkeypatch.setattr(shards_mod, "run_child", fake_child)
+    monkeypatch.setattr(stage_mod, "run_child", fake_child)
     lines: list[str] = []
     with pytest.raises(ExtractFailed, match=r"(?s)shards \[1\] not published.*boom"):
         extract_group(_cfg(), target, _version(target, small_tokenized, out), [0, 1, 2], log=lines.append)

@@ -252,7 +252,7 @@ if __name__ == "__main__":
 
 
 def test_tensor_parallel_2_extraction_agrees_with_tp1(engine_run, layer_ids, tiny_moe, tmp_path):
-    """The pipeline's extraction (extract/shards.py: child process, our connector, manifest) of the same
+    """The pipeline's extraction (extract/stage.py: child process, our connector, manifest) of the same
     rows with tensor parallel 2 on CPU (2 heads of MLA per rank, experts split, gloo): rank 0 writes, and
     the records agree with the TP=1 engine's above (bf16 partial sums in another order, MoE near-ties)."""
     import datasets

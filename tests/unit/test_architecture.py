@@ -76,10 +76,7 @@ ABOVE_STAGES = {
     "store_gc.py": "gc sweeps what every stage keeps (versions, the record pool, the pool's verify caches)",
 }
 # Stage packages whose glue is not yet called stage.py: the list can only shrink.
-NO_STAGE_PY = {
-    "extract": "its glue is shards.py (imported by flows/ and tasks/); it becomes stage.py when the shard-run "
-               "bookkeeping it shares with regenerate moves to a module of its own",
-}
+NO_STAGE_PY: dict[str, str] = {}
 INIT_MAX_LINES = 60
 MAX_PARAMS = 6
 # Functions over MAX_PARAMS parameters today, "path:function" -> why; the list can only shrink.
@@ -89,12 +86,12 @@ PARAM_EXCEPTIONS = {
     "evaluate/stage.py:evaluate_draft": "public API (tests, eagle3 evaluate): cfg, target, draft, prompts, dir, log, label",
     "evaluate/stage.py:evaluate_pair": "public API called by stages.py and tests; the drafts belong in one typed record",
     "evaluate/stage.py:_evaluate_pair": "evaluate_pair's body under the dir lock; shrinks with evaluate_pair",
-    "extract/shards.py:extract_group": "public API (flows, tasks, tests); shrinks with the shared shard-run module",
-    "extract/shards.py:_job": "builds the ExtractJob field by field; shrinks with the shared shard-run module",
-    "extract/shards.py:_link_from_pool": "shard-run bookkeeping; shrinks with the shared shard-run module",
-    "extract/shards.py:_run_group": "shard-run bookkeeping; shrinks with the shared shard-run module",
-    "extract/shards.py:_publish": "shard-run bookkeeping; shrinks with the shared shard-run module",
-    "extract/shards.py:_close_group": "shard-run bookkeeping; shrinks with the shared shard-run module",
+    "extract/stage.py:extract_group": "public API (flows, tasks, tests); shrinks with the shared shard-run module",
+    "extract/stage.py:_job": "builds the ExtractJob field by field; shrinks with the shared shard-run module",
+    "extract/stage.py:_link_from_pool": "shard-run bookkeeping; shrinks with the shared shard-run module",
+    "extract/stage.py:_run_group": "shard-run bookkeeping; shrinks with the shared shard-run module",
+    "extract/stage.py:_publish": "shard-run bookkeeping; shrinks with the shared shard-run module",
+    "extract/stage.py:_close_group": "shard-run bookkeeping; shrinks with the shared shard-run module",
     "proc.py:run_child": "the one child runner: its keyword options (deadline, log, callbacks, env) are its interface",
     "proc.py:_spawn": "run_child's process start; takes run_child's options",
     "regenerate/stage.py:_lineage": "the manifest's lineage from every input of the version; shrinks with the shard-run module",
@@ -114,7 +111,7 @@ PARAM_EXCEPTIONS = {
 
 
 def module_of(path: Path, core: Path = CORE) -> str:
-    """Dotted module name of a file under the core (`eagle3_pipeline.extract.shards`)."""
+    """Dotted module name of a file under the core (`eagle3_pipeline.extract.stage`)."""
     rel = Path(path).relative_to(core).with_suffix("")
     parts = [p for p in rel.parts if p != "__init__"]
     return ".".join(["eagle3_pipeline", *parts])
@@ -272,7 +269,7 @@ def test_worker_checker_finds_top_level_workers(tmp_path):
 
 
 def test_layer_checker_finds_crossings():
-    assert layer_violations("eagle3_pipeline.layout", "from eagle3_pipeline.extract.shards import x\n") == \
+    assert layer_violations("eagle3_pipeline.layout", "from eagle3_pipeline.extract.stage import x\n") == \
         ["line 1: eagle3_pipeline.extract"]
     assert layer_violations("eagle3_pipeline.runs", "def f():\n    import eagle3_pipeline.verify.stage\n") == \
         ["line 2: eagle3_pipeline.verify"]

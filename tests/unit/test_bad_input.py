@@ -697,7 +697,7 @@ def _exit_code_cases():
     from eagle3_pipeline.data.formats import SourceError
     from eagle3_pipeline.evaluate.results import EvaluateError
     from eagle3_pipeline.evaluate.stage import EvaluateGateFailed, InvalidDraftError
-    from eagle3_pipeline.extract.shards import ExtractFailed
+    from eagle3_pipeline.extract.stage import ExtractFailed
     from eagle3_pipeline.gpu import GpuGateFailed
     from eagle3_pipeline.preflight import PreflightFailed
     from eagle3_pipeline.proc import ChildFailed, ChildTimedOut

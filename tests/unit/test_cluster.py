@@ -65,7 +65,7 @@ def test_kimi_stage_deadlines_come_from_the_config():
 
 
 def test_extract_deadline_matches_the_extract_childs_own():
-    from eagle3_pipeline.extract.shards import group_deadline
+    from eagle3_pipeline.extract.stage import group_deadline
 
     for path in (KIMI, DEEPSEEK, TINY):
         cfg = load_config(path)

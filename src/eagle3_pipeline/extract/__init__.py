@@ -1,6 +1,6 @@
 """The extract stage: target model + tokenized rows -> `hidden_states/hs_{i}.safetensors`.
 
-  shards.py     parent side, the glue the flow calls: extract_group, summarize, group_deadline, what the
+  stage.py      parent side, the glue the flow calls: extract_group, summarize, group_deadline, what the
                 version's manifest holds (ExtractResult, ShardRecord, ExtractFailed)
   worker.py     the child process (ExtractJob): one engine, a group of shards
   connector.py  our vLLM KV connector; vLLM's workers import it, nothing here does

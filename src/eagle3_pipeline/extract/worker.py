@@ -1,7 +1,7 @@
 """The extract child process: `python -m eagle3_pipeline.extract.worker JOB.json`.
 
 Owns the engine side of the extract stage. Reads the job file (`ExtractJob`, written by
-`extract/shards.py`), the tokenized dataset and the target model; builds ONE `vllm.LLM`
+`extract/stage.py`), the tokenized dataset and the target model; builds ONE `vllm.LLM`
 (`engine.build_llm`) with the native `extract_hidden_states` speculative method and the job's
 connector (default ours, `extract/connector.py`; `ExtractConfig.connector_*`), then
 for each shard of the job, in order:
