@@ -15,8 +15,8 @@ A lost group costs its own re-run, never the run (docs/operations.md "A control 
   `prefect.flow-run.heartbeat` events, every PREFECT_FLOWS_HEARTBEAT_FREQUENCY seconds from the
   group's own process): none for EAGLE3_FANOUT_MISSED_HEARTBEATS (3) periods -> marked Crashed and
   resubmitted once;
-- a group run still unfinished past its deadline (`group_deadline_s`: the config's own per-group
-  child deadline x its attempts + the start allowance) is cancelled (its worker ends the process),
+- a group run still unfinished past its deadline (`group_deadline_s`: its Job's deadline from
+  cluster.job_variables, which every group's run also carries as job variables) is cancelled (its worker ends the process),
   then marked Crashed if it does not stop, and resubmitted once;
 - Failed (the group's task gave an answer: a bad shard, a config error) and Cancelled by someone
   else are not resubmitted: they fail the stage as before (the UI's Retry re-runs what is left).
@@ -41,7 +41,7 @@ from prefect.settings import get_current_settings
 from prefect.states import Cancelling, Crashed
 
 from eagle3_pipeline.config import PipelineConfig
-from eagle3_pipeline.extract.stage import group_deadline
+from eagle3_pipeline.cluster import job_variables
 from eagle3_pipeline.layout import ExtractVersion
 from eagle3_pipeline.store import read_json
 from tasks.stage_tasks import transient_api_error
@@ -50,11 +50,8 @@ GROUP_DEPLOYMENT = os.environ.get("EAGLE3_EXTRACT_GROUP_DEPLOYMENT", "extract-gr
 POLL_S = float(os.environ.get("EAGLE3_FANOUT_POLL_S", "5"))
 API_OUTAGE_S = float(os.environ.get("EAGLE3_API_OUTAGE_S", "900"))
 MISSED_HEARTBEATS = float(os.environ.get("EAGLE3_FANOUT_MISSED_HEARTBEATS", "3"))
-START_ALLOWANCE_S = float(os.environ.get("EAGLE3_FANOUT_START_S", "1800"))  # pod scheduling, node scale-up,
-# image pull, imports and the GPU slot wait before the group's engine child starts (cluster.POD_WATCH_GPU_S)
 CANCEL_GRACE_S = 120.0  # a group cancelled at its deadline that has not stopped by then is marked Crashed
 RESUBMITS = 1  # a lost group is run again once; the stage fails when that run is lost or fails too
-EXTRACT_RETRY_DELAY_S = 5.0 * 1.2  # tasks/stage_tasks.py RETRY_POLICIES["extract-group"] delay, jittered
 
 T = TypeVar("T")
 
@@ -73,13 +70,9 @@ def flow_run_link(flow_run_id: UUID | str) -> str:
 
 
 def group_deadline_s(config: PipelineConfig, group: list[int]) -> float:
-    """How long a group's flow run may stay unfinished after it started running: every attempt of its
-    `extract-group` task (1 + extract.retries) x the child's own deadline (extract.shard_timeout_s x its
-    shards + start_timeout_s, or extract.timeout_s; extract/stage.py group_deadline), the retry delays
-    and START_ALLOWANCE_S. The child's deadline (ChildTimedOut, naming the key) always fires first."""
-    e = config.extract
-    attempts = e.retries + 1
-    return attempts * group_deadline(e, len(group)) + e.retries * EXTRACT_RETRY_DELAY_S + START_ALLOWANCE_S
+    """How long a group's run may take: its Job's deadline (cluster.job_variables: the pod's start, every
+    attempt of the child's own deadline and the retry delays), so the child's deadline fires first."""
+    return float(job_variables(config, "extract", len(group))["deadline_seconds"])
 
 
 def heartbeat_grace_s() -> float | None:
@@ -105,7 +98,7 @@ def with_api_retry(call: Callable[[], T], what: str, log: Callable[[str], None],
             if n or time.monotonic() - t_call > SLOW_CALL_S:  # the client itself retried a while (503s)
                 API_RECOVERED[0] = time.time()
             if n:
-                log(f"extract: the Prefect API answers again ({what}) after {time.monotonic() - t0:.0f}s")
+                log(f"the Prefect API answers again ({what}) after {time.monotonic() - t0:.0f}s")
             return out
         except Exception as e:  # noqa: BLE001
             waited = time.monotonic() - t0
@@ -113,7 +106,7 @@ def with_api_retry(call: Callable[[], T], what: str, log: Callable[[str], None],
                 raise
             n += 1
             delay = min(2.0 ** n, 30.0, max(budget - waited, 1.0))
-            log(f"extract: Prefect API unavailable ({what}: {type(e).__name__}: {str(e)[:200]}); "
+            log(f"Prefect API unavailable ({what}: {type(e).__name__}: {str(e)[:200]}); "
                 f"retrying in {delay:.0f}s ({waited:.0f}s of {budget:.0f}s)")
             sleep(delay)
 
@@ -162,6 +155,7 @@ def run_groups_as_deployments(config: PipelineConfig, version: ExtractVersion, f
         # the idempotency key makes a submission retried after an API error the same flow run
         fr = api(lambda: run_deployment(
             GROUP_DEPLOYMENT, parameters={**params, "shard_ids": g.shards, "force": bool(force & set(g.shards))},
+            job_variables=job_variables(config, "extract", len(g.shards)),
             timeout=0, as_subflow=True, flow_run_name=f"extract-shards-{g.shards}{suffix}",
             idempotency_key=f"{parent}-{version.content_key}-{g.shards}-{g.submissions}",
             tags=[f"eagle3-extract-{version.content_key}"]), f"submit shards {g.shards}")

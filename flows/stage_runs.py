@@ -15,6 +15,7 @@ import os
 import time
 
 from prefect import flow, get_run_logger
+from prefect.runtime import flow_run as this_run
 from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
 from prefect.states import Cancelling
@@ -26,7 +27,7 @@ from eagle3_pipeline.data.prepare import PrepareResult
 from eagle3_pipeline.layout import ExtractVersion
 from eagle3_pipeline.train.stage import TrainResult
 from eagle3_pipeline.train.vocab import VocabResult
-from flows.fanout import flow_run_link
+from flows.fanout import flow_run_link, with_api_retry
 from flows.hub_auth import use_hub_secret
 from tasks import stage_tasks as t
 
@@ -83,10 +84,11 @@ def on_pool(config: PipelineConfig, stage: str, **inputs):
     jv = job_variables(config, stage)
     params = {"config": config.model_dump(mode="json"),
               **{k: v.model_dump(mode="json") if isinstance(v, BaseModel) else v for k, v in inputs.items()}}
-    problems = []
+    problems, parent = [], this_run.get_id() or "none"  # idempotency: a retried submission is the same run
     for attempt in (1, 2):
-        fr = run_deployment(name, parameters=params, job_variables=jv, timeout=0, as_subflow=True,
-                            flow_run_name=f"{stage}-{config.name}")
+        fr = with_api_retry(lambda: run_deployment(
+            name, parameters=params, job_variables=jv, timeout=0, as_subflow=True, flow_run_name=f"{stage}-{config.name}",
+            idempotency_key=f"{parent}-{stage}-{attempt}"), f"submit {stage}", log.warning)
         log.info(f"{stage}: flow run {fr.name} of {name} ({jv['gpu_count']} GPUs, deadline {jv['deadline_seconds']} s): "
                  f"{flow_run_link(fr.id)}")
         state = wait_final(fr.id, jv["deadline_seconds"], log)
@@ -102,19 +104,16 @@ def on_pool(config: PipelineConfig, stage: str, **inputs):
 
 
 def wait_final(flow_run_id, deadline_s: float, log):
-    """The run's final state, or None (after cancelling it) when `deadline_s` passes first. API errors
-    (a server restart, a short outage) are logged and polled through."""
+    """The run's final state, or None (after cancelling it) when `deadline_s` passes first; the API
+    being away for a while (a server restart, a database outage) is waited out (fanout.with_api_retry)."""
     end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        time.sleep(POLL_S)
-        try:
-            with get_client(sync_client=True) as client:
-                fr = client.read_flow_run(flow_run_id)
-        except Exception as e:  # noqa: BLE001 - the API is down for a moment: keep waiting until the deadline
-            log.warning(f"reading flow run {flow_run_id} failed ({type(e).__name__}: {e}); polling on")
-            continue
-        if fr.state is not None and fr.state.is_final():
-            return fr.state
     with get_client(sync_client=True) as client:
-        client.set_flow_run_state(flow_run_id, Cancelling(message=f"no result within {deadline_s:.0f} s"), force=True)
+        while time.monotonic() < end:
+            time.sleep(POLL_S)
+            fr = with_api_retry(lambda: client.read_flow_run(flow_run_id), f"read flow run {flow_run_id}", log.warning)
+            if fr.state is not None and fr.state.is_final():
+                return fr.state
+        with_api_retry(lambda: client.set_flow_run_state(
+            flow_run_id, Cancelling(message=f"no result within {deadline_s:.0f} s"), force=True),
+            f"cancel flow run {flow_run_id}", log.warning)
     return None
