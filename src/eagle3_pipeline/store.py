@@ -1,8 +1,8 @@
-"""The run store: paths, content-addressed versions, atomic writes and the extract manifest.
+"""The run store: paths, content-addressed versions, atomic writes, locks and model identity by content.
 
-Owns the layout of DESIGN §2:
-  <root>/<dataset>/<tok-version>/{tokenized/, token_freq.json, quarantine.jsonl, prepare.json}
-  <root>/<dataset>/<tok-version>/<model>/<extract-version>/{hidden_states/, manifest.json, vocab/}
+Owns the paths of the layout in docs/store.md:
+  <root>/<dataset>/<tok-version>/{tokenized/, token_freq.safetensors, heldout.jsonl, quarantine.jsonl, prepare.json}
+  <root>/<dataset>/<tok-version>/<model>/<extract-version>/{hidden_states/, fingerprints/, manifest.json, vocab/}
 A version is a short sha256 of a JSON-canonical description of everything that determines the bytes.
 Every file is written as `name.tmp-<tag>` in the same directory, fsynced, then `os.replace`d, so a
 reader never sees a partial file under its final name.
