@@ -25,8 +25,10 @@ from eagle3_pipeline.cluster import job_variables
 from eagle3_pipeline.config import PipelineConfig
 from eagle3_pipeline.data.prepare import PrepareResult
 from eagle3_pipeline.layout import ExtractVersion
+from eagle3_pipeline.evaluate.stage import EvaluateReport
 from eagle3_pipeline.train.stage import TrainResult
 from eagle3_pipeline.train.vocab import VocabResult
+from eagle3_pipeline.verify.stage import VerifyResult
 from flows.fanout import flow_run_link, with_api_retry
 from flows.hub_auth import use_hub_secret
 from tasks import stage_tasks as t
@@ -34,6 +36,7 @@ from tasks import stage_tasks as t
 DEPLOYMENT = os.environ.get("EAGLE3_STAGE_DEPLOYMENT", "{stage}-stage/{stage}-stage")
 POLL_S = float(os.environ.get("EAGLE3_FANOUT_POLL_S", "5"))
 RESULT = {"persist_result": True, "result_serializer": "json", "log_prints": True}
+RECORD = {"verify": VerifyResult, "train": TrainResult, "evaluate": EvaluateReport}  # what a run's JSON result is
 
 
 class StageRunFailed(RuntimeError):
@@ -41,20 +44,20 @@ class StageRunFailed(RuntimeError):
 
 
 @flow(name="verify-stage", **RESULT)
-def verify_stage(config: PipelineConfig, version: ExtractVersion):
+def verify_stage(config: PipelineConfig, version: ExtractVersion) -> VerifyResult:
     use_hub_secret(config)
     return t.verify(config, version)
 
 
 @flow(name="train-stage", **RESULT)
-def train_stage(config: PipelineConfig, version: ExtractVersion, voc: VocabResult):
+def train_stage(config: PipelineConfig, version: ExtractVersion, voc: VocabResult) -> TrainResult:
     use_hub_secret(config)
     return t.train(config, version, voc)
 
 
 @flow(name="evaluate-stage", **RESULT)
 def evaluate_stage(config: PipelineConfig, prep: PrepareResult, version: ExtractVersion, voc: VocabResult,
-                   tr: TrainResult, run_dir: str):
+                   tr: TrainResult, run_dir: str) -> EvaluateReport:
     use_hub_secret(config)
     return t.evaluate(config, prep, version, voc, tr, run_dir)
 
@@ -93,7 +96,7 @@ def on_pool(config: PipelineConfig, stage: str, **inputs):
                  f"{flow_run_link(fr.id)}")
         state = wait_final(fr.id, jv["deadline_seconds"], log)
         if state is not None and state.is_completed():
-            return state.result()
+            return RECORD[stage].model_validate(state.result())  # the JSON result comes back as a dict
         problems.append(f"attempt {attempt}: flow run {fr.name} ({fr.id}) "
                         + (f"{state.name}: {state.message}" if state else f"not final after {jv['deadline_seconds']} s")
                         + f" - {flow_run_link(fr.id)}")
