@@ -56,3 +56,31 @@ def test_a_failing_body_releases_the_scope_slot(acquisitions):
     with t.gpu_slot():  # a later call outside the scope takes a fresh slot
         pass
     assert acquisitions == ["acquire", "release"] * 2
+
+
+def test_pool_gate_takes_no_in_pod_slot(monkeypatch):
+    """EAGLE3_GPU_GATE=pool (the Kubernetes Job templates set it): the work pool's limit gated the run before
+    its pod existed, so the pod takes no `gpu-node` slot; without it the slot is taken."""
+    taken = []
+
+    class Lease:
+        def __init__(self, name):
+            taken.append(name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(t, "_GpuLease", Lease)
+    monkeypatch.setattr(t, "ensure_gpu_limit", lambda *a, **k: 1)
+    monkeypatch.setenv("PREFECT__FLOW_RUN_ID", "started-by-a-worker")
+    monkeypatch.setenv("EAGLE3_GPU_GATE", "pool")
+    with t.gpu_slot():
+        pass
+    assert taken == []
+    monkeypatch.delenv("EAGLE3_GPU_GATE")
+    with t.gpu_slot():
+        pass
+    assert taken == [t.GPU_LIMIT]
