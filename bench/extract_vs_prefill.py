@@ -226,7 +226,7 @@ def main() -> None:
 def bench_size(size: str, n_rows: int, args) -> dict:
     from eagle3_pipeline.config import ExtractConfig, PrepareConfig, SourceConfig, TargetConfig
     from eagle3_pipeline.data.prepare import prepare
-    from eagle3_pipeline.manifest import Manifest
+    from eagle3_pipeline.shardrun import ShardRun
     from tests.helpers.version import extract_all, make_version  # ROOT is on sys.path (above)
 
     work = Path(args.work)
@@ -252,10 +252,10 @@ def bench_size(size: str, n_rows: int, args) -> dict:
         version = make_version(target, Path(prep.tokenized), out, content_key=f"bench-{tag}",
                                rows_per_shard=ecfg.rows_per_shard, storage_dtype=dtype, prepare_version=prep.version)
         res = extract_all(ecfg, target, version, log=lambda m: None)
-        m = Manifest(out).read()
-        child = m["children"][-1]
+        m = ShardRun(out).read()
+        child = m.children[-1]
         if tag == "bf16":
-            tail_s.append(child["seconds"] - child["engine_start_s"] - sum(s["seconds"] for s in m["shards"]))
+            tail_s.append(child.seconds - child.engine_start_s - sum(s.seconds for s in m.shards))
         results[tag] = res
         return res.tokens_per_s
 

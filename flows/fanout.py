@@ -43,7 +43,7 @@ from prefect.states import Cancelling, Crashed
 from eagle3_pipeline.config import PipelineConfig
 from eagle3_pipeline.cluster import job_variables
 from eagle3_pipeline.layout import ExtractVersion
-from eagle3_pipeline.store import read_json
+from eagle3_pipeline.shardrun import ShardRun
 from tasks.stage_tasks import transient_api_error
 
 GROUP_DEPLOYMENT = os.environ.get("EAGLE3_EXTRACT_GROUP_DEPLOYMENT", "extract-group/extract-group")
@@ -59,8 +59,8 @@ T = TypeVar("T")
 def groups_to_run(version: ExtractVersion, force: set[int]) -> list[list[int]]:
     """The planned groups holding a shard that the manifest does not list as published (all of them
     when there is no manifest yet, or it was made for another shard plan), plus forced ones."""
-    m = read_json(version.manifest_path, default={}) or {}
-    same_plan = (m.get("rows_per_shard") == version.rows_per_shard and len(m.get("shards", [])) == len(version.shards))
+    m = ShardRun(version.path).read(missing_ok=True)
+    same_plan = m.rows_per_shard == version.rows_per_shard and len(m.shards) == len(version.shards)
     return [g for g in version.groups if force & set(g) or not same_plan or version.unpublished(g)]
 
 

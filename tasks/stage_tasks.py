@@ -191,15 +191,15 @@ def extract_group(cfg: PipelineConfig, version: ExtractVersion, shard_ids: list[
 
 @task(name="extract-summary", cache_policy=NO_CACHE)
 def extract_summary(cfg: PipelineConfig, version: ExtractVersion, since: float | None = None):
-    from eagle3_pipeline.manifest import Manifest
+    from eagle3_pipeline.shardrun import ShardRun
 
     rec = stages.stage_extract_summary(version, since)
-    shards = Manifest(version.path).read()["shards"]
-    status = {st: sum(s["status"] == st for s in shards) for st in sorted({s["status"] for s in shards})}
+    shards = ShardRun(version.path).read().shards
+    status = {st: sum(s.status == st for s in shards) for st in sorted({s.status for s in shards})}
     create_table_artifact(key=_record_key("extract", cfg), table=[{
         "extract_version": version.content_key,
         **{k: getattr(rec, k) for k in ("shards_total", "shards_published", "tokens", "tokens_per_s", "bytes_on_disk")},
-        "attempts": sum(s.get("attempts", 0) for s in shards),
+        "attempts": sum(s.attempts for s in shards),
         "status": ", ".join(f"{k}: {v}" for k, v in status.items()), "manifest": rec.manifest}],
         description=f"extract manifest of {cfg.prepare.dataset} on {cfg.target.model} ({version.dir})")
     return rec

@@ -25,9 +25,9 @@ from pydantic import BaseModel, ConfigDict
 
 from eagle3_pipeline.contracts import ModelDims, fingerprint_name, record_name
 from eagle3_pipeline.pool import pool_key, pool_location
-from eagle3_pipeline.store import content_key, extract_key, model_fingerprint, read_json, slug, within
+from eagle3_pipeline.shardrun import MANIFEST_NAME, ShardRun
+from eagle3_pipeline.store import content_key, extract_key, model_fingerprint, slug, within
 
-MANIFEST_NAME = "manifest.json"
 FINGERPRINTS_DIR = "fingerprints"
 
 
@@ -115,10 +115,9 @@ class ExtractVersion(BaseModel):
         """Shards of `shard_ids` that the manifest does not list as published for this plan's row
         ranges (all of them when there is no manifest). Prefect's cache may only answer a group none
         of whose shards is here: a shard that verify marked failed, or a wiped store, runs again."""
-        man = read_json(self.manifest_path, default={}) or {}
         ranges = {s.index: [s.row_start, s.row_end] for s in self.shards}
-        done = {s["index"] for s in man.get("shards", []) if s["status"] == "published"
-                and [s["row_start"], s["row_end"]] == ranges.get(s["index"])}
+        done = {s.index for s in ShardRun(self.path).read(missing_ok=True).published()
+                if [s.row_start, s.row_end] == ranges.get(s.index)}
         return [k for k in shard_ids if k not in done]
 
 

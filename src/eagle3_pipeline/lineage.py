@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from eagle3_pipeline.shardrun import MANIFEST_NAME, ShardRun
 from eagle3_pipeline.store import read_json
 
 
@@ -55,12 +56,11 @@ def previous_draft(version) -> PreviousDraft | None:
     dataset_dir = here.parent.parent.parent
     cands = []
     for prep in prepare_versions(dataset_dir):
-        for ex in (prep / model_slug).glob("*/manifest.json"):
+        for ex in (prep / model_slug).glob(f"*/{MANIFEST_NAME}"):
             d = ex.parent.resolve()
             if d == here:
                 continue
-            m = read_json(ex) or {}
-            if m.get("layer_ids") != list(version.layer_ids):
+            if ShardRun(d).read(missing_ok=True).layer_ids != list(version.layer_ids):
                 continue
             trained = _trained(d)
             if trained:

@@ -66,7 +66,7 @@ def _engine_start_s(stage: str, rec, since: float) -> float | None:
     if rec is None:
         return None
     if stage == "extract":
-        from eagle3_pipeline.manifest import engine_start_since
+        from eagle3_pipeline.shardrun import engine_start_since
 
         return engine_start_since(Path(rec.dir), since)
     v = getattr(rec, "engine_start_s", None)

@@ -23,6 +23,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from eagle3_pipeline.lineage import prepare_versions
+from eagle3_pipeline.shardrun import MANIFEST_NAME, ShardRun
 from eagle3_pipeline.store import LOCK_NAME, file_locks, within
 
 
@@ -67,9 +68,9 @@ def _version_locks(prep_dir: Path) -> list[Path]:
     """The locks writers of a prepare version hold: its own, and per extract version the shard,
     verify and manifest locks and every train dir's lock."""
     locks = [prep_dir / LOCK_NAME]
-    for ex in prep_dir.glob("*/*/manifest.json"):
+    for ex in prep_dir.glob(f"*/*/{MANIFEST_NAME}"):
         d = ex.parent
-        locks += sorted((d / "locks").glob("*.lock")) + [d / "manifest.json.lock"]
+        locks += sorted((d / "locks").glob("*.lock")) + [ShardRun(d).lock_path]
         locks += sorted(p / LOCK_NAME for p in (d / "train").glob("*") if p.is_dir())
     return locks
 

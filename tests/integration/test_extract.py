@@ -20,9 +20,9 @@ import pytest
 from eagle3_pipeline.config import ExtractConfig, TargetConfig
 from eagle3_pipeline.contracts import RECORD_META_KEY, to_record
 from eagle3_pipeline.data.prepare import load_tokenized
-from eagle3_pipeline.extract import stage as stage_mod
+from eagle3_pipeline import shardrun as run_mod
 from eagle3_pipeline.extract.stage import ExtractFailed, extract_group
-from eagle3_pipeline.manifest import Manifest
+from eagle3_pipeline.shardrun import ShardRun
 from eagle3_pipeline.extract.worker import KILL_AFTER_ENV, ExtractJob, ShardSpec
 from eagle3_pipeline.layout import ExtractVersion, plan_shards
 from eagle3_pipeline.proc import ChildFailed, python_child
@@ -100,7 +100,7 @@ def killed_and_retried(small_tokenized, target, tmp_path_factory) -> SimpleNames
             extract_all(_cfg(engine_in_process=False), target, _version(target, small_tokenized, out),
                         log=lambda _: None)
     survivors = _processes_with_env("EAGLE3_TEST_TAG", tag)
-    after_kill = Manifest(out).read()
+    after_kill = ShardRun(out).read_raw()
     mtimes = {p.name: p.stat().st_mtime_ns for p in (out / "hidden_states").iterdir()}
     lines: list[str] = []
     res = extract_all(_cfg(), target, _version(target, small_tokenized, out), log=lines.append)
@@ -147,7 +147,7 @@ def test_records_follow_the_contract(full_run, small_tokenized):
         assert tuple(rec["hidden_states"].shape) == (len(ids), len(LAYER_IDS), 128), p  # [T, L, H]
         assert torch.isfinite(rec["hidden_states"].float()).all(), p
         assert json.loads(meta[RECORD_META_KEY]) == {"layer_ids": LAYER_IDS, "storage_dtype": "bf16"}
-    m = Manifest(full_run.out).read()
+    m = ShardRun(full_run.out).read_raw()
     assert m["content_key"] == "test-key" and m["layer_ids"] == LAYER_IDS
     assert set(m["tools"]) >= {"vllm", "torch", "speculators"} and m["tools"]["vllm"]
     assert [s["status"] for s in m["shards"]] == ["published"] * 3
@@ -201,13 +201,13 @@ def test_second_call_with_everything_published_starts_no_child(full_run, small_t
     def no_child(*a, **k):
         raise AssertionError("a child was started although every shard is published")
 
-    monkeypatch.setattr(stage_mod, "run_child", no_child)
+    monkeypatch.setattr(run_mod, "run_child", no_child)
     lines: list[str] = []
     version = _version(target, small_tokenized, full_run.out)
     recs = extract_group(_cfg(), target, version, [0, 1, 2], log=lines.append)
     assert [r.status for r in recs] == ["published"] * 3 and all(r.reused for r in recs)
     assert extract_all(_cfg(), target, version, log=lines.append) == full_run.result
-    assert len(Manifest(full_run.out).read()["children"]) == 1
+    assert len(ShardRun(full_run.out).read_raw()["children"]) == 1
 
 
 def test_damaged_file_sends_only_its_shard_back(full_run, small_tokenized, target, tmp_path, monkeypatch):
@@ -225,13 +225,13 @@ def test_damaged_file_sends_only_its_shard_back(full_run, small_tokenized, targe
         jobs.append(ExtractJob.model_validate_json(Path(argv[-1]).read_text()))
         raise ChildFailed("fake child: exited with code 1; last output:\nboom")
 
-    monkeypatch.setattr(stage_mod, "run_child", fake_child)
+    monkeypatch.setattr(run_mod, "run_child", fake_child)
     lines: list[str] = []
     with pytest.raises(ExtractFailed, match=r"(?s)shards \[1\] not published.*boom"):
         extract_group(_cfg(), target, _version(target, small_tokenized, out), [0, 1, 2], log=lines.append)
     assert [s.index for s in jobs[0].shards] == [1]
     assert any("hs_5.safetensors no longer hashes" in x for x in lines)
-    m = Manifest(out).read()
+    m = ShardRun(out).read_raw()
     assert [s["status"] for s in m["shards"]] == ["published", "failed", "published"]
     assert "boom" in m["shards"][1]["error"] and m["shards"][1]["attempts"] == 2
     assert not (out / ".scratch").exists()
@@ -250,7 +250,7 @@ def test_sigkill_mid_group_then_retry_publishes_the_rest(killed_and_retried, ful
     assert "code -9" in kr.after_kill["shards"][1]["error"]
     assert kr.survivors == [], f"engine processes outlived the killed child: {kr.survivors}"
     assert kr.result.shards_published == 3
-    m = Manifest(kr.out).read()
+    m = ShardRun(kr.out).read_raw()
     assert [c["shards"] for c in m["children"]] == [[0, 1, 2], [1, 2]]
     assert [s["attempts"] for s in m["shards"]] == [1, 2, 2]
     hs = kr.out / "hidden_states"
@@ -351,5 +351,5 @@ def test_engine_start_refused_is_not_retried_and_names_the_key(small_tokenized, 
     assert msg.startswith("extract: vLLM refused to start: extract.gpu_memory_utilization 0.01 reserves "), msg
     assert "Set extract.gpu_memory_utilization: 0." in msg and "or more" in msg, msg
     assert exit_code(err.value) == 2 and not is_transient(err.value, (OSError, ChildFailed))
-    shards = Manifest(out).read()["shards"]
+    shards = ShardRun(out).read_raw()["shards"]
     assert all(s["status"] == "failed" and "vLLM refused to start" in s["error"] for s in shards)

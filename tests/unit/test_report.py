@@ -70,7 +70,7 @@ def _raise():
 
 
 def test_extract_engine_start_counts_this_runs_children(tmp_path):
-    from eagle3_pipeline.manifest import engine_start_since
+    from eagle3_pipeline.shardrun import engine_start_since
     from eagle3_pipeline.store import write_json
 
     write_json(tmp_path / "manifest.json", {"shards": [], "children": [

@@ -7,5 +7,5 @@
 Nothing is re-exported here, so `python -m eagle3_pipeline.extract.worker` does not import its own module
 twice and nothing heavy is imported in the parent. Shared with other stages, on the ground floor: the
 shard plan and version layout (layout.py), the record format and invariance numbers (contracts.py), the
-record pool (pool.py) and the manifest file (manifest.py).
+record pool (pool.py) and the shard run: typed manifest, attempts, publishing, recovery (shardrun.py).
 """

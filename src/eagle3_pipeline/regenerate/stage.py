@@ -15,6 +15,7 @@ and writes one version under `<store>/<dataset>/regenerated/<version>/`:
                               child attempts (engine start, shards published, error)
   regenerate.json             the RegenerateResult; its presence marks the version complete
   jobs/regenerate-<a>.json, logs/regenerate-<a>.log   job and full output of child attempt a
+  manifest.json.lock          flock around every manifest write (shardrun.py: attempts, publishing, recovery)
   .lock                       store.dir_lock, held for the whole call: one writer per version
 The version is a content key of everything that decides the rows: the input rows (sha256 per shard),
 the target (store.model_fingerprint + revision + dtype), tokenizer files, chat template and its
@@ -38,14 +39,13 @@ changes (only assistant replies are replaced). A conversation quarantined here i
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import re
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -53,16 +53,14 @@ from eagle3_pipeline import FORMAT_VERSION
 from eagle3_pipeline.config import PrepareConfig, RegenerateConfig, SourceConfig, TargetConfig, hub_token
 from eagle3_pipeline.engine import engine_env
 from eagle3_pipeline.errors import InputError
-from eagle3_pipeline.engine_start import refusal_of
-from eagle3_pipeline.proc import ChildFailed, python_child, run_child
 from eagle3_pipeline.regenerate.job import (QUARANTINE_DIR, ROWS_DIR, RegenerateJob, ShardInput, input_sha,
                                             shard_file, source_rows)
+from eagle3_pipeline.shardrun import Child, ShardEntry, ShardRun, hashes, published_ok, tool_versions
 from eagle3_pipeline.store import (atomic_write_text, content_key, dir_fingerprint, dir_lock, model_fingerprint,
-                                   read_json, sha256_file, slug, within, write_json)
+                                   read_json, slug, within, write_json)
 
 WORKER = "eagle3_pipeline.regenerate.worker"
 REGENERATED_DIR = "regenerated"  # <store>/<dataset>/regenerated/<version>/
-MANIFEST = "manifest.json"
 DONE = "regenerate.json"
 # Bump when the same inputs and settings give different rows or quarantine decisions.
 REGENERATE_FORMAT = 1
@@ -180,34 +178,24 @@ def prepare_config(prep: PrepareConfig, res: RegenerateResult) -> PrepareConfig:
 
 # ------------------------------------------------------------------------------------ manifest
 
-class _Manifest:
-    """manifest.json of one version, written only by the holder of the version's dir lock; the
-    thread lock orders the caller and run_child's event thread."""
-
-    def __init__(self, out: Path):
-        self.path = out / MANIFEST
-        self._lock = threading.Lock()
-
-    def read(self) -> dict:
-        return read_json(self.path, default={})
-
-    @contextlib.contextmanager
-    def edit(self) -> Iterator[dict]:
-        with self._lock:
-            data = self.read()
-            yield data
-            data["updated_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-            write_json(self.path, data)
+@dataclass
+class _Request:
+    """One regenerate call, passed whole: the settings, inputs and template of the version."""
+    cfg: RegenerateConfig
+    sources: list[SourceConfig]
+    shards: list[ShardInput]
+    target: TargetConfig
+    tok: Any
+    kwargs: dict  # the chat template's extra variables (thinking_kwargs)
+    note: dict    # how thinking was applied (thinking_kwargs)
 
 
-def _lineage(cfg: RegenerateConfig, sources: list[SourceConfig], shards: list[ShardInput], target: TargetConfig,
-             tok, kwargs: dict, note: dict) -> dict:
-    from eagle3_pipeline.manifest import tool_versions
-
+def _lineage(req: _Request) -> dict:
+    cfg, target, tok = req.cfg, req.target, req.tok
     model = str(Path(target.model).resolve()) if Path(target.model).exists() else target.model
     return {
-        "sources": [s.model_dump() for s in sources], "source_rows": _count(shards),
-        "source_fingerprint": content_key([s.input_sha for s in shards], 16),
+        "sources": [s.model_dump() for s in req.sources], "source_rows": _count(req.shards),
+        "source_fingerprint": content_key([s.input_sha for s in req.shards], 16),
         "target": {"model": model, "revision": target.revision, "dtype": target.dtype,
                    "model_fingerprint": model_fingerprint(target.model, target.revision),
                    "tokenizer": target.tokenizer,
@@ -218,42 +206,27 @@ def _lineage(cfg: RegenerateConfig, sources: list[SourceConfig], shards: list[Sh
                   "policy": "text replies answered in order, each on the regenerated history; assistant turns with "
                             "tool calls, system prompts, tools, user turns and tool results kept verbatim; a "
                             "conversation ending in a user turn or tool result gets one more answer"},
-        "template_kwargs": kwargs, "thinking": note, "reasoning_parser": cfg.reasoning_parser,
+        "template_kwargs": req.kwargs, "thinking": req.note, "reasoning_parser": cfg.reasoning_parser,
         "max_model_len": cfg.max_model_len, "engine": cfg.engine().model_dump(), "versions": tool_versions(),
     }
 
 
-def _ensure_manifest(man: _Manifest, version: str, lineage: dict, shards: list[ShardInput],
-                     log: Callable[[str], None]) -> None:
+def _ensure_manifest(run: ShardRun, version: str, req: _Request, log: Callable[[str], None]) -> None:
     """Create the manifest, or take over the one a previous call left: its `running` attempts were
     abandoned (we hold the version's lock, so their parent is gone)."""
-    with man.edit() as m:
-        if m and m.get("content_key") != version:
-            raise RegenerateFailed(f"{man.path} belongs to version {m.get('content_key')!r}, not {version!r}")
-        if not m:
-            m.update(format_version=FORMAT_VERSION, regenerate_format=REGENERATE_FORMAT, content_key=version,
-                     lineage=lineage, single_pass=False, single_pass_reason=None, output_token_states=None,
-                     children=[], shards=[{**s.model_dump(), "status": "pending", "attempts": 0, "error": None}
-                                          for s in shards])
-            return
-        for c in m.get("children", []):
-            if c.get("status") == "running":
-                c.update(status="failed", error=f"abandoned: its parent {c.get('owner')} ended without closing it")
-                log(f"regenerate: child attempt {c['attempt']} was abandoned (its parent was killed?)")
-        for e in m["shards"]:
-            if e["status"] == "running":
-                e.update(status="failed", error=f"abandoned: attempt {e['attempts']} never finished")
+    run.ensure(version, lambda m: None if m else dict(
+        format_version=FORMAT_VERSION, regenerate_format=REGENERATE_FORMAT, content_key=version,
+        lineage=_lineage(req), single_pass=False, single_pass_reason=None, output_token_states=None,
+        children=[], shards=[{**s.model_dump(), "status": "pending", "attempts": 0, "error": None}
+                             for s in req.shards]))
+    run.recover_abandoned([s.index for s in req.shards], lambda c: log(
+        f"regenerate: child attempt {c.attempt} was abandoned (its parent was killed?)"))
 
 
-def _check_published(out: Path, e: dict) -> str | None:
+def _check_published(out: Path, e: ShardEntry) -> str | None:
     """None if both files of a published shard are present and hash to the manifest, else why not."""
-    for d, sha in ((ROWS_DIR, e.get("rows_sha256")), (QUARANTINE_DIR, e.get("quarantine_sha256"))):
-        p = out / d / shard_file(e["index"])
-        if not p.is_file():
-            return f"{p} is missing"
-        if sha256_file(p) != sha:
-            return f"{p} no longer hashes to the manifest"
-    return None
+    return published_ok({out / ROWS_DIR / shard_file(e.index): e.rows_sha256,
+                         out / QUARANTINE_DIR / shard_file(e.index): e.quarantine_sha256})
 
 
 def _remove_leftovers(out: Path) -> None:
@@ -293,22 +266,23 @@ def regenerate(cfg: RegenerateConfig, prep: PrepareConfig, target: TargetConfig,
             return done
         if note["requested"] is not None and not note["applied"]:
             log(f"regenerate: thinking={note['requested']} not applied: {note['why']}")
-        man = _Manifest(out)
-        _ensure_manifest(man, version, _lineage(cfg, prep.sources, shards, target, tok, kwargs, note), shards, log)
+        run = ShardRun(out, "regenerate", RegenerateFailed)
+        req = _Request(cfg, prep.sources, shards, target, tok, kwargs, note)
+        _ensure_manifest(run, version, req, log)
         _remove_leftovers(out)
         todo = []
-        for e in man.read()["shards"]:
-            if e["status"] == "published":
+        for e in run.read().shards:
+            if e.status == "published":
                 why = _check_published(out, e)
                 if why is None:
                     continue
-                log(f"regenerate: shard {e['index']} was published but {why}; regenerating it")
-            todo.append(shards[e["index"]])
+                log(f"regenerate: shard {e.index} was published but {why}; regenerating it")
+            todo.append(shards[e.index])
         engine_s = None
         if todo:
             log(f"regenerate: {len(todo)} of {len(shards)} shards to regenerate -> {out}")
-            engine_s = _run_child(cfg, target, prep.sources, kwargs, out, man, todo, log)
-        res = _assemble(out, man, note, shards_computed=len(todo), engine_start_s=engine_s)
+            engine_s = _run_child(req, run, todo, log)
+        res = _assemble(run, note, shards_computed=len(todo), engine_start_s=engine_s)
     log(f"regenerate: {res.rows_in} rows in, {res.rows_out} out, {res.rows_quarantined} quarantined, "
         f"{res.tokens_generated} tokens generated ({res.tokens_per_s} tok/s, {res.rows_per_s} rows/s) -> {out}")
     return res
@@ -319,78 +293,41 @@ def _complete(out: Path) -> RegenerateResult | None:
     data = read_json(out / DONE)
     if data is None:
         return None
-    entries = _Manifest(out).read().get("shards", [])
-    if not entries or any(e["status"] != "published" or _check_published(out, e) for e in entries):
+    entries = ShardRun(out, "regenerate").read(missing_ok=True).shards
+    if not entries or any(e.status != "published" or _check_published(out, e) for e in entries):
         return None
     return RegenerateResult(**{**data, "cached": True, "shards_computed": 0, "engine_start_s": None})
 
 
-def _run_child(cfg: RegenerateConfig, target: TargetConfig, sources: list[SourceConfig], kwargs: dict, out: Path,
-               man: _Manifest, shards: list[ShardInput], log: Callable[[str], None]) -> float | None:
+def _run_child(req: _Request, run: ShardRun, shards: list[ShardInput], log: Callable[[str], None]) -> float | None:
     """One engine child for `shards`; each is published as the child reports it. Returns the child's
     engine start-up seconds; raises RegenerateFailed when some shard is not published."""
-    import os
-    import socket
-
-    with man.edit() as m:
-        attempt = len(m["children"]) + 1
-        m["children"].append({"attempt": attempt, "owner": f"{socket.gethostname()}:{os.getpid()}",
-                              "shards": [s.index for s in shards], "status": "running",
-                              "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-        for s in shards:
-            e = m["shards"][s.index]
-            e.update(status="running", attempts=e["attempts"] + 1, error=None)
-    job = RegenerateJob(target=target, engine=cfg.engine(), regenerate=cfg, template_kwargs=kwargs, sources=sources,
-                        shards=shards, out_dir=str(out.resolve()), attempt=attempt)
-    job_path = write_json(out / "jobs" / f"regenerate-{attempt}.json", job.model_dump(mode="json"))
-    log_path = out / "logs" / f"regenerate-{attempt}.log"
-    log(f"regenerate: child {attempt} for shards {[s.index for s in shards]} (log {log_path})")
-    published: set[int] = set()
-    errors: dict[int, str] = {}
-    engine_s: list[float] = []
+    cfg, out = req.cfg, run.dir
+    attempt = run.open_attempt([s.index for s in shards])
+    job = RegenerateJob(target=req.target, engine=cfg.engine(), regenerate=cfg, template_kwargs=req.kwargs,
+                        sources=req.sources, shards=shards, out_dir=str(out.resolve()), attempt=attempt.number)
+    job_path = write_json(out / "jobs" / f"regenerate-{attempt.number}.json", job.model_dump(mode="json"))
+    log_path = out / "logs" / f"regenerate-{attempt.number}.log"
+    log(f"regenerate: child {attempt.number} for shards {[s.index for s in shards]} (log {log_path})")
 
     def on_event(ev: dict) -> None:
-        try:  # runs on run_child's reader thread: never raise
-            if ev.get("kind") == "capability":
-                with man.edit() as m:
-                    m.update(output_token_states=bool(ev["output_token_states"]),
-                             single_pass=False, single_pass_reason=single_pass_reason(ev["output_token_states"],
-                                                                                      ev["reason"]))
-            elif ev.get("kind") == "engine_ready":
-                engine_s.append(float(ev["seconds"]))
-                log(f"regenerate: engine ready after {ev['seconds']:.1f}s (max_model_len {ev.get('max_model_len')})")
-            elif ev.get("kind") == "shard_done":
-                _publish(out, man, ev)
-                published.add(int(ev["shard"]))
-                log(f"regenerate: shard {ev['shard']} published ({ev['rows_out']} rows, {ev['rows_quarantined']} "
-                    f"quarantined, {ev['tokens_generated']} tokens in {ev['generate_s']:.2f}s)")
-        except Exception as e:  # noqa: BLE001
-            k = int(ev.get("shard", -1))
-            errors[k] = f"publishing shard {k} failed: {type(e).__name__}: {e}"
-            log(f"regenerate: {errors[k]}")
+        if ev.get("kind") == "capability":
+            with run.edit() as m:
+                m.update(output_token_states=bool(ev["output_token_states"]),
+                         single_pass=False, single_pass_reason=single_pass_reason(ev["output_token_states"],
+                                                                                  ev["reason"]))
+        elif ev.get("kind") == "engine_ready":
+            log(f"regenerate: engine ready after {ev['seconds']:.1f}s (max_model_len {ev.get('max_model_len')})")
+        elif ev.get("kind") == "shard_done":
+            _publish(run, ev)
+            attempt.published.add(int(ev["shard"]))
+            log(f"regenerate: shard {ev['shard']} published ({ev['rows_out']} rows, {ev['rows_quarantined']} "
+                f"quarantined, {ev['tokens_generated']} tokens in {ev['generate_s']:.2f}s)")
 
-    error, child_error = None, None
-    t0 = time.time()
-    try:
-        run_child(python_child(WORKER, str(job_path)), name=f"regenerate-{attempt}", timeout_s=cfg.timeout_s,
-                  log_path=log_path, on_line=log, on_event=on_event, env=engine_env(cfg))
-    except ChildFailed as e:
-        error, child_error = str(e), e
-        refused = None if published else refusal_of(e, log_path, "regenerate", cfg, "regenerate.max_model_len")
-        if refused is not None:  # the same settings would be refused again: no retry, the key to change
-            error, child_error = f"{refused}\n{e}", refused
-    except BaseException as e:  # cancelled: the child is gone; close the attempt, re-raise
-        _close(man, attempt, shards, published, f"interrupted: {type(e).__name__}: {e}", t0, engine_s, errors)
-        raise
-    missing = [s.index for s in shards if s.index not in published]
-    if error is None and missing:
-        error = f"regenerate child {attempt} exited 0 but reported no shard_done for shards {missing}" + "".join(
-            f"; {v}" for v in errors.values())
-    _close(man, attempt, shards, published, error, t0, engine_s, errors)
-    if missing:
-        raise RegenerateFailed(f"regenerate child {attempt} (log {log_path}): shards {missing} not published "
-                               f"({len(published)} of {len(shards)} published this attempt): {error}") from child_error
-    return engine_s[0] if engine_s else None
+    run.run_child(attempt, Child(module=WORKER, job_path=job_path, log_path=log_path, timeout_s=cfg.timeout_s,
+                                 env=engine_env(cfg), engine=cfg, max_len_key="regenerate.max_model_len"),
+                  on_event, log)
+    return attempt.engine_start_s
 
 
 def single_pass_reason(can: bool, why: str) -> str:
@@ -399,10 +336,10 @@ def single_pass_reason(can: bool, why: str) -> str:
     return f"{why}: two passes (regenerate, then prepare + extract on the regenerated rows)"
 
 
-def _publish(out: Path, man: _Manifest, ev: dict) -> None:
+def _publish(run: ShardRun, ev: dict) -> None:
     k = int(ev["shard"])
     name = shard_file(k)
-    rows, quarantine = out / ROWS_DIR / name, out / QUARANTINE_DIR / name
+    rows, quarantine = run.dir / ROWS_DIR / name, run.dir / QUARANTINE_DIR / name
     for p in (rows, quarantine):
         if not p.is_file():
             raise RegenerateFailed(f"shard {k}: the child reported it done but {p} is missing")
@@ -414,58 +351,48 @@ def _publish(out: Path, man: _Manifest, ev: dict) -> None:
     keys = ("rows_in", "rows_out", "rows_quarantined", "quarantine_kinds", "turns_regenerated", "kept_tool_turns",
             "tokens_generated", "prompt_tokens", "rounds", "turns_rendered_differently", "first_difference",
             "generate_s", "seconds")
-    with man.edit() as m:
+
+    def same_rows(m: dict) -> None:
         e = m["shards"][k]
         if e["row_end"] - e["row_start"] != ev["rows_in"]:
             raise RegenerateFailed(f"shard {k}: the child read {ev['rows_in']} rows, the plan has "
                                    f"{e['row_end'] - e['row_start']}")
-        e.update(status="published", error=None, rows_sha256=sha256_file(rows), quarantine_sha256=sha256_file(quarantine),
-                 **{key: ev.get(key) for key in keys})
+
+    sha = hashes({"rows": rows, "quarantine": quarantine})
+    run.publish(k, {"rows_sha256": sha["rows"], "quarantine_sha256": sha["quarantine"],
+                    **{key: ev.get(key) for key in keys}}, also=same_rows)
 
 
-def _close(man: _Manifest, attempt: int, shards: list[ShardInput], published: set[int], error: str | None,
-           t0: float, engine_s: list[float], errors: dict[int, str]) -> None:
-    with man.edit() as m:
-        for s in shards:
-            e = m["shards"][s.index]
-            if s.index not in published and e["status"] == "running":
-                e.update(status="failed", error=errors.get(s.index) or error)
-        c = next(c for c in m["children"] if c["attempt"] == attempt)
-        c.update(status="failed" if error else "ok", seconds=round(time.time() - t0, 2),
-                 engine_start_s=engine_s[0] if engine_s else None, published=sorted(published), error=error)
-
-
-def _assemble(out: Path, man: _Manifest, note: dict, shards_computed: int,
-              engine_start_s: float | None) -> RegenerateResult:
+def _assemble(run: ShardRun, note: dict, shards_computed: int, engine_start_s: float | None) -> RegenerateResult:
     """Every shard is published: the combined quarantine file and the version's record."""
-    m = man.read()
-    es = m["shards"]
+    out, m = run.dir, run.read()
+    es = m.shards
     atomic_write_text(out / "quarantine.jsonl",
-                      "".join((out / QUARANTINE_DIR / shard_file(e["index"])).read_text() for e in es))
+                      "".join((out / QUARANTINE_DIR / shard_file(e.index)).read_text() for e in es))
     kinds: dict[str, int] = {}
     for e in es:
-        for k, v in (e.get("quarantine_kinds") or {}).items():
+        for k, v in (e.quarantine_kinds or {}).items():
             kinds[k] = kinds.get(k, 0) + v
 
     def total(key: str):
-        return sum(e.get(key) or 0 for e in es)
+        return sum(e.count(key) for e in es)
 
     gen_s, seconds = total("generate_s"), total("seconds")
     res = RegenerateResult(
-        version=m["content_key"], dir=str(out.resolve()), rows_dir=str((out / ROWS_DIR).resolve()),
-        quarantine=str((out / "quarantine.jsonl").resolve()), manifest=str(man.path.resolve()),
+        version=m.content_key, dir=str(out.resolve()), rows_dir=str((out / ROWS_DIR).resolve()),
+        quarantine=str((out / "quarantine.jsonl").resolve()), manifest=str(run.path.resolve()),
         rows_in=total("rows_in"), rows_out=total("rows_out"), rows_quarantined=total("rows_quarantined"),
         tokens_generated=total("tokens_generated"), prompt_tokens=total("prompt_tokens"),
         turns_regenerated=total("turns_regenerated"), kept_tool_turns=total("kept_tool_turns"),
         quarantine_kinds=kinds, turns_rendered_differently=total("turns_rendered_differently"),
-        shards_total=len(es), shards_computed=shards_computed, single_pass=bool(m.get("single_pass")),
-        single_pass_reason=m.get("single_pass_reason") or "", output_token_states=m.get("output_token_states"),
+        shards_total=len(es), shards_computed=shards_computed, single_pass=m.single_pass,
+        single_pass_reason=m.single_pass_reason or "", output_token_states=m.output_token_states,
         thinking=note, generate_s=round(gen_s, 3),
         rows_per_s=round(total("rows_in") / seconds, 2) if seconds else 0.0,
         tokens_per_s=round(total("tokens_generated") / gen_s, 1) if gen_s else 0.0,
         engine_start_s=engine_start_s)
-    if res.rows_in != res.rows_out + res.rows_quarantined or res.rows_in != m["lineage"]["source_rows"]:
-        raise RegenerateFailed(f"{out}: {res.rows_in} rows in (sources: {m['lineage']['source_rows']}), "
+    if res.rows_in != res.rows_out + res.rows_quarantined or res.rows_in != m.lineage["source_rows"]:
+        raise RegenerateFailed(f"{out}: {res.rows_in} rows in (sources: {m.lineage['source_rows']}), "
                                f"{res.rows_out} out + {res.rows_quarantined} quarantined")
     write_json(out / DONE, res.model_dump(exclude={"cached", "shards_computed", "engine_start_s"}))
     return res

@@ -20,21 +20,22 @@ import numpy as np
 CACHE_NAME = "verify_rows.safetensors"
 
 
-def shard_hash(entry: dict, version) -> str:
+def shard_hash(entry, version) -> str:
     """Identity of a published shard's files: the manifest's sha256 of each record and fingerprint
     plus each file's size and mtime as it is now (a stat, no read), so a file replaced or edited
-    after verify is read again even when the manifest was not touched."""
+    after verify is read again even when the manifest was not touched (`entry`: shardrun.ShardEntry)."""
     stats = []
-    for name in sorted(entry.get("files", {})):
+    files, fps = entry.files, entry.fingerprints or {}
+    for name in sorted(files):
         p = version.hidden_states_dir / name
         st = p.stat() if p.exists() else None
         stats.append([name, st.st_size if st else -1, st.st_mtime_ns if st else -1])
-    for name in sorted(entry.get("fingerprints") or {}):
+    for name in sorted(fps):
         p = version.fingerprints_dir / name
         st = p.stat() if p.exists() else None
         stats.append([name, st.st_size if st else -1, st.st_mtime_ns if st else -1])
-    blob = json.dumps({"rows": [entry["row_start"], entry["row_end"]], "files": entry.get("files", {}),
-                       "fingerprints": entry.get("fingerprints") or {}, "stat": stats}, sort_keys=True)
+    blob = json.dumps({"rows": [entry.row_start, entry.row_end], "files": files, "fingerprints": fps, "stat": stats},
+                      sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

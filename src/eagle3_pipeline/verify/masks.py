@@ -12,10 +12,9 @@ from __future__ import annotations
 from eagle3_pipeline.contracts import record_name, row_hash
 
 
-def mask_problems(ds, shards: list[dict], rows: list[int]) -> tuple[list[str], list[int], int]:
-    """(problems, bad rows, rows compared) for `rows` of the tokenized dataset `ds`."""
-    hashes = {int(r): h for e in shards if e.get("status") == "published"
-              for r, h in (e.get("row_hashes") or {}).items()}
+def mask_problems(ds, shards: list, rows: list[int]) -> tuple[list[str], list[int], int]:
+    """(problems, bad rows, rows compared) for `rows` of the tokenized dataset `ds` (`shards`: shardrun.ShardEntry)."""
+    hashes = {int(r): h for e in shards if e.status == "published" for r, h in e.row_hashes.items()}
     todo = [r for r in rows if r in hashes and r < len(ds)]
     if not todo:
         return [], [], 0

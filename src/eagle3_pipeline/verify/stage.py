@@ -29,6 +29,7 @@ from eagle3_pipeline.data.prepare import load_tokenized
 from eagle3_pipeline.errors import GateFailed
 from eagle3_pipeline.pool import row_keys, version_pool
 from eagle3_pipeline.layout import ExtractVersion
+from eagle3_pipeline.shardrun import ShardEntry, ShardManifest, ShardRun, mark_rows_failed
 from eagle3_pipeline.store import content_key, file_lock, read_json, write_json
 from eagle3_pipeline.verify import cache
 from eagle3_pipeline.verify.fingerprint import FingerprintSummary, final_layer_check
@@ -171,25 +172,25 @@ def verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, *, 
         return _verify(cfg, target, version, log, rows, fingerprints)
 
 
-def _reusable(cfg: VerifyConfig, version: ExtractVersion, shards: list[dict], log) -> tuple[dict, dict[str, str]]:
+def _reusable(cfg: VerifyConfig, version: ExtractVersion, shards: list[ShardEntry], log) -> tuple[dict, dict[str, str]]:
     """(cached results by row, hashes of the shards they cover) that this verify may reuse."""
     prev = read_json(version.verify_path)
     if not prev or prev.get("content_key") != version.content_key or prev.get("config_key") != _config_key(cfg):
         return {}, {}
     old = prev.get("shard_hashes") or {}
-    now = {str(e["index"]): cache.shard_hash(e, version) for e in shards if e["status"] == "published"}
+    now = {str(e.index): cache.shard_hash(e, version) for e in shards if e.status == "published"}
     ok = {k: h for k, h in now.items() if old.get(k) == h}  # one stat of each file per shard, not two
     if not ok:
         return {}, {}
     cached = cache.load(version.path / cache.CACHE_NAME)
     rows = {}
     for e in shards:
-        if str(e["index"]) in ok:
-            span = range(e["row_start"], e["row_end"])
+        if str(e.index) in ok:
+            span = range(e.row_start, e.row_end)
             if all(r in cached for r in span):
                 rows.update({r: cached[r] for r in span})
             else:
-                ok.pop(str(e["index"]))
+                ok.pop(str(e.index))
     return rows, ok
 
 
@@ -233,10 +234,10 @@ def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, lo
             fingerprints: bool | None = None) -> VerifyResult:
     t0 = time.time()
     extract_dir, tokenized_dir = version.path, version.tokenized_dir
-    man = read_json(version.manifest_path) or {}
-    shards = man.get("shards", [])
+    man = ShardRun(version.path).read(missing_ok=True)
+    shards = man.shards
     ds = load_tokenized(tokenized_dir)
-    fp_required = bool((man.get("config") or {}).get("extract", {}).get("fingerprints"))
+    fp_required = bool(man.config.get("extract", {}).get("fingerprints"))
     if fingerprints is not None:
         fp_required = fingerprints
     if sample is not None:
@@ -308,15 +309,13 @@ def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, lo
                 failed_dir.mkdir(exist_ok=True)
                 shutil.move(str(f), str(failed_dir / f.name))
                 moved.append(str(failed_dir / f.name))
-        from eagle3_pipeline.manifest import mark_rows_failed
-
         hit = mark_rows_failed(extract_dir, bad_rows, "verify failed")
         log(f"verify: moved {len(moved)} files to {failed_dir}; shards {hit} marked failed for re-extraction")
     bad = set(bad_rows)
-    man = read_json(version.manifest_path) or man  # mark_rows_failed may have changed it
-    hashes = {str(e["index"]): cache.shard_hash(e, version) for e in man.get("shards", []) if e["status"] == "published"
-              and not any(e["row_start"] <= r < e["row_end"] for r in bad)}
-    n_rechecked = len({e["index"] for e in shards if str(e["index"]) not in reused_hashes})
+    man = ShardRun(version.path).read(missing_ok=True)  # mark_rows_failed may have changed it
+    hashes = {str(e.index): cache.shard_hash(e, version) for e in man.published()
+              if not any(e.row_start <= r < e.row_end for r in bad)}
+    n_rechecked = len({e.index for e in shards if str(e.index) not in reused_hashes})
     res = VerifyResult(
         content_key=version.content_key, passed=not problems and st.files_checked > 0,
         samples_checked=st.files_checked, tokens_checked=st.tokens_checked, reference_max_rel_err=ref.max_rel_err,
@@ -341,15 +340,15 @@ def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, lo
     return res
 
 
-def _invariance(cfg: VerifyConfig, version: ExtractVersion, man: dict, ds, log,
+def _invariance(cfg: VerifyConfig, version: ExtractVersion, man: ShardManifest, ds, log,
                 sample: list[int] | None = None) -> InvarianceResult:
     """Judge the batch-invariance entries the extract engine (or the online server's sampler) wrote into
     the manifest: those of published shards, or with `sample`, of those rows."""
     published = set(sample) if sample is not None else {
-        r for e in man.get("shards", []) if e["status"] == "published" for r in range(e["row_start"], e["row_end"])}
-    entries = {int(k): v for k, v in (man.get("invariance") or {}).items() if int(k) in published}
+        r for e in man.published() for r in range(e.row_start, e.row_end)}
+    entries = {int(k): v for k, v in man.invariance.items() if int(k) in published}
     if not entries:
-        why = ("extract.invariance_rows is 0" if not (man.get("config") or {}).get("extract", {}).get("invariance_rows")
+        why = ("extract.invariance_rows is 0" if not man.config.get("extract", {}).get("invariance_rows")
                else "the extract manifest holds no invariance entries (extracted before they existed?)")
         log(f"verify: invariance check skipped: {why}")
         return InvarianceResult(samples_checked=[], max_rel_err=None, min_cosine=None, per_layer_max_rel_err={},
