@@ -102,6 +102,27 @@ PARAM_EXCEPTIONS = {
 }
 
 
+MAX_LINES = 60
+# Functions over MAX_LINES lines today, "path:function" -> why, in one line; the list can only shrink.
+LONG_FUNCTIONS = {
+    "data/formats.py:_json_values": "one incremental JSON decoder loop: every damage case ends it with its byte offset",
+    "data/prepare.py:_encode_chunk": "one pass per row: render, tokenize, mask, trim and quarantine, counting each reason",
+    "data/prepare.py:_assemble": "chunks to one dataset: duplicates, held-out pick and every count prepare.json reports",
+    "evaluate/stage.py:_run_engines": "one child for every engine run of a job: the job, its deadline and each run's output",
+    "extract/worker.py:_run_shard": "one shard's prefill, capture checks, durable writes and event, in the order they must happen",
+    "preflight.py:preflight": "the checks in the order a user reads them; each adds a problem or a warning",
+    "regenerate/worker.py:_run_shard": "one shard's turn-by-turn generation with the quarantine reason of every row it drops",
+    "targets/smollm2.py:build_smollm2": "GGUF tensors to HF names, tokenizer and template, written in the build's order",
+    "train/export.py:export_check": "one check per property of an exported draft, each with its own message",
+    "train/worker.py:run_train": "the speculators trainer's set-up (model, data, resume, kill hooks) in the order it needs",
+    "verify/scan.py:_read_record": "one record's read with a problem message for every way a file can be wrong",
+    "verify/stage.py:_verify": "the gate's checks in order, each reading what the one before produced",
+    "verify/structure.py:_process": "the per-file checks of one batch while its arenas are held",
+    "verify/structure.py:judge_records": "the checks that need every record at once, sharing one pass over the statistics",
+    "verify/worker.py:run": "the reference child: load layer by layer, stream rows, compare, write, within its budget",
+}
+
+
 def module_of(path: Path, core: Path = CORE) -> str:
     """Dotted module name of a file under the core (`eagle3_pipeline.extract.stage`)."""
     rel = Path(path).relative_to(core).with_suffix("")
@@ -154,6 +175,12 @@ def long_signatures(source: str, limit: int = MAX_PARAMS) -> dict[str, int]:
             if n > limit:
                 out[node.name] = n
     return out
+
+
+def long_bodies(source: str, limit: int = MAX_LINES) -> dict[str, int]:
+    """{function name: lines} of every function (methods and nested ones too) over `limit` lines."""
+    return {n.name: n.end_lineno - n.lineno + 1 for n in ast.walk(ast.parse(source))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > limit}
 
 
 # ---------------------------------------------------------------- the rules on this repository
@@ -217,6 +244,16 @@ def test_no_function_over_six_parameters():
     assert new == {}, f"functions over {MAX_PARAMS} parameters (pass a typed record whole): {new}"
     fixed = sorted(set(PARAM_EXCEPTIONS) - set(found))
     assert fixed == [], f"{fixed} take {MAX_PARAMS} parameters or fewer now (or are gone): drop them from PARAM_EXCEPTIONS"
+
+
+def test_no_function_over_sixty_lines_without_a_reason():
+    found = {f"{p.relative_to(CORE).as_posix()}:{name}": n
+             for p, src in _sources(CORE).items() for name, n in long_bodies(src).items()}
+    new = {k: n for k, n in found.items() if k not in LONG_FUNCTIONS}
+    assert new == {}, f"functions over {MAX_LINES} lines (split them, or give a one-line reason in LONG_FUNCTIONS): {new}"
+    fixed = sorted(set(LONG_FUNCTIONS) - set(found))
+    assert fixed == [], f"{fixed} are {MAX_LINES} lines or fewer now (or gone): drop them from LONG_FUNCTIONS"
+    assert all(r and "\n" not in r for r in LONG_FUNCTIONS.values())
 
 
 # ---------------------------------------------------------------- each checker can fail
@@ -284,6 +321,13 @@ def test_stage_shape_checker_finds_a_missing_stage_py_and_a_long_init(tmp_path):
     assert stage_shape_problems(d) == []
     (d / "__init__.py").write_text("x = 1\n" * (INIT_MAX_LINES + 1))
     assert stage_shape_problems(d) == [f"evaluate/__init__.py: {INIT_MAX_LINES + 1} lines (at most {INIT_MAX_LINES})"]
+
+
+def test_length_checker_counts_lines():
+    body = "".join(f"    x{i} = {i}\n" for i in range(59))
+    src = f"def ok():\n{body}\ndef over():\n{body}    y = 1\nclass C:\n    def m(self):\n        def inner():\n" + \
+        "".join(f"            z{i} = {i}\n" for i in range(61))
+    assert long_bodies(src) == {"over": 61, "m": 63, "inner": 62}
 
 
 def test_signature_checker_counts_parameters():
