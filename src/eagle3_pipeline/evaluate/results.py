@@ -71,6 +71,7 @@ class EvalResult(BaseModel):
     engine_start_s: float
     generate_s: float
     tokens_per_s: float  # generated tokens / generate_s (with speculation)
+    run_s: float | None = None  # what this number cost: the engine's whole run in the child (start, passes, shutdown)
     sample_texts: list[str]
     lossless_checked: int | None = None  # prompts compared with the reference decoding (None: not checked)
     lossless_mismatches: list[LosslessMismatch] | None = None
@@ -165,7 +166,7 @@ def eval_result(run, ref, n_prompts: int, plain_speed: SpeedResult | None = None
         per_position_acceptance=[a / run.drafts for a in per_pos], drafts=run.drafts,
         draft_tokens=run.draft_tokens, accepted_tokens=run.accepted_tokens, accepted_per_position=per_pos,
         prompts=n_prompts, prompt_tokens=run.prompt_tokens, generated_tokens=run.generated_tokens,
-        engine_start_s=run.engine_start_s, generate_s=run.generate_s,
+        engine_start_s=run.engine_start_s, generate_s=run.generate_s, run_s=run.run_s,
         tokens_per_s=run.generated_tokens / max(run.generate_s, 1e-9), sample_texts=run.texts, steps=run.steps,
         output_tokens_per_step=(run.generated_tokens - n_prompts) / run.steps if run.steps else None)
     if run.per_category:

@@ -136,6 +136,8 @@ class EvaluateReport(BaseModel):
     prompt_set: dict | None = None  # PromptSet.summary(): source, categories, skipped rows, quarantine file
     sampling_warning: str | None = None  # why acceptance_length_sampled is not to be trusted on this build
     baseline_ngram: NgramBaseline | None = None  # vLLM's n-gram speculation, same prompts and settings
+    engine_run_s: dict[str, float | None] = {}  # what each number cost: seconds of each engine's whole run
+    # (start, passes, shutdown) by label: trained, untrained, previous, ngram (engine_costs)
 
 
 class DraftComparison(BaseModel):
@@ -381,6 +383,14 @@ def _evaluate(cfg: EvaluateConfig, target: TargetConfig, plan: EnginePlan, promp
     return results, round(sum(o.engine_start_s for o in outs.values()), 3), plain_speed, pset, base
 
 
+def engine_costs(results: dict[str, EvalResult], base: NgramBaseline | None) -> dict[str, float | None]:
+    """{label: seconds of that engine's whole run in the child}: what each number of the report cost."""
+    out = {label: r.run_s for label, r in results.items()}
+    if base is not None:
+        out["ngram"] = base.run_s
+    return out
+
+
 def category_reports(r: EvalResult, untrained: EvalResult | None = None,
                      ngram: NgramBaseline | None = None) -> dict[str, CategoryReport]:
     """report.json's per_category entries of draft `r` (and the untrained baseline's τ and the n-gram
@@ -449,7 +459,10 @@ def _evaluate_pair(cfg: EvaluateConfig, target: TargetConfig, trained_dir: Path,
         speedup_detail=tr.speedup_detail, sampling_temperature=tr.sampled.temperature if tr.sampled else None,
         acceptance_length_sampled=tr.sampled.total.acceptance_length if tr.sampled else None,
         per_position_acceptance_sampled=tr.sampled.total.per_position_acceptance if tr.sampled else None,
-        prompt_set=pset.summary(), sampling_warning=sampling_warning(tr.sampled is not None), baseline_ngram=base)
+        prompt_set=pset.summary(), sampling_warning=sampling_warning(tr.sampled is not None), baseline_ngram=base,
+        engine_run_s=engine_costs(res, base))
+    log("evaluate: cost per engine run (start, passes, shutdown): "
+        + ", ".join(f"{k} {'-' if v is None else f'{v:.1f}'} s" for k, v in rep.engine_run_s.items()))
     if rep.sampling_warning:
         log(f"evaluate: WARNING {rep.sampling_warning}")
     rep.passed = gate_failure(rep, cfg) is None
