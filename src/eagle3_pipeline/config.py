@@ -166,9 +166,9 @@ class VerifyConfig(Strict):
     fingerprint_stol: float = Field(0.02, ge=0, description="logit margin tolerance relative to ||(w1 - w2) * "
                                     "rmsnorm(h)||: the bf16 rounding of the stored state (measured <= 0.0098 on "
                                     "SmolLM2); fp8 x8")
-    # every row, aux layers: each slot must look like its own layer (verify/identity.py)
+    # every row, aux layers: each slot must look like its own layer (layer_identity.py)
     identity_max_z: float | None = Field(20.0, gt=0, description="largest robust deviation of a record's layer-slot "
-                                         "relations from the typical ones (verify/identity.py); None = no identity check")
+                                         "relations from the typical ones (layer_identity.py); None = no identity check")
     confirm_rows: int = Field(32, ge=0, description="rows flagged only by learned checks (layer identity, norm "
                               "bounds) that are recomputed with the target before they may stop the run; a row "
                               "the model agrees with is cleared (0: learned checks alone decide)")

@@ -404,7 +404,7 @@ def logit_transform(model_dir: Path) -> str | None:
 
 
 def fingerprint_blocker(target, dims) -> str | None:
-    """Why verify's final-layer fingerprint check (verify/fingerprint.py) cannot run for `target`, from its
+    """Why verify's final-layer fingerprint check (final_layer.py) cannot run for `target`, from its
     config alone (preflight asks before any engine)."""
     model_dir = Path(target.model)
     if not model_dir.is_dir():

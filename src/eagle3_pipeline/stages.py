@@ -13,6 +13,7 @@ Test hook: `faults.fail_once` at the start of prepare, verify and vocab (EAGLE3_
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -184,7 +185,7 @@ def stage_train_online(cfg: PipelineConfig, version: ExtractVersion, voc, log=pr
     from eagle3_pipeline.store import write_json
     from eagle3_pipeline.train.stage import train_draft
     from eagle3_pipeline.train.online import HiddenStateServer, OnlineResult, take_sample
-    from eagle3_pipeline.verify.stage import check_verify_gate, verify
+    from eagle3_pipeline.verify.stage import VerifyFailed, check_verify_gate, verify
 
     prev, tcfg = _train_start(cfg, version, log)
     out_dir = version.train_dir(train_key(cfg, version))
@@ -201,11 +202,21 @@ def stage_train_online(cfg: PipelineConfig, version: ExtractVersion, voc, log=pr
         write_json(sample.version.verify_path, ver.model_dump(mode="json"))
         check_verify_gate(ver)
         rows, tokens, seconds, nbytes = sample.rows, sample.tokens, sample.seconds, sample.bytes
-        tr = train_draft(tcfg, cfg.target, version, Path(voc.dir), out_dir, log=log, previous=prev,
-                         online={"endpoint": srv.endpoint, "model": srv.model,
-                                 "request_timeout_s": cfg.train.online_request_timeout_s,
-                                 "max_in_flight": max(1, min(cfg.extract.max_num_seqs, 16)),
-                                 "hidden_size": version.dims.hidden_size})
+        checks = online_row_checks(cfg, srv.target, version, ver, work)
+        try:
+            tr = train_draft(tcfg, cfg.target, version, Path(voc.dir), out_dir, log=log, previous=prev,
+                             online={"endpoint": srv.endpoint, "model": srv.model,
+                                     "request_timeout_s": cfg.train.online_request_timeout_s,
+                                     "max_in_flight": max(1, min(cfg.extract.max_num_seqs, 16)),
+                                     "hidden_size": version.dims.hidden_size, "checks": checks})
+        except Exception as e:
+            rejected = _jsonl_rows(checks and checks["rejected_path"], "rejected")
+            if rejected:
+                raise VerifyFailed(f"online training stopped: {len(rejected)} rows from the server failed the "
+                                   "per-row checks against the target on every attempt:\n  "
+                                   + "\n  ".join(rejected[r] for r in sorted(rejected)[:20])) from e
+            raise
+        row_checks = confirm_online_flags(cfg, srv.target, version, checks, log)
     peak = srv.scratch_peak()
     res = OnlineResult(endpoint=srv.endpoint, server_start_s=srv.start_s, sample_rows=rows, sample_tokens=tokens,
                        sample_seconds=seconds, sample_bytes=nbytes, scratch_peak_bytes=peak,
@@ -215,8 +226,79 @@ def stage_train_online(cfg: PipelineConfig, version: ExtractVersion, voc, log=pr
     log(f"online: hidden states on disk peaked at {res.hidden_states_peak_bytes / 1e6:.1f} MB ({nbytes / 1e6:.1f} MB "
         f"verified sample + {peak / 1e6:.2f} MB in flight); the stored dataset would take {offline_bytes / 1e6:.0f} MB")
     return tr.model_copy(update={"hidden_states_peak_bytes": res.hidden_states_peak_bytes,
-                                 "online": {**res.model_dump(mode="json"), "verify": ver.model_dump(mode="json")},
+                                 "online": {**res.model_dump(mode="json"), "verify": ver.model_dump(mode="json"),
+                                            "row_checks": row_checks},
                                  "engine_start_s": round((tr.engine_start_s or 0.0) + srv.start_s, 2)})
+
+
+def online_row_checks(cfg: PipelineConfig, target, version: ExtractVersion, ver, work: Path) -> dict | None:
+    """What the online trainer judges every row by (train/job.py RowChecksSpec, as a dict): the target's final
+    norm and lm_head against the fingerprint each response carries, and the layer profiles the verify gate
+    learned from the sample (`ver`). None when the fingerprint check cannot run and verify.allow_skip says
+    so: then rows get their structure checked only, as the report's checks say. Clears the files of an
+    earlier attempt (every epoch asks the server for every row again)."""
+    from eagle3_pipeline.final_layer import FP8_SLACK
+    from eagle3_pipeline.verify.fingerprint import final_layer_check
+
+    check, why = final_layer_check(target, version.dims, cfg.verify, version.storage_dtype)
+    if check is None:
+        return None  # the sample's gate already failed unless fingerprint is in verify.allow_skip
+    d = work / "row_checks"
+    shutil.rmtree(d, ignore_errors=True)
+    (d / "flagged" / "hidden_states").mkdir(parents=True)
+    return {"model_dir": str(Path(target.model).resolve()), "norm_eps": version.dims.norm_eps,
+            "atol": cfg.verify.fingerprint_atol, "rtol": cfg.verify.fingerprint_rtol,
+            "stol": cfg.verify.fingerprint_stol, "slack": FP8_SLACK if version.storage_dtype == "fp8" else 1.0,
+            "layer_ids": list(version.layer_ids), "storage_dtype": version.storage_dtype,
+            "identity": ver.identity_profile, "rejected_path": str(d / "rejected.jsonl"),
+            "flagged_path": str(d / "flagged.jsonl"), "flagged_dir": str(d / "flagged" / "hidden_states")}
+
+
+def _jsonl_rows(path: str | None, kind: str) -> dict[int, str]:
+    """{row: why} of the lines of `kind` in a row-checks file (the last line of a row wins)."""
+    if not path or not Path(path).is_file():
+        return {}
+    out = {}
+    for line in Path(path).read_text().splitlines():
+        ev = json.loads(line)
+        if ev.get("kind") == kind:
+            out[int(ev["row"])] = ev["why"]
+    return out
+
+
+def confirm_online_flags(cfg: PipelineConfig, target, version: ExtractVersion, checks: dict | None, log) -> dict:
+    """After online training: rows the layer profiles flagged (kept out of training) are recomputed with the
+    target itself (the streamed reference, verify.confirm_rows of them); a row the model disagrees with, or
+    one left unconfirmed, fails the gate (exit 4), one it agrees with is cleared. Returns what the train
+    record keeps: how every row was judged."""
+    from eagle3_pipeline.verify.reference import reference_check
+    from eagle3_pipeline.verify.stage import VerifyFailed
+
+    if checks is None:
+        return {"fingerprint": False, "identity": False, "flagged": [], "cleared": [], "unavailable": []}
+    flagged = _jsonl_rows(checks["flagged_path"], "flagged")
+    unavailable = _jsonl_rows(checks["rejected_path"], "unavailable")
+    out = {"fingerprint": True, "identity": checks["identity"] is not None, "flagged": sorted(flagged),
+           "cleared": [], "unavailable": sorted(unavailable)}
+    if unavailable:
+        log(f"online: {len(unavailable)} rows could not be fetched from the server and were not trained on: "
+            f"{sorted(unavailable)[:20]} ({checks['rejected_path']})")
+    if not flagged:
+        log("online: every row the trainer read passed the per-row checks (structure, final-layer fingerprint on "
+            f"every token{', layer identity' if out['identity'] else ''})")
+        return out
+    rows = sorted(flagged)[: cfg.verify.confirm_rows]
+    fv = version.model_copy(update={"dir": str(Path(checks["flagged_dir"]).parent), "pool_dir": None})
+    ref = reference_check(target, fv, rows, log=log, cfg=cfg.verify)
+    bad = set(sorted(flagged)[cfg.verify.confirm_rows:]) | (set(rows) if ref.skipped else set(ref.bad_rows))
+    out["cleared"] = [r for r in rows if r not in bad]
+    if bad:
+        why = ref.skipped or "; ".join(ref.problems[:5])
+        raise VerifyFailed(f"online training: {len(bad)} of {len(flagged)} rows the layer profiles flagged are not "
+                           f"cleared by the target ({why}):\n  " + "\n  ".join(flagged[r] for r in sorted(bad)[:20]))
+    log(f"online: {len(flagged)} rows flagged by the layer profiles were recomputed with the target and cleared "
+        f"(kept out of this training): {out['cleared']}")
+    return out
 
 
 def heldout_prompts(prep: PrepareResult, n: int) -> list[list[int]]:

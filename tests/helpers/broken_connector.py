@@ -83,8 +83,11 @@ class RareCorruptionConnector(Eagle3HiddenStatesConnector):
     _previous = None
     _previous_ids = None
 
+    def _mode_of(self, pending) -> str | None:
+        return corruption_of(pending.token_ids)
+
     def _submit_async_write(self, pending) -> None:
-        mode = corruption_of(pending.token_ids) if self._is_tp_rank_zero else None
+        mode = self._mode_of(pending) if self._is_tp_rank_zero else None
         if mode is None:
             super()._submit_async_write(pending)
             if self._is_tp_rank_zero and os.path.exists(pending.filename):
@@ -111,6 +114,24 @@ class RareCorruptionConnector(Eagle3HiddenStatesConnector):
         else:  # nothing written yet to borrow from: roll this request's own states by half its length
             hs = torch.roll(hs, shifts=max(1, num_tokens // 2), dims=0)
         _write(self, pending, hs)
+
+
+CORRUPT_AFTER_ENV = "EAGLE3_TEST_CORRUPT_AFTER"  # requests written clean before any is corrupted
+CORRUPT_MODE_ENV = "EAGLE3_TEST_CORRUPT_MODE"    # the one mode of MODES applied
+
+
+class LateCorruptionConnector(RareCorruptionConnector):
+    """The rows `corruption_of` picks, corrupted in the one mode `EAGLE3_TEST_CORRUPT_MODE` names, but only
+    after the first `EAGLE3_TEST_CORRUPT_AFTER` requests: an online-training server whose verified sample
+    is clean and whose later rows are not (the same rows again when asked again: keyed by token ids)."""
+
+    _seen = 0
+
+    def _mode_of(self, pending) -> str | None:
+        type(self)._seen += 1
+        if type(self)._seen <= int(os.environ.get(CORRUPT_AFTER_ENV, "0")) or corruption_of(pending.token_ids) is None:
+            return None
+        return os.environ[CORRUPT_MODE_ENV]
 
 
 def _few_tokens(hs, mode: str, prev, block: int, ids, prev_ids):

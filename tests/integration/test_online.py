@@ -134,3 +134,37 @@ def test_online_on_the_moe_target(tiny_moe_target, tmp_path):
     assert ver["reference_samples"] and ver["reference_skipped"] is None and ver["reference_min_cosine"] > 0.9
     assert tr.hidden_states_peak_bytes < tr.online["offline_bytes_estimate"]
     assert _servers_left() == []
+
+
+@pytest.mark.parametrize("mode, caught_by", [("a single token (the last)", "final layer disagrees"),
+                                             ("permuted aux layers", "not cleared by the target")])
+def test_rows_the_sample_never_saw_are_judged_before_training(mode, caught_by, tiny_config, tmp_path, monkeypatch):
+    """Issue 30, online mode: the verified sample is clean, the rows training asks for afterwards are not
+    (tests/helpers/broken_connector.LateCorruptionConnector: a third of the rows, keyed by token ids, after
+    the sample's requests). Every row the trainer reads is judged against the target: a row whose final
+    layer disagrees with the target's logits on one token stops training (asked again, wrong again), and
+    a row with permuted aux layers, flagged by the sample's layer profiles and kept out of training, is
+    confirmed bad by the streamed reference after it. Either way the stage fails the gate (exit 4) and
+    names the rows."""
+    from eagle3_pipeline.errors import exit_code
+    from tests.helpers.broken_connector import CORRUPT_AFTER_ENV, CORRUPT_EVERY_ENV, CORRUPT_MODE_ENV
+
+    monkeypatch.setenv("PYTHONPATH", f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    overrides = {**_flat(tiny_config), "store": str(tmp_path / "store")}
+    cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml", [f"{k}={v}" for k, v in overrides.items()] + ONLINE + [
+        "extract.connector_module=tests.helpers.broken_connector", "extract.connector_name=LateCorruptionConnector"])
+    sample_requests = cfg.verify.online_rows + cfg.extract.invariance_rows
+    monkeypatch.setenv(CORRUPT_AFTER_ENV, str(sample_requests))
+    monkeypatch.setenv(CORRUPT_EVERY_ENV, "3")
+    monkeypatch.setenv(CORRUPT_MODE_ENV, mode)
+    lines: list[str] = []
+    with pytest.raises(VerifyFailed) as ei:
+        _run_online(cfg, lines)
+    msg = str(ei.value)
+    assert exit_code(ei.value) == 4 and caught_by in msg and "online row" in msg, msg
+    assert any(ln.startswith("online:") and "rows (" in ln and "taken from the server" in ln for ln in lines)
+    if mode.startswith("a single"):  # the disagreeing token is named: the row's last position
+        assert "positions [" in msg and "at 1 of" in msg, msg
+    else:  # kept out of training, recomputed with the target, confirmed
+        assert any("verify reference:" in ln for ln in lines), lines[-20:]
+    assert _servers_left() == []

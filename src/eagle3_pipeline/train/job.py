@@ -11,6 +11,27 @@ from pydantic import BaseModel, ConfigDict
 from eagle3_pipeline.config import TargetConfig, TrainConfig
 
 
+class RowChecksSpec(BaseModel):
+    """What every row the online trainer reads is judged by, beyond its structure (train/online_data.py):
+    the target's final-layer fingerprint on every token and the layer profiles the verify gate learned
+    from the sample. Rows that fail are written to `rejected_path` and stop training; rows only the
+    learned profiles flag are kept out of training, written as records under `flagged_dir` and confirmed
+    with the target itself by the stage afterwards."""
+    model_config = ConfigDict(extra="forbid")
+    model_dir: str
+    norm_eps: float
+    atol: float
+    rtol: float
+    stol: float
+    slack: float = 1.0
+    layer_ids: list[int]
+    storage_dtype: str
+    identity: dict | None = None  # verify's identity_profile of the sample (median, scale, max_z); None: not judged
+    rejected_path: str
+    flagged_path: str             # one JSON line per flagged row
+    flagged_dir: str              # their records (hidden_states/hs_{row}.safetensors of a sample-shaped dir)
+
+
 class OnlineSource(BaseModel):
     """Online training: the running vLLM server that the trainer asks for each row's hidden states."""
     model_config = ConfigDict(extra="forbid")
@@ -20,6 +41,7 @@ class OnlineSource(BaseModel):
     max_in_flight: int = 16  # rows of a packed batch requested at once (train/online_data.py)
     hidden_size: int | None = None  # checked on every row the server sends
     cache_dir: str = ""  # where the server's files land; each is deleted once read
+    checks: RowChecksSpec | None = None  # None: each row's structure only
 
 
 class TrainJob(BaseModel):

@@ -209,30 +209,39 @@ class HiddenStateServer:
         import torch
         from safetensors.torch import load_file
 
-        body = {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "return_token_ids": True}
-        if fingerprint:
-            body |= {"prompt_logprobs": FP_TOP, "logprobs": FP_TOP, "return_tokens_as_token_ids": True}
-        req = urllib.request.Request(f"{self.endpoint}/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            out = json.loads(r.read())
-        choice = out["choices"][0]
-        if choice.get("prompt_token_ids") not in (None, ids):
-            raise ContractError(f"online: the server tokenized the row differently ({len(choice['prompt_token_ids'])} "
-                                f"token ids back for {len(ids)} sent)")
-        path = (out.get("kv_transfer_params") or {}).get("hidden_states_path")
-        if not path:
-            raise ContractError(f"online: the server returned no hidden_states_path (kv_transfer_params="
-                                f"{out.get('kv_transfer_params')!r}); is the extract_hidden_states method active?")
-        await_hidden_states_file(Path(path), timeout_s)
+        path, fp = request_row(self.endpoint, self.model, ids, timeout_s, fingerprint=fingerprint)
         data = load_file(path)
         Path(path).unlink(missing_ok=True)
-        fp = None
-        if fingerprint:
-            fp = fingerprint_from_logprobs(_prompt_logprobs(choice.get("prompt_logprobs") or [None]),
-                                           _last_logprobs(choice.get("logprobs")), len(ids))
         data["token_ids"] = data["token_ids"].to(torch.int64)
         return data, fp
+
+
+def request_row(endpoint: str, model: str, ids: list[int], timeout_s: float, *,
+                fingerprint: bool = True) -> tuple[Path, dict | None]:
+    """Ask the server for one row's hidden states: (the file its connector wrote, once written; the row's
+    fingerprint tensors from the response's top-2 prompt logprobs, or None). The online sample and every
+    row the online trainer reads (train/online_data.py) are asked for this way."""
+    body = {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "return_token_ids": True}
+    if fingerprint:
+        body |= {"prompt_logprobs": FP_TOP, "logprobs": FP_TOP, "return_tokens_as_token_ids": True}
+    req = urllib.request.Request(f"{endpoint}/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        out = json.loads(r.read())
+    choice = out["choices"][0]
+    if choice.get("prompt_token_ids") not in (None, ids):
+        raise ContractError(f"online: the server tokenized the row differently ({len(choice['prompt_token_ids'])} "
+                            f"token ids back for {len(ids)} sent)")
+    path = (out.get("kv_transfer_params") or {}).get("hidden_states_path")
+    if not path:
+        raise ContractError(f"online: the server returned no hidden_states_path (kv_transfer_params="
+                            f"{out.get('kv_transfer_params')!r}); is the extract_hidden_states method active?")
+    await_hidden_states_file(Path(path), timeout_s)
+    fp = None
+    if fingerprint:
+        fp = fingerprint_from_logprobs(_prompt_logprobs(choice.get("prompt_logprobs") or [None]),
+                                       _last_logprobs(choice.get("logprobs")), len(ids))
+    return Path(path), fp
 
 
 def await_hidden_states_file(path: Path, timeout_s: float) -> None:

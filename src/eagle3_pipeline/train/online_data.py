@@ -12,6 +12,9 @@ its own so that DataLoader worker processes (spawned) can unpickle the dataset.
 
 from __future__ import annotations
 
+import json
+import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,10 +22,70 @@ import torch
 from hs_connectors.transfer import FP8Transfer
 from safetensors.torch import load_file
 from speculators.train.data import ArrowDataset
+from speculators.train.recovery import SampleUnavailable
+
+from eagle3_pipeline.train.job import RowChecksSpec
+
+FLAGGED = "flagged by the layer profiles, held for confirmation: "
+_current = threading.local()  # the dataset index whose row this thread is asking for
+
+
+class RowRejected(RuntimeError):
+    """A row the server sent failed a check against the target itself, on every attempt: training stops."""
 
 
 class ConcurrentArrowDataset(ArrowDataset):
     max_in_flight: int = 16
+    checks_spec: RowChecksSpec | None = None  # every row judged against the target (set by train/worker.py)
+
+    @property
+    def row_checks(self) -> RowChecks | None:
+        """The checks, built once per process from `checks_spec` (DataLoader workers get the spec, not the weights)."""
+        if self.checks_spec is None:
+            return None
+        rc = getattr(self, "_eagle3_checks", None)
+        if rc is None:
+            rc = self._eagle3_checks = RowChecks(self.checks_spec)
+        return rc
+
+    def _get_raw_data(self, index: int):
+        checks = self.row_checks
+        if checks is None:
+            return super()._get_raw_data(index)
+        row = _current.index = int(self._map_to_file_idx(index))  # the tokenized dataset's row
+        out = super()._get_raw_data(index)
+        if isinstance(out, SampleUnavailable):
+            why = checks.rejected.get(row)
+            if why:  # the target disagreed on every attempt: never train around it
+                raise RowRejected(f"online row {row} failed the per-row checks on every attempt: {why} "
+                                  f"(every rejected row: {checks.spec.rejected_path})")
+            if not out.reason.startswith(FLAGGED):  # flagged rows are in flagged_path already
+                checks.note(row, "unavailable", out.reason)
+        return out
+
+    def _generate_hidden_states_once(self, dataset_item: dict, client_item) -> dict:
+        """One row from the server, asked for with its top-2 prompt logprobs, judged before training sees it
+        (RowChecks); a row only the learned profiles flag is kept out of training (SampleUnavailable)."""
+        if self.row_checks is None:
+            return super()._generate_hidden_states_once(dataset_item, client_item)
+        from eagle3_pipeline.train.online import request_row
+
+        if not self.client:
+            self._setup_client()
+        ids = dataset_item["input_ids"].tolist()
+        path, fp = request_row(self.vllm_endpoint, self.model, ids, self.request_timeout)
+        try:
+            row = self.transfer.get_generated({"hidden_states_path": str(path)})
+        except ValueError as e:  # the row's structure (ServerFileTransfer): as wrong as a disagreeing fingerprint
+            self.row_checks.reject(_current.index, str(e))
+            raise
+        finally:
+            self.transfer.delete(str(path))
+        if row["token_ids"].tolist() != ids:
+            why = f"online row {_current.index}: the server's token ids differ from the tokenized row"
+            self.row_checks.reject(_current.index, why)
+            raise ValueError(why)
+        return self.row_checks.judge(_current.index, row, fp)
 
     def __getitems__(self, indices: list[int]) -> list:
         pool = getattr(self, "_eagle3_pool", None)
@@ -30,11 +93,13 @@ class ConcurrentArrowDataset(ArrowDataset):
             pool = self._eagle3_pool = ThreadPoolExecutor(max_workers=self.max_in_flight)
         if self.on_missing == "generate" and self.client is None:
             self._setup_client()  # once, before the threads share the client
+        _ = self.row_checks  # loaded once, before the threads share it
         return list(pool.map(self.__getitem__, indices))
 
     def __getstate__(self):
         state = dict(self.__dict__)
         state.pop("_eagle3_pool", None)
+        state.pop("_eagle3_checks", None)
         return state
 
 
@@ -62,6 +127,10 @@ class ServerFileTransfer(FP8Transfer):
             raise ValueError(f"online row {path.name} from the server fails the per-row checks: " + "; ".join(problems))
         return row
 
+    def delete(self, handle: str) -> None:
+        Path(handle).unlink(missing_ok=True)
+        Path(f"{handle}.lock").unlink(missing_ok=True)
+
 
 def row_problems(row: dict, layers: int | None, hidden_size: int | None) -> list[str]:
     """What is wrong with one row from the server ({"hidden_states": [T, L, H], "token_ids": [T]}): the
@@ -87,6 +156,70 @@ def row_problems(row: dict, layers: int | None, hidden_size: int | None) -> list
                 out.append(f"layer slots {a} and {b} are identical")
     return out
 
-    def delete(self, handle: str) -> None:
-        Path(handle).unlink(missing_ok=True)
-        Path(f"{handle}.lock").unlink(missing_ok=True)
+
+class RowChecks:
+    """Every row the server sends, judged like a verified record before the trainer sees it: the final
+    layer against the target's own logits on every token (final_layer.py, the fingerprint the response
+    carries) and the aux layers against the layer profiles the verify gate learned from the sample
+    (layer_identity.py). A fingerprint disagreement raises (speculators asks for the row again, and the
+    dataset stops training when every attempt failed); a row only the profiles flag is written for the
+    stage to confirm with the target (stages.stage_train_online) and kept out of training."""
+
+    def __init__(self, spec: RowChecksSpec):
+        import numpy as np
+
+        from eagle3_pipeline.final_layer import FinalLayerCheck
+
+        self.spec = spec
+        self.final = FinalLayerCheck(spec.model_dir, spec.norm_eps, spec.atol, spec.rtol, spec.slack, spec.stol)
+        prof = spec.identity
+        self.med = None if not prof else np.asarray(prof["median"], dtype=np.float64)
+        self.scale = None if not prof else np.asarray(prof["scale"], dtype=np.float64)
+        self.rejected: dict[int, str] = {}
+        self.lock = threading.Lock()
+
+    def note(self, index: int, kind: str, why: str, path: str | None = None) -> None:
+        line = json.dumps({"row": int(index), "kind": kind, "why": why, "pid": os.getpid()}) + "\n"
+        with self.lock, open(path or self.spec.rejected_path, "a") as f:
+            f.write(line)
+
+    def reject(self, index: int, why: str) -> None:
+        self.rejected[index] = why
+        self.note(index, "rejected", why)
+
+    def judge(self, index: int, row: dict, fp: dict | None) -> dict:
+        from eagle3_pipeline.contracts import record_name, to_record, write_record
+        from eagle3_pipeline.layer_identity import feature_names, row_features
+
+        hs = row["hidden_states"]  # [T, L, H]
+        name = f"online row {index} ({len(row['token_ids'])} tokens)"
+        if fp is None:
+            why = f"{name}: the server's response carried no prompt logprobs (no fingerprint)"
+        else:
+            agree, n, bad = self.final.agreement_many([(hs[:, -1].float(), fp)])[0]
+            why = None if n and agree >= 1.0 else (
+                f"{name}: no token had a usable fingerprint" if not n else
+                f"{name}: final layer disagrees with the target's logits at {round((1 - agree) * n)} of {n} tokens "
+                f"(positions {bad})")
+        if why:
+            self.reject(index, why)
+            raise ValueError(why)
+        self.rejected.pop(index, None)
+        if self.med is None:
+            return row
+        import numpy as np
+
+        z = np.abs(row_features(hs).astype(np.float64) - self.med) / self.scale
+        max_z = float(self.spec.identity["max_z"])
+        if z.size and z.max() > max_z:
+            j = int(np.argmax(z))
+            why = (f"{name}: aux layers do not relate like layers {self.spec.layer_ids}: "
+                   f"{feature_names(self.spec.layer_ids)[j]} is {z[j]:.0f} robust deviations from the sample's "
+                   f"profile (max {max_z:g})")
+            dest = Path(self.spec.flagged_dir) / record_name(index)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            write_record(dest, to_record(hs, row["token_ids"], self.spec.storage_dtype), self.spec.layer_ids,
+                         self.spec.storage_dtype)
+            self.note(index, "flagged", why, self.spec.flagged_path)
+            return SampleUnavailable(reason=FLAGGED + why)
+        return row

@@ -397,6 +397,7 @@ def _loaders(job: TrainJob, hidden_size: int, num_aux: int):
         for loader in loaders:
             loader.dataset.__class__ = ConcurrentArrowDataset
             loader.dataset.max_in_flight = int(on.max_in_flight)
+            loader.dataset.checks_spec = on.checks  # every row judged against the target (online_data.RowChecks)
     return loaders
 
 

@@ -21,7 +21,7 @@ Two stages overlap (bench/verify_throughput.py, profile-driven):
   (x_t,a . x_t-1,b), each one BLAS call per block; the final slot is kept for the fingerprint check.
   Everything else is arithmetic on those [sum T, L, L] arrays and per-file segment reductions:
   statistics, suspects (non-finite, zero layers or tokens, identical layers), the layer-identity
-  features (verify/identity.py) and the final-layer agreement (verify/fingerprint.py).
+  features (layer_identity.py) and the final-layer agreement (final_layer.py).
 A suspect file is read again with the safetensors library by the caller, for the exact diagnosis.
 """
 

@@ -81,6 +81,8 @@ class VerifyResult(BaseModel):
     fingerprint: FingerprintSummary = FingerprintSummary()
     identity_files: int = 0
     identity_skipped: str | None = None
+    identity_max_deviation: float | None = None  # clean margin: the largest robust deviation vs identity_max_z
+    identity_profile: dict | None = None  # the learned layer profiles (online training judges every row with them)
     reference_peak_rss_bytes: int | None = None
     shards_rechecked: int = 0
     shards_reused: int = 0
@@ -325,6 +327,7 @@ def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, lo
         invariance_samples=inv.samples_checked, invariance_max_rel_err=inv.max_rel_err,
         invariance_min_cosine=inv.min_cosine, invariance_skipped=inv.skipped, fingerprint=st.fingerprint,
         identity_files=st.identity_files, identity_skipped=st.identity_skipped,
+        identity_max_deviation=st.identity_max_deviation, identity_profile=st.identity_profile,
         reference_peak_rss_bytes=getattr(ref, "peak_rss_bytes", None), shards_rechecked=n_rechecked,
         shards_reused=len(reused_hashes), config_key=_config_key(cfg), shard_hashes=hashes,
         rows_rechecked=len(todo), rows_reused=len(reused), rows_reused_pool=len(from_pool),

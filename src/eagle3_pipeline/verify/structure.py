@@ -79,6 +79,8 @@ class StructureResult(BaseModel):
     fingerprint: FingerprintSummary = FingerprintSummary()
     identity_files: int = 0               # good records the layer profiles were learned from
     identity_skipped: str | None = None
+    identity_max_deviation: float | None = None  # the largest robust deviation of any record (limit identity_max_z)
+    identity_profile: dict | None = None  # the learned profiles: median, scale, layer_ids, max_z (online rows use them)
     learned_rows: list[int] = []          # rows flagged only by learned checks (identity, norm bounds)
     cleared: dict[int, list[str]] = {}    # of those, rows the target itself cleared (verify/stage.py) and their flags
     results: list = Field(default_factory=list, exclude=True)  # per-file results of the records read (verify cache)
@@ -103,14 +105,14 @@ class _FileResult:
     nbytes: int = 0
     stats: object = None  # float64 numpy [STAT_ROWS, L]: sum, sum of squares, min, max, sum of token norms,
                           # median token norm
-    sig: object = None    # float32 numpy [L, F]: the layer-identity signature (verify/identity.py)
+    sig: object = None    # float32 numpy [L, F]: the layer-identity signature (layer_identity.py)
     agreement: float | None = None  # final-layer fingerprint agreement (None: no fingerprint)
 
 
 @dataclass
 class _Extras:
     """What the scan computes besides structure: identity signatures, the final-layer check."""
-    identity: bool = False         # compute layer-identity signatures (verify/identity.py)
+    identity: bool = False         # compute layer-identity signatures (layer_identity.py)
     final: object = None           # fingerprint.FinalLayerCheck or None
     fingerprints_dir: str | None = None
     fingerprints_required: bool = False
@@ -230,7 +232,7 @@ def _process(batch: scan.Batch, spec: RecordSpec, layer_ids: list[int], extras: 
                         & np.isclose(stats[:, 1, a], stats[:, 1, b], rtol=1e-5, atol=0))
     sigs = None
     if extras is not None and extras.identity and L >= 2:
-        from eagle3_pipeline.verify.identity import features
+        from eagle3_pipeline.layer_identity import features
 
         sigs = features(red.gram, red.cross, starts, lengths)  # [files, F]
     agree = {}
@@ -409,7 +411,7 @@ def judge_records(ds, results: list[_FileResult], check: StructureCheck, log, *,
             problems[r.row] = list(r.problems)
     fp_summary = _fingerprint_summary(results, extras)
     hard = set(problems)  # rows a check of the record alone failed; the rest below are learned judgements
-    id_files, id_skipped = _identity(ds, good, layer_ids, identity_max_z, problems, log)
+    id_files, id_skipped, id_profile = _identity(ds, good, layer_ids, identity_max_z, problems, log)
     good = [r for r in good if r.row not in problems]
     stats = np.stack([r.stats for r in good]) if good else np.zeros((0, 5, L))  # [files, 5, L]
     tokens = np.array([r.tokens for r in good], dtype=np.float64)  # [files]
@@ -468,6 +470,8 @@ def judge_records(ds, results: list[_FileResult], check: StructureCheck, log, *,
                            problems=all_problems, bad_rows=sorted(problems), layer_stats=layer_stats,
                            norm_bounds_files=n_learn, norm_bounds_skipped=skipped, fingerprint=fp_summary,
                            identity_files=id_files, identity_skipped=id_skipped,
+                           identity_max_deviation=None if id_profile is None else id_profile["max_deviation"],
+                           identity_profile=id_profile,
                            learned_rows=sorted(set(problems) - hard))
 
 
@@ -482,21 +486,22 @@ def _fingerprint_summary(results: list[_FileResult], extras: _Extras | None) -> 
 
 
 def _identity(ds, good: list[_FileResult], layer_ids: list[int], max_z: float | None, problems: dict,
-              log) -> tuple[int, str | None]:
+              log) -> tuple[int, str | None, dict | None]:
     """Learn layer profiles over the good records and add a problem for every slot that does not look
-    like its own layer (verify/identity.py). Returns (records learned from, why skipped)."""
+    like its own layer (layer_identity.py). Returns (records learned from, why skipped, the profiles with
+    the largest deviation of any record: what online training judges each row against)."""
     import numpy as np
 
-    from eagle3_pipeline.verify import identity
+    from eagle3_pipeline import layer_identity as identity
 
     sigs = [r for r in good if r.sig is not None]
     if max_z is None:
-        return 0, "identity check off"
+        return 0, "identity check off", None
     if len(layer_ids) < 2:
-        return 0, "one captured layer: nothing to tell apart"
+        return 0, "one captured layer: nothing to tell apart", None
     if len(sigs) < identity.MIN_FILES:
         log(f"verify: layer identity check skipped: {len(sigs)} good records, it needs {identity.MIN_FILES}")
-        return 0, f"only {len(sigs)} good records; layer profiles need at least {identity.MIN_FILES}"
+        return 0, f"only {len(sigs)} good records; layer profiles need at least {identity.MIN_FILES}", None
     arr = np.stack([r.sig for r in sigs])  # [files, F]
     med, scale = identity.learn(arr)
     found, worst = identity.problems_of(arr, med, scale, layer_ids, max_z)
@@ -505,7 +510,9 @@ def _identity(ds, good: list[_FileResult], layer_ids: list[int], max_z: float | 
         problems.setdefault(r.row, []).append(f"{record_name(r.row)} (row {r.row}, sample {_sample_id(ds, r.row)}): {msg}")
     log(f"verify: layer identity: profiles from {len(sigs)} records, largest deviation {worst:.1f} "
         f"(max {max_z:g}), {len(found)} records flagged")
-    return len(sigs), None
+    profile = {"median": [float(v) for v in med], "scale": [float(v) for v in scale], "layer_ids": list(layer_ids),
+               "max_z": float(max_z), "max_deviation": round(worst, 2)}
+    return len(sigs), None, profile
 
 
 def _sample_id(ds, row: int):

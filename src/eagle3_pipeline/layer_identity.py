@@ -1,4 +1,5 @@
-"""Every row, aux layers: each stored layer slot must stand in the relation to the other slots that
+"""Layer identity, shared by verify (every record) and online training (every row the server sends).
+Every row, aux layers: each stored layer slot must stand in the relation to the other slots that
 its layer has — the same order, the same neighbours — in every record.
 
 A record's content varies too much for absolute per-slot statistics to tell adjacent layers apart
@@ -14,7 +15,7 @@ products the structure pass takes of every token (verify/scan.py: one read); `le
 of bad records do not move them); a record fails when a feature is more than `max_z` robust
 deviations from the median. A whole extraction with a wrong layer id is consistent with itself: that
 is the reference check's job (verify/reference.py); the final slot is also checked against the
-target's logits (verify/fingerprint.py).
+target's logits (final_layer.py).
 
 The calibration: docs/verification.md, "Calibration". Default max_z (VerifyConfig.identity_max_z) 20; feature scale floor 0.03 (fractions of short rows).
 """
@@ -95,6 +96,21 @@ def features(gram, cross, starts, lengths) -> np.ndarray:
     for a in range(L - 1):
         cols += [cos_mean[:, a], cos_low[:, a], own_mean[:, a]]
     return np.stack(cols, axis=1).astype(np.float32) if cols else np.zeros((len(st), 0), np.float32)
+
+
+def row_features(hidden) -> np.ndarray:
+    """The features of one record from its states (torch [T, L, H], any float dtype): the same products
+    the verify scan takes (fp32 Gram of each token's slots, cross Gram with the previous token), so a
+    row sent to online training is judged against the profiles the verify gate learned from the sample."""
+    import torch
+
+    x = hidden.float()
+    T, L = x.shape[0], x.shape[1]
+    gram = torch.bmm(x, x.transpose(1, 2))                                  # [T, L, L]
+    cross = torch.zeros_like(gram)
+    if T > 1:
+        cross[1:] = torch.bmm(x[1:], x[:-1].transpose(1, 2))               # x_t,a . x_t-1,b
+    return features(gram, cross, [0], [T])[0]
 
 
 def learn(sigs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
