@@ -13,6 +13,7 @@ without prompt logprobs in `--rounds` alternating rounds. Prints per mode the fi
 the time with it (1 - plain / with, per round: median with min-max) next to the floor (lm_head's
 multiply-adds ÷ the rest of the model's, per token).
 Usage: .venv/bin/python bench/fingerprint_cost.py [--sizes small,large] [--rounds 6] [--rows 400] [--rows-large 96]
+       [--modes raw_logprobs,raw_logits]
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=400, help="rows of the small size")
     ap.add_argument("--rows-large", type=int, default=96, help="rows of the large size")
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--modes", default=",".join(MODES), help="vLLM score modes to measure (raw_logits: the pipeline's)")
     ap.add_argument("--work", default=str(ROOT / ".cache" / "bench"))
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -63,7 +65,7 @@ def main() -> None:
         cfg = ExtractConfig(rows_per_shard=max(1, prep.rows_out // 4), gpu_memory_utilization=0.2)
         floor = lm_head_share(model)
         out["sizes"][size] = {"lm_head_share": floor, "modes": {}}
-        for mode in MODES:
+        for mode in args.modes.split(","):
             with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
                 json.dump({"model": str(model), "tokenized": prep.tokenized, "rows": prep.rows_out,
                            "max_num_seqs": cfg.max_num_seqs, "rows_per_call": cfg.rows_per_shard,

@@ -79,10 +79,11 @@ class FinalLayerCheck:
         self.eps, self.atol, self.rtol, self.stol = float(eps), atol * slack, rtol * slack, stol * slack
         self.torch = torch
 
-    def agreement_many(self, records: list[tuple]) -> list[tuple[float, int, list[int]]]:
+    def agreement_many(self, records: list[tuple]) -> list[tuple[float, int, list[int], float]]:
         """Per record (h_final fp32 [T, H]: the stored final-layer state, fingerprint: the sidecar's
         tensors): (fraction of tokens that agree, tokens compared, the first MAX_NAMED disagreeing
-        token positions)."""
+        token positions, the largest |margin error| / tolerance over the compared tokens: the clean margin,
+        1.0 = at the tolerance)."""
         from eagle3_pipeline.contracts import FP_IDS_KEY, FP_LOGPROBS_KEY
 
         torch = self.torch
@@ -96,7 +97,7 @@ class FinalLayerCheck:
             lens.append(T)
         return self.agreement_arrays(torch.cat(hs), torch.cat(ids_), torch.cat(lps_), lens)
 
-    def agreement_arrays(self, h, ids, lps, lens: list[int], block: int = 2048) -> list[tuple[float, int, list[int]]]:
+    def agreement_arrays(self, h, ids, lps, lens: list[int], block: int = 2048) -> list[tuple[float, int, list[int], float]]:
         """The same for records laid end to end: h fp32 [N, H], ids int64 [N, 2], lps fp32 [N, 2],
         record i the next lens[i] rows. Rows whose ids are -1 or logprobs not finite are not compared.
         Done `block` tokens at a time (the gathered lm_head rows stay in cache), in one set of tensor
@@ -108,6 +109,7 @@ class FinalLayerCheck:
         N, V = h.shape[0], self.head.shape[0]
         valid = (ids >= 0).all(dim=-1) & torch.isfinite(lps).all(dim=-1) & (ids < V).all(dim=-1)  # [N]
         ok = torch.empty(N, dtype=torch.bool)
+        ratio = torch.zeros(N, dtype=torch.float32)
         for a in range(0, N, block):
             b = min(N, a + block)
             x = h[a:b]
@@ -119,15 +121,19 @@ class FinalLayerCheck:
             # is rounded to bf16 element by element: the margin moves by up to ~2^-8 x ||(w1 - w2) * n||
             spread = ((w[:, 0] - w[:, 1]) * n).norm(dim=-1)  # [m]
             tol = self.atol + self.rtol * logits.abs().sum(dim=-1) + self.stol * spread
-            ok[a:b] = (margin - stored).abs() <= tol
+            err = (margin - stored).abs()
+            ok[a:b] = err <= tol
+            ratio[a:b] = torch.nan_to_num(err / tol, nan=0.0, posinf=1e9)
         valid_np, bad_np = valid.numpy(), (valid & ~ok).numpy()
+        ratio_np = torch.where(valid, ratio, torch.zeros_like(ratio)).numpy()
         out, o = [], 0
         for T in lens:
             checked = int(valid_np[o:o + T].sum())
             if not checked:
-                out.append((1.0, 0, []))
+                out.append((1.0, 0, [], 0.0))
             else:
                 bad = np.flatnonzero(bad_np[o:o + T])
-                out.append((1.0 - len(bad) / checked, checked, bad[:MAX_NAMED].tolist()))
+                out.append((1.0 - len(bad) / checked, checked, bad[:MAX_NAMED].tolist(),
+                            float(ratio_np[o:o + T].max())))
             o += T
         return out

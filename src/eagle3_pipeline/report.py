@@ -265,6 +265,7 @@ def _summary(stages: dict) -> list[str]:
                    + (f", {d['rounds']} rounds" if d.get("rounds") else "") + ")")
         out.append(f"- **Speed-up** (output tokens/s with the draft ÷ without, temperature 0): "
                    f"**{speedup:.2f}×**{how}")
+    out += _verify_summary(stages.get("verify") or {})
     tr = stages.get("train") or {}
     mode = _get(tr, "mode")
     if mode:
@@ -276,6 +277,11 @@ def _summary(stages: dict) -> list[str]:
         peak = _get(tr, "hidden_states_peak_bytes")
         if _isnum(peak):
             parts.append(f"hidden states on disk at peak {_bytes(peak)}")
+        rc = (_get(tr, "online") or {}).get("row_checks") if isinstance(_get(tr, "online"), dict) else None
+        if rc:
+            judged = ["structure"] + [k for k in ("fingerprint", "identity") if rc.get(k)]
+            parts.append(f"every row from the server judged ({', '.join(judged)}): {len(rc.get('flagged') or [])} "
+                         f"flagged and cleared by the target, {len(rc.get('unavailable') or [])} not delivered")
         out.append(", ".join(parts))
     rg = stages.get("regenerate")
     if rg:
@@ -285,6 +291,35 @@ def _summary(stages: dict) -> list[str]:
         out.append("- **Regenerated** answers with the target: " + (text or "no numbers")
                    + (f" (version `{version}`)" if version else ""))
     return out
+
+
+def _verify_summary(vr: dict) -> list[str]:
+    """Which checks ran on how many records, and each learned check's clean margin (the largest deviation of
+    a clean record against its limit): how near the gate came to failing clean data."""
+    checks = _get(vr, "checks")
+    if not isinstance(checks, dict) or not checks:
+        return []
+    fp, prof = _get(vr, "fingerprint") or {}, _get(vr, "identity_profile") or {}
+    margins = {"fingerprint": fp.get("clean_margin"), "identity": _get(vr, "identity_max_deviation"),
+               "norm_bounds": max((ls.get("norm_margin") for ls in _get(vr, "layer_stats") or []
+                                   if _isnum(ls.get("norm_margin"))), default=None),
+               "reference": _get(vr, "reference_max_rel_err"), "invariance": _get(vr, "invariance_max_rel_err")}
+    what = {"fingerprint": "largest error {} of the tolerance", "norm_bounds": "largest deviation {} of the bound",
+            "identity": "largest deviation {}" + (f" of {prof['max_z']:g}" if _isnum(prof.get("max_z")) else ""),
+            "reference": "max relative error {}", "invariance": "max relative error {}"}
+    ran, skipped = [], []
+    for name, c in checks.items():
+        if not isinstance(c, dict):
+            continue
+        if c.get("ran"):
+            m = margins.get(name)
+            ran.append(f"{name} ({_num(c.get('records'))} records"
+                       + (f"; {what[name].format(_num(m, 3))}" if _isnum(m) else "") + ")")
+        else:
+            skipped.append(f"{name} ({c.get('skipped') or 'not run'})")
+    line = (f"- **Verify** {'passed' if _get(vr, 'passed') else 'FAILED'}: " + ", ".join(ran)
+            + (f"; skipped: {', '.join(skipped)}" if skipped else ""))
+    return [line]
 
 
 def _ngram_summary(ev: dict, tau) -> list[str]:

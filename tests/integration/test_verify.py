@@ -256,6 +256,11 @@ def test_gate_passes_clean_data_and_records_stats(extracted, tiny_config, tmp_pa
     n = extracted.version.rows
     assert res.fingerprint.rows_checked == n and res.fingerprint.min_agreement >= 0.99
     assert res.identity_files == n and res.identity_skipped is None
+    # every learned check says how near clean data came to its limit (issue 30: a known false-failure rate)
+    assert 0 < res.fingerprint.clean_margin < 1, res.fingerprint
+    assert 0 < res.identity_max_deviation < cfg.identity_max_z == res.identity_profile["max_z"]
+    assert len(res.identity_profile["median"]) == len(res.identity_profile["scale"]) > 0
+    assert all(0 <= ls.norm_margin < 1 for ls in res.layer_stats)
     # the engine re-ran invariance_rows rows alone; a shard re-published since (another test repairs one of
     # this session extraction's records) drops its rows' entries, which were measured on the old records
     assert 0 < len(res.invariance_samples) <= tiny_config.extract.invariance_rows or res.invariance_skipped, res

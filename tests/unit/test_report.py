@@ -317,3 +317,21 @@ def test_cli_status_and_last_line_print_rounded_numbers(tmp_path):
     assert "per_category={7 entries}" in out and "tokens_per_s=4,752" in out
     assert "2.4794" not in out and "0.2856296" not in out
     assert json.loads(open(paths["report_json"]).read())["stages"]["evaluate"]["acceptance_length"] == 2.479495268138801
+
+
+def test_verify_line_names_every_check_and_its_clean_margin(tmp_path):
+    """report.md's verify line: which checks ran on how many records, which were skipped and why, and each
+    learned check's clean margin against its limit."""
+    checks = {"structure": {"ran": True, "records": 40}, "fingerprint": {"ran": True, "records": 40},
+              "identity": {"ran": True, "records": 40}, "norm_bounds": {"ran": True, "records": 40},
+              "reference": {"ran": False, "records": 0, "skipped": "not local"}}
+    verify = {"passed": True, "samples_checked": 40, "checks": checks, "fingerprint": {"clean_margin": 0.4213},
+              "identity_max_deviation": 6.04, "identity_profile": {"max_z": 20.0},
+              "layer_stats": [{"norm_margin": 0.23}, {"norm_margin": 0.49}], "reference_max_rel_err": None}
+    rep = build_report("r6", {"name": "x"}, {}, {"verify": verify}, {}, "completed")
+    md = open(write_report(tmp_path / "run", rep)["report_md"]).read()
+    line = next(ln for ln in md.splitlines() if ln.startswith("- **Verify** passed"))
+    assert "fingerprint (40 records; largest error 0.421 of the tolerance)" in line, line
+    assert "identity (40 records; largest deviation 6.04 of 20)" in line, line
+    assert "norm_bounds (40 records; largest deviation 0.49 of the bound)" in line, line
+    assert "skipped: reference (not local)" in line, line

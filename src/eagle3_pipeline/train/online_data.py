@@ -196,7 +196,7 @@ class RowChecks:
         if fp is None:
             why = f"{name}: the server's response carried no prompt logprobs (no fingerprint)"
         else:
-            agree, n, bad = self.final.agreement_many([(hs[:, -1].float(), fp)])[0]
+            agree, n, bad, _ = self.final.agreement_many([(hs[:, -1].float(), fp)])[0]
             why = None if n and agree >= 1.0 else (
                 f"{name}: no token had a usable fingerprint" if not n else
                 f"{name}: final layer disagrees with the target's logits at {round((1 - agree) * n)} of {n} tokens "

@@ -54,7 +54,8 @@ def save(path: Path, results: list) -> None:
          "tokens": torch.tensor([r.tokens for r in good], dtype=torch.int64),
          "nbytes": torch.tensor([r.nbytes for r in good], dtype=torch.int64),
          "stats": torch.from_numpy(np.stack([r.stats for r in good]).astype(np.float64)),  # [R, STAT_ROWS, L]
-         "agreement": torch.tensor([np.nan if r.agreement is None else r.agreement for r in good], dtype=torch.float32)}
+         "agreement": torch.tensor([np.nan if r.agreement is None else r.agreement for r in good], dtype=torch.float32),
+         "fp_margin": torch.tensor([np.nan if r.fp_margin is None else r.fp_margin for r in good], dtype=torch.float32)}
     if all(r.sig is not None for r in good):
         t["sig"] = torch.from_numpy(np.stack([r.sig for r in good]).astype(np.float32))  # [R, F]
     atomic_write(Path(path), lambda p: save_file(t, str(p)))
@@ -78,7 +79,8 @@ def load(path: Path) -> dict:
     for i, row in enumerate(t["row"].tolist()):
         a = float(t["agreement"][i])
         out[row] = _FileResult(row=row, tokens=int(t["tokens"][i]), nbytes=int(t["nbytes"][i]), stats=t["stats"][i],
-                               sig=t["sig"][i] if "sig" in t else None, agreement=None if np.isnan(a) else a)
+                               sig=t["sig"][i] if "sig" in t else None, agreement=None if np.isnan(a) else a,
+                               fp_margin=_margin(t, i))
     return out
 
 
@@ -127,7 +129,7 @@ def load_pool(path: Path) -> dict[str, tuple[list[int], object]]:
         a = float(t["agreement"][i])
         out[rk] = (t["ident"][i].tolist(), _FileResult(
             row=-1, tokens=int(t["tokens"][i]), nbytes=int(t["nbytes"][i]), stats=t["stats"][i],
-            sig=t["sig"][i] if "sig" in t else None, agreement=None if np.isnan(a) else a))
+            sig=t["sig"][i] if "sig" in t else None, agreement=None if np.isnan(a) else a, fp_margin=_margin(t, i)))
     return out
 
 
@@ -153,7 +155,16 @@ def save_pool(pool, config_key: str, new: dict[str, tuple[list[int], object]]) -
              "tokens": torch.tensor([r.tokens for r in rs], dtype=torch.int64),
              "nbytes": torch.tensor([r.nbytes for r in rs], dtype=torch.int64),
              "stats": torch.from_numpy(np.stack([r.stats for r in rs]).astype(np.float64)),  # [R, STAT_ROWS, L]
-             "agreement": torch.tensor([np.nan if r.agreement is None else r.agreement for r in rs], dtype=torch.float32)}
+             "agreement": torch.tensor([np.nan if r.agreement is None else r.agreement for r in rs], dtype=torch.float32),
+             "fp_margin": torch.tensor([np.nan if r.fp_margin is None else r.fp_margin for r in rs], dtype=torch.float32)}
         if all(r.sig is not None for r in rs):
             t["sig"] = torch.from_numpy(np.stack([r.sig for r in rs]).astype(np.float32))  # [R, L, F]
         atomic_write(path, lambda p: save_file(t, str(p), metadata={"keys": json.dumps(ks)}))
+
+
+def _margin(t: dict, i: int) -> float | None:
+    """A cached record's fingerprint clean margin (None in caches written before it was kept)."""
+    if "fp_margin" not in t:
+        return None
+    m = float(t["fp_margin"][i])
+    return None if np.isnan(m) else m

@@ -18,6 +18,7 @@ class FingerprintSummary(BaseModel):
     rows_without: int = 0          # records with no fingerprint sidecar (extracted without one)
     min_agreement: float | None = None
     mean_agreement: float | None = None
+    clean_margin: float | None = None  # the largest |margin error| / tolerance of a passing record (1.0: at the limit)
     skipped: str | None = None
 
 

@@ -107,6 +107,7 @@ class _FileResult:
                           # median token norm
     sig: object = None    # float32 numpy [L, F]: the layer-identity signature (layer_identity.py)
     agreement: float | None = None  # final-layer fingerprint agreement (None: no fingerprint)
+    fp_margin: float | None = None  # its largest |margin error| / tolerance (1.0: at the tolerance)
 
 
 @dataclass
@@ -254,8 +255,8 @@ def _process(batch: scan.Batch, spec: RecordSpec, layer_ids: list[int], extras: 
         if sigs is not None:
             r.sig = sigs[j]
         if j in agree:
-            a, n, bad = agree[j]
-            r.agreement = a
+            a, n, bad, worst = agree[j]
+            r.agreement, r.fp_margin = a, worst
             if not n and lengths[j]:  # an empty or all-invalid sidecar: nothing was compared, nothing passed
                 r.problems.append(f"{_name(it)}: its fingerprint has no usable token (top ids -1 or logprobs not "
                                   f"finite at all {lengths[j]}): the final layer cannot be checked")
@@ -479,7 +480,10 @@ def _fingerprint_summary(results: list[_FileResult], extras: _Extras | None) -> 
     if extras is None or extras.final is None:
         return FingerprintSummary(skipped="no final-layer check (no fingerprints or no readable lm_head)")
     agree = [r.agreement for r in results if r.agreement is not None]
+    clean = [r.fp_margin for r in results if r.fp_margin is not None and r.agreement is not None
+             and r.agreement >= extras.min_agreement]
     return FingerprintSummary(rows_checked=len(agree), rows_failed=sum(a < extras.min_agreement for a in agree),
+                              clean_margin=round(max(clean), 4) if clean else None,
                               rows_without=sum(r.agreement is None and r.sig is not None for r in results),
                               min_agreement=min(agree) if agree else None,
                               mean_agreement=sum(agree) / len(agree) if agree else None)
