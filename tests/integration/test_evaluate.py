@@ -82,8 +82,23 @@ def eval_cfg() -> EvaluateConfig:
 def pair(eval_cfg, target, drafts, prompts, tmp_path_factory) -> tuple[EvaluateReport, Path, float]:
     out = tmp_path_factory.mktemp("evaluate")
     t0 = time.time()
-    rep = evaluate_pair(eval_cfg, target, drafts["a"], drafts["b"], prompts, out, log=print)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EAGLE3_PROGRESS_S", "0.000001")  # a progress line per finished request
+        rep = evaluate_pair(eval_cfg, target, drafts["a"], drafts["b"], prompts, out,
+                            log=lambda m: (print(m), PAIR_LOG.append(m)))
     return rep, out, time.time() - t0
+
+
+PAIR_LOG: list[str] = []  # the pair's log lines
+
+
+def test_evaluate_prints_progress_inside_each_pass(pair, prompts):
+    """Issue 29: evaluation ran many minutes with no line of its own; each engine's greedy pass now says
+    how many requests are done, with tokens/s, at most every 30 s (here: every request)."""
+    for label in ("trained", "untrained"):
+        got = [ln for ln in PAIR_LOG if f"evaluate: {label}, greedy, " in ln and "requests done" in ln]
+        assert got, PAIR_LOG[-30:]
+        assert any(f"{len(prompts)} of {len(prompts)} requests done" in ln for ln in got), got
 
 
 @pytest.mark.timeout(1200)

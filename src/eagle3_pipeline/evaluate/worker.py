@@ -216,10 +216,12 @@ def _counts(d: dict, prompts: int, generated: int, seconds: float) -> SpecCounts
                       steps=d.get("steps"))
 
 
-def _pass(llm, job: EvalJob, k: int, params_for) -> tuple[dict[str, SpecCounts], SpecCounts, list]:
+def _pass(llm, job: EvalJob, k: int, params_for, what: str) -> tuple[dict[str, SpecCounts], SpecCounts, list]:
     """One generate call per category, counters read around each: ({category: counts}, totals, outputs
-    in prompt order)."""
+    in prompt order). A long call prints a progress line every 30 s (progress.py), `what` naming the pass."""
     from vllm.inputs import TokensPrompt
+
+    from eagle3_pipeline.progress import LineProgress
 
     outs: list = [None] * len(job.prompts)
     per_cat: dict[str, SpecCounts] = {}
@@ -228,7 +230,7 @@ def _pass(llm, job: EvalJob, k: int, params_for) -> tuple[dict[str, SpecCounts],
     for cat, idx in category_groups(job.categories, len(job.prompts)):
         t = time.time()
         got = llm.generate([TokensPrompt(prompt_token_ids=job.prompts[i]) for i in idx], [params_for(i) for i in idx],
-                           use_tqdm=False)
+                           use_tqdm=LineProgress(f"{what}, {cat}", sum(len(job.prompts[i]) for i in idx)))
         dt = time.time() - t
         after = read_spec_counters(llm.get_metrics())
         for i, o in zip(idx, got, strict=True):
@@ -259,10 +261,11 @@ def _run(job: EvalJob, run: EvalRunSpec) -> RunOutput:
     timed: list[TimedPass] = []
     try:
         greedy = SamplingParams(temperature=0.0, max_tokens=job.max_tokens)
-        per_cat, total, outs = _pass(llm, job, k, lambda i: greedy)
+        per_cat, total, outs = _pass(llm, job, k, lambda i: greedy, f"evaluate: {run.label}, greedy")
         if run.sampled and job.temperature:
             sampled, sampled_total, _ = _pass(llm, job, k, lambda i: SamplingParams(
-                temperature=job.temperature, max_tokens=job.max_tokens, seed=job.seed + i))
+                temperature=job.temperature, max_tokens=job.max_tokens, seed=job.seed + i),
+                f"evaluate: {run.label}, temperature {job.temperature:g}")
         if run.timed:
             every = [TokensPrompt(prompt_token_ids=p) for p in job.prompts]
             llm.generate(every, greedy, use_tqdm=False)  # warm-up: the first call at this batch size is slower
