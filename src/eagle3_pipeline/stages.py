@@ -238,10 +238,9 @@ def online_row_checks(cfg: PipelineConfig, target, version: ExtractVersion, ver,
     so: then rows get their structure checked only, as the report's checks say. Clears the files of an
     earlier attempt (every epoch asks the server for every row again)."""
     from eagle3_pipeline.final_layer import FP8_SLACK
-    from eagle3_pipeline.verify.fingerprint import final_layer_check
 
-    check, why = final_layer_check(target, version.dims, cfg.verify, version.storage_dtype)
-    if check is None:
+    fp = ver.checks.get("fingerprint")
+    if fp is None or not fp.ran:
         return None  # the sample's gate already failed unless fingerprint is in verify.allow_skip
     d = work / "row_checks"
     shutil.rmtree(d, ignore_errors=True)
@@ -258,12 +257,11 @@ def _jsonl_rows(path: str | None, kind: str) -> dict[int, str]:
     """{row: why} of the lines of `kind` in a row-checks file (the last line of a row wins)."""
     if not path or not Path(path).is_file():
         return {}
-    out = {}
+    last = {}
     for line in Path(path).read_text().splitlines():
         ev = json.loads(line)
-        if ev.get("kind") == kind:
-            out[int(ev["row"])] = ev["why"]
-    return out
+        last[int(ev["row"])] = ev
+    return {row: ev["why"] for row, ev in last.items() if ev.get("kind") == kind}
 
 
 def confirm_online_flags(cfg: PipelineConfig, target, version: ExtractVersion, checks: dict | None, log) -> dict:

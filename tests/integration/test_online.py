@@ -136,6 +136,29 @@ def test_online_on_the_moe_target(tiny_moe_target, tmp_path):
     assert _servers_left() == []
 
 
+def _late_corruption(cfg, mode: str, monkeypatch) -> tuple[str, list[str]]:
+    """Run online training with LateCorruptionConnector corrupting a third of the rows in `mode` after the
+    sample's requests; the stage must fail the gate (exit 4). Returns (its message, the log lines)."""
+    from eagle3_pipeline.errors import exit_code
+    from tests.helpers.broken_connector import CORRUPT_AFTER_ENV, CORRUPT_EVERY_ENV, CORRUPT_MODE_ENV
+
+    monkeypatch.setenv("PYTHONPATH", f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv(CORRUPT_AFTER_ENV, str(cfg.verify.online_rows + cfg.extract.invariance_rows))
+    monkeypatch.setenv(CORRUPT_EVERY_ENV, "3")
+    monkeypatch.setenv(CORRUPT_MODE_ENV, mode)
+    lines: list[str] = []
+    with pytest.raises(VerifyFailed) as ei:
+        _run_online(cfg, lines)
+    msg = str(ei.value)
+    assert exit_code(ei.value) == 4 and "online row" in msg, msg
+    assert any(ln.startswith("online:") and "taken from the server" in ln for ln in lines)  # the sample passed
+    assert _servers_left() == []
+    return msg, lines
+
+
+LATE = ["extract.connector_module=tests.helpers.broken_connector", "extract.connector_name=LateCorruptionConnector"]
+
+
 @pytest.mark.parametrize("mode, caught_by", [("a single token (the last)", "final layer disagrees"),
                                              ("permuted aux layers", "not cleared by the target")])
 def test_rows_the_sample_never_saw_are_judged_before_training(mode, caught_by, tiny_config, tmp_path, monkeypatch):
@@ -146,25 +169,22 @@ def test_rows_the_sample_never_saw_are_judged_before_training(mode, caught_by, t
     a row with permuted aux layers, flagged by the sample's layer profiles and kept out of training, is
     confirmed bad by the streamed reference after it. Either way the stage fails the gate (exit 4) and
     names the rows."""
-    from eagle3_pipeline.errors import exit_code
-    from tests.helpers.broken_connector import CORRUPT_AFTER_ENV, CORRUPT_EVERY_ENV, CORRUPT_MODE_ENV
-
-    monkeypatch.setenv("PYTHONPATH", f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     overrides = {**_flat(tiny_config), "store": str(tmp_path / "store")}
-    cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml", [f"{k}={v}" for k, v in overrides.items()] + ONLINE + [
-        "extract.connector_module=tests.helpers.broken_connector", "extract.connector_name=LateCorruptionConnector"])
-    sample_requests = cfg.verify.online_rows + cfg.extract.invariance_rows
-    monkeypatch.setenv(CORRUPT_AFTER_ENV, str(sample_requests))
-    monkeypatch.setenv(CORRUPT_EVERY_ENV, "3")
-    monkeypatch.setenv(CORRUPT_MODE_ENV, mode)
-    lines: list[str] = []
-    with pytest.raises(VerifyFailed) as ei:
-        _run_online(cfg, lines)
-    msg = str(ei.value)
-    assert exit_code(ei.value) == 4 and caught_by in msg and "online row" in msg, msg
-    assert any(ln.startswith("online:") and "rows (" in ln and "taken from the server" in ln for ln in lines)
+    cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml", [f"{k}={v}" for k, v in overrides.items()] + ONLINE + LATE)
+    msg, lines = _late_corruption(cfg, mode, monkeypatch)
+    assert caught_by in msg, msg
     if mode.startswith("a single"):  # the disagreeing token is named: the row's last position
         assert "positions [" in msg and "at 1 of" in msg, msg
     else:  # kept out of training, recomputed with the target, confirmed
         assert any("verify reference:" in ln for ln in lines), lines[-20:]
-    assert _servers_left() == []
+
+
+def test_a_stale_last_block_from_the_moe_server_stops_online_training(tiny_moe_target, tmp_path, monkeypatch):
+    """The same on the tiny MoE (MLA + MoE): a row whose last KV block holds another request's states,
+    after a clean sample, fails its fingerprint on those tokens and stops training."""
+    cfg = load_config(ROOT / "configs" / "tiny-moe.yaml", [
+        f"store={tmp_path / 'store'}", f"target.model={tiny_moe_target}",
+        f"prepare.sources=[{{path: {tiny_moe_target / 'corpus' / 'openai.jsonl'}, limit: 80}}]",
+        "prepare.heldout_rows=8", *ONLINE, "train.max_steps=2", *LATE])
+    msg, _ = _late_corruption(cfg, "a stale last KV block", monkeypatch)
+    assert "final layer disagrees" in msg and "positions [" in msg, msg

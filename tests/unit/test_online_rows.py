@@ -49,3 +49,73 @@ def test_the_transfer_refuses_a_bad_row_and_the_check_is_cheap(tmp_path):
     t0 = time.perf_counter()
     assert row_problems(big, 4, 1024) == []
     print(f"row_problems on a [2048, 4, 1024] row: {1000 * (time.perf_counter() - t0):.1f} ms")
+
+
+def _checks(tmp_path, tiny_target, identity: dict | None):
+    from eagle3_pipeline.train.job import RowChecksSpec
+    from eagle3_pipeline.train.online_data import RowChecks
+
+    spec = RowChecksSpec(model_dir=str(tiny_target), norm_eps=1e-5, atol=0.005, rtol=0.008, stol=0.02,
+                         layer_ids=[2, 4, 5, 8], storage_dtype="bf16", identity=identity,
+                         rejected_path=str(tmp_path / "rejected.jsonl"), flagged_path=str(tmp_path / "flagged.jsonl"),
+                         flagged_dir=str(tmp_path / "flagged" / "hidden_states"))
+    return RowChecks(spec)
+
+
+def _layered_row(seed: int, T: int, H: int):
+    """A row whose slots relate like layers: norms grow with depth, each slot near the next."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(T, H, generator=g)
+    slots = [base * (1 + 0.6 * k) + 0.3 * k * torch.randn(T, H, generator=g) for k in range(4)]
+    return torch.stack(slots, dim=1).to(torch.bfloat16)  # [T, 4, H]
+
+
+def _fingerprint_of(checks, hs):
+    """vLLM's top-2 next-token scores as the extract engine would write them, from the row's final slot."""
+    from eagle3_pipeline.contracts import FP_IDS_KEY, FP_LOGPROBS_KEY
+
+    f = checks.final
+    x = hs[:, -1].float()
+    n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + f.eps) * f.norm
+    top = (n @ f.head.float().T).topk(2, dim=-1)
+    return {FP_IDS_KEY: top.indices, FP_LOGPROBS_KEY: top.values}
+
+
+def test_every_online_row_is_judged_against_the_target(tmp_path, tiny_target):
+    """Issue 30, online mode: RowChecks passes a clean row, rejects one whose final layer disagrees with the
+    target's logits at one token (naming it; a later clean answer clears it), and holds a row whose aux
+    slots are permuted, writing its record for the stage to confirm with the streamed reference."""
+    import json
+
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from eagle3_pipeline.layer_identity import learn, row_features
+    from eagle3_pipeline.train.online_data import FLAGGED, SampleUnavailable
+
+    H = json.loads((tiny_target / "config.json").read_text())["hidden_size"]
+    med, scale = learn(np.stack([row_features(_layered_row(s, 40, H)) for s in range(12)]))
+    checks = _checks(tmp_path, tiny_target, {"median": med.tolist(), "scale": scale.tolist(), "max_z": 20.0})
+    hs = _layered_row(99, 40, H)
+    fp = _fingerprint_of(checks, hs)
+    row = {"hidden_states": hs, "token_ids": torch.arange(40)}
+    assert checks.judge(7, row, fp) is row
+    bad = hs.clone()
+    bad[31, -1] = hs[5, -1]  # one token's final state from another position
+    with pytest.raises(ValueError, match=r"online row 7 \(40 tokens\): final layer disagrees with the target's "
+                                         r"logits at 1 of 40 tokens \(positions \[31\]\)"):
+        checks.judge(7, {"hidden_states": bad, "token_ids": torch.arange(40)}, fp)
+    assert checks.rejected == {7: checks.rejected[7]}
+    assert checks.judge(7, row, fp) is row and checks.rejected == {}  # asked again, right: not a rejected row
+    kinds = [json.loads(ln)["kind"] for ln in (tmp_path / "rejected.jsonl").read_text().splitlines()]
+    assert kinds == ["rejected", "passed"]
+    swapped = hs.clone()
+    swapped[:, [0, 1]] = hs[:, [1, 0]]
+    held = checks.judge(9, {"hidden_states": swapped, "token_ids": torch.arange(40)}, _fingerprint_of(checks, swapped))
+    assert isinstance(held, SampleUnavailable) and held.reason.startswith(FLAGGED), held
+    assert "aux layers do not relate like layers [2, 4, 5, 8]" in held.reason
+    rec = load_file(str(tmp_path / "flagged" / "hidden_states" / "hs_9.safetensors"))
+    assert rec["hidden_states"].shape == (40, 4, H)
+    assert json.loads((tmp_path / "flagged.jsonl").read_text())["row"] == 9
+    with pytest.raises(ValueError, match="no fingerprint"):
+        checks.judge(11, row, None)
