@@ -28,6 +28,12 @@ MIN_FILES = 8     # fewer good records than this: no profiles (noted)
 MAD_TO_SIGMA = 1.4826
 SCALE_FLOOR = 0.03
 LOW_COSINE = 0.5
+# "nearest its own token": a neighbour within this cosine of the token's own next-slot state is a tie, not a
+# miss. In a run of one repeated token (a real model's loops: "000…" for hundreds of tokens) neighbours'
+# states are the token's own to ~0.01, so a strict comparison is a coin flip: clean SmolLM2 rows of such loops
+# scored 0.40-0.56 against a median 0.99 (robust deviation 19.6 of 20). With the tie they score 0.99, and a
+# slot shifted by one token still scores ~0.00-0.15 on ordinary rows (docs/verification.md, "Calibration").
+OWN_TIE = 0.02
 
 
 def feature_names(layer_ids: list[int]) -> list[str]:
@@ -72,7 +78,7 @@ def features(gram, cross, starts, lengths) -> np.ndarray:
     grows = (norm[:, None, :] > norm[:, :, None]).float()               # [N, a, b]: norm of b > norm of a
     nearer = (near_last[:, None, :] > near_last[:, :, None]).float()
     interior = ((pos >= 1) & (pos <= end - 2)).float()[:, None]          # tokens with both neighbours
-    own = (c > torch.maximum(prev, nxt)).float() * interior             # [N, L-1]
+    own = (c > torch.maximum(prev, nxt) - OWN_TIE).float() * interior   # [N, L-1]
     per_token = torch.cat([grows.reshape(N, L * L), nearer.reshape(N, L * L), c, (c < LOW_COSINE).float(), own,
                            interior], dim=1).double().numpy()
     st = np.asarray(starts, dtype=np.int64)

@@ -42,7 +42,7 @@ from eagle3_pipeline.verify.structure import LayerStats, StructureCheck, _Extras
 CONFIG_KEY_EXCLUDE = frozenset({"workers", "move_bad_files"})
 # bump when what verify computes per record changes (identity features, fingerprint rule): cached
 # per-record results of an older verify are then read again
-VERIFY_FORMAT = 3
+VERIFY_FORMAT = 4
 
 
 class VerifyFailed(GateFailed):
