@@ -265,6 +265,10 @@ def _summary(stages: dict) -> list[str]:
                    + (f", {d['rounds']} rounds" if d.get("rounds") else "") + ")")
         out.append(f"- **Speed-up** (output tokens/s with the draft ÷ without, temperature 0): "
                    f"**{speedup:.2f}×**{how}")
+    costs = _get(ev, "engine_run_s")
+    if isinstance(costs, dict) and any(_isnum(v) for v in costs.values()):
+        out.append("- **What each number cost** (seconds of each engine's whole run): "
+                   + ", ".join(f"{k} {_num(v, 3)} s" for k, v in costs.items() if _isnum(v)))
     out += _verify_summary(stages.get("verify") or {})
     tr = stages.get("train") or {}
     mode = _get(tr, "mode")

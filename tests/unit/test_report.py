@@ -335,3 +335,11 @@ def test_verify_line_names_every_check_and_its_clean_margin(tmp_path):
     assert "identity (40 records; largest deviation 6.04 of 20)" in line, line
     assert "norm_bounds (40 records; largest deviation 0.49 of the bound)" in line, line
     assert "skipped: reference (not local)" in line, line
+
+
+def test_evaluate_cost_per_number_in_report_md(tmp_path):
+    rep = build_report("r7", {"name": "x"}, {}, {"evaluate": {"acceptance_length": 1.35,
+                                                            "engine_run_s": {"trained": 90.5, "untrained": 91.2, "ngram": 56.1}}},
+                       {}, "completed")
+    md = open(write_report(tmp_path / "run", rep)["report_md"]).read()
+    assert "**What each number cost** (seconds of each engine's whole run): trained 90.5 s, untrained 91.2 s, ngram 56.1 s" in md
