@@ -210,7 +210,7 @@ def stage_train_online(cfg: PipelineConfig, version: ExtractVersion, voc, log=pr
                                      "max_in_flight": max(1, min(cfg.extract.max_num_seqs, 16)),
                                      "hidden_size": version.dims.hidden_size, "checks": checks})
         except Exception as e:
-            rejected = _jsonl_rows(checks and checks["rejected_path"], "rejected")
+            rejected = _jsonl_rows(checks and checks.rejected_path, "rejected")
             if rejected:
                 raise VerifyFailed(f"online training stopped: {len(rejected)} rows from the server failed the "
                                    "per-row checks against the target on every attempt:\n  "
@@ -231,13 +231,14 @@ def stage_train_online(cfg: PipelineConfig, version: ExtractVersion, voc, log=pr
                                  "engine_start_s": round((tr.engine_start_s or 0.0) + srv.start_s, 2)})
 
 
-def online_row_checks(cfg: PipelineConfig, target, version: ExtractVersion, ver, work: Path) -> dict | None:
-    """What the online trainer judges every row by (train/job.py RowChecksSpec, as a dict): the target's final
+def online_row_checks(cfg: PipelineConfig, target, version: ExtractVersion, ver, work: Path):
+    """What the online trainer judges every row by (train/job.py RowChecksSpec): the target's final
     norm and lm_head against the fingerprint each response carries, and the layer profiles the verify gate
     learned from the sample (`ver`). None when the fingerprint check cannot run and verify.allow_skip says
     so: then rows get their structure checked only, as the report's checks say. Clears the files of an
     earlier attempt (every epoch asks the server for every row again)."""
     from eagle3_pipeline.final_layer import FP8_SLACK
+    from eagle3_pipeline.train.job import RowChecksSpec
 
     fp = ver.checks.get("fingerprint")
     if fp is None or not fp.ran:
@@ -245,12 +246,12 @@ def online_row_checks(cfg: PipelineConfig, target, version: ExtractVersion, ver,
     d = work / "row_checks"
     shutil.rmtree(d, ignore_errors=True)
     (d / "flagged" / "hidden_states").mkdir(parents=True)
-    return {"model_dir": str(Path(target.model).resolve()), "norm_eps": version.dims.norm_eps,
-            "atol": cfg.verify.fingerprint_atol, "rtol": cfg.verify.fingerprint_rtol,
-            "stol": cfg.verify.fingerprint_stol, "slack": FP8_SLACK if version.storage_dtype == "fp8" else 1.0,
-            "layer_ids": list(version.layer_ids), "storage_dtype": version.storage_dtype,
-            "identity": ver.identity_profile, "rejected_path": str(d / "rejected.jsonl"),
-            "flagged_path": str(d / "flagged.jsonl"), "flagged_dir": str(d / "flagged" / "hidden_states")}
+    return RowChecksSpec(
+        model_dir=str(Path(target.model).resolve()), norm_eps=version.dims.norm_eps, atol=cfg.verify.fingerprint_atol,
+        rtol=cfg.verify.fingerprint_rtol, stol=cfg.verify.fingerprint_stol,
+        slack=FP8_SLACK if version.storage_dtype == "fp8" else 1.0, layer_ids=list(version.layer_ids),
+        storage_dtype=version.storage_dtype, identity=ver.identity_profile, rejected_path=str(d / "rejected.jsonl"),
+        flagged_path=str(d / "flagged.jsonl"), flagged_dir=str(d / "flagged" / "hidden_states"))
 
 
 def _jsonl_rows(path: str | None, kind: str) -> dict[int, str]:
@@ -264,7 +265,7 @@ def _jsonl_rows(path: str | None, kind: str) -> dict[int, str]:
     return {row: ev["why"] for row, ev in last.items() if ev.get("kind") == kind}
 
 
-def confirm_online_flags(cfg: PipelineConfig, target, version: ExtractVersion, checks: dict | None, log) -> dict:
+def confirm_online_flags(cfg: PipelineConfig, target, version: ExtractVersion, checks, log) -> dict:
     """After online training: rows the layer profiles flagged (kept out of training) are recomputed with the
     target itself (the streamed reference, verify.confirm_rows of them); a row the model disagrees with, or
     one left unconfirmed, fails the gate (exit 4), one it agrees with is cleared. Returns what the train
@@ -274,19 +275,19 @@ def confirm_online_flags(cfg: PipelineConfig, target, version: ExtractVersion, c
 
     if checks is None:
         return {"fingerprint": False, "identity": False, "flagged": [], "cleared": [], "unavailable": []}
-    flagged = _jsonl_rows(checks["flagged_path"], "flagged")
-    unavailable = _jsonl_rows(checks["rejected_path"], "unavailable")
-    out = {"fingerprint": True, "identity": checks["identity"] is not None, "flagged": sorted(flagged),
+    flagged = _jsonl_rows(checks.flagged_path, "flagged")
+    unavailable = _jsonl_rows(checks.rejected_path, "unavailable")
+    out = {"fingerprint": True, "identity": checks.identity is not None, "flagged": sorted(flagged),
            "cleared": [], "unavailable": sorted(unavailable)}
     if unavailable:
         log(f"online: {len(unavailable)} rows could not be fetched from the server and were not trained on: "
-            f"{sorted(unavailable)[:20]} ({checks['rejected_path']})")
+            f"{sorted(unavailable)[:20]} ({checks.rejected_path})")
     if not flagged:
         log("online: every row the trainer read passed the per-row checks (structure, final-layer fingerprint on "
             f"every token{', layer identity' if out['identity'] else ''})")
         return out
     rows = sorted(flagged)[: cfg.verify.confirm_rows]
-    fv = version.model_copy(update={"dir": str(Path(checks["flagged_dir"]).parent), "pool_dir": None})
+    fv = version.model_copy(update={"dir": str(Path(checks.flagged_dir).parent), "pool_dir": None})
     ref = reference_check(target, fv, rows, log=log, cfg=cfg.verify)
     bad = set(sorted(flagged)[cfg.verify.confirm_rows:]) | (set(rows) if ref.skipped else set(ref.bad_rows))
     out["cleared"] = [r for r in rows if r not in bad]

@@ -189,7 +189,7 @@ class RowChecks:
 
     def judge(self, index: int, row: dict, fp: dict | None) -> dict:
         from eagle3_pipeline.contracts import record_name, to_record, write_record
-        from eagle3_pipeline.layer_identity import feature_names, row_features
+        from eagle3_pipeline.layer_identity import problems_of, row_features
 
         hs = row["hidden_states"]  # [T, L, H]
         name = f"online row {index} ({len(row['token_ids'])} tokens)"
@@ -208,15 +208,10 @@ class RowChecks:
             self.note(index, "passed", "passed when asked again")
         if self.med is None:
             return row
-        import numpy as np
-
-        z = np.abs(row_features(hs).astype(np.float64) - self.med) / self.scale
-        max_z = float(self.spec.identity["max_z"])
-        if z.size and z.max() > max_z:
-            j = int(np.argmax(z))
-            why = (f"{name}: aux layers do not relate like layers {self.spec.layer_ids}: "
-                   f"{feature_names(self.spec.layer_ids)[j]} is {z[j]:.0f} robust deviations from the sample's "
-                   f"profile (max {max_z:g})")
+        found, _ = problems_of(row_features(hs)[None], self.med, self.scale, self.spec.layer_ids,
+                               float(self.spec.identity["max_z"]))
+        if found:
+            why = f"{name}: {found[0][1]}"
             dest = Path(self.spec.flagged_dir) / record_name(index)
             dest.parent.mkdir(parents=True, exist_ok=True)
             write_record(dest, to_record(hs, row["token_ids"], self.spec.storage_dtype), self.spec.layer_ids,
