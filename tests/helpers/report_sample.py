@@ -54,7 +54,7 @@ def sample_report(run_id: str = "20261201-033731-6ee4") -> dict:
             "vocab": {"draft_vocab_size": 512, "coverage": 0.9987654320987654, "details": {"target_vocab_size": 1024}},
             "train": {"mode": "online", "world_size": 1, "steps": 128, "final_loss": 0.2856296896934509,
                       "tokens_per_s": 3236.788718339849,
-                      "details": {"hidden_states_peak_bytes": 2097152, "checkpoint_best": f"{EXTRACT}/train/0f958fa25841/checkpoints/checkpoint_best"}},
+                      "details": {"hidden_states_peak_bytes": 2097152, "val_loss": 0.31234567, "checkpoint_best": f"{EXTRACT}/train/0f958fa25841/checkpoints/checkpoint_best"}},
             "evaluate": {"acceptance_length": 2.1747572815533982, "acceptance_length_untrained": 1.0034013605442176,
                          "per_position_acceptance": [0.5365, 0.38541666666666669, 0.25302013422818793],
                          "per_category": per_category, "speedup": 0.6234817813765182,
