@@ -276,10 +276,9 @@ def _summary(stages: dict) -> list[str]:
         parts = [f"- **Training:** {mode}"]
         if _isnum(_get(tr, "steps")):
             parts.append(f"{_num(_get(tr, 'steps'))} steps")
-        if _isnum(_get(tr, "final_loss")):
-            parts.append(f"final loss {_num(_get(tr, 'final_loss'))} (the last step's)")
-        if _isnum(_get(tr, "val_loss")):
-            parts.append(f"held-out loss {_num(_get(tr, 'val_loss'))}")
+        for key, text in (("final_loss", "final loss {} (the last step's)"), ("val_loss", "held-out loss {}")):
+            if _isnum(_get(tr, key)):
+                parts.append(text.format(_num(_get(tr, key))))
         peak = _get(tr, "hidden_states_peak_bytes")
         if _isnum(peak):
             parts.append(f"hidden states on disk at peak {_bytes(peak)}")

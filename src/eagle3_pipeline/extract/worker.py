@@ -355,6 +355,11 @@ def main(argv: list[str]) -> int:
                                  record={"layer_ids": job.layer_ids, "storage_dtype": job.storage_dtype},
                                  locks=not vllm_is_cpu_build())
     scores = FINGERPRINT_ENGINE_KWARGS if job.fingerprints_dir else {}
+    if job.fingerprints_dir:  # the engine's processes (vLLM plugin) and this one score prompts without a float32 copy
+        from eagle3_pipeline.prompt_scores import ENV, install
+
+        os.environ.setdefault(ENV, "1")
+        print(f"extract worker: lean prompt scores {'in place' if install() else 'off: vLLM own path'}", flush=True)
     llm = build_llm(job.engine, job.target, max_model_len=int(max_len) + 1,
                     speculative_config=extract_hidden_states_config(job.layer_ids), kv_transfer_config=kv,
                     max_num_seqs=job.max_num_seqs, enable_chunked_prefill=False, enable_prefix_caching=False,

@@ -1,0 +1,125 @@
+"""Prompt scores for the fingerprint without vLLM's float32 copy of every prompt token's logits.
+
+The extract engine asks vLLM for the top-2 raw logits at every prompt token (engine.FINGERPRINT_ENGINE_KWARGS,
+contracts.fingerprint_from_flat). vLLM's model runner computes them per request from the engine's own
+logits [T, V], then casts all of them to float32 ([T, V] written once more), takes the top-k, gathers the
+prompt token's score and counts its rank, all on the copy. With raw logits the cast changes no value
+(bf16 and fp16 are exact in float32), so `lean_prompt_scores` does the same work on the logits as they
+come: the same top-k ids and scores, the same prompt-token score and rank, in the same tensors of the same
+request state, one request at a time as vLLM does (one matmul over a whole batch's prompt tokens was
+slower). Measured at the 602M bench size (bench/fingerprint_cost.py): docs/verification.md, "Costs".
+
+It replaces `GPUModelRunner._get_prompt_logprobs_dict` (vLLM's CPU runner inherits it) only where:
+- the process asks for it: `EAGLE3_LEAN_PROMPT_SCORES=1`, which the extract worker sets for its engine
+  (`=0` in the environment keeps vLLM's own path everywhere);
+- the installed vLLM has everything it reads (`missing()` names what it lacks, and then nothing is
+  replaced and the engine log says why);
+- scores are raw logits (`logprobs_mode` raw_logits / processed_logits); otherwise vLLM's own method runs.
+`install` is registered as a vLLM general plugin (pyproject: `vllm.general_plugins`), which vLLM loads in
+every process it starts (engine core, tensor-parallel workers), and the extract worker calls it in its own
+process too. tests/integration/test_prompt_scores.py checks on the real engine that both paths give the same
+fingerprints, token for token, so a vLLM that changes the bookkeeping fails there rather than in verify.
+"""
+
+from __future__ import annotations
+
+import os
+
+ENV = "EAGLE3_LEAN_PROMPT_SCORES"
+RAW_MODES = ("raw_logits", "processed_logits")
+_STATE = {"installed": False, "own": None}
+
+
+def missing() -> list[str]:
+    """What the installed vLLM lacks of what `lean_prompt_scores` reads (empty: it can run)."""
+    out = []
+    try:
+        from vllm.v1.outputs import LogprobsTensors
+        from vllm.v1.sample.ops.logprobs import batched_count_greater_than  # noqa: F401
+        from vllm.v1.worker.gpu_input_batch import CachedRequestState
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError as e:
+        return [f"import: {e}"]
+    if not callable(getattr(GPUModelRunner, "_get_prompt_logprobs_dict", None)):
+        out.append("GPUModelRunner._get_prompt_logprobs_dict")
+    if not callable(getattr(LogprobsTensors, "empty_cpu", None)):
+        out.append("LogprobsTensors.empty_cpu")
+    fields = set(getattr(CachedRequestState, "__dataclass_fields__", {}))
+    out += [f"CachedRequestState.{f}" for f in ("prompt_token_ids", "num_computed_tokens",
+                                                 "in_progress_prompt_logprobs_cpu") if f not in fields]
+    return out
+
+
+def install() -> bool:
+    """Replace vLLM's prompt-scores step with `lean_prompt_scores` in this process when asked
+    (EAGLE3_LEAN_PROMPT_SCORES=1) and possible; idempotent. Returns whether it is in place."""
+    if os.environ.get(ENV) != "1":
+        return False
+    if _STATE["installed"]:
+        return True
+    lacks = missing()
+    if lacks:
+        import logging
+
+        logging.getLogger("eagle3_pipeline").warning(
+            "prompt scores: vLLM's own path (%s=1, but this vLLM lacks %s)", ENV, ", ".join(lacks))
+        return False
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    own = GPUModelRunner._get_prompt_logprobs_dict
+    _STATE["own"] = own
+
+    def prompt_scores(self, hidden_states, num_scheduled_tokens):
+        if self.model_config.logprobs_mode not in RAW_MODES:
+            return own(self, hidden_states, num_scheduled_tokens)
+        return lean_prompt_scores(self, hidden_states, num_scheduled_tokens)
+
+    GPUModelRunner._get_prompt_logprobs_dict = prompt_scores
+    _STATE["installed"] = True
+    return True
+
+
+def lean_prompt_scores(runner, hidden_states, num_scheduled_tokens: dict[str, int]) -> dict:
+    """The prompt scores of this engine step for every request that asked for prompt logprobs: per
+    request, its scheduled prompt tokens' logits (the engine's dtype), their top-k, the next prompt
+    token's score and rank, into the request's CPU tensors; the finished requests' tensors returned."""
+    import torch
+    from vllm.v1.outputs import LogprobsTensors
+    from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+
+    wanted = runner.num_prompt_logprobs  # req id -> k, while the request's prompt is being scored
+    if not wanted:
+        return {}
+    done: dict = {}
+    for req_id, k in list(wanted.items()):
+        n = num_scheduled_tokens.get(req_id)
+        req = runner.requests[req_id]
+        if n is None or req.prompt_token_ids is None:  # preempted in prefill, or prompt embeddings
+            continue
+        prompt = req.prompt_token_ids
+        into = req.in_progress_prompt_logprobs_cpu
+        if into is None:
+            into = req.in_progress_prompt_logprobs_cpu = LogprobsTensors.empty_cpu(len(prompt) - 1, k + 1)
+        first = req.num_computed_tokens  # scores of positions first.. predict tokens first+1..
+        left = len(prompt) - 1 - first
+        if n > left:  # the prompt's last scheduled chunk: its scores go out after this step
+            done[req_id] = into
+        m = min(n, left)
+        if m <= 0:
+            continue
+        at = int(runner.query_start_loc.np[runner.input_batch.req_id_to_index[req_id]])
+        logits = runner.model.compute_logits(hidden_states[at:at + m])  # [m, V]
+        nxt = torch.tensor(prompt[first + 1:first + 1 + m], dtype=torch.int64, device=logits.device)  # [m]
+        top_v, top_i = torch.topk(logits, k, dim=-1)  # [m, k]
+        nxt_v = logits.gather(-1, nxt.unsqueeze(-1))  # [m, 1]
+        rank = batched_count_greater_than(logits, nxt_v)  # [m]
+        rows = slice(first, first + m)
+        into.logprob_token_ids[rows].copy_(torch.cat((nxt.unsqueeze(-1), top_i), dim=1), non_blocking=True)
+        into.logprobs[rows].copy_(torch.cat((nxt_v, top_v), dim=1), non_blocking=True)
+        into.selected_token_ranks[rows].copy_(rank, non_blocking=True)
+    for req_id in done:
+        del wanted[req_id]
+        runner.requests[req_id].in_progress_prompt_logprobs_cpu = None
+    if done and hasattr(runner, "_sync_device"):  # the copies above are asynchronous on a GPU
+        runner._sync_device()
+    return done

@@ -1,0 +1,124 @@
+"""The extract engine's lean prompt scores (prompt_scores.py) against vLLM's own path, on the real engine.
+
+One child process per target (this file run as a script) starts an in-process engine with the pipeline's
+score mode (raw logits) and prompt-logprob requests as the extract worker makes them, and prefills the
+same rows with vLLM's own prompt-scores step and with `lean_prompt_scores`, with chunked prefill and a
+small token budget: short prompts are scored in one engine step, long ones over several. The tests then compare,
+without an engine: every position's ids, scores and ranks must be equal, and the lean path must have run.
+Targets: the tiny Llama (bf16, so the float32 copy it skips is a real cast) and the tiny MoE (MLA + MoE,
+bf16).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+N_ROWS = 12
+CHUNK_TOKENS = 32  # chunked prefill's token budget: longer rows are scored over several steps
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def _child(target: str, trust: bool, out_dir: str) -> None:
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.engine.core_client import InprocClient
+
+    from eagle3_pipeline import prompt_scores
+    from eagle3_pipeline.config import EngineConfig, TargetConfig
+    from eagle3_pipeline.contracts import FP_TOP
+    from eagle3_pipeline.engine import FINGERPRINT_ENGINE_KWARGS, build_llm
+
+    assert prompt_scores.install(), "EAGLE3_LEAN_PROMPT_SCORES=1 and a known vLLM: the lean path must install"
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    installed, own = GPUModelRunner._get_prompt_logprobs_dict, prompt_scores._STATE["own"]
+    lean_steps = []
+
+    def counted(self, hidden_states, num_scheduled_tokens):
+        if self.num_prompt_logprobs:
+            lean_steps.append(len(num_scheduled_tokens))
+        return installed(self, hidden_states, num_scheduled_tokens)
+
+    tok = AutoTokenizer.from_pretrained(target, trust_remote_code=trust)
+    texts = [" ".join(f"w{i * j % 97}" for j in range(1 + 7 * i)) for i in range(N_ROWS)]
+    rows = [(tok(t)["input_ids"] * 2)[: 3 * CHUNK_TOKENS] for t in texts]  # 2 tokens up to 3 budgets
+    sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=FP_TOP, logprobs=FP_TOP,
+                        detokenize=False, flat_logprobs=True)
+    prompts = [TokensPrompt(prompt_token_ids=r) for r in rows]
+    # chunked prefill with a small budget: short rows are scored in one step, long ones over several
+    llm = build_llm(EngineConfig(), TargetConfig(model=target, trust_remote_code=trust),
+                    max_model_len=4 * CHUNK_TOKENS, max_num_seqs=4, enable_prefix_caching=False,
+                    enable_chunked_prefill=True, max_num_batched_tokens=CHUNK_TOKENS, **FINGERPRINT_ENGINE_KWARGS)
+    assert isinstance(llm.llm_engine.engine_core, InprocClient)
+    res: dict = {"lengths": [len(r) for r in rows]}
+    for name, step in (("vllm", own), ("lean", counted)):
+        GPUModelRunner._get_prompt_logprobs_dict = step
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        res[name] = [{"ids": list(o.prompt_logprobs.token_ids), "scores": list(o.prompt_logprobs.logprobs),
+                      "ranks": list(o.prompt_logprobs.ranks), "starts": list(o.prompt_logprobs.start_indices)}
+                     for o in outs]
+    res["lean_steps"] = len(lean_steps)
+    Path(out_dir, "result.json").write_text(json.dumps(res))
+
+
+TARGETS = {"tiny-target": ("tiny_target", False), "tiny-moe": ("tiny_moe_target", True)}
+
+
+@pytest.fixture(scope="module", params=list(TARGETS))
+def scored(request, tmp_path_factory):
+    from eagle3_pipeline.config import EngineConfig
+    from eagle3_pipeline.engine import engine_env
+
+    fixture, trust = TARGETS[request.param]
+    target = request.getfixturevalue(fixture)
+    out = tmp_path_factory.mktemp(f"prompt-scores-{request.param}")
+    env = {**os.environ, **engine_env(EngineConfig()), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "EAGLE3_LEAN_PROMPT_SCORES": "1",
+           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, __file__, str(target), json.dumps(trust), str(out)],
+                          env=env, capture_output=True, text=True, timeout=800)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"engine child failed (rc {proc.returncode}):\n{log[-6000:]}"
+    return json.loads((out / "result.json").read_text())
+
+
+def test_lean_prompt_scores_equal_vllms_own(scored):
+    """Every prompt position: the same top-2 ids and raw-logit scores, the same scored token, score and
+    rank as vLLM's own path, for prompts scored in one step and over several (chunked prefill)."""
+    lengths = scored["lengths"]
+    assert min(lengths) < CHUNK_TOKENS < 2 * CHUNK_TOKENS < max(lengths)  # one step and several
+    assert scored["lean_steps"] > 0, "the lean path never ran"
+    vllm, lean = scored["vllm"], scored["lean"]
+    assert len(vllm) == len(lean) == N_ROWS
+    for i, (a, b) in enumerate(zip(vllm, lean)):
+        assert len(a["starts"]) == lengths[i], f"row {i}: {len(a['starts'])} positions, expected {lengths[i]}"
+        assert a["starts"] == b["starts"], f"row {i}: positions differ"
+        assert a["ids"] == b["ids"], f"row {i}: token ids differ"
+        assert a["ranks"] == b["ranks"], f"row {i}: ranks differ"
+        assert a["scores"] == b["scores"], f"row {i}: scores differ"
+
+
+def test_install_only_when_asked(monkeypatch):
+    """The plugin replaces nothing unless the process asks (EAGLE3_LEAN_PROMPT_SCORES=1): vLLM loads it
+    in every engine, evaluate's and the online server's included."""
+    from eagle3_pipeline import prompt_scores
+
+    assert prompt_scores.missing() == []  # the installed vLLM has everything the lean path reads
+    monkeypatch.delenv(prompt_scores.ENV, raising=False)
+    assert prompt_scores.install() is False
+    monkeypatch.setenv(prompt_scores.ENV, "0")
+    assert prompt_scores.install() is False
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1], json.loads(sys.argv[2]), sys.argv[3])
