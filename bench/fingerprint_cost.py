@@ -8,10 +8,15 @@ cast to fp32), the top-2 and the scored token's rank (one comparison pass over [
 check uses the margin of the two scores, the same in both modes (engine.FINGERPRINT_ENGINE_KWARGS).
 
 Per size and mode, one engine (plain prefill: no speculation, no connector, so nothing but the
-fingerprint differs) prefills the same rows, per shard-sized call as the extract worker does, with and
-without prompt logprobs in `--rounds` alternating rounds. Prints per mode the fingerprint's share of
-the time with it (1 - plain / with, per round: median with min-max) next to the floor (lm_head's
-multiply-adds ÷ the rest of the model's, per token).
+fingerprint differs) prefills the same rows, per shard-sized call as the extract worker does, three ways
+that alternate call by call in each of `--rounds` rounds (bench/fingerprint_child.py): plain; plain plus
+lm_head over every prompt token, request by request as vLLM's prompt-logprobs path does (the engine's
+own compute_logits, discarded: the floor of any fingerprint of the target's logits, measured); with
+prompt logprobs. Prints per mode each one's share of the time with it
+(1 - plain / with, per round: median with min-max), the fingerprint's points above the measured floor
+(per round), and the floor as multiply-adds estimate it (lm_head's ÷ the rest of the model's, per
+token: an [T, V] output makes lm_head run slower per multiply-add than the rest, so the measured floor
+is higher).
 Usage: .venv/bin/python bench/fingerprint_cost.py [--sizes small,large] [--rounds 6] [--rows 400] [--rows-large 96]
        [--modes raw_logprobs,raw_logits]
 """
@@ -52,8 +57,9 @@ def main() -> None:
     from eagle3_pipeline.proc import run_child
 
     work, tiny = Path(args.work), ROOT / ".cache" / "tiny-target"
-    t = Table(title=f"fingerprint cost: share of prefill time with prompt logprobs, {args.rounds} alternating rounds")
-    for c in ("target", "vLLM scores", "tokens", "plain s", "with fingerprint s", "share: median (min-max)", "floor"):
+    t = Table(title=f"fingerprint cost: share of prefill time, {args.rounds} alternating rounds, median (min-max)")
+    for c in ("target", "vLLM scores", "tokens", "plain s", "lm_head s", "fingerprint s", "lm_head share",
+              "fingerprint share", "above lm_head", "MAC estimate"):
         t.add_column(c, justify="right")
     out: dict = {"rounds": args.rounds, "pipeline_mode": FINGERPRINT_ENGINE_KWARGS["logprobs_mode"], "sizes": {}}
     for size in args.sizes.split(","):
@@ -70,16 +76,24 @@ def main() -> None:
                 json.dump({"model": str(model), "tokenized": prep.tokenized, "rows": prep.rows_out,
                            "max_num_seqs": cfg.max_num_seqs, "rows_per_call": cfg.rows_per_shard,
                            "engine": cfg.engine().model_dump(), "rounds": args.rounds, "logprobs_mode": mode}, f)
+            env = engine_env(cfg) | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the lm_head arm hooks this process's engine
             res = run_child([sys.executable, "-u", str(ROOT / "bench" / "fingerprint_child.py"), f.name],
-                            name=f"bench-fingerprint-{mode}", timeout_s=3600, env=engine_env(cfg))
+                            name=f"bench-fingerprint-{mode}", timeout_s=3600, env=env)
             ev = next(e for e in res.events if e.get("kind") == "fingerprint_cost")
             s = ev["seconds"]
-            share = [1 - p / w for p, w in zip(s["plain"], s["fingerprint"])]
-            sp, pl, fw = spread(share), spread(s["plain"]), spread(s["fingerprint"])
-            out["sizes"][size]["modes"][mode] = {"tokens": ev["tokens"], "seconds": s, "share": sp | {"values": share}}
+            share = {arm: [1 - p / w for p, w in zip(s["plain"], s[arm])] for arm in ("lm_head", "fingerprint")}
+            above = [f - h for f, h in zip(share["fingerprint"], share["lm_head"])]
+            sp = {arm: spread(v) for arm, v in share.items()}
+            ab, secs = spread(above), {arm: spread(v) for arm, v in s.items()}
+            out["sizes"][size]["modes"][mode] = {
+                "tokens": ev["tokens"], "seconds": s, "share": sp["fingerprint"] | {"values": share["fingerprint"]},
+                "lm_head_measured": sp["lm_head"] | {"values": share["lm_head"]},
+                "points_above_lm_head": ab | {"values": above}}
+            pct = lambda d: f"{d['median']:.1%} ({d['min']:.1%}-{d['max']:.1%})"  # noqa: E731
             t.add_row(size, mode + (" (pipeline)" if mode == out["pipeline_mode"] else ""), f"{ev['tokens']:,}",
-                      f"{pl['median']:.2f}", f"{fw['median']:.2f}",
-                      f"{sp['median']:.1%} ({sp['min']:.1%}-{sp['max']:.1%})", f"{floor:.1%}")
+                      *(f"{secs[a]['median']:.2f}" for a in ("plain", "lm_head", "fingerprint")),
+                      pct(sp["lm_head"]), pct(sp["fingerprint"]),
+                      f"{ab['median'] * 100:+.1f} ({ab['min'] * 100:+.1f} to {ab['max'] * 100:+.1f}) pts", f"{floor:.1%}")
     Console().print(t)
     record("fingerprint", out)
 
