@@ -1,41 +1,53 @@
 """Child for bench/fingerprint_cost.py: one in-process engine (no speculation, no connector: the
-fingerprint's own cost) prefills the rows in three ways, alternating call by call (each shard-sized call
-three times, the order rotating each round); `logprobs_mode` from the job:
+fingerprint's own cost) prefills the rows four ways, alternating call by call (each shard-sized call
+four times, the order rotating each round); `logprobs_mode` from the job:
 - plain: what the engine does without a fingerprint (logits of each request's last token only);
-- lm_head: plain, plus the engine's own `compute_logits` over every prompt token, discarded: what any
-  fingerprint of the target's own logits must at least cost, measured on this engine instead of
-  estimated from multiply-adds (an [T, V] output is written: it runs slower per multiply-add than the
-  rest of the model);
-- fingerprint: what the extract worker asks for (extract/worker.py _Engine).
-Reports the seconds of every timed call (engine start excluded)."""
+- lm_head: plain, plus the engine's own `compute_logits` over every prompt token, request by request,
+  discarded: what any fingerprint of the target's own logits must at least cost, measured on this engine
+  rather than estimated from multiply-adds;
+- fingerprint: what the extract worker asks for (extract/worker.py _Engine), scored as the worker's engine
+  scores it (prompt_scores.py: the lean path where it installs);
+- fingerprint_vllm: the same request scored by vLLM's own prompt-scores step.
+Reports the seconds of every timed call (engine start excluded) and whether the lean path was in place."""
 
 import json
+import os
 import sys
 import time
 
 from eagle3_pipeline.proc import emit_event, exit_child
 
-ARMS = ("plain", "lm_head", "fingerprint")
+ARMS = ("plain", "lm_head", "fingerprint", "fingerprint_vllm")
 
 
-def hook_lm_head(switch: dict) -> list[int]:
-    """While switch["on"], run the model's compute_logits over every scheduled token of each engine step,
-    one request's tokens at a time as vLLM's prompt-logprobs path does (vLLM calls that step whether or
-    not a request asked for prompt logprobs). Returns the list of token counts it ran on, to prove the
-    arm measured something."""
+def hook_arms(switch: dict) -> list[int]:
+    """The engine's prompt-scores step per arm (switch["arm"]): for "lm_head", the model's compute_logits
+    over every scheduled token of each engine step, one request's tokens at a time as the prompt-scores
+    path does (vLLM calls that step whether or not a request asked for prompt logprobs); for
+    "fingerprint_vllm", vLLM's own step; otherwise the pipeline's (prompt_scores.py: the lean path where
+    it installs). Returns the list of token counts the lm_head arm ran on, to prove it measured something."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    own, ran = GPUModelRunner._get_prompt_logprobs_dict, []
+    from eagle3_pipeline import prompt_scores
 
-    def with_lm_head(self, hidden_states, num_scheduled_tokens):
-        if switch["on"]:
+    os.environ[prompt_scores.ENV] = "1"
+    lean = prompt_scores.install()
+    pipeline = GPUModelRunner._get_prompt_logprobs_dict
+    own = prompt_scores._STATE["own"] if lean else pipeline
+    ran: list[int] = []
+
+    def step(self, hidden_states, num_scheduled_tokens):
+        if switch["arm"] == "lm_head":
             for req_id, n in num_scheduled_tokens.items():
                 at = int(self.query_start_loc.np[self.input_batch.req_id_to_index[req_id]])
                 self.model.compute_logits(hidden_states[at:at + n])
                 ran.append(int(n))
-        return own(self, hidden_states, num_scheduled_tokens)
+        if switch["arm"] == "fingerprint_vllm":
+            return own(self, hidden_states, num_scheduled_tokens)
+        return pipeline(self, hidden_states, num_scheduled_tokens)
 
-    GPUModelRunner._get_prompt_logprobs_dict = with_lm_head
+    GPUModelRunner._get_prompt_logprobs_dict = step
+    switch["lean"] = lean
     return ran
 
 
@@ -50,8 +62,8 @@ if __name__ == "__main__":
     from vllm.v1.engine.core_client import InprocClient
 
     rows = load_tokenized(job["tokenized"])["input_ids"][: job["rows"]]
-    switch = {"on": False}
-    ran = hook_lm_head(switch)
+    switch = {"arm": None}
+    ran = hook_arms(switch)
     llm = build_llm(EngineConfig(**job["engine"]), TargetConfig(model=job["model"]),
                     max_model_len=max(map(len, rows)) + 1, max_num_seqs=job["max_num_seqs"],
                     enable_chunked_prefill=False, enable_prefix_caching=False, logprobs_mode=job["logprobs_mode"])
@@ -60,31 +72,32 @@ if __name__ == "__main__":
     plain = SamplingParams(max_tokens=1, temperature=0)
     fp = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=FP_TOP, logprobs=FP_TOP, detokenize=False,
                         flat_logprobs=True)
-    params = {"plain": plain, "lm_head": plain, "fingerprint": fp}
+    params = {"plain": plain, "lm_head": plain, "fingerprint": fp, "fingerprint_vllm": fp}
     prompts = [TokensPrompt(prompt_token_ids=r) for r in rows]
     per = max(1, int(job["rows_per_call"]))
     llm.generate(prompts[:2], fp, use_tqdm=False)  # first-use costs: start-up, not a round's
-    switch["on"] = True
-    llm.generate(prompts[:2], plain, use_tqdm=False)
-    switch["on"] = False
+    for arm in ARMS:  # every arm's first-use costs (torch.compile of the rank count per dtype) before timing
+        switch["arm"] = arm
+        llm.generate(prompts[:2], params[arm], use_tqdm=False)
+    switch["arm"] = None
     if not ran:
         raise SystemExit("the lm_head hook never ran: vLLM no longer calls _get_prompt_logprobs_dict each step")
     ran.clear()
     seconds: dict[str, list[float]] = {a: [] for a in ARMS}
     for r in range(int(job["rounds"])):
         spent = dict.fromkeys(ARMS, 0.0)
-        for a in range(0, len(prompts), per):  # the arms alternate call by call: drift hits all three alike
-            for arm in ARMS[r % 3:] + ARMS[:r % 3]:
-                switch["on"] = arm == "lm_head"
+        for a in range(0, len(prompts), per):  # the arms alternate call by call: drift hits them alike
+            for arm in ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)]:
+                switch["arm"] = arm
                 t0 = time.perf_counter()
                 llm.generate(prompts[a:a + per], params[arm], use_tqdm=False)
                 spent[arm] += time.perf_counter() - t0
-        switch["on"] = False
+        switch["arm"] = None
         for arm in ARMS:
             seconds[arm].append(spent[arm])
     tokens = sum(map(len, rows))
     per_round = sum(ran) / int(job["rounds"])
     if per_round < tokens:  # every prompt token went through lm_head in each lm_head round
         raise SystemExit(f"the lm_head arm ran on {per_round:.0f} tokens per round, expected {tokens}")
-    emit_event(kind="fingerprint_cost", tokens=tokens, seconds=seconds)
+    emit_event(kind="fingerprint_cost", tokens=tokens, seconds=seconds, lean=switch["lean"])
     exit_child(0)

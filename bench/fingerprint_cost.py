@@ -8,15 +8,14 @@ cast to fp32), the top-2 and the scored token's rank (one comparison pass over [
 check uses the margin of the two scores, the same in both modes (engine.FINGERPRINT_ENGINE_KWARGS).
 
 Per size and mode, one engine (plain prefill: no speculation, no connector, so nothing but the
-fingerprint differs) prefills the same rows, per shard-sized call as the extract worker does, three ways
+fingerprint differs) prefills the same rows, per shard-sized call as the extract worker does, four ways
 that alternate call by call in each of `--rounds` rounds (bench/fingerprint_child.py): plain; plain plus
 lm_head over every prompt token, request by request as vLLM's prompt-logprobs path does (the engine's
 own compute_logits, discarded: the floor of any fingerprint of the target's logits, measured); with
-prompt logprobs. Prints per mode each one's share of the time with it
-(1 - plain / with, per round: median with min-max), the fingerprint's points above the measured floor
-(per round), and the floor as multiply-adds estimate it (lm_head's ÷ the rest of the model's, per
-token: an [T, V] output makes lm_head run slower per multiply-add than the rest, so the measured floor
-is higher).
+prompt logprobs scored as the extract engine scores them (prompt_scores.py's lean path); and scored
+by vLLM's own step. Prints per mode each one's share of the time with it (1 - plain / with, per round:
+median with min-max), the fingerprint's points above the measured floor (per round), and the floor as
+multiply-adds estimate it (lm_head's ÷ the rest of the model's, per token).
 Usage: .venv/bin/python bench/fingerprint_cost.py [--sizes small,large] [--rounds 6] [--rows 400] [--rows-large 96]
        [--modes raw_logprobs,raw_logits]
 """
@@ -39,6 +38,7 @@ from bench_results import record, spread  # noqa: E402  (bench/ is sys.path[0])
 from extract_vs_prefill import build_bench_target, lm_head_share  # noqa: E402
 
 MODES = ("raw_logprobs", "raw_logits")
+ARMS = ("lm_head", "fingerprint", "fingerprint_vllm")  # timed against "plain" (bench/fingerprint_child.py)
 
 
 def main() -> None:
@@ -58,8 +58,8 @@ def main() -> None:
 
     work, tiny = Path(args.work), ROOT / ".cache" / "tiny-target"
     t = Table(title=f"fingerprint cost: share of prefill time, {args.rounds} alternating rounds, median (min-max)")
-    for c in ("target", "vLLM scores", "tokens", "plain s", "lm_head s", "fingerprint s", "lm_head share",
-              "fingerprint share", "above lm_head", "MAC estimate"):
+    for c in ("target", "vLLM scores", "tokens", "plain s", "lm_head share", "fingerprint share",
+              "above lm_head", "vLLM's own step: share", "above lm_head", "MAC estimate"):
         t.add_column(c, justify="right")
     out: dict = {"rounds": args.rounds, "pipeline_mode": FINGERPRINT_ENGINE_KWARGS["logprobs_mode"], "sizes": {}}
     for size in args.sizes.split(","):
@@ -81,19 +81,22 @@ def main() -> None:
                             name=f"bench-fingerprint-{mode}", timeout_s=3600, env=env)
             ev = next(e for e in res.events if e.get("kind") == "fingerprint_cost")
             s = ev["seconds"]
-            share = {arm: [1 - p / w for p, w in zip(s["plain"], s[arm])] for arm in ("lm_head", "fingerprint")}
-            above = [f - h for f, h in zip(share["fingerprint"], share["lm_head"])]
-            sp = {arm: spread(v) for arm, v in share.items()}
-            ab, secs = spread(above), {arm: spread(v) for arm, v in s.items()}
+            share = {arm: [1 - p / w for p, w in zip(s["plain"], s[arm])] for arm in ARMS}
+            above = {arm: [f - h for f, h in zip(share[arm], share["lm_head"])] for arm in ARMS[1:]}
+            sp, ab = {arm: spread(v) for arm, v in share.items()}, {arm: spread(v) for arm, v in above.items()}
             out["sizes"][size]["modes"][mode] = {
-                "tokens": ev["tokens"], "seconds": s, "share": sp["fingerprint"] | {"values": share["fingerprint"]},
+                "tokens": ev["tokens"], "seconds": s, "lean_prompt_scores": ev["lean"],
+                "share": sp["fingerprint"] | {"values": share["fingerprint"]},
+                "share_vllm_own": sp["fingerprint_vllm"] | {"values": share["fingerprint_vllm"]},
                 "lm_head_measured": sp["lm_head"] | {"values": share["lm_head"]},
-                "points_above_lm_head": ab | {"values": above}}
+                "points_above_lm_head": ab["fingerprint"] | {"values": above["fingerprint"]},
+                "points_above_lm_head_vllm_own": ab["fingerprint_vllm"] | {"values": above["fingerprint_vllm"]}}
             pct = lambda d: f"{d['median']:.1%} ({d['min']:.1%}-{d['max']:.1%})"  # noqa: E731
+            pts = lambda d: f"{d['median'] * 100:+.1f} ({d['min'] * 100:+.1f} to {d['max'] * 100:+.1f})"  # noqa: E731
             t.add_row(size, mode + (" (pipeline)" if mode == out["pipeline_mode"] else ""), f"{ev['tokens']:,}",
-                      *(f"{secs[a]['median']:.2f}" for a in ("plain", "lm_head", "fingerprint")),
-                      pct(sp["lm_head"]), pct(sp["fingerprint"]),
-                      f"{ab['median'] * 100:+.1f} ({ab['min'] * 100:+.1f} to {ab['max'] * 100:+.1f}) pts", f"{floor:.1%}")
+                      f"{spread(s['plain'])['median']:.2f}", pct(sp["lm_head"]),
+                      pct(sp["fingerprint"]) + ("" if ev["lean"] else " (vLLM's step)"), pts(ab["fingerprint"]),
+                      pct(sp["fingerprint_vllm"]), pts(ab["fingerprint_vllm"]), f"{floor:.1%}")
     Console().print(t)
     record("fingerprint", out)
 

@@ -128,10 +128,12 @@ def ratio_rows(res: dict) -> list[tuple[str, str, str]]:
                 if "lm_head_measured" in md:
                     rows.append((f"lm_head over every prompt token, share of prefill, {what}",
                                  _spread(md["lm_head_measured"], True), "the floor, measured on the same engine"))
-                    ab = md["points_above_lm_head"]
-                    rows.append((f"fingerprint - measured floor, {what}",
-                                 f"{ab['median'] * 100:+.1f} ({ab['min'] * 100:+.1f} to {ab['max'] * 100:+.1f}) points",
-                                 "<= +2 points"))
+                    for key, how in (("points_above_lm_head", "lean prompt scores" if md.get("lean_prompt_scores") else
+                                      "vLLM's own step"), ("points_above_lm_head_vllm_own", "vLLM's own step")):
+                        if ab := md.get(key):
+                            rows.append((f"fingerprint - measured floor, {what}, {how}",
+                                         f"{ab['median'] * 100:+.1f} ({ab['min'] * 100:+.1f} to {ab['max'] * 100:+.1f}) points",
+                                         "<= +2 points"))
     if d := data("verify"):
         for r in d["rows"]:
             if r["method"] != "cat":
