@@ -160,6 +160,9 @@ def test_records_follow_the_contract(full_run, small_tokenized):
             assert sha256_file(hs_dir / name) == sha
     assert m["children"][0]["engine_start_s"] > 0
     assert any("engine ready" in x for x in full_run.lines)
+    # the fingerprints' scores come from prompt_scores.py's lean path (same values as vLLM's own step:
+    # tests/integration/test_prompt_scores.py)
+    assert any("extract worker: lean prompt scores in place" in x for x in full_run.lines), full_run.lines
 
 
 def test_progress_inside_a_shard(full_run, small_tokenized):
