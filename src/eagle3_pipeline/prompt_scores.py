@@ -11,7 +11,7 @@ slower). Measured at the 602M bench size (bench/fingerprint_cost.py): docs/verif
 
 It replaces `GPUModelRunner._get_prompt_logprobs_dict` (vLLM's CPU runner inherits it) only where:
 - the process asks for it: `EAGLE3_LEAN_PROMPT_SCORES=1`, which the extract worker sets for its engine
-  (`=0` in the environment keeps vLLM's own path everywhere);
+  and the online trainer for its server (`=0` in the environment keeps vLLM's own path in both);
 - the installed vLLM has everything it reads (`missing()` names what it lacks, and then nothing is
   replaced and the engine log says why);
 - scores are raw logits (`logprobs_mode` raw_logits / processed_logits); otherwise vLLM's own method runs.
@@ -76,6 +76,7 @@ def install() -> bool:
 
     GPUModelRunner._get_prompt_logprobs_dict = prompt_scores
     _STATE["installed"] = True
+    print(f"eagle3 prompt_scores: lean prompt scores in place (pid {os.getpid()})", flush=True)
     return True
 
 

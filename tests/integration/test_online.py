@@ -80,7 +80,9 @@ def test_online_training_takes_every_row_from_the_server(llama_online):
     assert tr.hidden_states_peak_bytes < on["offline_bytes_estimate"] / 2
     # the server is gone with the stage, and its log is kept
     assert _servers_left() == []
-    assert "Application startup complete" in (Path(on["work_dir"]) / "server.log").read_text()
+    server_log = (Path(on["work_dir"]) / "server.log").read_text()
+    assert "Application startup complete" in server_log
+    assert "lean prompt scores in place" in server_log  # the server's engine scores rows as extraction does
     assert any(ln.startswith("online: server ready in") for ln in lines)
     # training really learned from the server's states (loss falls over 4 steps of a fresh draft)
     assert tr.first_loss is not None and tr.final_loss < tr.first_loss

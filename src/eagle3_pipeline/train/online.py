@@ -159,7 +159,11 @@ class HiddenStateServer:
         self.log(f"online: starting a vLLM server of {self.target.model} on 127.0.0.1:{self.port} (layers "
                  f"{self.version.layer_ids}, max_num_seqs {cfg.max_num_seqs}, log {log_path})")
         t0 = time.time()
-        self.child = BackgroundChild(argv, name="online-server", log_path=log_path, env=server_env(cfg)).__enter__()
+        from eagle3_pipeline.prompt_scores import ENV as LEAN
+
+        # every row's fingerprint scores: the lean path in the server's engine (prompt_scores.py, a vLLM plugin)
+        env = server_env(cfg) | {LEAN: os.environ.get(LEAN, "1")}
+        self.child = BackgroundChild(argv, name="online-server", log_path=log_path, env=env).__enter__()
         try:
             self._wait_ready()
         except BaseException:
