@@ -156,3 +156,26 @@ def test_rejected_pooled_record_leaves_the_pool(refreshed, tmp_path):
     with pytest.raises(VerifyFailed):
         stage_verify(b["cfg"], version, log=lambda m: None)
     assert not pool.record(key).exists() and not version.record_path(row).exists()
+
+
+def test_rows_linked_from_the_pool_have_their_masks_checked(refreshed):
+    """A row linked from the pool gets its prepared row's hash when it is linked: verify judges every
+    row's tokens and loss mask (reused records' too), and a shifted mask on a linked row fails."""
+    from eagle3_pipeline.data.prepare import load_tokenized
+    from eagle3_pipeline.shardrun import ShardRun
+    from eagle3_pipeline.verify.masks import mask_problems
+
+    b, v = refreshed["second"], refreshed["second"]["version"]
+    shards = ShardRun(v.path).read().shards
+    assert {int(r) for e in shards if e.status == "published" for r in e.row_hashes} == \
+        {r for e in shards if e.status == "published" for r in range(e.row_start, e.row_end)}
+    assert b["verify"].checks["masks"].ran and b["verify"].checks["masks"].records == v.rows
+    old = set(_ids_by_row(refreshed["first"]["version"]).values())
+    linked = [r for r, h in _ids_by_row(v).items() if h in old
+              and any(e.status == "published" and e.row_start <= r < e.row_end for e in shards)]
+    row = linked[len(linked) // 2]
+    ds = load_tokenized(v.tokenized_dir)
+    shifted = ds.map(lambda ex, i: {"loss_mask": ex["loss_mask"][1:] + [0]} if i == row else {}, with_indices=True)
+    found, bad, checked = mask_problems(shifted, shards, list(range(v.rows)))
+    published = sum(e.rows for e in shards if e.status == "published")  # a test above failed a shard
+    assert bad == [row] and checked == published and f"(row {row}," in found[0], found

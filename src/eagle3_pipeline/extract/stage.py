@@ -34,7 +34,7 @@ from pydantic import BaseModel
 
 from eagle3_pipeline import FORMAT_VERSION
 from eagle3_pipeline.config import ExtractConfig, TargetConfig
-from eagle3_pipeline.contracts import fingerprint_name, record_name
+from eagle3_pipeline.contracts import fingerprint_name, record_name, row_hash
 from eagle3_pipeline.extract.worker import ExtractJob, ShardSpec
 from eagle3_pipeline.layout import (FINGERPRINTS_DIR, MANIFEST_NAME, ExtractVersion, Shard,  # noqa: F401 (re-exported)
                                     plan_shards)
@@ -357,7 +357,19 @@ def _publish(g: _Group, shard: Shard, ev: dict, sub: _Subset | None = None) -> N
         phases=ev.get("phases"), files=hashes({n: hs_dir / n for n in names}),
         fingerprints=hashes({n: fp_dir / n for n in fp_names}), extracted_rows=len(extracted),
         reused_rows=len(span) - len(extracted), extracted_tokens=int(ev["tokens"]),
-        row_hashes=ev.get("row_hashes") or {}), also=drop_invariance)
+        row_hashes=(ev.get("row_hashes") or {}) | _row_hashes(g.version.tokenized_dir, sorted(set(span) - set(extracted)))),
+        also=drop_invariance)
+
+
+def _row_hashes(tokenized_dir, rows: list[int]) -> dict[str, str]:
+    """contracts.row_hash of `rows` of the tokenized dataset, as the extract child takes it for the rows it
+    extracts: for the rows linked from the record pool, so that verify's mask check judges them too."""
+    if not rows:
+        return {}
+    from datasets import load_from_disk
+
+    ds = load_from_disk(str(tokenized_dir)).select(rows).with_format("numpy", columns=["input_ids", "loss_mask"])
+    return {str(r): row_hash(rec["input_ids"], rec["loss_mask"]) for r, rec in zip(rows, ds)}
 
 
 def summarize(out_dir: Path, since: float | None = None) -> ExtractResult:

@@ -3,8 +3,9 @@
 Reads the extract manifest's `row_hashes` (per shard: contracts.row_hash of each extracted row, taken
 by the extract child from the tokenized dataset it read) and the tokenized dataset as the trainer will
 read it. A row whose hash differs was changed after extraction (a shifted loss mask, rows reordered or
-replaced): its record no longer belongs to it. Rows linked from the record pool, or extracted before
-hashes were kept, have none; they are counted, not judged.
+replaced): its record no longer belongs to it. Rows linked from the record pool get theirs when they
+are linked (extract/stage.py `_row_hashes`); rows extracted before hashes were kept have none and are
+counted, not judged.
 """
 
 from __future__ import annotations

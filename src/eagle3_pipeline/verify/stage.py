@@ -287,11 +287,14 @@ def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, lo
             rows = rows or good_new[: cfg.reference_samples]
         ref = reference_check(target, version, rows, log=log, cfg=cfg)
     elif cfg.reference_samples > 0 and reused:
-        ref.skipped = "every shard was verified before and is unchanged"
+        ref.skipped = ("every record was verified before, unchanged since: in this version" if prev.get("reference_samples")
+                       else "every record was verified before, unchanged since: in the version the record pool took "
+                            "it from")
         ref.samples_checked, ref.max_rel_err = prev.get("reference_samples", []), prev.get("reference_max_rel_err")
         ref.min_cosine = prev.get("reference_min_cosine")
     inv = _invariance(cfg, version, man, ds, log, sample)
-    mask_found, mask_bad, mask_rows = mask_problems(ds, shards, todo)
+    # every row's tokens and mask, reused records' too (hashing the rows is cheap; a dataset can change under them)
+    mask_found, mask_bad, mask_rows = mask_problems(ds, shards, todo if sample is not None else list(range(len(ds))))
     ref_ran_here = cfg.reference_samples > 0 and bool(good_new)
     problems = st.problems + ref.problems + inv.problems + mask_found + unrunnable(
         cfg, final_skipped if fp_required else None, ref.skipped if ref_ran_here else None, ref_ran_here)
@@ -333,7 +336,7 @@ def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, lo
         rows_rechecked=len(todo), rows_reused=len(reused), rows_reused_pool=len(from_pool),
         seconds=round(time.time() - t0, 2), checks=_checks(st, ref, inv, fp_required), cleared=st.cleared)
     res.checks["masks"] = CheckRun(ran=bool(mask_rows), records=mask_rows, skipped=None if mask_rows else
-                                   "no row hashes in the manifest (rows linked from the pool, or extracted before)")
+                                   "no row hashes in the manifest (extracted before they were kept)")
     for name, c in res.checks.items():
         log(f"verify: check {name}: " + (f"ran on {c.records} records" if c.ran else f"skipped ({c.skipped})"))
     cache.save(extract_dir / cache.CACHE_NAME, [r for r in [*reused.values(), *st.results] if r.row not in bad])
@@ -351,7 +354,10 @@ def _invariance(cfg: VerifyConfig, version: ExtractVersion, man: ShardManifest, 
         r for e in man.published() for r in range(e.row_start, e.row_end)}
     entries = {int(k): v for k, v in man.invariance.items() if int(k) in published}
     if not entries:
+        pooled = all(e.extracted_rows == 0 for e in man.published() if published & set(range(e.row_start, e.row_end)))
         why = ("extract.invariance_rows is 0" if not man.config.get("extract", {}).get("invariance_rows")
+               else "no engine ran for these rows: every one was linked from the record pool (judged when "
+                    "it was extracted)" if pooled
                else "the extract manifest holds no invariance entries (extracted before they existed?)")
         log(f"verify: invariance check skipped: {why}")
         return InvarianceResult(samples_checked=[], max_rel_err=None, min_cosine=None, per_layer_max_rel_err={},
