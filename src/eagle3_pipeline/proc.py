@@ -101,7 +101,28 @@ def kill_group(pgid: int, grace_s: float = 10.0, leader: subprocess.Popen | None
     try:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
-        pass
+        return
+    # SIGKILL is asynchronous: a member with a large address space can still be running its exit for a
+    # moment. Wait until only zombies (or nothing) are left, so a caller that returns says the truth.
+    deadline = time.time() + 10.0
+    while time.time() < deadline and _live_members(pgid, leader):
+        time.sleep(0.1)
+
+
+def _live_members(pgid: int, leader: subprocess.Popen | None) -> list[int]:
+    """Pids of the group's members that are not zombies (reaping the leader when it is our child)."""
+    import psutil
+
+    if leader is not None:
+        leader.poll()
+    live = []
+    for p in psutil.process_iter(["status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(p.pid) == pgid:
+                live.append(p.pid)
+        except (psutil.Error, OSError):
+            pass
+    return live
 
 
 def exit_code(rc: int | None) -> str:

@@ -73,3 +73,30 @@ def test_kill_group_reaps_its_leader_instead_of_waiting_for_the_grace_period(mon
     proc_mod.kill_group(child.pid, grace_s=30, leader=child)
     assert child.returncode == -signal.SIGTERM
     assert signal.SIGKILL not in sent, sent
+
+
+def test_kill_group_returns_when_no_member_is_left_running():
+    """CI once found an online server's engine processes alive right after the server was ended: SIGKILL
+    is asynchronous, and a member with a large address space is still running its exit for a moment.
+    kill_group returns only when every member of the group is gone or a zombie. Here a grandchild that
+    ignores SIGTERM holds 1 GiB of touched memory, so its exit takes a while after SIGKILL."""
+    import psutil
+
+    from eagle3_pipeline import proc as proc_mod
+
+    hold = ("import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "b = b'x' * (1 << 30); print('ready', flush=True); time.sleep(300)")
+    leader = subprocess.Popen(["bash", "-c", f'{sys.executable} -c "{hold}"; sleep 300'],
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert leader.stdout.readline().strip() == "ready"
+    members = [c.pid for c in psutil.Process(leader.pid).children(recursive=True)]
+    proc_mod.kill_group(leader.pid, grace_s=0.5, leader=leader)
+    left = []
+    for pid in members:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                left.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    assert left == [], left
+    assert leader.poll() is not None
