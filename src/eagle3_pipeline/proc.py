@@ -105,8 +105,12 @@ def kill_group(pgid: int, grace_s: float = 10.0, leader: subprocess.Popen | None
     # SIGKILL is asynchronous: a member with a large address space can still be running its exit for a
     # moment. Wait until only zombies (or nothing) are left, so a caller that returns says the truth.
     deadline = time.time() + 10.0
-    while time.time() < deadline and _live_members(pgid, leader):
+    while (live := _live_members(pgid, leader)) and time.time() < deadline:
         time.sleep(0.1)
+    if live:
+        import logging
+
+        logging.getLogger("eagle3_pipeline").warning("process group %d: %s still running 10 s after SIGKILL", pgid, live)
 
 
 def _live_members(pgid: int, leader: subprocess.Popen | None) -> list[int]:

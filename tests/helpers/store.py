@@ -64,6 +64,23 @@ def processes_with_env(key: str, value: str) -> list[int]:
     return found
 
 
+def describe_processes(pids: list[int]) -> list[str]:
+    """A line per pid for an assertion message: status, process group, parent, age and command line."""
+    import time
+
+    import psutil
+
+    out = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            out.append(f"pid {pid} {p.status()} pgid {os.getpgid(pid)} ppid {p.ppid()} "
+                       f"age {time.time() - p.create_time():.1f}s: {' '.join(p.cmdline())[:160]}")
+        except (psutil.Error, OSError) as e:
+            out.append(f"pid {pid}: {type(e).__name__}")
+    return out
+
+
 SMALL_ROWS_PER_SOURCE, SMALL_ROWS_PER_SHARD = 14, 4
 
 

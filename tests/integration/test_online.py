@@ -17,7 +17,7 @@ import pytest
 
 from eagle3_pipeline.config import load_config
 from eagle3_pipeline.verify.stage import VerifyFailed
-from tests.helpers.store import processes_with_env
+from tests.helpers.store import describe_processes, processes_with_env
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(1200)
@@ -26,8 +26,9 @@ ONLINE = ["train.mode=online", "train.epochs=1", "train.max_steps=4", "train.max
           "verify.online_rows=24", "verify.reference_samples=1"]
 
 
-def _servers_left() -> list[int]:
-    return processes_with_env("EAGLE3_PIPELINE_CHILD", "online-server")
+def _servers_left() -> list[str]:
+    """The online servers' processes still running (the server's group, its engine core), described."""
+    return describe_processes(processes_with_env("EAGLE3_PIPELINE_CHILD", "online-server"))
 
 
 def _run_online(cfg, log_lines: list[str]):
