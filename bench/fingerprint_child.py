@@ -8,7 +8,9 @@ four times, the order rotating each round); `logprobs_mode` from the job:
 - fingerprint: what the extract worker asks for (extract/worker.py _Engine), scored as the worker's engine
   scores it (prompt_scores.py: the lean path where it installs);
 - fingerprint_vllm: the same request scored by vLLM's own prompt-scores step.
-Reports the seconds of every timed call (engine start excluded) and whether the lean path was in place."""
+Reports the seconds of every timed call (engine start excluded), the part of them spent inside the engine's
+prompt-scores step (where the arms differ in work; the rest of the engine does the same for all but the
+output bookkeeping of the scores), and whether the lean path was in place."""
 
 import json
 import os
@@ -37,14 +39,19 @@ def hook_arms(switch: dict) -> list[int]:
     ran: list[int] = []
 
     def step(self, hidden_states, num_scheduled_tokens):
-        if switch["arm"] == "lm_head":
-            for req_id, n in num_scheduled_tokens.items():
-                at = int(self.query_start_loc.np[self.input_batch.req_id_to_index[req_id]])
-                self.model.compute_logits(hidden_states[at:at + n])
-                ran.append(int(n))
-        if switch["arm"] == "fingerprint_vllm":
-            return own(self, hidden_states, num_scheduled_tokens)
-        return pipeline(self, hidden_states, num_scheduled_tokens)
+        t0 = time.perf_counter()
+        try:
+            if switch["arm"] == "lm_head":
+                for req_id, n in num_scheduled_tokens.items():
+                    at = int(self.query_start_loc.np[self.input_batch.req_id_to_index[req_id]])
+                    self.model.compute_logits(hidden_states[at:at + n])
+                    ran.append(int(n))
+            if switch["arm"] == "fingerprint_vllm":
+                return own(self, hidden_states, num_scheduled_tokens)
+            return pipeline(self, hidden_states, num_scheduled_tokens)
+        finally:  # CPU work is synchronous: the step's own seconds, apart from the rest of the engine's
+            if switch["arm"] in switch["in_step"]:
+                switch["in_step"][switch["arm"]] += time.perf_counter() - t0
 
     GPUModelRunner._get_prompt_logprobs_dict = step
     switch["lean"] = lean
@@ -62,7 +69,7 @@ if __name__ == "__main__":
     from vllm.v1.engine.core_client import InprocClient
 
     rows = load_tokenized(job["tokenized"])["input_ids"][: job["rows"]]
-    switch = {"arm": None}
+    switch = {"arm": None, "in_step": dict.fromkeys(ARMS, 0.0)}
     ran = hook_arms(switch)
     llm = build_llm(EngineConfig(**job["engine"]), TargetConfig(model=job["model"]),
                     max_model_len=max(map(len, rows)) + 1, max_num_seqs=job["max_num_seqs"],
@@ -84,6 +91,8 @@ if __name__ == "__main__":
         raise SystemExit("the lm_head hook never ran: vLLM no longer calls _get_prompt_logprobs_dict each step")
     ran.clear()
     seconds: dict[str, list[float]] = {a: [] for a in ARMS}
+    in_step: dict[str, list[float]] = {a: [] for a in ARMS}  # of those, inside the prompt-scores step
+    switch["in_step"] = dict.fromkeys(ARMS, 0.0)
     for r in range(int(job["rounds"])):
         spent = dict.fromkeys(ARMS, 0.0)
         for a in range(0, len(prompts), per):  # the arms alternate call by call: drift hits them alike
@@ -95,9 +104,11 @@ if __name__ == "__main__":
         switch["arm"] = None
         for arm in ARMS:
             seconds[arm].append(spent[arm])
+            in_step[arm].append(switch["in_step"][arm])
+            switch["in_step"][arm] = 0.0
     tokens = sum(map(len, rows))
     per_round = sum(ran) / int(job["rounds"])
     if per_round < tokens:  # every prompt token went through lm_head in each lm_head round
         raise SystemExit(f"the lm_head arm ran on {per_round:.0f} tokens per round, expected {tokens}")
-    emit_event(kind="fingerprint_cost", tokens=tokens, seconds=seconds, lean=switch["lean"])
+    emit_event(kind="fingerprint_cost", tokens=tokens, seconds=seconds, in_step=in_step, lean=switch["lean"])
     exit_child(0)

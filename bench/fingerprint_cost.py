@@ -14,8 +14,10 @@ lm_head over every prompt token, request by request as vLLM's prompt-logprobs pa
 own compute_logits, discarded: the floor of any fingerprint of the target's logits, measured); with
 prompt logprobs scored as the extract engine scores them (prompt_scores.py's lean path); and scored
 by vLLM's own step. Prints per mode each one's share of the time with it (1 - plain / with, per round:
-median with min-max), the fingerprint's points above the measured floor (per round), and the floor as
-multiply-adds estimate it (lm_head's ÷ the rest of the model's, per token).
+median with min-max), the fingerprint's points above the measured floor (per round), the part of those
+points spent inside the engine's prompt-scores step (timed there: the scoring work itself, which the noise of
+whole calls on shared cores hides; the rest is output bookkeeping and noise), and the floor as multiply-adds
+estimate it (lm_head's ÷ the rest of the model's, per token).
 Usage: .venv/bin/python bench/fingerprint_cost.py [--sizes small,large] [--rounds 6] [--rows 400] [--rows-large 96]
        [--modes raw_logprobs,raw_logits]
 """
@@ -59,7 +61,7 @@ def main() -> None:
     work, tiny = Path(args.work), ROOT / ".cache" / "tiny-target"
     t = Table(title=f"fingerprint cost: share of prefill time, {args.rounds} alternating rounds, median (min-max)")
     for c in ("target", "vLLM scores", "tokens", "plain s", "lm_head share", "fingerprint share",
-              "above lm_head", "vLLM's own step: share", "above lm_head", "MAC estimate"):
+              "above lm_head", "in the step", "vLLM's own step: share", "above lm_head", "in the step", "MAC estimate"):
         t.add_column(c, justify="right")
     out: dict = {"rounds": args.rounds, "pipeline_mode": FINGERPRINT_ENGINE_KWARGS["logprobs_mode"], "sizes": {}}
     for size in args.sizes.split(","):
@@ -83,20 +85,27 @@ def main() -> None:
             s = ev["seconds"]
             share = {arm: [1 - p / w for p, w in zip(s["plain"], s[arm])] for arm in ARMS}
             above = {arm: [f - h for f, h in zip(share[arm], share["lm_head"])] for arm in ARMS[1:]}
+            st = ev["in_step"]  # seconds inside the prompt-scores step: the arms' own work, little noise
+            in_step = {arm: [(a - h) / w for a, h, w in zip(st[arm], st["lm_head"], s[arm])] for arm in ARMS[1:]}
             sp, ab = {arm: spread(v) for arm, v in share.items()}, {arm: spread(v) for arm, v in above.items()}
+            ins = {arm: spread(v) for arm, v in in_step.items()}
             out["sizes"][size]["modes"][mode] = {
                 "tokens": ev["tokens"], "seconds": s, "lean_prompt_scores": ev["lean"],
                 "share": sp["fingerprint"] | {"values": share["fingerprint"]},
                 "share_vllm_own": sp["fingerprint_vllm"] | {"values": share["fingerprint_vllm"]},
                 "lm_head_measured": sp["lm_head"] | {"values": share["lm_head"]},
                 "points_above_lm_head": ab["fingerprint"] | {"values": above["fingerprint"]},
-                "points_above_lm_head_vllm_own": ab["fingerprint_vllm"] | {"values": above["fingerprint_vllm"]}}
+                "points_above_lm_head_vllm_own": ab["fingerprint_vllm"] | {"values": above["fingerprint_vllm"]},
+                "in_step_seconds": st,
+                "in_step_points_above_lm_head": ins["fingerprint"] | {"values": in_step["fingerprint"]},
+                "in_step_points_above_lm_head_vllm_own": ins["fingerprint_vllm"] | {"values": in_step["fingerprint_vllm"]}}
             pct = lambda d: f"{d['median']:.1%} ({d['min']:.1%}-{d['max']:.1%})"  # noqa: E731
             pts = lambda d: f"{d['median'] * 100:+.1f} ({d['min'] * 100:+.1f} to {d['max'] * 100:+.1f})"  # noqa: E731
             t.add_row(size, mode + (" (pipeline)" if mode == out["pipeline_mode"] else ""), f"{ev['tokens']:,}",
                       f"{spread(s['plain'])['median']:.2f}", pct(sp["lm_head"]),
                       pct(sp["fingerprint"]) + ("" if ev["lean"] else " (vLLM's step)"), pts(ab["fingerprint"]),
-                      pct(sp["fingerprint_vllm"]), pts(ab["fingerprint_vllm"]), f"{floor:.1%}")
+                      pts(ins["fingerprint"]), pct(sp["fingerprint_vllm"]), pts(ab["fingerprint_vllm"]),
+                      pts(ins["fingerprint_vllm"]), f"{floor:.1%}")
     Console().print(t)
     record("fingerprint", out)
 

@@ -134,6 +134,10 @@ def ratio_rows(res: dict) -> list[tuple[str, str, str]]:
                             rows.append((f"fingerprint - measured floor, {what}, {how}",
                                          f"{ab['median'] * 100:+.1f} ({ab['min'] * 100:+.1f} to {ab['max'] * 100:+.1f}) points",
                                          "<= +2 points"))
+                        if ins := md.get("in_step_" + key):
+                            rows.append((f"of which inside the prompt-scores step, {what}, {how}",
+                                         f"{ins['median'] * 100:+.1f} ({ins['min'] * 100:+.1f} to {ins['max'] * 100:+.1f}) points",
+                                         "the scoring work itself, timed in the engine"))
     if d := data("verify"):
         for r in d["rows"]:
             if r["method"] != "cat":
