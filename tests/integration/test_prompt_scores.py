@@ -120,5 +120,33 @@ def test_install_only_when_asked(monkeypatch):
     assert prompt_scores.install() is False
 
 
+
+def test_rank_count_in_blocks_equals_vllms(monkeypatch):
+    """Where the engine runs eager, the scored token's rank is counted in blocks of rows into int32
+    (prompt_scores.count_at_least): the same counts as vLLM's batched_count_greater_than on every row,
+    across block boundaries, with ties, -inf and a NaN score (counted as nothing, as vLLM does)."""
+    import torch
+    from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+
+    from eagle3_pipeline import prompt_scores
+
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    called = []
+    spy = lambda x, v: called.append(1) or batched_count_greater_than(x, v)  # noqa: E731
+    g = torch.Generator().manual_seed(0)
+    for m in (1, prompt_scores.COUNT_ROWS - 1, prompt_scores.COUNT_ROWS, 2 * prompt_scores.COUNT_ROWS + 3):
+        x = torch.randn(m, 999, generator=g).to(torch.bfloat16)  # bf16 rounding: many ties
+        x[0, :7] = float("-inf")
+        v = x[:, 5:6].clone()
+        v[-1, 0] = float("nan")
+        got = prompt_scores.count_at_least(x, v, spy)
+        want = (x >= v).sum(-1)
+        assert got.dtype == torch.int64 and torch.equal(got, want), m
+    assert called == []  # the blocks did the counting, not vLLM's eager fallback
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "0")
+    prompt_scores.count_at_least(x, v, spy)
+    assert called == [1]  # compiled: vLLM's own kernel
+
+
 if __name__ == "__main__":
     _child(sys.argv[1], json.loads(sys.argv[2]), sys.argv[3])
