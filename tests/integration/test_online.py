@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from eagle3_pipeline.config import load_config
+from eagle3_pipeline.proc import CHILD_MARKER_ENV, LAUNCHER_ENV
 from eagle3_pipeline.verify.stage import VerifyFailed
 from tests.helpers.store import describe_processes, processes_with_env
 
@@ -27,8 +28,11 @@ ONLINE = ["train.mode=online", "train.epochs=1", "train.max_steps=4", "train.max
 
 
 def _servers_left() -> list[str]:
-    """The online servers' processes still running (the server's group, its engine core), described."""
-    return describe_processes(processes_with_env("EAGLE3_PIPELINE_CHILD", "online-server"))
+    """The online servers' processes that this test process launched and that are still running (the
+    server's group, its engine core), described. Only ours: the other xdist worker may be running a test
+    that starts a server of its own at the same moment (CI once counted that one as our leftover)."""
+    ours = set(processes_with_env(LAUNCHER_ENV, str(os.getpid())))
+    return describe_processes([p for p in processes_with_env(CHILD_MARKER_ENV, "online-server") if p in ours])
 
 
 def _run_online(cfg, log_lines: list[str]):
