@@ -419,7 +419,8 @@ def fingerprint_blocker(target, dims) -> str | None:
 
 def fingerprint_from_logprobs(prompt_logprobs: list, last_logprobs: dict | None, num_tokens: int) -> dict:
     """The sidecar tensors from vLLM's `RequestOutput.prompt_logprobs` (a list of {token id: Logprob},
-    entry 0 None) and the generated token's logprobs dict (`outputs[0].logprobs[0]`)."""
+    entry 0 None) and the generated token's logprobs dict (`outputs[0].logprobs[0]`). Only ranks 1..FP_TOP
+    count: the prompt token's own entry carries its rank, or prompt_scores.NOT_COUNTED (-1) from the lean path."""
     import torch
 
     ids = torch.full((num_tokens, FP_TOP), -1, dtype=torch.int64)  # [T, 2]
@@ -428,7 +429,7 @@ def fingerprint_from_logprobs(prompt_logprobs: list, last_logprobs: dict | None,
     for t, entry in enumerate(entries):
         if not entry:
             continue
-        top = sorted((lp.rank, tid, lp.logprob) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= FP_TOP)
+        top = sorted((lp.rank, tid, lp.logprob) for tid, lp in entry.items() if lp.rank is not None and 1 <= lp.rank <= FP_TOP)
         for j, (_, tid, lp) in enumerate(top[:FP_TOP]):
             ids[t, j], lps[t, j] = tid, lp
     return {FP_IDS_KEY: ids.contiguous(), FP_LOGPROBS_KEY: lps.contiguous()}

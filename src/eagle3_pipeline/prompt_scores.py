@@ -4,10 +4,16 @@ The extract engine asks vLLM for the top-2 raw logits at every prompt token (eng
 contracts.fingerprint_from_flat). vLLM's model runner computes them per request from the engine's own
 logits [T, V], then casts all of them to float32 ([T, V] written once more), takes the top-k, gathers the
 prompt token's score and counts its rank, all on the copy. With raw logits the cast changes no value
-(bf16 and fp16 are exact in float32), so `lean_prompt_scores` does the same work on the logits as they
-come: the same top-k ids and scores, the same prompt-token score and rank, in the same tensors of the same
-request state, one request at a time as vLLM does (one matmul over a whole batch's prompt tokens was
-slower). Measured at the 602M bench size (bench/fingerprint_cost.py): docs/verification.md, "Costs".
+(bf16 and fp16 are exact in float32), so `lean_prompt_scores` works on the logits as they come: the same
+top-k ids and scores and the same prompt-token score, in the same tensors of the same request state, one
+request at a time as vLLM does (one matmul over a whole batch's prompt tokens was slower).
+
+It asks for what verify reads and no more: the fingerprint is the top-k ids and scores
+(contracts.fingerprint_from_flat), never the prompt token's rank, whose count is a second pass over
+[T, V] (at the 602M bench size more than the top-k itself). So the lean path leaves that rank uncounted,
+NOT_COUNTED (-1) in vLLM's output, unless the process sets EAGLE3_PROMPT_SCORE_RANKS=1; then it counts
+it exactly as vLLM does (`count_at_least`). Measured at the 602M bench size (bench/fingerprint_cost.py):
+docs/verification.md, "Costs".
 
 It replaces `GPUModelRunner._get_prompt_logprobs_dict` (vLLM's CPU runner inherits it) only where:
 - the process asks for it: `EAGLE3_LEAN_PROMPT_SCORES=1`, which the extract worker sets for its engine
@@ -26,6 +32,8 @@ from __future__ import annotations
 import os
 
 ENV = "EAGLE3_LEAN_PROMPT_SCORES"
+RANKS_ENV = "EAGLE3_PROMPT_SCORE_RANKS"  # =1: the lean path counts the prompt token's rank too
+NOT_COUNTED = -1  # the prompt token's rank in the lean path's output when it is not counted
 RAW_MODES = ("raw_logits", "processed_logits")
 _STATE = {"installed": False, "own": None}
 
@@ -76,14 +84,17 @@ def install() -> bool:
 
     GPUModelRunner._get_prompt_logprobs_dict = prompt_scores
     _STATE["installed"] = True
-    print(f"eagle3 prompt_scores: lean prompt scores in place (pid {os.getpid()})", flush=True)
+    counted = "counted" if os.environ.get(RANKS_ENV) == "1" else f"not counted ({RANKS_ENV}=1 counts it)"
+    print(f"eagle3 prompt_scores: lean prompt scores in place (pid {os.getpid()}; the prompt token's rank "
+          f"{counted})", flush=True)
     return True
 
 
 def lean_prompt_scores(runner, hidden_states, num_scheduled_tokens: dict[str, int]) -> dict:
     """The prompt scores of this engine step for every request that asked for prompt logprobs: per
     request, its scheduled prompt tokens' logits (the engine's dtype), their top-k, the next prompt
-    token's score and rank, into the request's CPU tensors; the finished requests' tensors returned."""
+    token's score (and its rank where RANKS_ENV=1, else NOT_COUNTED), into the request's CPU tensors;
+    the finished requests' tensors returned."""
     import torch
     from vllm.v1.outputs import LogprobsTensors
     from vllm.v1.sample.ops.logprobs import batched_count_greater_than
@@ -91,6 +102,7 @@ def lean_prompt_scores(runner, hidden_states, num_scheduled_tokens: dict[str, in
     wanted = runner.num_prompt_logprobs  # req id -> k, while the request's prompt is being scored
     if not wanted:
         return {}
+    ranks = os.environ.get(RANKS_ENV) == "1"
     done: dict = {}
     for req_id, k in list(wanted.items()):
         n = num_scheduled_tokens.get(req_id)
@@ -113,11 +125,14 @@ def lean_prompt_scores(runner, hidden_states, num_scheduled_tokens: dict[str, in
         nxt = torch.tensor(prompt[first + 1:first + 1 + m], dtype=torch.int64, device=logits.device)  # [m]
         top_v, top_i = torch.topk(logits, k, dim=-1)  # [m, k]
         nxt_v = logits.gather(-1, nxt.unsqueeze(-1))  # [m, 1]
-        rank = count_at_least(logits, nxt_v, batched_count_greater_than)  # [m]
         rows = slice(first, first + m)
         into.logprob_token_ids[rows].copy_(torch.cat((nxt.unsqueeze(-1), top_i), dim=1), non_blocking=True)
         into.logprobs[rows].copy_(torch.cat((nxt_v, top_v), dim=1), non_blocking=True)
-        into.selected_token_ranks[rows].copy_(rank, non_blocking=True)
+        if ranks:
+            into.selected_token_ranks[rows].copy_(count_at_least(logits, nxt_v, batched_count_greater_than),
+                                                  non_blocking=True)
+        else:
+            into.selected_token_ranks[rows].fill_(NOT_COUNTED)
     for req_id in done:
         del wanted[req_id]
         runner.requests[req_id].in_progress_prompt_logprobs_cpu = None

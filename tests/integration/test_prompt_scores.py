@@ -2,9 +2,11 @@
 
 One child process per target (this file run as a script) starts an in-process engine with the pipeline's
 score mode (raw logits) and prompt-logprob requests as the extract worker makes them, and prefills the
-same rows with vLLM's own prompt-scores step and with `lean_prompt_scores`, with chunked prefill and a
-small token budget: short prompts are scored in one engine step, long ones over several. The tests then compare,
-without an engine: every position's ids, scores and ranks must be equal, and the lean path must have run.
+same rows three times: vLLM's own prompt-scores step, `lean_prompt_scores` as the pipeline runs it (the
+scored token's rank uncounted) and with ranks counted; chunked prefill with a small token budget, so short
+prompts are scored in one engine step and long ones over several. The tests then compare, without an
+engine: every position's ids, scores and ranks must be equal (but the uncounted ranks), and the lean path
+must have run.
 Targets: the tiny Llama (bf16, so the float32 copy it skips is a real cast) and the tiny MoE (MLA + MoE,
 bf16).
 """
@@ -60,8 +62,9 @@ def _child(target: str, trust: bool, out_dir: str) -> None:
                     enable_chunked_prefill=True, max_num_batched_tokens=CHUNK_TOKENS, **FINGERPRINT_ENGINE_KWARGS)
     assert isinstance(llm.llm_engine.engine_core, InprocClient)
     res: dict = {"lengths": [len(r) for r in rows]}
-    for name, step in (("vllm", own), ("lean", counted)):
+    for name, step, ranks in (("vllm", own, "0"), ("lean", counted, "0"), ("lean_ranks", counted, "1")):
         GPUModelRunner._get_prompt_logprobs_dict = step
+        os.environ[prompt_scores.RANKS_ENV] = ranks
         outs = llm.generate(prompts, sp, use_tqdm=False)
         res[name] = [{"ids": list(o.prompt_logprobs.token_ids), "scores": list(o.prompt_logprobs.logprobs),
                       "ranks": list(o.prompt_logprobs.ranks), "starts": list(o.prompt_logprobs.start_indices)}
@@ -94,18 +97,27 @@ def scored(request, tmp_path_factory):
 
 def test_lean_prompt_scores_equal_vllms_own(scored):
     """Every prompt position: the same top-2 ids and raw-logit scores, the same scored token, score and
-    rank as vLLM's own path, for prompts scored in one step and over several (chunked prefill)."""
+    rank as vLLM's own path, for prompts scored in one step and over several (chunked prefill), where the
+    lean path counts ranks (EAGLE3_PROMPT_SCORE_RANKS=1). By default it leaves the scored token's rank
+    uncounted (-1, the fingerprint never reads it) and everything else equal, the top-k ranks included."""
+    from eagle3_pipeline.prompt_scores import NOT_COUNTED
+
     lengths = scored["lengths"]
     assert min(lengths) < CHUNK_TOKENS < 2 * CHUNK_TOKENS < max(lengths)  # one step and several
     assert scored["lean_steps"] > 0, "the lean path never ran"
-    vllm, lean = scored["vllm"], scored["lean"]
-    assert len(vllm) == len(lean) == N_ROWS
-    for i, (a, b) in enumerate(zip(vllm, lean)):
+    vllm, lean, lean_ranks = scored["vllm"], scored["lean"], scored["lean_ranks"]
+    assert len(vllm) == len(lean) == len(lean_ranks) == N_ROWS
+    for i, (a, b, c) in enumerate(zip(vllm, lean, lean_ranks)):
         assert len(a["starts"]) == lengths[i], f"row {i}: {len(a['starts'])} positions, expected {lengths[i]}"
-        assert a["starts"] == b["starts"], f"row {i}: positions differ"
-        assert a["ids"] == b["ids"], f"row {i}: token ids differ"
-        assert a["ranks"] == b["ranks"], f"row {i}: ranks differ"
-        assert a["scores"] == b["scores"], f"row {i}: scores differ"
+        for other in (b, c):
+            assert a["starts"] == other["starts"], f"row {i}: positions differ"
+            assert a["ids"] == other["ids"], f"row {i}: token ids differ"
+            assert a["scores"] == other["scores"], f"row {i}: scores differ"
+        assert a["ranks"] == c["ranks"], f"row {i}: ranks differ"
+        scored_at = set(a["starts"][1:])  # each position's first entry: the scored prompt token
+        assert all(r >= 1 for r in a["ranks"])
+        assert [NOT_COUNTED if j in scored_at else r for j, r in enumerate(a["ranks"])] == b["ranks"], \
+            f"row {i}: the lean path's ranks differ beyond the uncounted scored-token ranks"
 
 
 def test_install_only_when_asked(monkeypatch):

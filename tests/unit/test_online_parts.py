@@ -37,6 +37,10 @@ def test_server_logprobs_become_the_fingerprint_the_extract_engine_writes():
     assert fp[FP_IDS_KEY].tolist() == [[403, 549], [375, 540], [403, 20]]
     assert fp[FP_LOGPROBS_KEY][2].tolist() == pytest.approx([-1.03, -2.06])
     assert _last_logprobs(None) is None and _last_logprobs({"top_logprobs": [None]}) is None
+    # the lean prompt-scores path leaves the prompt token's rank uncounted (-1): still not a top-2 entry
+    prompt[1]["5"]["rank"] = -1
+    fp = fingerprint_from_logprobs(_prompt_logprobs(prompt), _last_logprobs(last), 3)
+    assert fp[FP_IDS_KEY].tolist() == [[403, 549], [375, 540], [403, 20]]
 
 
 def test_server_argv_carries_the_engine_settings():
