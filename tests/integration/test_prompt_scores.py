@@ -29,6 +29,7 @@ pytestmark = pytest.mark.timeout(900)
 
 
 def _child(target: str, trust: bool, out_dir: str) -> None:
+    import torch
     from transformers import AutoTokenizer
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -44,6 +45,21 @@ def _child(target: str, trust: bool, out_dir: str) -> None:
 
     installed, own = GPUModelRunner._get_prompt_logprobs_dict, prompt_scores._STATE["own"]
     lean_steps = []
+    # the tiny vocabularies (908, 1024) are under the block top-k's minimum at TOP_BLOCK 512: smaller
+    # blocks, a short last one included, so that the engine's real logits go through it
+    prompt_scores.TOP_BLOCK = 64
+    by_blocks, blocks = {"calls": 0, "rows": 0, "tied_ids": 0, "wrong": 0}, prompt_scores.top_k
+
+    def checked_top_k(logits, k):
+        v, i = blocks(logits, k)
+        want = torch.topk(logits, k, dim=-1)
+        by_blocks["calls"] += 1
+        by_blocks["rows"] += logits.shape[0]
+        by_blocks["wrong"] += int((~torch.eq(v, want.values)).any(-1).sum() + (logits.gather(-1, i) != v).any(-1).sum())
+        by_blocks["tied_ids"] += int((i != want.indices).any(-1).sum())  # the same values: ties
+        return v, i
+
+    prompt_scores.top_k = checked_top_k
 
     def counted(self, hidden_states, num_scheduled_tokens):
         if self.num_prompt_logprobs:
@@ -70,6 +86,7 @@ def _child(target: str, trust: bool, out_dir: str) -> None:
                       "ranks": list(o.prompt_logprobs.ranks), "starts": list(o.prompt_logprobs.start_indices)}
                      for o in outs]
     res["lean_steps"] = len(lean_steps)
+    res["by_blocks"] = by_blocks
     Path(out_dir, "result.json").write_text(json.dumps(res))
 
 
@@ -107,17 +124,23 @@ def test_lean_prompt_scores_equal_vllms_own(scored):
     assert scored["lean_steps"] > 0, "the lean path never ran"
     vllm, lean, lean_ranks = scored["vllm"], scored["lean"], scored["lean_ranks"]
     assert len(vllm) == len(lean) == len(lean_ranks) == N_ROWS
+    blocks = scored["by_blocks"]  # the block top-k ran on every scored row, with torch.topk's values
+    assert blocks["calls"] > 0 and blocks["rows"] >= 2 * sum(n - 1 for n in lengths) and blocks["wrong"] == 0, blocks
+    tied = 0
     for i, (a, b, c) in enumerate(zip(vllm, lean, lean_ranks)):
         assert len(a["starts"]) == lengths[i], f"row {i}: {len(a['starts'])} positions, expected {lengths[i]}"
         for other in (b, c):
             assert a["starts"] == other["starts"], f"row {i}: positions differ"
-            assert a["ids"] == other["ids"], f"row {i}: token ids differ"
             assert a["scores"] == other["scores"], f"row {i}: scores differ"
+            # ids: the same but where top_k chose another id of a tied value (counted in the child)
+            tied += sum(x != y for x, y in zip(a["ids"], other["ids"]))
+        assert b["ids"] == c["ids"], f"row {i}: the lean path's ids differ between its runs"
         assert a["ranks"] == c["ranks"], f"row {i}: ranks differ"
         scored_at = set(a["starts"][1:])  # each position's first entry: the scored prompt token
         assert all(r >= 1 for r in a["ranks"])
         assert [NOT_COUNTED if j in scored_at else r for j, r in enumerate(a["ranks"])] == b["ranks"], \
             f"row {i}: the lean path's ranks differ beyond the uncounted scored-token ranks"
+    assert tied <= 2 * blocks["tied_ids"], f"{tied} ids differ from vLLM's, {blocks['tied_ids']} rows with tied ids"
 
 
 def test_install_only_when_asked(monkeypatch):
@@ -131,6 +154,37 @@ def test_install_only_when_asked(monkeypatch):
     monkeypatch.setenv(prompt_scores.ENV, "0")
     assert prompt_scores.install() is False
 
+
+
+def test_top_k_by_blocks_equals_torch_topk(monkeypatch):
+    """prompt_scores.top_k: torch.topk's values on every row, ids that hold those values and are distinct,
+    and torch.topk's ids wherever no value ties; vocabularies with and without a short last block, k 1 to
+    3, many ties (bf16 of rounded values), rows of -inf, +inf and NaN."""
+    import torch
+
+    from eagle3_pipeline import prompt_scores
+
+    g = torch.Generator().manual_seed(0)
+    for vocab in (4 * 3 * prompt_scores.TOP_BLOCK, 32000, 49152, 50257):
+        for k in (1, 2, 3):
+            for step in (None, 0.25):
+                x = torch.randn(64, vocab, generator=g)
+                x = (x / step).round() * step if step else x
+                x = x.to(torch.bfloat16)
+                x[0], x[1, 7:], x[2, -1], x[3, 100] = float("-inf"), float("-inf"), float("inf"), float("nan")
+                want = torch.topk(x, k, dim=-1)
+                v, i = prompt_scores.top_k(x, k)
+                assert torch.equal(v.nan_to_num(), want.values.nan_to_num()), (vocab, k, step)
+                assert torch.equal(x.gather(-1, i).nan_to_num(), v.nan_to_num()) and (i < vocab).all()
+                assert (i.sort(-1).values.diff(dim=-1) > 0).all()  # distinct ids
+                top = torch.topk(x.float(), k + 1, dim=-1).values
+                untied = (top.diff(dim=-1) < 0).all(-1)  # rows whose k + 1 largest values all differ
+                assert torch.equal(i[untied], want.indices[untied]), (vocab, k, step)
+    calls = []
+    monkeypatch.setattr(torch, "topk", lambda *a, **kw: calls.append(1) or torch.return_types.topk(
+        (a[0][..., :1], a[0][..., :1].long())))
+    prompt_scores.top_k(torch.zeros(2, 4 * 2 * prompt_scores.TOP_BLOCK - 1), 2)
+    assert len(calls) == 1  # under 4 * k blocks: torch.topk itself
 
 
 def test_rank_count_in_blocks_equals_vllms(monkeypatch):
