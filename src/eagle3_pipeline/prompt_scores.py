@@ -160,16 +160,19 @@ def top_k(logits, k: int):
     m_rows, vocab = logits.shape
     if logits.device.type != "cpu" or vocab < 4 * k * TOP_BLOCK:
         return torch.topk(logits, k, dim=-1)
-    whole = vocab // TOP_BLOCK * TOP_BLOCK
-    maxima = logits[:, :whole].reshape(m_rows, -1, TOP_BLOCK).amax(-1)  # [m, blocks]
-    blocks = torch.topk(maxima, k, dim=-1).indices  # [m, k]
-    ids = (blocks.unsqueeze(-1) * TOP_BLOCK + torch.arange(TOP_BLOCK, device=logits.device)).view(m_rows, -1)
-    vals = logits.gather(-1, ids)  # [m, k * TOP_BLOCK]
-    if vocab > whole:  # the short block's entries are candidates too
-        vals = torch.cat((vals, logits[:, whole:]), 1)
-        ids = torch.cat((ids, torch.arange(whole, vocab, device=logits.device).expand(m_rows, -1)), 1)
+    whole = vocab // TOP_BLOCK
+    row = logits.stride(0)
+    # the whole blocks as a view (no copy, also where the vocabulary ends in a short block)
+    blocked = logits.as_strided((m_rows, whole, TOP_BLOCK), (row, TOP_BLOCK, logits.stride(1)))
+    blocks = torch.topk(blocked.amax(-1), k, dim=-1).indices  # [m, k]: the blocks of the k largest maxima
+    vals = blocked.gather(1, blocks.unsqueeze(-1).expand(m_rows, k, TOP_BLOCK)).view(m_rows, -1)  # [m, k * B]
+    if vocab > whole * TOP_BLOCK:  # the short block's entries are candidates too
+        vals = torch.cat((vals, logits[:, whole * TOP_BLOCK:]), 1)
     top_v, at = torch.topk(vals, k, dim=-1)
-    return top_v, ids.gather(-1, at)
+    in_blocks = at < k * TOP_BLOCK
+    ids = torch.where(in_blocks, blocks.gather(1, (at // TOP_BLOCK).clamp(max=k - 1)) * TOP_BLOCK + at % TOP_BLOCK,
+                      at - k * TOP_BLOCK + whole * TOP_BLOCK)
+    return top_v, ids
 
 
 COUNT_ROWS = 32  # rows of logits per comparison in count_at_least (32 x 32k bf16: 2 MB)
