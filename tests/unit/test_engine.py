@@ -9,6 +9,7 @@ from eagle3_pipeline.engine import (
     build_llm,
     cpu_bind_spec,
     cpu_build_kwargs,
+    cpu_mla_kwargs,
     eagle3_config,
     engine_env,
     extract_hidden_states_config,
@@ -211,3 +212,33 @@ def test_an_impossible_weight_load_time_is_rewritten_a_real_one_is_kept(caplog):
     real, impossible = [r.getMessage() for r in caplog.records]
     assert real == "Loading weights took 0.02 seconds"
     assert "none read from files" in impossible and "took" not in impossible, impossible
+
+
+def test_an_mla_target_in_float32_gets_vllms_reference_mla_backend(llm_kwargs, tmp_path):
+    """vLLM prefers its AMX MLA backend wherever the CPU has AMX, and that backend refuses float32
+    weights at load (CI met it on an AMX machine with the random DeepSeek-V3 target in float32):
+    an MLA target in float32 is given CPU_MLA, in process and in a server's command line; bf16, a
+    model without MLA and a hub name are left to vLLM."""
+    import json
+
+    from eagle3_pipeline.engine import server_argv, vllm_is_cpu_build
+
+    if not vllm_is_cpu_build():
+        pytest.skip("the CPU build's MLA backends")
+    mla, dense = tmp_path / "mla", tmp_path / "dense"
+    for d, text in ((mla, {"kv_lora_rank": 512, "qk_rope_head_dim": 64}), (dense, {"head_dim": 64})):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"model_type": "x", **text}))
+    f32 = TargetConfig(model=str(mla), dtype="float32")
+    assert cpu_mla_kwargs(f32) == {"attention_backend": "CPU_MLA"}
+    assert build_llm(EngineConfig(), f32, max_model_len=8)["attention_backend"] == "CPU_MLA"
+    argv = server_argv(EngineConfig(), f32, max_model_len=8, port=1)
+    assert argv[argv.index("--attention-backend") + 1] == "CPU_MLA"
+    nested = tmp_path / "nested"
+    nested.mkdir()
+    (nested / "config.json").write_text(json.dumps({"text_config": {"kv_lora_rank": 512}}))
+    assert cpu_mla_kwargs(TargetConfig(model=str(nested), dtype="float32")) == {"attention_backend": "CPU_MLA"}
+    for other in (TargetConfig(model=str(mla), dtype="bfloat16"), TargetConfig(model=str(dense), dtype="float32"),
+                  TargetConfig(model="org/hub-name", dtype="float32")):
+        assert cpu_mla_kwargs(other) == {} and "attention_backend" not in build_llm(EngineConfig(), other, max_model_len=8)
+    # vLLM's own parser reads that command line: tests/unit/test_online_parts.py

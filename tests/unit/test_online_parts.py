@@ -43,7 +43,7 @@ def test_server_logprobs_become_the_fingerprint_the_extract_engine_writes():
     assert fp[FP_IDS_KEY].tolist() == [[403, 549], [375, 540], [403, 20]]
 
 
-def test_server_argv_carries_the_engine_settings():
+def test_server_argv_carries_the_engine_settings(tmp_path):
     from eagle3_pipeline.engine import extract_hidden_states_config, server_argv
 
     argv = server_argv(ExtractConfig(gpu_memory_utilization=0.2), TargetConfig(model="/m", trust_remote_code=True),
@@ -64,6 +64,13 @@ def test_server_argv_carries_the_engine_settings():
 
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[4:])
     assert args.max_num_seqs == 8 and args.enable_chunked_prefill is False and args.trust_remote_code is True
+    # an MLA target in float32 (engine.cpu_mla_kwargs): the backend's option and name parse too
+    (tmp_path / "config.json").write_text(json.dumps({"kv_lora_rank": 512}))
+    mla = server_argv(ExtractConfig(), TargetConfig(model=str(tmp_path), dtype="float32"), max_model_len=600, port=1)
+    assert "--attention-backend" not in argv
+    if "--attention-backend" in mla:  # the CPU build
+        args = make_arg_parser(FlexibleArgumentParser()).parse_args(mla[4:])
+        assert str(args.attention_backend).endswith("CPU_MLA")
 
 
 def test_background_child_is_ended_with_its_group(tmp_path):
