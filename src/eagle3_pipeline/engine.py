@@ -78,17 +78,13 @@ def cpu_mla_kwargs(target: TargetConfig) -> dict:
     backend, which takes bf16 / fp16 / int8 weights only and stops the engine at load ("expect weight
     to be bfloat16, float16, int8, ..."); without AMX vLLM picks CPU_MLA itself, so naming it makes the
     same choice on every machine. Empty otherwise (another dtype, no MLA, a hub name, a GPU build)."""
-    import json
     from pathlib import Path
 
-    if target.dtype != "float32" or not vllm_is_cpu_build():
+    from eagle3_pipeline.contracts import model_dims
+
+    if target.dtype != "float32" or not vllm_is_cpu_build() or not (Path(target.model) / "config.json").is_file():
         return {}
-    try:
-        cfg = json.loads((Path(target.model) / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    text = (cfg.get("text_config") or cfg) if isinstance(cfg, dict) else {}
-    return {"attention_backend": "CPU_MLA"} if isinstance(text, dict) and text.get("kv_lora_rank") else {}
+    return {"attention_backend": "CPU_MLA"} if model_dims(target).mla else {}
 
 
 def cpu_attention_accepts_block_16() -> bool:

@@ -226,9 +226,10 @@ def test_an_mla_target_in_float32_gets_vllms_reference_mla_backend(llm_kwargs, t
     if not vllm_is_cpu_build():
         pytest.skip("the CPU build's MLA backends")
     mla, dense = tmp_path / "mla", tmp_path / "dense"
+    dims = {"num_hidden_layers": 2, "hidden_size": 64, "vocab_size": 99}
     for d, text in ((mla, {"kv_lora_rank": 512, "qk_rope_head_dim": 64}), (dense, {"head_dim": 64})):
         d.mkdir()
-        (d / "config.json").write_text(json.dumps({"model_type": "x", **text}))
+        (d / "config.json").write_text(json.dumps({"model_type": "x", **dims, **text}))
     f32 = TargetConfig(model=str(mla), dtype="float32")
     assert cpu_mla_kwargs(f32) == {"attention_backend": "CPU_MLA"}
     assert build_llm(EngineConfig(), f32, max_model_len=8)["attention_backend"] == "CPU_MLA"
@@ -236,7 +237,7 @@ def test_an_mla_target_in_float32_gets_vllms_reference_mla_backend(llm_kwargs, t
     assert argv[argv.index("--attention-backend") + 1] == "CPU_MLA"
     nested = tmp_path / "nested"
     nested.mkdir()
-    (nested / "config.json").write_text(json.dumps({"text_config": {"kv_lora_rank": 512}}))
+    (nested / "config.json").write_text(json.dumps({"text_config": {**dims, "kv_lora_rank": 512}}))
     assert cpu_mla_kwargs(TargetConfig(model=str(nested), dtype="float32")) == {"attention_backend": "CPU_MLA"}
     for other in (TargetConfig(model=str(mla), dtype="bfloat16"), TargetConfig(model=str(dense), dtype="float32"),
                   TargetConfig(model="org/hub-name", dtype="float32")):

@@ -65,7 +65,7 @@ def test_server_argv_carries_the_engine_settings(tmp_path):
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[4:])
     assert args.max_num_seqs == 8 and args.enable_chunked_prefill is False and args.trust_remote_code is True
     # an MLA target in float32 (engine.cpu_mla_kwargs): the backend's option and name parse too
-    (tmp_path / "config.json").write_text(json.dumps({"kv_lora_rank": 512}))
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 64, "vocab_size": 99, "kv_lora_rank": 512}))
     mla = server_argv(ExtractConfig(), TargetConfig(model=str(tmp_path), dtype="float32"), max_model_len=600, port=1)
     assert "--attention-backend" not in argv
     if "--attention-backend" in mla:  # the CPU build
