@@ -4,7 +4,8 @@ One child process per target (this file run as a script) starts an in-process en
 score mode (raw logits) and prompt-logprob requests as the extract worker makes them, and prefills the
 same rows three times: vLLM's own prompt-scores step, `lean_prompt_scores` as the pipeline runs it (the
 scored token's rank uncounted) and with ranks counted; chunked prefill with a small token budget, so short
-prompts are scored in one engine step and long ones over several. The tests then compare, without an
+prompts are scored in one engine step and long ones over several; the lean path's row groups made 5 rows
+long, so that a group holds rows of several requests and a request's rows fall in several groups. The tests then compare, without an
 engine: every position's ids, scores and ranks must be equal (but the uncounted ranks), and the lean path
 must have run.
 Targets: the tiny Llama (bf16, so the float32 copy it skips is a real cast) and the tiny MoE (MLA + MoE,
@@ -60,6 +61,18 @@ def _child(target: str, trust: bool, out_dir: str) -> None:
         return v, i
 
     prompt_scores.top_k = checked_top_k
+    # row groups of 5 rows of the tiny vocabularies (a group spans requests, a request spans groups)
+    grouped, groups = {"steps": 0, "most_groups": 0, "most_rows": 0}, prompt_scores.row_groups
+
+    def counted_groups(n_rows, vocab, itemsize):
+        prompt_scores.GROUP_BYTES = 5 * vocab * itemsize
+        out = groups(n_rows, vocab, itemsize)
+        assert [g.start for g in out] == list(range(0, n_rows, 5)) and out[-1].stop == n_rows
+        grouped["steps"] += 1
+        grouped["most_groups"], grouped["most_rows"] = max(grouped["most_groups"], len(out)), max(grouped["most_rows"], n_rows)
+        return out
+
+    prompt_scores.row_groups = counted_groups
 
     def counted(self, hidden_states, num_scheduled_tokens):
         if self.num_prompt_logprobs:
@@ -87,6 +100,7 @@ def _child(target: str, trust: bool, out_dir: str) -> None:
                      for o in outs]
     res["lean_steps"] = len(lean_steps)
     res["by_blocks"] = by_blocks
+    res["grouped"] = grouped
     Path(out_dir, "result.json").write_text(json.dumps(res))
 
 
@@ -126,6 +140,8 @@ def test_lean_prompt_scores_equal_vllms_own(scored):
     assert len(vllm) == len(lean) == len(lean_ranks) == N_ROWS
     blocks = scored["by_blocks"]  # the block top-k ran on every scored row, with torch.topk's values
     assert blocks["calls"] > 0 and blocks["rows"] >= 2 * sum(n - 1 for n in lengths) and blocks["wrong"] == 0, blocks
+    # the lean path scored the rows of a step's requests together, in groups of 5 rows: many groups a step
+    assert scored["grouped"]["most_groups"] >= 4 and scored["grouped"]["most_rows"] > CHUNK_TOKENS // 2, scored["grouped"]
     tied = 0
     for i, (a, b, c) in enumerate(zip(vllm, lean, lean_ranks)):
         assert len(a["starts"]) == lengths[i], f"row {i}: {len(a['starts'])} positions, expected {lengths[i]}"
@@ -158,28 +174,39 @@ def test_install_only_when_asked(monkeypatch):
 
 def test_top_k_by_blocks_equals_torch_topk(monkeypatch):
     """prompt_scores.top_k: torch.topk's values on every row, ids that hold those values and are distinct,
-    and torch.topk's ids wherever no value ties; vocabularies with and without a short last block, k 1 to
-    3, many ties (bf16 of rounded values), rows of -inf, +inf and NaN."""
+    and torch.topk's ids wherever no value ties; bf16, fp16 and fp32 (block maxima on the bits as
+    integers); vocabularies with and without a short last block, k 1 to 3, many ties (rounded values),
+    rows of -inf, +inf and NaN of either sign, rows whose values are all negative or have fewer than k
+    blocks holding a value >= +0 (torch.topk for those rows), +0 and -0."""
     import torch
 
     from eagle3_pipeline import prompt_scores
 
     g = torch.Generator().manual_seed(0)
-    for vocab in (4 * 3 * prompt_scores.TOP_BLOCK, 32000, 49152, 50257):
-        for k in (1, 2, 3):
-            for step in (None, 0.25):
-                x = torch.randn(64, vocab, generator=g)
-                x = (x / step).round() * step if step else x
-                x = x.to(torch.bfloat16)
-                x[0], x[1, 7:], x[2, -1], x[3, 100] = float("-inf"), float("-inf"), float("inf"), float("nan")
-                want = torch.topk(x, k, dim=-1)
-                v, i = prompt_scores.top_k(x, k)
-                assert torch.equal(v.nan_to_num(), want.values.nan_to_num()), (vocab, k, step)
-                assert torch.equal(x.gather(-1, i).nan_to_num(), v.nan_to_num()) and (i < vocab).all()
-                assert (i.sort(-1).values.diff(dim=-1) > 0).all()  # distinct ids
-                top = torch.topk(x.float(), k + 1, dim=-1).values
-                untied = (top.diff(dim=-1) < 0).all(-1)  # rows whose k + 1 largest values all differ
-                assert torch.equal(i[untied], want.indices[untied]), (vocab, k, step)
+    neg_nan = -torch.tensor(float("nan"))
+    assert neg_nan.view(torch.int32) < 0  # its sign bit is set
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for vocab in (4 * 3 * prompt_scores.TOP_BLOCK, 32000, 49152, 50257):
+            for k in (1, 2, 3):
+                for step in (None, 0.25):
+                    x = torch.randn(64, vocab, generator=g)
+                    x = (x / step).round() * step if step else x
+                    x = x.to(dtype)
+                    x[0], x[1, 7:], x[2, -1], x[3, 100] = float("-inf"), float("-inf"), float("inf"), float("nan")
+                    x[4] = -x[4].abs() - 1  # every value negative
+                    x[5] = -x[5].abs() - 1
+                    x[5, 3] = 2.0  # one block holds a value >= +0
+                    x[6], x[7] = float("nan"), neg_nan.to(dtype)  # all NaN, of either sign
+                    x[8] = 0.0
+                    x[8, ::2] = -0.0
+                    want = torch.topk(x, k, dim=-1)
+                    v, i = prompt_scores.top_k(x, k)
+                    assert torch.equal(v.nan_to_num(), want.values.nan_to_num()), (dtype, vocab, k, step)
+                    assert torch.equal(x.gather(-1, i).nan_to_num(), v.nan_to_num()) and (i < vocab).all()
+                    assert (i.sort(-1).values.diff(dim=-1) > 0).all()  # distinct ids
+                    top = torch.topk(x.float(), k + 1, dim=-1).values
+                    untied = (top.diff(dim=-1) < 0).all(-1)  # rows whose k + 1 largest values all differ
+                    assert torch.equal(i[untied], want.indices[untied]), (dtype, vocab, k, step)
     calls = []
     monkeypatch.setattr(torch, "topk", lambda *a, **kw: calls.append(1) or torch.return_types.topk(
         (a[0][..., :1], a[0][..., :1].long())))
