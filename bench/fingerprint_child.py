@@ -1,10 +1,12 @@
 """Child for bench/fingerprint_cost.py: one in-process engine (no speculation, no connector: the
-fingerprint's own cost) prefills the rows four ways, alternating call by call (each shard-sized call
-four times, the order rotating each round); `logprobs_mode` from the job:
+fingerprint's own cost) prefills the rows five ways, alternating call by call (each shard-sized call
+five times, the order rotating each round); `logprobs_mode` from the job:
 - plain: what the engine does without a fingerprint (logits of each request's last token only);
-- lm_head: plain, plus the engine's own `compute_logits` over every prompt token, request by request,
-  discarded: what any fingerprint of the target's own logits must at least cost, measured on this engine
-  rather than estimated from multiply-adds;
+- lm_head: plain, plus the engine's own `compute_logits` over every scored prompt token (each but the
+  last), request by request as vLLM's prompt-scores step computes them, discarded: the floor of vLLM's
+  fingerprint, measured on this engine rather than estimated from multiply-adds;
+- lm_head_groups: the same logits computed as the lean path computes them, the rows of every request of
+  the step together in `prompt_scores.row_groups`: the floor of the pipeline's fingerprint;
 - fingerprint: what the extract worker asks for (extract/worker.py _Engine), scored as the worker's engine
   scores it (prompt_scores.py: the lean path where it installs);
 - fingerprint_vllm: the same request scored by vLLM's own prompt-scores step.
@@ -19,15 +21,17 @@ import time
 
 from eagle3_pipeline.proc import emit_event, exit_child
 
-ARMS = ("plain", "lm_head", "fingerprint", "fingerprint_vllm")
+ARMS = ("plain", "lm_head", "lm_head_groups", "fingerprint", "fingerprint_vllm")
 
 
 def hook_arms(switch: dict) -> list[int]:
     """The engine's prompt-scores step per arm (switch["arm"]): for "lm_head", the model's compute_logits
-    over every scheduled token of each engine step, one request's tokens at a time as the prompt-scores
-    path does (vLLM calls that step whether or not a request asked for prompt logprobs); for
+    over the scored tokens of each engine step (every scheduled prompt token but a prompt's last), one
+    request's tokens at a time as vLLM's step does; for "lm_head_groups", over the same rows in the lean
+    path's groups (vLLM calls that step whether or not a request asked for prompt logprobs); for
     "fingerprint_vllm", vLLM's own step; otherwise the pipeline's (prompt_scores.py: the lean path where
-    it installs). Returns the list of token counts the lm_head arm ran on, to prove it measured something."""
+    it installs). Returns the list of row counts the lm_head arms ran on, to prove they measured something."""
+    import torch
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from eagle3_pipeline import prompt_scores
@@ -38,14 +42,27 @@ def hook_arms(switch: dict) -> list[int]:
     own = prompt_scores._STATE["own"] if lean else pipeline
     ran: list[int] = []
 
+    def scored_rows(self, num_scheduled_tokens) -> list[tuple[int, int]]:
+        out = []
+        for req_id, n in num_scheduled_tokens.items():
+            req = self.requests[req_id]
+            m = min(n, len(req.prompt_token_ids) - 1 - req.num_computed_tokens)
+            if m > 0:
+                out.append((int(self.query_start_loc.np[self.input_batch.req_id_to_index[req_id]]), m))
+        return out
+
     def step(self, hidden_states, num_scheduled_tokens):
         t0 = time.perf_counter()
         try:
             if switch["arm"] == "lm_head":
-                for req_id, n in num_scheduled_tokens.items():
-                    at = int(self.query_start_loc.np[self.input_batch.req_id_to_index[req_id]])
-                    self.model.compute_logits(hidden_states[at:at + n])
-                    ran.append(int(n))
+                for at, m in scored_rows(self, num_scheduled_tokens):
+                    self.model.compute_logits(hidden_states[at:at + m])
+                    ran.append(m)
+            elif switch["arm"] == "lm_head_groups" and (spans := scored_rows(self, num_scheduled_tokens)):
+                h = hidden_states.index_select(0, torch.cat([torch.arange(at, at + m) for at, m in spans]))
+                for g in prompt_scores.row_groups(h.shape[0], self.model_config.get_vocab_size(), h.element_size()):
+                    self.model.compute_logits(h[g])
+                    ran.append(g.stop - g.start)
             if switch["arm"] == "fingerprint_vllm":
                 return own(self, hidden_states, num_scheduled_tokens)
             return pipeline(self, hidden_states, num_scheduled_tokens)
@@ -79,7 +96,7 @@ if __name__ == "__main__":
     plain = SamplingParams(max_tokens=1, temperature=0)
     fp = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=FP_TOP, logprobs=FP_TOP, detokenize=False,
                         flat_logprobs=True)
-    params = {"plain": plain, "lm_head": plain, "fingerprint": fp, "fingerprint_vllm": fp}
+    params = {"plain": plain, "lm_head": plain, "lm_head_groups": plain, "fingerprint": fp, "fingerprint_vllm": fp}
     prompts = [TokensPrompt(prompt_token_ids=r) for r in rows]
     per = max(1, int(job["rows_per_call"]))
     llm.generate(prompts[:2], fp, use_tqdm=False)  # first-use costs: start-up, not a round's
@@ -108,7 +125,7 @@ if __name__ == "__main__":
             switch["in_step"][arm] = 0.0
     tokens = sum(map(len, rows))
     per_round = sum(ran) / int(job["rounds"])
-    if per_round < tokens:  # every prompt token went through lm_head in each lm_head round
-        raise SystemExit(f"the lm_head arm ran on {per_round:.0f} tokens per round, expected {tokens}")
+    if per_round != 2 * (tokens - len(rows)):  # every scored prompt token went through lm_head in both arms
+        raise SystemExit(f"the lm_head arms ran on {per_round:.0f} rows per round, expected {2 * (tokens - len(rows))}")
     emit_event(kind="fingerprint_cost", tokens=tokens, seconds=seconds, in_step=in_step, lean=switch["lean"])
     exit_child(0)

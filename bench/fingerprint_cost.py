@@ -8,16 +8,17 @@ cast to fp32), the top-2 and the scored token's rank (one comparison pass over [
 check uses the margin of the two scores, the same in both modes (engine.FINGERPRINT_ENGINE_KWARGS).
 
 Per size and mode, one engine (plain prefill: no speculation, no connector, so nothing but the
-fingerprint differs) prefills the same rows, per shard-sized call as the extract worker does, four ways
+fingerprint differs) prefills the same rows, per shard-sized call as the extract worker does, five ways
 that alternate call by call in each of `--rounds` rounds (bench/fingerprint_child.py): plain; plain plus
-lm_head over every prompt token, request by request as vLLM's prompt-logprobs path does (the engine's
-own compute_logits, discarded: the floor of any fingerprint of the target's logits, measured); with
-prompt logprobs scored as the extract engine scores them (prompt_scores.py's lean path); and scored
-by vLLM's own step. Prints per mode each one's share of the time with it (1 - plain / with, per round:
-median with min-max), the fingerprint's points above the measured floor (per round), the part of those
-points spent inside the engine's prompt-scores step (timed there: the scoring work itself, which the noise of
-whole calls on shared cores hides; the rest is output bookkeeping and noise), and the floor as multiply-adds
-estimate it (lm_head's ÷ the rest of the model's, per token).
+lm_head over every scored prompt token, request by request as vLLM's prompt-logprobs path computes it
+(the engine's own compute_logits, discarded: the floor of vLLM's fingerprint, measured); the same logits
+in the lean path's row groups (the floor of the pipeline's); with prompt logprobs scored as the extract
+engine scores them (prompt_scores.py's lean path); and scored by vLLM's own step. Prints per mode each
+one's share of the time with it (1 - plain / with, per round: median with min-max), the fingerprint's
+points above vLLM's floor and above its own (per round), the part of the latter spent inside the
+engine's prompt-scores step (timed there: the scoring work itself, which the noise of whole calls on
+shared cores hides; the rest is output bookkeeping and noise), vLLM's own step against its floor, and
+the floor as multiply-adds estimate it (lm_head's ÷ the rest of the model's, per token).
 Usage: .venv/bin/python bench/fingerprint_cost.py [--sizes small,large] [--rounds 6] [--rows 400] [--rows-large 96]
        [--modes raw_logprobs,raw_logits]
 """
@@ -40,7 +41,7 @@ from bench_results import record, spread  # noqa: E402  (bench/ is sys.path[0])
 from extract_vs_prefill import build_bench_target, lm_head_share  # noqa: E402
 
 MODES = ("raw_logprobs", "raw_logits")
-ARMS = ("lm_head", "fingerprint", "fingerprint_vllm")  # timed against "plain" (bench/fingerprint_child.py)
+ARMS = ("lm_head", "lm_head_groups", "fingerprint", "fingerprint_vllm")  # timed against "plain" (fingerprint_child.py)
 
 
 def main() -> None:
@@ -60,8 +61,9 @@ def main() -> None:
 
     work, tiny = Path(args.work), ROOT / ".cache" / "tiny-target"
     t = Table(title=f"fingerprint cost: share of prefill time, {args.rounds} alternating rounds, median (min-max)")
-    for c in ("target", "vLLM scores", "tokens", "plain s", "lm_head share", "fingerprint share",
-              "above lm_head", "in the step", "vLLM's own step: share", "above lm_head", "in the step", "MAC estimate"):
+    for c in ("target", "vLLM scores", "tokens", "plain s", "lm_head share", "in groups", "fingerprint share",
+              "above lm_head", "above in groups", "in the step", "vLLM's own step: share", "above lm_head",
+              "in the step", "MAC estimate"):
         t.add_column(c, justify="right")
     out: dict = {"rounds": args.rounds, "pipeline_mode": FINGERPRINT_ENGINE_KWARGS["logprobs_mode"], "sizes": {}}
     for size in args.sizes.split(","):
@@ -84,9 +86,12 @@ def main() -> None:
             ev = next(e for e in res.events if e.get("kind") == "fingerprint_cost")
             s = ev["seconds"]
             share = {arm: [1 - p / w for p, w in zip(s["plain"], s[arm])] for arm in ARMS}
+            # the lean fingerprint above its own floor (lm_head in groups) and vLLM's (request by request)
+            floor_of = {"fingerprint": "lm_head_groups", "fingerprint_vllm": "lm_head"}
             above = {arm: [f - h for f, h in zip(share[arm], share["lm_head"])] for arm in ARMS[1:]}
+            above["groups"] = [f - h for f, h in zip(share["fingerprint"], share["lm_head_groups"])]
             st = ev["in_step"]  # seconds inside the prompt-scores step: the arms' own work, little noise
-            in_step = {arm: [(a - h) / w for a, h, w in zip(st[arm], st["lm_head"], s[arm])] for arm in ARMS[1:]}
+            in_step = {arm: [(a - h) / w for a, h, w in zip(st[arm], st[floor_of[arm]], s[arm])] for arm in floor_of}
             sp, ab = {arm: spread(v) for arm, v in share.items()}, {arm: spread(v) for arm, v in above.items()}
             ins = {arm: spread(v) for arm, v in in_step.items()}
             out["sizes"][size]["modes"][mode] = {
@@ -94,17 +99,19 @@ def main() -> None:
                 "share": sp["fingerprint"] | {"values": share["fingerprint"]},
                 "share_vllm_own": sp["fingerprint_vllm"] | {"values": share["fingerprint_vllm"]},
                 "lm_head_measured": sp["lm_head"] | {"values": share["lm_head"]},
+                "lm_head_groups_measured": sp["lm_head_groups"] | {"values": share["lm_head_groups"]},
                 "points_above_lm_head": ab["fingerprint"] | {"values": above["fingerprint"]},
+                "points_above_lm_head_groups": ab["groups"] | {"values": above["groups"]},
                 "points_above_lm_head_vllm_own": ab["fingerprint_vllm"] | {"values": above["fingerprint_vllm"]},
                 "in_step_seconds": st,
-                "in_step_points_above_lm_head": ins["fingerprint"] | {"values": in_step["fingerprint"]},
+                "in_step_points_above_lm_head_groups": ins["fingerprint"] | {"values": in_step["fingerprint"]},
                 "in_step_points_above_lm_head_vllm_own": ins["fingerprint_vllm"] | {"values": in_step["fingerprint_vllm"]}}
             pct = lambda d: f"{d['median']:.1%} ({d['min']:.1%}-{d['max']:.1%})"  # noqa: E731
             pts = lambda d: f"{d['median'] * 100:+.1f} ({d['min'] * 100:+.1f} to {d['max'] * 100:+.1f})"  # noqa: E731
             t.add_row(size, mode + (" (pipeline)" if mode == out["pipeline_mode"] else ""), f"{ev['tokens']:,}",
-                      f"{spread(s['plain'])['median']:.2f}", pct(sp["lm_head"]),
+                      f"{spread(s['plain'])['median']:.2f}", pct(sp["lm_head"]), pct(sp["lm_head_groups"]),
                       pct(sp["fingerprint"]) + ("" if ev["lean"] else " (vLLM's step)"), pts(ab["fingerprint"]),
-                      pts(ins["fingerprint"]), pct(sp["fingerprint_vllm"]), pts(ab["fingerprint_vllm"]),
+                      pts(ab["groups"]), pts(ins["fingerprint"]), pct(sp["fingerprint_vllm"]), pts(ab["fingerprint_vllm"]),
                       pts(ins["fingerprint_vllm"]), f"{floor:.1%}")
     Console().print(t)
     record("fingerprint", out)

@@ -126,18 +126,21 @@ def ratio_rows(res: dict) -> list[tuple[str, str, str]]:
                 rows.append((f"fingerprint share of prefill, {what}", _spread(md["share"], True),
                              f"floor {sd['lm_head_share']:.1%} by MACs (lm_head ÷ rest)"))
                 if "lm_head_measured" in md:
-                    rows.append((f"lm_head over every prompt token, share of prefill, {what}",
-                                 _spread(md["lm_head_measured"], True), "the floor, measured on the same engine"))
-                    for key, how in (("points_above_lm_head", "lean prompt scores" if md.get("lean_prompt_scores") else
-                                      "vLLM's own step"), ("points_above_lm_head_vllm_own", "vLLM's own step")):
-                        if ab := md.get(key):
-                            rows.append((f"fingerprint - measured floor, {what}, {how}",
-                                         f"{ab['median'] * 100:+.1f} ({ab['min'] * 100:+.1f} to {ab['max'] * 100:+.1f}) points",
-                                         "<= +2 points"))
-                        if ins := md.get("in_step_" + key):
-                            rows.append((f"of which inside the prompt-scores step, {what}, {how}",
-                                         f"{ins['median'] * 100:+.1f} ({ins['min'] * 100:+.1f} to {ins['max'] * 100:+.1f}) points",
-                                         "the scoring work itself, timed in the engine"))
+                    rows.append((f"lm_head over every scored prompt token, share of prefill, {what}",
+                                 _spread(md["lm_head_measured"], True), "vLLM's floor: request by request, measured"))
+                if "lm_head_groups_measured" in md:
+                    rows.append((f"the same lm_head in the lean path's row groups, {what}",
+                                 _spread(md["lm_head_groups_measured"], True), "the pipeline's floor, measured"))
+                pts = lambda d: f"{d['median'] * 100:+.1f} ({d['min'] * 100:+.1f} to {d['max'] * 100:+.1f}) points"  # noqa: E731
+                lean = "lean prompt scores" if md.get("lean_prompt_scores") else "vLLM's own step"
+                for key, how, floor in (("points_above_lm_head", lean, "vLLM's floor"),
+                                        ("points_above_lm_head_groups", lean, "its own floor"),
+                                        ("points_above_lm_head_vllm_own", "vLLM's own step", "vLLM's floor")):
+                    if ab := md.get(key):
+                        rows.append((f"fingerprint - {floor}, {what}, {how}", pts(ab), "<= +2 points"))
+                    if ins := md.get("in_step_" + key):
+                        rows.append((f"of which inside the prompt-scores step, {what}, {how}", pts(ins),
+                                     "the scoring work itself, timed in the engine"))
     if d := data("verify"):
         for r in d["rows"]:
             if r["method"] != "cat":
