@@ -57,6 +57,7 @@ def main() -> None:
     from eagle3_pipeline.config import ExtractConfig, PrepareConfig, SourceConfig, TargetConfig
     from eagle3_pipeline.data.prepare import prepare
     from eagle3_pipeline.engine import FINGERPRINT_ENGINE_KWARGS, engine_env
+    from eagle3_pipeline.prompt_scores import RAW_MODES
     from eagle3_pipeline.proc import run_child
 
     work, tiny = Path(args.work), ROOT / ".cache" / "tiny-target"
@@ -86,8 +87,10 @@ def main() -> None:
             ev = next(e for e in res.events if e.get("kind") == "fingerprint_cost")
             s = ev["seconds"]
             share = {arm: [1 - p / w for p, w in zip(s["plain"], s[arm])] for arm in ARMS}
-            # the lean fingerprint above its own floor (lm_head in groups) and vLLM's (request by request)
-            floor_of = {"fingerprint": "lm_head_groups", "fingerprint_vllm": "lm_head"}
+            # the lean fingerprint above its own floor (lm_head in groups) and vLLM's (request by request);
+            # in a mode the lean path does not take (prompt_scores.RAW_MODES) the fingerprint arm is vLLM's step
+            lean = ev["lean"] and mode in RAW_MODES
+            floor_of = {"fingerprint": "lm_head_groups" if lean else "lm_head", "fingerprint_vllm": "lm_head"}
             above = {arm: [f - h for f, h in zip(share[arm], share["lm_head"])] for arm in ARMS[1:]}
             above["groups"] = [f - h for f, h in zip(share["fingerprint"], share["lm_head_groups"])]
             st = ev["in_step"]  # seconds inside the prompt-scores step: the arms' own work, little noise
@@ -95,23 +98,23 @@ def main() -> None:
             sp, ab = {arm: spread(v) for arm, v in share.items()}, {arm: spread(v) for arm, v in above.items()}
             ins = {arm: spread(v) for arm, v in in_step.items()}
             out["sizes"][size]["modes"][mode] = {
-                "tokens": ev["tokens"], "seconds": s, "lean_prompt_scores": ev["lean"],
+                "tokens": ev["tokens"], "seconds": s, "lean_prompt_scores": lean,
                 "share": sp["fingerprint"] | {"values": share["fingerprint"]},
                 "share_vllm_own": sp["fingerprint_vllm"] | {"values": share["fingerprint_vllm"]},
                 "lm_head_measured": sp["lm_head"] | {"values": share["lm_head"]},
                 "lm_head_groups_measured": sp["lm_head_groups"] | {"values": share["lm_head_groups"]},
                 "points_above_lm_head": ab["fingerprint"] | {"values": above["fingerprint"]},
-                "points_above_lm_head_groups": ab["groups"] | {"values": above["groups"]},
+                **({"points_above_lm_head_groups": ab["groups"] | {"values": above["groups"]}} if lean else {}),
                 "points_above_lm_head_vllm_own": ab["fingerprint_vllm"] | {"values": above["fingerprint_vllm"]},
                 "in_step_seconds": st,
-                "in_step_points_above_lm_head_groups": ins["fingerprint"] | {"values": in_step["fingerprint"]},
+                f"in_step_points_above_{floor_of['fingerprint']}": ins["fingerprint"] | {"values": in_step["fingerprint"]},
                 "in_step_points_above_lm_head_vllm_own": ins["fingerprint_vllm"] | {"values": in_step["fingerprint_vllm"]}}
             pct = lambda d: f"{d['median']:.1%} ({d['min']:.1%}-{d['max']:.1%})"  # noqa: E731
             pts = lambda d: f"{d['median'] * 100:+.1f} ({d['min'] * 100:+.1f} to {d['max'] * 100:+.1f})"  # noqa: E731
             t.add_row(size, mode + (" (pipeline)" if mode == out["pipeline_mode"] else ""), f"{ev['tokens']:,}",
                       f"{spread(s['plain'])['median']:.2f}", pct(sp["lm_head"]), pct(sp["lm_head_groups"]),
-                      pct(sp["fingerprint"]) + ("" if ev["lean"] else " (vLLM's step)"), pts(ab["fingerprint"]),
-                      pts(ab["groups"]), pts(ins["fingerprint"]), pct(sp["fingerprint_vllm"]), pts(ab["fingerprint_vllm"]),
+                      pct(sp["fingerprint"]) + ("" if lean else " (vLLM's step)"), pts(ab["fingerprint"]),
+                      pts(ab["groups"]) if lean else "-", pts(ins["fingerprint"]), pct(sp["fingerprint_vllm"]), pts(ab["fingerprint_vllm"]),
                       pts(ins["fingerprint_vllm"]), f"{floor:.1%}")
     Console().print(t)
     record("fingerprint", out)
