@@ -115,16 +115,14 @@ def lean_prompt_scores(runner, hidden_states, num_scheduled_tokens: dict[str, in
     request (on the 602M bench target, 24 requests of ~54 tokens a step: 0.21 s against 0.40 s of
     lm_head a round), while a group's logits stay small. A row's logits are the same computation either
     way; the matmul's blocking may round a value differently by one unit of the dtype's last place."""
-    import torch
     from vllm.v1.outputs import LogprobsTensors
-    from vllm.v1.sample.ops.logprobs import batched_count_greater_than
 
     wanted = runner.num_prompt_logprobs  # req id -> k, while the request's prompt is being scored
     if not wanted:
         return {}
     ranks = os.environ.get(RANKS_ENV) == "1"
     done: dict = {}
-    plan: dict[int, list] = {}  # k -> [(the request's CPU tensors, first position, rows, hidden-state row)]
+    plan: dict[int, list] = {}  # k -> [(its CPU tensors, first position, rows, hidden-state row, next tokens)]
     for req_id, k in list(wanted.items()):
         n = num_scheduled_tokens.get(req_id)
         req = runner.requests[req_id]
@@ -144,35 +142,45 @@ def lean_prompt_scores(runner, hidden_states, num_scheduled_tokens: dict[str, in
             plan.setdefault(k, []).append((into, first, m, at, prompt[first + 1:first + 1 + m]))
     vocab = _vocab(runner)
     for k, part in plan.items():
-        device = hidden_states.device
-        rows = torch.cat([torch.arange(at, at + m) for _, _, m, at, _ in part]).to(device)
-        nxt = torch.tensor([t for *_, ids in part for t in ids], dtype=torch.int64, device=device)  # [N]
-        h = hidden_states.index_select(0, rows)  # [N, H]: the scored rows of every request, in order
-        ids = torch.empty(len(nxt), k + 1, dtype=torch.int64, device=device)
-        scores = torch.empty(len(nxt), k + 1, dtype=torch.float32, device=device)
-        counted = torch.full((len(nxt),), NOT_COUNTED, dtype=torch.int64, device=device)
-        groups = row_groups(len(nxt), vocab, hidden_states.element_size()) if vocab else [slice(0, len(nxt))]
-        for g in groups:
-            logits = runner.model.compute_logits(h[g])  # [rows, V]
-            top_v, top_i = top_k(logits, k)
-            nxt_v = logits.gather(-1, nxt[g].unsqueeze(-1))  # [rows, 1]
-            ids[g, 0], ids[g, 1:] = nxt[g], top_i
-            scores[g, :1], scores[g, 1:] = nxt_v, top_v
-            if ranks:
-                counted[g] = count_at_least(logits, nxt_v, batched_count_greater_than)
-        o = 0
-        for into, first, m, _, _ in part:
-            at_rows = slice(first, first + m)
-            into.logprob_token_ids[at_rows].copy_(ids[o:o + m], non_blocking=True)
-            into.logprobs[at_rows].copy_(scores[o:o + m], non_blocking=True)
-            into.selected_token_ranks[at_rows].copy_(counted[o:o + m], non_blocking=True)
-            o += m
+        _score_rows(runner, hidden_states, part, k, vocab, ranks)
     for req_id in done:
         del wanted[req_id]
         runner.requests[req_id].in_progress_prompt_logprobs_cpu = None
     if done and hasattr(runner, "_sync_device"):  # the copies above are asynchronous on a GPU
         runner._sync_device()
     return done
+
+
+def _score_rows(runner, hidden_states, part: list, k: int, vocab: int | None, ranks: bool) -> None:
+    """For the requests of `part` (each: its CPU tensors, first position, rows, hidden-state row, next
+    prompt tokens) that asked for k scores: their scored rows' logits in row groups, the top-k, the next
+    token's score (and rank where `ranks`), copied into each request's tensors at its positions."""
+    import torch
+    from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+
+    device = hidden_states.device
+    rows = torch.cat([torch.arange(at, at + m) for _, _, m, at, _ in part]).to(device)
+    nxt = torch.tensor([t for *_, ids in part for t in ids], dtype=torch.int64, device=device)  # [N]
+    h = hidden_states.index_select(0, rows)  # [N, H]: the scored rows of every request, in order
+    ids = torch.empty(len(nxt), k + 1, dtype=torch.int64, device=device)
+    scores = torch.empty(len(nxt), k + 1, dtype=torch.float32, device=device)
+    counted = torch.full((len(nxt),), NOT_COUNTED, dtype=torch.int64, device=device)
+    groups = row_groups(len(nxt), vocab, hidden_states.element_size()) if vocab else [slice(0, len(nxt))]
+    for g in groups:
+        logits = runner.model.compute_logits(h[g])  # [rows, V]
+        top_v, top_i = top_k(logits, k)
+        nxt_v = logits.gather(-1, nxt[g].unsqueeze(-1))  # [rows, 1]
+        ids[g, 0], ids[g, 1:] = nxt[g], top_i
+        scores[g, :1], scores[g, 1:] = nxt_v, top_v
+        if ranks:
+            counted[g] = count_at_least(logits, nxt_v, batched_count_greater_than)
+    o = 0
+    for into, first, m, _, _ in part:
+        at_rows = slice(first, first + m)
+        into.logprob_token_ids[at_rows].copy_(ids[o:o + m], non_blocking=True)
+        into.logprobs[at_rows].copy_(scores[o:o + m], non_blocking=True)
+        into.selected_token_ranks[at_rows].copy_(counted[o:o + m], non_blocking=True)
+        o += m
 
 
 def _vocab(runner) -> int | None:
