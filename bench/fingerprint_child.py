@@ -31,7 +31,6 @@ def hook_arms(switch: dict) -> list[int]:
     path's groups (vLLM calls that step whether or not a request asked for prompt logprobs); for
     "fingerprint_vllm", vLLM's own step; otherwise the pipeline's (prompt_scores.py: the lean path where
     it installs). Returns the list of row counts the lm_head arms ran on, to prove they measured something."""
-    import torch
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from eagle3_pipeline import prompt_scores
@@ -59,9 +58,7 @@ def hook_arms(switch: dict) -> list[int]:
                     self.model.compute_logits(hidden_states[at:at + m])
                     ran.append(m)
             elif switch["arm"] == "lm_head_groups" and (spans := scored_rows(self, num_scheduled_tokens)):
-                h = hidden_states.index_select(0, torch.cat([torch.arange(at, at + m) for at, m in spans]))
-                for g in prompt_scores.row_groups(h.shape[0], self.model_config.get_vocab_size(), h.element_size()):
-                    self.model.compute_logits(h[g])
+                for g, _ in prompt_scores.grouped_logits(self, hidden_states, spans, prompt_scores.vocab_size(self)):
                     ran.append(g.stop - g.start)
             if switch["arm"] == "fingerprint_vllm":
                 return own(self, hidden_states, num_scheduled_tokens)

@@ -140,7 +140,7 @@ def lean_prompt_scores(runner, hidden_states, num_scheduled_tokens: dict[str, in
         if m > 0:
             at = int(runner.query_start_loc.np[runner.input_batch.req_id_to_index[req_id]])
             plan.setdefault(k, []).append((into, first, m, at, prompt[first + 1:first + 1 + m]))
-    vocab = _vocab(runner)
+    vocab = vocab_size(runner)
     for k, part in plan.items():
         _score_rows(runner, hidden_states, part, k, vocab, ranks)
     for req_id in done:
@@ -159,15 +159,11 @@ def _score_rows(runner, hidden_states, part: list, k: int, vocab: int | None, ra
     from vllm.v1.sample.ops.logprobs import batched_count_greater_than
 
     device = hidden_states.device
-    rows = torch.cat([torch.arange(at, at + m) for _, _, m, at, _ in part]).to(device)
     nxt = torch.tensor([t for *_, ids in part for t in ids], dtype=torch.int64, device=device)  # [N]
-    h = hidden_states.index_select(0, rows)  # [N, H]: the scored rows of every request, in order
     ids = torch.empty(len(nxt), k + 1, dtype=torch.int64, device=device)
     scores = torch.empty(len(nxt), k + 1, dtype=torch.float32, device=device)
     counted = torch.full((len(nxt),), NOT_COUNTED, dtype=torch.int64, device=device)
-    groups = row_groups(len(nxt), vocab, hidden_states.element_size()) if vocab else [slice(0, len(nxt))]
-    for g in groups:
-        logits = runner.model.compute_logits(h[g])  # [rows, V]
+    for g, logits in grouped_logits(runner, hidden_states, [(at, m) for _, _, m, at, _ in part], vocab):
         top_v, top_i = top_k(logits, k)
         nxt_v = logits.gather(-1, nxt[g].unsqueeze(-1))  # [rows, 1]
         ids[g, 0], ids[g, 1:] = nxt[g], top_i
@@ -183,7 +179,19 @@ def _score_rows(runner, hidden_states, part: list, k: int, vocab: int | None, ra
         o += m
 
 
-def _vocab(runner) -> int | None:
+def grouped_logits(runner, hidden_states, spans: list[tuple[int, int]], vocab: int | None):
+    """(rows, logits) for the hidden-state rows of `spans` ((first row, rows) each, taken in order as one
+    run of rows): the engine's own compute_logits in `row_groups` (one group where `vocab` is unknown)."""
+    import torch
+
+    rows = torch.cat([torch.arange(at, at + m) for at, m in spans]).to(hidden_states.device)
+    h = hidden_states.index_select(0, rows)  # [N, H]
+    groups = row_groups(len(rows), vocab, hidden_states.element_size()) if vocab else [slice(0, len(rows))]
+    for g in groups:
+        yield g, runner.model.compute_logits(h[g])  # [rows, V]
+
+
+def vocab_size(runner) -> int | None:
     """The target's vocabulary size (None where this vLLM's model config does not say: one group)."""
     try:
         return int(runner.model_config.get_vocab_size())
