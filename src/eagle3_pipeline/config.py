@@ -172,7 +172,7 @@ class VerifyConfig(Strict):
     confirm_rows: int = Field(32, ge=0, description="rows flagged only by learned checks (layer identity, norm "
                               "bounds) that are recomputed with the target before they may stop the run; a row "
                               "the model agrees with is cleared (0: learned checks alone decide)")
-    allow_skip: list[Literal["reference", "fingerprint"]] = Field(
+    allow_skip: list[Literal["reference", "fingerprint", "state_sketch"]] = Field(
         [], description="checks against the model itself that may be skipped when they cannot run here (a hub name "
         "without a local copy, layers transformers cannot build on CPU, logits the fingerprint cannot reproduce); "
         "otherwise such a check fails the gate. Checks turned off by their own setting (reference_samples 0, "

@@ -58,8 +58,11 @@ def _write(connector, pending, hidden_states) -> None:
 CORRUPT_EVERY_ENV = "EAGLE3_TEST_CORRUPT_EVERY"  # one request in N is corrupted (default 50: 2%)
 MODES = ("permuted aux layers", "zeroed tail after the first KV block", "another request's states",
          # few tokens: every layer of them taken from the request written before, at the same positions
-         "a single token (the last)", "a stale last KV block", "another request's states after the shared prefix")
-FEW_TOKEN_MODES = MODES[3:]
+         "a single token (the last)", "a stale last KV block", "another request's states after the shared prefix",
+         # aux layers only (the final layer right, so the fingerprint cannot see them)
+         "one aux layer of a single token", "another request's aux layers after the shared prefix")
+FEW_TOKEN_MODES = MODES[3:6]
+AUX_ONLY_MODES = MODES[6:]
 
 
 def corruption_of(token_ids, every: int | None = None) -> str | None:
@@ -105,7 +108,7 @@ class RareCorruptionConnector(Eagle3HiddenStatesConnector):
             hs[:, [0, 1]] = hs[:, [1, 0]]
         elif mode == MODES[1]:  # a row within one block loses its second half (else it would be clean)
             hs[self._block_size if num_tokens > self._block_size else num_tokens // 2:] = 0
-        elif mode in FEW_TOKEN_MODES:
+        elif mode in FEW_TOKEN_MODES or mode in AUX_ONLY_MODES:
             hs = _few_tokens(hs, mode, self._previous, self._block_size, pending.token_ids, self._previous_ids)
         elif self._previous is not None:
             prev = self._previous
@@ -136,9 +139,11 @@ class LateCorruptionConnector(RareCorruptionConnector):
 
 def _few_tokens(hs, mode: str, prev, block: int, ids, prev_ids):
     """`hs` [T, L, H] with a few tokens' states (every layer) replaced by the previous clean request's at
-    the same positions (where it has none, this request's own states of the first tokens): the last
-    token; the last KV block; the tokens after the prefix the two requests share. The tokens replaced
-    are ones whose states differ from the previous request's, so each record is really wrong."""
+    the same positions (where it has none, this request's own states of the next token): the last
+    token; the last KV block; the tokens after the prefix the two requests share. The aux-only modes
+    replace the first aux layer of the first token after the shared prefix, or every aux layer (not the
+    final one) of the four tokens after it. The tokens replaced are ones whose states differ from the
+    previous request's, so each record is really wrong."""
     T = hs.shape[0]
     src = prev if prev is not None else hs
     shared = 0
@@ -150,10 +155,15 @@ def _few_tokens(hs, mode: str, prev, block: int, ids, prev_ids):
         pos = [T - 1]
     elif mode == FEW_TOKEN_MODES[1]:
         pos = list(range(max(shared, ((T - 1) // block) * block), T))
+    elif mode == AUX_ONLY_MODES[0]:
+        pos = [min(shared, T - 1)]
     else:
         pos = list(range(shared, min(T, shared + 4)))
     pos = [p for p in pos if p >= shared] or [T - 1]
+    layers = slice(0, 1) if mode == AUX_ONLY_MODES[0] else slice(0, hs.shape[1] - 1) if mode in AUX_ONLY_MODES \
+        else slice(None)
     out = hs.clone()
     for p in pos:
-        out[p] = src[p].to(hs.dtype) if src is not hs and p < src.shape[0] else hs[(p + 1) % T]
+        other = src[p] if src is not hs and p < src.shape[0] else hs[(p + 1) % T]
+        out[p, layers] = other[layers].to(hs.dtype)
     return out

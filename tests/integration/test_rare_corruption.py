@@ -1,6 +1,7 @@
 """Issue 11's done-when, end to end: a connector that writes ~1 request in N wrong in structurally
 perfect ways (tests/helpers/broken_connector.RareCorruptionConnector: permuted aux layers, a zeroed
-tail after the first KV block, another request's states), plugged in through
+tail after the first KV block, another request's states, a few tokens' states, a few tokens' aux layers
+only), plugged in through
 `extract.connector_module` / `extract.connector_name`, makes `eagle3 run` stop at verify with exit
 code 4 before training, naming exactly the bad records. Run on the tiny Llama and, when it is built,
 the tiny Kimi-like MoE target (MLA + MoE, Python tokenizer, agentic data)."""
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.broken_connector import CORRUPT_EVERY_ENV, FEW_TOKEN_MODES, corruption_of
+from tests.helpers.broken_connector import AUX_ONLY_MODES, CORRUPT_EVERY_ENV, FEW_TOKEN_MODES, corruption_of
 
 ROOT = Path(__file__).resolve().parents[2]
 EVERY = 6  # ~17% of requests: a dozen bad records in a run of ~80 rows, of six kinds
@@ -82,3 +83,10 @@ def test_rare_corruption_stops_the_run_at_verify(config, model, tiny_target, tmp
     for i in few:  # a few tokens' states replaced: the final layer disagrees there, and the problem says where
         lines = [x for x in verify_json["problems"] if f"hs_{i}.safetensors (row {i}" in x]
         assert any("does not reproduce the target's logits at " in x and "(positions [" in x for x in lines), lines
+    aux = [i for i in expected if corruption_of(tok["input_ids"][i], EVERY) in AUX_ONLY_MODES]
+    assert aux, f"no aux-only corruption among {sorted(modes)}: pick another EVERY"
+    for i in aux:  # the final layer is right there: the engine's state sketch names the aux layers and positions
+        lines = [x for x in verify_json["problems"] if f"hs_{i}.safetensors (row {i}" in x]
+        assert any("stored states differ from the ones the target computed" in x and " positions [" in x
+                   for x in lines), lines
+        assert not any("does not reproduce the target's logits" in x for x in lines), lines

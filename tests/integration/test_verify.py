@@ -39,6 +39,22 @@ def _rewrite(path: Path, fn):
     save_file(fn(rec), str(path))
 
 
+def _resketch(version, row: int, drop: bool = False) -> None:
+    """Rewrite a record's state sketch from its stored states (`drop`: remove it): a corruption made before
+    the engine's sketch (a layer map the model itself got wrong), which only the other checks can see."""
+    from eagle3_pipeline import state_sketch as sk
+    from eagle3_pipeline.contracts import dequantise
+
+    fp = version.fingerprint_path(row)
+    t = load_file(str(fp))
+    if drop:
+        t.pop(sk.KEY)
+    else:
+        x = dequantise(load_file(str(version.record_path(row))))
+        t[sk.KEY] = sk.project(x, x.shape[-1]).contiguous()
+    save_file(t, str(fp))
+
+
 def _check(extracted, d, rows=ROWS):
     return verify_structure(StructureCheck(extracted.tokenized, d, extracted.layer_ids, extracted.hidden_size), rows=rows,
                             log=lambda m: None)
@@ -447,6 +463,7 @@ def test_learned_flags_are_confirmed_by_the_target_before_they_stop_a_run(extrac
         return {**rec, "hidden_states": hs}
 
     _rewrite(out / "hidden_states" / "hs_5.safetensors", swap)
+    _resketch(version, 5)  # swapped before the engine's sketch: only layer identity and the reference see it
     res = verify(VerifyConfig(reference_samples=0, norm_bounds_samples=0), tiny_config.target, version, rows=rows,
                  log=lambda m: None)
     assert res.bad_rows == [5] and 5 not in res.cleared, res.problems
@@ -466,3 +483,47 @@ def test_a_layer_map_off_by_one_is_caught_against_the_neighbours(extracted, tiny
                    for p in res.problems), res.problems
     clean = reference_check(tiny_config.target, extracted.version, [0, 1], log=lambda m: None)
     assert not clean.problems, clean.problems
+
+
+def test_every_token_s_aux_layers_are_checked_against_the_engine(extracted, tiny_config, tmp_path):
+    """The extraction's fingerprint sidecars carry the engine's sketch of every captured state (state_sketch.py):
+    a clean version passes it on every record, with its clean margin; one aux layer of one token replaced by
+    another record's state at the same position (the final layer right, so the fingerprint cannot see it)
+    fails, naming the record, the layer and the position; a sidecar without its sketch fails until
+    verify.allow_skip names the check."""
+    out = _copy_extract(extracted, tmp_path)
+    version = relocated(extracted.version, out)
+    cfg = VerifyConfig(reference_samples=0)
+    res = verify(cfg, tiny_config.target, version, log=lambda m: None)
+    assert res.passed, res.problems[:5]
+    sk = res.checks["state_sketch"]
+    assert sk.ran and sk.records == version.rows and res.sketch_failed == 0
+    assert res.sketch_margin is not None and 0 <= res.sketch_margin < 0.1, res.sketch_margin  # ÷ the tolerance
+
+    a, b = load_file(str(version.record_path(2))), load_file(str(version.record_path(7)))
+    ids_a, ids_b = a["token_ids"], b["token_ids"]
+    n = min(len(ids_a), len(ids_b))
+    p = int((ids_a[:n] != ids_b[:n]).nonzero()[0])  # the first position whose tokens differ
+
+    def one_aux_state(rec):
+        hs = rec["hidden_states"].clone()
+        hs[p, 0] = b["hidden_states"][p, 0]
+        return {**rec, "hidden_states": hs}
+
+    _rewrite(version.record_path(2), one_aux_state)
+    _resketch(version, 4, drop=True)
+    res = verify(cfg, tiny_config.target, version, log=lambda m: None)
+    assert res.bad_rows == [2, 4], res.problems
+    line = next(x for x in res.problems if x.startswith("hs_2.safetensors (row 2,"))
+    assert f"layer {extracted.layer_ids[0]} at 1 positions [{p}]" in line and "state sketch" in line, line
+    assert not any("does not reproduce the target's logits" in x for x in res.problems), res.problems
+    assert any(x.startswith("hs_4.safetensors (row 4,") and "has no state_sketch" in x for x in res.problems)
+    assert res.sketch_failed == 1
+
+    version = relocated(extracted.version, _copy_extract(extracted, tmp_path / "again"))  # (bad files were moved)
+    _resketch(version, 4, drop=True)
+    res = verify(cfg.model_copy(update={"allow_skip": ["state_sketch"]}), tiny_config.target, version,
+                 log=lambda m: None)
+    assert res.passed, res.problems
+    assert res.checks["state_sketch"].records == version.rows - 1
+    assert "allow_skip names state_sketch" in res.checks["state_sketch"].skipped

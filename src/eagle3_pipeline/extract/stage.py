@@ -116,7 +116,8 @@ def _ensure_manifest(g: _Group) -> None:
             g.log(f"extract: shard plan changed ({len(m.get('shards', []))} -> {len(plan)} shards); "
                   f"starting a fresh shard table in {g.run.path}")
         return dict(format_version=FORMAT_VERSION, content_key=version.content_key,
-                    config={"extract": cfg.model_dump(), "target": g.target.model_dump()},
+                    config={"extract": cfg.model_dump(), "target": g.target.model_dump(),
+                            "state_sketch": bool(cfg.fingerprints)},  # sidecars carry state_sketch.KEY
                     tools=tool_versions(), layer_ids=version.layer_ids,
                     num_rows=plan[-1].row_end if plan else 0, rows_per_shard=cfg.rows_per_shard,
                     children=m.get("children", []),

@@ -12,7 +12,9 @@ for each shard of the job, in order:
      header and token ids), it is fsynced and renamed into place; anything else (another connector's
      vLLM layout, a file in `scratch_dir`) is read, checked against the row (token ids, [T, L, H]) and
      written as our record `hidden_states_dir/hs_{row}.safetensors` (bf16, or fp8 + per-token scales),
-  3. writes the row's fingerprint sidecar from vLLM's flat prompt logprobs (raw logits; no Python object per token),
+  3. writes the row's fingerprint sidecar from vLLM's flat prompt logprobs (raw logits; no Python object per token)
+     and the engine's sketch of the row's captured states (state_sketch.py: a file the engine wrote in
+     `scratch_dir/state-sketches/`, named after the requested path),
   4. prints one `shard_done` event (proc.emit_event) for the parent once every file of the shard is
      fsynced and under its final name. fsync + rename run on a small thread pool (`_Durable`) while this
      thread checks the next files: the waits for the disk overlap the work.
@@ -36,6 +38,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from eagle3_pipeline.config import EngineConfig, TargetConfig
+from eagle3_pipeline.state_sketch import KEY as SKETCH_KEY
 from eagle3_pipeline.contracts import (FP_TOP, ContractError, fingerprint_from_flat, fingerprint_name, read_record,
                                        record_file_problem, record_name, row_hash, to_record, write_fingerprint,
                                        write_record)
@@ -185,6 +188,8 @@ class _Engine:
         path = str(Path(self.job.scratch_dir) / "warm-up.safetensors")
         self.await_files(self.prefill([[self.nudge_token] * 2], [path]))
         _remove(path)
+        if self.job.fingerprints_dir:  # the sketches' hook is in the engine's processes: fail now, not per row
+            _take_sketch(self.job, path, "the warm-up request")
 
     def drop_nudge_files(self) -> None:
         for p in self.nudge_files:
@@ -220,8 +225,8 @@ def _run_shard(engine: _Engine, ds, job: ExtractJob, shard: ShardSpec, durable: 
     sample_ids = rows["sample_id"] if "sample_id" in rows.column_names else [None] * len(rows)
     hs_dir = Path(job.hidden_states_dir)
     t_prefill = time.time()
-    paths = engine.prefill(input_ids, [_engine_path(hs_dir, r, job.attempt) for r in row_ids],
-                           what=f"extract: shard {shard.index}")
+    requested = [_engine_path(hs_dir, r, job.attempt) for r in row_ids]
+    paths = engine.prefill(input_ids, requested, what=f"extract: shard {shard.index}")
     outs = engine.outputs
     t_await = time.time()
     engine.await_files(paths)
@@ -256,6 +261,7 @@ def _run_shard(engine: _Engine, ds, job: ExtractJob, shard: ShardSpec, durable: 
             out = outs[k]
             last = out.outputs[0].logprobs if out.outputs else None
             fp = fingerprint_from_flat(out.prompt_logprobs, last, len(ids))
+            fp[SKETCH_KEY] = _take_sketch(job, requested[k], who)
             fp_path = Path(job.fingerprints_dir) / fingerprint_name(row)
             durable.submit(write_fingerprint(fp_path, fp, tag=str(job.attempt), durable=False), fp_path)
             fp_files.append(fingerprint_name(row))
@@ -299,6 +305,42 @@ def _load_record(path: str, storage_dtype: str) -> dict:
         return read_record(Path(path))
     data = _load_file(path)
     return to_record(data["hidden_states"], data["token_ids"], storage_dtype)
+
+
+def _sketch_dir(job: ExtractJob) -> Path:
+    return Path(job.scratch_dir) / "state-sketches"
+
+
+def _sketches_on(job: ExtractJob) -> None:
+    """The engine's processes (a vLLM plugin) and this one write the state sketch of every request
+    (state_sketch.py) into the scratch dir; the fingerprint sidecar carries it."""
+    import shutil
+
+    from eagle3_pipeline import state_sketch
+
+    shutil.rmtree(_sketch_dir(job), ignore_errors=True)
+    _sketch_dir(job).mkdir(parents=True)
+    os.environ[state_sketch.ENV] = str(_sketch_dir(job))
+    os.environ[state_sketch.STORAGE_ENV] = job.storage_dtype
+    print(f"extract worker: state sketches {'in place' if state_sketch.install() else 'NOT in place'}", flush=True)
+
+
+def _take_sketch(job: ExtractJob, requested: str, who: str):
+    """fp32 [T, L, DIM]: the engine's state sketch of the request that was asked to write `requested`
+    (removed once read). Raises when the engine wrote none: the check it feeds could not run."""
+    from eagle3_pipeline import state_sketch
+
+    path = _sketch_dir(job) / os.path.basename(requested)
+    got = state_sketch.read(str(path))
+    if got is None:
+        from eagle3_pipeline.errors import EnvironmentProblem
+
+        raise EnvironmentProblem(
+            f"{who}: the engine wrote no state sketch ({path}): the hook state_sketch.install is not in place in "
+            f"vLLM's processes (is the eagle3-pipeline package installed, with its vllm.general_plugins entry "
+            f"points, and does this vLLM have GPUModelRunner.propose_draft_token_ids?)")
+    _remove(str(path))
+    return got
 
 
 def _invariance(engine: _Engine, ds, job: ExtractJob) -> None:
@@ -360,6 +402,7 @@ def main(argv: list[str]) -> int:
 
         os.environ.setdefault(ENV, "1")
         print(f"extract worker: lean prompt scores {'in place' if install() else 'off: vLLM own path'}", flush=True)
+        _sketches_on(job)
     llm = build_llm(job.engine, job.target, max_model_len=int(max_len) + 1,
                     speculative_config=extract_hidden_states_config(job.layer_ids), kv_transfer_config=kv,
                     max_num_seqs=job.max_num_seqs, enable_chunked_prefill=False, enable_prefix_caching=False,

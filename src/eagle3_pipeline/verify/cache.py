@@ -1,7 +1,7 @@
 """What verify keeps per record so that a re-run reads only new or re-extracted shards.
 
 Owns `<extract-dir>/verify_rows.safetensors` (no pickle): per verified-good record its row, token
-count, bytes, statistics [STAT_ROWS, L], identity signature [F] and fingerprint agreement, and the shard
+count, bytes, statistics [STAT_ROWS, L], identity signature [F], fingerprint agreement and state-sketch margin, and the shard
 hash that ties a shard's entry in verify.json to its files: sha256 over the manifest's record and
 fingerprint hashes of the shard and each file's size and mtime (shard_hash). A shard is reused when verify.json holds the same hash, for the same
 content key and the same verify settings, and every row of it is in the cache; its records are not
@@ -55,7 +55,9 @@ def save(path: Path, results: list) -> None:
          "nbytes": torch.tensor([r.nbytes for r in good], dtype=torch.int64),
          "stats": torch.from_numpy(np.stack([r.stats for r in good]).astype(np.float64)),  # [R, STAT_ROWS, L]
          "agreement": torch.tensor([np.nan if r.agreement is None else r.agreement for r in good], dtype=torch.float32),
-         "fp_margin": torch.tensor([np.nan if r.fp_margin is None else r.fp_margin for r in good], dtype=torch.float32)}
+         "fp_margin": torch.tensor([np.nan if r.fp_margin is None else r.fp_margin for r in good], dtype=torch.float32),
+         "sketch_margin": torch.tensor([np.nan if r.sketch_margin is None else r.sketch_margin for r in good],
+                                       dtype=torch.float32)}
     if all(r.sig is not None for r in good):
         t["sig"] = torch.from_numpy(np.stack([r.sig for r in good]).astype(np.float32))  # [R, F]
     atomic_write(Path(path), lambda p: save_file(t, str(p)))
@@ -80,7 +82,7 @@ def load(path: Path) -> dict:
         a = float(t["agreement"][i])
         out[row] = _FileResult(row=row, tokens=int(t["tokens"][i]), nbytes=int(t["nbytes"][i]), stats=t["stats"][i],
                                sig=t["sig"][i] if "sig" in t else None, agreement=None if np.isnan(a) else a,
-                               fp_margin=_margin(t, i))
+                               fp_margin=_margin(t, i), sketch_margin=_margin(t, i, "sketch_margin"))
     return out
 
 
@@ -129,7 +131,8 @@ def load_pool(path: Path) -> dict[str, tuple[list[int], object]]:
         a = float(t["agreement"][i])
         out[rk] = (t["ident"][i].tolist(), _FileResult(
             row=-1, tokens=int(t["tokens"][i]), nbytes=int(t["nbytes"][i]), stats=t["stats"][i],
-            sig=t["sig"][i] if "sig" in t else None, agreement=None if np.isnan(a) else a, fp_margin=_margin(t, i)))
+            sig=t["sig"][i] if "sig" in t else None, agreement=None if np.isnan(a) else a, fp_margin=_margin(t, i),
+            sketch_margin=_margin(t, i, "sketch_margin")))
     return out
 
 
@@ -156,15 +159,17 @@ def save_pool(pool, config_key: str, new: dict[str, tuple[list[int], object]]) -
              "nbytes": torch.tensor([r.nbytes for r in rs], dtype=torch.int64),
              "stats": torch.from_numpy(np.stack([r.stats for r in rs]).astype(np.float64)),  # [R, STAT_ROWS, L]
              "agreement": torch.tensor([np.nan if r.agreement is None else r.agreement for r in rs], dtype=torch.float32),
-             "fp_margin": torch.tensor([np.nan if r.fp_margin is None else r.fp_margin for r in rs], dtype=torch.float32)}
+             "fp_margin": torch.tensor([np.nan if r.fp_margin is None else r.fp_margin for r in rs], dtype=torch.float32),
+             "sketch_margin": torch.tensor([np.nan if r.sketch_margin is None else r.sketch_margin for r in rs],
+                                           dtype=torch.float32)}
         if all(r.sig is not None for r in rs):
             t["sig"] = torch.from_numpy(np.stack([r.sig for r in rs]).astype(np.float32))  # [R, L, F]
         atomic_write(path, lambda p: save_file(t, str(p), metadata={"keys": json.dumps(ks)}))
 
 
-def _margin(t: dict, i: int) -> float | None:
-    """A cached record's fingerprint clean margin (None in caches written before it was kept)."""
-    if "fp_margin" not in t:
+def _margin(t: dict, i: int, key: str = "fp_margin") -> float | None:
+    """A cached record's fingerprint (or state sketch) clean margin (None in caches written before it was kept)."""
+    if key not in t:
         return None
-    m = float(t["fp_margin"][i])
+    m = float(t[key][i])
     return None if np.isnan(m) else m

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from eagle3_pipeline.contracts import FP_IDS_KEY, FP_LOGPROBS_KEY, FP_TOP, HS_KEY, SCALES_KEY, TOKENS_KEY, RecordSpec
+from eagle3_pipeline.state_sketch import DIM as SKETCH_DIM
+from eagle3_pipeline.state_sketch import KEY as SKETCH_KEY
 
 BATCH_BYTES = 32 << 20  # a batch: files of up to this many hidden-state bytes ...
 BATCH_FILES = 512       # ... or this many files
@@ -76,6 +78,7 @@ class FileEntry:
     tokens: int = 0
     offset: int = -1         # first token in the batch arenas (-1: not in them)
     fingerprint: bool = False  # its fingerprint rows are in the arenas
+    sketch: bool = False       # its state sketch (state_sketch.py) is in the arenas
 
 
 class Arenas:
@@ -95,6 +98,7 @@ class Arenas:
         self.scales = np.empty(tokens, dtype=np.float32)
         self.fp_ids = np.empty((tokens, FP_TOP), dtype=np.int64)
         self.fp_lps = np.empty((tokens, FP_TOP), dtype=np.float32)
+        self.sketch = np.empty((tokens, self.spec.num_layers_captured, SKETCH_DIM), dtype=np.float32)
 
     def ensure(self, tokens: int) -> None:
         if tokens > self.cap:
@@ -112,13 +116,14 @@ class _Reader:
     """Reads the records of `items` into batches of arenas on its own thread (see the module doc)."""
 
     def __init__(self, items: Iterable[Item], spec: RecordSpec, arenas: list[Arenas], fingerprints_required: bool,
-                 layer_ids: list[int] | None = None):
+                 layer_ids: list[int] | None = None, sketch_required: bool = False):
         self.items, self.spec, self.layer_ids = iter(items), spec, layer_ids
         self.free: queue.Queue = queue.Queue()
         for a in arenas:
             self.free.put(a)
         self.out: queue.Queue = queue.Queue(maxsize=len(arenas))
         self.required = fingerprints_required
+        self.sketch_required = sketch_required
         self.token_bytes = arenas[0].token_bytes
         self.first = bytearray(FIRST_READ)
         self.first_view = memoryview(self.first)
@@ -359,11 +364,34 @@ class _Reader:
                 a = info["data_offsets"][0]
                 self._copy(fd, data + a, data + a + n * FP_TOP * arr.itemsize, memoryview(arr[:n]).cast("B"))
             entry.fingerprint = True
+            self._read_sketch(entry, arenas, fd, header, data)
         except Exception as e:  # noqa: BLE001 - a damaged sidecar is a problem of this record
             entry.problems.append(f"{item_name(it)}: fingerprint {fingerprint_name(it.row)} unreadable "
                                   f"({type(e).__name__}: {e})")
         finally:
             os.close(fd)
+
+    def _read_sketch(self, entry: FileEntry, arenas: Arenas, fd: int, header: dict, data: int) -> None:
+        """The record's state sketch (fp32 [T, L, DIM], state_sketch.py) from its fingerprint sidecar into the
+        arenas; a missing one is a problem where the extraction wrote them."""
+        from eagle3_pipeline.contracts import fingerprint_name
+
+        it, at, T = entry.item, entry.offset, entry.tokens
+        info = header.get(SKETCH_KEY)
+        if info is None:
+            if self.sketch_required:
+                entry.problems.append(f"{item_name(it)}: {fingerprint_name(it.row)} has no {SKETCH_KEY} (the extract "
+                                      f"pass writes one per record): its layers cannot be checked against the "
+                                      f"states the target computed")
+            return
+        want = [T, self.spec.num_layers_captured, SKETCH_DIM]
+        if info["dtype"] != "F32" or [int(d) for d in info["shape"]] != want:
+            entry.problems.append(f"{item_name(it)}: {fingerprint_name(it.row)}: {SKETCH_KEY} expected float32 "
+                                  f"{_fmt(want)}, found {ST_DTYPES[info['dtype']][0]} {_fmt(info['shape'])}")
+            return
+        a, b = info["data_offsets"]
+        self._copy(fd, data + a, data + b, memoryview(arenas.sketch[at:at + T]).cast("B"))
+        entry.sketch = True
 
     # -- the consumer
     def batches(self) -> Iterator[Batch]:
@@ -391,11 +419,15 @@ class Reduced:
     gram: object   # fp32 [N, L, L]: x_t,a . x_t,b
     cross: object  # fp32 [N, L, L]: x_t,a . x_t-1,b (row 0: with zeros)
     final: object  # fp32 [N, H] (the last slot) or None
+    proj: object = None  # fp32 [N, L, DIM]: every state on the sketch directions (state_sketch.py) or None
 
 
-def reduce_batch(batch: Batch, spec: RecordSpec, keep_final: bool, buffers: dict) -> Reduced:
-    """The per-token reductions of every token in the batch's arenas, block by block in cache."""
+def reduce_batch(batch: Batch, spec: RecordSpec, keep_final: bool, buffers: dict, sketch: bool = False) -> Reduced:
+    """The per-token reductions of every token in the batch's arenas, block by block in cache; with
+    `sketch`, every state's projections on the state sketch's directions too."""
     import torch
+
+    from eagle3_pipeline.state_sketch import directions
 
     L, H, N = spec.num_layers_captured, spec.hidden_size, batch.tokens
     ar = batch.arenas
@@ -403,7 +435,9 @@ def reduce_batch(batch: Batch, spec: RecordSpec, keep_final: bool, buffers: dict
     hs = torch.from_numpy(ar.hs[:N * ar.token_bytes]).view(dtype).view(N, L, H)
     out = Reduced(sum=torch.empty(N, L), min=torch.empty(N, L), max=torch.empty(N, L),
                   gram=torch.empty(N, L, L), cross=torch.empty(N, L, L),
-                  final=torch.empty(N, H) if keep_final else None)
+                  final=torch.empty(N, H) if keep_final else None,
+                  proj=torch.empty(N, L, SKETCH_DIM) if sketch else None)
+    dirs = torch.from_numpy(directions(H)) if sketch else None
     step = max(1, BLOCK_FLOATS // (L * H))
     stage = buffers.get("stage")
     if stage is None or stage.shape[0] < step + 1 or stage.shape[1:] != (L, H):
@@ -426,6 +460,8 @@ def reduce_batch(batch: Batch, spec: RecordSpec, keep_final: bool, buffers: dict
         torch.bmm(x, stage[:m].transpose(1, 2), out=out.cross[a:b])
         if keep_final:
             out.final[a:b].copy_(x[:, L - 1])
+        if sketch:
+            torch.mm(x.view(m * L, H), dirs, out=out.proj[a:b].view(m * L, SKETCH_DIM))
         prev_m = m
     return out
 

@@ -42,7 +42,7 @@ from eagle3_pipeline.verify.structure import LayerStats, StructureCheck, _Extras
 CONFIG_KEY_EXCLUDE = frozenset({"workers", "move_bad_files"})
 # bump when what verify computes per record changes (identity features, fingerprint rule): cached
 # per-record results of an older verify are then read again
-VERIFY_FORMAT = 4
+VERIFY_FORMAT = 5
 
 
 class VerifyFailed(GateFailed):
@@ -94,12 +94,16 @@ class VerifyResult(BaseModel):
     seconds: float | None = None
     checks: dict[str, CheckRun] = {}   # every check: ran (on how many records) or skipped, and why
     cleared: dict[int, list[str]] = {}  # rows learned checks flagged and the target itself cleared: their flags
+    sketch_failed: int = 0      # records with a state that differs from the engine's sketch (state_sketch.py)
+    sketch_margin: float | None = None  # the largest deviation ÷ tolerance of a record that passed it
 
 
-def _checks(st, ref, inv, fp_required: bool) -> dict[str, CheckRun]:
+def _checks(st, ref, inv, fp_required: bool, sketch_skipped: str | None) -> dict[str, CheckRun]:
     """What ran on this verify's records, and what did not (and why)."""
     fp = st.fingerprint
     return {
+        "state_sketch": CheckRun(ran=st.sketch_rows > 0, records=st.sketch_rows,
+                                 skipped=sketch_skipped or (None if st.sketch_rows else "no records to check")),
         "structure": CheckRun(ran=True, records=st.files_checked),
         "fingerprint": CheckRun(ran=fp.skipped is None and fp.rows_checked > 0, records=fp.rows_checked,
                                 skipped=fp.skipped or (None if fp.rows_checked else
@@ -124,6 +128,17 @@ def unrunnable(cfg: VerifyConfig, final_skipped: str | None, ref_skipped: str | 
     if ref_wanted and ref_skipped and "reference" not in cfg.allow_skip:
         out.append(f"verify: the reference check did not run: {ref_skipped}; " + hint.format("reference"))
     return out
+
+
+def _sketch_skipped(cfg: VerifyConfig, man, fp_required: bool) -> str | None:
+    """Why the records' state sketches are not required (None: every record must carry one)."""
+    if not fp_required:
+        return "no fingerprint sidecars (extract.fingerprints false): the sketches ride in them"
+    if not man.config.get("state_sketch"):
+        return "this extraction wrote no state sketches (extracted before they were kept, or the online server's rows)"
+    if "state_sketch" in cfg.allow_skip:
+        return "verify.allow_skip names state_sketch (records that carry one are still checked)"
+    return None
 
 
 def _confirm_learned(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, st, log) -> list[int]:
@@ -242,6 +257,7 @@ def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, lo
     fp_required = bool(man.config.get("extract", {}).get("fingerprints"))
     if fingerprints is not None:
         fp_required = fingerprints
+    sketch_skipped = _sketch_skipped(cfg, man, fp_required)
     if sample is not None:
         bad_ids = [r for r in sample if not 0 <= r < len(ds)]
         if bad_ids or not sample:
@@ -260,7 +276,7 @@ def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, lo
         log(f"verify: final-layer fingerprint check skipped: {final_skipped}")
     extras = _Extras(identity=cfg.identity_max_z is not None,
                      final=final, fingerprints_dir=str(version.fingerprints_dir), fingerprints_required=fp_required,
-                     min_agreement=cfg.fingerprint_min_agreement)
+                     min_agreement=cfg.fingerprint_min_agreement, sketch_required=sketch_skipped is None)
     log(f"verify: {len(todo)} records to read, {len(reused)} reused ({len(reused_hashes)} unchanged verified shards, "
         f"{len(from_pool)} records verified in another version through the record pool)")
     check = StructureCheck(tokenized_dir, version.hidden_states_dir, version.layer_ids, version.dims.hidden_size,
@@ -334,7 +350,8 @@ def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, lo
         reference_peak_rss_bytes=getattr(ref, "peak_rss_bytes", None), shards_rechecked=n_rechecked,
         shards_reused=len(reused_hashes), config_key=_config_key(cfg), shard_hashes=hashes,
         rows_rechecked=len(todo), rows_reused=len(reused), rows_reused_pool=len(from_pool),
-        seconds=round(time.time() - t0, 2), checks=_checks(st, ref, inv, fp_required), cleared=st.cleared)
+        seconds=round(time.time() - t0, 2), checks=_checks(st, ref, inv, fp_required, sketch_skipped), cleared=st.cleared,
+        sketch_failed=st.sketch_failed, sketch_margin=st.sketch_margin)
     res.checks["masks"] = CheckRun(ran=bool(mask_rows), records=mask_rows, skipped=None if mask_rows else
                                    "no row hashes in the manifest (extracted before they were kept)")
     for name, c in res.checks.items():

@@ -82,6 +82,9 @@ class StructureResult(BaseModel):
     identity_max_deviation: float | None = None  # the largest robust deviation of any record (limit identity_max_z)
     identity_profile: dict | None = None  # the learned profiles: median, scale, layer_ids, max_z (online rows use them)
     learned_rows: list[int] = []          # rows flagged only by learned checks (identity, norm bounds)
+    sketch_rows: int = 0                  # records whose every state was checked against the engine's sketch
+    sketch_failed: int = 0                # of those, records with a state beyond the tolerance
+    sketch_margin: float | None = None    # the largest deviation ÷ tolerance of a record that passed
     cleared: dict[int, list[str]] = {}    # of those, rows the target itself cleared (verify/stage.py) and their flags
     results: list = Field(default_factory=list, exclude=True)  # per-file results of the records read (verify cache)
 
@@ -108,6 +111,7 @@ class _FileResult:
     sig: object = None    # float32 numpy [L, F]: the layer-identity signature (layer_identity.py)
     agreement: float | None = None  # final-layer fingerprint agreement (None: no fingerprint)
     fp_margin: float | None = None  # its largest |margin error| / tolerance (1.0: at the tolerance)
+    sketch_margin: float | None = None  # its largest state-sketch deviation / tolerance (None: no sketch)
 
 
 @dataclass
@@ -118,6 +122,7 @@ class _Extras:
     fingerprints_dir: str | None = None
     fingerprints_required: bool = False
     min_agreement: float = 1.0
+    sketch_required: bool = False  # every record's sidecar must carry its state sketch (state_sketch.py)
 
 
 @dataclass(frozen=True)
@@ -201,9 +206,11 @@ def _process(batch: scan.Batch, spec: RecordSpec, layer_ids: list[int], extras: 
         release(batch.arenas)
         return out
     final = extras is not None and extras.final is not None
+    sketched = [j for j, k in enumerate(inside) if batch.files[k].sketch]
     buffers = _local.__dict__.setdefault("buffers", {})
-    red = scan.reduce_batch(batch, spec, final, buffers)
+    red = scan.reduce_batch(batch, spec, final, buffers, sketch=bool(sketched))
     ar = batch.arenas
+    engine_sketch = torch.from_numpy(ar.sketch[:batch.tokens].copy()) if sketched else None
     starts = np.asarray([batch.files[k].offset for k in inside], dtype=np.int64)
     lengths = [batch.files[k].tokens for k in inside]
     fp_rows = None
@@ -218,6 +225,11 @@ def _process(batch: scan.Batch, spec: RecordSpec, layer_ids: list[int], extras: 
     lo = np.minimum.reduceat(red.min.numpy(), starts, axis=0).astype(np.float64)
     hi = np.maximum.reduceat(red.max.numpy(), starts, axis=0).astype(np.float64)
     norm_np = norm.numpy()
+    if sketched:
+        from eagle3_pipeline.state_sketch import TOLERANCE, deviation
+
+        dev = (deviation(red.proj, engine_sketch, norm.float()) / TOLERANCE).numpy()  # [N, L]: 1.0 = at the tolerance
+        _sketch_check([(batch.files[inside[j]], out[inside[j]]) for j in sketched], dev, layer_ids)
     ns = np.add.reduceat(norm_np, starts, axis=0)
     min_norm = np.minimum.reduceat(norm_np, starts, axis=0)  # a zero token
     med = np.stack([np.median(norm_np[a:a + n], axis=0) for a, n in zip(starts, lengths)])  # [files, L]
@@ -278,6 +290,30 @@ def _process(batch: scan.Batch, spec: RecordSpec, layer_ids: list[int], extras: 
         if not found:  # a false alarm (e.g. fp32 overflow of a square): exact float64 stats
             r.stats = _file_stats(rec)
     return out
+
+
+def _sketch_check(files: list[tuple[scan.FileEntry, _FileResult]], dev, layer_ids: list[int]) -> None:
+    """Every token's every stored state against the engine's sketch of the state it computed
+    (state_sketch.py; `dev` [batch tokens, L]: deviation ÷ tolerance): each record's clean margin, and a
+    problem naming the layers and positions where they differ."""
+    import numpy as np
+
+    for e, r in files:
+        d = dev[e.offset:e.offset + e.tokens]  # [T, L]
+        r.sketch_margin = float(d.max()) if d.size else 0.0
+        bad = d > 1.0
+        if not bad.any():
+            continue
+        where = []
+        for li in np.flatnonzero(bad.any(axis=0)):
+            pos = np.flatnonzero(bad[:, li])
+            where.append(f"layer {layer_ids[li]} at {len(pos)} positions {pos[:8].tolist()}{' ...' if len(pos) > 8 else ''}")
+        worst_t, worst_l = np.unravel_index(int(np.argmax(d)), d.shape)
+        r.problems.append(
+            f"{_name(e.item)}: stored states differ from the ones the target computed in the same pass (the engine's "
+            f"state sketch): {'; '.join(where)} (of {e.tokens} tokens; largest deviation {d[worst_t, worst_l]:.3g}x the "
+            f"tolerance, layer {layer_ids[worst_l]} position {worst_t}): stale or shifted cache slots, another "
+            f"request's states, or a corrupted record")
 
 
 @contextmanager
@@ -348,7 +384,8 @@ def scan_records(ds, check: StructureCheck, rows: list[int], *, extras: _Extras 
     workers = check.workers
     spec = RecordSpec(len(layer_ids), hidden_size, storage_dtype)
     bytes_per_token = len(layer_ids) * hidden_size * (2 if storage_dtype == "bf16" else 1)
-    fp_dir = extras.fingerprints_dir if extras is not None and extras.final is not None else None
+    fp_dir = extras.fingerprints_dir if extras is not None and (extras.final is not None or extras.sketch_required) \
+        else None
     items = _row_items(ds, rows, str(check.hidden_states_dir), fp_dir)
     if not workers:
         # a second compute thread pays off on large records only: on small ones the batch's Python work
@@ -356,7 +393,8 @@ def scan_records(ds, check: StructureCheck, rows: list[int], *, extras: _Extras 
         mean_bytes = _mean_tokens(ds, rows) * bytes_per_token
         workers = min(8, len(os.sched_getaffinity(0))) if mean_bytes >= SMALL_RECORD_BYTES else 1
     arenas = [scan.Arenas(spec, max(1, scan.BATCH_BYTES // bytes_per_token)) for _ in range(workers + 1)]
-    reader = scan._Reader(items, spec, arenas, bool(extras and extras.fingerprints_required), layer_ids)
+    reader = scan._Reader(items, spec, arenas, bool(extras and extras.fingerprints_required), layer_ids,
+                          sketch_required=bool(extras and extras.sketch_required))
     results: list[_FileResult] = []
     # one OpenMP thread per compute thread: torch's intra-op threads on small tensors (and on a busy
     # machine) cost more in barriers than they save; the parallelism is across batches of files
@@ -473,7 +511,14 @@ def judge_records(ds, results: list[_FileResult], check: StructureCheck, log, *,
                            identity_files=id_files, identity_skipped=id_skipped,
                            identity_max_deviation=None if id_profile is None else id_profile["max_deviation"],
                            identity_profile=id_profile,
-                           learned_rows=sorted(set(problems) - hard))
+                           learned_rows=sorted(set(problems) - hard), **_sketch_summary(results))
+
+
+def _sketch_summary(results: list[_FileResult]) -> dict:
+    m = [r.sketch_margin for r in results if r.sketch_margin is not None]
+    clean = [x for x in m if x <= 1.0]
+    return {"sketch_rows": len(m), "sketch_failed": len(m) - len(clean),
+            "sketch_margin": round(max(clean), 4) if clean else None}
 
 
 def _fingerprint_summary(results: list[_FileResult], extras: _Extras | None) -> FingerprintSummary:

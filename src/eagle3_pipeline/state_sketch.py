@@ -1,0 +1,204 @@
+"""State sketches: every captured state of every token, projected on a few fixed directions by the extract
+engine from the states its model computed, before they enter the hidden-states KV cache and the connector.
+
+The fingerprint (contracts.py, the sidecar) judges every token's final layer by the target's logits; the
+sketch judges every token's aux layers too. The engine's model hands its captured states (vLLM's
+`aux_hidden_states`, one [n, H] tensor per captured layer, the final one included) to the drafter that writes
+them into the KV cache, where the connector reads them after the request finishes: a stale block, a slot
+mapping off by one, another request's states after a shared prefix, a permuted or missing layer all happen
+on that way. `install` wraps the runner's `propose_draft_token_ids`: before the drafter runs, it takes the
+step's states of every request that names a file (`kv_transfer_params.hidden_states_path`, or the
+connector's default `<request id>.safetensors`), rounds them as the record stores them (`stored`: bf16, or
+fp8 with the per-token scale of contracts.to_record), projects each on DIM fixed unit directions
+(`directions`, from a seeded generator) and, when the request's prompt is complete, writes
+`<EAGLE3_STATE_SKETCH_DIR>/<that file's name>` (fp32 [T, L, DIM], atomically). The extract worker puts it
+into the record's fingerprint sidecar under KEY; verify projects the stored states on the same directions
+(verify/scan.py) and compares, every token and every layer (`deviation`).
+
+Tolerance: the stored values and the engine's rounded values are the same numbers; the two projections
+differ only by float32 summation order (relative ~1e-6 of the state's norm; TF32 on a GPU ~1e-5). A
+state taken from another token or request moves each projection by about |x - y| / sqrt(H) (a few
+thousandths of |x| at H = 7168, far more at small H): TOLERANCE = 2^-12 of the state's norm sits between.
+Cost in the engine: DIM multiply-adds per stored value (lm_head costs the vocabulary's size per final one).
+Only tensor-parallel rank 0 writes (the connector's rule); every rank runs the same code.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import numpy as np
+
+ENV = "EAGLE3_STATE_SKETCH_DIR"  # set: the engine's processes write sketches into this directory
+STORAGE_ENV = "EAGLE3_STATE_SKETCH_STORAGE"  # the records' storage dtype (bf16, fp8): how the states are rounded
+KEY = "state_sketch"              # the fingerprint sidecar's key: fp32 [T, L, DIM]
+DIM = 4                           # directions per state
+SEED = 20261204                   # of the directions (numpy's PCG64: the same stream on every platform)
+TOLERANCE = 2.0 ** -12            # largest |stored projection - engine projection| ÷ the state's norm
+_STATE = {"installed": False}
+
+
+@lru_cache(maxsize=8)
+def directions(hidden_size: int) -> np.ndarray:
+    """float32 [H, DIM]: DIM unit vectors of R^H, the same for every process and platform."""
+    g = np.random.Generator(np.random.PCG64(SEED + int(hidden_size)))
+    d = g.standard_normal((DIM, int(hidden_size)))  # float64
+    d /= np.linalg.norm(d, axis=1, keepdims=True)
+    return np.ascontiguousarray(d.T.astype(np.float32))
+
+
+def stored(states, storage_dtype: str):
+    """fp32 [n, L, H]: `states` [n, L, H] (any float dtype, any device) as the record stores and verify reads
+    them: bf16 widened, or fp8 e4m3 times its per-token scale (contracts.to_record, contracts.dequantise)."""
+    import torch
+
+    from eagle3_pipeline.contracts import dequantise, to_record
+
+    rec = to_record(states, torch.zeros(states.shape[0], dtype=torch.int64, device=states.device), storage_dtype)
+    return dequantise(rec)
+
+
+def project(values, hidden_size: int):
+    """fp32 [n, L, DIM]: `values` fp32 [n, L, H] on the directions (same device)."""
+    import torch
+
+    d = torch.from_numpy(directions(hidden_size)).to(values.device)
+    return torch.matmul(values, d)
+
+
+def deviation(got, expected, norms):
+    """[n, L]: |got - expected| over the DIM projections ÷ the state's norm (inf where it is not finite or the
+    expected sketch is missing; 0 for an all-zero state projected to zeros)."""
+    import torch
+
+    diff = torch.linalg.vector_norm(got - expected, dim=-1)
+    out = diff / norms.clamp_min(torch.finfo(torch.float32).tiny)
+    out[(diff == 0)] = 0.0
+    return torch.nan_to_num(out, nan=float("inf"), posinf=float("inf"))
+
+
+def file_name(req) -> str | None:
+    """The name of the sketch file of a runner's request (vLLM's CachedRequestState): the name of the file the
+    connector is asked to write (kv_transfer_params.hidden_states_path), else its default `<req id>.safetensors`."""
+    sp = getattr(req, "sampling_params", None)
+    params = ((getattr(sp, "extra_args", None) or {}).get("kv_transfer_params") or {}) if sp is not None else {}
+    path = params.get("hidden_states_path")
+    return os.path.basename(path) if path else f"{req.req_id}.safetensors"
+
+
+def missing() -> list[str]:
+    """What the installed vLLM lacks of what the hook reads (empty: it can run)."""
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError as e:
+        return [f"import: {e}"]
+    import inspect
+
+    own = getattr(GPUModelRunner, "propose_draft_token_ids", None)
+    if not callable(own):
+        return ["GPUModelRunner.propose_draft_token_ids"]
+    if "aux_hidden_states" not in inspect.signature(own).parameters:
+        return ["GPUModelRunner.propose_draft_token_ids(aux_hidden_states=...)"]
+    return []
+
+
+def install() -> bool:
+    """Wrap the runner's `propose_draft_token_ids` in this process when asked (EAGLE3_STATE_SKETCH_DIR set)
+    and possible; idempotent. Returns whether the hook is in place. A vLLM general plugin (pyproject)."""
+    out_dir = os.environ.get(ENV)
+    if not out_dir:
+        return False
+    if _STATE["installed"]:
+        return True
+    lacks = missing()
+    if lacks:
+        import logging
+
+        logging.getLogger("eagle3_pipeline").warning("state sketches: not written (this vLLM lacks %s)", ", ".join(lacks))
+        return False
+    import inspect
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    own = GPUModelRunner.propose_draft_token_ids
+    sig = inspect.signature(own)
+
+    def propose_draft_token_ids(self, *args, **kwargs):
+        got = sig.bind(self, *args, **kwargs).arguments
+        aux = got.get("aux_hidden_states")
+        if aux is not None:
+            _sketch_step(self, got["scheduler_output"], aux, os.environ.get(ENV) or out_dir)
+        return own(self, *args, **kwargs)
+
+    GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
+    _STATE["installed"] = True
+    print(f"eagle3 state_sketch: sketches of the captured states in place (pid {os.getpid()}, into {out_dir})",
+          flush=True)
+    return True
+
+
+def _rank_zero() -> bool:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank() == 0
+    except Exception:  # noqa: BLE001 - no distributed state (a single process): it is rank 0
+        return True
+
+
+def _sketch_step(runner, scheduler_output, aux: list, out_dir: str) -> None:
+    """This step's sketches of every request whose prompt is being computed, kept on the runner until the
+    prompt is complete, then written."""
+    import torch
+
+    if not _rank_zero():
+        return
+    storage = os.environ.get(STORAGE_ENV, "bf16")
+    keep = runner.__dict__.setdefault("_eagle3_sketches", {})  # req id -> fp32 numpy [T, L, DIM]
+    rows, plan = [], []
+    for req_id, n in scheduler_output.num_scheduled_tokens.items():
+        req = runner.requests.get(req_id)
+        if req is None or req.prompt_token_ids is None:
+            continue
+        first, T = req.num_computed_tokens, len(req.prompt_token_ids)
+        m = min(int(n), T - first)
+        if m <= 0:
+            continue
+        at = int(runner.query_start_loc.np[runner.input_batch.req_id_to_index[req_id]])
+        rows.append(torch.arange(at, at + m))
+        plan.append((req_id, req, first, m, T))
+    if not plan:
+        return
+    idx = torch.cat(rows).to(aux[0].device)
+    states = torch.stack([h[idx] for h in aux], dim=1)  # [N, L, H]
+    sk = project(stored(states, storage), states.shape[-1]).cpu().numpy()  # [N, L, DIM]
+    o = 0
+    for req_id, req, first, m, T in plan:
+        buf = keep.get(req_id)
+        if buf is None or buf.shape[0] != T:
+            buf = keep[req_id] = np.full((T, sk.shape[1], DIM), np.nan, dtype=np.float32)
+        buf[first:first + m] = sk[o:o + m]
+        o += m
+        if first + m >= T:
+            _write(os.path.join(out_dir, file_name(req)), keep.pop(req_id))
+
+
+def _write(path: str, sketch: np.ndarray) -> None:
+    import torch
+
+    from eagle3_pipeline.contracts import save_safetensors
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    save_safetensors(tmp, {KEY: torch.from_numpy(np.ascontiguousarray(sketch))})
+    os.replace(tmp, path)
+
+
+def read(path: str):
+    """The sketch file at `path` as fp32 [T, L, DIM], or None when it is missing."""
+    from safetensors.torch import load_file
+
+    if not os.path.exists(path):
+        return None
+    return load_file(path)[KEY]
