@@ -5,6 +5,8 @@ Per target, a clean extraction of real rows (the project's corpus for the tiny a
 for SmolLM2) is verified with the default settings, and the table prints, per check, the largest deviation
 of a clean record against its limit (a ratio: 1.0 would fail) and the numbers the model-based checks give:
   - fingerprint: the largest |margin error| / tolerance over every token of every record;
+  - state sketch: the largest deviation of a stored state from the engine's sketch / tolerance, over every
+    state of every token of every record (state_sketch.py);
   - layer identity: the largest robust deviation / identity_max_z;
   - norm bounds: the largest |log(median norm / median)| / log(factor) of a kept record;
   - reference: the largest relative error of the streamed reference (rows verify.reference_samples);
@@ -73,7 +75,7 @@ def measure(name: str, work: Path, rows: int) -> dict:
     norm = [ls.norm_margin for ls in res.layer_stats if ls.norm_margin is not None]
     return {"target": name, "model": cfg.target.model, "layer_ids": version.layer_ids, "passed": res.passed,
             "problems": res.problems[:5], "records": res.samples_checked, "tokens": res.tokens_checked,
-            "fingerprint": res.fingerprint.clean_margin,
+            "fingerprint": res.fingerprint.clean_margin, "state_sketch": res.sketch_margin,
             "identity": None if res.identity_max_deviation is None else res.identity_max_deviation / cfg.verify.identity_max_z,
             "identity_deviation": res.identity_max_deviation, "identity_max_z": cfg.verify.identity_max_z,
             "norm_bounds": max(norm) if norm else None, "reference_max_rel_err": res.reference_max_rel_err,
@@ -96,13 +98,13 @@ def main() -> None:
     Path(args.out).write_text(json.dumps({"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                           "rows": args.rows, "results": results}, indent=1))
     t = Table(title="verify's clean margins: the largest deviation of a clean record ÷ the check's limit (1.0 fails)")
-    for c in ("target", "records", "tokens", "passed", "fingerprint", "identity", "norm bounds",
+    for c in ("target", "records", "tokens", "passed", "fingerprint", "state sketch", "identity", "norm bounds",
               "reference rel err", "invariance rel err", "cleared by the model"):
         t.add_column(c, justify="right")
     f = lambda v, d=2: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
     for r in results:
         t.add_row(r["target"], str(r["records"]), f"{r['tokens']:,}", str(r["passed"]), f(r["fingerprint"]),
-                  f(r["identity"]), f(r["norm_bounds"]), f(r["reference_max_rel_err"], 4),
+                  f(r.get("state_sketch"), 4), f(r["identity"]), f(r["norm_bounds"]), f(r["reference_max_rel_err"], 4),
                   f(r["invariance_max_rel_err"], 4), str(len(r["cleared"])))
     Console(width=160).print(t)
 

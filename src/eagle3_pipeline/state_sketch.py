@@ -36,6 +36,7 @@ KEY = "state_sketch"              # the fingerprint sidecar's key: fp32 [T, L, D
 DIM = 4                           # directions per state
 SEED = 20261204                   # of the directions (numpy's PCG64: the same stream on every platform)
 TOLERANCE = 2.0 ** -12            # largest |stored projection - engine projection| ÷ the state's norm
+CHUNK_BYTES = 64 << 20            # the engine rounds and projects a step's states this many fp32 bytes at a time
 _STATE = {"installed": False}
 
 
@@ -171,8 +172,10 @@ def _sketch_step(runner, scheduler_output, aux: list, out_dir: str) -> None:
     if not plan:
         return
     idx = torch.cat(rows).to(aux[0].device)
-    states = torch.stack([h[idx] for h in aux], dim=1)  # [N, L, H]
-    sk = project(stored(states, storage), states.shape[-1]).cpu().numpy()  # [N, L, DIM]
+    L, H = len(aux), aux[0].shape[-1]
+    step = max(1, CHUNK_BYTES // (L * H * 4))  # fp32 copies of at most CHUNK_BYTES at a time (GPU memory)
+    sk = np.concatenate([project(stored(torch.stack([h[idx[a:a + step]] for h in aux], dim=1), storage), H).cpu().numpy()
+                         for a in range(0, len(idx), step)])  # [N, L, DIM]
     o = 0
     for req_id, req, first, m, T in plan:
         buf = keep.get(req_id)

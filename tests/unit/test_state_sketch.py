@@ -90,3 +90,38 @@ def test_file_name_follows_the_requested_path():
 
 def test_the_hook_fits_the_installed_vllm():
     assert sk.missing() == []
+
+
+def test_the_engine_step_keeps_each_request_s_rows_and_writes_when_its_prompt_is_complete(tmp_path, monkeypatch):
+    """`_sketch_step` on a runner-shaped object: two requests share a step (their rows at their offsets in the
+    step's states), one prompt is computed over two steps (a chunked prefill), the states are rounded and
+    projected a few rows at a time; each file is written once its prompt is complete, equal to the
+    sketch of that request's own states, named after the file it asked the connector for."""
+    from types import SimpleNamespace as NS
+
+    monkeypatch.setattr(sk, "CHUNK_BYTES", 3 * 4 * 4 * 32)  # 3 rows of [4, 32] fp32 at a time
+    monkeypatch.setattr(sk, "_rank_zero", lambda: True)
+    monkeypatch.setenv(sk.STORAGE_ENV, "fp8")
+    L, H = 4, 32
+    full = {"a": torch.randn(7, L, H), "b": torch.randn(5, L, H)}
+    path_of = {"a": "/elsewhere/hs_1.safetensors.tmp-0-engine", "b": None}
+
+    def req(rid):
+        extra = {"kv_transfer_params": {"hidden_states_path": path_of[rid]}} if path_of[rid] else None
+        return NS(req_id=rid, prompt_token_ids=list(range(len(full[rid]))), num_computed_tokens=0,
+                  sampling_params=NS(extra_args=extra))
+
+    runner = NS(requests={"a": req("a"), "b": req("b")}, query_start_loc=NS(np=np.array([0, 4, 9])),
+                input_batch=NS(req_id_to_index={"a": 0, "b": 1}))
+    # step 1: a's first 4 tokens at rows 0..3, b's 5 tokens at rows 4..8 (then padding)
+    step1 = torch.cat([full["a"][:4], full["b"], torch.zeros(2, L, H)])
+    sk._sketch_step(runner, NS(num_scheduled_tokens={"a": 4, "b": 5}), list(step1.unbind(1)), str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.safetensors"]
+    runner.requests["a"].num_computed_tokens = 4
+    del runner.requests["b"]
+    runner.query_start_loc.np, runner.input_batch.req_id_to_index = np.array([0, 3]), {"a": 0}
+    sk._sketch_step(runner, NS(num_scheduled_tokens={"a": 3}), list(full["a"][4:].unbind(1)), str(tmp_path))
+    for rid, name in (("a", "hs_1.safetensors.tmp-0-engine"), ("b", "b.safetensors")):
+        got = sk.read(str(tmp_path / name))
+        assert torch.allclose(got, sk.project(sk.stored(full[rid], "fp8"), H), atol=1e-6), rid
+    assert runner._eagle3_sketches == {}

@@ -39,6 +39,7 @@ from types import SimpleNamespace
 
 from pydantic import BaseModel
 
+from eagle3_pipeline import state_sketch
 from eagle3_pipeline.config import ExtractConfig, PipelineConfig, TargetConfig
 from eagle3_pipeline.contracts import (
     FP_TOP,
@@ -57,6 +58,8 @@ from eagle3_pipeline.errors import EnvironmentProblem
 from eagle3_pipeline.layout import ExtractVersion
 from eagle3_pipeline.proc import BackgroundChild
 from eagle3_pipeline.store import write_json
+
+SKETCHES = "state-sketches"  # the server scratch dir's folder of state sketches (state_sketch.py)
 
 
 class OnlineServerFailed(EnvironmentProblem):
@@ -162,7 +165,10 @@ class HiddenStateServer:
         from eagle3_pipeline.prompt_scores import ENV as LEAN
 
         # every row's fingerprint scores: the lean path in the server's engine (prompt_scores.py, a vLLM plugin)
-        env = server_env(cfg) | {LEAN: os.environ.get(LEAN, "1")}
+        # and every row's state sketch (state_sketch.py, a vLLM plugin): files beside the connector's, which
+        # request_row reads (bf16: the rows reach the trainer in bf16)
+        env = server_env(cfg) | {LEAN: os.environ.get(LEAN, "1"), state_sketch.ENV: str(self.scratch / SKETCHES),
+                                 state_sketch.STORAGE_ENV: "bf16"}
         self.child = BackgroundChild(argv, name="online-server", log_path=log_path, env=env).__enter__()
         try:
             self._wait_ready()
@@ -242,9 +248,14 @@ def request_row(endpoint: str, model: str, ids: list[int], timeout_s: float, *,
                             f"{out.get('kv_transfer_params')!r}); is the extract_hidden_states method active?")
     await_hidden_states_file(Path(path), timeout_s)
     fp = None
+    sketch_path = Path(path).parent / SKETCHES / Path(path).name  # written in the step that computed the prompt
+    sketch = state_sketch.read(str(sketch_path))
+    sketch_path.unlink(missing_ok=True)
     if fingerprint:
         fp = fingerprint_from_logprobs(_prompt_logprobs(choice.get("prompt_logprobs") or [None]),
                                        _last_logprobs(choice.get("logprobs")), len(ids))
+        if sketch is not None:
+            fp[state_sketch.KEY] = sketch
     return Path(path), fp
 
 
@@ -348,6 +359,8 @@ def take_sample(srv: HiddenStateServer, cfg: PipelineConfig, version: ExtractVer
             raise ContractError(f"online sample {record_name(row)} (row {row}): layers {version.layer_ids}: hidden_states "
                                 f"expected {[len(ids), L, H]}, found {list(hs.shape)}")
         write_record(sv.record_path(row), to_record(hs, tok, sv.storage_dtype), sv.layer_ids, sv.storage_dtype)
+        if sv.storage_dtype != "bf16":  # the server's sketches are of bf16 rows (the trainer's)
+            fp.pop(state_sketch.KEY, None)
         write_fingerprint(sv.fingerprint_path(row), fp)
         return len(ids)
 
@@ -367,7 +380,8 @@ def take_sample(srv: HiddenStateServer, cfg: PipelineConfig, version: ExtractVer
         inv[str(row)] = invariance_entry(stored, alone, sv.layer_ids)
     extract_cfg = {"fingerprints": True, "invariance_rows": cfg.extract.invariance_rows}
     write_json(sv.manifest_path, {"content_key": sv.content_key, "online_sample": True, "shards": [],
-                                  "config": {"extract": extract_cfg}, "invariance": inv, "rows": rows,
+                                  "config": {"extract": extract_cfg, "state_sketch": sv.storage_dtype == "bf16"},
+                                  "invariance": inv, "rows": rows,
                                   "endpoint": srv.endpoint})
     seconds = round(time.time() - t0, 2)
     nbytes = _dir_bytes(sv.hidden_states_dir) + _dir_bytes(sv.fingerprints_dir)

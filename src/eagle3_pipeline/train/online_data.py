@@ -157,6 +157,25 @@ def row_problems(row: dict, layers: int | None, hidden_size: int | None) -> list
     return out
 
 
+def _sketch_problem(name: str, hs, fp: dict) -> str | None:
+    """Every state of the row (bf16, as the trainer reads it) against the server engine's sketch of the states
+    it computed (state_sketch.py): where they differ, or that the response had no sketch."""
+    from eagle3_pipeline import state_sketch as sk
+
+    got = fp.get(sk.KEY)
+    if got is None:
+        return f"{name}: the server wrote no state sketch for it (is the state_sketch plugin in its vLLM?)"
+    x = sk.stored(hs, "bf16")
+    if tuple(got.shape) != (*x.shape[:2], sk.DIM):
+        return f"{name}: state sketch [{', '.join(map(str, got.shape))}] for hidden states {list(x.shape)}"
+    dev = sk.deviation(sk.project(x, x.shape[-1]), got.float(), x.norm(dim=-1)) / sk.TOLERANCE  # [T, L]
+    bad = (dev > 1).nonzero().tolist()
+    if not bad:
+        return None
+    return (f"{name}: states differ from the ones the target computed at {len(bad)} token-layer pairs (first: "
+            f"position {bad[0][0]}, layer slot {bad[0][1]}; largest deviation {float(dev.max()):.3g}x the tolerance)")
+
+
 class RowChecks:
     """Every row the server sends, judged like a verified record before the trainer sees it: the final
     layer against the target's own logits on every token (final_layer.py, the fingerprint the response
@@ -201,6 +220,7 @@ class RowChecks:
                 f"{name}: no token had a usable fingerprint" if not n else
                 f"{name}: final layer disagrees with the target's logits at {round((1 - agree) * n)} of {n} tokens "
                 f"(positions {bad})")
+        why = why or _sketch_problem(name, hs, fp)
         if why:
             self.reject(index, why)
             raise ValueError(why)
