@@ -10,15 +10,16 @@ Two stages overlap (bench/verify_throughput.py, profile-driven):
   byte sizes, data offsets contiguous and covering the data section) and the contract (keys, token
   ids int64 [T] equal to the row, hidden states [T, L, H] of the storage dtype, fp8 scales fp32
   [T, 1, 1]), and scatters the tensors with `preadv` straight into the batch's arenas: all hidden
-  states of the batch one contiguous [sum T, L, H] array, token ids, fp8 scales and fingerprint
-  rows beside it. No tensor object per file, no copy through a temporary buffer. It asks the kernel
+  states of the batch one contiguous [sum T, L, H] array, token ids, fp8 scales, fingerprint
+  rows and state sketches ([T, L, 4], state_sketch.py) beside it. No tensor object per file, no copy through a temporary buffer. It asks the kernel
   for the next files ahead of time (`posix_fadvise(WILLNEED)`, a window of a few MB), so disk reads
   of small files overlap, and large files are read in 1 MB pieces, which the kernel's readahead
   pipelines (the timings: docs/benchmarks.md);
 - **compute threads** (one per batch in flight) convert the arena to fp32 in cache-sized blocks of
   tokens and take, per token, the sum, minimum and maximum over H, the Gram matrix of its L slots
   (x_a . x_b: squared norms on the diagonal) and the cross Gram with the previous token
-  (x_t,a . x_t-1,b), each one BLAS call per block; the final slot is kept for the fingerprint check.
+  (x_t,a . x_t-1,b), each one BLAS call per block; the final slot is kept for the fingerprint check,
+  and where records carry a state sketch, every state's projections on its directions (one more call).
   Everything else is arithmetic on those [sum T, L, L] arrays and per-file segment reductions:
   statistics, suspects (non-finite, zero layers or tokens, identical layers), the layer-identity
   features (layer_identity.py) and the final-layer agreement (final_layer.py).
