@@ -41,7 +41,8 @@ def pool_key(target, layer_ids: list[int], storage_dtype: str, connector: str, t
     from eagle3_pipeline.engine import cpu_build_kwargs
 
     obj = {"model": model_fingerprint(target.model, target.revision), "layers": list(layer_ids),
-           "storage": storage_dtype, "connector": connector, "dtype": target.dtype, "tp": int(tensor_parallel_size)}
+           "storage": storage_dtype, "connector": connector, "dtype": target.dtype, "tp": int(tensor_parallel_size),
+           "sidecar": "state_sketch"}  # sidecars carry the engine's state sketch: pools of earlier ones are not reused
     if engine := cpu_build_kwargs():
         obj["engine"] = engine
     return content_key(obj, 16)

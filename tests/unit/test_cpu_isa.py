@@ -25,7 +25,8 @@ def test_allow_amx_is_loaded_by_vllm_in_every_process():
     from eagle3_pipeline.cpu_isa import allow_amx
 
     ours = {e.value: e for e in entry_points(group="vllm.general_plugins") if e.value.startswith("eagle3_pipeline.")}
-    assert set(ours) == {"eagle3_pipeline.cpu_isa:allow_amx", "eagle3_pipeline.prompt_scores:install"}
+    assert set(ours) == {"eagle3_pipeline.cpu_isa:allow_amx", "eagle3_pipeline.prompt_scores:install",
+                         "eagle3_pipeline.state_sketch:install"}
     assert ours["eagle3_pipeline.cpu_isa:allow_amx"].load() is allow_amx
 
 

@@ -71,20 +71,25 @@ def _layered_row(seed: int, T: int, H: int):
 
 
 def _fingerprint_of(checks, hs):
-    """vLLM's top-2 next-token scores as the extract engine would write them, from the row's final slot."""
+    """vLLM's top-2 next-token scores as the extract engine would write them, from the row's final slot, and the
+    server engine's state sketch of the row's states."""
+    from eagle3_pipeline import state_sketch as sk
     from eagle3_pipeline.contracts import FP_IDS_KEY, FP_LOGPROBS_KEY
 
     f = checks.final
     x = hs[:, -1].float()
     n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + f.eps) * f.norm
     top = (n @ f.head.float().T).topk(2, dim=-1)
-    return {FP_IDS_KEY: top.indices, FP_LOGPROBS_KEY: top.values}
+    return {FP_IDS_KEY: top.indices, FP_LOGPROBS_KEY: top.values,
+            sk.KEY: sk.project(sk.stored(hs, "bf16"), hs.shape[-1])}
 
 
 def test_every_online_row_is_judged_against_the_target(tmp_path, tiny_target):
     """Issue 30, online mode: RowChecks passes a clean row, rejects one whose final layer disagrees with the
-    target's logits at one token (naming it; a later clean answer clears it), and holds a row whose aux
-    slots are permuted, writing its record for the stage to confirm with the streamed reference."""
+    target's logits at one token (naming it; a later clean answer clears it), rejects one whose aux state of
+    one token differs from the server engine's state sketch (or that came without a sketch), and holds a row
+    whose aux slots were permuted before the sketch, writing its record for the stage to confirm with the
+    streamed reference."""
     import json
 
     import numpy as np
@@ -119,3 +124,10 @@ def test_every_online_row_is_judged_against_the_target(tmp_path, tiny_target):
     assert json.loads((tmp_path / "flagged.jsonl").read_text())["row"] == 9
     with pytest.raises(ValueError, match="no fingerprint"):
         checks.judge(11, row, None)
+    aux = hs.clone()
+    aux[17, 1] = hs[3, 1]  # one token's second aux slot from another position, the final layer right
+    with pytest.raises(ValueError, match=r"online row 12 \(40 tokens\): states differ from the ones the target "
+                                         r"computed at 1 token-layer pairs \(first: position 17, layer slot 1;"):
+        checks.judge(12, {"hidden_states": aux, "token_ids": torch.arange(40)}, fp)
+    with pytest.raises(ValueError, match="the server wrote no state sketch"):
+        checks.judge(13, row, {k: v for k, v in fp.items() if k != "state_sketch"})
