@@ -38,13 +38,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from eagle3_pipeline.config import EngineConfig, TargetConfig
-from eagle3_pipeline.state_sketch import KEY as SKETCH_KEY
 from eagle3_pipeline.contracts import (FP_TOP, ContractError, fingerprint_from_flat, fingerprint_name, read_record,
                                        record_file_problem, record_name, row_hash, to_record, write_fingerprint,
                                        write_record)
 from eagle3_pipeline.layout import Shard
 from eagle3_pipeline.proc import child_main, emit_event
 from eagle3_pipeline.progress import LineProgress
+from eagle3_pipeline.state_sketch import KEY as SKETCH_KEY
 
 KILL_AFTER_ENV = "EAGLE3_TEST_KILL_AFTER_SHARDS"
 RECORD_DELAY_ENV = "EAGLE3_TEST_RECORD_DELAY_S"
