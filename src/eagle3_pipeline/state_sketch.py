@@ -8,8 +8,9 @@ them into the KV cache, where the connector reads them after the request finishe
 mapping off by one, another request's states after a shared prefix, a permuted or missing layer all happen
 on that way. `install` wraps the runner's `propose_draft_token_ids`: before the drafter runs, it takes the
 step's states of every request that names a file (`kv_transfer_params.hidden_states_path`, or the
-connector's default `<request id>.safetensors`), rounds them as the record stores them (`stored`: bf16, or
-fp8 with the per-token scale of contracts.to_record), projects each on DIM fixed unit directions
+connector's default `<request id>.safetensors`), rounds them as the KV cache (its dtype, where one is set)
+and the record store them (`stored`: bf16, or fp8 with the per-token scale of contracts.to_record),
+projects each on DIM fixed unit directions
 (`directions`, from a seeded generator) and, when the request's prompt is complete, writes
 `<EAGLE3_STATE_SKETCH_DIR>/<that file's name>` (fp32 [T, L, DIM], atomically). The extract worker puts it
 into the record's fingerprint sidecar under KEY; verify projects the stored states on the same directions
@@ -173,9 +174,14 @@ def _sketch_step(runner, scheduler_output, aux: list, out_dir: str) -> None:
         return
     idx = torch.cat(rows).to(aux[0].device)
     L, H = len(aux), aux[0].shape[-1]
+    kv = getattr(getattr(runner, "cache_config", None), "cache_dtype", "auto")  # the hidden-states cache's rounding
+    cast = getattr(torch, kv) if kv in ("bfloat16", "float16") else None
     step = max(1, CHUNK_BYTES // (L * H * 4))  # fp32 copies of at most CHUNK_BYTES at a time (GPU memory)
-    sk = np.concatenate([project(stored(torch.stack([h[idx[a:a + step]] for h in aux], dim=1), storage), H).cpu().numpy()
-                         for a in range(0, len(idx), step)])  # [N, L, DIM]
+    sk = []
+    for a in range(0, len(idx), step):
+        x = torch.stack([h[idx[a:a + step]] for h in aux], dim=1)  # [n, L, H]
+        sk.append(project(stored(x if cast is None else x.to(cast), storage), H).cpu().numpy())
+    sk = np.concatenate(sk)  # [N, L, DIM]
     o = 0
     for req_id, req, first, m, T in plan:
         buf = keep.get(req_id)

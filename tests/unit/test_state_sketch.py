@@ -125,3 +125,19 @@ def test_the_engine_step_keeps_each_request_s_rows_and_writes_when_its_prompt_is
         got = sk.read(str(tmp_path / name))
         assert torch.allclose(got, sk.project(sk.stored(full[rid], "fp8"), H), atol=1e-6), rid
     assert runner._eagle3_sketches == {}
+
+
+def test_the_engine_rounds_as_a_half_precision_kv_cache_does(tmp_path, monkeypatch):
+    """A hidden-states cache of another dtype than the model's (cache_dtype float16) rounds the states before the
+    connector sees them: the sketch is of those values."""
+    from types import SimpleNamespace as NS
+
+    monkeypatch.setattr(sk, "_rank_zero", lambda: True)
+    monkeypatch.setenv(sk.STORAGE_ENV, "bf16")
+    x = torch.randn(6, 3, 16, dtype=torch.float32)
+    req = NS(req_id="r", prompt_token_ids=list(range(6)), num_computed_tokens=0, sampling_params=None)
+    runner = NS(requests={"r": req}, query_start_loc=NS(np=np.array([0, 6])), input_batch=NS(req_id_to_index={"r": 0}),
+                cache_config=NS(cache_dtype="float16"))
+    sk._sketch_step(runner, NS(num_scheduled_tokens={"r": 6}), list(x.unbind(1)), str(tmp_path))
+    got = sk.read(str(tmp_path / "r.safetensors"))
+    assert torch.equal(got, sk.project(sk.stored(x.half(), "bf16"), 16))
