@@ -10,8 +10,7 @@ on that way. `install` wraps the runner's `propose_draft_token_ids`: before the 
 step's states of every request that names a file (`kv_transfer_params.hidden_states_path`, or the
 connector's default `<request id>.safetensors`), rounds them as the KV cache (its dtype, where one is set)
 and the record store them (`stored`: bf16, or fp8 with the per-token scale of contracts.to_record),
-projects each on DIM fixed unit directions
-(`directions`, from a seeded generator) and, when the request's prompt is complete, writes
+projects each on DIM fixed unit directions (`directions`, from a seeded generator) and, when the request's prompt is complete, writes
 `<EAGLE3_STATE_SKETCH_DIR>/<that file's name>` (fp32 [T, L, DIM], atomically). The extract worker puts it
 into the record's fingerprint sidecar under KEY; verify projects the stored states on the same directions
 (verify/scan.py) and compares, every token and every layer (`deviation`).
@@ -80,7 +79,7 @@ def deviation(got, expected, norms):
     return torch.nan_to_num(out, nan=float("inf"), posinf=float("inf"))
 
 
-def file_name(req) -> str | None:
+def file_name(req) -> str:
     """The name of the sketch file of a runner's request (vLLM's CachedRequestState): the name of the file the
     connector is asked to write (kv_transfer_params.hidden_states_path), else its default `<req id>.safetensors`."""
     sp = getattr(req, "sampling_params", None)
@@ -130,7 +129,7 @@ def install() -> bool:
         got = sig.bind(self, *args, **kwargs).arguments
         aux = got.get("aux_hidden_states")
         if aux is not None:
-            _sketch_step(self, got["scheduler_output"], aux, os.environ.get(ENV) or out_dir)
+            _sketch_step(self, got["scheduler_output"], aux, out_dir)
         return own(self, *args, **kwargs)
 
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids

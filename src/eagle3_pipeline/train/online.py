@@ -62,6 +62,11 @@ from eagle3_pipeline.store import write_json
 SKETCHES = "state-sketches"  # the server scratch dir's folder of state sketches (state_sketch.py)
 
 
+def sketch_path(row_file: str | Path) -> Path:
+    """Where the server's engine writes the state sketch of the row whose file the connector wrote at `row_file`."""
+    return Path(row_file).parent / SKETCHES / Path(row_file).name
+
+
 class OnlineServerFailed(EnvironmentProblem):
     """The online-training server did not come up (died, or not ready by its deadline); the message
     carries the tail of its log."""
@@ -248,9 +253,8 @@ def request_row(endpoint: str, model: str, ids: list[int], timeout_s: float, *,
                             f"{out.get('kv_transfer_params')!r}); is the extract_hidden_states method active?")
     await_hidden_states_file(Path(path), timeout_s)
     fp = None
-    sketch_path = Path(path).parent / SKETCHES / Path(path).name  # written in the step that computed the prompt
-    sketch = state_sketch.read(str(sketch_path))
-    sketch_path.unlink(missing_ok=True)
+    sketch = state_sketch.read(str(sketch_path(path)))  # written in the step that computed the prompt
+    sketch_path(path).unlink(missing_ok=True)
     if fingerprint:
         fp = fingerprint_from_logprobs(_prompt_logprobs(choice.get("prompt_logprobs") or [None]),
                                        _last_logprobs(choice.get("logprobs")), len(ids))

@@ -128,11 +128,11 @@ class ServerFileTransfer(FP8Transfer):
         return row
 
     def delete(self, handle: str) -> None:
-        from eagle3_pipeline.train.online import SKETCHES
+        from eagle3_pipeline.train.online import sketch_path
 
         Path(handle).unlink(missing_ok=True)
         Path(f"{handle}.lock").unlink(missing_ok=True)
-        (Path(handle).parent / SKETCHES / Path(handle).name).unlink(missing_ok=True)  # its state sketch, if unread
+        sketch_path(handle).unlink(missing_ok=True)  # its state sketch, if unread
 
 
 def row_problems(row: dict, layers: int | None, hidden_size: int | None) -> list[str]:

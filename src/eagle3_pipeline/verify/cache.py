@@ -50,24 +50,13 @@ def save(path: Path, results: list) -> None:
     if not good:
         Path(path).unlink(missing_ok=True)
         return
-    t = {"row": torch.tensor([r.row for r in good], dtype=torch.int64),
-         "tokens": torch.tensor([r.tokens for r in good], dtype=torch.int64),
-         "nbytes": torch.tensor([r.nbytes for r in good], dtype=torch.int64),
-         "stats": torch.from_numpy(np.stack([r.stats for r in good]).astype(np.float64)),  # [R, STAT_ROWS, L]
-         "agreement": torch.tensor([np.nan if r.agreement is None else r.agreement for r in good], dtype=torch.float32),
-         "fp_margin": torch.tensor([np.nan if r.fp_margin is None else r.fp_margin for r in good], dtype=torch.float32),
-         "sketch_margin": torch.tensor([np.nan if r.sketch_margin is None else r.sketch_margin for r in good],
-                                       dtype=torch.float32)}
-    if all(r.sig is not None for r in good):
-        t["sig"] = torch.from_numpy(np.stack([r.sig for r in good]).astype(np.float32))  # [R, F]
+    t = {"row": torch.tensor([r.row for r in good], dtype=torch.int64), **_columns(good)}
     atomic_write(Path(path), lambda p: save_file(t, str(p)))
 
 
 def load(path: Path) -> dict:
     """{row: structure._FileResult} of a cache file ({} when there is none or it is unreadable)."""
     from safetensors.numpy import load_file
-
-    from eagle3_pipeline.verify.structure import _FileResult
 
     try:
         t = load_file(str(path))
@@ -77,13 +66,33 @@ def load(path: Path) -> dict:
 
     if t["stats"].ndim != 3 or t["stats"].shape[1] != STAT_ROWS:  # written by an older verify: read again
         return {}
-    out = {}
-    for i, row in enumerate(t["row"].tolist()):
-        a = float(t["agreement"][i])
-        out[row] = _FileResult(row=row, tokens=int(t["tokens"][i]), nbytes=int(t["nbytes"][i]), stats=t["stats"][i],
-                               sig=t["sig"][i] if "sig" in t else None, agreement=None if np.isnan(a) else a,
-                               fp_margin=_margin(t, i), sketch_margin=_margin(t, i, "sketch_margin"))
-    return out
+    return {row: _result(t, i, row) for i, row in enumerate(t["row"].tolist())}
+
+
+def _columns(rs: list) -> dict:
+    """The cached columns of good per-file results (structure._FileResult), one row each."""
+    import torch
+
+    def opt(name: str):
+        return torch.tensor([np.nan if getattr(r, name) is None else getattr(r, name) for r in rs], dtype=torch.float32)
+
+    t = {"tokens": torch.tensor([r.tokens for r in rs], dtype=torch.int64),
+         "nbytes": torch.tensor([r.nbytes for r in rs], dtype=torch.int64),
+         "stats": torch.from_numpy(np.stack([r.stats for r in rs]).astype(np.float64)),  # [R, STAT_ROWS, L]
+         "agreement": opt("agreement"), "fp_margin": opt("fp_margin"), "sketch_margin": opt("sketch_margin")}
+    if all(r.sig is not None for r in rs):
+        t["sig"] = torch.from_numpy(np.stack([r.sig for r in rs]).astype(np.float32))  # [R, F]
+    return t
+
+
+def _result(t: dict, i: int, row: int):
+    """Row i of cached columns as a structure._FileResult."""
+    from eagle3_pipeline.verify.structure import _FileResult
+
+    a = float(t["agreement"][i])
+    return _FileResult(row=row, tokens=int(t["tokens"][i]), nbytes=int(t["nbytes"][i]), stats=t["stats"][i],
+                       sig=t["sig"][i] if "sig" in t else None, agreement=None if np.isnan(a) else a,
+                       fp_margin=_margin(t, i), sketch_margin=_margin(t, i, "sketch_margin"))
 
 
 # ---------------------------------------------------------------- the record pool's cache
@@ -114,8 +123,6 @@ def load_pool(path: Path) -> dict[str, tuple[list[int], object]]:
     """{row key: (file identity, structure._FileResult with row -1)} ({} when missing or unreadable)."""
     from safetensors import safe_open
 
-    from eagle3_pipeline.verify.structure import _FileResult
-
     try:
         with safe_open(str(path), framework="np") as f:
             keys = json.loads(f.metadata()["keys"])
@@ -126,14 +133,7 @@ def load_pool(path: Path) -> dict[str, tuple[list[int], object]]:
 
     if t["stats"].ndim != 3 or t["stats"].shape[1] != STAT_ROWS:  # written by an older verify: read again
         return {}
-    out = {}
-    for i, rk in enumerate(keys):
-        a = float(t["agreement"][i])
-        out[rk] = (t["ident"][i].tolist(), _FileResult(
-            row=-1, tokens=int(t["tokens"][i]), nbytes=int(t["nbytes"][i]), stats=t["stats"][i],
-            sig=t["sig"][i] if "sig" in t else None, agreement=None if np.isnan(a) else a, fp_margin=_margin(t, i),
-            sketch_margin=_margin(t, i, "sketch_margin")))
-    return out
+    return {rk: (t["ident"][i].tolist(), _result(t, i, -1)) for i, rk in enumerate(keys)}
 
 
 def save_pool(pool, config_key: str, new: dict[str, tuple[list[int], object]]) -> None:
@@ -154,16 +154,7 @@ def save_pool(pool, config_key: str, new: dict[str, tuple[list[int], object]]) -
             return
         ks = sorted(keep)
         rs = [keep[k][1] for k in ks]
-        t = {"ident": torch.tensor([keep[k][0] for k in ks], dtype=torch.int64),  # [R, 5]
-             "tokens": torch.tensor([r.tokens for r in rs], dtype=torch.int64),
-             "nbytes": torch.tensor([r.nbytes for r in rs], dtype=torch.int64),
-             "stats": torch.from_numpy(np.stack([r.stats for r in rs]).astype(np.float64)),  # [R, STAT_ROWS, L]
-             "agreement": torch.tensor([np.nan if r.agreement is None else r.agreement for r in rs], dtype=torch.float32),
-             "fp_margin": torch.tensor([np.nan if r.fp_margin is None else r.fp_margin for r in rs], dtype=torch.float32),
-             "sketch_margin": torch.tensor([np.nan if r.sketch_margin is None else r.sketch_margin for r in rs],
-                                           dtype=torch.float32)}
-        if all(r.sig is not None for r in rs):
-            t["sig"] = torch.from_numpy(np.stack([r.sig for r in rs]).astype(np.float32))  # [R, L, F]
+        t = {"ident": torch.tensor([keep[k][0] for k in ks], dtype=torch.int64), **_columns(rs)}  # ident [R, 5]
         atomic_write(path, lambda p: save_file(t, str(p), metadata={"keys": json.dumps(ks)}))
 
 
