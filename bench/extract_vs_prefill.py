@@ -107,7 +107,7 @@ def _prod(shape) -> int:
 
 
 def prefill(model: Path, tokenized: str, rows: int, cfg, dtype: str) -> float:
-    from eagle3_pipeline.engine import engine_env
+    from eagle3_pipeline.engine.build import engine_env
     from eagle3_pipeline.proc import run_child
 
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -131,7 +131,7 @@ def speculators_offline(model: Path, tokenized: str, rows: int, cfg, out: Path, 
     from eagle3_pipeline.data.prepare import load_tokenized
     from eagle3_pipeline.config import TargetConfig
     from eagle3_pipeline.contracts import model_dims, resolve_layer_ids
-    from eagle3_pipeline.engine import engine_env, extract_hidden_states_config, hidden_states_kv_config
+    from eagle3_pipeline.engine.build import engine_env, extract_hidden_states_config, hidden_states_kv_config
 
     ids = load_tokenized(tokenized)["input_ids"][:rows]
     tokens = sum(map(len, ids))

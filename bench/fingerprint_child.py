@@ -33,7 +33,7 @@ def hook_arms(switch: dict) -> list[int]:
     it installs). Returns the list of row counts the lm_head arms ran on, to prove they measured something."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from eagle3_pipeline import prompt_scores
+    from eagle3_pipeline.engine import prompt_scores
 
     os.environ[prompt_scores.ENV] = "1"
     lean = prompt_scores.install()
@@ -77,7 +77,7 @@ if __name__ == "__main__":
     from eagle3_pipeline.config import EngineConfig, TargetConfig
     from eagle3_pipeline.contracts import FP_TOP
     from eagle3_pipeline.data.prepare import load_tokenized
-    from eagle3_pipeline.engine import build_llm
+    from eagle3_pipeline.engine.build import build_llm
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.v1.engine.core_client import InprocClient

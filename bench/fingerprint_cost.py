@@ -56,8 +56,8 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from eagle3_pipeline.config import ExtractConfig, PrepareConfig, SourceConfig, TargetConfig
     from eagle3_pipeline.data.prepare import prepare
-    from eagle3_pipeline.engine import FINGERPRINT_ENGINE_KWARGS, engine_env
-    from eagle3_pipeline.prompt_scores import RAW_MODES
+    from eagle3_pipeline.engine.build import FINGERPRINT_ENGINE_KWARGS, engine_env
+    from eagle3_pipeline.engine.prompt_scores import RAW_MODES
     from eagle3_pipeline.proc import run_child
 
     work, tiny = Path(args.work), ROOT / ".cache" / "tiny-target"

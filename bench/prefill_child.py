@@ -15,7 +15,7 @@ if __name__ == "__main__":
     job = json.loads(open(sys.argv[1]).read())
     from eagle3_pipeline.config import EngineConfig, TargetConfig
     from eagle3_pipeline.data.prepare import load_tokenized
-    from eagle3_pipeline.engine import build_llm
+    from eagle3_pipeline.engine.build import build_llm
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 

@@ -48,7 +48,7 @@ def _batch(n: int, L: int, H: int):
 def measure(name: str, H: int, V: int, shrink: int, n: int, rounds: int) -> dict:
     import torch
 
-    from eagle3_pipeline import state_sketch as sk
+    from eagle3_pipeline.engine import state_sketch as sk
     from eagle3_pipeline.verify import scan
 
     L = 4

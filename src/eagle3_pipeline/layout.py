@@ -124,7 +124,7 @@ class ExtractVersion(BaseModel):
 def extract_location(prepare_dir: Path, prepare_version: str, target, layer_ids: list[int], storage_dtype: str,
                      connector: str) -> tuple[str, Path]:
     """(content key, directory) of the extraction of one tokenized version by one target."""
-    from eagle3_pipeline.engine import cpu_build_kwargs
+    from eagle3_pipeline.engine.build import cpu_build_kwargs
 
     key = extract_key(prepare_version, model_fingerprint(target.model, target.revision), layer_ids,
                       storage_dtype, connector, cpu_build_kwargs())

@@ -38,7 +38,7 @@ _SEQ = itertools.count()
 def pool_key(target, layer_ids: list[int], storage_dtype: str, connector: str, tensor_parallel_size: int) -> str:
     """Everything but the row that determines a record's bytes (target: config.TargetConfig), including the
     engine settings that change a record's values (engine.cpu_build_kwargs: the CPU build's rotary)."""
-    from eagle3_pipeline.engine import cpu_build_kwargs
+    from eagle3_pipeline.engine.build import cpu_build_kwargs
 
     obj = {"model": model_fingerprint(target.model, target.revision), "layers": list(layer_ids),
            "storage": storage_dtype, "connector": connector, "dtype": target.dtype, "tp": int(tensor_parallel_size),

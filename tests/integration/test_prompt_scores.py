@@ -36,10 +36,10 @@ def _child(target: str, trust: bool, out_dir: str) -> None:
     from vllm.inputs import TokensPrompt
     from vllm.v1.engine.core_client import InprocClient
 
-    from eagle3_pipeline import prompt_scores
+    from eagle3_pipeline.engine import prompt_scores
     from eagle3_pipeline.config import EngineConfig, TargetConfig
     from eagle3_pipeline.contracts import FP_TOP
-    from eagle3_pipeline.engine import FINGERPRINT_ENGINE_KWARGS, build_llm
+    from eagle3_pipeline.engine.build import FINGERPRINT_ENGINE_KWARGS, build_llm
 
     assert prompt_scores.install(), "EAGLE3_LEAN_PROMPT_SCORES=1 and a known vLLM: the lean path must install"
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -110,7 +110,7 @@ TARGETS = {"tiny-target": ("tiny_target", False), "tiny-moe": ("tiny_moe_target"
 @pytest.fixture(scope="module", params=list(TARGETS))
 def scored(request, tmp_path_factory):
     from eagle3_pipeline.config import EngineConfig
-    from eagle3_pipeline.engine import engine_env
+    from eagle3_pipeline.engine.build import engine_env
 
     fixture, trust = TARGETS[request.param]
     target = request.getfixturevalue(fixture)
@@ -131,7 +131,7 @@ def test_lean_prompt_scores_equal_vllms_own(scored):
     rank as vLLM's own path, for prompts scored in one step and over several (chunked prefill), where the
     lean path counts ranks (EAGLE3_PROMPT_SCORE_RANKS=1). By default it leaves the scored token's rank
     uncounted (-1, the fingerprint never reads it) and everything else equal, the top-k ranks included."""
-    from eagle3_pipeline.prompt_scores import NOT_COUNTED
+    from eagle3_pipeline.engine.prompt_scores import NOT_COUNTED
 
     lengths = scored["lengths"]
     assert min(lengths) < CHUNK_TOKENS < 2 * CHUNK_TOKENS < max(lengths)  # one step and several
@@ -162,7 +162,7 @@ def test_lean_prompt_scores_equal_vllms_own(scored):
 def test_install_only_when_asked(monkeypatch):
     """The plugin replaces nothing unless the process asks (EAGLE3_LEAN_PROMPT_SCORES=1): vLLM loads it
     in every engine, evaluate's and the online server's included."""
-    from eagle3_pipeline import prompt_scores
+    from eagle3_pipeline.engine import prompt_scores
 
     assert prompt_scores.missing() == []  # the installed vLLM has everything the lean path reads
     monkeypatch.delenv(prompt_scores.ENV, raising=False)
@@ -180,7 +180,7 @@ def test_top_k_by_blocks_equals_torch_topk(monkeypatch):
     blocks holding a value >= +0 (torch.topk for those rows), +0 and -0."""
     import torch
 
-    from eagle3_pipeline import prompt_scores
+    from eagle3_pipeline.engine import prompt_scores
 
     g = torch.Generator().manual_seed(0)
     neg_nan = -torch.tensor(float("nan"))
@@ -221,7 +221,7 @@ def test_rank_count_in_blocks_equals_vllms(monkeypatch):
     import torch
     from vllm.v1.sample.ops.logprobs import batched_count_greater_than
 
-    from eagle3_pipeline import prompt_scores
+    from eagle3_pipeline.engine import prompt_scores
 
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
     called = []

@@ -57,7 +57,7 @@ def _child(model_dir: str, out_dir: str, layer_ids: list[int]) -> None:
     from vllm.v1.engine.core_client import InprocClient
 
     from eagle3_pipeline.config import EngineConfig, TargetConfig
-    from eagle3_pipeline.engine import build_llm, extract_hidden_states_config, hidden_states_kv_config
+    from eagle3_pipeline.engine.build import build_llm, extract_hidden_states_config, hidden_states_kv_config
     from eagle3_pipeline.tiny.moe_target import load_tokenizer
 
     out, scratch = Path(out_dir), Path(out_dir) / "scratch"
@@ -128,7 +128,7 @@ def layer_ids(tiny_moe) -> list[int]:
 def engine_run(tiny_moe, layer_ids, tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny-moe-engine")
     from eagle3_pipeline.config import EngineConfig
-    from eagle3_pipeline.engine import engine_env
+    from eagle3_pipeline.engine.build import engine_env
 
     env = {**os.environ, **engine_env(EngineConfig()),
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),

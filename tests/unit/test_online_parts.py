@@ -44,7 +44,7 @@ def test_server_logprobs_become_the_fingerprint_the_extract_engine_writes():
 
 
 def test_server_argv_carries_the_engine_settings(tmp_path):
-    from eagle3_pipeline.engine import extract_hidden_states_config, server_argv
+    from eagle3_pipeline.engine.build import extract_hidden_states_config, server_argv
 
     argv = server_argv(ExtractConfig(gpu_memory_utilization=0.2), TargetConfig(model="/m", trust_remote_code=True),
                        max_model_len=600, port=8123, speculative_config=extract_hidden_states_config([2, 4, 8]),

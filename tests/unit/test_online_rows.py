@@ -73,7 +73,7 @@ def _layered_row(seed: int, T: int, H: int):
 def _fingerprint_of(checks, hs):
     """vLLM's top-2 next-token scores as the extract engine would write them, from the row's final slot, and the
     server engine's state sketch of the row's states."""
-    from eagle3_pipeline import state_sketch as sk
+    from eagle3_pipeline.engine import state_sketch as sk
     from eagle3_pipeline.contracts import FP_IDS_KEY, FP_LOGPROBS_KEY
 
     f = checks.final

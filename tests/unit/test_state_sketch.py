@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from eagle3_pipeline import state_sketch as sk
+from eagle3_pipeline.engine import state_sketch as sk
 from eagle3_pipeline.contracts import dequantise, to_record
 
 

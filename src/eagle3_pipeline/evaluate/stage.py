@@ -52,10 +52,10 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from eagle3_pipeline.config import EvaluateConfig, TargetConfig
-from eagle3_pipeline.engine import engine_env
+from eagle3_pipeline.engine.build import engine_env
 from eagle3_pipeline.contracts import model_dims
 from eagle3_pipeline.errors import GateFailed, InputError
-from eagle3_pipeline.engine_start import refusal_of
+from eagle3_pipeline.engine.start import refusal_of
 from eagle3_pipeline.proc import EXCEPTION_LINE, ChildFailed, python_child, run_child
 from eagle3_pipeline.evaluate.ngram import NgramBaseline, describe_ngram, ngram_baseline
 from eagle3_pipeline.evaluate.results import EvalResult, EvaluateError, SpeedResult, eval_result, speed_result, tau_text
@@ -82,7 +82,7 @@ def sampling_warning(sampled: bool) -> str | None:
     """Why the sampled pass's τ is not to be trusted on this vLLM build (None: no known reason)."""
     from importlib.metadata import version
 
-    from eagle3_pipeline.engine import vllm_is_cpu_build
+    from eagle3_pipeline.engine.build import vllm_is_cpu_build
 
     if not sampled or not vllm_is_cpu_build():
         return None

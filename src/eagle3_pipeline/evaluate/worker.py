@@ -245,7 +245,7 @@ def _run(job: EvalJob, run: EvalRunSpec) -> RunOutput:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from eagle3_pipeline.engine import build_llm, eagle3_config
+    from eagle3_pipeline.engine.build import build_llm, eagle3_config
 
     t0 = time.time()
     if run.ngram is not None:

@@ -38,7 +38,7 @@ from eagle3_pipeline.contracts import fingerprint_name, record_name, row_hash
 from eagle3_pipeline.extract.worker import ExtractJob, ShardSpec
 from eagle3_pipeline.layout import (FINGERPRINTS_DIR, MANIFEST_NAME, ExtractVersion, Shard,  # noqa: F401 (re-exported)
                                     plan_shards)
-from eagle3_pipeline.engine import engine_env
+from eagle3_pipeline.engine.build import engine_env
 from eagle3_pipeline.pool import RecordPool, row_keys, version_pool
 from eagle3_pipeline.shardrun import (Attempt, Child, ChildAttempt, ShardEntry, ShardRun, Status, hashes,
                                       published_ok, tool_versions)

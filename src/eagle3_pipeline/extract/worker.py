@@ -44,7 +44,7 @@ from eagle3_pipeline.contracts import (FP_TOP, ContractError, fingerprint_from_f
 from eagle3_pipeline.layout import Shard
 from eagle3_pipeline.proc import child_main, emit_event
 from eagle3_pipeline.progress import LineProgress
-from eagle3_pipeline.state_sketch import KEY as SKETCH_KEY
+from eagle3_pipeline.engine.state_sketch import KEY as SKETCH_KEY
 
 KILL_AFTER_ENV = "EAGLE3_TEST_KILL_AFTER_SHARDS"
 RECORD_DELAY_ENV = "EAGLE3_TEST_RECORD_DELAY_S"
@@ -316,7 +316,7 @@ def _sketches_on(job: ExtractJob) -> None:
     (state_sketch.py) into the scratch dir; the fingerprint sidecar carries it."""
     import shutil
 
-    from eagle3_pipeline import state_sketch
+    from eagle3_pipeline.engine import state_sketch
 
     shutil.rmtree(_sketch_dir(job), ignore_errors=True)
     _sketch_dir(job).mkdir(parents=True)
@@ -328,7 +328,7 @@ def _sketches_on(job: ExtractJob) -> None:
 def _take_sketch(job: ExtractJob, requested: str, who: str):
     """fp32 [T, L, DIM]: the engine's state sketch of the request that was asked to write `requested`
     (removed once read). Raises when the engine wrote none: the check it feeds could not run."""
-    from eagle3_pipeline import state_sketch
+    from eagle3_pipeline.engine import state_sketch
 
     path = _sketch_dir(job) / os.path.basename(requested)
     got = state_sketch.read(str(path))
@@ -369,6 +369,39 @@ def _invariance(engine: _Engine, ds, job: ExtractJob) -> None:
         emit_event(kind="invariance", row=row, **invariance_entry(stored, alone, job.layer_ids))
 
 
+def _start_engine(job: ExtractJob, ds, max_len: int) -> _Engine:
+    """The extract engine, warmed up, with its hooks proven live in the runner it built (engine/runner.py)."""
+    from eagle3_pipeline.engine import runner
+    from eagle3_pipeline.engine.build import (FINGERPRINT_ENGINE_KWARGS, build_llm, extract_hidden_states_config,
+                                              hidden_states_kv_config, vllm_is_cpu_build)
+
+    # one request = one whole prompt and one file: no chunked prefill, no prefix cache
+    batched = {} if job.max_num_batched_tokens is None else {"max_num_batched_tokens": job.max_num_batched_tokens}
+    kv = hidden_states_kv_config(job.connector_module, job.connector_name, job.scratch_dir,
+                                 record={"layer_ids": job.layer_ids, "storage_dtype": job.storage_dtype},
+                                 locks=not vllm_is_cpu_build())
+    scores = FINGERPRINT_ENGINE_KWARGS if job.fingerprints_dir else {}
+    hooks: tuple[str, ...] = ()
+    records = runner.watch(Path(job.scratch_dir) / "engine-runner")
+    if job.fingerprints_dir:  # the engine's processes (vLLM plugin) and this one score prompts without a float32 copy
+        from eagle3_pipeline.engine.prompt_scores import ENV, install
+
+        os.environ.setdefault(ENV, "1")
+        print(f"extract worker: lean prompt scores {'in place' if install() else 'off: vLLM own path'}", flush=True)
+        _sketches_on(job)
+        hooks = ("state_sketch", "prompt_scores") if os.environ[ENV] == "1" else ("state_sketch",)
+    llm = build_llm(job.engine, job.target, max_model_len=max_len + 1,
+                    speculative_config=extract_hidden_states_config(job.layer_ids), kv_transfer_config=kv,
+                    max_num_seqs=job.max_num_seqs, enable_chunked_prefill=False, enable_prefix_caching=False,
+                    **batched, **scores)
+    engine = _Engine(llm, job, nudge_token=int(ds[job.shards[0].row_ids()[0]]["input_ids"][0]))
+    engine.warm_up()
+    # before the first shard: the hooks ran in the runner instance the engine uses, and it is V1
+    print(f"extract worker: engine runner {runner.prove(records, hooks, 'extract')}, hooks live: "
+          f"{', '.join(hooks) or 'none asked'}", flush=True)
+    return engine
+
+
 def main(argv: list[str]) -> int:
     job = ExtractJob.model_validate_json(Path(argv[0]).read_text())
     t_start = time.time()
@@ -377,8 +410,6 @@ def main(argv: list[str]) -> int:
           f"in-process engine core: {os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING') == '0'}", flush=True)
 
     from eagle3_pipeline.data.prepare import load_tokenized
-    from eagle3_pipeline.engine import (FINGERPRINT_ENGINE_KWARGS, build_llm, extract_hidden_states_config,
-                                        hidden_states_kv_config, vllm_is_cpu_build)
 
     ds = load_tokenized(job.tokenized_dir)
     for s in job.shards:
@@ -391,24 +422,7 @@ def main(argv: list[str]) -> int:
     Path(job.scratch_dir).mkdir(parents=True, exist_ok=True)
     Path(job.hidden_states_dir).mkdir(parents=True, exist_ok=True)
 
-    # one request = one whole prompt and one file: no chunked prefill, no prefix cache
-    batched = {} if job.max_num_batched_tokens is None else {"max_num_batched_tokens": job.max_num_batched_tokens}
-    kv = hidden_states_kv_config(job.connector_module, job.connector_name, job.scratch_dir,
-                                 record={"layer_ids": job.layer_ids, "storage_dtype": job.storage_dtype},
-                                 locks=not vllm_is_cpu_build())
-    scores = FINGERPRINT_ENGINE_KWARGS if job.fingerprints_dir else {}
-    if job.fingerprints_dir:  # the engine's processes (vLLM plugin) and this one score prompts without a float32 copy
-        from eagle3_pipeline.prompt_scores import ENV, install
-
-        os.environ.setdefault(ENV, "1")
-        print(f"extract worker: lean prompt scores {'in place' if install() else 'off: vLLM own path'}", flush=True)
-        _sketches_on(job)
-    llm = build_llm(job.engine, job.target, max_model_len=int(max_len) + 1,
-                    speculative_config=extract_hidden_states_config(job.layer_ids), kv_transfer_config=kv,
-                    max_num_seqs=job.max_num_seqs, enable_chunked_prefill=False, enable_prefix_caching=False,
-                    **batched, **scores)
-    engine = _Engine(llm, job, nudge_token=int(ds[job.shards[0].row_ids()[0]]["input_ids"][0]))
-    engine.warm_up()
+    engine = _start_engine(job, ds, int(max_len))
     emit_event(kind="engine_ready", seconds=round(time.time() - t_start, 2))
     durable = _Durable()
     kill_after = int(os.environ.get(KILL_AFTER_ENV, "0") or 0)

@@ -51,7 +51,7 @@ from pydantic import BaseModel
 
 from eagle3_pipeline import FORMAT_VERSION
 from eagle3_pipeline.config import PrepareConfig, RegenerateConfig, SourceConfig, TargetConfig, hub_token
-from eagle3_pipeline.engine import engine_env
+from eagle3_pipeline.engine.build import engine_env
 from eagle3_pipeline.errors import InputError
 from eagle3_pipeline.regenerate.job import (QUARANTINE_DIR, ROWS_DIR, RegenerateJob, ShardInput, input_sha,
                                             shard_file, source_rows)
@@ -157,7 +157,7 @@ def _count(shards: list[ShardInput]) -> int:
 def version_key(cfg: RegenerateConfig, shards: list[ShardInput], target: TargetConfig, tok, kwargs: dict) -> dict:
     """Everything that decides the rows of a version (its content key is the version)."""
     from eagle3_pipeline.data.prepare import TOKENIZER_FILES
-    from eagle3_pipeline.engine import cpu_build_kwargs
+    from eagle3_pipeline.engine.build import cpu_build_kwargs
 
     tok_id = (dir_fingerprint(Path(target.tokenizer), TOKENIZER_FILES) if Path(target.tokenizer).exists()
               else f"{target.tokenizer}@{target.revision}")

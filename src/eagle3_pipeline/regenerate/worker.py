@@ -93,12 +93,9 @@ def _chat_request(kwargs: dict):
     """A chat request object for reasoning parsers that look at it (most ignore it); None if it
     cannot be made with this vLLM."""
     try:
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest  # engine/surface.py
     except ImportError:
-        try:
-            from vllm.entrypoints.openai.protocol import ChatCompletionRequest
-        except ImportError:
-            return None
+        return None
     try:
         return ChatCompletionRequest(model="regenerate", messages=[{"role": "user", "content": ""}],
                                      chat_template_kwargs=kwargs or None)
@@ -230,7 +227,7 @@ def main(argv: list[str]) -> int:
           f"in-process engine core: {os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING') == '0'}, "
           f"{len(job.shards)} shards", flush=True)
     from eagle3_pipeline.data.prepare import load_tokenizer
-    from eagle3_pipeline.engine import build_llm
+    from eagle3_pipeline.engine.build import build_llm
 
     rows = _shard_rows(job)
     tok = load_tokenizer(job.target)

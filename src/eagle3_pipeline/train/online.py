@@ -39,7 +39,7 @@ from types import SimpleNamespace
 
 from pydantic import BaseModel
 
-from eagle3_pipeline import state_sketch
+from eagle3_pipeline.engine import runner, state_sketch
 from eagle3_pipeline.config import ExtractConfig, PipelineConfig, TargetConfig
 from eagle3_pipeline.contracts import (
     FP_TOP,
@@ -60,6 +60,7 @@ from eagle3_pipeline.proc import BackgroundChild
 from eagle3_pipeline.store import write_json
 
 SKETCHES = "state-sketches"  # the server scratch dir's folder of state sketches (state_sketch.py)
+RUNNER = "engine-runner"  # the server scratch dir's folder of runner records (engine/runner.py)
 
 
 def sketch_path(row_file: str | Path) -> Path:
@@ -149,7 +150,7 @@ class HiddenStateServer:
         return self.target.model  # the served model name (engine.server_argv)
 
     def __enter__(self) -> HiddenStateServer:
-        from eagle3_pipeline.engine import (FINGERPRINT_ENGINE_KWARGS, extract_hidden_states_config,
+        from eagle3_pipeline.engine.build import (FINGERPRINT_ENGINE_KWARGS, extract_hidden_states_config,
                                             hidden_states_kv_config, server_argv, server_env)
 
         shutil.rmtree(self.scratch, ignore_errors=True)
@@ -167,16 +168,18 @@ class HiddenStateServer:
         self.log(f"online: starting a vLLM server of {self.target.model} on 127.0.0.1:{self.port} (layers "
                  f"{self.version.layer_ids}, max_num_seqs {cfg.max_num_seqs}, log {log_path})")
         t0 = time.time()
-        from eagle3_pipeline.prompt_scores import ENV as LEAN
+        from eagle3_pipeline.engine.prompt_scores import ENV as LEAN
 
         # every row's fingerprint scores: the lean path in the server's engine (prompt_scores.py, a vLLM plugin)
         # and every row's state sketch (state_sketch.py, a vLLM plugin): files beside the connector's, which
         # request_row reads (bf16: the rows reach the trainer in bf16)
         env = server_env(cfg) | {LEAN: os.environ.get(LEAN, "1"), state_sketch.ENV: str(self.scratch / SKETCHES),
-                                 state_sketch.STORAGE_ENV: "bf16"}
+                                 state_sketch.STORAGE_ENV: "bf16", runner.RECORD_ENV: str(self.scratch / RUNNER)}
         self.child = BackgroundChild(argv, name="online-server", log_path=log_path, env=env).__enter__()
         try:
             self._wait_ready()
+            hooks = ("state_sketch", "prompt_scores") if env[LEAN] == "1" else ("state_sketch",)
+            self.log(f"online: server runner {self._prove(hooks)}, hooks live: {', '.join(hooks)}")
         except BaseException:
             self.__exit__(None, None, None)  # the server's group and its scratch dir go with the failure
             raise
@@ -205,6 +208,14 @@ class HiddenStateServer:
                 raise OnlineServerFailed(f"online: the vLLM server was not ready after train.online_start_timeout_s="
                                          f"{self.start_timeout_s:.0f}s; last output:\n" + "\n".join(self.child.tail))
             time.sleep(0.5)
+
+    def _prove(self, hooks: tuple[str, ...]) -> str:
+        """One two-token row through the server before any training row: the runner its engine built is V1
+        and every hook of `hooks` ran in it (engine/runner.py)."""
+        path, _ = request_row(self.endpoint, self.model, [0, 0], timeout_s=self.start_timeout_s)
+        Path(path).unlink(missing_ok=True)
+        sketch_path(path).unlink(missing_ok=True)
+        return runner.prove(self.scratch / RUNNER, hooks, "online server")
 
     def scratch_peak(self) -> int:
         return self.sampler.peak if self.sampler else 0

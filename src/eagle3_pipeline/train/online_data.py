@@ -163,7 +163,7 @@ def row_problems(row: dict, layers: int | None, hidden_size: int | None) -> list
 def _sketch_problem(name: str, hs, fp: dict) -> str | None:
     """Every state of the row (bf16, as the trainer reads it) against the server engine's sketch of the states
     it computed (state_sketch.py): where they differ, or that the response had no sketch."""
-    from eagle3_pipeline import state_sketch as sk
+    from eagle3_pipeline.engine import state_sketch as sk
 
     got = fp.get(sk.KEY)
     if got is None:

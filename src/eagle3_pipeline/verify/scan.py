@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from eagle3_pipeline.contracts import FP_IDS_KEY, FP_LOGPROBS_KEY, FP_TOP, HS_KEY, SCALES_KEY, TOKENS_KEY, RecordSpec
-from eagle3_pipeline.state_sketch import DIM as SKETCH_DIM
-from eagle3_pipeline.state_sketch import KEY as SKETCH_KEY
+from eagle3_pipeline.engine.state_sketch import DIM as SKETCH_DIM
+from eagle3_pipeline.engine.state_sketch import KEY as SKETCH_KEY
 
 BATCH_BYTES = 32 << 20  # a batch: files of up to this many hidden-state bytes ...
 BATCH_FILES = 512       # ... or this many files
@@ -428,7 +428,7 @@ def reduce_batch(batch: Batch, spec: RecordSpec, keep_final: bool, buffers: dict
     `sketch`, every state's projections on the state sketch's directions too."""
     import torch
 
-    from eagle3_pipeline.state_sketch import directions
+    from eagle3_pipeline.engine.state_sketch import directions
 
     L, H, N = spec.num_layers_captured, spec.hidden_size, batch.tokens
     ar = batch.arenas

@@ -226,7 +226,7 @@ def _process(batch: scan.Batch, spec: RecordSpec, layer_ids: list[int], extras: 
     hi = np.maximum.reduceat(red.max.numpy(), starts, axis=0).astype(np.float64)
     norm_np = norm.numpy()
     if sketched:
-        from eagle3_pipeline.state_sketch import TOLERANCE, deviation
+        from eagle3_pipeline.engine.state_sketch import TOLERANCE, deviation
 
         dev = (deviation(red.proj, engine_sketch, norm.float()) / TOLERANCE).numpy()  # [N, L]: 1.0 = at the tolerance
         _sketch_check([(batch.files[inside[j]], out[inside[j]]) for j in sketched], dev, layer_ids)

@@ -80,7 +80,10 @@ def install() -> bool:
     own = GPUModelRunner._get_prompt_logprobs_dict
     _STATE["own"] = own
 
+    from eagle3_pipeline.engine.runner import mark_live
+
     def prompt_scores(self, hidden_states, num_scheduled_tokens):
+        mark_live("prompt_scores", self)
         if self.model_config.logprobs_mode not in RAW_MODES:
             return own(self, hidden_states, num_scheduled_tokens)
         return lean_prompt_scores(self, hidden_states, num_scheduled_tokens)

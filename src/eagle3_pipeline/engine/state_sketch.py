@@ -125,7 +125,10 @@ def install() -> bool:
     own = GPUModelRunner.propose_draft_token_ids
     sig = inspect.signature(own)
 
+    from eagle3_pipeline.engine.runner import mark_live
+
     def propose_draft_token_ids(self, *args, **kwargs):
+        mark_live("state_sketch", self)
         got = sig.bind(self, *args, **kwargs).arguments
         aux = got.get("aux_hidden_states")
         if aux is not None:

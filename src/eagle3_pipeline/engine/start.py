@@ -25,7 +25,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from eagle3_pipeline.config import EngineConfig, TargetConfig
-from eagle3_pipeline.errors import ConfigError
+from eagle3_pipeline.errors import ConfigError, ExitCode
 
 GIB = 2 ** 30
 # vLLM CPU worker: what the engine process holds besides the KV cache is ~0.6 GiB of runtime (torch,
@@ -77,10 +77,21 @@ _ARCH = re.compile(r"Model architectures (\[.*?\]) are not supported for now")
 _HEAD = re.compile(r"Head dimension (\d+) is not supported by (\w+)")
 
 
+class RunnerRefused(EngineStartRefused):
+    """The engine runs a model runner our hooks are not on, or a hook never ran (engine/runner.py): the
+    machine's vLLM, not the config; no retry can help."""
+    exit_code = ExitCode.ENVIRONMENT
+
+
+_HOOKS = re.compile(r"HooksNotLive: (.+)")
+
+
 def start_refusal(text: str, stage: str, engine: EngineConfig, max_len_key: str) -> EngineStartRefused | None:
     """The refusal in an engine child's output `text`, or None. `stage` is the config section whose
     engine settings were used ("extract", "evaluate", ...); `max_len_key` the key that sets the
     engine's max_model_len (e.g. "prepare.max_length")."""
+    if m := _HOOKS.search(text):
+        return RunnerRefused(m.group(1))
     util_key = f"{stage}.gpu_memory_utilization"
     util = engine.gpu_memory_utilization
     if m := _KV.search(text):
@@ -150,7 +161,7 @@ def refusal_of(err: Exception, log_path: Path | None, stage: str, engine: Engine
 
 
 def _cpu() -> bool:
-    from eagle3_pipeline.engine import vllm_is_cpu_build
+    from eagle3_pipeline.engine.build import vllm_is_cpu_build
 
     return vllm_is_cpu_build()
 

@@ -1,5 +1,6 @@
 """The one place that builds a vLLM engine: `build_llm` (extract with its invariance re-prefill, regenerate,
 evaluate, benches) and `server_argv` / `server_env` (the same settings as a server: online training).
+Every engine runs vLLM's V1 model runner (runner.PIN in `engine_env` and `build_llm`: our hooks live there).
 Owns the speculative configs (`extract_hidden_states_config`, `eagle3_config`), the hidden-states
 connector's KV-transfer config (`hidden_states_kv_config`) and an engine child's environment (`engine_env`,
 decided in the parent before the child imports torch; values already in the environment win). Knows no
@@ -45,9 +46,12 @@ def cpu_bind_spec(setting: str, tp: int, cpus: list[int]) -> str:
 
 
 def engine_env(engine: EngineConfig) -> dict[str, str]:
-    """Environment additions for an engine child (empty on GPU builds)."""
+    """Environment additions for an engine child: the runner pin (runner.PIN, on every stack, over any value
+    the environment has) and, on the CPU build, the settings above."""
+    from eagle3_pipeline.engine.runner import PIN
+
     if not vllm_is_cpu_build():
-        return {}
+        return dict(PIN)
     env: dict[str, str] = {}
     in_process = engine.engine_in_process
     if in_process is None:
@@ -59,7 +63,7 @@ def engine_env(engine: EngineConfig) -> dict[str, str]:
     if engine.omp_threads_bind:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_spec(engine.omp_threads_bind, engine.tensor_parallel_size,
                                                          list(os.sched_getaffinity(0)))
-    return {k: os.environ.get(k, v) for k, v in env.items()}
+    return {k: os.environ.get(k, v) for k, v in env.items()} | PIN
 
 
 # vllm-cpu's rotary kernel mis-rotates 3-D queries (MLA): use vLLM's PyTorch rotary on the CPU build
@@ -143,9 +147,11 @@ def build_llm(engine: EngineConfig, target: TargetConfig, *, max_model_len: int,
               speculative_config: dict | None = None, kv_transfer_config: dict | None = None, **overrides):
     """One `vllm.LLM` of `target` with `engine`'s settings, seed 0. `kv_transfer_config` is passed only
     when given; `overrides` are further vLLM keyword arguments (they win over the ones set here)."""
-    from eagle3_pipeline.cpu_isa import allow_amx
+    from eagle3_pipeline.engine.cpu_isa import allow_amx
+    from eagle3_pipeline.engine.runner import pin_environment
 
     allow_amx()  # before vLLM's first kernel (also its plugin; here too where VLLM_PLUGINS leaves it out)
+    pin_environment()  # the runner our hooks live on, for callers that did not start us with engine_env
     from vllm import LLM
 
     guard_load_time_log()
@@ -162,7 +168,28 @@ def build_llm(engine: EngineConfig, target: TargetConfig, *, max_model_len: int,
     if kv_transfer_config is not None:
         kwargs["kv_transfer_config"] = kv_transfer_config
     kwargs.update(overrides)
-    return LLM(**kwargs)
+    return _proven(lambda: LLM(**kwargs))
+
+
+def _proven(make):
+    """`make()` (an engine) with the runner its workers built checked to be V1 (engine/runner.py), into the
+    caller's record dir (RECORD_ENV, e.g. the extract worker's, which proves its hooks later) or a temporary
+    one."""
+    import shutil
+    import tempfile
+
+    from eagle3_pipeline.engine import runner
+
+    caller = os.environ.get(runner.RECORD_ENV)
+    records = caller or runner.watch(tempfile.mkdtemp(prefix="eagle3-runner-"))
+    try:
+        llm = make()
+        print(f"eagle3 engine: runner {runner.prove(records, (), 'engine')}", flush=True)
+        return llm
+    finally:
+        if not caller:
+            shutil.rmtree(records, ignore_errors=True)
+            os.environ.pop(runner.RECORD_ENV, None)
 
 
 class _ImpossibleLoadTime:
