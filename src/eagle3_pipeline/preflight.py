@@ -141,6 +141,15 @@ def engine_surface_problems(cfg: PipelineConfig, flavour: str) -> list[str]:
     return problems
 
 
+def c_compiler() -> str | None:
+    """The C compiler Triton would use (its own search, triton/runtime/build.py: $CC, then gcc, then clang on
+    PATH), or None."""
+    cc = os.environ.get("CC")
+    if cc:
+        return shutil.which(cc)
+    return next((p for p in map(shutil.which, ("gcc", "clang")) if p), None)
+
+
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
 
 
@@ -194,6 +203,9 @@ def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=prin
         if err:
             problems.append(f"{name}: {err}")
     problems += engine_surface_problems(cfg, flavour)
+    if flavour == "gpu" and not c_compiler():
+        problems.append("no C compiler ($CC, gcc or clang on PATH): Triton compiles its CUDA driver stub at the "
+                        "engine's first kernel, and FlashInfer's JIT and torch.compile compile too; install gcc")
     try:
         dims = model_dims(cfg.target)
     except (ContractError, OSError, ValueError) as e:

@@ -102,6 +102,12 @@ def test_evaluate_prints_progress_inside_each_pass(pair, prompts):
 
 
 @pytest.mark.timeout(1200)
+def test_every_evaluate_engine_runs_the_pinned_v1_runner(pair):
+    """Each engine of the pair (engine.build_llm) names the runner its workers built: V1, pinned."""
+    got = [ln for ln in PAIR_LOG if "eagle3 engine: runner " in ln]
+    assert len(got) >= 2 and all(ln.endswith("runner vllm.v1.worker.cpu_model_runner:CPUModelRunner") for ln in got), got
+
+
 def test_pair_measures_acceptance(pair, prompts):
     rep, out, _ = pair
     for r in (rep.trained, rep.untrained):

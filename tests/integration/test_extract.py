@@ -295,6 +295,38 @@ def test_fp8_records_carry_per_token_scales(tmp_path):
     assert set(bf) == {"hidden_states", "token_ids"} and bf["hidden_states"].dtype == torch.bfloat16
 
 
+RUNNER_LINE = "extract worker: engine runner vllm.v1.worker.cpu_model_runner:CPUModelRunner, hooks live: "
+
+
+def test_the_engine_runs_the_v1_runner_with_its_hooks_live(full_run):
+    """Before the first shard the worker names the runner its engine built (V1, with the pin) and the hooks
+    that ran in it (engine/runner.py)."""
+    assert any(RUNNER_LINE + "state_sketch, prompt_scores" in x for x in full_run.lines), full_run.lines[:40]
+    first_shard = next(i for i, x in enumerate(full_run.lines) if "shard 0" in x and "published" in x)
+    assert min(i for i, x in enumerate(full_run.lines) if RUNNER_LINE in x) < first_shard
+
+
+def test_a_hook_missing_from_the_engine_stops_before_the_first_shard(small_tokenized, target, tmp_path, monkeypatch):
+    """The state sketch's plugin left out of vLLM's engine process (VLLM_PLUGINS, engine core in its own
+    process): the worker stops after the warm-up request, naming the hook and the runner class, no shard is
+    published, and no retry pays another model load (exit code 5, not transient)."""
+    from eagle3_pipeline.engine.start import RunnerRefused
+    from eagle3_pipeline.errors import chain, exit_code, is_transient
+
+    monkeypatch.setenv("VLLM_PLUGINS", "eagle3_pipeline_amx,eagle3_pipeline_prompt_scores,eagle3_pipeline_runner")
+    out = tmp_path / "v"
+    with pytest.raises(ExtractFailed) as err:
+        extract_all(_cfg(engine_in_process=False), target, _version(target, small_tokenized, out), log=lambda _: None)
+    refused = [e for e in chain(err.value) if isinstance(e, RunnerRefused)]
+    assert refused, str(err.value)
+    assert "the hook(s) state_sketch never ran in the engine's runner vllm.v1.worker.cpu_model_runner:CPUModelRunner" \
+        in str(refused[0])
+    assert exit_code(err.value) == 5 and not is_transient(err.value, (OSError, ChildFailed))
+    shards = ShardRun(out).read_raw()["shards"]
+    assert all(s["status"] == "failed" and s["attempts"] == 1 for s in shards), shards
+    assert not list((out / "hidden_states").glob("hs_*.safetensors"))
+
+
 def test_worker_failure_prints_the_traceback(small_tokenized, tiny_target, tmp_path):
     cfg = ExtractConfig()
     job = ExtractJob(target=TargetConfig(model=str(tiny_target)), engine=cfg.engine(), layer_ids=LAYER_IDS,
@@ -321,6 +353,7 @@ def test_tensor_parallel_2_on_cpu_writes_once_from_rank_0(full_run, small_tokeni
     res = extract_all(_cfg(tensor_parallel_size=2), target, _version(target, small_tokenized, out), log=lines.append)
     assert (res.shards_total, res.shards_published) == (3, 3)
     ranks = [x for x in lines if CONNECTOR_LOG in x]
+    assert any(RUNNER_LINE in x for x in lines), lines[-30:]  # both ranks' workers recorded the V1 runner
     assert any("TP rank 0 of 2 writes hidden states" in x for x in ranks), ranks or lines[-30:]
     assert any("TP rank 1 of 2 does not write" in x for x in ranks), ranks or lines[-30:]
     ref_dir, tp2_dir = Path(full_run.result.hidden_states_dir), Path(res.hidden_states_dir)

@@ -89,6 +89,9 @@ def test_online_training_takes_every_row_from_the_server(llama_online):
     assert "Application startup complete" in server_log
     assert "lean prompt scores in place" in server_log  # the server's engine scores rows as extraction does
     assert any(ln.startswith("online: server ready in") for ln in lines)
+    # before the first row: the server's engine built the V1 runner (pinned by server_env) and both hooks ran in it
+    assert any(ln == "online: server runner vllm.v1.worker.cpu_model_runner:CPUModelRunner, hooks live: "
+               "state_sketch, prompt_scores" for ln in lines), [ln for ln in lines if "runner" in ln]
     # training really learned from the server's states (loss falls over 4 steps of a fresh draft)
     assert tr.first_loss is not None and tr.final_loss < tr.first_loss
 

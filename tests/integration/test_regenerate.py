@@ -117,6 +117,11 @@ def test_every_row_is_in_the_output_or_quarantined_with_its_reason(llama):
     assert len(set(ids)) == len(ids) == 21 and "prompt-only" in ids
 
 
+def test_the_regenerate_engine_runs_the_pinned_v1_runner(llama):
+    got = [ln for ln in llama.logs if "eagle3 engine: runner " in ln]
+    assert got and all(ln.endswith("runner vllm.v1.worker.cpu_model_runner:CPUModelRunner") for ln in got), got
+
+
 def test_answers_differ_from_the_source_and_everything_else_is_kept(llama):
     rows = {x["id"]: x for x in read_rows(llama.res)}
     src = {r["id"]: r for r in llama.sources["b"] if "messages" in r}

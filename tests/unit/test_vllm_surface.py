@@ -190,3 +190,17 @@ def test_a_child_that_found_dead_hooks_is_not_retried():
     refused = start_refusal(text, "extract", EngineConfig(), "prepare.max_length")
     assert isinstance(refused, RunnerRefused) and "state_sketch never ran" in str(refused)
     assert exit_code(refused) == ExitCode.ENVIRONMENT
+
+
+def test_preflight_finds_the_c_compiler_triton_would_use(monkeypatch, tmp_path):
+    from eagle3_pipeline.preflight import c_compiler
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CC", raising=False)
+    assert c_compiler() is None
+    gcc = tmp_path / "gcc"
+    gcc.write_text("#!/bin/sh\n")
+    gcc.chmod(0o755)
+    assert c_compiler() == str(gcc)
+    monkeypatch.setenv("CC", "clang-99")
+    assert c_compiler() is None  # Triton takes $CC as it is: one that is not there fails its first kernel

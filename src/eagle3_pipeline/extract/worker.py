@@ -182,14 +182,14 @@ class _Engine:
                 last_nudge = time.time()
             time.sleep(0.005)
 
-    def warm_up(self) -> None:
+    def warm_up(self) -> str:
         """One short request through the whole path (prefill, prompt logprobs, the connector's write)
-        before the first shard, so that first-use costs count as start-up, not as a shard's work."""
+        before the first shard, so that first-use costs count as start-up, not as a shard's work; the path
+        it asked the connector to write (removed)."""
         path = str(Path(self.job.scratch_dir) / "warm-up.safetensors")
         self.await_files(self.prefill([[self.nudge_token] * 2], [path]))
         _remove(path)
-        if self.job.fingerprints_dir:  # the sketches' hook is in the engine's processes: fail now, not per row
-            _take_sketch(self.job, path, "the warm-up request")
+        return path
 
     def drop_nudge_files(self) -> None:
         for p in self.nudge_files:
@@ -395,10 +395,12 @@ def _start_engine(job: ExtractJob, ds, max_len: int) -> _Engine:
                     max_num_seqs=job.max_num_seqs, enable_chunked_prefill=False, enable_prefix_caching=False,
                     **batched, **scores)
     engine = _Engine(llm, job, nudge_token=int(ds[job.shards[0].row_ids()[0]]["input_ids"][0]))
-    engine.warm_up()
+    warm = engine.warm_up()
     # before the first shard: the hooks ran in the runner instance the engine uses, and it is V1
     print(f"extract worker: engine runner {runner.prove(records, hooks, 'extract')}, hooks live: "
           f"{', '.join(hooks) or 'none asked'}", flush=True)
+    if job.fingerprints_dir:  # and the sketch hook wrote where the worker reads
+        _take_sketch(job, warm, "the warm-up request")
     return engine
 
 
