@@ -175,8 +175,8 @@ class VerifyConfig(Strict):
     allow_skip: list[Literal["reference", "fingerprint", "state_sketch"]] = Field(
         [], description="checks against the model itself that may be skipped when they cannot run here (a hub name "
         "without a local copy, layers transformers cannot build on CPU, logits the fingerprint cannot reproduce); "
-        "otherwise such a check fails the gate. Checks turned off by their own setting (reference_samples 0, "
-        "extract.fingerprints false) are not failures; the report lists every check, ran or skipped, and why")
+        "otherwise such a check fails the gate. extract.fingerprints false turns both fingerprint and state_sketch "
+        "off and needs both named here; the report lists every check, ran or skipped, and why")
     workers: int | None = Field(None, ge=1, description="threads reading and checking files; None = CPU count "
                                 "(max 8), or 1 for records under 4 MB on average")
     online_rows: int = Field(64, ge=1, description="train.mode online: rows whose hidden states are taken from the "

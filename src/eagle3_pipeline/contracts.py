@@ -435,6 +435,21 @@ def fingerprint_from_logprobs(prompt_logprobs: list, last_logprobs: dict | None,
     return {FP_IDS_KEY: ids.contiguous(), FP_LOGPROBS_KEY: lps.contiguous()}
 
 
+PER_TOKEN_CHECKS = ("fingerprint", "state_sketch")  # the checks extract.fingerprints false turns off together
+
+
+def fingerprints_off_problem(fingerprints: bool, allow_skip) -> str | None:
+    """The problem of records extracted without fingerprint sidecars (no fingerprint and no state sketch: no
+    per-token check against the target) unless verify.allow_skip names both checks; None otherwise."""
+    missing = [c for c in PER_TOKEN_CHECKS if c not in allow_skip]
+    if fingerprints or not missing:
+        return None
+    return ("extract.fingerprints is false: no record carries the target's logits or the engine's state sketch, so "
+            "no token's final or aux layers can be checked against what the target computed; set "
+            "extract.fingerprints: true (re-extracts), or name both checks to go on without them: verify.allow_skip: "
+            f"[{', '.join(PER_TOKEN_CHECKS)}] (now missing: {', '.join(missing)}; the report lists them skipped)")
+
+
 def fingerprint_from_flat(prompt_logprobs, last_logprobs, num_tokens: int) -> dict:
     """The sidecar tensors from vLLM's flat logprobs (`SamplingParams(flat_logprobs=True)`: a
     `FlatLogprobs` with parallel `token_ids` / `logprobs` / `ranks` lists and per-position

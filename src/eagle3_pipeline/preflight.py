@@ -22,7 +22,8 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from eagle3_pipeline.config import PipelineConfig
-from eagle3_pipeline.contracts import ContractError, ModelDims, fingerprint_blocker, model_dims, resolve_layer_ids
+from eagle3_pipeline.contracts import (ContractError, ModelDims, fingerprint_blocker, fingerprints_off_problem,
+                                      model_dims, resolve_layer_ids)
 from eagle3_pipeline.engine.start import MemoryPlan, describe, memory_plan
 from eagle3_pipeline.errors import EnvironmentProblem
 
@@ -225,7 +226,9 @@ def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=prin
     if cfg.extract.fingerprints and "fingerprint" not in cfg.verify.allow_skip:
         if why := fingerprint_blocker(cfg.target, dims):
             problems.append(f"verify's final-layer fingerprint check cannot run: {why}; set verify.allow_skip: "
-                            f"[fingerprint] to train on records it cannot check (or extract.fingerprints: false)")
+                            f"[fingerprint] to train on records it cannot check")
+    if msg := fingerprints_off_problem(cfg.extract.fingerprints, cfg.verify.allow_skip):
+        problems.append(msg)
     if cfg.train.device == "cpu" and cfg.train.attention == "flex_attention":
         problems.append("train.attention flex_attention has no CPU backward; use sdpa or eager on CPU")
     memory = memory_plan("extract", cfg.extract, cfg.target, max_model_len=cfg.prepare.max_length + 1,

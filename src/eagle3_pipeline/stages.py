@@ -234,15 +234,17 @@ def stage_train_online(cfg: PipelineConfig, version: ExtractVersion, voc, log=pr
 def online_row_checks(cfg: PipelineConfig, target, version: ExtractVersion, ver, work: Path):
     """What the online trainer judges every row by (train/job.py RowChecksSpec): the target's final
     norm and lm_head against the fingerprint each response carries, and the layer profiles the verify gate
-    learned from the sample (`ver`). None when the fingerprint check cannot run and verify.allow_skip says
-    so: then rows get their structure checked only, as the report's checks say. Clears the files of an
+    learned from the sample (`ver`), each on or off by itself: the fingerprint where it ran on the sample, the
+    state sketch unless verify.allow_skip names it. None only when every one is skipped by name: then rows get
+    their structure checked only, as the report's checks say. Clears the files of an
     earlier attempt (every epoch asks the server for every row again)."""
     from eagle3_pipeline.final_layer import FP8_SLACK
     from eagle3_pipeline.train.job import RowChecksSpec
 
-    fp = ver.checks.get("fingerprint")
-    if fp is None or not fp.ran:
-        return None  # the sample's gate already failed unless fingerprint is in verify.allow_skip
+    fp, sk = ver.checks.get("fingerprint"), ver.checks.get("state_sketch")
+    fingerprint, sketch = bool(fp and fp.ran), "state_sketch" not in cfg.verify.allow_skip or bool(sk and sk.ran)
+    if not (fingerprint or sketch or ver.identity_profile):
+        return None  # every per-row check is skipped by name (verify.allow_skip); the sample's gate said so
     d = work / "row_checks"
     shutil.rmtree(d, ignore_errors=True)
     (d / "flagged" / "hidden_states").mkdir(parents=True)
@@ -250,7 +252,8 @@ def online_row_checks(cfg: PipelineConfig, target, version: ExtractVersion, ver,
         model_dir=str(Path(target.model).resolve()), norm_eps=version.dims.norm_eps, atol=cfg.verify.fingerprint_atol,
         rtol=cfg.verify.fingerprint_rtol, stol=cfg.verify.fingerprint_stol,
         slack=FP8_SLACK if version.storage_dtype == "fp8" else 1.0, layer_ids=list(version.layer_ids),
-        storage_dtype=version.storage_dtype, identity=ver.identity_profile, rejected_path=str(d / "rejected.jsonl"),
+        storage_dtype=version.storage_dtype, identity=ver.identity_profile, fingerprint=fingerprint, sketch=sketch,
+        rejected_path=str(d / "rejected.jsonl"),
         flagged_path=str(d / "flagged.jsonl"), flagged_dir=str(d / "flagged" / "hidden_states"))
 
 
@@ -274,17 +277,21 @@ def confirm_online_flags(cfg: PipelineConfig, target, version: ExtractVersion, c
     from eagle3_pipeline.verify.stage import VerifyFailed
 
     if checks is None:
-        return {"fingerprint": False, "identity": False, "flagged": [], "cleared": [], "unavailable": []}
+        return {"fingerprint": False, "state_sketch": False, "identity": False, "flagged": [], "cleared": [],
+                "unavailable": []}
     flagged = _jsonl_rows(checks.flagged_path, "flagged")
     unavailable = _jsonl_rows(checks.rejected_path, "unavailable")
-    out = {"fingerprint": True, "identity": checks.identity is not None, "flagged": sorted(flagged),
-           "cleared": [], "unavailable": sorted(unavailable)}
+    out = {"fingerprint": checks.fingerprint, "state_sketch": checks.sketch, "identity": checks.identity is not None,
+           "flagged": sorted(flagged), "cleared": [], "unavailable": sorted(unavailable)}
+    for name in ("fingerprint", "state_sketch", "identity"):
+        log(f"online: per-row check {name}: " + ("every row" if out[name] else "skipped (verify.allow_skip names it, "
+                                                                               "or the sample's gate could not run it)"))
     if unavailable:
         log(f"online: {len(unavailable)} rows could not be fetched from the server and were not trained on: "
             f"{sorted(unavailable)[:20]} ({checks.rejected_path})")
     if not flagged:
-        log("online: every row the trainer read passed the per-row checks (structure, final-layer fingerprint on "
-            f"every token{', layer identity' if out['identity'] else ''})")
+        ran = [n for n in ("fingerprint", "state_sketch", "identity") if out[n]]
+        log(f"online: every row the trainer read passed the per-row checks (structure, {', '.join(ran) or 'no other'})")
         return out
     rows = sorted(flagged)[: cfg.verify.confirm_rows]
     fv = version.model_copy(update={"dir": str(Path(checks.flagged_dir).parent), "pool_dir": None})

@@ -527,3 +527,75 @@ def test_every_token_s_aux_layers_are_checked_against_the_engine(extracted, tiny
     assert res.passed, res.problems
     assert res.checks["state_sketch"].records == version.rows - 1
     assert "allow_skip names state_sketch" in res.checks["state_sketch"].skipped
+
+
+def test_fingerprints_off_fails_unless_both_per_token_checks_are_named(extracted, tiny_config, tmp_path):
+    """extract.fingerprints false drops the fingerprint and the state sketch together: the gate (and preflight,
+    before any load) fails until verify.allow_skip names both, and then lists both skipped."""
+    from eagle3_pipeline.preflight import PreflightFailed, preflight
+
+    out = _copy_extract(extracted, tmp_path)
+    shutil.rmtree(out / "fingerprints")
+    man = json.loads((out / "manifest.json").read_text())
+    man["config"]["extract"]["fingerprints"] = False
+    for s in man["shards"]:
+        s["fingerprints"] = None
+    (out / "manifest.json").write_text(json.dumps(man))
+    version = relocated(extracted.version, out)
+    for allow in ([], ["fingerprint"], ["state_sketch"]):
+        res = verify(VerifyConfig(reference_samples=0, allow_skip=allow), tiny_config.target, version, log=lambda m: None)
+        assert not res.passed and any("extract.fingerprints is false" in p and "verify.allow_skip: [fingerprint, "
+                                      "state_sketch]" in p for p in res.problems), (allow, res.problems)
+    res = verify(VerifyConfig(reference_samples=0, allow_skip=["fingerprint", "state_sketch"]), tiny_config.target,
+                 version, log=lambda m: None)
+    assert res.passed, res.problems
+    assert not res.checks["fingerprint"].ran and not res.checks["state_sketch"].ran
+    cfg = tiny_config.model_copy(deep=True)
+    cfg.extract.fingerprints = False
+    with pytest.raises(PreflightFailed, match=r"extract.fingerprints is false"):
+        preflight(cfg, 1000, tmp_path, log=lambda m: None)
+    cfg.verify.allow_skip = ["fingerprint", "state_sketch"]
+    preflight(cfg, 1000, tmp_path, log=lambda m: None)
+
+
+def test_a_sidecar_that_scores_one_token_fails(extracted, tiny_config, tmp_path):
+    """Coverage: a fingerprint sidecar whose every token but one has no top ids (-1) leaves the others
+    unchecked: the record fails, named with both counts."""
+    from eagle3_pipeline.contracts import FP_IDS_KEY
+
+    out = _copy_extract(extracted, tmp_path)
+    version = relocated(extracted.version, out)
+    fp = version.fingerprint_path(4)
+    t = load_file(str(fp))
+    T = t[FP_IDS_KEY].shape[0]
+    t[FP_IDS_KEY][1:] = -1
+    save_file(t, str(fp))
+    res = verify(VerifyConfig(reference_samples=0), tiny_config.target, version, log=lambda m: None)
+    assert res.bad_rows == [4], res.problems
+    assert any(p.startswith("hs_4.safetensors (row 4, ") and f"scores 1 of {T} tokens" in p for p in res.problems)
+
+
+def test_train_refuses_files_that_changed_after_verify(extracted, tiny_config, tmp_path):
+    """require_verified (train's first step) compares what train would read with what verify passed: a record
+    swapped for another one after verify (size and mtime too), and one swapped keeping its size and mtime
+    (caught by the manifest's sha256, re-hashed here), are each refused, naming the shard and the file."""
+    from eagle3_pipeline.verify.stage import VerifyFailed, require_verified
+
+    out = _copy_extract(extracted, tmp_path)
+    version = relocated(extracted.version, out)
+    assert verify(VerifyConfig(reference_samples=0), tiny_config.target, version, log=lambda m: None).passed
+    require_verified(version)
+    a, b = version.record_path(1), version.record_path(2)
+    saved, st = a.read_bytes(), a.stat()
+    shutil.copy(b, a)
+    with pytest.raises(VerifyFailed, match=r"shard 0 \(rows 0-\d+\): a record or fingerprint was replaced or edited"):
+        require_verified(version)
+    a.write_bytes(saved)
+    os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns))
+    require_verified(version)  # the verified bytes, size and mtime back
+    edited = bytearray(saved)
+    edited[-3] ^= 0x40  # one bit of a stored state, same size, mtime put back: only the bytes tell
+    a.write_bytes(bytes(edited))
+    os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(VerifyFailed, match=r"shard 0: hs_1.safetensors has sha256 .*the manifest \(as verified\)"):
+        require_verified(version)

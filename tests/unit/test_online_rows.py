@@ -51,12 +51,12 @@ def test_the_transfer_refuses_a_bad_row_and_the_check_is_cheap(tmp_path):
     print(f"row_problems on a [2048, 4, 1024] row: {1000 * (time.perf_counter() - t0):.1f} ms")
 
 
-def _checks(tmp_path, tiny_target, identity: dict | None):
+def _checks(tmp_path, tiny_target, identity: dict | None, **on):
     from eagle3_pipeline.train.job import RowChecksSpec
     from eagle3_pipeline.train.online_data import RowChecks
 
     spec = RowChecksSpec(model_dir=str(tiny_target), norm_eps=1e-5, atol=0.005, rtol=0.008, stol=0.02,
-                         layer_ids=[2, 4, 5, 8], storage_dtype="bf16", identity=identity,
+                         layer_ids=[2, 4, 5, 8], storage_dtype="bf16", identity=identity, **on,
                          rejected_path=str(tmp_path / "rejected.jsonl"), flagged_path=str(tmp_path / "flagged.jsonl"),
                          flagged_dir=str(tmp_path / "flagged" / "hidden_states"))
     return RowChecks(spec)
@@ -131,3 +131,36 @@ def test_every_online_row_is_judged_against_the_target(tmp_path, tiny_target):
         checks.judge(12, {"hidden_states": aux, "token_ids": torch.arange(40)}, fp)
     with pytest.raises(ValueError, match="the server wrote no state sketch"):
         checks.judge(13, row, {k: v for k, v in fp.items() if k != "state_sketch"})
+
+
+def test_online_checks_are_skipped_one_by_one(tmp_path, tiny_target):
+    """verify.allow_skip naming the fingerprint leaves the state sketch on (and the other way round): a row with
+    one aux state from another position is still rejected without fingerprints, and a row whose final layer
+    disagrees is still rejected without sketches; a fingerprint scoring only some tokens is refused."""
+    import json
+
+    from eagle3_pipeline.contracts import FP_IDS_KEY
+
+    H = json.loads((tiny_target / "config.json").read_text())["hidden_size"]
+    full = _checks(tmp_path, tiny_target, None)
+    hs = _layered_row(5, 30, H)
+    fp = _fingerprint_of(full, hs)
+    no_fp = _checks(tmp_path, tiny_target, None, fingerprint=False)
+    assert no_fp.final is None
+    row = {"hidden_states": hs, "token_ids": torch.arange(30)}
+    assert no_fp.judge(1, row, {"state_sketch": fp["state_sketch"]}) is row
+    aux = hs.clone()
+    aux[9, 0] = hs[2, 0]
+    with pytest.raises(ValueError, match=r"states differ .* position 9, layer slot 0"):
+        no_fp.judge(2, {"hidden_states": aux, "token_ids": torch.arange(30)}, {"state_sketch": fp["state_sketch"]})
+    no_sketch = _checks(tmp_path, tiny_target, None, sketch=False)
+    assert no_sketch.judge(3, row, {k: v for k, v in fp.items() if k != "state_sketch"}) is row
+    bad = hs.clone()
+    bad[11, -1] = hs[4, -1]
+    with pytest.raises(ValueError, match=r"final layer disagrees .*positions \[11\]"):
+        no_sketch.judge(4, {"hidden_states": bad, "token_ids": torch.arange(30)}, fp)
+    part = dict(fp)
+    part[FP_IDS_KEY] = fp[FP_IDS_KEY].clone()
+    part[FP_IDS_KEY][1:] = -1
+    with pytest.raises(ValueError, match=r"its fingerprint scores 1 of 30 tokens"):
+        full.judge(5, row, part)

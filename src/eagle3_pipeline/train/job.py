@@ -27,6 +27,8 @@ class RowChecksSpec(BaseModel):
     layer_ids: list[int]
     storage_dtype: str
     identity: dict | None = None  # verify's identity_profile of the sample (median, scale, max_z); None: not judged
+    fingerprint: bool = True      # every row's final layer against the target's logits (off: verify.allow_skip names it)
+    sketch: bool = True           # every row's states against the server engine's sketch (off: allow_skip names it)
     rejected_path: str
     flagged_path: str             # one JSON line per flagged row
     flagged_dir: str              # their records (hidden_states/hs_{row}.safetensors of a sample-shaped dir)

@@ -193,12 +193,26 @@ class RowChecks:
         from eagle3_pipeline.final_layer import FinalLayerCheck
 
         self.spec = spec
-        self.final = FinalLayerCheck(spec.model_dir, spec.norm_eps, spec.atol, spec.rtol, spec.slack, spec.stol)
+        self.final = FinalLayerCheck(spec.model_dir, spec.norm_eps, spec.atol, spec.rtol, spec.slack, spec.stol) \
+            if spec.fingerprint else None
         prof = spec.identity
         self.med = None if not prof else np.asarray(prof["median"], dtype=np.float64)
         self.scale = None if not prof else np.asarray(prof["scale"], dtype=np.float64)
         self.rejected: dict[int, str] = {}
         self.lock = threading.Lock()
+
+    def _fingerprint_problem(self, name: str, hs, fp: dict) -> str | None:
+        """Every token's final layer against the target's logits in the response; every token must be scored."""
+        agree, n, bad, _ = self.final.agreement_many([(hs[:, -1].float(), fp)])[0]
+        T = hs.shape[0]
+        if not n:
+            return f"{name}: no token had a usable fingerprint"
+        if n < T:
+            return f"{name}: its fingerprint scores {n} of {T} tokens: every token's final layer must be checked"
+        if agree < 1.0:
+            return (f"{name}: final layer disagrees with the target's logits at {round((1 - agree) * n)} of {n} tokens "
+                    f"(positions {bad})")
+        return None
 
     def note(self, index: int, kind: str, why: str, path: str | None = None) -> None:
         line = json.dumps({"row": int(index), "kind": kind, "why": why, "pid": os.getpid()}) + "\n"
@@ -215,15 +229,12 @@ class RowChecks:
 
         hs = row["hidden_states"]  # [T, L, H]
         name = f"online row {index} ({len(row['token_ids'])} tokens)"
-        if fp is None:
+        if fp is None and self.final is not None:
             why = f"{name}: the server's response carried no prompt logprobs (no fingerprint)"
         else:
-            agree, n, bad, _ = self.final.agreement_many([(hs[:, -1].float(), fp)])[0]
-            why = None if n and agree >= 1.0 else (
-                f"{name}: no token had a usable fingerprint" if not n else
-                f"{name}: final layer disagrees with the target's logits at {round((1 - agree) * n)} of {n} tokens "
-                f"(positions {bad})")
-        why = why or _sketch_problem(name, hs, fp)
+            why = self._fingerprint_problem(name, hs, fp) if self.final is not None else None
+        if why is None and self.spec.sketch:
+            why = _sketch_problem(name, hs, fp or {})
         if why:
             self.reject(index, why)
             raise ValueError(why)

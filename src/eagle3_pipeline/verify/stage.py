@@ -24,7 +24,7 @@ import time
 from pydantic import BaseModel
 
 from eagle3_pipeline.config import ExtractConfig, TargetConfig, VerifyConfig
-from eagle3_pipeline.contracts import record_name
+from eagle3_pipeline.contracts import fingerprints_off_problem, record_name
 from eagle3_pipeline.data.prepare import load_tokenized
 from eagle3_pipeline.errors import GateFailed
 from eagle3_pipeline.pool import row_keys, version_pool
@@ -312,7 +312,8 @@ def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, lo
     # every row's tokens and mask, reused records' too (hashing the rows is cheap; a dataset can change under them)
     mask_found, mask_bad, mask_rows = mask_problems(ds, shards, todo if sample is not None else list(range(len(ds))))
     ref_ran_here = cfg.reference_samples > 0 and bool(good_new)
-    problems = st.problems + ref.problems + inv.problems + mask_found + unrunnable(
+    off = fingerprints_off_problem(fp_required, cfg.allow_skip)
+    problems = st.problems + ref.problems + inv.problems + mask_found + ([off] if off else []) + unrunnable(
         cfg, final_skipped if fp_required else None, ref.skipped if ref_ran_here else None, ref_ran_here)
     bad_rows = sorted(bad_st | set(ref.bad_rows) | set(inv.bad_rows) | set(mask_bad))
     moved = []
@@ -409,4 +410,48 @@ def require_verified(version: ExtractVersion) -> VerifyResult:
                            f"{version.content_key}; verify again")
     if not res.passed:
         raise VerifyFailed(f"{version.dir}: the last verify of {version.content_key} failed ({len(res.problems)} problems)")
+    changed = files_changed_since_verify(version, res)
+    if changed:
+        raise VerifyFailed(f"{version.dir}: {len(changed)} shard(s) are not the files verify passed; verify again "
+                           f"(it re-reads only those):\n  " + "\n  ".join(changed[:20]))
     return res
+
+
+REHASH_ALL_BYTES = 2 << 30  # train re-hashes every record up to this much; beyond it, REHASH_SAMPLE of them
+REHASH_SAMPLE = 256
+
+
+def files_changed_since_verify(version: ExtractVersion, res: VerifyResult) -> list[str]:
+    """What train would read that is not what verify passed, one line per shard: a published shard verify did
+    not pass, files whose size or mtime changed (cache.shard_hash), and records whose sha256 differs from the
+    manifest's (every record up to REHASH_ALL_BYTES, else REHASH_SAMPLE spread over the version: a swap that
+    kept size and mtime)."""
+    import hashlib
+
+    man = ShardRun(version.path).read(missing_ok=True)
+    out = []
+    for e in man.published():
+        want = res.shard_hashes.get(str(e.index))
+        if want is None:
+            out.append(f"shard {e.index} (rows {e.row_start}-{e.row_end - 1}): published but not among the shards "
+                       f"verify passed")
+        elif cache.shard_hash(e, version) != want:
+            out.append(f"shard {e.index} (rows {e.row_start}-{e.row_end - 1}): a record or fingerprint was replaced "
+                       f"or edited after verify (size or mtime differs)")
+    files = [(e.index, name, sha) for e in man.published() for name, sha in sorted(e.files.items())]
+    total = sum(e.bytes for e in man.published())
+    if total > REHASH_ALL_BYTES and len(files) > REHASH_SAMPLE:
+        step = len(files) / REHASH_SAMPLE
+        files = [files[int(i * step)] for i in range(REHASH_SAMPLE)]
+    for index, name, sha in files:
+        h = hashlib.sha256()
+        p = version.hidden_states_dir / name
+        if not p.is_file():
+            out.append(f"shard {index}: {name} is missing")
+            continue
+        with open(p, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+        if h.hexdigest() != sha:
+            out.append(f"shard {index}: {name} has sha256 {h.hexdigest()[:16]}…, the manifest (as verified) {sha[:16]}…")
+    return out

@@ -272,7 +272,11 @@ def _process(batch: scan.Batch, spec: RecordSpec, layer_ids: list[int], extras: 
             if not n and lengths[j]:  # an empty or all-invalid sidecar: nothing was compared, nothing passed
                 r.problems.append(f"{_name(it)}: its fingerprint has no usable token (top ids -1 or logprobs not "
                                   f"finite at all {lengths[j]}): the final layer cannot be checked")
-            elif n and a < extras.min_agreement:
+            elif n < lengths[j]:  # coverage: a sidecar that scores some tokens leaves the others unchecked
+                missing = lengths[j] - n
+                r.problems.append(f"{_name(it)}: its fingerprint scores {n} of {lengths[j]} tokens ({missing} without "
+                                  f"top ids or finite scores): every token's final layer must be checked")
+            if n and a < extras.min_agreement:
                 n_bad = round((1 - a) * n)
                 r.problems.append(
                     f"{_name(it)}: final layer does not reproduce the target's logits at {n_bad} of {n} tokens "
