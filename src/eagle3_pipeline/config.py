@@ -136,7 +136,13 @@ class ExtractConfig(EngineConfig):
 
 
 class VerifyConfig(Strict):
-    reference_samples: int = Field(4, description="rows re-computed with HF transformers (0 = skip, noted)")
+    reference_samples: int | None = Field(None, ge=0, description="rows re-computed with the target, streamed layer "
+                                          "by layer (0 = skip, noted); None = sized so that a corruption of "
+                                          "reference_rate of the rows is caught with probability reference_power "
+                                          "(59 rows of a large dataset for 1 in 20 at 95%)")
+    reference_rate: float = Field(0.05, gt=0, le=1, description="the share of bad rows the reference sample is "
+                                  "sized to catch (verify/reference.py reference_size)")
+    reference_power: float = Field(0.95, gt=0, lt=1, description="the probability of catching it")
     reference_memory_gb: float = Field(8.0, gt=0, description="peak RSS allowed to the reference child, which "
                                        "streams the target one decoder layer at a time in its dtype; must hold "
                                        "one layer (Kimi-K2.5: ~17B parameters, ~34 GB in bf16) plus ~1 GB")
@@ -169,6 +175,10 @@ class VerifyConfig(Strict):
     # every row, aux layers: each slot must look like its own layer (layer_identity.py)
     identity_max_z: float | None = Field(20.0, gt=0, description="largest robust deviation of a record's layer-slot "
                                          "relations from the typical ones (layer_identity.py); None = no identity check")
+    prediction_max_z: float | None = Field(3.5, gt=0, description="rows whose next tokens the target's own "
+                                           "predictions (the fingerprint's top 2) match this many spreads below the "
+                                           "version's median are flagged and recomputed with the target "
+                                           "(verify/prediction.py); None = no prediction check")
     confirm_rows: int = Field(32, ge=0, description="rows flagged only by learned checks (layer identity, norm "
                               "bounds) that are recomputed with the target before they may stop the run; a row "
                               "the model agrees with is cleared (0: learned checks alone decide)")

@@ -308,10 +308,12 @@ def _verify_summary(vr: dict) -> list[str]:
     margins = {"fingerprint": fp.get("clean_margin"), "identity": _get(vr, "identity_max_deviation"),
                "norm_bounds": max((ls.get("norm_margin") for ls in _get(vr, "layer_stats") or []
                                    if _isnum(ls.get("norm_margin"))), default=None),
-               "reference": _get(vr, "reference_max_rel_err"), "invariance": _get(vr, "invariance_max_rel_err")}
+               "reference": _get(vr, "reference_max_rel_err"), "invariance": _get(vr, "invariance_max_rel_err"),
+               "prediction": (_get(vr, "prediction") or {}).get("max_z")}
     what = {"fingerprint": "largest error {} of the tolerance", "norm_bounds": "largest deviation {} of the bound",
             "identity": "largest deviation {}" + (f" of {prof['max_z']:g}" if _isnum(prof.get("max_z")) else ""),
-            "reference": "max relative error {}", "invariance": "max relative error {}"}
+            "reference": "max relative error {}", "invariance": "max relative error {}",
+            "prediction": "largest z {} of a kept row"}
     ran, skipped = [], []
     for name, c in checks.items():
         if not isinstance(c, dict):
@@ -324,7 +326,15 @@ def _verify_summary(vr: dict) -> list[str]:
             skipped.append(f"{name} ({c.get('skipped') or 'not run'})")
     line = (f"- **Verify** {'passed' if _get(vr, 'passed') else 'FAILED'}: " + ", ".join(ran)
             + (f"; skipped: {', '.join(skipped)}" if skipped else ""))
-    return [line]
+    out = [line]
+    power = _get(vr, "reference_power") or {}
+    if isinstance(power, dict) and power.get("says") and power.get("sampled"):
+        out.append(f"- **Reference sample**: {_num(power['sampled'])} of {_num(power['rows'])} rows recomputed with "
+                   f"the target: {power['says']}")
+    if any("reference" in s for s in skipped):
+        out.append("- **Unproven**: the reference did not run, so no row's computation and no aux slot's layer "
+                   "was checked against the target itself")
+    return out
 
 
 def _ngram_summary(ev: dict, tau) -> list[str]:

@@ -90,3 +90,52 @@ def test_rare_corruption_stops_the_run_at_verify(config, model, tiny_target, tmp
     # another request's final state changes the target's top-2 logit margin (not every such token does)
     assert any(fingerprint in x and "(positions [" in x for i in few for x in lines_of[i]), lines_of
     assert not any(fingerprint in x for i in aux for x in lines_of[i]), lines_of  # the final layer is right there
+
+
+FORWARD_EVERY = 20  # one request in 20: the rate the reference sample is sized for
+
+
+def test_a_forward_that_computes_rows_wrong_stops_at_verify(tiny_target, tmp_path):
+    """Upstream of every engine-side record: the target's forward runs one request in 20 on other input ids
+    (tests/helpers/forward_corruption.py). The captured states, the state sketch, the logits and the fingerprint
+    all come from that forward, so they agree; structure, fingerprint and sketch pass every row. The target's own
+    predictions no longer match those rows' next tokens (verify/prediction.py), each flagged row is recomputed with
+    the target and confirmed: `eagle3 run` stops at verify (exit 4), naming exactly the corrupted rows, and the
+    report says what the reference sample could have caught."""
+    from tests.helpers.forward_corruption import EVERY_ENV, MODE_ENV, corrupted
+
+    cfg_path = ROOT / "configs" / "tiny-cpu.yaml"
+    from eagle3_pipeline.config import load_config
+
+    base = load_config(cfg_path)
+    per_source = 160 // len(base.prepare.sources)
+    sources = ", ".join(f"{{path: {s.path}, limit: {per_source}}}" for s in base.prepare.sources)
+    sets = [f"store={tmp_path / 'store'}", f"target.model={tiny_target}", f"prepare.sources=[{sources}]",
+            "prepare.heldout_rows=4", "extract.rows_per_shard=48",
+            "extract.connector_module=tests.helpers.forward_corruption",
+            "extract.connector_name=ForwardCorruptionConnector"]
+    env = {**os.environ, EVERY_ENV: str(FORWARD_EVERY), MODE_ENV: "tokens",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("PREFECT_API_URL", None)
+    cmd = [str(Path(sys.executable).parent / "eagle3"), "run", "--config", str(cfg_path),
+           "--output-dir", str(tmp_path / "runs"), *[a for s in sets for a in ("--set", s)]]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 4, _why(out)
+    import datasets
+
+    rep = json.loads((tmp_path / "runs" / "latest" / "report.json").read_text())
+    assert rep["status"] == "failed" and "train" not in rep["stages"]
+    tok = datasets.load_from_disk(rep["artifacts"]["tokenized"] or str(next((tmp_path / "store").rglob("tokenized"))))
+    expected = {i for i, ids in enumerate(tok["input_ids"]) if corrupted(ids, FORWARD_EVERY)}
+    assert expected, "no corrupted request in the slice"
+    v = json.loads(next((tmp_path / "store").rglob("verify.json")).read_text())
+    assert set(v["bad_rows"]) == expected, (sorted(v["bad_rows"]), sorted(expected))
+    assert v["fingerprint"]["rows_failed"] == 0 and v["sketch_failed"] == 0  # transport is exact: they agree
+    assert v["prediction"]["flagged"] == len(expected) and v["cleared"] == {}
+    for i in expected:
+        assert any(p.startswith(f"hs_{i}.safetensors (row {i}") and "the target's own predictions" in p
+                   for p in v["problems"]), i
+        assert any(p.startswith(f"hs_{i} ") and "differs from the reference" in p for p in v["problems"]), i
+    power = v["reference_power"]
+    assert power["power"] >= 0.95 and power["rate"] == 0.05 and "caught with probability" in power["says"]

@@ -104,3 +104,30 @@ def test_a_corrupted_extraction_of_real_data_stops_at_verify(clean, tmp_path):
         lines = [x for x in verify_json["problems"] if f"hs_{i}.safetensors (row {i}" in x]
         assert any("stored states differ from the ones the target computed" in x and " positions [" in x
                    for x in lines), lines
+
+
+def test_a_forward_that_computes_rows_wrong_on_a_real_model_stops_at_verify(clean, tmp_path):
+    """Upstream of every record: SmolLM2's forward runs about one request in 8 with its positions reversed
+    (tests/helpers/forward_corruption.py). States, sketch, logits and fingerprint agree with each other (the
+    transport checks pass); the target's own predictions stop matching those rows' next tokens, the flagged rows
+    are recomputed with the target and confirmed: the run stops at verify (exit 4) naming exactly them."""
+    from tests.helpers.forward_corruption import EVERY_ENV, MODE_ENV, corrupted
+
+    every = 8
+    tmp, _, _ = clean
+    proc, out = _run(tmp, "runs-forward", "extract.connector_module=tests.helpers.forward_corruption",
+                     "extract.connector_name=ForwardCorruptionConnector",
+                     env_extra={EVERY_ENV: str(every), MODE_ENV: "reversed"})
+    assert proc.returncode == 4, out[-6000:]
+    rep = json.loads((tmp / "runs-forward" / "latest" / "report.json").read_text())
+    assert rep["status"] == "failed" and "train" not in rep["stages"]
+    import datasets
+
+    tok = datasets.load_from_disk(rep["artifacts"]["tokenized"] or str(next((tmp / "store").rglob("tokenized"))))
+    expected = {i for i, ids in enumerate(tok["input_ids"]) if corrupted(ids, every)}
+    assert expected, "no corrupted request in the slice: pick another every"
+    found = [json.loads(p.read_text()) for p in (tmp / "store").rglob("verify.json")]
+    [v] = [x for x in found if not x["passed"] and (x.get("prediction") or {}).get("flagged")]
+    assert v["fingerprint"]["rows_failed"] == 0 and v["sketch_failed"] == 0  # the transport checks pass
+    assert set(v["bad_rows"]) == expected, (sorted(v["bad_rows"]), sorted(expected), v["prediction"])
+    print(f"forward corruption on SmolLM2: {len(expected)} rows, prediction {v['prediction']}")

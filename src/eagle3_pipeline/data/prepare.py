@@ -27,7 +27,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from eagle3_pipeline.config import PrepareConfig, SourceConfig, TargetConfig, hub_token
-from eagle3_pipeline.data.chat import (MaskUnavailable, TemplateMismatch, ToolCallsNotRendered, encode_conversation,
+from eagle3_pipeline.data.chat import (MaskDisagrees, MaskUnavailable, TemplateMismatch, ToolCallsNotRendered, encode_conversation,
                                        render)
 from eagle3_pipeline.data.formats import Conversation, RawRow, Rejected, parse_row, raw_rows, tail_warning
 from eagle3_pipeline.errors import DiskFull, InputError, is_disk_full
@@ -38,7 +38,7 @@ TOKENIZER_FILES = ("tokenizer*.json", "special_tokens_map.json", "*.jinja", "*.m
 # Bump when the same rows, tokenizer and settings give different chunk bytes or quarantine decisions:
 # 2 = tool use, history-rewriting (thinking) templates, masks without offsets; 3 = leading assistant,
 # trailing and post-empty turns trimmed, ShareGPT's chatgpt/bing/bard speakers, damaged-file tails.
-PREPARE_FORMAT = 3
+PREPARE_FORMAT = 4
 ROW_COLUMNS = ("sample_id", "conv_id", "input_ids", "loss_mask", "seq_len", "truncated", "prompt_ids", "reference",
                "source", "row")
 
@@ -60,6 +60,7 @@ class PrepareResult(BaseModel):
     rows_trimmed: int = 0            # kept rows that lost turns (formats.TRIM_*), and the turns by reason
     turns_trimmed: int = 0
     trim_reasons: dict[str, int] = {}
+    mask_checks: dict[str, int] = {}  # rows whose mask a second method (chat.second_opinion) confirmed or left undecided
     damaged_sources: list[dict] = []  # JSON files cut part-way (on_damaged: keep_complete): offsets, records kept
     source_warnings: list[str] = []
     tokens: int
@@ -69,6 +70,14 @@ class PrepareResult(BaseModel):
     chunks_total: int
     chunks_computed: int
     cached: bool = False
+
+
+def _summed(dicts) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for d in dicts:
+        for k, v in (d or {}).items():
+            out[k] = out.get(k, 0) + v
+    return out
 
 
 def load_tokenized(path):
@@ -118,7 +127,7 @@ def _encode_chunk(rows: list[RawRow], fmt: str, tok, cfg: PrepareConfig) -> tupl
     """Tokenize one chunk: output columns, rejected rows, and the counts of turns dropped and trimmed."""
     cols: dict[str, list] = {k: [] for k in ROW_COLUMNS}
     rejected: list[dict] = []
-    counts = {"turns_dropped": 0, "rows_trimmed": 0, "trim_reasons": {}}
+    counts = {"turns_dropped": 0, "rows_trimmed": 0, "trim_reasons": {}, "mask_checks": {}}
     vocab = len(tok)
 
     def reject(item, reason: str, raw=None, partial: bool = False):
@@ -152,11 +161,16 @@ def _encode_chunk(rows: list[RawRow], fmt: str, tok, cfg: PrepareConfig) -> tupl
             except MaskUnavailable as e:
                 reject(item, f"loss mask: {e}", raw.rec)
                 continue
+            except MaskDisagrees as e:
+                reject(item, f"loss mask disagrees with the turns' token spans: {e}", raw.rec)
+                continue
             except Exception as e:  # tokenizer errors on odd input: keep the row and the reason
                 reject(item, f"tokenizer error: {type(e).__name__}: {e}", raw.rec)
                 continue
             pieces = [(item.sample_id if r.turn_index is None else f"{item.sample_id}#{r.turn_index}",
                        r.input_ids, r.loss_mask) for r in encoded]
+            for r in encoded:
+                counts["mask_checks"][r.mask_check] = counts["mask_checks"].get(r.mask_check, 0) + 1
         else:
             pieces = [(item.sample_id, item.input_ids, item.loss_mask)]
         kept = 0
@@ -385,7 +399,7 @@ def _assemble(cfg: PrepareConfig, chunk_dirs: list[Path], computed: int, out: Pa
         rows_heldout=len(held), rows_quarantined=len(full),
         rows_truncated=int(sum(table["truncated"].to_pylist())) if n_out else 0,
         turns_dropped=sum(m["turns_dropped"] for m in metas), rows_trimmed=sum(m.get("rows_trimmed", 0) for m in metas),
-        turns_trimmed=sum(trims.values()), trim_reasons=trims,
+        turns_trimmed=sum(trims.values()), trim_reasons=trims, mask_checks=_summed(m.get("mask_checks") for m in metas),
         damaged_sources=[r["damage"] for r in rejected if r.get("damage")],
         source_warnings=[w for src in cfg.sources if (w := tail_warning(src.path))],
         tokens=int(sum(seq)), supervised_tokens=int(counts.sum()),

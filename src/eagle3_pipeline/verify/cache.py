@@ -79,7 +79,9 @@ def _columns(rs: list) -> dict:
     t = {"tokens": torch.tensor([r.tokens for r in rs], dtype=torch.int64),
          "nbytes": torch.tensor([r.nbytes for r in rs], dtype=torch.int64),
          "stats": torch.from_numpy(np.stack([r.stats for r in rs]).astype(np.float64)),  # [R, STAT_ROWS, L]
-         "agreement": opt("agreement"), "fp_margin": opt("fp_margin"), "sketch_margin": opt("sketch_margin")}
+         "agreement": opt("agreement"), "fp_margin": opt("fp_margin"), "sketch_margin": opt("sketch_margin"),
+         "next": torch.tensor([[-1, -1] if r.next_scored is None else [r.next_hits, r.next_scored] for r in rs],
+                              dtype=torch.int64)}  # [R, 2]: prediction.hits
     if all(r.sig is not None for r in rs):
         t["sig"] = torch.from_numpy(np.stack([r.sig for r in rs]).astype(np.float32))  # [R, F]
     return t
@@ -92,7 +94,14 @@ def _result(t: dict, i: int, row: int):
     a = float(t["agreement"][i])
     return _FileResult(row=row, tokens=int(t["tokens"][i]), nbytes=int(t["nbytes"][i]), stats=t["stats"][i],
                        sig=t["sig"][i] if "sig" in t else None, agreement=None if np.isnan(a) else a,
-                       fp_margin=_margin(t, i), sketch_margin=_margin(t, i, "sketch_margin"))
+                       fp_margin=_margin(t, i), sketch_margin=_margin(t, i, "sketch_margin"),
+                       **_next(t, i))
+
+
+def _next(t: dict, i: int) -> dict:
+    if "next" not in t or int(t["next"][i][1]) < 0:
+        return {}
+    return {"next_hits": int(t["next"][i][0]), "next_scored": int(t["next"][i][1])}
 
 
 # ---------------------------------------------------------------- the record pool's cache

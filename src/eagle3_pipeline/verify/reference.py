@@ -17,6 +17,7 @@ kernels differ in accumulation order, so we compare relative L2 error and per-to
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import time
@@ -63,22 +64,58 @@ class ReferenceResult(BaseModel):
     seconds: float | None = None
 
 
+def miss_probability(n_rows: int, bad: int, sampled: int) -> float:
+    """The chance that `sampled` rows drawn without replacement from `n_rows` miss all `bad` of them."""
+    p = 1.0
+    for i in range(sampled):
+        if n_rows - i <= 0:
+            return 0.0
+        p *= max(0, n_rows - bad - i) / (n_rows - i)
+    return p
+
+
+def reference_size(n_rows: int, rate: float, power: float) -> int:
+    """The fewest rows that catch a corruption of `rate` of `n_rows` (at least one bad row) with probability
+    `power`: 59 for 1 in 20 at 95% on a large dataset, every row of a small one."""
+    bad = max(1, math.ceil(rate * n_rows))
+    n = 0
+    while n < n_rows and 1.0 - miss_probability(n_rows, bad, n) < power:
+        n += 1
+    return n
+
+
+def power_statement(n_rows: int, sampled: int, rate: float) -> dict:
+    """What a reference sample of `sampled` rows could and could not have caught (the report says it)."""
+    bad = max(1, math.ceil(rate * n_rows)) if n_rows else 0
+    p = 1.0 - miss_probability(n_rows, bad, sampled) if n_rows else 0.0
+    one = sampled / n_rows if n_rows else 0.0
+    return {"rows": n_rows, "sampled": sampled, "rate": rate, "power": round(p, 4), "single_row": round(one, 4),
+            "says": f"a corruption of {rate:.0%} of the rows ({bad} of {n_rows}) is caught with probability "
+                    f"{p:.1%}; a single bad row with probability {one:.1%}"}
+
+
 def choose_rows(seq_lens: list[int], count: int, rows_per_shard: int) -> list[int]:
-    """Sampled rows: always the longest and the shortest, then rows spread evenly over the dataset so
-    that different shards are covered."""
+    """`count` rows stratified over the dataset: the longest and the shortest, then every shard in turn (and so
+    every group of shards), at offsets within the shard spread by the golden ratio (the k-th visit of a shard
+    at frac(k * 0.618) of it), so the picks also cover every position of a request in the engine's batches."""
     n = len(seq_lens)
     if n == 0 or count <= 0:
         return []
-    picks = [max(range(n), key=seq_lens.__getitem__), min(range(n), key=seq_lens.__getitem__)]
-    step = max(1, n // max(1, count))
-    for i in range(0, n, step):
-        if len(set(picks)) >= count:
-            break
-        picks.append(i)
-    shards = {r // rows_per_shard for r in picks}
-    if len(shards) == 1 and n > rows_per_shard:  # make sure at least two shards are represented
-        picks.append(n - 1)
-    return sorted(set(picks))[: max(count, 2)]
+    count = min(count, n)
+    picks = {max(range(n), key=seq_lens.__getitem__), min(range(n), key=seq_lens.__getitem__)}
+    shards = max(1, -(-n // max(1, rows_per_shard)))
+    phi, i = (5 ** 0.5 - 1) / 2, 0
+    while len(picks) < count:
+        shard = i % shards
+        lo, hi = shard * rows_per_shard, min(n, (shard + 1) * rows_per_shard)
+        offset = int(((i // shards) * phi) % 1.0 * (hi - lo))
+        row = lo + offset
+        k = 0
+        while row in picks and k < hi - lo:  # the next free row of that shard
+            row, k = lo + (row - lo + 1) % (hi - lo), k + 1
+        picks.add(row)
+        i += 1
+    return sorted(picks)[:max(count, min(2, n))]
 
 
 def neighbour_layers(layer_ids: list[int], num_layers: int) -> list[int]:

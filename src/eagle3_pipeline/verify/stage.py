@@ -35,14 +35,15 @@ from eagle3_pipeline.verify import cache
 from eagle3_pipeline.verify.fingerprint import FingerprintSummary, final_layer_check
 from eagle3_pipeline.verify.invariance import InvarianceResult, judge
 from eagle3_pipeline.verify.masks import mask_problems
-from eagle3_pipeline.verify.reference import ReferenceResult, choose_rows, reference_check
+from eagle3_pipeline.verify.reference import (ReferenceResult, choose_rows, power_statement, reference_check,
+                                              reference_size)
 from eagle3_pipeline.verify.structure import LayerStats, StructureCheck, _Extras, verify_structure
 
 # verify settings that change no verdict: a new value keeps the verified shards
 CONFIG_KEY_EXCLUDE = frozenset({"workers", "move_bad_files"})
 # bump when what verify computes per record changes (identity features, fingerprint rule): cached
 # per-record results of an older verify are then read again
-VERIFY_FORMAT = 5
+VERIFY_FORMAT = 6
 
 
 class VerifyFailed(GateFailed):
@@ -96,6 +97,8 @@ class VerifyResult(BaseModel):
     cleared: dict[int, list[str]] = {}  # rows learned checks flagged and the target itself cleared: their flags
     sketch_failed: int = 0      # records with a state that differs from the engine's sketch (state_sketch.py)
     sketch_margin: float | None = None  # the largest deviation ÷ tolerance of a record that passed it
+    prediction: dict = {}       # the prediction check (verify/prediction.py): rows, median rate, spread, max_z, flagged
+    reference_power: dict = {}  # what the reference sample could catch (reference.power_statement)
 
 
 def _checks(st, ref, inv, fp_required: bool, sketch_skipped: str | None) -> dict[str, CheckRun]:
@@ -110,6 +113,8 @@ def _checks(st, ref, inv, fp_required: bool, sketch_skipped: str | None) -> dict
                                                        "no fingerprints (extract.fingerprints false)" if not fp_required
                                                        else "no records to check")),
         "identity": CheckRun(ran=st.identity_skipped is None, records=st.identity_files, skipped=st.identity_skipped),
+        "prediction": CheckRun(ran=not st.prediction.get("skipped"), records=st.prediction.get("rows", 0),
+                               skipped=st.prediction.get("skipped")),
         "norm_bounds": CheckRun(ran=st.norm_bounds_skipped is None, records=st.norm_bounds_files,
                                 skipped=st.norm_bounds_skipped),
         "reference": CheckRun(ran=bool(ref.samples_checked) and ref.skipped is None, records=len(ref.samples_checked),
@@ -126,7 +131,11 @@ def unrunnable(cfg: VerifyConfig, final_skipped: str | None, ref_skipped: str | 
     if final_skipped and "fingerprint" not in cfg.allow_skip:
         out.append(f"verify: the final-layer fingerprint check cannot run: {final_skipped}; " + hint.format("fingerprint"))
     if ref_wanted and ref_skipped and "reference" not in cfg.allow_skip:
-        out.append(f"verify: the reference check did not run: {ref_skipped}; " + hint.format("reference"))
+        out.append(f"verify: the reference check did not run: {ref_skipped}. It is the only check that proves which "
+                   f"layer each aux slot holds and what the target computes for a row: make it run (a local copy of "
+                   f"the model's safetensors, verify.reference_memory_gb for one layer, a transformers that builds "
+                   f"the architecture, e.g. with its quantization package); only as a last resort name it in "
+                   f"verify.allow_skip, and the report then says the layer map and the rows' computation are unproven")
     return out
 
 
@@ -141,35 +150,50 @@ def _sketch_skipped(cfg: VerifyConfig, man, fp_required: bool) -> str | None:
     return None
 
 
-def _confirm_learned(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, st, log) -> list[int]:
-    """Rows that only learned checks flagged (layer identity, norm bounds: judgements of records against
-    each other, calibrated on a few architectures) are recomputed with the target itself (the streamed
-    reference, verify.confirm_rows of them at most) before they may stop the run: a row the model agrees
-    with is cleared, and says so. Rows past the cap, or when the reference cannot run, stay flagged.
-    Changes `st` in place; returns the cleared rows."""
+def _confirm_learned(cfg: VerifyConfig, st, ref: ReferenceResult | None, why_not: str | None, log) -> list[int]:
+    """Rows that only learned checks flagged (layer identity, norm bounds, predictions: judgements of records
+    against each other) are recomputed with the target itself (in the reference's one streamed pass,
+    verify.confirm_rows of them at most) before they may stop the run: a row the model agrees with is cleared,
+    and says so. Rows past the cap, or when the reference could not run (`why_not`), stay flagged. Changes
+    `st` in place; returns the cleared rows."""
     rows = st.learned_rows[: cfg.confirm_rows]
     if not rows:
         return []
-    try:
-        ref = reference_check(target, version, rows, log=log, cfg=cfg)
-    except Exception as e:  # noqa: BLE001 - the flags stand; say why they were not confirmed
-        log(f"verify: {len(rows)} rows flagged by learned checks could not be confirmed by the reference "
-            f"({type(e).__name__}: {e}); they stay flagged")
+    if ref is None or ref.skipped:
+        log(f"verify: {len(rows)} rows flagged by learned checks stay flagged: the reference did not run "
+            f"({why_not or (ref.skipped if ref else 'not asked')})")
         return []
-    if ref.skipped:
-        log(f"verify: {len(rows)} rows flagged by learned checks stay flagged: the reference did not run ({ref.skipped})")
-        return []
-    cleared = [r for r in rows if r not in set(ref.bad_rows)]
+    bad_ref = set(ref.bad_rows)
+    cleared = [r for r in rows if r not in bad_ref]
+    confirmed = tuple(f"hs_{r} " for r in rows if r in bad_ref)  # the target's own verdict joins the flag
+    st.problems += [p for p in ref.problems if p.startswith(confirmed) and p not in st.problems] if confirmed else []
     if cleared:
         mine = tuple(f"{record_name(r)} (row {r}," for r in cleared)
         dropped = [p for p in st.problems if p.startswith(mine)]
         st.problems = [p for p in st.problems if not p.startswith(mine)]
         st.bad_rows = [r for r in st.bad_rows if r not in set(cleared)]
         st.cleared = {r: [p for p in dropped if p.startswith(f"{record_name(r)} (row {r},")] for r in cleared}
+    more = len(st.learned_rows) - len(rows)
     log(f"verify: {len(rows)} rows flagged by learned checks recomputed with the target: {len(rows) - len(cleared)} "
-        f"confirmed bad, {len(cleared)} cleared (the model agrees: max relative error {ref.max_rel_err}, "
-        f"min cosine {ref.min_cosine}){'; ' + str(len(st.learned_rows) - len(rows)) + ' more not confirmed' if len(st.learned_rows) > len(rows) else ''}")
+        f"confirmed bad, {len(cleared)} cleared (the model agrees){f'; {more} more not confirmed' if more else ''}")
     return cleared
+
+
+def _reference_pass(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, sample: list[int],
+                    learned: list[int], log):
+    """(the reference over the sample and the learned flags' rows in one streamed pass, or None; why it is
+    None). A failure raises when a sample was asked for (the gate cannot pass without it); with learned rows
+    only, their flags stand and the log says why."""
+    rows = sorted(set(sample) | set(learned))
+    if not rows:
+        return None, None
+    if sample:
+        return reference_check(target, version, rows, log=log, cfg=cfg), None
+    try:
+        return reference_check(target, version, rows, log=log, cfg=cfg), None
+    except Exception as e:  # noqa: BLE001 - the flags stand; say why they were not confirmed
+        log(f"verify: the reference failed ({type(e).__name__}: {e})")
+        return None, f"{type(e).__name__}: {e}"
 
 
 def _config_key(cfg: VerifyConfig) -> str:
@@ -282,27 +306,26 @@ def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, lo
     check = StructureCheck(tokenized_dir, version.hidden_states_dir, version.layer_ids, version.dims.hidden_size,
                            version.storage_dtype, norm_samples=cfg.norm_bounds_samples,
                            norm_factor=cfg.norm_bounds_factor, norm_min_ratio=cfg.norm_bounds_min_ratio,
-                           identity_max_z=cfg.identity_max_z, workers=cfg.workers)
+                           identity_max_z=cfg.identity_max_z, prediction_max_z=cfg.prediction_max_z,
+                           workers=cfg.workers)
     st = verify_structure(check, rows=todo, log=log, extras=extras, reused=list(reused.values()))
     if final_skipped:
         st.fingerprint.skipped = final_skipped
-    cleared = _confirm_learned(cfg, target, version, st, log)
     bad_st = set(st.bad_rows)
     good_new = [r for r in todo if r not in bad_st and r < len(ds)]
-    seq_lens = ds["seq_len"] if good_new else []
     prev = read_json(version.verify_path) or {}
+    rows, power = _reference_rows(cfg, version, ds, good_new)
+    if rows:
+        log(f"verify: reference sample: {power['sampled']} of {power['rows']} rows; {power['says']}")
+    # one streamed pass over the weights recomputes the sample and the rows learned checks flagged
+    learned = st.learned_rows[: cfg.confirm_rows]
+    full, why_not = _reference_pass(cfg, target, version, rows, learned, log)
+    cleared = _confirm_learned(cfg, st, full, why_not, log)
     ref = ReferenceResult(samples_checked=[], max_rel_err=None, min_cosine=None, per_layer_max_rel_err={},
                           problems=[], skipped="reference_samples is 0")
-    if cfg.reference_samples > 0 and good_new:
-        new = set(good_new)
-        if sample is not None:  # spread over the sample
-            step = max(1, len(good_new) // cfg.reference_samples)
-            rows = good_new[::step][: cfg.reference_samples]
-        else:
-            rows = [r for r in choose_rows(seq_lens, cfg.reference_samples, version.rows_per_shard) if r in new]
-            rows = rows or good_new[: cfg.reference_samples]
-        ref = reference_check(target, version, rows, log=log, cfg=cfg)
-    elif cfg.reference_samples > 0 and reused:
+    if rows:
+        ref = _sample_part(full, rows, why_not)
+    elif cfg.reference_samples != 0 and reused:
         ref.skipped = ("every record was verified before, unchanged since: in this version" if prev.get("reference_samples")
                        else "every record was verified before, unchanged since: in the version the record pool took "
                             "it from")
@@ -311,9 +334,10 @@ def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, lo
     inv = _invariance(cfg, version, man, ds, log, sample)
     # every row's tokens and mask, reused records' too (hashing the rows is cheap; a dataset can change under them)
     mask_found, mask_bad, mask_rows = mask_problems(ds, shards, todo if sample is not None else list(range(len(ds))))
-    ref_ran_here = cfg.reference_samples > 0 and bool(good_new)
+    ref_ran_here = bool(rows)
     off = fingerprints_off_problem(fp_required, cfg.allow_skip)
-    problems = st.problems + ref.problems + inv.problems + mask_found + ([off] if off else []) + unrunnable(
+    problems = st.problems + [p for p in ref.problems if p not in st.problems] + inv.problems + mask_found + (
+        [off] if off else []) + unrunnable(
         cfg, final_skipped if fp_required else None, ref.skipped if ref_ran_here else None, ref_ran_here)
     bad_rows = sorted(bad_st | set(ref.bad_rows) | set(inv.bad_rows) | set(mask_bad))
     moved = []
@@ -352,7 +376,8 @@ def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, lo
         shards_reused=len(reused_hashes), config_key=_config_key(cfg), shard_hashes=hashes,
         rows_rechecked=len(todo), rows_reused=len(reused), rows_reused_pool=len(from_pool),
         seconds=round(time.time() - t0, 2), checks=_checks(st, ref, inv, fp_required, sketch_skipped), cleared=st.cleared,
-        sketch_failed=st.sketch_failed, sketch_margin=st.sketch_margin)
+        sketch_failed=st.sketch_failed, sketch_margin=st.sketch_margin, prediction=st.prediction,
+        reference_power=power)
     res.checks["masks"] = CheckRun(ran=bool(mask_rows), records=mask_rows, skipped=None if mask_rows else
                                    "no row hashes in the manifest (extracted before they were kept)")
     for name, c in res.checks.items():
@@ -362,6 +387,33 @@ def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, lo
         _pool_save(cfg, version, pool, keys, [r for r in st.results if r.row not in bad], fp_required)
     write_json(version.verify_path, res.model_dump())
     return res
+
+
+def _sample_part(full: ReferenceResult | None, rows: list[int], why_not: str | None) -> ReferenceResult:
+    """The reference's verdict on the sampled `rows` (the pass also held the learned flags' rows)."""
+    if full is None:
+        return ReferenceResult(samples_checked=[], max_rel_err=None, min_cosine=None, per_layer_max_rel_err={},
+                               problems=[], skipped=f"the reference failed: {why_not}")
+    if full.skipped:
+        return full
+    mine = set(rows)
+    prefix = tuple(f"hs_{r} " for r in rows)
+    return full.model_copy(update={"samples_checked": rows, "bad_rows": [r for r in full.bad_rows if r in mine],
+                                   "problems": [p for p in full.problems if p.startswith(prefix)]})
+
+
+def _reference_rows(cfg: VerifyConfig, version: ExtractVersion, ds, good: list[int]) -> tuple[list[int], dict]:
+    """The rows the reference recomputes among `good` (the rows this verify read and found good): sized by
+    verify.reference_samples or, when that is None, to catch verify.reference_rate of them with probability
+    verify.reference_power; stratified over shards, groups and batch positions (reference.choose_rows). And
+    what that sample could catch."""
+    if cfg.reference_samples == 0 or not good:
+        return [], power_statement(len(good), 0, cfg.reference_rate)
+    n = cfg.reference_samples if cfg.reference_samples is not None else \
+        reference_size(len(good), cfg.reference_rate, cfg.reference_power)
+    lens = ds.select(good)["seq_len"]
+    rows = [good[i] for i in choose_rows(lens, n, max(1, version.rows_per_shard * len(good) // max(1, len(ds))))]
+    return rows, power_statement(len(good), len(rows), cfg.reference_rate)
 
 
 def _invariance(cfg: VerifyConfig, version: ExtractVersion, man: ShardManifest, ds, log,

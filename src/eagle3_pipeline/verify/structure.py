@@ -41,7 +41,7 @@ from pydantic import BaseModel, Field
 
 from eagle3_pipeline.contracts import HS_KEY, SCALES_KEY, RecordSpec, fingerprint_name, record_name
 from eagle3_pipeline.data.prepare import load_tokenized
-from eagle3_pipeline.verify import scan
+from eagle3_pipeline.verify import prediction, scan
 from eagle3_pipeline.verify.fingerprint import FingerprintSummary
 
 SMALL_RECORD_BYTES = 4 << 20  # records smaller than this on average are reduced by one compute thread
@@ -81,7 +81,8 @@ class StructureResult(BaseModel):
     identity_skipped: str | None = None
     identity_max_deviation: float | None = None  # the largest robust deviation of any record (limit identity_max_z)
     identity_profile: dict | None = None  # the learned profiles: median, scale, layer_ids, max_z (online rows use them)
-    learned_rows: list[int] = []          # rows flagged only by learned checks (identity, norm bounds)
+    learned_rows: list[int] = []          # rows flagged only by learned checks (identity, norm bounds, prediction)
+    prediction: dict = {}                 # the prediction check's summary (prediction.PredictionSummary)
     sketch_rows: int = 0                  # records whose every state was checked against the engine's sketch
     sketch_failed: int = 0                # of those, records with a state beyond the tolerance
     sketch_margin: float | None = None    # the largest deviation ÷ tolerance of a record that passed
@@ -112,6 +113,8 @@ class _FileResult:
     agreement: float | None = None  # final-layer fingerprint agreement (None: no fingerprint)
     fp_margin: float | None = None  # its largest |margin error| / tolerance (1.0: at the tolerance)
     sketch_margin: float | None = None  # its largest state-sketch deviation / tolerance (None: no sketch)
+    next_hits: int | None = None  # positions whose next token is among the fingerprint's top 2 (prediction.py)
+    next_scored: int | None = None
 
 
 @dataclass
@@ -138,6 +141,7 @@ class StructureCheck:
     norm_factor: float = 10.0
     norm_min_ratio: float = 1.5
     identity_max_z: float | None = None  # None: no layer-identity check
+    prediction_max_z: float | None = None  # None: no prediction check (prediction.py)
     workers: int | None = None  # compute threads (None: chosen from the mean record size)
 
 
@@ -267,6 +271,8 @@ def _process(batch: scan.Batch, spec: RecordSpec, layer_ids: list[int], extras: 
         if sigs is not None:
             r.sig = sigs[j]
         if j in agree:
+            a0 = starts[j]
+            r.next_hits, r.next_scored = prediction.hits(fp_rows[0][a0:a0 + lengths[j]].numpy(), it.input_ids)
             a, n, bad, worst = agree[j]
             r.agreement, r.fp_margin = a, worst
             if not n and lengths[j]:  # an empty or all-invalid sidecar: nothing was compared, nothing passed
@@ -456,6 +462,8 @@ def judge_records(ds, results: list[_FileResult], check: StructureCheck, log, *,
     hard = set(problems)  # rows a check of the record alone failed; the rest below are learned judgements
     id_files, id_skipped, id_profile = _identity(ds, good, layer_ids, identity_max_z, problems, log)
     good = [r for r in good if r.row not in problems]
+    pred = _prediction(ds, good, check.prediction_max_z, problems, log)
+    good = [r for r in good if r.row not in problems]
     stats = np.stack([r.stats for r in good]) if good else np.zeros((0, 5, L))  # [files, 5, L]
     tokens = np.array([r.tokens for r in good], dtype=np.float64)  # [files]
 
@@ -515,7 +523,7 @@ def judge_records(ds, results: list[_FileResult], check: StructureCheck, log, *,
                            identity_files=id_files, identity_skipped=id_skipped,
                            identity_max_deviation=None if id_profile is None else id_profile["max_deviation"],
                            identity_profile=id_profile,
-                           learned_rows=sorted(set(problems) - hard), **_sketch_summary(results))
+                           learned_rows=sorted(set(problems) - hard), prediction=pred, **_sketch_summary(results))
 
 
 def _sketch_summary(results: list[_FileResult]) -> dict:
@@ -536,6 +544,28 @@ def _fingerprint_summary(results: list[_FileResult], extras: _Extras | None) -> 
                               rows_without=sum(r.agreement is None and r.sig is not None for r in results),
                               min_agreement=min(agree) if agree else None,
                               mean_agreement=sum(agree) / len(agree) if agree else None)
+
+
+def _prediction(ds, good: list[_FileResult], max_z: float | None, problems: dict, log) -> dict:
+    """The target's predictions against each row's next tokens (prediction.py): a problem for every row far
+    below rows like it (a learned flag, confirmed or cleared by the target). Returns the summary."""
+    from dataclasses import asdict
+
+    if max_z is None:
+        return asdict(prediction.PredictionSummary(skipped="verify.prediction_max_z is null"))
+    rows = [(r.row, r.next_hits, r.next_scored) for r in good if r.next_scored is not None]
+    if not rows:
+        return asdict(prediction.PredictionSummary(skipped="no fingerprints to take the target's predictions from"))
+    flagged, summary = prediction.judge(rows, max_z)
+    by_row = {r.row: r for r in good}
+    for row, z in flagged.items():
+        r = by_row[row]
+        name = f"{record_name(row)} (row {row}, sample {_sample_id(ds, row)}, {r.tokens} tokens)"
+        problems[row] = [prediction.message(name, r.next_hits, r.next_scored, z, summary, max_z)]
+    log(f"verify: prediction check on {summary.rows} rows: median next-token hit rate {summary.median_rate}, spread "
+        f"{summary.spread}, {summary.flagged} rows flagged" if summary.skipped is None
+        else f"verify: prediction check skipped: {summary.skipped}")
+    return asdict(summary)
 
 
 def _identity(ds, good: list[_FileResult], layer_ids: list[int], max_z: float | None, problems: dict,
