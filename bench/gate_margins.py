@@ -8,6 +8,7 @@ of a clean record against its limit (a ratio: 1.0 would fail) and the numbers th
   - state sketch: the largest deviation of a stored state from the engine's sketch / tolerance, over every
     state of every token of every record (state_sketch.py);
   - layer identity: the largest robust deviation / identity_max_z;
+  - prediction: the largest z of a kept row / prediction_max_z (verify/prediction.py);
   - norm bounds: the largest |log(median norm / median)| / log(factor) of a kept record;
   - reference: the largest relative error of the streamed reference (rows verify.reference_samples);
   - invariance: the largest relative error of a row extracted alone vs in its batch.
@@ -80,6 +81,8 @@ def measure(name: str, work: Path, rows: int) -> dict:
             "identity_deviation": res.identity_max_deviation, "identity_max_z": cfg.verify.identity_max_z,
             "norm_bounds": max(norm) if norm else None, "reference_max_rel_err": res.reference_max_rel_err,
             "reference_min_cosine": res.reference_min_cosine, "invariance_max_rel_err": res.invariance_max_rel_err,
+            "prediction_max_z": (res.prediction or {}).get("max_z"), "prediction_limit": cfg.verify.prediction_max_z,
+            "reference_power": res.reference_power,
             "checks": {k: (c.records if c.ran else f"skipped: {c.skipped}") for k, c in res.checks.items()},
             "cleared": sorted(res.cleared), "seconds": round(time.time() - t0, 1)}
 
@@ -99,12 +102,14 @@ def main() -> None:
                                           "rows": args.rows, "results": results}, indent=1))
     t = Table(title="verify's clean margins: the largest deviation of a clean record ÷ the check's limit (1.0 fails)")
     for c in ("target", "records", "tokens", "passed", "fingerprint", "state sketch", "identity", "norm bounds",
-              "reference rel err", "invariance rel err", "cleared by the model"):
+              "prediction", "reference rel err", "invariance rel err", "cleared by the model"):
         t.add_column(c, justify="right")
     f = lambda v, d=2: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
     for r in results:
         t.add_row(r["target"], str(r["records"]), f"{r['tokens']:,}", str(r["passed"]), f(r["fingerprint"]),
-                  f(r.get("state_sketch"), 4), f(r["identity"]), f(r["norm_bounds"]), f(r["reference_max_rel_err"], 4),
+                  f(r.get("state_sketch"), 4), f(r["identity"]), f(r["norm_bounds"]),
+                  f(None if r.get("prediction_max_z") is None else r["prediction_max_z"] / r["prediction_limit"]),
+                  f(r["reference_max_rel_err"], 4),
                   f(r["invariance_max_rel_err"], 4), str(len(r["cleared"])))
     Console(width=160).print(t)
 

@@ -200,6 +200,7 @@ def _margins(rec, cfg) -> tuple[str, object]:
     m = {"passed": d.get("passed"), "fingerprint": (d.get("fingerprint") or {}).get("clean_margin"),
          "state_sketch": d.get("sketch_margin"),
          "identity": None if ident is None else ident / cfg.verify.identity_max_z,
+         "prediction": None if (z := (d.get("prediction") or {}).get("max_z")) is None else z / cfg.verify.prediction_max_z,
          "reference_rel_err": d.get("reference_max_rel_err"), "invariance_rel_err": d.get("invariance_max_rel_err"),
          "records": d.get("samples_checked")}
     if not d.get("passed"):

@@ -10,7 +10,8 @@ Prefect as its temporary server (`SubprocessASGIServer`, the one every Prefect c
 asks for), and Prefect starts none. The server is stopped at exit as Prefect stops its own.
 With an API URL configured (env, profile) nothing is started. Whatever goes wrong on the way (a port
 taken meanwhile, the process exiting, a Prefect without that class) ends ours and leaves the start to
-Prefect, as it was; the command never fails for it.
+Prefect, as it was; the command never fails for it. The server ends with the command even when the command
+is killed with SIGKILL (`_die_with`: a parent-death signal).
 """
 
 from __future__ import annotations
@@ -26,6 +27,21 @@ import time
 
 PORTS = range(8000, 9000)  # where Prefect's temporary servers listen
 PORT_TAKEN = 3  # uvicorn's exit code when its port is taken
+
+
+def _die_with(parent: int):
+    """A preexec_fn: the server gets SIGTERM when the command that started it dies, even by SIGKILL (the OOM
+    killer, a closed terminal), so no temporary server outlives its command (Linux PR_SET_PDEATHSIG)."""
+    def preexec() -> None:
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, 15)  # PR_SET_PDEATHSIG, SIGTERM
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent:  # the command died before the call: nobody would send the signal
+            os._exit(1)
+    return preexec
 
 
 def _free_port() -> int:
@@ -70,7 +86,7 @@ class EarlyServer:
 
     @staticmethod
     def _spawn(argv: list[str], env: dict[str, str], port: int) -> subprocess.Popen:
-        return subprocess.Popen([*argv, "--port", str(port)], env=env)
+        return subprocess.Popen([*argv, "--port", str(port)], env=env, preexec_fn=_die_with(os.getpid()))
 
     @property
     def url(self) -> str:

@@ -96,6 +96,10 @@ class EngineConfig(Strict):
     omp_threads_bind: str | None = Field("all", description="CPU only: VLLM_CPU_OMP_THREADS_BIND; 'all' = every core")
     engine_in_process: bool | None = Field(None, description="vLLM engine core inside the engine child "
                                            "(VLLM_ENABLE_V1_MULTIPROCESSING=0); None = on CPU with TP 1")
+    gpu_memory_gib: float | None = Field(None, gt=0, description="memory of one GPU the stage's engine runs on (the "
+                                         "GPU type its node or Job has: H100 80, H200 141, B200 180); None = what "
+                                         "nvidia-smi reports where a GPU is visible, else unknown (preflight cannot "
+                                         "tell whether the weights fit)")
 
     def engine(self) -> EngineConfig:
         """Just the engine settings (what a child job carries), also from a stage's config."""

@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from eagle3_pipeline.config import PipelineConfig
 from eagle3_pipeline.contracts import (ContractError, ModelDims, fingerprint_blocker, fingerprints_off_problem,
                                       model_dims, resolve_layer_ids)
-from eagle3_pipeline.engine.start import MemoryPlan, describe, memory_plan
+from eagle3_pipeline.engine.start import MemoryPlan, describe, memory_plan, what_fits
 from eagle3_pipeline.errors import EnvironmentProblem
 
 # (vllm distribution, vllm, torch, speculators) combinations this pipeline was tested with.
@@ -142,6 +142,15 @@ def engine_surface_problems(cfg: PipelineConfig, flavour: str) -> list[str]:
     return problems
 
 
+def hardware_problem(plan: MemoryPlan, engine) -> str:
+    """The weights (÷ tensor parallel size) do not fit the GPUs the stage runs on: what would."""
+    g = lambda b: f"{b / 2**30:.0f} GiB"  # noqa: E731
+    return (f"hardware: {plan.stage}'s engine needs {g(plan.weights_bytes)} of weights per GPU "
+            f"(tensor_parallel_size {engine.tensor_parallel_size}) + ~{g(plan.runtime_bytes)} runtime + "
+            f"{g(plan.kv_bytes)} KV cache, more than {engine.gpu_memory_utilization} x {g(plan.device_bytes)} of one "
+            f"GPU ({plan.stage}.gpu_memory_gib or nvidia-smi): it cannot load here; what fits: {what_fits(plan, engine)}")
+
+
 def c_compiler() -> str | None:
     """The C compiler Triton would use (its own search, triton/runtime/build.py: $CC, then gcc, then clang on
     PATH), or None."""
@@ -235,10 +244,17 @@ def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=prin
                          captured_layers=len(layer_ids) or 4)
     if memory is not None:
         log(f"preflight: engine memory: {describe(memory)}")
-        if memory.fits is False:
+        if memory.fits is False and memory.device == "cpu":
             problems.append(f"memory: {describe(memory)}: vLLM would refuse to start the extract engine; set "
                             f"extract.gpu_memory_utilization: {memory.min_utilization} or more (or prepare.max_length "
                             f"lower)")
+        elif memory.fits is False:
+            problems.append(hardware_problem(memory, cfg.extract))
+    if cfg.evaluate.tensor_parallel_size != cfg.extract.tensor_parallel_size or \
+            cfg.evaluate.gpu_memory_gib != cfg.extract.gpu_memory_gib:
+        ev = memory_plan("evaluate", cfg.evaluate, cfg.target, max_model_len=cfg.prepare.max_length + 1)
+        if ev is not None and ev.fits is False and ev.device == "gpu":
+            problems.append(hardware_problem(ev, cfg.evaluate))
     plans = disk_plans(cfg, len(layer_ids) or 4, dims.hidden_size, tokens_estimate)
     chosen = "online" if cfg.train.mode == "online" else f"offline {cfg.extract.storage_dtype}"
     estimated = plans[chosen]

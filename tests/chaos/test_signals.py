@@ -188,3 +188,36 @@ def test_sigterm_to_eagle3_extract_then_resume(signal_store, tag):
     assert len(final) == len(m["shards"])  # everything published now
     assert {k: final[k] for k in stopped["after"]} == stopped["after"]  # the stopped run's shards were reused
     assert processes_with_env(TAG_ENV, tag) == []
+
+
+def test_kill_9_of_eagle3_run_leaves_no_process(signal_store, tag):
+    """`kill -9` of `eagle3 run` mid-extraction (the OOM killer, a hard-closed terminal): nothing it started
+    outlives it: Prefect's temporary server ends by its parent-death signal, the engine child and its workers
+    by theirs, within seconds; the next command resumes as after any crash (test_sigterm_* above)."""
+    root, overrides = signal_store
+    store = root / "store"
+    before = _published(_manifest(store))
+    log = root / "run-KILL.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(_command("run", root, overrides), cwd=ROOT, env=_env(root, tag), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        while True:
+            assert proc.poll() is None, log.read_text(errors="replace")[-4000:]
+            if set(_published(_manifest(store))) - set(before):
+                break
+            time.sleep(0.1)
+        tree = _tree(proc.pid)
+        proc.kill()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    cmds = [c for _, c in tree.values()]
+    assert any("prefect.server.api.server" in c for c in cmds), cmds
+    deadline = time.time() + 30
+    while (left := _survivors(tree)) and time.time() < deadline:
+        time.sleep(0.5)
+    assert left == [], "processes of `eagle3 run` outlived its kill -9 by 30 s:\n" + "\n".join(left)
+    assert processes_with_env(TAG_ENV, tag) == []

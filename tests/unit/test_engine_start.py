@@ -75,3 +75,41 @@ def test_memory_plan_of_the_tiny_target(tiny_target):
     small = memory_plan("extract", EngineConfig(gpu_memory_utilization=0.01), TargetConfig(model=str(tiny_target)),
                         max_model_len=513, captured_layers=4)
     assert small.fits is False
+
+
+def _kimi_like(tmp_path, weights_gib: int):
+    """A model directory with Kimi-K2.5's text dims and a sparse weight file of `weights_gib` (no disk used)."""
+    import json as _json
+
+    d = tmp_path / "kimi"
+    d.mkdir()
+    (d / "config.json").write_text(_json.dumps({
+        "architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 61, "hidden_size": 7168,
+        "num_attention_heads": 64, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "vocab_size": 163840,
+        "torch_dtype": "bfloat16"}))
+    with open(d / "model.safetensors", "wb") as f:
+        f.truncate(weights_gib * 2**30)
+    return d
+
+
+def test_the_wrong_gpus_fail_before_any_load_naming_what_fits(tmp_path, monkeypatch):
+    """Kimi-K2.5 INT4 (~595 GiB of weights) at tensor parallel 8: 8 x H100 (80 GiB) cannot hold it, 8 x H200 can.
+    Preflight's estimate refuses the H100s naming the GPU types and the tensor parallel size that would fit."""
+    from eagle3_pipeline.config import ExtractConfig, TargetConfig
+    from eagle3_pipeline.engine import start
+    from eagle3_pipeline.preflight import hardware_problem
+
+    monkeypatch.setattr(start, "_cpu", lambda: False)
+    target = TargetConfig(model=str(_kimi_like(tmp_path, 595)), dtype="bfloat16")
+    h100 = ExtractConfig(tensor_parallel_size=8, gpu_memory_utilization=0.9, gpu_memory_gib=80)
+    plan = memory_plan("extract", h100, target, max_model_len=4097, captured_layers=4)
+    assert plan.device == "gpu" and plan.fits is False
+    msg = hardware_problem(plan, h100)
+    assert msg.startswith("hardware: extract's engine needs 74 GiB of weights per GPU (tensor_parallel_size 8)"), msg
+    assert "8 x H200 (141 GiB)" in msg and "8 x B200 (180 GiB)" in msg and "8 x H100" not in msg, msg
+    assert "tensor_parallel_size 16 on these GPUs (more than one node" in msg, msg
+    h200 = h100.model_copy(update={"gpu_memory_gib": 141})
+    assert memory_plan("extract", h200, target, max_model_len=4097, captured_layers=4).fits is True
+    unknown = h100.model_copy(update={"gpu_memory_gib": None})
+    monkeypatch.setattr("shutil.which", lambda name: None)  # no nvidia-smi: no device to compare with
+    assert memory_plan("extract", unknown, target, max_model_len=4097, captured_layers=4).fits is None

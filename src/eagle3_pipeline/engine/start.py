@@ -229,7 +229,7 @@ def memory_plan(stage: str, engine: EngineConfig, target: TargetConfig, *, max_m
         rows = getattr(engine, "max_num_batched_tokens", None) or max(CPU_DEFAULT_BATCHED_TOKENS, max_model_len)
         runtime = CPU_RUNTIME_BYTES + weights + rows * int(c.get("vocab_size", 0)) * 4
     else:
-        device, runtime = None, int(2 * GIB)  # activations and CUDA graphs: vLLM profiles them; a floor
+        device, runtime = gpu_bytes(engine), int(2 * GIB)  # activations and CUDA graphs: vLLM profiles them; a floor
     reserved = int(engine.gpu_memory_utilization * device) if device else None
     need = weights + runtime + kv
     fits = None if reserved is None else reserved >= need
@@ -237,6 +237,43 @@ def memory_plan(stage: str, engine: EngineConfig, target: TargetConfig, *, max_m
     return MemoryPlan(stage=stage, device="cpu" if cpu else "gpu", device_bytes=device, reserved_bytes=reserved,
                       weights_bytes=weights, runtime_bytes=runtime, kv_bytes=kv, max_model_len=max_model_len,
                       fits=fits, min_utilization=min_util)
+
+
+# One GPU's memory by type (GiB as vLLM counts it), for what fits where the configured GPUs do not.
+GPU_TYPES = {"A100-80GB": 80, "H100": 80, "H200": 141, "B200": 180, "GB200": 186, "MI300X": 192}
+
+
+def gpu_bytes(engine: EngineConfig) -> int | None:
+    """One GPU's memory for `engine`: its `gpu_memory_gib`, else the smallest GPU nvidia-smi lists here, else None."""
+    if engine.gpu_memory_gib:
+        return int(engine.gpu_memory_gib * GIB)
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+        mib = [int(x) for x in out.split() if x.strip().isdigit()]
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    return min(mib) * 2 ** 20 if mib else None
+
+
+def what_fits(plan: MemoryPlan, engine: EngineConfig) -> str:
+    """Where a plan that does not fit one GPU would: the GPU types that hold it at this tensor parallel size,
+    and the tensor parallel size this GPU would need (over more than one node past 8)."""
+    need = plan.weights_bytes + plan.runtime_bytes + plan.kv_bytes  # per rank at this TP
+    util = engine.gpu_memory_utilization
+    types = [f"{engine.tensor_parallel_size} x {name} ({gib} GiB)" for name, gib in GPU_TYPES.items()
+             if util * gib * GIB >= need]
+    total, tp = plan.weights_bytes * engine.tensor_parallel_size, engine.tensor_parallel_size  # the whole model
+    while tp < 64 and total / tp + plan.runtime_bytes + plan.kv_bytes > util * (plan.device_bytes or 0):
+        tp *= 2
+    more = (f"tensor_parallel_size {tp} on these GPUs"
+            + (" (more than one node: docs/decisions/multi-node-engine.md)" if tp > 8 else ""))
+    return (", ".join(types) + " or " if types else "") + more
 
 
 def describe(plan: MemoryPlan) -> str:
