@@ -30,6 +30,7 @@ class PredictionSummary:
     spread: float | None = None    # s: the rate's spread between rows, binomial noise taken out
     max_z: float | None = None     # the largest z of a row that was not flagged (the clean margin ÷ max_z)
     flagged: int = 0
+    above_limit: int = 0           # rows past the limit; only the `cap` strongest are flagged (confirm_rows)
     skipped: str | None = None
 
 
@@ -42,8 +43,12 @@ def hits(top_ids, input_ids) -> tuple[int, int]:
     return int(((top == nxt).any(axis=1) & scored).sum()), int(scored.sum())
 
 
-def judge(rows: list[tuple[int, int, int]], max_z: float) -> tuple[dict[int, float], PredictionSummary]:
-    """({row: z} of the rows flagged, summary) for rows given as (row, hits, scored)."""
+def judge(rows: list[tuple[int, int, int]], max_z: float, cap: int | None = None) -> tuple[dict[int, float],
+                                                                                             PredictionSummary]:
+    """({row: z} of the rows flagged, summary) for rows given as (row, hits, scored). At most `cap` rows are
+    flagged, the strongest first: each flag is recomputed with the target, and if the strongest `cap` are all
+    cleared, the weaker ones past the limit are the clean tail of a heterogeneous dataset, not a forward bug
+    (one that is confirmed fails the run anyway)."""
     use = [(r, h, n) for r, h, n in rows if n >= MIN_SCORED]
     if len(use) < MIN_ROWS:
         return {}, PredictionSummary(rows=len(use), skipped=f"{len(use)} rows with >= {MIN_SCORED} scored positions; "
@@ -56,10 +61,12 @@ def judge(rows: list[tuple[int, int, int]], max_z: float) -> tuple[dict[int, flo
     noise = float(np.median(m * (1 - m) / n))
     s2 = max(mad ** 2 - noise, (0.02 * max(m, 1e-3)) ** 2)  # never tighter than 2% of the median rate
     z = (m - rate) / np.sqrt(s2 + m * (1 - m) / n)
-    flagged = {int(r): float(zz) for r, zz in zip(row, z) if zz > max_z}
+    above = sorted(((float(zz), int(r)) for r, zz in zip(row, z) if zz > max_z), reverse=True)
+    flagged = {r: zz for zz, r in above[:cap if cap is not None else len(above)]}
     kept = z[z <= max_z]
     return flagged, PredictionSummary(rows=len(use), median_rate=round(m, 4), spread=round(float(np.sqrt(s2)), 4),
-                                      max_z=round(float(kept.max()), 3) if len(kept) else None, flagged=len(flagged))
+                                      max_z=round(float(kept.max()), 3) if len(kept) else None, flagged=len(flagged),
+                                      above_limit=len(above))
 
 
 def message(name: str, r_hits: int, scored: int, z: float, summary: PredictionSummary, max_z: float) -> str:

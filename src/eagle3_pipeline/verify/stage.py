@@ -307,6 +307,7 @@ def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, lo
                            version.storage_dtype, norm_samples=cfg.norm_bounds_samples,
                            norm_factor=cfg.norm_bounds_factor, norm_min_ratio=cfg.norm_bounds_min_ratio,
                            identity_max_z=cfg.identity_max_z, prediction_max_z=cfg.prediction_max_z,
+                           prediction_cap=cfg.confirm_rows,
                            workers=cfg.workers)
     st = verify_structure(check, rows=todo, log=log, extras=extras, reused=list(reused.values()))
     if final_skipped:

@@ -142,6 +142,7 @@ class StructureCheck:
     norm_min_ratio: float = 1.5
     identity_max_z: float | None = None  # None: no layer-identity check
     prediction_max_z: float | None = None  # None: no prediction check (prediction.py)
+    prediction_cap: int | None = None      # at most this many rows flagged by it (verify.confirm_rows)
     workers: int | None = None  # compute threads (None: chosen from the mean record size)
 
 
@@ -462,7 +463,7 @@ def judge_records(ds, results: list[_FileResult], check: StructureCheck, log, *,
     hard = set(problems)  # rows a check of the record alone failed; the rest below are learned judgements
     id_files, id_skipped, id_profile = _identity(ds, good, layer_ids, identity_max_z, problems, log)
     good = [r for r in good if r.row not in problems]
-    pred = _prediction(ds, good, check.prediction_max_z, problems, log)
+    pred = _prediction(ds, good, check.prediction_max_z, problems, log, check.prediction_cap)
     good = [r for r in good if r.row not in problems]
     stats = np.stack([r.stats for r in good]) if good else np.zeros((0, 5, L))  # [files, 5, L]
     tokens = np.array([r.tokens for r in good], dtype=np.float64)  # [files]
@@ -546,7 +547,7 @@ def _fingerprint_summary(results: list[_FileResult], extras: _Extras | None) -> 
                               mean_agreement=sum(agree) / len(agree) if agree else None)
 
 
-def _prediction(ds, good: list[_FileResult], max_z: float | None, problems: dict, log) -> dict:
+def _prediction(ds, good: list[_FileResult], max_z: float | None, problems: dict, log, cap: int | None = None) -> dict:
     """The target's predictions against each row's next tokens (prediction.py): a problem for every row far
     below rows like it (a learned flag, confirmed or cleared by the target). Returns the summary."""
     from dataclasses import asdict
@@ -556,14 +557,14 @@ def _prediction(ds, good: list[_FileResult], max_z: float | None, problems: dict
     rows = [(r.row, r.next_hits, r.next_scored) for r in good if r.next_scored is not None]
     if not rows:
         return asdict(prediction.PredictionSummary(skipped="no fingerprints to take the target's predictions from"))
-    flagged, summary = prediction.judge(rows, max_z)
+    flagged, summary = prediction.judge(rows, max_z, cap)
     by_row = {r.row: r for r in good}
     for row, z in flagged.items():
         r = by_row[row]
         name = f"{record_name(row)} (row {row}, sample {_sample_id(ds, row)}, {r.tokens} tokens)"
         problems[row] = [prediction.message(name, r.next_hits, r.next_scored, z, summary, max_z)]
     log(f"verify: prediction check on {summary.rows} rows: median next-token hit rate {summary.median_rate}, spread "
-        f"{summary.spread}, {summary.flagged} rows flagged" if summary.skipped is None
+        f"{summary.spread}, {summary.flagged} rows flagged ({summary.above_limit} past the limit)" if summary.skipped is None
         else f"verify: prediction check skipped: {summary.skipped}")
     return asdict(summary)
 
