@@ -1,5 +1,5 @@
-"""What prepare's second opinion on every loss mask (data/chat.py `second_opinion`) costs, side by side in one
-process, alternating every round: encode_conversation with it, and with it replaced by a no-op, on the same
+"""What prepare's second opinion on every loss mask (data/mask_check.py `second_opinion`) costs, side by side in one
+process, alternating every round: mask_check.encode_checked with it, and with it replaced by a no-op, on the same
 conversations of the tiny Llama (fast tokenizer) and the tiny Kimi-like MoE (Python tokenizer, thinking, tools).
 
 Usage: .venv/bin/python bench/mask_second_opinion.py [--rows 400] [--rounds 7]
@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 def main() -> None:
     from eagle3_pipeline.config import TargetConfig
-    from eagle3_pipeline.data import chat
+    from eagle3_pipeline.data import mask_check
     from eagle3_pipeline.data.formats import normalise
     from eagle3_pipeline.data.prepare import load_tokenizer
 
@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=400)
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
-    own = chat.second_opinion
+    own = mask_check.second_opinion
     print(f"{'target':<12} {'with s/round':>13} {'without':>9}  with ÷ without: median (min-max)")
     for name, model in (("tiny Llama", ROOT / ".cache" / "tiny-target"), ("tiny MoE", ROOT / ".cache" / "tiny-moe")):
         tok = load_tokenizer(TargetConfig(model=str(model), trust_remote_code=name == "tiny MoE"))
@@ -39,16 +39,16 @@ def main() -> None:
         def run() -> float:
             t0 = time.perf_counter()
             for it in items:
-                chat.encode_conversation(tok, it.messages, "conversation", it.tools)
+                mask_check.encode_checked(tok, it.messages, "conversation", it.tools)
             return time.perf_counter() - t0
 
         with_s, without_s = [], []
         for _ in range(args.rounds):
-            chat.second_opinion = own
+            mask_check.second_opinion = own
             with_s.append(run())
-            chat.second_opinion = lambda *a, **k: ("agree", None)
+            mask_check.second_opinion = lambda *a, **k: ("agree", None)
             without_s.append(run())
-        chat.second_opinion = own
+        mask_check.second_opinion = own
         ratios = [a / b for a, b in zip(with_s, without_s)]
         print(f"{name:<12} {statistics.median(with_s):>13.3f} {statistics.median(without_s):>9.3f}  "
               f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})")

@@ -1,4 +1,4 @@
-"""Loss masks judged against the source by a second method (data/chat.py `second_opinion`): each assistant turn's
+"""Loss masks judged against the source by a second method (data/mask_check.py `second_opinion`): each assistant turn's
 tokens found by tokenizing its history, prefix by prefix, in token space (no offsets, no decoding). Clean rows of
 both tiny targets (the Llama's fast tokenizer; the Kimi-like MoE's Python tokenizer, thinking and tools) agree
 or are undecided; a mask one token off, from either of prepare's paths, is refused and prepare quarantines the
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from eagle3_pipeline.config import PrepareConfig, TargetConfig
-from eagle3_pipeline.data import chat
+from eagle3_pipeline.data import chat, mask_check
 from eagle3_pipeline.data.formats import RawRow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,8 +46,8 @@ def test_clean_masks_agree_with_the_turns_token_spans(name, tiny_target, tiny_mo
         from eagle3_pipeline.data.formats import normalise
 
         item = normalise(conv, "openai", "corpus", 0, True)
-        for r in chat.encode_conversation(tok, item.messages, "conversation", item.tools):
-            verdicts[r.mask_check] = verdicts.get(r.mask_check, 0) + 1
+        for _, verdict in mask_check.encode_checked(tok, item.messages, "conversation", item.tools):
+            verdicts[verdict] = verdicts.get(verdict, 0) + 1
     assert verdicts.get("agree", 0) >= 50 and set(verdicts) <= {"agree", "undecided"}, verdicts
 
 
@@ -60,8 +60,8 @@ def test_a_mask_one_token_off_is_refused(name, path, tiny_target, tiny_moe_targe
 
     item = normalise(_conversations(model, 1)[0], "openai", "corpus", 0, True)
     monkeypatch.setattr(chat, path, _shifted(getattr(chat, path)))
-    with pytest.raises(chat.MaskDisagrees, match=r"tokens \(positions \[\d+"):
-        chat.encode_conversation(tok, item.messages, "conversation", item.tools)
+    with pytest.raises(mask_check.MaskDisagrees, match=r"tokens \(positions \[\d+"):
+        mask_check.encode_checked(tok, item.messages, "conversation", item.tools)
 
 
 def test_prepare_quarantines_a_conversation_whose_mask_disagrees(tiny_target, monkeypatch):

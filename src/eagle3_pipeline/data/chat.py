@@ -25,9 +25,7 @@ boundaries and the pieces are tokenized separately: when their concatenation equ
 the whole text (the usual case: templates put special tokens at turn boundaries) each piece's
 tokens take its mask. Otherwise a token straddles a boundary, and token starts are found by decoding
 prefixes (binary search per boundary; the decode must reproduce the text exactly), else
-`MaskUnavailable` quarantines the row. On a fast tokenizer all three give the same masks. Every row's mask is
-then judged by a second method in token space (`second_opinion`); a disagreement quarantines the row
-(`MaskDisagrees`).
+`MaskUnavailable` quarantines the row. On a fast tokenizer all three give the same masks.
 """
 
 from __future__ import annotations
@@ -50,16 +48,11 @@ class MaskUnavailable(InputError):
     """No exact loss mask: the tokenizer has no offsets and its tokens do not split at the span boundaries."""
 
 
-class MaskDisagrees(InputError):
-    """The loss mask differs from the supervised tokens a second, independent method finds (`second_opinion`)."""
-
-
 @dataclass
 class Encoded:
     input_ids: list[int]   # [T]
     loss_mask: list[int]   # [T], 1 on assistant tokens incl. end-of-turn
     turn_index: int | None = None  # the (last) assistant turn this row supervises; None: the whole conversation
-    mask_check: str = "agree"      # second_opinion's verdict: agree, or undecided (a token straddles a boundary)
 
 
 @dataclass
@@ -197,38 +190,7 @@ def encode_conversation(tokenizer, messages: list[dict], rows_per: str = "conver
     """Token ids + loss mask: one row for the conversation (more where the template re-renders
     history), or one row per assistant turn."""
     full, turns = render_turns(tokenizer, messages, tools)
-    out = []
-    for text, spans, k in _plan_rows(full, turns, rows_per):
-        ids, mask = encode_text(tokenizer, text, spans)
-        verdict, why = second_opinion(tokenizer, text, spans, ids, mask)
-        if verdict == "disagree":
-            raise MaskDisagrees(why)
-        out.append(Encoded(ids, mask, k, verdict))
-    return out
-
-
-def second_opinion(tokenizer, text: str, spans: list[tuple[int, int]], ids: list[int],
-                   mask: list[int]) -> tuple[str, str | None]:
-    """The supervised tokens found a second way, in token space and without offsets or decoding: each turn's
-    history-with-generation-prompt (text[:start]) and the history with the turn (text[:end]) are tokenized on
-    their own; where both are token prefixes of the row, the turn's tokens are exactly those between them.
-    ("agree" | "undecided" | "disagree", why): undecided where a token straddles a turn's boundary (no token
-    prefix ends there: the first method's offsets or decoding decide alone)."""
-    want = [0] * len(ids)
-    for a, b in spans:
-        head = tokenizer(text[:a], add_special_tokens=False)["input_ids"] if a else []
-        upto = tokenizer(text[:b], add_special_tokens=False)["input_ids"] if b < len(text) else ids
-        if ids[:len(head)] != list(head) or ids[:len(upto)] != list(upto):
-            return "undecided", None
-        for t in range(len(head), len(upto)):
-            want[t] = 1
-    if want == list(mask):
-        return "agree", None
-    diff = [t for t, (w, m) in enumerate(zip(want, mask)) if w != m]
-    return "disagree", (f"{len(diff)} of {len(ids)} tokens (positions {diff[:8]}{' ...' if len(diff) > 8 else ''}) are "
-                        f"{'supervised' if mask[diff[0]] else 'not supervised'} but the assistant turns' own token "
-                        f"spans (each turn tokenized with its history, prefix by prefix) say "
-                        f"{'not' if mask[diff[0]] else 'they are'}")
+    return [Encoded(*encode_text(tokenizer, text, spans), k) for text, spans, k in _plan_rows(full, turns, rows_per)]
 
 
 # ------------------------------------------------------------------------------------ masks

@@ -27,8 +27,9 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from eagle3_pipeline.config import PrepareConfig, SourceConfig, TargetConfig, hub_token
-from eagle3_pipeline.data.chat import (MaskDisagrees, MaskUnavailable, TemplateMismatch, ToolCallsNotRendered, encode_conversation,
+from eagle3_pipeline.data.chat import (MaskUnavailable, TemplateMismatch, ToolCallsNotRendered,
                                        render)
+from eagle3_pipeline.data.mask_check import MaskDisagrees, encode_checked
 from eagle3_pipeline.data.formats import Conversation, RawRow, Rejected, parse_row, raw_rows, tail_warning
 from eagle3_pipeline.errors import DiskFull, InputError, is_disk_full
 from eagle3_pipeline.store import (atomic_write, atomic_write_text, content_key, dir_fingerprint, dir_lock, read_json,
@@ -60,7 +61,7 @@ class PrepareResult(BaseModel):
     rows_trimmed: int = 0            # kept rows that lost turns (formats.TRIM_*), and the turns by reason
     turns_trimmed: int = 0
     trim_reasons: dict[str, int] = {}
-    mask_checks: dict[str, int] = {}  # rows whose mask a second method (chat.second_opinion) confirmed or left undecided
+    mask_checks: dict[str, int] = {}  # rows whose mask a second method (mask_check.second_opinion) confirmed or left undecided
     damaged_sources: list[dict] = []  # JSON files cut part-way (on_damaged: keep_complete): offsets, records kept
     source_warnings: list[str] = []
     tokens: int
@@ -147,7 +148,8 @@ def _encode_chunk(rows: list[RawRow], fmt: str, tok, cfg: PrepareConfig) -> tupl
                                  f"{item.source} row {item.row} cannot be rendered; use a chat model's tokenizer "
                                  f"(target.tokenizer) or pre-tokenized rows")
             try:
-                encoded = encode_conversation(tok, item.messages, cfg.rows_per, item.tools)
+                checked = encode_checked(tok, item.messages, cfg.rows_per, item.tools)
+                encoded = [r for r, _ in checked]
                 first = next(i for i, m in enumerate(item.messages) if m["role"] == "assistant")
                 prompt_ids = tok(render(tok, item.messages[:first], add_generation_prompt=True, tools=item.tools),
                                  add_special_tokens=False)["input_ids"]
@@ -169,8 +171,8 @@ def _encode_chunk(rows: list[RawRow], fmt: str, tok, cfg: PrepareConfig) -> tupl
                 continue
             pieces = [(item.sample_id if r.turn_index is None else f"{item.sample_id}#{r.turn_index}",
                        r.input_ids, r.loss_mask) for r in encoded]
-            for r in encoded:
-                counts["mask_checks"][r.mask_check] = counts["mask_checks"].get(r.mask_check, 0) + 1
+            for _, verdict in checked:
+                counts["mask_checks"][verdict] = counts["mask_checks"].get(verdict, 0) + 1
         else:
             pieces = [(item.sample_id, item.input_ids, item.loss_mask)]
         kept = 0
