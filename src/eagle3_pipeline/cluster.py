@@ -25,6 +25,7 @@ pipeline's. Core: no Prefect import (flows pass the dict to `run_deployment(job_
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from eagle3_pipeline.config import PipelineConfig
@@ -120,3 +121,35 @@ def job_variables(config: PipelineConfig, stage: str, shards: int | None = None)
         "deadline_seconds": int(math.ceil(deadline)),
         "pod_watch_timeout_seconds": watch,
     }
+
+
+# Kubernetes' quantity grammar (resource.Quantity) and names: kubernetes-validate checks structure, not these
+# values ("memory: 512GiB" and "cpu: sixty-four" pass its schemas, and the API server refuses the Job).
+_QUANTITY = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?\d+)?$")
+_DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_IMAGE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@-]*$")
+
+
+def value_problems(obj: Any, where: str = "") -> list[str]:
+    """What a Kubernetes object (a manifest or a rendered Job) holds that its schema accepts but the API server
+    or the kubelet would refuse: resource quantities, object and container names, image references."""
+    out: list[str] = []
+    if isinstance(obj, dict):
+        for key, v in obj.items():
+            at = f"{where}.{key}" if where else str(key)
+            if key in ("requests", "limits") and isinstance(v, dict):
+                out += [f"{at}.{k}: {q!r} is not a Kubernetes quantity (e.g. 512Gi, 64, 500m)"
+                        for k, q in v.items() if not _QUANTITY.match(str(q))]
+            elif key in ("name", "generateName") and isinstance(v, str) and where.split(".")[-1] in (
+                    "metadata", "") + tuple(f"containers[{i}]" for i in range(16)):
+                name = v.rstrip("-") if key == "generateName" else v
+                if len(name) > 253 or not _DNS1123.match(name):
+                    out.append(f"{at}: {v!r} is not a valid Kubernetes name (lower case, digits, '-', '.')")
+            elif key == "image" and isinstance(v, str) and not _IMAGE.match(v):
+                out.append(f"{at}: {v!r} is not an image reference")
+            else:
+                out += value_problems(v, at)
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            out += value_problems(v, f"{where}[{i}]")
+    return out

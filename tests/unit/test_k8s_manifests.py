@@ -46,6 +46,9 @@ def load_manifests(path: Path) -> list[dict]:
 
 
 def validate(doc: dict, where: str) -> None:
+    from eagle3_pipeline.cluster import value_problems
+
+    assert value_problems(doc) == [], f"{where}: values the schema accepts but Kubernetes refuses"
     for version in KUBERNETES_VERSIONS:
         try:
             kubernetes_validate.validate(doc, version, strict=True)
@@ -183,6 +186,24 @@ def test_a_broken_job_fails_validation(kimi):
     job["spec"]["template"]["spec"]["parallelism"] = 1
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(job, KUBERNETES_VERSIONS[0], strict=True)
+
+
+def test_values_the_schema_accepts_but_kubernetes_refuses_are_named(kimi):
+    """kubernetes-validate passes `memory: 512GiB`, `cpu: sixty-four` and an image name with spaces
+    (structure only); cluster.value_problems names each, with where it is."""
+    from eagle3_pipeline.cluster import value_problems
+
+    (_, job) = kimi_run_jobs(kimi)["train"]
+    c = job["spec"]["template"]["spec"]["containers"][0]
+    c["resources"]["limits"]["memory"], c["resources"]["requests"]["cpu"] = "512GiB", "sixty-four"
+    c["image"] = "my registry/eagle3 pipeline:latest"
+    kubernetes_validate.validate(job, KUBERNETES_VERSIONS[0], strict=True)  # the schema accepts all three
+    found = value_problems(job)
+    assert any("limits.memory: '512GiB' is not a Kubernetes quantity" in p for p in found), found
+    assert any("requests.cpu: 'sixty-four' is not a Kubernetes quantity" in p for p in found), found
+    assert any("image: 'my registry/eagle3 pipeline:latest' is not an image reference" in p for p in found), found
+    job["metadata"]["generateName"] = "Eagle3_Extract-"
+    assert any("generateName: 'Eagle3_Extract-' is not a valid Kubernetes name" in p for p in value_problems(job))
 
 
 # ------------------------------------------------------------------ infra/k8s/prefect.yaml
