@@ -134,3 +134,24 @@ def test_compile_caches_live_on_the_store_volume():
     env = {e["name"]: e.get("value") for e in container["env"]}
     for key in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "VLLM_CACHE_ROOT", "FLASHINFER_WORKSPACE_BASE"):
         assert key in env and env[key].startswith(store.rstrip("/") + "/"), f"{key}: {env.get(key)} not under {store}"
+
+
+def test_image_script_builds_for_the_nodes_platform_and_refuses_a_stale_image(tmp_path):
+    """infra/k8s/image.sh: `docker build --platform linux/amd64` (a laptop's arm64 build would not run on the GPU
+    nodes) with the revision as a label; an EAGLE3_IMAGE built from another revision is refused, naming both."""
+    import os
+    import subprocess
+
+    script = ROOT / "infra" / "k8s" / "image.sh"
+    text = script.read_text()
+    assert re.search(r"docker build --platform \"\$\{EAGLE3_IMAGE_PLATFORM:-linux/amd64\}\"", text)
+    assert "org.opencontainers.image.revision=$tag" in text
+    image = "registry.example/eagle3@sha256:" + "ab" * 32
+    env = {**os.environ, "EAGLE3_IMAGE": image, "EAGLE3_IMAGE_REVISION": "0123456789ab"}
+    r = subprocess.run(["bash", str(script), "push"], env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and "EAGLE3_IMAGE was built from 0123456789ab, this checkout is" in r.stderr, r.stderr
+    here = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty", "--abbrev=12"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    r = subprocess.run(["bash", str(script), "push"], env={**env, "EAGLE3_IMAGE_REVISION": here},
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == image, r.stderr
