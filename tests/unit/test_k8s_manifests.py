@@ -25,7 +25,7 @@ IMAGE = "registry.example/eagle3-pipeline@sha256:" + "0123456789abcdef" * 4
 SAMPLE = {"EAGLE3_IMAGE": IMAGE, "PREFECT_API_URL": "http://prefect.example:4200/api",
           "STORE_STORAGE_CLASS": "cephfs", "STORE_SIZE": "100Ti", "MODELS_STORAGE_CLASS": "cephfs",
           "MODELS_SIZE": "4Ti", "MODEL_REPO": "moonshotai/Kimi-K2.5", "MODEL_REVISION": "main",
-          "MODEL_DIR": "Kimi-K2.5"}
+          "MODEL_DIR": "Kimi-K2.5", "IMAGE_PULL_SECRET": "eagle3-registry"}
 NOT_MANIFESTS = {"prefect.yaml"}  # a Prefect deployment file, not a Kubernetes object
 
 
@@ -186,6 +186,18 @@ def test_a_broken_job_fails_validation(kimi):
     job["spec"]["template"]["spec"]["parallelism"] = 1
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(job, KUBERNETES_VERSIONS[0], strict=True)
+
+
+def test_both_service_accounts_carry_the_registry_pull_secret():
+    """A private registry's pull secret reaches the worker, every stage Job and the model-staging Job: each runs as
+    a ServiceAccount that names it (Kubernetes adds an account's imagePullSecrets to its pods)."""
+    objs = _objects()
+    for sa in ("eagle3-worker", "eagle3-job"):
+        assert objs[("ServiceAccount", sa)]["imagePullSecrets"] == [{"name": SAMPLE["IMAGE_PULL_SECRET"]}], sa
+    staging = next(d for (k, n), d in objs.items() if k == "Job")
+    assert staging["spec"]["template"]["spec"]["serviceAccountName"] == "eagle3-job"
+    worker = objs[("Deployment", "eagle3-worker")]["spec"]["template"]["spec"]
+    assert worker["serviceAccountName"] == "eagle3-worker"
 
 
 def test_values_the_schema_accepts_but_kubernetes_refuses_are_named(kimi):
