@@ -4,12 +4,13 @@ infra/requirements-gpu-k8s.lock, downloaded once from PyPI into a cache (EAGLE3_
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 import urllib.request
 from pathlib import Path
+
+from eagle3_pipeline.store import sha256_file
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCK = ROOT / "infra" / "requirements-gpu-k8s.lock"
@@ -23,14 +24,6 @@ def locked(name: str) -> tuple[str, set[str]]:
     return m.group(1), set(re.findall(r"sha256:([0-9a-f]{64})", m.group(2)))
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def cache_dir() -> Path:
     return Path(os.environ.get("EAGLE3_WHEEL_CACHE", Path.home() / ".cache" / "eagle3-pipeline" / "wheels"))
 
@@ -40,7 +33,7 @@ def locked_wheel(name: str, platform_tag: str = "manylinux_2_28_x86_64") -> Path
     version, hashes = locked(name)
     cache = cache_dir()
     for p in cache.glob(f"{name.replace('-', '_')}-{version}-*.whl"):
-        if _sha256(p) in hashes:
+        if sha256_file(p) in hashes:
             return p
     with urllib.request.urlopen(f"{PYPI_JSON}/{name}/{version}/json", timeout=60) as r:
         files = json.loads(r.read())["urls"]
@@ -53,7 +46,7 @@ def locked_wheel(name: str, platform_tag: str = "manylinux_2_28_x86_64") -> Path
     with urllib.request.urlopen(wanted[0]["url"], timeout=600) as r, open(tmp, "wb") as f:
         while block := r.read(1 << 20):
             f.write(block)
-    got = _sha256(tmp)
+    got = sha256_file(tmp)
     if got not in hashes:
         tmp.unlink()
         raise AssertionError(f"{wanted[0]['url']}: sha256 {got} is none of the lock's {sorted(hashes)}")

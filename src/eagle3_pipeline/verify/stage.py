@@ -30,7 +30,7 @@ from eagle3_pipeline.errors import GateFailed
 from eagle3_pipeline.pool import row_keys, version_pool
 from eagle3_pipeline.layout import ExtractVersion
 from eagle3_pipeline.shardrun import ShardEntry, ShardManifest, ShardRun, mark_rows_failed
-from eagle3_pipeline.store import content_key, file_lock, read_json, write_json
+from eagle3_pipeline.store import content_key, file_lock, read_json, sha256_file, write_json
 from eagle3_pipeline.verify import cache
 from eagle3_pipeline.verify.fingerprint import FingerprintSummary, final_layer_check
 from eagle3_pipeline.verify.invariance import InvarianceResult, judge
@@ -187,11 +187,11 @@ def _reference_pass(cfg: VerifyConfig, target: TargetConfig, version: ExtractVer
     rows = sorted(set(sample) | set(learned))
     if not rows:
         return None, None
-    if sample:
-        return reference_check(target, version, rows, log=log, cfg=cfg), None
     try:
         return reference_check(target, version, rows, log=log, cfg=cfg), None
-    except Exception as e:  # noqa: BLE001 - the flags stand; say why they were not confirmed
+    except Exception as e:  # noqa: BLE001 - with learned rows only, the flags stand; say why they were not confirmed
+        if sample:
+            raise
         log(f"verify: the reference failed ({type(e).__name__}: {e})")
         return None, f"{type(e).__name__}: {e}"
 
@@ -479,8 +479,6 @@ def files_changed_since_verify(version: ExtractVersion, res: VerifyResult) -> li
     not pass, files whose size or mtime changed (cache.shard_hash), and records whose sha256 differs from the
     manifest's (every record up to REHASH_ALL_BYTES, else REHASH_SAMPLE spread over the version: a swap that
     kept size and mtime)."""
-    import hashlib
-
     man = ShardRun(version.path).read(missing_ok=True)
     out = []
     for e in man.published():
@@ -497,14 +495,9 @@ def files_changed_since_verify(version: ExtractVersion, res: VerifyResult) -> li
         step = len(files) / REHASH_SAMPLE
         files = [files[int(i * step)] for i in range(REHASH_SAMPLE)]
     for index, name, sha in files:
-        h = hashlib.sha256()
         p = version.hidden_states_dir / name
         if not p.is_file():
             out.append(f"shard {index}: {name} is missing")
-            continue
-        with open(p, "rb") as f:
-            for block in iter(lambda: f.read(1 << 22), b""):
-                h.update(block)
-        if h.hexdigest() != sha:
-            out.append(f"shard {index}: {name} has sha256 {h.hexdigest()[:16]}…, the manifest (as verified) {sha[:16]}…")
+        elif (got := sha256_file(p)) != sha:
+            out.append(f"shard {index}: {name} has sha256 {got[:16]}…, the manifest (as verified) {sha[:16]}…")
     return out
