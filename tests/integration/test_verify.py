@@ -455,6 +455,7 @@ def test_learned_flags_are_confirmed_by_the_target_before_they_stop_a_run(extrac
     tight = VerifyConfig(reference_samples=0, identity_max_z=1.0, norm_bounds_samples=0)
     res = verify(tight, tiny_config.target, version, rows=rows, log=lambda m: None)
     assert res.passed, res.problems
+    assert res.bad_rows == [] and res.moved_files == []  # cleared rows are not bad rows
     assert res.cleared and all("aux layers do not relate like layers" in " ".join(v) for v in res.cleared.values())
 
     def swap(rec):

@@ -321,7 +321,8 @@ def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, lo
     # one streamed pass over the weights recomputes the sample and the rows learned checks flagged
     learned = st.learned_rows[: cfg.confirm_rows]
     full, why_not = _reference_pass(cfg, target, version, rows, learned, log)
-    cleared = _confirm_learned(cfg, st, full, why_not, log)
+    _confirm_learned(cfg, st, full, why_not, log)
+    bad_st = set(st.bad_rows)  # without the rows the target cleared
     ref = ReferenceResult(samples_checked=[], max_rel_err=None, min_cosine=None, per_layer_max_rel_err={},
                           problems=[], skipped="reference_samples is 0")
     if rows:
