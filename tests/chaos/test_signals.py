@@ -190,11 +190,12 @@ def test_sigterm_to_eagle3_extract_then_resume(signal_store, tag):
     assert processes_with_env(TAG_ENV, tag) == []
 
 
-def test_kill_9_of_eagle3_run_leaves_no_process(signal_store, tag):
+def test_kill_9_of_eagle3_run_leaves_no_process(tiny_target, tmp_path, tag):
     """`kill -9` of `eagle3 run` mid-extraction (the OOM killer, a hard-closed terminal): nothing it started
     outlives it: Prefect's temporary server ends by its parent-death signal, the engine child and its workers
-    by theirs, within seconds; the next command resumes as after any crash (test_sigterm_* above)."""
-    root, overrides = signal_store
+    by theirs, within seconds; the next command resumes as after any crash (test_sigterm_* above). A store of
+    its own: the module's store is fully extracted by the tests before it."""
+    root, overrides = tmp_path, small_overrides(tiny_target, tmp_path / "store")
     store = root / "store"
     before = _published(_manifest(store))
     log = root / "run-KILL.log"

@@ -126,8 +126,10 @@ def test_a_forward_that_computes_rows_wrong_on_a_real_model_stops_at_verify(clea
     tok = datasets.load_from_disk(rep["artifacts"]["tokenized"] or str(next((tmp / "store").rglob("tokenized"))))
     expected = {i for i, ids in enumerate(tok["input_ids"]) if corrupted(ids, every)}
     assert expected, "no corrupted request in the slice: pick another every"
-    found = [json.loads(p.read_text()) for p in (tmp / "store").rglob("verify.json")]
-    [v] = [x for x in found if not x["passed"] and (x.get("prediction") or {}).get("flagged")]
+    [path] = [p for p in (tmp / "store").rglob("verify.json") if json.loads((p.parent / "manifest.json").read_text())
+              ["config"]["extract"]["connector_module"] == "tests.helpers.forward_corruption"]
+    v = json.loads(path.read_text())
+    assert not v["passed"]
     assert v["fingerprint"]["rows_failed"] == 0 and v["sketch_failed"] == 0  # the transport checks pass
     assert set(v["bad_rows"]) == expected, (sorted(v["bad_rows"]), sorted(expected), v["prediction"])
     print(f"forward corruption on SmolLM2: {len(expected)} rows, prediction {v['prediction']}")

@@ -51,7 +51,8 @@ def test_stage_configs_carry_the_engine_keys():
     e = ExtractConfig(tensor_parallel_size=2, gpu_memory_utilization=0.5, enforce_eager=False, max_num_seqs=3)
     assert type(e.engine()) is EngineConfig
     assert e.engine().model_dump() == {"tensor_parallel_size": 2, "gpu_memory_utilization": 0.5,
-                                       "enforce_eager": False, "omp_threads_bind": "all", "engine_in_process": None}
+                                       "enforce_eager": False, "omp_threads_bind": "all", "engine_in_process": None,
+                                       "gpu_memory_gib": None}
 
 
 @pytest.fixture
