@@ -18,8 +18,20 @@ A lost group costs its own re-run, never the run (docs/operations.md "A control 
 - a group run still unfinished past its deadline (`group_deadline_s`: its Job's deadline from
   cluster.job_variables, which every group's run also carries as job variables) is cancelled (its worker ends the process),
   then marked Crashed if it does not stop, and resubmitted once;
+- a group run whose pod has not started (Pending: its Job submitted; scheduling, node scale-up, the image
+  pull) is waiting, never lost: a problem Kubernetes reports for it (Unschedulable, ImagePullBackOff) is
+  logged as soon as it is seen, and past the start deadline (cluster.start_deadline_s, from the config)
+  the run is cancelled, its Job deleted and the group fails the stage with the pod's reason. Scheduled
+  (waiting for the pool's GPU slots) is capacity and waits;
+- before a lost group is resubmitted its Job is deleted (flows/pods.py, where the Kubernetes API is at
+  hand), so the lost run's pod never runs beside its resubmission and holds no GPUs it waits for;
 - Failed (the group's task gave an answer: a bad shard, a config error) and Cancelled by someone
   else are not resubmitted: they fail the stage as before (the UI's Retry re-runs what is left).
+- the controller (this flow) may die: SIGTERM (a node drain, `PREFECT_FLOW_RUN_EXECUTE_SIGTERM_BEHAVIOR=
+  reschedule`), an eviction, a lost concurrency lease. Its running groups are left alone (they have their
+  own deadlines), unless its own run is being cancelled by a person. Run again (rescheduled, or Retry in
+  the UI: the same flow run), it re-attaches to them: each submission's idempotency key is the same, so
+  the server hands back the run already made, and nothing is submitted or cancelled twice.
 - API errors while submitting or polling (a server restart, a database outage, a few minutes of no
   API) are retried with backoff for up to EAGLE3_API_OUTAGE_S (900) seconds of continuous failure.
 """
@@ -41,9 +53,10 @@ from prefect.settings import get_current_settings
 from prefect.states import Cancelling, Crashed
 
 from eagle3_pipeline.config import PipelineConfig
-from eagle3_pipeline.cluster import job_variables
+from eagle3_pipeline.cluster import job_variables, start_deadline_s
 from eagle3_pipeline.layout import ExtractVersion
 from eagle3_pipeline.shardrun import ShardRun
+from flows.pods import StartWatch, pod_source
 from tasks.stage_tasks import transient_api_error
 
 GROUP_DEPLOYMENT = os.environ.get("EAGLE3_EXTRACT_GROUP_DEPLOYMENT", "extract-group/extract-group")
@@ -114,6 +127,7 @@ def with_api_retry(call: Callable[[], T], what: str, log: Callable[[str], None],
 class _Group:
     def __init__(self, shards: list[int], deadline_s: float):
         self.shards, self.deadline_s = shards, deadline_s
+        self.start: StartWatch | None = None  # this submission's start, watched (set by submit)
         self.submissions = 0
         self.flow_run_id: UUID | None = None
         self.name = ""
@@ -137,6 +151,8 @@ def run_groups_as_deployments(config: PipelineConfig, version: ExtractVersion, f
     log = get_run_logger()
     todo = [_Group(g, group_deadline_s(config, g)) for g in groups_to_run(version, force)]
     window = config.extract.parallel_groups
+    pods = pod_source()
+    start_s = start_deadline_s(config, config.extract.tensor_parallel_size > 0, window)
     grace = heartbeat_grace_s()
     log.info(f"extract: {len(todo)} of {len(version.groups)} shard groups to run as {GROUP_DEPLOYMENT} "
              f"flow runs, {window} at a time; the others are published. Each may run "
@@ -160,6 +176,7 @@ def run_groups_as_deployments(config: PipelineConfig, version: ExtractVersion, f
             idempotency_key=f"{parent}-{version.content_key}-{g.shards}-{g.submissions}",
             tags=[f"eagle3-extract-{version.content_key}"]), f"submit shards {g.shards}")
         g.flow_run_id, g.name, g.cancel_requested, g.seen_alive = fr.id, fr.name, None, time.time()
+        g.start = StartWatch(f"extract: shards {g.shards} ({fr.name})", start_s, pods, log.warning)
         running[fr.id] = g
         log.info(f"extract: shards {g.shards} -> {fr.name}: {flow_run_link(fr.id)}")
 
@@ -178,7 +195,20 @@ def run_groups_as_deployments(config: PipelineConfig, version: ExtractVersion, f
     def crash(client, g: _Group, why: str) -> None:
         api(lambda: client.set_flow_run_state(g.flow_run_id, Crashed(message=f"eagle3 fan-out: {why}"), force=True),
             f"mark {g.name} Crashed")
+        if g.start.stop(g.flow_run_id):  # its pod cannot run on beside the resubmission
+            log.warning(f"extract: shards {g.shards}: deleted the Job of {g.name}")
         lost(g, why)
+
+    def never_started(client, g: _Group, why: str) -> None:
+        """Its pod did not start by the start deadline: cancelled, its Job deleted, the group fails the stage
+        (the same pod spec would wait again)."""
+        api(lambda: client.set_flow_run_state(g.flow_run_id, Cancelling(message=f"eagle3 fan-out: {why}"),
+                                              force=True), f"cancel {g.name}")
+        g.start.stop(g.flow_run_id)
+        del running[g.flow_run_id]
+        failed.append(f"shards {g.shards}: flow run {g.name} ({g.flow_run_id}) never started: {why} - "
+                      f"{flow_run_link(g.flow_run_id)}")
+        log.error(f"extract: {failed[-1]}")
 
     def check(client, g: _Group) -> None:
         fid = g.flow_run_id
@@ -199,6 +229,12 @@ def run_groups_as_deployments(config: PipelineConfig, version: ExtractVersion, f
             return
         if st is None or st.is_scheduled():  # waiting for a worker (capacity), not lost
             g.seen_alive = now
+            return
+        if st.is_pending():  # its Job is submitted and its pod starting: waiting, up to the start deadline
+            g.seen_alive = now
+            why = g.start.give_up(fid, st, now)
+            if why is not None:
+                never_started(client, g, why)
             return
         g.seen_alive = max(g.seen_alive, st.timestamp.timestamp())
         if g.cancel_requested is not None:
@@ -242,12 +278,42 @@ def run_groups_as_deployments(config: PipelineConfig, version: ExtractVersion, f
                 time.sleep(POLL_S)
                 for g in list(running.values()):
                     check(client, g)
-        except BaseException:  # cancelled or crashed: the groups still running are cancelled with us
-            for fid in running:
-                try:
-                    client.set_flow_run_state(fid, Cancelling(message="the extract flow that started it ended"),
-                                              force=True)
-                except Exception as e:  # noqa: BLE001
-                    log.warning(f"extract: could not cancel {running[fid].name}: {type(e).__name__}: {e}")
+        except BaseException as e:
+            leave_or_cancel(client, running, e, log)
             raise
     return failed
+
+
+def being_cancelled(client, flow_run_id) -> bool | None:
+    """Whether a person (or an automation) is cancelling this flow run: its state is Cancelling or
+    Cancelled; None when the API cannot say."""
+    if flow_run_id is None:
+        return None
+    try:
+        st = client.read_flow_run(flow_run_id).state
+    except Exception:  # noqa: BLE001 - the API is away: do not guess
+        return None
+    return st is not None and (st.is_cancelling() or st.is_cancelled())
+
+
+def leave_or_cancel(client, running: dict, exc: BaseException, log) -> None:
+    """The controller is ending with its groups still running. Cancelled by a person: they are cancelled
+    with it. Anything else (SIGTERM for a reschedule, an eviction, a lost concurrency lease, an API outage,
+    an error of its own) leaves them alone: each has its own deadline, and the controller run again
+    re-attaches to them (idempotency keys) instead of resubmitting them."""
+    from prefect.runtime import flow_run as this_run
+
+    if not running:
+        return
+    names = ", ".join(g.name for g in running.values())
+    if being_cancelled(client, this_run.get_id()):
+        for fid in running:
+            try:
+                client.set_flow_run_state(fid, Cancelling(message="the extract flow that started it was cancelled"),
+                                          force=True)
+            except Exception as e:  # noqa: BLE001
+                log.warning(f"extract: could not cancel {running[fid].name}: {type(e).__name__}: {e}")
+        log.warning(f"extract: cancelled with this flow: {names}")
+        return
+    log.warning(f"extract: this flow is ending ({type(exc).__name__}: {str(exc)[:200]}) and leaves its running "
+                f"groups alone: {names}. Run it again (or let it be rescheduled) and it re-attaches to them.")

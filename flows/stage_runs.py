@@ -31,6 +31,7 @@ from eagle3_pipeline.train.vocab import VocabResult
 from eagle3_pipeline.verify.stage import VerifyResult
 from flows.fanout import flow_run_link, with_api_retry
 from flows.hub_auth import use_hub_secret
+from flows.pods import StartWatch, pod_source
 from tasks import stage_tasks as t
 
 DEPLOYMENT = os.environ.get("EAGLE3_STAGE_DEPLOYMENT", "{stage}-stage/{stage}-stage")
@@ -94,21 +95,26 @@ def on_pool(config: PipelineConfig, stage: str, **inputs):
             idempotency_key=f"{parent}-{stage}-{attempt}"), f"submit {stage}", log.warning)
         log.info(f"{stage}: flow run {fr.name} of {name} ({jv['gpu_count']} GPUs, deadline {jv['deadline_seconds']} s): "
                  f"{flow_run_link(fr.id)}")
-        state = wait_final(fr.id, jv["deadline_seconds"], log)
+        start = StartWatch(f"{stage}: flow run {fr.name}", jv["pod_watch_timeout_seconds"], pod_source(), log.warning)
+        state = wait_final(fr.id, jv["deadline_seconds"], log, start)
         if state is not None and state.is_completed():
             return RECORD[stage].model_validate(state.result())  # the JSON result comes back as a dict
         problems.append(f"attempt {attempt}: flow run {fr.name} ({fr.id}) "
                         + (f"{state.name}: {state.message}" if state else f"not final after {jv['deadline_seconds']} s")
                         + f" - {flow_run_link(fr.id)}")
         log.error(f"{stage}: {problems[-1]}")
-        if state is None or not state.is_crashed():
+        if state is None or not state.is_crashed() or start.never_started:
             break
+        start.stop(fr.id)  # the crashed run's pod cannot run on beside the next attempt
     raise StageRunFailed(f"{stage} ran as deployment {name} and did not complete:\n  " + "\n  ".join(problems))
 
 
-def wait_final(flow_run_id, deadline_s: float, log):
+def wait_final(flow_run_id, deadline_s: float, log, start: StartWatch | None = None):
     """The run's final state, or None (after cancelling it) when `deadline_s` passes first; the API
-    being away for a while (a server restart, a database outage) is waited out (fanout.with_api_retry)."""
+    being away for a while (a server restart, a database outage) is waited out (fanout.with_api_retry).
+    With `start`: a run whose pod has not started by its start deadline is cancelled (Cancelling: its worker
+    deletes the Job) and its Job deleted here too where the Kubernetes API is at hand; that state, the pod's
+    reason in its message, is returned."""
     end = time.monotonic() + deadline_s
     with get_client(sync_client=True) as client:
         while time.monotonic() < end:
@@ -116,6 +122,15 @@ def wait_final(flow_run_id, deadline_s: float, log):
             fr = with_api_retry(lambda: client.read_flow_run(flow_run_id), f"read flow run {flow_run_id}", log.warning)
             if fr.state is not None and fr.state.is_final():
                 return fr.state
+            why = start.give_up(flow_run_id, fr.state, time.time()) if start is not None else None
+            if why is not None:
+                start.never_started = why
+                with_api_retry(lambda: client.set_flow_run_state(
+                    flow_run_id, Cancelling(message=f"never started: {why}"), force=True),
+                    f"cancel flow run {flow_run_id}", log.warning)
+                start.stop(flow_run_id)
+                return with_api_retry(lambda: client.read_flow_run(flow_run_id), f"read flow run {flow_run_id}",
+                                      log.warning).state
         with_api_retry(lambda: client.set_flow_run_state(
             flow_run_id, Cancelling(message=f"no result within {deadline_s:.0f} s"), force=True),
             f"cancel flow run {flow_run_id}", log.warning)

@@ -6,13 +6,22 @@
 #               exists, instead of a pod holding a node's GPUs while it waits for a slot inside (EAGLE3_GPU_GATE=pool
 #               in the pods: the in-pod slot honours the pool's gate). Whole-node jobs (TP 8, world size 8): 1 per node.
 #   eagle3-cpu  infra/k8s-cpu-job-template.json (the pipeline flow's pod, verify); limit EAGLE3_CPU_JOBS (default 8).
-# Environment: PREFECT_API_URL (+ PREFECT_API_AUTH_STRING) of the server; EAGLE3_GPU_NODES (required).
+# Environment: PREFECT_API_URL (+ PREFECT_API_AUTH_STRING) of the server; EAGLE3_GPU_NODES (required); the node
+# placement of your platform (infra/k8s/cluster.env.example: GPU operator, GKE, EKS), as JSON, over the templates'
+# defaults: EAGLE3_GPU_NODE_SELECTOR, EAGLE3_GPU_TOLERATIONS, EAGLE3_CPU_NODE_SELECTOR, EAGLE3_CPU_TOLERATIONS;
+# EAGLE3_IMAGE_PULL_SECRET (a private registry's pull secret, also named on the ServiceAccounts: rbac.yaml).
 set -euo pipefail
+if [ -n "${EAGLE3_CLUSTER_ENV:-}" ]; then set -a; . "$EAGLE3_CLUSTER_ENV"; set +a; fi
 : "${EAGLE3_GPU_NODES:?set EAGLE3_GPU_NODES to the number of GPU nodes the pipeline may use (docs/kubernetes.md step 7)}"
 infra=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 gpu_limit=$((EAGLE3_GPU_NODES * ${EAGLE3_GPU_JOBS_PER_NODE:-1}))
-prefect work-pool create eagle3-gpu --type kubernetes --base-job-template "$infra/k8s-gpu-job-template.json" --overwrite
+placed=$(mktemp -d)
+trap 'rm -rf "$placed"' EXIT
+for kind in gpu cpu; do  # the templates with this cluster's placement as their defaults
+  python3 "$infra/k8s/place.py" "$infra/k8s-$kind-job-template.json" "$kind" > "$placed/$kind.json"
+done
+prefect work-pool create eagle3-gpu --type kubernetes --base-job-template "$placed/gpu.json" --overwrite
 prefect work-pool set-concurrency-limit eagle3-gpu "$gpu_limit"
-prefect work-pool create eagle3-cpu --type kubernetes --base-job-template "$infra/k8s-cpu-job-template.json" --overwrite
+prefect work-pool create eagle3-cpu --type kubernetes --base-job-template "$placed/cpu.json" --overwrite
 prefect work-pool set-concurrency-limit eagle3-cpu "${EAGLE3_CPU_JOBS:-8}"
 prefect work-pool ls

@@ -15,11 +15,18 @@ pipeline's. Core: no Prefect import (flows pass the dict to `run_deployment(job_
                               8 x H100/H200 node type: 96+ vCPU, 1.8+ TiB); verify: the reference child's
                               reference_memory_gb + VERIFY_PARENT_MEMORY_GIB for the record scan
   deadline_seconds            the Job's activeDeadlineSeconds, counted from the Job's creation: the pod's
-                              start (pod_watch_timeout_seconds: scheduling, node scale-up, image pull) +
+                              start deadline (start_deadline_s: node scale-up, image pull) +
                               every in-pod attempt of the stage's task (1 + retries) x the stage's own
                               deadline + the retry delays + JOB_MARGIN_S. So the pipeline's own deadline
                               (ChildTimedOut, naming the config key) always fires first, also on the last retry.
-  pod_watch_timeout_seconds   how long the worker waits for the pod to start
+  pod_watch_timeout_seconds   how long the pod may take to start (start_deadline_s, from the config's
+                              `cluster` section). prefect-kubernetes 0.7.11 carries this variable and reads
+                              it nowhere; the flow that submitted the run enforces it (flows/pods.py):
+                              past it, the run is cancelled and its Job deleted, quoting the pod's reason.
+
+A pod that has not started is judged by `pod_problem` (what Kubernetes says keeps it from starting) and
+`pod_started`; both read a pod as the Kubernetes API returns it (a dict: status.phase, conditions,
+containerStatuses), so a fake pod in a test is the same JSON.
 """
 
 from __future__ import annotations
@@ -37,8 +44,6 @@ HOST_MEMORY_GIB_PER_GPU = 64     # host memory per GPU (engine workers, pinned b
 VERIFY_PARENT_MEMORY_GIB = 8     # the verify parent (record scan threads) beside the reference child
 VERIFY_SCAN_S = 4 * 3600.0       # the record scan of a full dataset (not in the config: records x read rate)
 JOB_MARGIN_S = 900               # flow start, imports, store writes, Prefect API calls around the child
-POD_WATCH_GPU_S = 1800           # a GPU node's scale-up + the multi-GB image pull
-POD_WATCH_CPU_S = 900            # a CPU node: image pull only
 
 # In-pod attempts of each stage's task: tasks/stage_tasks.py RETRY_POLICIES (retries, delay_s); extract's
 # count is config.extract.retries. tests/unit/test_cluster.py checks this copy against the policies.
@@ -110,7 +115,8 @@ def job_variables(config: PipelineConfig, stage: str, shards: int | None = None)
     retries, delay = STAGE_RETRIES[stage]
     if retries is None:
         retries = config.extract.retries
-    watch = POD_WATCH_GPU_S if gpus else POD_WATCH_CPU_S
+    pulls = config.extract.parallel_groups if stage == "extract" else 1
+    watch = start_deadline_s(config, gpus > 0, pulls)
     one = stage_deadline_s(config, stage, shards)
     deadline = watch + (1 + retries) * one + retries * delay * (1 + RETRY_JITTER) + JOB_MARGIN_S
     return {
@@ -119,8 +125,51 @@ def job_variables(config: PipelineConfig, stage: str, shards: int | None = None)
         "memory_request": f"{mem}Gi",
         "memory_limit": f"{mem}Gi",
         "deadline_seconds": int(math.ceil(deadline)),
-        "pod_watch_timeout_seconds": watch,
+        "pod_watch_timeout_seconds": int(math.ceil(watch)),
     }
+
+
+def start_deadline_s(config: PipelineConfig, gpu: bool, pulls: int = 1) -> float:
+    """How long a stage's pod may take to start: its node's scale-up, then the image pull (one node's rate,
+    or its share of the registry's when `pulls` nodes pull at once: an extract fan-out's groups), then the
+    container's own start."""
+    c = config.cluster
+    rate = min(c.node_pull_gib_per_s, c.registry_gib_per_s / max(1, pulls))
+    return (c.gpu_node_scale_up_s if gpu else c.cpu_node_scale_up_s) + c.image_gib / rate + c.start_margin_s
+
+
+# ------------------------------------------------------------------------------- a pod that has not started
+
+# waiting reasons of a container that will not start by itself (the kubelet keeps retrying, the Job never fails)
+STUCK_WAITING = ("ImagePullBackOff", "ErrImagePull", "InvalidImageName", "ErrImageNeverPull",
+                 "CreateContainerConfigError", "CreateContainerError", "CrashLoopBackOff", "RunContainerError")
+
+
+def pod_started(pod: dict) -> bool:
+    """Whether the pod's container started (running or ran): past scheduling, scale-up and the image pull."""
+    st = pod.get("status") or {}
+    if st.get("phase") in ("Running", "Succeeded", "Failed"):
+        return True
+    return any("running" in (cs.get("state") or {}) or "terminated" in (cs.get("state") or {})
+               for cs in st.get("containerStatuses") or [])
+
+
+def pod_problem(pod: dict) -> str | None:
+    """What keeps a pod that has not started from starting, in Kubernetes' own words ("Unschedulable: 0/4
+    nodes are available: 4 Insufficient nvidia.com/gpu", "ImagePullBackOff: Back-off pulling image ..."),
+    or None when nothing is wrong yet (being scheduled, pulling)."""
+    st = pod.get("status") or {}
+    name = (pod.get("metadata") or {}).get("name", "?")
+    for cs in [*(st.get("initContainerStatuses") or []), *(st.get("containerStatuses") or [])]:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in STUCK_WAITING:
+            return f"pod {name}: container {cs.get('name', '?')} {waiting['reason']}: {waiting.get('message', '')}".rstrip(": ")
+    for cond in st.get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False" and cond.get("reason"):
+            return f"pod {name}: {cond['reason']}: {cond.get('message', '')}".rstrip(": ")
+    if st.get("reason"):  # Evicted, NodeLost, ... before the container ran
+        return f"pod {name}: {st['reason']}: {st.get('message', '')}".rstrip(": ")
+    return None
 
 
 # Kubernetes' quantity grammar (resource.Quantity) and names: kubernetes-validate checks structure, not these

@@ -349,6 +349,18 @@ class RegenerateConfig(EngineConfig):
     retries: int = Field(2, ge=0, description="task retries (a retry does only the unpublished shards)")
 
 
+class ClusterConfig(Strict):
+    """How long a stage's pod may take to start on the cluster (cluster.start_deadline_s): a run whose pod
+    has not started by then is cancelled with the pod's own reason (Unschedulable, ImagePullBackOff, ...)."""
+    gpu_node_scale_up_s: float = Field(900.0, gt=0, description="a GPU node's provisioning by the autoscaler, "
+                                       "its driver and device plugin becoming ready")
+    cpu_node_scale_up_s: float = Field(300.0, gt=0, description="a CPU node's provisioning")
+    image_gib: float = Field(20.0, gt=0, description="the compressed image a node pulls (CUDA, torch, vLLM)")
+    node_pull_gib_per_s: float = Field(0.1, gt=0, description="one node's image pull rate")
+    registry_gib_per_s: float = Field(1.0, gt=0, description="what the registry serves to all nodes pulling at once")
+    start_margin_s: float = Field(300.0, ge=0, description="the container's own start (mounts, the flow's imports)")
+
+
 class PipelineConfig(Strict):
     name: str
     store: str = "runs/store"
@@ -360,6 +372,7 @@ class PipelineConfig(Strict):
     vocab: VocabConfig = VocabConfig()
     train: TrainConfig = TrainConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
+    cluster: ClusterConfig = ClusterConfig()
     gpu_stages: Literal["in_flow", "deployments"] = Field(
         "in_flow", description="where verify, train and evaluate run: in the flow's own process, or as runs of "
         "their deployments (verify-stage, train-stage, evaluate-stage) that the work pool places on GPU nodes, "

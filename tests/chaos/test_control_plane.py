@@ -339,3 +339,94 @@ def test_database_stopped_30s(plane, client, undisturbed, tiny_target, tmp_path)
           f"server alive: {plane.server.alive()}")
     assert plane.server.alive(), plane.server.tail(80)
     check_outcome(run, undisturbed, "database stopped 30 s", max_reruns=1)
+
+
+# ------------------------------------------------------------------------------- the controller dies
+
+CONTROLLER = "extract/controller"
+
+
+@pytest.fixture(scope="module")
+def controller_deployment(plane):
+    """The extract flow as a deployment with a concurrency limit of 1 (a lease per run, as pipeline-k8s), run
+    the way a Kubernetes pod runs it: `prefect flow-run execute` with PREFECT_FLOW_RUN_EXECUTE_SIGTERM_BEHAVIOR=
+    reschedule (infra/k8s/prefect.yaml), by a process worker on queue `cpu` that plays the CPU pool."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.extract import extract
+
+    with temporary_settings({PREFECT_API_URL: plane.api}):
+        dep = extract.to_deployment(
+            name="controller", work_pool_name=POOL, work_queue_name="cpu", concurrency_limit=1,
+            job_variables={"command": f"{BIN / 'prefect'} flow-run execute",
+                           "env": {"PREFECT_FLOW_RUN_EXECUTE_SIGTERM_BEHAVIOR": "reschedule"}})
+        dep.apply()
+    w = Proc("cpu-worker", [str(BIN / "prefect"), "worker", "start", "--pool", POOL, "--name", "cpu-worker",
+                            "--work-queue", "cpu"], plane.client_env, plane.home / "cpu-worker.log")
+    plane.nodes["cpu-worker"] = w
+    yield w
+
+
+def test_controller_sigterm_mid_fanout_is_rescheduled_and_reattaches(plane, client, controller_deployment,
+                                                                     undisturbed, tiny_target, tmp_path):
+    """SIGTERM to the controller's pod process mid-fan-out (a node drain): its run goes back to Scheduled
+    (AwaitingRetry), its running groups are left alone (not cancelled), the worker starts it again, and
+    the second execution re-attaches to the groups by their idempotency keys: no group submitted twice,
+    nothing lost, the deployment's and the GPU limit's slots all free at the end."""
+    import psutil
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    run = Run.__new__(Run)
+    run.plane, run.client, run.tmp = plane, client, tmp_path
+    run.cfg = _config(tiny_target, tmp_path / "store")
+    run.version = _plan(run.cfg)
+    run.t0 = time.time()
+    with temporary_settings({PREFECT_API_URL: plane.api}):
+        fr = run_deployment(CONTROLLER, parameters={"config": run.cfg.model_dump(mode="json"),
+                                                    "version": run.version.model_dump(mode="json")}, timeout=0)
+    run.flow = SimpleNamespace(alive=lambda: True, tail=lambda n=80: "")
+    run.wait_published(1)
+    groups_before = {r.id for r in run.group_runs()}
+    pids = []
+    for p in psutil.Process(controller_deployment.p.pid).children(recursive=True):
+        try:
+            if p.environ().get("PREFECT__FLOW_RUN_ID") == str(fr.id) and "flow-run" in " ".join(p.cmdline()):
+                pids.append(p)
+        except psutil.Error:
+            pass
+    assert pids, plane.tails()
+    pids[0].send_signal(signal.SIGTERM)  # what the kubelet sends the pod's first process
+    print(f"\nSIGTERM to the controller ({pids[0].pid}) with shards {run.published()} published and group runs "
+          f"{len(groups_before)} submitted")
+    t0 = time.time()
+    while True:  # rescheduled: AwaitingRetry, then Running again under a new process
+        states = [s.name for s in client.read_flow_run_states(fr.id)]
+        if "AwaitingRetry" in states and states[-1] in ("Running", "Completed"):
+            break
+        assert time.time() - t0 < 180, (states, plane.tails())
+        time.sleep(1)
+    while not (done := client.read_flow_run(fr.id)).state.is_final():
+        assert time.time() - t0 < 600, plane.tails()
+        time.sleep(2)
+    assert done.state.is_completed(), (done.state, plane.tails())
+    m = run.manifest()
+    assert [s["status"] for s in m["shards"]] == ["published"] * len(m["shards"]), m["shards"]
+    assert manifest_content(run.dir) == manifest_content(undisturbed.dir)
+    assert hidden_state_hashes(run.dir) == hidden_state_hashes(undisturbed.dir)
+    runs = run.group_runs()
+    assert len(runs) == len(undisturbed.groups), [(r.name, r.state.name) for r in runs]  # none submitted twice
+    assert all(r.state.is_completed() for r in runs), [(r.name, r.state.name) for r in runs]
+    assert not any(r.state.is_cancelled() for r in runs)
+    log = "".join(p.read_text(errors="replace") for p in plane.home.glob("cpu-worker*.log"))
+    slots, settled = active_slots(client, settle_s=float(LEASE_S) + 30)
+    assert slots == 0, plane.tails()
+    dep = client.read_deployment_by_name(CONTROLLER)
+    dep_slots = client.read_global_concurrency_limit_by_name(f"deployment:{dep.id}").active_slots
+    assert dep_slots == 0
+    out = {"test": "controller SIGTERM (reschedule)", "seconds": round(time.time() - run.t0),
+           "group_runs": len(runs), "groups_reattached": len(groups_before), "shards_lost": 0,
+           "slots_at_end": slots, "deployment_slots_at_end": dep_slots,
+           "controller_states": [s.name for s in client.read_flow_run_states(fr.id)]}
+    print(f"\ncontroller SIGTERM: {json.dumps(out)}")
+    assert "rescheduled" in log.lower() or "AwaitingRetry" in out["controller_states"]

@@ -153,7 +153,9 @@ def _late_corruption(cfg, mode: str, monkeypatch) -> tuple[str, list[str]]:
     from tests.helpers.broken_connector import CORRUPT_AFTER_ENV, CORRUPT_EVERY_ENV, CORRUPT_MODE_ENV
 
     monkeypatch.setenv("PYTHONPATH", f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    monkeypatch.setenv(CORRUPT_AFTER_ENV, str(cfg.verify.online_rows + cfg.extract.invariance_rows))
+    # the server's first request is its runner proof (train/online.py HiddenStateServer._prove: one two-token
+    # row), then the sample's rows and its invariance rows: all of them written clean
+    monkeypatch.setenv(CORRUPT_AFTER_ENV, str(1 + cfg.verify.online_rows + cfg.extract.invariance_rows))
     monkeypatch.setenv(CORRUPT_EVERY_ENV, "3")
     monkeypatch.setenv(CORRUPT_MODE_ENV, mode)
     lines: list[str] = []

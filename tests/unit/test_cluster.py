@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import math
+
 import pytest
 
 from eagle3_pipeline import cluster
@@ -37,7 +39,8 @@ def test_production_configs_ask_for_a_whole_node_per_gpu_stage_and_a_cpu_pod_for
         assert _gib(v["memory_request"]) == 8 * cluster.HOST_MEMORY_GIB_PER_GPU
         assert int(v["cpu_request"]) == 8 * cluster.CPU_PER_GPU
         assert v["memory_limit"] == v["memory_request"]
-        assert v["pod_watch_timeout_seconds"] == cluster.POD_WATCH_GPU_S
+        pulls = cfg.extract.parallel_groups if stage == "extract" else 1
+        assert v["pod_watch_timeout_seconds"] == math.ceil(cluster.start_deadline_s(cfg, True, pulls))
 
 
 @pytest.mark.parametrize("path", [KIMI, DEEPSEEK, TINY])
@@ -78,7 +81,7 @@ def test_tiny_cpu_config_trains_on_cpu_and_extracts_on_one_gpu():
     assert job_variables(cfg, "extract")["gpu_count"] == 1     # timeout_s, no shard_timeout_s: shards not needed
     assert job_variables(cfg, "extract")["deadline_seconds"] > 3 * cfg.extract.timeout_s
     assert job_variables(cfg, "train")["gpu_count"] == 0        # train.device cpu
-    assert job_variables(cfg, "train")["pod_watch_timeout_seconds"] == cluster.POD_WATCH_CPU_S
+    assert job_variables(cfg, "train")["pod_watch_timeout_seconds"] == math.ceil(cluster.start_deadline_s(cfg, False))
     assert job_variables(cfg, "evaluate")["gpu_count"] == 1
     two = load_config(TINY, ["train.world_size=2", "train.device=cuda"])
     assert job_variables(two, "train")["gpu_count"] == 2
@@ -103,3 +106,47 @@ def test_retry_counts_match_the_task_policies():
         if retries is not None:
             assert pol.retries == retries, stage
         assert pol.delay_s == delay, stage
+
+
+def test_the_start_deadline_comes_from_the_config():
+    """Scale-up + the image pull at one node's rate, or its share of the registry's when many nodes pull at
+    once (a fan-out's groups) + the container's start; a CPU pod's node scales up faster."""
+    cfg = load_config(KIMI, ["cluster.image_gib=30", "cluster.node_pull_gib_per_s=0.1",
+                             "cluster.registry_gib_per_s=0.4", "cluster.gpu_node_scale_up_s=600",
+                             "cluster.start_margin_s=100"])
+    assert cluster.start_deadline_s(cfg, True) == 600 + 300 + 100
+    assert cluster.start_deadline_s(cfg, True, pulls=8) == 600 + 30 / 0.05 + 100  # the registry's share
+    assert cluster.start_deadline_s(cfg, False) == cfg.cluster.cpu_node_scale_up_s + 300 + 100
+    slow = load_config(KIMI, ["cluster.image_gib=60"])
+    assert job_variables(slow, "train")["deadline_seconds"] > job_variables(load_config(KIMI), "train")["deadline_seconds"]
+
+
+def _pod(phase="Pending", conditions=(), waiting=None, running=False, reason=None):
+    cs = [{"name": "prefect-job", "state": {"waiting": waiting} if waiting else {"running": {}} if running else {}}]
+    st = {"phase": phase, "conditions": list(conditions), "containerStatuses": cs}
+    if reason:
+        st["reason"] = reason
+    return {"metadata": {"name": "extract-abc-xyz"}, "status": st}
+
+
+@pytest.mark.parametrize("pod, problem", [
+    (_pod(conditions=[{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                       "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."}]),
+     "pod extract-abc-xyz: Unschedulable: 0/4 nodes are available: 4 Insufficient nvidia.com/gpu."),
+    (_pod(waiting={"reason": "ImagePullBackOff", "message": "Back-off pulling image \"r/e@sha256:1\""}),
+     "container prefect-job ImagePullBackOff: Back-off pulling image"),
+    (_pod(waiting={"reason": "CreateContainerConfigError", "message": "secret \"hf-token\" not found"}),
+     "CreateContainerConfigError: secret \"hf-token\" not found"),
+    (_pod(phase="Failed", reason="Evicted", waiting=None), "Evicted"),
+])
+def test_a_pod_that_will_not_start_is_named_with_its_reason(pod, problem):
+    assert problem in cluster.pod_problem(pod)
+
+
+def test_a_pod_on_its_way_is_neither_started_nor_a_problem():
+    pulling = _pod(conditions=[{"type": "PodScheduled", "status": "True"}],
+                   waiting={"reason": "ContainerCreating"})
+    assert cluster.pod_problem(pulling) is None and not cluster.pod_started(pulling)
+    assert cluster.pod_problem(_pod()) is None and not cluster.pod_started(_pod())
+    assert cluster.pod_started(_pod(phase="Running", running=True))
+    assert cluster.pod_started(_pod(phase="Pending", running=True))  # a container running in a pod still pending

@@ -224,8 +224,11 @@ def test_values_the_schema_accepts_but_kubernetes_refuses_are_named(kimi):
 def test_kubernetes_deployments_name_the_pools_pools_sh_creates_and_flows_that_exist():
     spec = yaml.safe_load((K8S / "prefect.yaml").read_text())
     pools_sh = (K8S / "pools.sh").read_text()
-    created = dict(re.findall(r"work-pool create (\S+) --type kubernetes --base-job-template \"\$infra/(\S+)\"", pools_sh))
-    assert created == {"eagle3-gpu": "k8s-gpu-job-template.json", "eagle3-cpu": "k8s-cpu-job-template.json"}
+    created = dict(re.findall(r"work-pool create (\S+) --type kubernetes --base-job-template \"\$placed/(\w+)\.json\"", pools_sh))
+    assert created == {"eagle3-gpu": "gpu", "eagle3-cpu": "cpu"}
+    # each from the repository's template with this cluster's placement (place.py)
+    assert 'place.py" "$infra/k8s-$kind-job-template.json" "$kind" > "$placed/$kind.json"' in pools_sh
+    created = {k: f"k8s-{v}-job-template.json" for k, v in created.items()}
     assert all((ROOT / "infra" / t).is_file() for t in created.values())
     assert "set-concurrency-limit eagle3-gpu" in pools_sh
     steps = [next(iter(s.values())) for s in spec["build"] + spec["push"]]
@@ -265,3 +268,89 @@ def test_pipeline_k8s_default_run_is_the_kimi_config_with_its_stages_as_deployme
     cfg = resolve_config(p["config"], p["config_path"], switches(overrides=p["overrides"]))
     assert cfg.name == "kimi-k2.5-tp8" and cfg.gpu_stages == "deployments" and cfg.extract.parallel_groups == 4
     assert cfg.store.startswith("/data/") and cfg.target.model.startswith("/models/")  # the two volumes' mounts
+
+
+# ------------------------------------------------------------------ issue 41: the pods a drain must not take
+
+def test_gpu_jobs_are_not_disrupted_and_the_controller_reads_its_pods(kimi):
+    """Every stage Job's pod: do-not-disrupt annotations (Karpenter, cluster-autoscaler), a termination grace
+    for the shard in flight, a priority class that exists (priority.yaml); the pipeline's own pod runs as
+    eagle3-controller with its token (pods get/list, jobs get/list/delete: flows/pods.py, nothing more), ranks
+    above the GPU Jobs and is rescheduled, not crashed, by SIGTERM."""
+    objs = _objects()
+    classes = {name for (kind, name) in objs if kind == "PriorityClass"}
+    assert classes == {"eagle3-gpu", "eagle3-control"}
+    assert objs["PriorityClass", "eagle3-control"]["value"] > objs["PriorityClass", "eagle3-gpu"]["value"] > 0
+    for name, (jv, job) in kimi_run_jobs(kimi).items():
+        pod = job["spec"]["template"]
+        ann = pod["metadata"]["annotations"]
+        assert ann["karpenter.sh/do-not-disrupt"] == "true", name
+        assert ann["cluster-autoscaler.kubernetes.io/safe-to-evict"] == "false", name
+        assert pod["spec"]["priorityClassName"] in classes, name
+        assert pod["spec"]["terminationGracePeriodSeconds"] >= 120, name
+        assert pod["spec"]["automountServiceAccountToken"] is False, name  # stage pods: no Kubernetes API
+    role = objs["Role", "eagle3-controller"]
+    assert {(tuple(r["apiGroups"]), tuple(r["resources"])): set(r["verbs"]) for r in role["rules"]} == {
+        (("",), ("pods",)): {"get", "list"}, (("batch",), ("jobs",)): {"get", "list", "delete"}}
+    (dep,) = [d for d in yaml.safe_load((K8S / "prefect.yaml").read_text())["deployments"] if d["name"] == "pipeline-k8s"]
+    jv = dep["work_pool"]["job_variables"]
+    assert jv["service_account_name"] == "eagle3-controller" and jv["automount_service_account_token"] is True
+    assert jv["priority_class"] == "eagle3-control"
+    assert jv["env"]["PREFECT_FLOW_RUN_EXECUTE_SIGTERM_BEHAVIOR"] == "reschedule"
+
+
+def test_the_server_keeps_its_state():
+    """prefect-server.yaml: the server pinned to the flows' Prefect, one replica on a PREFECT_HOME volume with the
+    filesystem lease storage, PostgreSQL on a volume, basic auth and the database password from Secrets."""
+    import re
+
+    objs = _objects()
+    server = objs["Deployment", "prefect-server"]
+    (c,) = server["spec"]["template"]["spec"]["containers"]
+    assert re.fullmatch(r"prefecthq/prefect:3\.7\.7-python3\.\d+", c["image"])
+    assert server["spec"]["replicas"] == 1 and server["spec"]["strategy"]["type"] == "Recreate"
+    env = {e["name"]: e for e in c["env"]}
+    assert env["PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE"]["value"].endswith("lease_storage.filesystem")
+    home = env["PREFECT_HOME"]["value"]
+    (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == home]
+    vols = {v["name"]: v for v in server["spec"]["template"]["spec"]["volumes"]}
+    assert ("PersistentVolumeClaim", vols[mount["name"]]["persistentVolumeClaim"]["claimName"]) in objs
+    assert env["PREFECT_SERVER_API_AUTH_STRING"]["valueFrom"]["secretKeyRef"] == {"name": "prefect-auth",
+                                                                                  "key": "auth-string"}
+    assert "$(PREFECT_DB_PASSWORD)" in env["PREFECT_API_DATABASE_CONNECTION_URL"]["value"]
+    pg = objs["StatefulSet", "eagle3-postgres"]
+    (pc,) = pg["spec"]["template"]["spec"]["containers"]
+    claim = pg["spec"]["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"]
+    assert ("PersistentVolumeClaim", claim) in objs and pc["image"].startswith("postgres:16")
+    secrets = yaml.safe_load_all((K8S / "secrets.template.yaml").read_text())
+    assert {"prefect-auth", "prefect-db"} <= {s["metadata"]["name"] for s in secrets}
+
+
+@pytest.mark.parametrize("block", ["GKE", "EKS"])
+def test_pools_place_pods_from_one_env_file(block, tmp_path):
+    """pools.sh's templates take the node placement of cluster.env.example's platform blocks (GKE, EKS) as
+    their defaults, and the rendered Job carries it; a value that is not JSON of the right type is refused."""
+    pytest.importorskip("prefect_kubernetes")
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.unit.test_k8s_job_template import render
+
+    text = (K8S / "cluster.env.example").read_text()
+    chosen = text.split(f"# --- {block}")[1].split("# ---")[0]
+    env = {k: v.strip("'") for line in chosen.splitlines() if line.startswith("# EAGLE3_")
+           for k, _, v in [line[2:].partition("=")]}
+    env["EAGLE3_IMAGE_PULL_SECRET"] = "eagle3-registry"
+    out = subprocess.run([sys.executable, str(K8S / "place.py"), str(ROOT / "infra" / "k8s-gpu-job-template.json"), "gpu"],
+                         env={**os.environ, **env}, capture_output=True, text=True, check=True)
+    (tmp_path / "gpu.json").write_text(out.stdout)
+    job = render({"image": IMAGE}, tmp_path / "gpu.json", "extract-group")
+    spec = job["spec"]["template"]["spec"]
+    assert spec["nodeSelector"] == json.loads(env["EAGLE3_GPU_NODE_SELECTOR"])
+    assert spec["tolerations"] == json.loads(env["EAGLE3_GPU_TOLERATIONS"])
+    assert spec["imagePullSecrets"] == [{"name": "eagle3-registry"}]
+    bad = subprocess.run([sys.executable, str(K8S / "place.py"), str(ROOT / "infra" / "k8s-cpu-job-template.json"), "cpu"],
+                         env={**os.environ, "EAGLE3_CPU_NODE_SELECTOR": "pool=cpu"}, capture_output=True, text=True)
+    assert bad.returncode != 0 and "EAGLE3_CPU_NODE_SELECTOR" in bad.stderr

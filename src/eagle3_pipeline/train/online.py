@@ -73,6 +73,11 @@ class OnlineServerFailed(EnvironmentProblem):
     carries the tail of its log."""
 
 
+class OnlineRequestFailed(EnvironmentProblem):
+    """The server answered a row's request with an HTTP error (its engine failed on the request, or
+    died): the message names the row's length, the status and the server's own error text."""
+
+
 class OnlineResult(BaseModel):
     endpoint: str
     server_start_s: float
@@ -235,7 +240,13 @@ class HiddenStateServer:
         import torch
         from safetensors.torch import load_file
 
-        path, fp = request_row(self.endpoint, self.model, ids, timeout_s, fingerprint=fingerprint)
+        try:
+            path, fp = request_row(self.endpoint, self.model, ids, timeout_s, fingerprint=fingerprint)
+        except OnlineRequestFailed as e:
+            alive = "running" if self.child is not None and self.child.alive() else "exited"
+            tail = "\n".join(self.child.tail[-20:]) if self.child is not None else ""
+            raise OnlineRequestFailed(f"{e} (the server is {alive}; its log: {self.work_dir / 'server.log'}, "
+                                      f"last lines:\n{tail})") from e
         data = load_file(path)
         Path(path).unlink(missing_ok=True)
         data["token_ids"] = data["token_ids"].to(torch.int64)
@@ -252,8 +263,12 @@ def request_row(endpoint: str, model: str, ids: list[int], timeout_s: float, *,
         body |= {"prompt_logprobs": FP_TOP, "logprobs": FP_TOP, "return_tokens_as_token_ids": True}
     req = urllib.request.Request(f"{endpoint}/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout_s) as r:
-        out = json.loads(r.read())
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            out = json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise OnlineRequestFailed(f"online: the server at {endpoint} answered HTTP {e.code} ({e.reason}) to a row "
+                                  f"of {len(ids)} tokens: {_error_text(e)}") from e
     choice = out["choices"][0]
     if choice.get("prompt_token_ids") not in (None, ids):
         raise ContractError(f"online: the server tokenized the row differently ({len(choice['prompt_token_ids'])} "
@@ -272,6 +287,20 @@ def request_row(endpoint: str, model: str, ids: list[int], timeout_s: float, *,
         if sketch is not None:
             fp[state_sketch.KEY] = sketch
     return Path(path), fp
+
+
+def _error_text(e: urllib.error.HTTPError) -> str:
+    """The server's own error message from an HTTP error's body (vLLM: {"error": {"message": ...}}), or
+    the body's start."""
+    try:
+        body = e.read().decode("utf-8", "replace")
+    except OSError:
+        return "(no body)"
+    try:
+        err = json.loads(body).get("error", {})
+        return str(err.get("message") or err) if isinstance(err, dict) else str(err)
+    except (ValueError, AttributeError):
+        return body[:2000] or "(an empty body)"
 
 
 def await_hidden_states_file(path: Path, timeout_s: float) -> None:

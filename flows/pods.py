@@ -1,0 +1,169 @@
+"""The pods of a stage's flow run on Kubernetes, as the flow that submitted the run sees them.
+
+A run submitted to the Kubernetes pool is a Job whose pod carries the label `prefect.io/flow-run-id`
+(prefect-kubernetes puts it there). The fan-out (flows/fanout.py) and the stage runs (flows/stage_runs.py)
+use this to tell a pod that has not started (waiting: Unschedulable, ImagePullBackOff, a node scaling up)
+from a run that started and went silent, and to delete a lost run's Job before its resubmission, so its
+pod never runs beside the new one.
+
+`pod_source()` is, in order:
+  - EAGLE3_POD_SOURCE=`module:attribute`: an object with the same two methods (tests: fake pods that never
+    start or start late, tests/helpers/fake_pods.py);
+  - the Kubernetes API, when this process runs in a pod whose ServiceAccount token is mounted
+    (infra/k8s/rbac.yaml `eagle3-controller`: get/list pods, get/list/delete jobs, in its namespace only);
+  - None: no pods to read (process pools, a laptop): runs are judged by their Prefect state and heartbeats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import os
+import threading
+from pathlib import Path
+from typing import Protocol
+
+LABEL = "prefect.io/flow-run-id"
+SOURCE_ENV = "EAGLE3_POD_SOURCE"
+SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+
+class Pods(Protocol):
+    def of(self, flow_run_id: str) -> list[dict]:
+        """The flow run's pods as the API returns them (dicts: metadata, status)."""
+
+    def delete(self, flow_run_id: str) -> int:
+        """Delete the flow run's Jobs with their pods now (grace 30 s); the number of Jobs deleted."""
+
+
+def pod_source() -> Pods | None:
+    spec = os.environ.get(SOURCE_ENV)
+    if spec:
+        module, _, attr = spec.partition(":")
+        return getattr(importlib.import_module(module), attr or "PODS")
+    if os.environ.get("KUBERNETES_SERVICE_HOST") and (SA_DIR / "token").exists():
+        return KubernetesPods((SA_DIR / "namespace").read_text().strip())
+    return None
+
+
+def _run(coro):
+    """Run a coroutine to its end from sync code, also where this thread already has an event loop."""
+    out: dict = {}
+
+    def target():
+        try:
+            out["value"] = asyncio.run(coro)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            out["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+class KubernetesPods:
+    """The in-cluster Kubernetes API (kubernetes_asyncio, which prefect-kubernetes brings)."""
+
+    def __init__(self, namespace: str):
+        self.namespace = namespace
+
+    async def _client(self):
+        from kubernetes_asyncio import config
+
+        config.load_incluster_config()
+        from kubernetes_asyncio.client import ApiClient
+
+        return ApiClient()
+
+    def of(self, flow_run_id: str) -> list[dict]:
+        async def go():
+            from kubernetes_asyncio.client import CoreV1Api
+
+            async with await self._client() as api:
+                pods = await CoreV1Api(api).list_namespaced_pod(self.namespace, label_selector=f"{LABEL}={flow_run_id}")
+                return [api.sanitize_for_serialization(p) for p in pods.items]
+
+        return _run(go())
+
+    def delete(self, flow_run_id: str) -> int:
+        async def go():
+            from kubernetes_asyncio.client import BatchV1Api
+            from kubernetes_asyncio.client.exceptions import ApiException
+
+            async with await self._client() as api:
+                batch = BatchV1Api(api)
+                jobs = await batch.list_namespaced_job(self.namespace, label_selector=f"{LABEL}={flow_run_id}")
+                n = 0
+                for job in jobs.items:
+                    try:
+                        await batch.delete_namespaced_job(job.metadata.name, self.namespace, grace_period_seconds=30,
+                                                          propagation_policy="Foreground")
+                        n += 1
+                    except ApiException as e:
+                        if e.status != 404:
+                            raise
+                return n
+
+        return _run(go())
+
+
+def describe(pods: Pods | None, flow_run_id: str) -> tuple[bool, str | None]:
+    """(whether a pod of the run started, what keeps its pods from starting in Kubernetes' words or None)."""
+    from eagle3_pipeline.cluster import pod_problem, pod_started
+
+    if pods is None:
+        return False, None
+    found = pods.of(str(flow_run_id))
+    problems = [p for p in map(pod_problem, found) if p]
+    return any(map(pod_started, found)), ("; ".join(problems) if problems else
+                                           None if found else "no pod was created for its Job (a quota, an "
+                                           "admission webhook or the worker refused it: `kubectl describe job`)")
+
+
+class StartWatch:
+    """One run's start, watched from its submission: Scheduled (waiting for a worker or the pool's GPU slots)
+    is capacity, never a failure; Pending (its Job submitted) may last `deadline_s` (cluster.start_deadline_s)
+    before the run is given up with what keeps its pod from starting. A problem Kubernetes reports is logged
+    once as soon as it is seen, so the UI shows it in minutes, not at the deadline."""
+
+    def __init__(self, what: str, deadline_s: float, pods: Pods | None, log):
+        self.what, self.deadline_s, self.pods, self.log = what, deadline_s, pods, log
+        self.pending_since: float | None = None
+        self.reported: str | None = None
+        self.never_started: str | None = None  # why it was given up, once it was
+
+    def give_up(self, flow_run_id, state, now: float) -> str | None:
+        """None while the run may go on waiting (or has started); else why it is given up."""
+        if state is None or not state.is_pending():
+            return None
+        if self.pending_since is None:
+            self.pending_since = state.timestamp.timestamp() if state.timestamp else now
+        try:
+            started, problem = describe(self.pods, flow_run_id)
+        except Exception as e:  # noqa: BLE001 - the Kubernetes API away or refusing: judged by the deadline alone
+            started, problem = False, f"(its pods could not be read: {type(e).__name__}: {str(e)[:200]})"
+        if started:
+            return None  # the container runs: the flow's own start (imports, the API) before it reports Running
+        if problem and problem != self.reported:
+            self.reported = problem
+            self.log(f"{self.what}: its pod has not started: {problem}")
+        waited = now - self.pending_since
+        if waited <= self.deadline_s:
+            return None
+        return (f"its pod did not start within {self.deadline_s:.0f}s (the config's cluster start deadline: node "
+                f"scale-up + image pull, cluster.start_deadline_s): "
+                + (problem or ("no pod reason is known (no Kubernetes API here)" if self.pods is None
+                               else "pending without a reported reason")))
+
+    def stop(self, flow_run_id) -> int:
+        """Delete the run's Jobs and pods (when the Kubernetes API is at hand); Jobs deleted."""
+        if self.pods is None:
+            return 0
+        try:
+            return self.pods.delete(str(flow_run_id))
+        except Exception as e:  # noqa: BLE001 - the run is cancelled in Prefect either way; say why the Job is not
+            self.log(f"{self.what}: could not delete the Job of flow run {flow_run_id}: {type(e).__name__}: {e}")
+            return 0
