@@ -351,16 +351,20 @@ def controller_deployment(plane):
     """The extract flow as a deployment with a concurrency limit of 1 (a lease per run, as pipeline-k8s), run
     the way a Kubernetes pod runs it: `prefect flow-run execute` with PREFECT_FLOW_RUN_EXECUTE_SIGTERM_BEHAVIOR=
     reschedule (infra/k8s/prefect.yaml), by a process worker on queue `cpu` that plays the CPU pool."""
+    from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from flows.extract import extract
 
-    with temporary_settings({PREFECT_API_URL: plane.api}):
-        dep = extract.to_deployment(
-            name="controller", work_pool_name=POOL, work_queue_name="cpu", concurrency_limit=1,
+    # made as `prefect deploy` makes infra/k8s/prefect.yaml's: the pull step sets the working directory to the
+    # code (the image's /opt/eagle3-pipeline; here this checkout), which `prefect flow-run execute` runs in
+    with temporary_settings({PREFECT_API_URL: plane.api}), get_client(sync_client=True) as c:
+        c.create_deployment(
+            c.create_flow(extract), "controller", entrypoint="flows/extract.py:extract", work_pool_name=POOL,
+            work_queue_name="cpu", concurrency_limit=1,
+            pull_steps=[{"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}],
             job_variables={"command": f"{BIN / 'prefect'} flow-run execute",
                            "env": {"PREFECT_FLOW_RUN_EXECUTE_SIGTERM_BEHAVIOR": "reschedule"}})
-        dep.apply()
     w = Proc("cpu-worker", [str(BIN / "prefect"), "worker", "start", "--pool", POOL, "--name", "cpu-worker",
                             "--work-queue", "cpu"], plane.client_env, plane.home / "cpu-worker.log")
     plane.nodes["cpu-worker"] = w
