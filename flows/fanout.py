@@ -146,142 +146,157 @@ def _last_heartbeat(client, flow_run_id: UUID, since: datetime) -> float | None:
 
 
 def run_groups_as_deployments(config: PipelineConfig, version: ExtractVersion, force: set[int]) -> list[str]:
-    from prefect.runtime import flow_run as this_run
+    """Run the groups with unpublished (or forced) shards as deployment runs, `extract.parallel_groups` at a
+    time, until each completed or failed; one line per group that did not complete."""
+    return _FanOut(config, version, force).run()
 
-    log = get_run_logger()
-    todo = [_Group(g, group_deadline_s(config, g)) for g in groups_to_run(version, force)]
-    window = config.extract.parallel_groups
-    pods = pod_source()
-    start_s = start_deadline_s(config, config.extract.tensor_parallel_size > 0, window)
-    grace = heartbeat_grace_s()
-    log.info(f"extract: {len(todo)} of {len(version.groups)} shard groups to run as {GROUP_DEPLOYMENT} "
-             f"flow runs, {window} at a time; the others are published. Each may run "
-             f"{max((g.deadline_s for g in todo), default=0) / 3600:.1f} h; a group lost (Crashed, "
-             + (f"no heartbeat for {grace:.0f}s" if grace else "heartbeats off") + ", past its deadline) "
-             f"is resubmitted {RESUBMITS}x")
-    params = {"config": config.model_dump(mode="json"), "version": version.model_dump(mode="json")}
-    parent = this_run.get_id() or "none"
-    running: dict[UUID, _Group] = {}
-    failed: list[str] = []
-    api = lambda call, what: with_api_retry(call, what, log.warning)  # noqa: E731
 
-    def submit(g: _Group) -> None:
+class _FanOut:
+    """One fan-out: the groups still to submit (`todo`), those in flight (`running`, by flow run id) and the
+    lines of those that failed the stage (`failed`)."""
+
+    def __init__(self, config: PipelineConfig, version: ExtractVersion, force: set[int]):
+        from prefect.runtime import flow_run as this_run
+
+        self.config, self.version, self.force = config, version, force
+        self.log = get_run_logger()
+        self.todo = [_Group(g, group_deadline_s(config, g)) for g in groups_to_run(version, force)]
+        self.window = config.extract.parallel_groups
+        self.pods = pod_source()
+        self.start_s = start_deadline_s(config, config.extract.tensor_parallel_size > 0, self.window)
+        self.grace = heartbeat_grace_s()
+        self.params = {"config": config.model_dump(mode="json"), "version": version.model_dump(mode="json")}
+        self.parent = this_run.get_id() or "none"
+        self.running: dict[UUID, _Group] = {}
+        self.failed: list[str] = []
+
+    def api(self, call: Callable[[], T], what: str) -> T:
+        return with_api_retry(call, what, self.log.warning)
+
+    def run(self) -> list[str]:
+        grace, todo = self.grace, self.todo
+        self.log.info(f"extract: {len(todo)} of {len(self.version.groups)} shard groups to run as {GROUP_DEPLOYMENT} "
+                      f"flow runs, {self.window} at a time; the others are published. Each may run "
+                      f"{max((g.deadline_s for g in todo), default=0) / 3600:.1f} h; a group lost (Crashed, "
+                      + (f"no heartbeat for {grace:.0f}s" if grace else "heartbeats off") + ", past its deadline) "
+                      f"is resubmitted {RESUBMITS}x; a pod not started within {self.start_s:.0f}s fails it")
+        with get_client(sync_client=True) as client:
+            try:
+                if todo:
+                    self.api(lambda: client.read_deployment_by_name(GROUP_DEPLOYMENT), "read the deployment")
+            except ObjectNotFound:
+                raise RuntimeError(f"extract.parallel_groups={self.window} fans shard groups out to the deployment "
+                                   f"{GROUP_DEPLOYMENT!r}, which {get_current_settings().api.url or 'this server'} "
+                                   f"does not have: `prefect deploy --all` (prefect.yaml), or parallel_groups=1") from None
+            try:
+                while todo or self.running:
+                    while todo and len(self.running) < self.window:
+                        self.submit(todo.pop(0))
+                    time.sleep(POLL_S)
+                    for g in list(self.running.values()):
+                        self.check(client, g)
+            except BaseException as e:
+                leave_or_cancel(client, self.running, e, self.log)
+                raise
+        return self.failed
+
+    def submit(self, g: _Group) -> None:
         g.submissions += 1
         suffix = "" if g.submissions == 1 else f"-resubmit-{g.submissions - 1}"
-        # the idempotency key makes a submission retried after an API error the same flow run
-        fr = api(lambda: run_deployment(
-            GROUP_DEPLOYMENT, parameters={**params, "shard_ids": g.shards, "force": bool(force & set(g.shards))},
-            job_variables=job_variables(config, "extract", len(g.shards)),
+        # the idempotency key makes a submission retried after an API error, or made again by this flow run
+        # rescheduled or retried, the same flow run
+        fr = self.api(lambda: run_deployment(
+            GROUP_DEPLOYMENT, parameters={**self.params, "shard_ids": g.shards,
+                                          "force": bool(self.force & set(g.shards))},
+            job_variables=job_variables(self.config, "extract", len(g.shards)),
             timeout=0, as_subflow=True, flow_run_name=f"extract-shards-{g.shards}{suffix}",
-            idempotency_key=f"{parent}-{version.content_key}-{g.shards}-{g.submissions}",
-            tags=[f"eagle3-extract-{version.content_key}"]), f"submit shards {g.shards}")
+            idempotency_key=f"{self.parent}-{self.version.content_key}-{g.shards}-{g.submissions}",
+            tags=[f"eagle3-extract-{self.version.content_key}"]), f"submit shards {g.shards}")
         g.flow_run_id, g.name, g.cancel_requested, g.seen_alive = fr.id, fr.name, None, time.time()
-        g.start = StartWatch(f"extract: shards {g.shards} ({fr.name})", start_s, pods, log.warning)
-        running[fr.id] = g
-        log.info(f"extract: shards {g.shards} -> {fr.name}: {flow_run_link(fr.id)}")
+        g.start = StartWatch(f"extract: shards {g.shards} ({fr.name})", self.start_s, self.pods, self.log.warning)
+        self.running[fr.id] = g
+        self.log.info(f"extract: shards {g.shards} -> {fr.name}: {flow_run_link(fr.id)}")
 
-    def lost(g: _Group, why: str) -> None:
+    def fail(self, g: _Group, line: str) -> None:
+        self.running.pop(g.flow_run_id, None)
+        self.failed.append(f"shards {g.shards}: flow run {g.name} ({g.flow_run_id}) {line} - "
+                           f"{flow_run_link(g.flow_run_id)}")
+        self.log.error(f"extract: {self.failed[-1]}")
+
+    def lost(self, g: _Group, why: str) -> None:
         """The group's run will not finish by itself: resubmit it once, else it fails the stage."""
-        del running[g.flow_run_id]
-        if g.submissions <= RESUBMITS:
-            log.warning(f"extract: shards {g.shards}: flow run {g.name} lost ({why}); resubmitting it "
-                        f"(its published shards are skipped) - {flow_run_link(g.flow_run_id)}")
-            todo.insert(0, g)
-        else:
-            failed.append(f"shards {g.shards}: flow run {g.name} ({g.flow_run_id}) lost again after "
-                          f"{g.submissions - 1} resubmission(s): {why} - {flow_run_link(g.flow_run_id)}")
-            log.error(f"extract: {failed[-1]}")
+        if g.submissions > RESUBMITS:
+            return self.fail(g, f"lost again after {g.submissions - 1} resubmission(s): {why}")
+        del self.running[g.flow_run_id]
+        self.log.warning(f"extract: shards {g.shards}: flow run {g.name} lost ({why}); resubmitting it "
+                         f"(its published shards are skipped) - {flow_run_link(g.flow_run_id)}")
+        self.todo.insert(0, g)
 
-    def crash(client, g: _Group, why: str) -> None:
-        api(lambda: client.set_flow_run_state(g.flow_run_id, Crashed(message=f"eagle3 fan-out: {why}"), force=True),
-            f"mark {g.name} Crashed")
+    def crash(self, client, g: _Group, why: str) -> None:
+        self.api(lambda: client.set_flow_run_state(g.flow_run_id, Crashed(message=f"eagle3 fan-out: {why}"),
+                                                   force=True), f"mark {g.name} Crashed")
         if g.start.stop(g.flow_run_id):  # its pod cannot run on beside the resubmission
-            log.warning(f"extract: shards {g.shards}: deleted the Job of {g.name}")
-        lost(g, why)
+            self.log.warning(f"extract: shards {g.shards}: deleted the Job of {g.name}")
+        self.lost(g, why)
 
-    def never_started(client, g: _Group, why: str) -> None:
-        """Its pod did not start by the start deadline: cancelled, its Job deleted, the group fails the stage
-        (the same pod spec would wait again)."""
-        api(lambda: client.set_flow_run_state(g.flow_run_id, Cancelling(message=f"eagle3 fan-out: {why}"),
-                                              force=True), f"cancel {g.name}")
-        g.start.stop(g.flow_run_id)
-        del running[g.flow_run_id]
-        failed.append(f"shards {g.shards}: flow run {g.name} ({g.flow_run_id}) never started: {why} - "
-                      f"{flow_run_link(g.flow_run_id)}")
-        log.error(f"extract: {failed[-1]}")
+    def cancel(self, client, g: _Group, why: str) -> None:
+        self.api(lambda: client.set_flow_run_state(g.flow_run_id, Cancelling(message=f"eagle3 fan-out: {why}"),
+                                                   force=True), f"cancel {g.name}")
 
-    def check(client, g: _Group) -> None:
-        fid = g.flow_run_id
-        fr = api(lambda: client.read_flow_run(fid), f"read {g.name}")
-        st = fr.state
-        now = time.time()
+    def check(self, client, g: _Group) -> None:
+        """One look at a group's run: ended, waiting to start, past its deadline, or silent."""
+        fr = self.api(lambda: client.read_flow_run(g.flow_run_id), f"read {g.name}")
+        st, now = fr.state, time.time()
         if st is not None and st.is_final():
-            if st.is_crashed() or (st.is_cancelled() and g.cancel_requested is not None):
-                lost(g, f"{st.name}: {st.message}")
-            elif st.is_completed():
-                del running[fid]
-                log.info(f"extract: shards {g.shards} done ({fr.name})")
-            else:
-                del running[fid]
-                failed.append(f"shards {g.shards}: flow run {fr.name} ({fid}) {st.name}: "
-                              f"{st.message} - {flow_run_link(fid)}")
-                log.error(f"extract: {failed[-1]}")
-            return
-        if st is None or st.is_scheduled():  # waiting for a worker (capacity), not lost
+            return self.ended(g, st)
+        if st is None or st.is_scheduled():  # waiting for a worker or the pool's slots: capacity, not lost
             g.seen_alive = now
-            return
+            return None
         if st.is_pending():  # its Job is submitted and its pod starting: waiting, up to the start deadline
             g.seen_alive = now
-            why = g.start.give_up(fid, st, now)
-            if why is not None:
-                never_started(client, g, why)
-            return
+            why = g.start.give_up(g.flow_run_id, st, now)
+            if why is not None:  # the same pod spec would wait again: the group fails the stage
+                self.cancel(client, g, why)
+                g.start.stop(g.flow_run_id)
+                self.fail(g, f"never started: {why}")
+            return None
         g.seen_alive = max(g.seen_alive, st.timestamp.timestamp())
         if g.cancel_requested is not None:
             if now - g.cancel_requested > CANCEL_GRACE_S:
-                crash(client, g, f"still {st.name} {CANCEL_GRACE_S:.0f}s after its cancellation at its deadline")
-            return
+                self.crash(client, g, f"still {st.name} {CANCEL_GRACE_S:.0f}s after its cancellation at its deadline")
+            return None
         started = fr.start_time.timestamp() if fr.start_time else None
         if started is not None and now - started > g.deadline_s:
-            log.warning(f"extract: shards {g.shards}: {g.name} still {st.name} after {g.deadline_s:.0f}s "
-                        f"(its deadline): cancelling it")
-            api(lambda: client.set_flow_run_state(fid, Cancelling(message=f"eagle3 fan-out: past the group's "
-                                                                  f"deadline of {g.deadline_s:.0f}s"), force=True),
-                f"cancel {g.name}")
+            self.log.warning(f"extract: shards {g.shards}: {g.name} still {st.name} after {g.deadline_s:.0f}s "
+                             f"(its deadline): cancelling it")
+            self.cancel(client, g, f"past the group's deadline of {g.deadline_s:.0f}s")
             g.cancel_requested = now
-            return
-        # heartbeats sent while the API or its database was away are lost, not late: a group gets a
-        # whole grace period again from the moment the API answered again
+            return None
+        return self.silent(client, g, st.name, now)
+
+    def ended(self, g: _Group, st) -> None:
+        if st.is_crashed() or (st.is_cancelled() and g.cancel_requested is not None):
+            self.lost(g, f"{st.name}: {st.message}")
+        elif st.is_completed():
+            del self.running[g.flow_run_id]
+            self.log.info(f"extract: shards {g.shards} done ({g.name})")
+        else:
+            self.fail(g, f"{st.name}: {st.message}")
+
+    def silent(self, client, g: _Group, state: str, now: float) -> None:
+        """A started run without a heartbeat for the grace period has nobody behind it: Crashed, resubmitted.
+        Heartbeats sent while the API or its database was away are lost, not late: a group gets a whole grace
+        period again from the moment the API answered again."""
         g.seen_alive = max(g.seen_alive, API_RECOVERED[0])
-        if grace is None or now - g.seen_alive <= grace:
+        if self.grace is None or now - g.seen_alive <= self.grace:
             return
         since = datetime.fromtimestamp(g.seen_alive, timezone.utc) - timedelta(seconds=1)
-        beat = api(lambda: _last_heartbeat(client, fid, since), f"heartbeats of {g.name}")
+        beat = self.api(lambda: _last_heartbeat(client, g.flow_run_id, since), f"heartbeats of {g.name}")
         if beat is not None:
             g.seen_alive = max(g.seen_alive, beat)
-        if now - g.seen_alive > grace:
-            crash(client, g, f"{st.name} without a heartbeat for {now - g.seen_alive:.0f}s (its worker or node "
-                             f"is gone)")
-
-    with get_client(sync_client=True) as client:
-        try:
-            if todo:
-                api(lambda: client.read_deployment_by_name(GROUP_DEPLOYMENT), "read the deployment")
-        except ObjectNotFound:
-            raise RuntimeError(f"extract.parallel_groups={window} fans shard groups out to the deployment "
-                               f"{GROUP_DEPLOYMENT!r}, which {get_current_settings().api.url or 'this server'} does "
-                               f"not have: `prefect deploy --all` (prefect.yaml), or parallel_groups=1") from None
-        try:
-            while todo or running:
-                while todo and len(running) < window:
-                    submit(todo.pop(0))
-                time.sleep(POLL_S)
-                for g in list(running.values()):
-                    check(client, g)
-        except BaseException as e:
-            leave_or_cancel(client, running, e, log)
-            raise
-    return failed
+        if now - g.seen_alive > self.grace:
+            self.crash(client, g, f"{state} without a heartbeat for {now - g.seen_alive:.0f}s (its worker or node "
+                                  f"is gone)")
 
 
 def being_cancelled(client, flow_run_id) -> bool | None:

@@ -294,14 +294,18 @@ def _digests_path() -> Path:
 
 
 def _stat_key(st: os.stat_result) -> list[int]:
-    # ctime changes with every write and cannot be set back (unlike mtime: cp -p, rsync -t, touch -d)
-    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+    # keyed by the file's path (the dict key), size, mtime and ctime: ctime changes with every write and cannot
+    # be set back (unlike mtime: cp -p, rsync -t, touch -d). Not by device or inode: a shared volume has another
+    # device number in every pod and node, so a cache on the store (EAGLE3_DIGEST_CACHE, the job templates) is
+    # valid in all of them; a network filesystem's server keeps ctime, the same for every client.
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
 def weight_digests(files: list[Path], log: Callable[[str], None] | None = None) -> dict[Path, str]:
-    """sha256 of each file's bytes, remembered per (device, inode, size, mtime, ctime) in a machine-wide
-    JSON file ($EAGLE3_DIGEST_CACHE, default ~/.cache/eagle3-pipeline/weight-digests.json): a checkpoint
-    is read whole once after it changes, then identified by a stat per file. New digests are computed
+    """sha256 of each file's bytes, remembered per (path, size, mtime, ctime) in a JSON file
+    ($EAGLE3_DIGEST_CACHE, default ~/.cache/eagle3-pipeline/weight-digests.json; on Kubernetes the store
+    volume's /data/.cache/weight-digests.json, shared by every pod): a checkpoint is read whole once after
+    it changes, then identified by a stat per file. New digests are computed
     on several threads (hashlib releases the GIL). At ~1.5 GB/s per core (sha256 with SHA extensions)
     a 600 GB checkpoint of 64 files takes ~1 minute on 8 threads, bound by the disk after that."""
     from concurrent.futures import ThreadPoolExecutor

@@ -291,6 +291,26 @@ def test_server_restart_mid_extraction(plane, client, undisturbed, tiny_target, 
     assert out["group_runs"] <= 3
 
 
+API_AWAY_S = 80.0  # longer than a client's own retries (5 of them: 2 + 4 + 8 + 16 + 32 s, +-20%) and a lease (LEASE_S)
+
+
+def test_api_away_longer_than_the_clients_retries(plane, client, undisturbed, tiny_target, tmp_path):
+    """The API stopped for 80 s mid-extraction: every client's own retries run out (the groups' state reports,
+    heartbeats and lease renewals; the fan-out's polls), and the GPU slots' 60 s leases expire meanwhile. The
+    fan-out waits the API out (EAGLE3_API_OUTAGE_S), the groups' slots are taken again (their leases were
+    revoked), and the run completes: every shard published once with the undisturbed bytes, at most each
+    group run again, 0 slots at the end."""
+    run = Run(plane, client, tiny_target, tmp_path)
+    run.wait_published(1)
+    t = time.time()
+    plane.stop_server()
+    time.sleep(max(0.0, API_AWAY_S - (time.time() - t)))
+    up = plane.start_server()
+    print(f"\nAPI away {time.time() - t:.1f}s (start {up:.1f}s), shards published then: {run.published()}")
+    out = check_outcome(run, undisturbed, "API away 80 s", max_reruns=len(undisturbed.groups))
+    assert out["shards_lost"] == 0
+
+
 def test_worker_killed_mid_group(plane, client, undisturbed, tiny_target, tmp_path):
     import psutil
 

@@ -75,7 +75,12 @@ def test_the_pieces_docs_kubernetes_md_names_are_all_there():
     assert store["spec"]["accessModes"] == ["ReadWriteMany"] == models["spec"]["accessModes"]
     assert {("Namespace", "eagle3"), ("Secret", "hf-token"), ("Secret", "prefect-auth"),
             ("ServiceAccount", "eagle3-worker"), ("ServiceAccount", "eagle3-job"), ("Role", "eagle3-worker"),
-            ("RoleBinding", "eagle3-worker"), ("Deployment", "eagle3-worker"), ("Job", "stage-model")} <= set(objs)
+            ("RoleBinding", "eagle3-worker"), ("Deployment", "eagle3-worker"), ("Job", "stage-model"),
+            ("ServiceAccount", "eagle3-controller"), ("RoleBinding", "eagle3-controller"), ("Pod", "eagle3-data"),
+            ("Deployment", "prefect-server"), ("StatefulSet", "eagle3-postgres"), ("Secret", "prefect-db")} <= set(objs)
+    data = objs["Pod", "eagle3-data"]["spec"]  # the data pod: the store, as the stage pods' user, no token
+    assert data["securityContext"]["runAsUser"] == 10001 and data["automountServiceAccountToken"] is False
+    assert data["volumes"][0]["persistentVolumeClaim"]["claimName"] == "eagle3-store"
     for (kind, name), d in objs.items():
         if kind == "Secret":  # templates only: no value that could be a real one
             assert all(v.startswith("REPLACE_") for v in d["stringData"].values()), name

@@ -53,3 +53,36 @@ def test_unchanged_weights_are_not_read_again(model_copy, monkeypatch):
     assert weight_digests([w]) == first and reads == []  # a stat, no read
     w.touch()  # a new ctime: read again
     assert weight_digests([w]) == {w: "x"} and reads == [w]
+
+
+def test_a_digest_cache_on_a_shared_volume_holds_in_every_pod(model_copy, monkeypatch):
+    """The cache on the store (EAGLE3_DIGEST_CACHE=/data/.cache/..., the job templates) is read by pods on other
+    nodes, where the same volume has another device number (and, on some filesystems, inode numbers): the
+    digest is keyed by path, size, mtime and ctime, so another pod stats the files and reads none of them."""
+    from eagle3_pipeline import store
+
+    w = model_copy / "model.safetensors"
+    first = weight_digests([w])
+    real_stat = os.stat
+
+    def other_node(path, *a, **kw):  # the same file through another mount: st_dev and st_ino differ
+        st = real_stat(path, *a, **kw)
+        fields = list(st)
+        fields[1], fields[2] = st.st_ino + 7, st.st_dev + 1  # st_ino, st_dev
+        return os.stat_result(fields, {"st_atime_ns": st.st_atime_ns, "st_mtime_ns": st.st_mtime_ns,
+                                       "st_ctime_ns": st.st_ctime_ns})
+
+    reads = []
+    monkeypatch.setattr(store.os, "stat", other_node)
+    monkeypatch.setattr(store, "sha256_file", lambda p, *a: reads.append(p) or "x")
+    assert weight_digests([w]) == first and reads == []
+
+
+def test_the_job_templates_keep_the_digest_cache_on_the_store():
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    for kind in ("gpu", "cpu"):
+        env = json.loads((root / "infra" / f"k8s-{kind}-job-template.json").read_text())["variables"]["properties"]["env"]
+        assert env["default"]["EAGLE3_DIGEST_CACHE"].startswith("/data/"), kind  # the store volume, every pod
