@@ -57,7 +57,7 @@ from eagle3_pipeline.cluster import job_variables, start_deadline_s
 from eagle3_pipeline.layout import ExtractVersion
 from eagle3_pipeline.shardrun import ShardRun
 from flows.pods import StartWatch, pod_source
-from tasks.stage_tasks import transient_api_error
+from tasks.gpu_lease import transient_api_error
 
 GROUP_DEPLOYMENT = os.environ.get("EAGLE3_EXTRACT_GROUP_DEPLOYMENT", "extract-group/extract-group")
 POLL_S = float(os.environ.get("EAGLE3_FANOUT_POLL_S", "5"))

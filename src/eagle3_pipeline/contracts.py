@@ -91,6 +91,16 @@ class ModelDims(BaseModel):
     norm_eps: float = 1e-6     # the final RMSNorm's epsilon
 
 
+def text_config(full: dict) -> dict:
+    """The language model's part of a model's config.json: `text_config` of a multimodal wrapper (Kimi-K2.5),
+    else the config itself; a quantisation config of the wrapper is carried into it. The one reader of that
+    nesting (contracts, engine/start, evaluate/prompts, verify/worker)."""
+    text = dict(full.get("text_config") or full)
+    if "quantization_config" in full and "quantization_config" not in text:
+        text["quantization_config"] = full["quantization_config"]
+    return text
+
+
 def model_dims(target) -> ModelDims:
     """Dims of `target` (a TargetConfig, or a model directory) from its config.json; hub names go
     through AutoConfig. Never loads weights."""
@@ -116,7 +126,7 @@ def model_dims(target) -> ModelDims:
 
         cfg = AutoConfig.from_pretrained(target.model, revision=target.revision,
                                          trust_remote_code=target.trust_remote_code, token=hub_token(target)).to_dict()
-    text = cfg.get("text_config") or cfg
+    text = text_config(cfg)
     missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if k not in text]
     if missing:
         raise ContractError(f"{target.model}: model config has no {missing}; cannot place layer ids")
@@ -398,7 +408,7 @@ def logit_transform(model_dir: Path) -> str | None:
         c = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    c = c.get("text_config") or c
+    c = text_config(c)
     found = {k: c[k] for k in LOGIT_TRANSFORMS if c.get(k) not in (None, 1, 1.0)}
     return f"its logits are transformed after lm_head ({found})" if found else None
 

@@ -2,7 +2,7 @@
 
 Local runs (no PREFECT_API_URL) each start Prefect's temporary server on PREFECT_HOME's database, which
 counts the slot; the temporary server keeps the slot's lease in its own memory and revokes no expired
-lease. Before tasks/stage_tasks._node_lock, a run killed holding the slot left the count at 1 and every
+lease. Before tasks/gpu_lease.node_lock, a run killed holding the slot left the count at 1 and every
 later run on that PREFECT_HOME waited at its first GPU stage forever, printing nothing (found on this
 machine: `make run` hung at verify for 10 minutes after a run killed the day before).
 
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.timeout(600)
 
 HOLD = textwrap.dedent("""
     import sys, time
-    from tasks.stage_tasks import gpu_slot
+    from tasks.gpu_lease import gpu_slot
     with gpu_slot():
         print("slot held", flush=True)
         if sys.argv[1] == "hang":

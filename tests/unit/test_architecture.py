@@ -103,23 +103,22 @@ PARAM_EXCEPTIONS = {
 
 
 MAX_LINES = 60
-# Functions over MAX_LINES lines today, "path:function" -> why, in one line; the list can only shrink.
+# Functions over MAX_LINES lines today, "path:function" -> (its length cap, why), in one line; a cap is the
+# function's length when it was listed, and caps only go down: the list can only shrink. Core, flows/, tasks/.
 LONG_FUNCTIONS = {
-    "data/formats.py:_json_values": "one incremental JSON decoder loop: every damage case ends it with its byte offset",
-    "data/prepare.py:_encode_chunk": "one pass per row: render, tokenize, mask, trim and quarantine, counting each reason",
-    "data/prepare.py:_assemble": "chunks to one dataset: duplicates, held-out pick and every count prepare.json reports",
-    "evaluate/stage.py:_run_engines": "one child for every engine run of a job: the job, its deadline and each run's output",
-    "extract/worker.py:_run_shard": "one shard's prefill, capture checks, durable writes and event, in the order they must happen",
-    "preflight.py:preflight": "the checks in the order a user reads them; each adds a problem or a warning",
-    "regenerate/worker.py:_run_shard": "one shard's turn-by-turn generation with the quarantine reason of every row it drops",
-    "targets/smollm2.py:build_smollm2": "GGUF tensors to HF names, tokenizer and template, written in the build's order",
-    "train/export.py:export_check": "one check per property of an exported draft, each with its own message",
-    "train/worker.py:run_train": "the speculators trainer's set-up (model, data, resume, kill hooks) in the order it needs",
-    "verify/scan.py:_read_record": "one record's read with a problem message for every way a file can be wrong",
-    "verify/stage.py:_verify": "the gate's checks in order, each reading what the one before produced",
-    "verify/structure.py:_process": "the per-file checks of one batch while its arenas are held",
-    "verify/structure.py:judge_records": "the checks that need every record at once, sharing one pass over the statistics",
-    "verify/worker.py:run": "the reference child: load layer by layer, stream rows, compare, write, within its budget",
+    "data/formats.py:_json_values": (62, "one incremental JSON decoder loop: every damage case ends it with its byte offset"),
+    "data/prepare.py:_encode_chunk": (79, "one pass per row: render, tokenize, mask, trim and quarantine, counting each reason"),
+    "data/prepare.py:_assemble": (108, "chunks to one dataset: duplicates, held-out pick and every count prepare.json reports"),
+    "extract/worker.py:_run_shard": (65, "one shard's prefill, capture checks, durable writes and event, in the order they must happen"),
+    "preflight.py:preflight": (82, "the checks in the order a user reads them; each adds a problem or a warning"),
+    "regenerate/worker.py:_run_shard": (81, "one shard's turn-by-turn generation with the quarantine reason of every row it drops"),
+    "targets/smollm2.py:build_smollm2": (66, "GGUF tensors to HF names, tokenizer and template, written in the build's order"),
+    "train/export.py:export_check": (79, "one check per property of an exported draft, each with its own message"),
+    "train/worker.py:run_train": (82, "the speculators trainer's set-up (model, data, resume, kill hooks) in the order it needs"),
+    "verify/scan.py:_read_record": (71, "one record's read with a problem message for every way a file can be wrong"),
+    "verify/structure.py:_process": (103, "the per-file checks of one batch while its arenas are held"),
+    "verify/structure.py:judge_records": (80, "the checks that need every record at once, sharing one pass over the statistics"),
+    "verify/worker.py:run": (108, "the reference child: load layer by layer, stream rows, compare, write, within its budget"),
 }
 
 
@@ -251,10 +250,18 @@ def test_no_function_over_six_parameters():
 
 
 def test_no_function_over_sixty_lines_without_a_reason():
-    new, fixed = _against_exceptions(long_bodies, LONG_FUNCTIONS)
+    """Over MAX_LINES lines only with a reason, and never longer than its cap (the core, flows/ and tasks/)."""
+    found = {}
+    for base, prefix in ((CORE, ""), (ROOT / "flows", "flows/"), (ROOT / "tasks", "tasks/")):
+        found |= {f"{prefix}{p.relative_to(base).as_posix()}:{name}": n
+                  for p, src in _sources(base).items() for name, n in long_bodies(src).items()}
+    new = {k: n for k, n in found.items() if k not in LONG_FUNCTIONS}
     assert new == {}, f"functions over {MAX_LINES} lines (split them, or give a one-line reason in LONG_FUNCTIONS): {new}"
+    fixed = sorted(set(LONG_FUNCTIONS) - set(found))
     assert fixed == [], f"{fixed} are {MAX_LINES} lines or fewer now (or gone): drop them from LONG_FUNCTIONS"
-    assert all(r and "\n" not in r for r in LONG_FUNCTIONS.values())
+    grown = {k: (n, LONG_FUNCTIONS[k][0]) for k, n in found.items() if k in LONG_FUNCTIONS and n > LONG_FUNCTIONS[k][0]}
+    assert grown == {}, f"(lines, cap) of listed functions that grew past their cap (caps only go down): {grown}"
+    assert all(cap > MAX_LINES and why and "\n" not in why for cap, why in LONG_FUNCTIONS.values())
 
 
 # ---------------------------------------------------------------- each checker can fail

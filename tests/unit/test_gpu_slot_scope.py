@@ -1,4 +1,4 @@
-"""tasks.stage_tasks.gpu_slot_scope: the extract flow's groups share one GPU slot, taken by the first
+"""tasks.gpu_lease.gpu_slot_scope: the extract flow's groups share one GPU slot, taken by the first
 group that asks for it and released when the scope ends; outside a scope every gpu_slot() takes its own.
 (The real strict slot against a Prefect server: tests/integration/test_extract_flow.py.)"""
 
@@ -6,7 +6,7 @@ import contextlib
 
 import pytest
 
-import tasks.stage_tasks as t
+import tasks.gpu_lease as t
 
 
 @pytest.fixture
@@ -21,7 +21,7 @@ def acquisitions(monkeypatch) -> list[str]:
         finally:
             log.append("release")
 
-    monkeypatch.setattr(t, "_acquire_gpu_slot", fake_acquire)
+    monkeypatch.setattr(t, "acquire_gpu_slot", fake_acquire)
     return log
 
 
@@ -73,7 +73,7 @@ def test_pool_gate_takes_no_in_pod_slot(monkeypatch):
         def __exit__(self, *exc):
             return False
 
-    monkeypatch.setattr(t, "_GpuLease", Lease)
+    monkeypatch.setattr(t, "GpuLease", Lease)
     monkeypatch.setattr(t, "ensure_gpu_limit", lambda *a, **k: 1)
     monkeypatch.setenv("PREFECT__FLOW_RUN_ID", "started-by-a-worker")
     monkeypatch.setenv("EAGLE3_GPU_GATE", "pool")

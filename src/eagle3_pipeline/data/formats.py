@@ -110,7 +110,7 @@ def _json_value(v: Any, what: str) -> Any:
     return v
 
 
-def _tools(raw: Any) -> list[dict] | None:
+def parse_tools(raw: Any) -> list[dict] | None:
     """Top-level tool definitions: an OpenAI list, or (ShareGPT) a JSON string of one; bare function
     definitions (`{"name", "description", "parameters"}`) are wrapped as OpenAI function tools."""
     if raw is None or (isinstance(raw, str) and not raw.strip()):
@@ -154,7 +154,7 @@ def _tool_calls(raw: Any, what: str = "tool_calls") -> list[dict]:
     return out
 
 
-def _turn(t: dict, j: int, fmt: str, prev: dict | None) -> dict | str:
+def parse_turn(t: dict, j: int, fmt: str, prev: dict | None) -> dict | str:
     """One normalised message, or the reason the row is rejected. `prev` is the message before it,
     to which a ShareGPT `function_call` turn following a plain `gpt` turn is attached."""
     if fmt == "sharegpt":
@@ -226,7 +226,7 @@ def normalise(rec: dict, fmt: str, source: str, row: int,
         for j, t in enumerate(turns):
             if not isinstance(t, dict):
                 return Rejected(source, row, f"turn {j} is not an object", rec)
-            msg = _turn(t, j, fmt, msgs[-1] if msgs else None)
+            msg = parse_turn(t, j, fmt, msgs[-1] if msgs else None)
             if isinstance(msg, _Empty):  # keep the exchanges before it
                 trimmed[TRIM_AFTER_EMPTY] = len(turns) - j
                 empty = str(msg)
@@ -240,7 +240,7 @@ def normalise(rec: dict, fmt: str, source: str, row: int,
             return Rejected(source, row, _no_assistant(turns, trimmed, empty if TRIM_AFTER_EMPTY in trimmed else None),
                             rec)
         try:
-            tools = _tools(rec.get("tools"))
+            tools = parse_tools(rec.get("tools"))
         except ValueError as e:
             return Rejected(source, row, f"malformed row: {e}", rec)
         return Conversation(sample_id, msgs, source, row, tools, trimmed)

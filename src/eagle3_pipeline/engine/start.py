@@ -186,8 +186,9 @@ class MemoryPlan(BaseModel):
 
 
 def _text_config(model_dir: Path) -> dict:
-    cfg = json.loads((model_dir / "config.json").read_text())
-    return cfg.get("text_config") or cfg
+    from eagle3_pipeline.contracts import text_config
+
+    return text_config(json.loads((model_dir / "config.json").read_text()))
 
 
 def _weights_bytes(model_dir: Path) -> int:

@@ -36,8 +36,9 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from eagle3_pipeline.contracts import text_config
 from eagle3_pipeline.data.chat import render
-from eagle3_pipeline.data.formats import RawRow, SourceError, _tools, _turn, raw_rows, resolve_path
+from eagle3_pipeline.data.formats import RawRow, SourceError, parse_tools, parse_turn, raw_rows, resolve_path
 from eagle3_pipeline.errors import InputError
 
 DEFAULT_CATEGORY = "default"
@@ -111,7 +112,7 @@ def _chat(turns, fmt: str) -> list[dict]:
     for j, t in enumerate(turns):
         if not isinstance(t, dict):
             raise _Skip("malformed", f"{column}[{j}] is not an object")
-        msg = _turn(t, j, fmt, msgs[-1] if msgs else None)
+        msg = parse_turn(t, j, fmt, msgs[-1] if msgs else None)
         if isinstance(msg, str):
             raise _Skip("malformed", f"{column}: {msg}")
         if not msgs or msg is not msgs[-1]:  # a ShareGPT function_call turn joins the turn before it
@@ -139,7 +140,7 @@ def row_messages(rec) -> tuple[list[dict], list[dict] | None]:
     else:
         msgs = _chat(rec[column], "openai" if column == "messages" else "sharegpt")
     try:
-        tools = _tools(rec.get("tools"))
+        tools = parse_tools(rec.get("tools"))
     except ValueError as e:
         raise _Skip("malformed", f"tools: {e}") from None
     return msgs, tools
@@ -182,8 +183,7 @@ def prompt_token_limit(max_model_len: int | None, model_dir: str, max_tokens: in
                 c = json.loads(cfg.read_text())
             except json.JSONDecodeError:
                 c = {}
-            c = c.get("text_config") or c
-            limit = c.get("max_position_embeddings")
+            limit = text_config(c).get("max_position_embeddings")
     if not limit:
         return None
     return int(limit) - max_tokens - num_speculative_tokens - 8  # 8: the evaluate stage's own margin

@@ -236,32 +236,11 @@ def _run_engines(cfg: EvaluateConfig, target: TargetConfig, plan: EnginePlan, pr
     `plan.ngram` vLLM's n-gram speculation (label NGRAM), and, with check_lossless or speedup, the target
     alone; return {label: RunOutput}. Labels in `plan.sampled` also get the pass at cfg.temperature, those
     in `plan.timed` (and the target alone, and n-gram) the timed rounds."""
-    from eagle3_pipeline.evaluate.worker import (
-        NGRAM,
-        PLAIN,
-        EvalJob,
-        EvalRunSpec,
-        NgramLookup,
-        RunOutput,
-        result_path,
-    )
+    from eagle3_pipeline.evaluate.worker import EvalJob, RunOutput, result_path
 
-    drafts, sampled, timed, ngram = plan.drafts, plan.sampled, plan.timed, plan.ngram
-    for reserved, what in ((PLAIN, "the run without speculation"), (NGRAM, "the n-gram baseline")):
-        if reserved in drafts:
-            raise ValueError(f"evaluate: {reserved!r} is reserved for {what}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    runs = [EvalRunSpec(label=k, draft_dir=str(Path(v).resolve()), num_speculative_tokens=cfg.num_speculative_tokens,
-                        sampled=k in sampled and cfg.temperature is not None, timed=k in timed and cfg.speedup)
-            for k, v in drafts.items()]
-    if _reference(cfg, drafts) == PLAIN or cfg.speedup:
-        runs.append(EvalRunSpec(label=PLAIN, draft_dir=None, timed=cfg.speedup))
-    if ngram:  # last: no engine can start in the child after it (worker.EvalJob)
-        runs.append(EvalRunSpec(label=NGRAM, draft_dir=None, num_speculative_tokens=cfg.num_speculative_tokens,
-                                ngram=NgramLookup(prompt_lookup_min=cfg.ngram_prompt_lookup_min,
-                                                  prompt_lookup_max=cfg.ngram_prompt_lookup_max),
-                                timed=cfg.speedup))
+    runs = _run_specs(cfg, plan)
     for r in runs:  # a gate never reads an earlier attempt's numbers
         result_path(out_dir, r.label).unlink(missing_ok=True)
     ids = prompts.prompts
@@ -271,48 +250,19 @@ def _run_engines(cfg: EvaluateConfig, target: TargetConfig, plan: EnginePlan, pr
                   temperature=cfg.temperature, seed=cfg.sampling_seed,
                   timing_rounds=cfg.speedup_rounds if cfg.speedup else 0, runs=runs, out_dir=str(out_dir.resolve()))
     job_path = write_json(out_dir / "job.json", job.model_dump(mode="json"))
-    errors: list[dict] = []
-    causes: list[str] = []
-
-    def on_line(line: str) -> None:
-        log(line)
-        m = _EXC_LINE.search(line)
-        if m and len(causes) < 5:
-            causes.append(m.group(0))
-
-    def on_event(ev: dict) -> None:
-        kind = ev.get("kind")
-        if kind == "engine_ready":
-            log(f"evaluate: engine for {ev['label']} ready in {ev['seconds']:.1f}s")
-        elif kind == "run_done":
-            speed = f", timed rounds {ev['timed_tokens_per_s']} tok/s" if ev.get("timed_tokens_per_s") else ""
-            steps = f" in {ev['steps']} decode steps" if ev.get("steps") is not None else ""
-            log(f"evaluate: {ev['label']}: {ev['generated_tokens']} tokens in {ev['generate_s']:.2f}s, "
-                f"{ev['drafts']} drafts, {ev['accepted']} draft tokens accepted{steps}{speed}")
-        elif kind == "error":
-            errors.append(ev)
-
+    watch = _ChildWatch(log)
     env = engine_env(cfg)
     counts = prompts.category_counts()
     log(f"evaluate: {len(ids)} prompts in {len(counts)} categories, runs {[r.label for r in runs]}, "
         f"engine {'in process' if env else 'in its own processes'}, log {out_dir / 'evaluate.log'}")
     try:
         run_child(python_child(WORKER, str(job_path)), name="evaluate", timeout_s=cfg.timeout_s,
-                  log_path=out_dir / "evaluate.log", on_line=on_line, on_event=on_event, env=env)
+                  log_path=out_dir / "evaluate.log", on_line=watch.on_line, on_event=watch.on_event, env=env)
     except ChildFailed as e:
         refused = refusal_of(e, out_dir / "evaluate.log", "evaluate", cfg, "evaluate.max_model_len")
         if refused is not None:  # the same settings would be refused again: no retry, the key to change
             raise refused
-        cause = f"first error in the log: {causes[0]}; " if causes else ""
-        if errors:
-            ev = errors[-1]
-            where = (f"draft {ev['draft_dir']}" if ev.get("draft_dir") else
-                     "target with n-gram speculation" if ev.get("ngram") else "target without speculation")
-            if causes and causes[0] == ev["error"]:
-                cause = ""
-            raise EvaluateError(f"evaluate: vLLM failed on the {ev['label']} run ({where}): {cause}"
-                                f"{ev['error']}\n{e}") from e
-        raise EvaluateError(f"evaluate: {cause}{e}") from e
+        raise watch.failure(e) from e
     outs = {}
     for r in runs:
         p = result_path(out_dir, r.label)
@@ -320,6 +270,67 @@ def _run_engines(cfg: EvaluateConfig, target: TargetConfig, plan: EnginePlan, pr
             raise EvaluateError(f"evaluate: the child exited 0 but wrote no result for {r.label} ({p})")
         outs[r.label] = RunOutput.model_validate_json(p.read_text())
     return outs
+
+
+def _run_specs(cfg: EvaluateConfig, plan: EnginePlan) -> list:
+    """The child's engine runs in order: each draft, the target alone (the lossless reference or the speedup's
+    baseline), then vLLM's n-gram speculation last (no engine can start in the child after it)."""
+    from eagle3_pipeline.evaluate.worker import NGRAM, PLAIN, EvalRunSpec, NgramLookup
+
+    drafts = plan.drafts
+    for reserved, what in ((PLAIN, "the run without speculation"), (NGRAM, "the n-gram baseline")):
+        if reserved in drafts:
+            raise ValueError(f"evaluate: {reserved!r} is reserved for {what}")
+    runs = [EvalRunSpec(label=k, draft_dir=str(Path(v).resolve()), num_speculative_tokens=cfg.num_speculative_tokens,
+                        sampled=k in plan.sampled and cfg.temperature is not None,
+                        timed=k in plan.timed and cfg.speedup)
+            for k, v in drafts.items()]
+    if _reference(cfg, drafts) == PLAIN or cfg.speedup:
+        runs.append(EvalRunSpec(label=PLAIN, draft_dir=None, timed=cfg.speedup))
+    if plan.ngram:
+        runs.append(EvalRunSpec(label=NGRAM, draft_dir=None, num_speculative_tokens=cfg.num_speculative_tokens,
+                                ngram=NgramLookup(prompt_lookup_min=cfg.ngram_prompt_lookup_min,
+                                                  prompt_lookup_max=cfg.ngram_prompt_lookup_max),
+                                timed=cfg.speedup))
+    return runs
+
+
+class _ChildWatch:
+    """The evaluate child's output as it comes: its lines logged (the first exception lines kept as causes),
+    its events turned into progress lines, its error events kept for the failure's message."""
+
+    def __init__(self, log: Callable[[str], None]):
+        self.log, self.errors, self.causes = log, [], []
+
+    def on_line(self, line: str) -> None:
+        self.log(line)
+        m = _EXC_LINE.search(line)
+        if m and len(self.causes) < 5:
+            self.causes.append(m.group(0))
+
+    def on_event(self, ev: dict) -> None:
+        kind = ev.get("kind")
+        if kind == "engine_ready":
+            self.log(f"evaluate: engine for {ev['label']} ready in {ev['seconds']:.1f}s")
+        elif kind == "run_done":
+            speed = f", timed rounds {ev['timed_tokens_per_s']} tok/s" if ev.get("timed_tokens_per_s") else ""
+            steps = f" in {ev['steps']} decode steps" if ev.get("steps") is not None else ""
+            self.log(f"evaluate: {ev['label']}: {ev['generated_tokens']} tokens in {ev['generate_s']:.2f}s, "
+                     f"{ev['drafts']} drafts, {ev['accepted']} draft tokens accepted{steps}{speed}")
+        elif kind == "error":
+            self.errors.append(ev)
+
+    def failure(self, e: ChildFailed) -> EvaluateError:
+        """The child's failure, naming the run that failed and the first error in its log."""
+        cause = f"first error in the log: {self.causes[0]}; " if self.causes else ""
+        if not self.errors:
+            return EvaluateError(f"evaluate: {cause}{e}")
+        ev = self.errors[-1]
+        where = (f"draft {ev['draft_dir']}" if ev.get("draft_dir") else
+                 "target with n-gram speculation" if ev.get("ngram") else "target without speculation")
+        if self.causes and self.causes[0] == ev["error"]:
+            cause = ""
+        return EvaluateError(f"evaluate: vLLM failed on the {ev['label']} run ({where}): {cause}{ev['error']}\n{e}")
 
 
 def _reference(cfg: EvaluateConfig, drafts: dict) -> str | None:

@@ -273,122 +273,171 @@ def _pool_save(cfg: VerifyConfig, version: ExtractVersion, pool, keys: dict[int,
 
 def _verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, log, sample: list[int] | None = None,
             fingerprints: bool | None = None) -> VerifyResult:
-    t0 = time.time()
-    extract_dir, tokenized_dir = version.path, version.tokenized_dir
-    man = ShardRun(version.path).read(missing_ok=True)
-    shards = man.shards
-    ds = load_tokenized(tokenized_dir)
-    fp_required = bool(man.config.get("extract", {}).get("fingerprints"))
-    if fingerprints is not None:
-        fp_required = fingerprints
-    sketch_skipped = _sketch_skipped(cfg, man, fp_required)
-    if sample is not None:
-        bad_ids = [r for r in sample if not 0 <= r < len(ds)]
-        if bad_ids or not sample:
-            raise ValueError(f"verify: sample rows {bad_ids or sample} outside the {len(ds)} rows of {tokenized_dir}")
-        reused, reused_hashes, pool, keys, from_pool = {}, {}, None, {}, {}
-        todo = sorted(set(sample))
-    else:
-        reused, reused_hashes = _reusable(cfg, version, shards, log)
-        pool = version_pool(version)
-        keys = row_keys(tokenized_dir, [r for r in range(len(ds)) if r not in reused], pool.key) if pool else {}
-        from_pool = _pool_reusable(cfg, version, pool, keys, fp_required)
-        reused.update(from_pool)
-        todo = [r for r in range(len(ds)) if r not in reused]
-    final, final_skipped = final_layer_check(target, version.dims, cfg, version.storage_dtype)
-    if final_skipped:
-        log(f"verify: final-layer fingerprint check skipped: {final_skipped}")
-    extras = _Extras(identity=cfg.identity_max_z is not None,
-                     final=final, fingerprints_dir=str(version.fingerprints_dir), fingerprints_required=fp_required,
-                     min_agreement=cfg.fingerprint_min_agreement, sketch_required=sketch_skipped is None)
-    log(f"verify: {len(todo)} records to read, {len(reused)} reused ({len(reused_hashes)} unchanged verified shards, "
-        f"{len(from_pool)} records verified in another version through the record pool)")
-    check = StructureCheck(tokenized_dir, version.hidden_states_dir, version.layer_ids, version.dims.hidden_size,
-                           version.storage_dtype, norm_samples=cfg.norm_bounds_samples,
-                           norm_factor=cfg.norm_bounds_factor, norm_min_ratio=cfg.norm_bounds_min_ratio,
-                           identity_max_z=cfg.identity_max_z, prediction_max_z=cfg.prediction_max_z,
-                           prediction_cap=cfg.confirm_rows,
-                           workers=cfg.workers)
-    st = verify_structure(check, rows=todo, log=log, extras=extras, reused=list(reused.values()))
-    if final_skipped:
-        st.fingerprint.skipped = final_skipped
-    bad_st = set(st.bad_rows)
-    good_new = [r for r in todo if r not in bad_st and r < len(ds)]
-    prev = read_json(version.verify_path) or {}
-    rows, power = _reference_rows(cfg, version, ds, good_new)
-    if rows:
-        log(f"verify: reference sample: {power['sampled']} of {power['rows']} rows; {power['says']}")
-    # one streamed pass over the weights recomputes the sample and the rows learned checks flagged
-    learned = st.learned_rows[: cfg.confirm_rows]
-    full, why_not = _reference_pass(cfg, target, version, rows, learned, log)
-    _confirm_learned(cfg, st, full, why_not, log)
-    bad_st = set(st.bad_rows)  # without the rows the target cleared
-    ref = ReferenceResult(samples_checked=[], max_rel_err=None, min_cosine=None, per_layer_max_rel_err={},
-                          problems=[], skipped="reference_samples is 0")
-    if rows:
-        ref = _sample_part(full, rows, why_not)
-    elif cfg.reference_samples != 0 and reused:
-        ref.skipped = ("every record was verified before, unchanged since: in this version" if prev.get("reference_samples")
-                       else "every record was verified before, unchanged since: in the version the record pool took "
-                            "it from")
-        ref.samples_checked, ref.max_rel_err = prev.get("reference_samples", []), prev.get("reference_max_rel_err")
-        ref.min_cosine = prev.get("reference_min_cosine")
-    inv = _invariance(cfg, version, man, ds, log, sample)
-    # every row's tokens and mask, reused records' too (hashing the rows is cheap; a dataset can change under them)
-    mask_found, mask_bad, mask_rows = mask_problems(ds, shards, todo if sample is not None else list(range(len(ds))))
-    ref_ran_here = bool(rows)
-    off = fingerprints_off_problem(fp_required, cfg.allow_skip)
-    problems = st.problems + [p for p in ref.problems if p not in st.problems] + inv.problems + mask_found + (
-        [off] if off else []) + unrunnable(
-        cfg, final_skipped if fp_required else None, ref.skipped if ref_ran_here else None, ref_ran_here)
-    bad_rows = sorted(bad_st | set(ref.bad_rows) | set(inv.bad_rows) | set(mask_bad))
-    moved = []
-    if problems and cfg.move_bad_files:
-        failed_dir = extract_dir / "hidden_states_failed"
-        if pool is not None:  # a rejected record that is the pool's must leave the pool: re-extracted, not re-linked
-            bad_keys = row_keys(tokenized_dir, [r for r in bad_rows if r < len(ds)], pool.key)
-            with pool.lock(log):
-                gone = [r for r, k in bad_keys.items() if pool.forget(k, version.record_path(r))]
+    return _VerifyRun(cfg, target, version, log, sample, fingerprints).run()
+
+
+class _VerifyRun:
+    """One verification of a version (or of an online sample's rows), its checks in the order each reads
+    what the one before produced: which records to read, their structure and fingerprints, the reference,
+    batch invariance and masks, then quarantine and the record."""
+
+    def __init__(self, cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, log,
+                 sample: list[int] | None, fingerprints: bool | None):
+        self.cfg, self.target, self.version, self.log, self.sample = cfg, target, version, log, sample
+        self.t0 = time.time()
+        self.man = ShardRun(version.path).read(missing_ok=True)
+        self.shards = self.man.shards
+        self.ds = load_tokenized(version.tokenized_dir)
+        fp_required = bool(self.man.config.get("extract", {}).get("fingerprints"))
+        self.fp_required = fp_required if fingerprints is None else fingerprints
+        self.sketch_skipped = _sketch_skipped(cfg, self.man, self.fp_required)
+
+    def run(self) -> VerifyResult:
+        cfg, version, ds, log = self.cfg, self.version, self.ds, self.log
+        self.rows_to_read()
+        st, final_skipped = self.structure()
+        ref, ran_here, power = self.reference(st)
+        bad_st = set(st.bad_rows)  # without the rows the target cleared
+        inv = _invariance(cfg, version, self.man, ds, log, self.sample)
+        # every row's tokens and mask, reused records' too (hashing the rows is cheap; a dataset can change under them)
+        mask_found, mask_bad, mask_rows = mask_problems(ds, self.shards, self.todo if self.sample is not None
+                                                        else list(range(len(ds))))
+        off = fingerprints_off_problem(self.fp_required, cfg.allow_skip)
+        problems = st.problems + [p for p in ref.problems if p not in st.problems] + inv.problems + mask_found + (
+            [off] if off else []) + unrunnable(
+            cfg, final_skipped if self.fp_required else None, ref.skipped if ran_here else None, ran_here)
+        bad_rows = sorted(bad_st | set(ref.bad_rows) | set(inv.bad_rows) | set(mask_bad))
+        moved = self.quarantine(bad_rows) if problems and cfg.move_bad_files else []
+        self.power = power
+        res = self.record(st, ref, inv, problems, bad_rows, moved)
+        res.checks["masks"] = CheckRun(ran=bool(mask_rows), records=mask_rows, skipped=None if mask_rows else
+                                       "no row hashes in the manifest (extracted before they were kept)")
+        for name, c in res.checks.items():
+            log(f"verify: check {name}: " + (f"ran on {c.records} records" if c.ran else f"skipped ({c.skipped})"))
+        bad = set(bad_rows)
+        cache.save(version.path / cache.CACHE_NAME, [r for r in [*self.reused.values(), *st.results] if r.row not in bad])
+        if self.pool is not None:
+            _pool_save(cfg, version, self.pool, self.keys, [r for r in st.results if r.row not in bad], self.fp_required)
+        write_json(version.verify_path, res.model_dump())
+        return res
+
+    def rows_to_read(self) -> None:
+        """The rows whose records this run reads (`todo`); the others are reused: from this version's unchanged
+        verified shards, or verified in another version through the record pool."""
+        cfg, version, ds = self.cfg, self.version, self.ds
+        if self.sample is not None:
+            bad_ids = [r for r in self.sample if not 0 <= r < len(ds)]
+            if bad_ids or not self.sample:
+                raise ValueError(f"verify: sample rows {bad_ids or self.sample} outside the {len(ds)} rows of "
+                                 f"{version.tokenized_dir}")
+            self.reused, self.reused_hashes, self.pool, self.keys, self.from_pool = {}, {}, None, {}, {}
+            self.todo = sorted(set(self.sample))
+            return
+        self.reused, self.reused_hashes = _reusable(cfg, version, self.shards, self.log)
+        self.pool = version_pool(version)
+        self.keys = row_keys(version.tokenized_dir, [r for r in range(len(ds)) if r not in self.reused],
+                             self.pool.key) if self.pool else {}
+        self.from_pool = _pool_reusable(cfg, version, self.pool, self.keys, self.fp_required)
+        self.reused.update(self.from_pool)
+        self.todo = [r for r in range(len(ds)) if r not in self.reused]
+
+    def structure(self):
+        """Every record read: structure, norms, identity, fingerprints, sketches, prediction. (result, why the
+        final-layer check was skipped or None)"""
+        cfg, version = self.cfg, self.version
+        final, final_skipped = final_layer_check(self.target, version.dims, cfg, version.storage_dtype)
+        if final_skipped:
+            self.log(f"verify: final-layer fingerprint check skipped: {final_skipped}")
+        extras = _Extras(identity=cfg.identity_max_z is not None,
+                         final=final, fingerprints_dir=str(version.fingerprints_dir),
+                         fingerprints_required=self.fp_required, min_agreement=cfg.fingerprint_min_agreement,
+                         sketch_required=self.sketch_skipped is None)
+        self.log(f"verify: {len(self.todo)} records to read, {len(self.reused)} reused ({len(self.reused_hashes)} "
+                 f"unchanged verified shards, {len(self.from_pool)} records verified in another version through "
+                 f"the record pool)")
+        check = StructureCheck(version.tokenized_dir, version.hidden_states_dir, version.layer_ids,
+                               version.dims.hidden_size, version.storage_dtype, norm_samples=cfg.norm_bounds_samples,
+                               norm_factor=cfg.norm_bounds_factor, norm_min_ratio=cfg.norm_bounds_min_ratio,
+                               identity_max_z=cfg.identity_max_z, prediction_max_z=cfg.prediction_max_z,
+                               prediction_cap=cfg.confirm_rows, workers=cfg.workers)
+        st = verify_structure(check, rows=self.todo, log=self.log, extras=extras, reused=list(self.reused.values()))
+        if final_skipped:
+            st.fingerprint.skipped = final_skipped
+        return st, final_skipped
+
+    def reference(self, st):
+        """The reference sample and the rows learned checks flagged, recomputed in one streamed pass over the
+        weights; the flagged rows the target clears leave `st`'s bad rows. (the sample's verdict, whether it
+        ran here, its power)"""
+        cfg, version, log = self.cfg, self.version, self.log
+        bad_st = set(st.bad_rows)
+        good_new = [r for r in self.todo if r not in bad_st and r < len(self.ds)]
+        prev = read_json(version.verify_path) or {}
+        rows, power = _reference_rows(cfg, version, self.ds, good_new)
+        if rows:
+            log(f"verify: reference sample: {power['sampled']} of {power['rows']} rows; {power['says']}")
+        learned = st.learned_rows[: cfg.confirm_rows]
+        full, why_not = _reference_pass(cfg, self.target, version, rows, learned, log)
+        _confirm_learned(cfg, st, full, why_not, log)
+        ref = ReferenceResult(samples_checked=[], max_rel_err=None, min_cosine=None, per_layer_max_rel_err={},
+                              problems=[], skipped="reference_samples is 0")
+        if rows:
+            ref = _sample_part(full, rows, why_not)
+        elif cfg.reference_samples != 0 and self.reused:
+            ref.skipped = ("every record was verified before, unchanged since: in this version"
+                           if prev.get("reference_samples") else
+                           "every record was verified before, unchanged since: in the version the record pool took "
+                           "it from")
+            ref.samples_checked, ref.max_rel_err = prev.get("reference_samples", []), prev.get("reference_max_rel_err")
+            ref.min_cosine = prev.get("reference_min_cosine")
+        return ref, bool(rows), power
+
+    def quarantine(self, bad_rows: list[int]) -> list[str]:
+        """The bad rows' records moved aside (and out of the record pool), their shards marked failed for
+        re-extraction; the paths they were moved to."""
+        version, log = self.version, self.log
+        failed_dir = version.path / "hidden_states_failed"
+        if self.pool is not None:  # a rejected record that is the pool's must leave the pool: re-extracted, not re-linked
+            bad_keys = row_keys(version.tokenized_dir, [r for r in bad_rows if r < len(self.ds)], self.pool.key)
+            with self.pool.lock(log):
+                gone = [r for r, k in bad_keys.items() if self.pool.forget(k, version.record_path(r))]
             if gone:
-                log(f"verify: rows {gone}: their records were removed from the record pool {pool.dir}")
+                log(f"verify: rows {gone}: their records were removed from the record pool {self.pool.dir}")
+        moved = []
         for r in bad_rows:
             f = version.record_path(r)
             if f.exists():
                 failed_dir.mkdir(exist_ok=True)
                 shutil.move(str(f), str(failed_dir / f.name))
                 moved.append(str(failed_dir / f.name))
-        hit = mark_rows_failed(extract_dir, bad_rows, "verify failed")
+        hit = mark_rows_failed(version.path, bad_rows, "verify failed")
         log(f"verify: moved {len(moved)} files to {failed_dir}; shards {hit} marked failed for re-extraction")
-    bad = set(bad_rows)
-    man = ShardRun(version.path).read(missing_ok=True)  # mark_rows_failed may have changed it
-    hashes = {str(e.index): cache.shard_hash(e, version) for e in man.published()
-              if not any(e.row_start <= r < e.row_end for r in bad)}
-    n_rechecked = len({e.index for e in shards if str(e.index) not in reused_hashes})
-    res = VerifyResult(
-        content_key=version.content_key, passed=not problems and st.files_checked > 0,
-        samples_checked=st.files_checked, tokens_checked=st.tokens_checked, reference_max_rel_err=ref.max_rel_err,
-        reference_min_cosine=ref.min_cosine, reference_samples=ref.samples_checked, reference_skipped=ref.skipped,
-        problems=problems, bad_rows=bad_rows, moved_files=moved, layer_stats=st.layer_stats, bytes_read=st.bytes_read,
-        structure_seconds=st.seconds, norm_bounds_files=st.norm_bounds_files, norm_bounds_skipped=st.norm_bounds_skipped,
-        invariance_samples=inv.samples_checked, invariance_max_rel_err=inv.max_rel_err,
-        invariance_min_cosine=inv.min_cosine, invariance_skipped=inv.skipped, fingerprint=st.fingerprint,
-        identity_files=st.identity_files, identity_skipped=st.identity_skipped,
-        identity_max_deviation=st.identity_max_deviation, identity_profile=st.identity_profile,
-        reference_peak_rss_bytes=getattr(ref, "peak_rss_bytes", None), shards_rechecked=n_rechecked,
-        shards_reused=len(reused_hashes), config_key=_config_key(cfg), shard_hashes=hashes,
-        rows_rechecked=len(todo), rows_reused=len(reused), rows_reused_pool=len(from_pool),
-        seconds=round(time.time() - t0, 2), checks=_checks(st, ref, inv, fp_required, sketch_skipped), cleared=st.cleared,
-        sketch_failed=st.sketch_failed, sketch_margin=st.sketch_margin, prediction=st.prediction,
-        reference_power=power)
-    res.checks["masks"] = CheckRun(ran=bool(mask_rows), records=mask_rows, skipped=None if mask_rows else
-                                   "no row hashes in the manifest (extracted before they were kept)")
-    for name, c in res.checks.items():
-        log(f"verify: check {name}: " + (f"ran on {c.records} records" if c.ran else f"skipped ({c.skipped})"))
-    cache.save(extract_dir / cache.CACHE_NAME, [r for r in [*reused.values(), *st.results] if r.row not in bad])
-    if pool is not None:
-        _pool_save(cfg, version, pool, keys, [r for r in st.results if r.row not in bad], fp_required)
-    write_json(version.verify_path, res.model_dump())
-    return res
+        return moved
+
+    def record(self, st, ref, inv, problems, bad_rows, moved) -> VerifyResult:
+        cfg, version = self.cfg, self.version
+        bad = set(bad_rows)
+        man = ShardRun(version.path).read(missing_ok=True)  # mark_rows_failed may have changed it
+        hashes = {str(e.index): cache.shard_hash(e, version) for e in man.published()
+                  if not any(e.row_start <= r < e.row_end for r in bad)}
+        n_rechecked = len({e.index for e in self.shards if str(e.index) not in self.reused_hashes})
+        return VerifyResult(
+            content_key=version.content_key, passed=not problems and st.files_checked > 0,
+            samples_checked=st.files_checked, tokens_checked=st.tokens_checked, reference_max_rel_err=ref.max_rel_err,
+            reference_min_cosine=ref.min_cosine, reference_samples=ref.samples_checked, reference_skipped=ref.skipped,
+            problems=problems, bad_rows=bad_rows, moved_files=moved, layer_stats=st.layer_stats,
+            bytes_read=st.bytes_read, structure_seconds=st.seconds, norm_bounds_files=st.norm_bounds_files,
+            norm_bounds_skipped=st.norm_bounds_skipped, invariance_samples=inv.samples_checked,
+            invariance_max_rel_err=inv.max_rel_err, invariance_min_cosine=inv.min_cosine,
+            invariance_skipped=inv.skipped, fingerprint=st.fingerprint, identity_files=st.identity_files,
+            identity_skipped=st.identity_skipped, identity_max_deviation=st.identity_max_deviation,
+            identity_profile=st.identity_profile, reference_peak_rss_bytes=getattr(ref, "peak_rss_bytes", None),
+            shards_rechecked=n_rechecked, shards_reused=len(self.reused_hashes), config_key=_config_key(cfg),
+            shard_hashes=hashes, rows_rechecked=len(self.todo), rows_reused=len(self.reused),
+            rows_reused_pool=len(self.from_pool), seconds=round(time.time() - self.t0, 2),
+            checks=_checks(st, ref, inv, self.fp_required, self.sketch_skipped), cleared=st.cleared,
+            sketch_failed=st.sketch_failed, sketch_margin=st.sketch_margin, prediction=st.prediction,
+            reference_power=self.power)
 
 
 def _sample_part(full: ReferenceResult | None, rows: list[int], why_not: str | None) -> ReferenceResult:

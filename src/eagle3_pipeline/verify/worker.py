@@ -51,6 +51,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from eagle3_pipeline.config import TargetConfig
+from eagle3_pipeline.contracts import text_config
 from eagle3_pipeline.proc import emit_event
 
 BUDGET_EXIT = 3
@@ -216,15 +217,6 @@ class Checkpoint:
 
 
 # ---------------------------------------------------------------- the one-layer config
-
-def text_config(full: dict) -> dict:
-    """The language model's config: `text_config` of a multimodal wrapper (Kimi-K2.5), else the config.
-    A quantisation config of the wrapper is carried into it."""
-    text = dict(full.get("text_config") or full)
-    if "quantization_config" in full and "quantization_config" not in text:
-        text["quantization_config"] = full["quantization_config"]
-    return text
-
 
 def layer_config(text: dict, k: int) -> dict:
     """`text` (the language model's config.json as a dict) turned into a one-layer model whose layer 0
