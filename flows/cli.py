@@ -70,6 +70,37 @@ def fail(command: str, e: BaseException) -> NoReturn:
     raise typer.Exit(code)
 
 
+# Prefect's own bookkeeping lines that say nothing a person needs on screen (the UI's run log keeps them): a task
+# or flow that completed, a flow that began. A failure, a retry and every line of the pipeline's stay.
+_ROUTINE = ("Finished in state Completed()", "Finished in state Cached(type=COMPLETED)", "Beginning flow run ",
+            "Beginning subflow run ")
+
+
+class _Routine:
+    def filter(self, record) -> bool:  # a logging filter
+        msg = record.getMessage()
+        return not any(msg.startswith(r) for r in _ROUTINE)
+
+
+def quiet_console() -> None:
+    """The console of `eagle3 run`: Prefect's routine lines off its stream handlers, the trainer library's
+    INFO lines about where it loads a model from off stderr. What the stages say, warnings and errors stay."""
+    import logging
+
+    loggers = [logging.getLogger(), *(lg for lg in logging.root.manager.loggerDict.values()
+                                      if isinstance(lg, logging.Logger))]
+    for lg in loggers:
+        for h in lg.handlers:
+            if isinstance(h, logging.StreamHandler) and not any(isinstance(f, _Routine) for f in h.filters):
+                h.addFilter(_Routine())
+    try:
+        from loguru import logger
+
+        logger.disable("speculators.utils.loading")
+    except ImportError:
+        pass
+
+
 def exits(fn):
     """Decorator for a command: an exception becomes `fail(...)` (typer's own exits pass through)."""
     @functools.wraps(fn)
@@ -93,12 +124,14 @@ def run(config: ConfigOpt, output_dir: Annotated[Path, typer.Option(help="where 
     from flows.local_server import EarlyServer
 
     cfg = load_config(config, set_ or [])
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no telemetry (and its error offline)
     server = EarlyServer.start()  # Prefect's temporary server starts while the flows are imported
     from eagle3_pipeline.runs import create_run_dir
     from flows.pipeline import pipeline
 
     run_dir = create_run_dir(output_dir, cfg)
     console.print(f"[bold]run[/] {run_dir.name} -> {run_dir}")
+    quiet_console()
     try:
         if server is not None:
             server.adopt()

@@ -27,6 +27,20 @@ from eagle3_pipeline.errors import StageTimeout
 
 EVENT_PREFIX = "@@eagle3-event "
 # Marker put in the environment of every child so that gpu-gate can find leftovers of ours.
+# Which of a child's lines reach the console and the run log (the log file gets every line, and a failure's
+# message carries the last ones): the pipeline's own ("extract worker: ...", "reference: layer 7 ...", lower-case
+# words and a colon, our convention) and anything that reads as an error. vLLM's, torch's and the trainer's own
+# INFO/WARNING chatter (hundreds of lines per engine start) stays in the file named on screen.
+OWN_LINE = re.compile(r"^[a-z][a-z0-9_ -]{0,40}: ")
+ERROR_LINE = re.compile(r"Traceback|[A-Za-z]+Error\b|\bERROR\b|Exception|Killed|[Ff]ailed|FAIL|[Ii]njected")
+VERBOSE_ENV = "EAGLE3_CHILD_OUTPUT"  # "all": every line of every child to the console too
+
+
+def console_line(line: str) -> bool:
+    """Whether a child's output line is shown (to `on_line`), not only written to its log file."""
+    return bool(OWN_LINE.match(line) or ERROR_LINE.search(line)) or os.environ.get(VERBOSE_ENV) == "all"
+
+
 CHILD_MARKER_ENV = "EAGLE3_PIPELINE_CHILD"
 # The pid of the process that launched the child: a child whose launcher is gone is a leftover.
 LAUNCHER_ENV = "EAGLE3_PIPELINE_LAUNCHER"
@@ -220,7 +234,7 @@ def _spawn(argv: list[str], name: str, log_path: Path | None, on_line: Callable[
             tail.append(line)
             if log_f:
                 log_f.write(line + "\n")
-            if on_line:
+            if on_line and console_line(line):
                 on_line(f"[{name}] {line}")
 
     reader = threading.Thread(target=pump, daemon=True)

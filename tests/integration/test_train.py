@@ -10,6 +10,7 @@ killed-training test and the untrained draft run children of their own.
 from __future__ import annotations
 
 import json
+import time
 import os
 import shutil
 from pathlib import Path
@@ -50,8 +51,9 @@ def _cfg(**kw) -> TrainConfig:
 def trained(inputs, tmp_path_factory):
     out = tmp_path_factory.mktemp("train-run")
     lines: list[str] = []
+    t0 = time.monotonic()
     res = train_draft(_cfg(), inputs.target, inputs.version, inputs.vocab_dir, out, log=lines.append)
-    return SimpleNamespace(res=res, out=out, lines=lines)
+    return SimpleNamespace(res=res, out=out, lines=lines, seconds=time.monotonic() - t0)
 
 
 def test_training_reduces_loss_and_writes_metrics(trained):
@@ -199,14 +201,22 @@ def test_epoch_killed_between_save_and_validation_is_trained_again(tmp_path, val
 
 
 def test_step_lines_reach_the_log_callback(trained):
-    """The per-step line the Prefect run logger gets (train_draft's `log`): step, epoch, loss,
-    full-sequence accuracy per TTT step and throughput, one line per logged optimizer step."""
+    """The step lines the Prefect run logger gets (train_draft's `log`): step, epoch, loss, full-sequence
+    accuracy per TTT step and throughput, at the extraction's cadence (progress.interval(): the first step,
+    the last, and at most one in between every EAGLE3_PROGRESS_S seconds); metrics.jsonl keeps every step."""
+    import json
     import re
+
+    from eagle3_pipeline.progress import interval
 
     pat = re.compile(r"^train: step (\d+)(?:/\d+)? epoch (\d+) loss (\d+\.\d{3}) acc\[(\d\.\d\d) (\d\.\d\d) (\d\.\d\d)\] "
                      r"(\d+) tok/s$")
-    steps = [m for m in map(pat.match, trained.lines) if m]
-    assert [int(m.group(1)) for m in steps] == list(range(trained.res.steps))
+    steps = [int(m.group(1)) for m in map(pat.match, trained.lines) if m]
+    n = trained.res.steps
+    assert steps[0] == 0 and steps[-1] == n - 1 and steps == sorted(set(steps)), steps
+    assert len(steps) <= 2 + trained.seconds / interval() + 1, (steps, trained.seconds)  # not one per step
+    rows = [json.loads(x) for x in (trained.out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "train_step"] == list(range(n))
     assert any(x.startswith("train: validation epoch 1 loss ") for x in trained.lines)
     assert any(x.startswith("train: export check passed for ") for x in trained.lines)
     assert trained.res.export_checked

@@ -36,6 +36,7 @@ from pydantic import BaseModel
 from eagle3_pipeline.config import TargetConfig, TrainConfig
 from eagle3_pipeline.contracts import HS_KEY, TOKENS_KEY, ContractError, record_name
 from eagle3_pipeline.layout import ExtractVersion
+from eagle3_pipeline.progress import interval
 from eagle3_pipeline.proc import python_child, run_child
 from eagle3_pipeline.store import atomic_write_text, dir_lock, read_json, sha256_file, write_json
 from eagle3_pipeline.train.export import export_check
@@ -224,12 +225,20 @@ def _run_worker(job: TrainJob, job_path: Path, log: Callable[[str], None], log_p
     Path(job.result_path).unlink(missing_ok=True)  # never report a previous attempt's result
 
     total: list[int | None] = [None]  # optimizer steps of the whole run, from the start event (progress)
+    shown = [float("-inf")]  # when a step line was last shown: one at most every progress.interval() seconds
+    every = interval()
 
     def on_event(ev: dict):
         if ev.get("kind") == "start" and ev.get("train_batches_per_epoch") and ev.get("epochs"):
             total[0] = int(ev["train_batches_per_epoch"]) * int(ev["epochs"])
             if cfg.max_steps:
                 total[0] = min(total[0], cfg.max_steps)
+        if ev.get("kind") == "train_step":  # every step is in metrics.jsonl; the console gets the extraction's cadence
+            step, now = int(ev.get("step") or 0), time.monotonic()
+            last = total[0] is not None and step + 1 >= total[0]
+            if step and not last and not ev.get("error_records") and now - shown[0] < every:
+                return
+            shown[0] = now
         line = _format_event(ev, total[0])
         if line:
             log(line)

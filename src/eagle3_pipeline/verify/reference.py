@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from pydantic import BaseModel
 
 from eagle3_pipeline.data.prepare import load_tokenized
 from eagle3_pipeline.errors import EnvironmentProblem
+from eagle3_pipeline.progress import interval
 
 # The pass/fail criteria (per record and layer); decided in `_row_problems` only.
 # Per-layer criteria over a record's tokens, not its single worst token: MoE targets route near-ties
@@ -163,6 +165,27 @@ def _skipped(note: str, log) -> ReferenceResult:
                            problems=[], skipped=note)
 
 
+_LAYER_LINE = re.compile(r"\] reference: layer (\d+) ")
+
+
+def layer_cadence(log: Callable[[str], None], depth: int) -> Callable[[str], None]:
+    """The reference child's lines, its per-layer ones at the extraction's cadence: the first layer, the last
+    (`depth` - 1) and one at most every progress.interval() seconds between (61 of them for a Kimi-sized
+    target); every line is in the child's log file."""
+    every, shown = interval(), [float("-inf")]
+
+    def on_line(line: str) -> None:
+        m = _LAYER_LINE.search(line)
+        if m:
+            k, now = int(m.group(1)), time.monotonic()
+            if k not in (0, depth - 1) and now - shown[0] < every:
+                return
+            shown[0] = now
+        log(line)
+
+    return on_line
+
+
 def stream_reference(target, samples: dict[int, list[int]], layer_ids: list[int], work_dir: Path, *,
                      memory_gb: float, timeout_s: float, log: Callable[[str], None] = print,
                      log_path: Path | None = None):
@@ -187,7 +210,7 @@ def stream_reference(target, samples: dict[int, list[int]], layer_ids: list[int]
     where = f" (full log: {log_path})" if log_path else ""
     try:
         child = run_child(python_child(WORKER, str(job_path)), name="verify-reference", timeout_s=timeout_s,
-                          log_path=log_path, on_line=log, check=False)
+                          log_path=log_path, on_line=layer_cadence(log, max(layer_ids)), check=False)
         raw = read_json(work / RESULT_FILE)
         out = ReferenceOutput(**raw) if raw is not None else None
         if child.returncode == BUDGET_EXIT and out is not None and out.error:

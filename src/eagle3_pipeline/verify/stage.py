@@ -312,8 +312,11 @@ class _VerifyRun:
         res = self.record(st, ref, inv, problems, bad_rows, moved)
         res.checks["masks"] = CheckRun(ran=bool(mask_rows), records=mask_rows, skipped=None if mask_rows else
                                        "no row hashes in the manifest (extracted before they were kept)")
+        ran = ", ".join(f"{name} {c.records}" for name, c in res.checks.items() if c.ran)
+        log(f"verify: checks run (records): {ran or 'none'}")
         for name, c in res.checks.items():
-            log(f"verify: check {name}: " + (f"ran on {c.records} records" if c.ran else f"skipped ({c.skipped})"))
+            if not c.ran:
+                log(f"verify: check {name}: skipped ({c.skipped})")
         bad = set(bad_rows)
         cache.save(version.path / cache.CACHE_NAME, [r for r in [*self.reused.values(), *st.results] if r.row not in bad])
         if self.pool is not None:
