@@ -37,8 +37,10 @@ VERBOSE_ENV = "EAGLE3_CHILD_OUTPUT"  # "all": every line of every child to the c
 
 
 def console_line(line: str) -> bool:
-    """Whether a child's output line is shown (to `on_line`), not only written to its log file."""
-    return bool(OWN_LINE.match(line) or ERROR_LINE.search(line)) or os.environ.get(VERBOSE_ENV) == "all"
+    """Whether a child's output line is shown (to `on_line`), not only written to its log file: the pipeline's
+    own lines, those its vLLM plugins and connector log through vLLM's logger ("eagle3 ..."), errors."""
+    return (bool(OWN_LINE.match(line) or "eagle3 " in line or ERROR_LINE.search(line))
+            or os.environ.get(VERBOSE_ENV) == "all")
 
 
 CHILD_MARKER_ENV = "EAGLE3_PIPELINE_CHILD"

@@ -225,20 +225,25 @@ def _run_worker(job: TrainJob, job_path: Path, log: Callable[[str], None], log_p
     Path(job.result_path).unlink(missing_ok=True)  # never report a previous attempt's result
 
     total: list[int | None] = [None]  # optimizer steps of the whole run, from the start event (progress)
-    shown = [float("-inf")]  # when a step line was last shown: one at most every progress.interval() seconds
-    every = interval()
+    # step lines at the extraction's cadence (every step is in metrics.jsonl): the first, one at most every
+    # progress.interval() seconds, and the last before a validation or the end (held back until then)
+    shown, held, every = [float("-inf")], [None], interval()
 
     def on_event(ev: dict):
-        if ev.get("kind") == "start" and ev.get("train_batches_per_epoch") and ev.get("epochs"):
+        kind = ev.get("kind")
+        if kind == "start" and ev.get("train_batches_per_epoch") and ev.get("epochs"):
             total[0] = int(ev["train_batches_per_epoch"]) * int(ev["epochs"])
             if cfg.max_steps:
                 total[0] = min(total[0], cfg.max_steps)
-        if ev.get("kind") == "train_step":  # every step is in metrics.jsonl; the console gets the extraction's cadence
-            step, now = int(ev.get("step") or 0), time.monotonic()
-            last = total[0] is not None and step + 1 >= total[0]
-            if step and not last and not ev.get("error_records") and now - shown[0] < every:
+        if kind == "train_step":
+            now = time.monotonic()
+            if ev.get("step") and not ev.get("error_records") and now - shown[0] < every:
+                held[0] = ev
                 return
-            shown[0] = now
+            shown[0], held[0] = now, None
+        elif held[0] is not None:  # a validation, the end: the step before it first
+            log(_format_event(held[0], total[0]))
+            held[0] = None
         line = _format_event(ev, total[0])
         if line:
             log(line)
