@@ -163,7 +163,7 @@ class _FanOut:
         self.todo = [_Group(g, group_deadline_s(config, g)) for g in groups_to_run(version, force)]
         self.window = config.extract.parallel_groups
         self.pods = pod_source()
-        self.start_s = start_deadline_s(config, config.extract.tensor_parallel_size > 0, self.window)
+        self.start_s = start_deadline_s(config, True, self.window)  # an extract group's pod: a GPU node's
         self.grace = heartbeat_grace_s()
         self.params = {"config": config.model_dump(mode="json"), "version": version.model_dump(mode="json")}
         self.parent = this_run.get_id() or "none"

@@ -153,10 +153,11 @@ class StartWatch:
         waited = now - self.pending_since
         if waited <= self.deadline_s:
             return None
-        return (f"its pod did not start within {self.deadline_s:.0f}s (the config's cluster start deadline: node "
+        self.never_started = (f"its pod did not start within {self.deadline_s:.0f}s (the config's cluster start deadline: node "
                 f"scale-up + image pull, cluster.start_deadline_s): "
                 + (problem or ("no pod reason is known (no Kubernetes API here)" if self.pods is None
                                else "pending without a reported reason")))
+        return self.never_started
 
     def stop(self, flow_run_id) -> int:
         """Delete the run's Jobs and pods (when the Kubernetes API is at hand); Jobs deleted."""

@@ -124,7 +124,6 @@ def wait_final(flow_run_id, deadline_s: float, log, start: StartWatch | None = N
                 return fr.state
             why = start.give_up(flow_run_id, fr.state, time.time()) if start is not None else None
             if why is not None:
-                start.never_started = why
                 with_api_retry(lambda: client.set_flow_run_state(
                     flow_run_id, Cancelling(message=f"never started: {why}"), force=True),
                     f"cancel flow run {flow_run_id}", log.warning)

@@ -44,7 +44,7 @@ from eagle3_pipeline.layout import ExtractVersion
 from eagle3_pipeline.preflight import PreflightResult
 from eagle3_pipeline.proc import ChildFailed
 from eagle3_pipeline.store import slug
-from tasks.gpu_lease import GPU_LIMIT, ensure_gpu_limit, gpu_slot, gpu_slot_scope, run_logger, transient_api_error  # noqa: F401
+from tasks.gpu_lease import gpu_slot, gpu_slot_scope, run_logger  # gpu_slot_scope: the flows call it as t.gpu_slot_scope
 
 DATASET_PUBLISHED = "eagle3.dataset.published"
 DRAFT_EXPORTED = "eagle3.draft.exported"
