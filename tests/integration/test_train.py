@@ -105,13 +105,16 @@ def test_export_check_catches_altered_d2t(trained, inputs, tmp_path):
         export_check(bad, inputs.vocab_dir, inputs.model_dir)
 
 
-def test_resume_continues_from_last_epoch(trained, inputs):
+def test_resume_continues_from_last_epoch(trained, inputs, tmp_path):
+    """Resumes a copy of the shared run (its checkpoint links are relative), so the shared run stays what
+    the other tests read."""
+    out = tmp_path / "run"
+    shutil.copytree(trained.out, out, symlinks=True)
     lines: list[str] = []
-    res = train_draft(_cfg(epochs=3), inputs.target, inputs.version, inputs.vocab_dir, trained.out,
-                      log=lines.append)
+    res = train_draft(_cfg(epochs=3), inputs.target, inputs.version, inputs.vocab_dir, out, log=lines.append)
     assert res.resumed_from_epoch == 1 and res.epochs_done == 3
     assert trained.res.steps < res.steps < trained.res.steps * 2
-    rows = [json.loads(x) for x in (trained.out / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["kind"] == "train_step"] == list(range(res.steps))
     export_check(res.checkpoint_best, inputs.vocab_dir, inputs.model_dir)
 
