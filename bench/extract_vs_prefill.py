@@ -108,7 +108,7 @@ def _prod(shape) -> int:
 
 def prefill(model: Path, tokenized: str, rows: int, cfg, dtype: str) -> float:
     from eagle3_pipeline.engine.build import engine_env
-    from eagle3_pipeline.proc import run_child
+    from eagle3_pipeline.core.proc import run_child
 
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"model": str(model), "dtype": dtype, "tokenized": tokenized, "rows": rows, "max_num_seqs": cfg.max_num_seqs,
@@ -129,8 +129,8 @@ def speculators_offline(model: Path, tokenized: str, rows: int, cfg, out: Path, 
     import urllib.request
 
     from eagle3_pipeline.data.prepare import load_tokenized
-    from eagle3_pipeline.config import TargetConfig
-    from eagle3_pipeline.contracts import model_dims, resolve_layer_ids
+    from eagle3_pipeline.core.config import TargetConfig
+    from eagle3_pipeline.records.contracts import model_dims, resolve_layer_ids
     from eagle3_pipeline.engine.build import engine_env, extract_hidden_states_config, hidden_states_kv_config
 
     ids = load_tokenized(tokenized)["input_ids"][:rows]
@@ -224,9 +224,9 @@ def main() -> None:
 
 
 def bench_size(size: str, n_rows: int, args) -> dict:
-    from eagle3_pipeline.config import ExtractConfig, PrepareConfig, SourceConfig, TargetConfig
+    from eagle3_pipeline.core.config import ExtractConfig, PrepareConfig, SourceConfig, TargetConfig
     from eagle3_pipeline.data.prepare import prepare
-    from eagle3_pipeline.shardrun import ShardRun
+    from eagle3_pipeline.records.shardrun import ShardRun
     from tests.helpers.version import extract_all, make_version  # ROOT is on sys.path (above)
 
     work = Path(args.work)

@@ -19,7 +19,7 @@ import os
 import sys
 import time
 
-from eagle3_pipeline.proc import emit_event, exit_child
+from eagle3_pipeline.core.proc import emit_event, exit_child
 
 ARMS = ("plain", "lm_head", "lm_head_groups", "fingerprint", "fingerprint_vllm")
 
@@ -74,8 +74,8 @@ def hook_arms(switch: dict) -> list[int]:
 
 if __name__ == "__main__":
     job = json.loads(open(sys.argv[1]).read())
-    from eagle3_pipeline.config import EngineConfig, TargetConfig
-    from eagle3_pipeline.contracts import FP_TOP
+    from eagle3_pipeline.core.config import EngineConfig, TargetConfig
+    from eagle3_pipeline.records.contracts import FP_TOP
     from eagle3_pipeline.data.prepare import load_tokenized
     from eagle3_pipeline.engine.build import build_llm
     from vllm import SamplingParams

@@ -54,11 +54,11 @@ def main() -> None:
     ap.add_argument("--work", default=str(ROOT / ".cache" / "bench"))
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    from eagle3_pipeline.config import ExtractConfig, PrepareConfig, SourceConfig, TargetConfig
+    from eagle3_pipeline.core.config import ExtractConfig, PrepareConfig, SourceConfig, TargetConfig
     from eagle3_pipeline.data.prepare import prepare
     from eagle3_pipeline.engine.build import FINGERPRINT_ENGINE_KWARGS, engine_env
     from eagle3_pipeline.engine.prompt_scores import RAW_MODES
-    from eagle3_pipeline.proc import run_child
+    from eagle3_pipeline.core.proc import run_child
 
     work, tiny = Path(args.work), ROOT / ".cache" / "tiny-target"
     t = Table(title=f"fingerprint cost: share of prefill time, {args.rounds} alternating rounds, median (min-max)")

@@ -37,7 +37,7 @@ CACHE = ROOT / ".cache"
 
 
 def _config(name: str, work: Path, rows: int):
-    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.core.config import load_config
     from tests.helpers.targets import random_deepseek_v3, random_qwen3
 
     tiny, moe = CACHE / "tiny-target", CACHE / "tiny-moe"

@@ -73,7 +73,7 @@ def table() -> str:
 
 
 def check_gate_uuid() -> str:
-    from eagle3_pipeline import gpu
+    from eagle3_pipeline.gpu.stage import stage as gpu
 
     all_gpus = gpu.visible_gpus(_smi_gpus(), None)
     first = all_gpus[0]
@@ -93,7 +93,7 @@ def check_gate_uuid() -> str:
 
 def check_gate_busy() -> str:
     """A child holds ~4 GiB on GPU 0: the gate (threshold 1 GiB, visible by UUID) must fail naming its pid."""
-    from eagle3_pipeline import gpu
+    from eagle3_pipeline.gpu.stage import stage as gpu
 
     first = _smi_gpus()[0]
     holder = subprocess.Popen([sys.executable, "-c",
@@ -120,7 +120,7 @@ def check_gate_busy() -> str:
 
 
 def _smi_gpus() -> list[dict]:
-    from eagle3_pipeline import gpu
+    from eagle3_pipeline.gpu.stage import stage as gpu
 
     out = gpu._smi("--query-gpu=index,uuid,memory.used,memory.total")
     return [dict(zip(("index", "uuid", "used_mib", "total_mib"), (int(a), b, int(c), int(d))))
@@ -139,7 +139,7 @@ def _restore(key: str, old: str | None) -> None:
 
 def cuda_config(name: str, store: Path, extra: list[str] = ()):
     """The target's real config, made small and pointed at CUDA (what a GPU run changes)."""
-    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.core.config import load_config
 
     cfg_path, model, _ = TARGETS[name]
     corpus = model / "corpus"
@@ -168,7 +168,7 @@ def ensure_target(name: str) -> str | None:
 
 def check_runner() -> str:
     """Before any load: the surface in the installed vLLM and the runner it would build for our engines."""
-    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.core.config import load_config
     from eagle3_pipeline.engine import surface
     from eagle3_pipeline.engine.build import engine_env
 
@@ -211,7 +211,7 @@ def _margins(rec, cfg) -> tuple[str, object]:
 
 def run_target(name: str, out: Path, two_gpus: bool) -> None:
     from eagle3_pipeline import stages
-    from eagle3_pipeline.runs import create_run_dir
+    from eagle3_pipeline.report.runs import create_run_dir
 
     cfg_path = TARGETS[name][0]
     if not cfg_path.exists():

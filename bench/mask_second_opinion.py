@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def main() -> None:
-    from eagle3_pipeline.config import TargetConfig
+    from eagle3_pipeline.core.config import TargetConfig
     from eagle3_pipeline.data import mask_check
     from eagle3_pipeline.data.formats import normalise
     from eagle3_pipeline.data.prepare import load_tokenizer

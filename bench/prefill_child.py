@@ -9,11 +9,11 @@ import json
 import sys
 import time
 
-from eagle3_pipeline.proc import emit_event, exit_child
+from eagle3_pipeline.core.proc import emit_event, exit_child
 
 if __name__ == "__main__":
     job = json.loads(open(sys.argv[1]).read())
-    from eagle3_pipeline.config import EngineConfig, TargetConfig
+    from eagle3_pipeline.core.config import EngineConfig, TargetConfig
     from eagle3_pipeline.data.prepare import load_tokenized
     from eagle3_pipeline.engine.build import build_llm
     from vllm import SamplingParams

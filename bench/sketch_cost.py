@@ -33,7 +33,7 @@ def _batch(n: int, L: int, H: int):
     import numpy as np
     import torch
 
-    from eagle3_pipeline.contracts import RecordSpec
+    from eagle3_pipeline.records.contracts import RecordSpec
     from eagle3_pipeline.verify import scan
 
     spec = RecordSpec(L, H, "bf16")

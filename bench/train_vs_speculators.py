@@ -68,7 +68,7 @@ def run_ours(d: dict, out: Path, args) -> dict:
 
 
 def run_theirs(d: dict, out: Path, args) -> dict:
-    from eagle3_pipeline.proc import run_child
+    from eagle3_pipeline.core.proc import run_child
     from tests.helpers.speculators_cpu import speculators_train_argv
 
     version = d["version"]

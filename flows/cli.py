@@ -1,6 +1,6 @@
 """The `eagle3` command: launches flows (so it lives beside them, not in the core).
 
-Every command maps a failure to the exit code of its category (eagle3_pipeline.errors.ExitCode,
+Every command maps a failure to the exit code of its category (eagle3_pipeline.core.errors.ExitCode,
 docs/operations.md, "Exit codes"), also when Prefect or a stage wrapped the error (the cause chain is walked),
 and prints one line `eagle3 <command>: error <code> (<category>): <Type>: <message>` to stderr
 (the message's further lines follow, indented).
@@ -20,8 +20,8 @@ import click
 import typer
 from rich.console import Console
 
-from eagle3_pipeline.errors import ExitCode, InputError, culprit, exit_code
-from eagle3_pipeline.signals import raise_on_termination
+from eagle3_pipeline.core.errors import ExitCode, InputError, culprit, exit_code
+from eagle3_pipeline.core.signals import raise_on_termination
 
 # A run without PREFECT_API_URL starts a temporary Prefect server and waits for it Prefect's 20 s by default;
 # on a loaded 2-core machine its start-up took longer and `eagle3 run` failed before any stage ran
@@ -120,13 +120,13 @@ def exits(fn):
 def run(config: ConfigOpt, output_dir: Annotated[Path, typer.Option(help="where runs/<run-id>/ go")] = Path("runs"),
         set_: SetOpt = None) -> None:
     """Run the whole pipeline; prints where the report is."""
-    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.core.config import load_config
     from flows.local_server import EarlyServer
 
     cfg = load_config(config, set_ or [])
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no telemetry (and its error offline)
     server = EarlyServer.start()  # Prefect's temporary server starts while the flows are imported
-    from eagle3_pipeline.runs import create_run_dir
+    from eagle3_pipeline.report.runs import create_run_dir
     from flows.pipeline import pipeline
 
     run_dir = create_run_dir(output_dir, cfg)
@@ -208,7 +208,7 @@ def make_real_target(out: Annotated[Path | None, typer.Option(help="model direct
 @exits
 def prepare(config: ConfigOpt, set_: SetOpt = None) -> None:
     """Run only the prepare stage (content-addressed: a repeated call reuses the version)."""
-    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.core.config import load_config
     from eagle3_pipeline.stages import stage_prepare
 
     cfg = load_config(config, set_ or [])
@@ -223,7 +223,7 @@ def prepare(config: ConfigOpt, set_: SetOpt = None) -> None:
 def regenerate(config: ConfigOpt, set_: SetOpt = None) -> None:
     """Run only the regenerate stage: the target answers the sources' turns (whatever regenerate.enabled
     says; content-addressed: a repeated call reuses the version, a rerun does only unpublished shards)."""
-    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.core.config import load_config
     from eagle3_pipeline.stages import stage_regenerate
 
     cfg = load_config(config, set_ or [])
@@ -246,7 +246,7 @@ def _regenerated(cfg):
 def rerun_failed(config: ConfigOpt, set_: SetOpt = None,
                  force_shards: Annotated[list[int] | None, typer.Option("--force-shard", help="re-extract this shard even if published")] = None) -> None:
     """Re-extract the failed/unpublished shards of this config's extract version, then verify."""
-    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.core.config import load_config
     from flows.local_server import EarlyServer
 
     cfg = load_config(config, set_ or [])
@@ -267,7 +267,7 @@ def extract(config: ConfigOpt, set_: SetOpt = None) -> None:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from eagle3_pipeline import stages
-    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.core.config import load_config
 
     cfg = load_config(config, set_ or [])
     prep, version = _prepared(cfg)
@@ -312,7 +312,7 @@ def _published(cfg, version):
 def verify(config: ConfigOpt, set_: SetOpt = None) -> None:
     """Run only the verify gate on this config's extraction (prepared and extracted data are reused)."""
     from eagle3_pipeline import stages
-    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.core.config import load_config
 
     cfg = load_config(config, set_ or [])
     _, version = _prepared(cfg)
@@ -328,7 +328,7 @@ def train(config: ConfigOpt, set_: SetOpt = None) -> None:
     """Run only vocab + train on this config's verified extraction (resumes a checkpoint dir); with
     train.mode online, on a vLLM server of the target started for it (no extraction needed)."""
     from eagle3_pipeline import stages
-    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.core.config import load_config
 
     cfg = load_config(config, set_ or [])
     prep, version = _prepared(cfg)
@@ -415,8 +415,8 @@ def evaluate(config: ConfigOpt, set_: SetOpt = None,
     """Run only the evaluate gate on the draft this config trained (trains nothing); with --draft, compare
     the given checkpoints on this config's prompts instead (no gate)."""
     from eagle3_pipeline import stages
-    from eagle3_pipeline.config import load_config
-    from eagle3_pipeline.runs import create_run_dir
+    from eagle3_pipeline.core.config import load_config
+    from eagle3_pipeline.report.runs import create_run_dir
     from eagle3_pipeline.train.stage import RECORD_NAME, TrainResult
     from eagle3_pipeline.train.vocab import VocabResult
 
@@ -454,7 +454,7 @@ def gc(keep: Annotated[int, typer.Option("--keep", min=1, help="versions to keep
        store: Annotated[Path | None, typer.Option("--store", help="run store root (instead of --config)")] = None,
        set_: SetOpt = None) -> None:
     """Remove all but the N newest versions of each dataset, then record-pool files no kept version links."""
-    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.core.config import load_config
     from eagle3_pipeline.store_gc import gc as store_gc
 
     root = store or (Path(load_config(config, set_ or []).store) if config else None)

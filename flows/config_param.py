@@ -10,7 +10,7 @@ A `config` given in full (the automation passes an event's config; a custom run 
 
 from __future__ import annotations
 
-from eagle3_pipeline.config import PipelineConfig, apply_overrides, load_config
+from eagle3_pipeline.core.config import PipelineConfig, apply_overrides, load_config
 
 DEFAULT_CONFIG_PATH = "configs/tiny-cpu.yaml"
 

@@ -16,9 +16,9 @@ import time
 from prefect import flow
 from prefect.utilities.annotations import quote
 
-from eagle3_pipeline.config import PipelineConfig
+from eagle3_pipeline.core.config import PipelineConfig
 from eagle3_pipeline.extract.stage import ExtractFailed
-from eagle3_pipeline.layout import ExtractVersion
+from eagle3_pipeline.records.layout import ExtractVersion
 from flows.fanout import run_groups_as_deployments
 from tasks import stage_tasks as t
 

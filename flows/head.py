@@ -11,10 +11,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from eagle3_pipeline.config import PipelineConfig
+from eagle3_pipeline.core.config import PipelineConfig
 from eagle3_pipeline.data.prepare import PrepareResult
-from eagle3_pipeline.layout import ExtractVersion
-from eagle3_pipeline.preflight import PreflightResult
+from eagle3_pipeline.records.layout import ExtractVersion
+from eagle3_pipeline.preflight.stage import PreflightResult
 from tasks import stage_tasks as t
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from eagle3_pipeline.config import PipelineConfig
+from eagle3_pipeline.core.config import PipelineConfig
 
 
 def use_hub_secret(config: PipelineConfig, log=print) -> bool:

@@ -12,9 +12,10 @@ from typing import Literal
 
 from prefect import flow
 
-from eagle3_pipeline.config import PipelineConfig
-from eagle3_pipeline.preflight import installed_versions
-from eagle3_pipeline.runs import RunDir, StageClock, create_run_dir
+from eagle3_pipeline.core.config import PipelineConfig
+from eagle3_pipeline.preflight.stage import installed_versions
+from eagle3_pipeline.report.runs import RunDir, StageClock, create_run_dir
+from eagle3_pipeline.report.record import RunReport
 from eagle3_pipeline.verify.stage import VerifyResult
 from flows.config_param import DEFAULT_CONFIG_PATH, resolve_config, switches
 from flows import stage_runs
@@ -28,7 +29,7 @@ from tasks import stage_tasks as t
 def pipeline(config: PipelineConfig | None = None, output_dir: str = "runs", run_dir: str | None = None,
              config_path: str = DEFAULT_CONFIG_PATH, regenerate: bool | None = None,
              train_mode: Literal["offline", "online"] | None = None, evaluate_prompts: str | None = None,
-             overrides: list[str] | None = None, prepared: Prepared | None = None) -> dict:
+             overrides: list[str] | None = None, prepared: Prepared | None = None) -> RunReport:
     """The whole pipeline. `run_dir` defaults to a new `<output_dir>/<run-id>/` (what a UI run gets).
     Without `config`, the config is read from `config_path` (flows/config_param.py). The switches a UI
     run sets on the form without writing a whole config: `regenerate` (regenerate.enabled),

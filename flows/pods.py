@@ -112,7 +112,7 @@ class KubernetesPods:
 
 def describe(pods: Pods | None, flow_run_id: str) -> tuple[bool, str | None]:
     """(whether a pod of the run started, what keeps its pods from starting in Kubernetes' words or None)."""
-    from eagle3_pipeline.cluster import pod_problem, pod_started
+    from eagle3_pipeline.core.cluster import pod_problem, pod_started
 
     if pods is None:
         return False, None

@@ -19,9 +19,9 @@ from pathlib import Path
 from prefect import flow
 
 from eagle3_pipeline import stages
-from eagle3_pipeline.config import PipelineConfig, SourceConfig, load_config
-from eagle3_pipeline.layout import ExtractVersion
-from eagle3_pipeline.store import read_json
+from eagle3_pipeline.core.config import PipelineConfig, SourceConfig, load_config
+from eagle3_pipeline.records.layout import ExtractVersion
+from eagle3_pipeline.core.store import read_json
 from flows.head import prepare_run
 from flows.hub_auth import use_hub_secret
 from flows.pipeline import pipeline
@@ -48,11 +48,12 @@ def refresh(config_path: str = "configs/tiny-cpu.yaml", overrides: list[str] | N
         return {"changed": False, "version": prep.version, "draft": draft}
     rec = pipeline(config=config, output_dir=output_dir, prepared=prepared)  # goes on from this head
     t.record_refresh(config, prep, draft, changed=True, report=rec)
-    ex = rec["stages"].get("extract") or {}
-    print(f"refresh: {config.prepare.dataset}@{prep.version}: {ex.get('rows_extracted')} rows extracted, "
-          f"{ex.get('rows_reused')} linked from earlier versions (record pool)")
-    return {"changed": True, "version": prep.version, "draft": rec["artifacts"]["checkpoint"], "run_id": rec["run_id"],
-            "rows_extracted": ex.get("rows_extracted"), "rows_reused": ex.get("rows_reused")}
+    ex = rec.stages.extract
+    extracted, reused = (ex.rows_extracted, ex.rows_reused) if ex else (None, None)
+    print(f"refresh: {config.prepare.dataset}@{prep.version}: {extracted} rows extracted, "
+          f"{reused} linked from earlier versions (record pool)")
+    return {"changed": True, "version": prep.version, "draft": rec.artifacts.checkpoint, "run_id": rec.run_id,
+            "rows_extracted": extracted, "rows_reused": reused}
 
 
 def trained_draft(config: PipelineConfig, version: ExtractVersion) -> str | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from eagle3_pipeline.config import PipelineConfig
+from eagle3_pipeline.core.config import PipelineConfig
 from flows.config_param import DEFAULT_CONFIG_PATH, resolve_config
 from flows.extract import extract
 from flows.head import prepare_run

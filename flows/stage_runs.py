@@ -21,10 +21,10 @@ from prefect.deployments import run_deployment
 from prefect.states import Cancelling
 from pydantic import BaseModel
 
-from eagle3_pipeline.cluster import job_variables
-from eagle3_pipeline.config import PipelineConfig
+from eagle3_pipeline.core.cluster import job_variables
+from eagle3_pipeline.core.config import PipelineConfig
 from eagle3_pipeline.data.prepare import PrepareResult
-from eagle3_pipeline.layout import ExtractVersion
+from eagle3_pipeline.records.layout import ExtractVersion
 from eagle3_pipeline.evaluate.stage import EvaluateReport
 from eagle3_pipeline.train.stage import TrainResult
 from eagle3_pipeline.train.vocab import VocabResult

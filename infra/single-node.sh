@@ -18,7 +18,7 @@ mkdir -p "$PREFECT_HOME/logs"
 
 python - "$CONFIG" <<'EOF'
 import sys
-from eagle3_pipeline.config import load_config
+from eagle3_pipeline.core.config import load_config
 load_config(sys.argv[1])  # a bad config fails here, in seconds, before any server or worker starts
 EOF
 

@@ -306,7 +306,7 @@ def node_lock(prefect_home: Path) -> Iterator[None]:
     forever at its first GPU stage, saying nothing. So such runs also hold an flock in PREFECT_HOME
     (released by the kernel however the holder dies; a waiter logs who holds it): whoever has the lock
     is the only live holder, and slots the database still counts are nobody's and are released."""
-    from eagle3_pipeline.store import file_lock
+    from eagle3_pipeline.core.store import file_lock
 
     with file_lock(prefect_home / NODE_LOCK, "the GPU node (local runs' slot)", log=run_logger().info):
         release_orphaned_slots()

@@ -37,13 +37,14 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from eagle3_pipeline import stages
-from eagle3_pipeline.config import PipelineConfig
+from eagle3_pipeline.core.config import PipelineConfig
 from eagle3_pipeline.data.prepare import PrepareResult
-from eagle3_pipeline.errors import is_transient
-from eagle3_pipeline.layout import ExtractVersion
-from eagle3_pipeline.preflight import PreflightResult
-from eagle3_pipeline.proc import ChildFailed
-from eagle3_pipeline.store import slug
+from eagle3_pipeline.core.errors import is_transient
+from eagle3_pipeline.records.layout import ExtractVersion
+from eagle3_pipeline.preflight.stage import PreflightResult
+from eagle3_pipeline.report.record import RunReport
+from eagle3_pipeline.core.proc import ChildFailed
+from eagle3_pipeline.core.store import slug
 from tasks.gpu_lease import gpu_slot, gpu_slot_scope, run_logger  # gpu_slot_scope: the flows call it as t.gpu_slot_scope
 
 DATASET_PUBLISHED = "eagle3.dataset.published"
@@ -187,7 +188,7 @@ def extract_group(cfg: PipelineConfig, version: ExtractVersion, shard_ids: list[
 
 @task(name="extract-summary", cache_policy=NO_CACHE)
 def extract_summary(cfg: PipelineConfig, version: ExtractVersion, since: float | None = None):
-    from eagle3_pipeline.shardrun import ShardRun
+    from eagle3_pipeline.records.shardrun import ShardRun
 
     rec = stages.stage_extract_summary(version, since)
     shards = ShardRun(version.path).read().shards
@@ -301,34 +302,34 @@ def evaluate(cfg: PipelineConfig, prep: PrepareResult, version: ExtractVersion, 
 
 
 @task(name="report", cache_policy=NO_CACHE, **retry_options("report"))
-def report(run_dir: str, report_rec: dict, metrics_path: str | None) -> dict:
+def report(run_dir: str, rec: RunReport, metrics_path: str | None) -> dict:
     from pathlib import Path
 
-    from eagle3_pipeline.report import write_report
+    from eagle3_pipeline.report.stage import write_report
 
-    paths = write_report(Path(run_dir), report_rec, Path(metrics_path) if metrics_path else None)
-    create_markdown_artifact(key=f"report-{_k(report_rec['config']['name'])}",
-                             markdown=Path(paths["report_md"]).read_text(), description=f"run {report_rec['run_id']}")
-    cfg = report_rec["config"]
-    links = {**report_rec["artifacts"], "report_md": paths.get("report_md"), "run_dir": run_dir}
+    paths = write_report(Path(run_dir), rec, Path(metrics_path) if metrics_path else None)
+    create_markdown_artifact(key=f"report-{_k(rec.config['name'])}",
+                             markdown=Path(paths["report_md"]).read_text(), description=f"run {rec.run_id}")
+    cfg = rec.config
+    links = {**rec.artifacts.model_dump(), "report_md": paths.get("report_md"), "run_dir": run_dir}
     create_markdown_artifact(
         key=f"store-{_k(cfg['prepare']['dataset'])}-{_k(slug(cfg['target']['model']))}",
         markdown="| what | where |\n|---|---|\n" + "\n".join(
             f"| {k} | [{v}]({_uri(v)}) |" for k, v in links.items() if isinstance(v, str) and v),
-        description=f"run {report_rec['run_id']} ({report_rec['status']}): where its data and draft are")
+        description=f"run {rec.run_id} ({rec.status}): where its data and draft are")
     return paths
 
 
 @task(name="record-refresh", cache_policy=NO_CACHE)
 def record_refresh(cfg: PipelineConfig, prep: PrepareResult, draft: str | None, changed: bool,
-                   report: dict | None = None) -> None:
+                   report: RunReport | None = None) -> None:
     """What a refresh found (before the pipeline) and, with the run's `report` (after it), what it
     reused and what was new: rows linked from the record pool vs extracted, records verified before vs
     read, how the draft was initialised (lineage) and tau next to the previous version's draft."""
     row = {"version": prep.version, "new_version": not prep.cached, "rows_out": prep.rows_out,
            "tokens": prep.tokens, "existing_draft": draft, "trains": changed}
-    st = (report or {}).get("stages", {})
     if report:
+        st = report.to_json()["stages"]
         ex, ve = st.get("extract") or {}, (st.get("verify") or {}).get("details") or {}
         tr, ev = (st.get("train") or {}).get("details") or {}, st.get("evaluate") or {}
         row |= {"rows_extracted_new": ex.get("rows_extracted"), "rows_reused": ex.get("rows_reused"),
@@ -336,10 +337,10 @@ def record_refresh(cfg: PipelineConfig, prep: PrepareResult, draft: str | None, 
                 "train_init": tr.get("init"), "previous_version": tr.get("previous_version"),
                 "previous_draft": tr.get("previous_draft"), "tau": ev.get("acceptance_length"),
                 "tau_previous_draft": (ev.get("details") or {}).get("acceptance_length_previous"),
-                "run_id": report.get("run_id"), "status": report.get("status")}
+                "run_id": report.run_id, "status": report.status}
     create_table_artifact(key=_record_key("refresh", cfg), table=[row],
                           description=f"refresh of {cfg.prepare.dataset} for {cfg.target.model}: " + (
-                              f"run {report.get('run_id')}: {row.get('rows_extracted_new')} rows extracted, "
+                              f"run {report.run_id}: {row.get('rows_extracted_new')} rows extracted, "
                               f"{row.get('rows_reused')} reused from earlier versions" if report else
                               "training a draft" if changed else "unchanged, draft exists"))
 

@@ -89,7 +89,7 @@ def store_root(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_config(tiny_target, store_root):
     """configs/tiny-cpu.yaml, the real config, made smaller only where it makes tests faster."""
-    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.core.config import load_config
 
     corpus = tiny_target / "corpus"
     return load_config(ROOT / "configs" / "tiny-cpu.yaml", [
@@ -166,7 +166,7 @@ def small_reference(tiny_target, tmp_path_factory) -> SimpleNamespace:
     """One clean prepare + extract of the small run (one engine start), the reference that crash and
     concurrency tests compare their stores with byte for byte: the config, the stage records (prep,
     pre, ext) and the ExtractVersion (`version`; relocate it with `version.model_copy(update={"dir": ..., "pool_dir": None})`)."""
-    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.core.config import load_config
     from eagle3_pipeline.stages import plan_extract, stage_extract, stage_preflight, stage_prepare
 
     cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml", small_overrides(tiny_target, tmp_path_factory.mktemp("small-ref")))

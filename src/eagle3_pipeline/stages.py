@@ -17,17 +17,25 @@ import shutil
 import time
 from pathlib import Path
 
-from eagle3_pipeline.config import PipelineConfig
+from eagle3_pipeline.core.config import PipelineConfig
 from eagle3_pipeline.data.prepare import PrepareResult
-from eagle3_pipeline.faults import fail_once
-from eagle3_pipeline.layout import ExtractVersion, plan_extract
-from eagle3_pipeline.preflight import PreflightResult
-from eagle3_pipeline.store import content_key, dir_lock
-from eagle3_pipeline.store_check import check_store
+from eagle3_pipeline.core.faults import fail_once
+from eagle3_pipeline.records.layout import ExtractVersion
+from eagle3_pipeline.records.layout import plan_extract as _plan_extract
+from eagle3_pipeline.preflight.stage import PreflightResult
+from eagle3_pipeline.core.store import content_key, dir_lock
+from eagle3_pipeline.core.store_check import check_store
 
 __all__ = ["plan_extract", "stage_regenerate", "stage_prepare", "stage_preflight", "stage_gpu_gate", "stage_extract_group",
            "stage_extract_summary", "stage_extract", "stage_verify", "stage_vocab", "train_key", "stage_train",
            "stage_evaluate", "first_quarantined", "heldout_prompts", "evaluate_prompts", "stage_compare_drafts"]
+
+
+def plan_extract(cfg: PipelineConfig, prep: PrepareResult, pre: PreflightResult) -> ExtractVersion:
+    """The ExtractVersion of a prepare and a preflight record, keyed by this vLLM build's engine settings."""
+    from eagle3_pipeline.engine.build import cpu_build_kwargs
+
+    return _plan_extract(cfg, prep, pre, cpu_build_kwargs())
 
 
 def stage_regenerate(cfg: PipelineConfig, log=print):
@@ -67,13 +75,13 @@ def first_quarantined(prep: PrepareResult, n: int) -> list[dict]:
 
 
 def stage_preflight(cfg: PipelineConfig, prep: PrepareResult, log=print) -> PreflightResult:
-    from eagle3_pipeline.preflight import preflight
+    from eagle3_pipeline.preflight.stage import preflight
 
     return preflight(cfg, prep.tokens, Path(prep.dir), log=log)
 
 
 def stage_gpu_gate(where: str, log=print):
-    from eagle3_pipeline.gpu import gpu_gate
+    from eagle3_pipeline.gpu.stage import gpu_gate
 
     rec = gpu_gate(log=lambda m: log(f"[{where}] {m}"))
     return rec.model_copy(update={"where": where})
@@ -143,7 +151,7 @@ def train_key(cfg: PipelineConfig, version: ExtractVersion) -> str:
 
 def previous_for(cfg: PipelineConfig, version: ExtractVersion):
     """The previous version's draft this training continues from (train.init: previous), or None."""
-    from eagle3_pipeline.lineage import previous_draft
+    from eagle3_pipeline.records.lineage import previous_draft
 
     return previous_draft(version) if cfg.train.init == "previous" else None
 
@@ -181,8 +189,8 @@ def stage_train_online(cfg: PipelineConfig, version: ExtractVersion, voc, log=pr
     states fetched from it (train/online.py); the server ends with the stage. The TrainResult carries
     the OnlineResult and its `verify` (the VerifyResult of the sample) for the report."""
     from eagle3_pipeline.data.prepare import load_tokenized
-    from eagle3_pipeline.preflight import disk_plans
-    from eagle3_pipeline.store import write_json
+    from eagle3_pipeline.preflight.stage import disk_plans
+    from eagle3_pipeline.core.store import write_json
     from eagle3_pipeline.train.stage import train_draft
     from eagle3_pipeline.train.online import HiddenStateServer, OnlineResult, take_sample
     from eagle3_pipeline.verify.stage import VerifyFailed, check_verify_gate, verify
@@ -238,7 +246,7 @@ def online_row_checks(cfg: PipelineConfig, target, version: ExtractVersion, ver,
     state sketch unless verify.allow_skip names it. None only when every one is skipped by name: then rows get
     their structure checked only, as the report's checks say. Clears the files of an
     earlier attempt (every epoch asks the server for every row again)."""
-    from eagle3_pipeline.final_layer import FP8_SLACK
+    from eagle3_pipeline.checks.final_layer import FP8_SLACK
     from eagle3_pipeline.train.job import RowChecksSpec
 
     fp, sk = ver.checks.get("fingerprint"), ver.checks.get("state_sketch")
@@ -315,7 +323,7 @@ def heldout_prompts(prep: PrepareResult, n: int) -> list[list[int]]:
 def evaluate_prompts(cfg: PipelineConfig, prep: PrepareResult | None, out_dir: Path, log=print):
     """The evaluate stage's prompts (a PromptSet): `evaluate.prompts` rendered with the target's chat
     template (skipped rows quarantined in `out_dir`), else prepare's held-out prompts (`prep`)."""
-    from eagle3_pipeline.config import hub_token
+    from eagle3_pipeline.core.config import hub_token
     from eagle3_pipeline.data.prepare import load_tokenizer
     from eagle3_pipeline.evaluate.prompts import (
         QUARANTINE_NAME, PromptSetError, heldout_prompt_set, load_prompt_set, prompt_token_limit)
@@ -359,7 +367,7 @@ def stage_evaluate(cfg: PipelineConfig, prep: PrepareResult, version: ExtractVer
         with dir_lock(Path(tr.dir), f"train dir {tr.dir}", log):  # written once, never under a reader
             if not (untrained / "config.json").exists():
                 make_untrained_draft(cfg.target, version, Path(voc.dir), untrained, cfg.train)
-    from eagle3_pipeline.lineage import previous_draft
+    from eagle3_pipeline.records.lineage import previous_draft
 
     prev = previous_draft(version) if cfg.evaluate.compare_previous or cfg.train.init == "previous" else None
     if prev is not None:

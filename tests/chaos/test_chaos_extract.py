@@ -123,8 +123,8 @@ def test_engine_child_killed(trial, small_reference, tag, tmp_path, monkeypatch)
 
 PARENT = """
 import sys
-from eagle3_pipeline.config import load_config
-from eagle3_pipeline.layout import ExtractVersion
+from eagle3_pipeline.core.config import load_config
+from eagle3_pipeline.records.layout import ExtractVersion
 from eagle3_pipeline.stages import stage_extract_group
 cfg = load_config(sys.argv[1])
 version = ExtractVersion.model_validate_json(open(sys.argv[2]).read())

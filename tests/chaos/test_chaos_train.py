@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from eagle3_pipeline.proc import ChildFailed
+from eagle3_pipeline.core.proc import ChildFailed
 from eagle3_pipeline.train.export import export_check
 from eagle3_pipeline.train.stage import CKPT_FILES, train_draft
 from eagle3_pipeline.train.worker import STEP_DELAY_ENV
@@ -39,7 +39,7 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def inputs(small_reference):
-    from eagle3_pipeline.config import TargetConfig
+    from eagle3_pipeline.core.config import TargetConfig
     from eagle3_pipeline.stages import stage_vocab
 
     ref = small_reference

@@ -47,8 +47,8 @@ SERVER_DOWN_S = 20.0
 GROUP_OVERRIDES = ["extract.shards_per_group=3", "extract.parallel_groups=2"]
 FLOW = textwrap.dedent("""
     import json, sys
-    from eagle3_pipeline.config import PipelineConfig
-    from eagle3_pipeline.layout import ExtractVersion
+    from eagle3_pipeline.core.config import PipelineConfig
+    from eagle3_pipeline.records.layout import ExtractVersion
     from flows.extract import extract
     cfg = PipelineConfig.model_validate_json(open(sys.argv[1]).read())
     version = ExtractVersion.model_validate_json(open(sys.argv[2]).read())
@@ -150,7 +150,7 @@ def client(plane):
 
 
 def _config(tiny_target: Path, store: Path):
-    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.core.config import load_config
 
     return load_config(ROOT / "configs" / "tiny-cpu.yaml", small_overrides(tiny_target, store) + GROUP_OVERRIDES)
 

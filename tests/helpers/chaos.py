@@ -60,7 +60,7 @@ def gate_after_kill(tag: str, log: Callable[[str], None] = print):
     machine) stop the test instead of being ended by it."""
     import psutil
 
-    from eagle3_pipeline.gpu import find_leftovers, gpu_gate
+    from eagle3_pipeline.gpu.stage import find_leftovers, gpu_gate
 
     foreign = []
     run_uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # set in every worker of one xdist session

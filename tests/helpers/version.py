@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle3_pipeline.config import ExtractConfig, TargetConfig
-from eagle3_pipeline.layout import ExtractVersion, plan_shards
+from eagle3_pipeline.core.config import ExtractConfig, TargetConfig
+from eagle3_pipeline.records.layout import ExtractVersion, plan_shards
 
 
 def _rows(tokenized_dir: Path) -> int:
@@ -28,7 +28,7 @@ def make_version(target: TargetConfig, tokenized_dir: Path, out_dir: Path, *, co
                  shards_per_group: int | None = None, prepare_version: str = "test") -> ExtractVersion:
     """The ExtractVersion of `tokenized_dir` extracted into `out_dir` (all shards in one group unless
     `shards_per_group`); `layer_ids` default to the target's aux ids + N."""
-    from eagle3_pipeline.contracts import model_dims, resolve_layer_ids
+    from eagle3_pipeline.records.contracts import model_dims, resolve_layer_ids
 
     dims = model_dims(target)
     ids = list(layer_ids) if layer_ids is not None else resolve_layer_ids(dims.num_layers, None)

@@ -10,7 +10,7 @@ import re
 import urllib.request
 from pathlib import Path
 
-from eagle3_pipeline.store import sha256_file
+from eagle3_pipeline.core.store import sha256_file
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCK = ROOT / "infra" / "requirements-gpu-k8s.lock"

@@ -37,7 +37,7 @@ PY = sys.executable
 
 HOLDER = """
 import sys
-from eagle3_pipeline.store import file_lock
+from eagle3_pipeline.core.store import file_lock
 with file_lock(sys.argv[1], "test lock", log=print):
     print("held", flush=True)
     sys.stdin.readline()  # until the test says so
@@ -47,7 +47,7 @@ with file_lock(sys.argv[1], "test lock", log=print):
 WAITER = """
 import sys
 from pathlib import Path
-from eagle3_pipeline.store import file_lock
+from eagle3_pipeline.core.store import file_lock
 with file_lock(sys.argv[1], "test lock", log=lambda m: print(m, flush=True)):
     with open(sys.argv[2], "a") as f:
         f.write("waiter acquired\\n")
@@ -112,7 +112,7 @@ def test_killed_holder_releases_the_lock(tmp_path):
 
 
 def test_lock_is_reentrant_in_one_thread_and_names_its_holder(tmp_path):
-    from eagle3_pipeline.store import dir_lock, lock_holder
+    from eagle3_pipeline.core.store import dir_lock, lock_holder
 
     lines: list[str] = []
     with dir_lock(tmp_path, "outer", lines.append) as p:
@@ -125,7 +125,7 @@ def test_lock_is_reentrant_in_one_thread_and_names_its_holder(tmp_path):
 RUNNER = """
 import sys
 from eagle3_pipeline import stages
-from eagle3_pipeline.config import load_config
+from eagle3_pipeline.core.config import load_config
 say = lambda m: print(m, flush=True)
 cfg = load_config(sys.argv[1])
 prep = stages.stage_prepare(cfg, log=say)
@@ -138,7 +138,7 @@ print("RESULT " + ext.model_dump_json(), flush=True)
 
 @pytest.mark.timeout(900)
 def test_two_runs_at_once_extract_each_group_once(small_reference, tiny_target, tmp_path):
-    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.core.config import load_config
 
     cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml",
                       small_overrides(tiny_target, tmp_path / "store") + ["extract.shards_per_group=3"])

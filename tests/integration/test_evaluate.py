@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_pipeline.config import EvaluateConfig, TargetConfig
+from eagle3_pipeline.core.config import EvaluateConfig, TargetConfig
 from eagle3_pipeline.evaluate.results import EvaluateError, LosslessMismatch
 from eagle3_pipeline.evaluate.stage import (
     EvaluateGateFailed,

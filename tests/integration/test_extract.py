@@ -17,15 +17,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from eagle3_pipeline.config import ExtractConfig, TargetConfig
-from eagle3_pipeline.contracts import RECORD_META_KEY, to_record
+from eagle3_pipeline.core.config import ExtractConfig, TargetConfig
+from eagle3_pipeline.records.contracts import RECORD_META_KEY, to_record
 from eagle3_pipeline.data.prepare import load_tokenized
-from eagle3_pipeline import shardrun as run_mod
+from eagle3_pipeline.records import shardrun as run_mod
 from eagle3_pipeline.extract.stage import ExtractFailed, extract_group
-from eagle3_pipeline.shardrun import ShardRun
+from eagle3_pipeline.records.shardrun import ShardRun
 from eagle3_pipeline.extract.worker import KILL_AFTER_ENV, ExtractJob, ShardSpec
-from eagle3_pipeline.layout import ExtractVersion, plan_shards
-from eagle3_pipeline.proc import ChildFailed, python_child
+from eagle3_pipeline.records.layout import ExtractVersion, plan_shards
+from eagle3_pipeline.core.proc import ChildFailed, python_child
 from tests.helpers.version import extract_all, make_version
 
 ROWS, ROWS_PER_SHARD = 12, 4  # 3 shards
@@ -152,7 +152,7 @@ def test_records_follow_the_contract(full_run, small_tokenized):
     assert set(m["tools"]) >= {"vllm", "torch", "speculators"} and m["tools"]["vllm"]
     assert [s["status"] for s in m["shards"]] == ["published"] * 3
     assert all(s["attempts"] == 1 and s["error"] is None for s in m["shards"])
-    from eagle3_pipeline.store import sha256_file
+    from eagle3_pipeline.core.store import sha256_file
 
     for s in m["shards"]:
         assert s["tokens"] == sum(ds["seq_len"][s["row_start"]:s["row_end"]])
@@ -311,7 +311,7 @@ def test_a_hook_missing_from_the_engine_stops_before_the_first_shard(small_token
     process): the worker stops after the warm-up request, naming the hook and the runner class, no shard is
     published, and no retry pays another model load (exit code 5, not transient)."""
     from eagle3_pipeline.engine.start import RunnerRefused
-    from eagle3_pipeline.errors import chain, exit_code, is_transient
+    from eagle3_pipeline.core.errors import chain, exit_code, is_transient
 
     monkeypatch.setenv("VLLM_PLUGINS", "eagle3_pipeline_amx,eagle3_pipeline_prompt_scores,eagle3_pipeline_runner")
     out = tmp_path / "v"
@@ -374,7 +374,7 @@ def test_engine_start_refused_is_not_retried_and_names_the_key(small_tokenized, 
     failure is a config error (exit code 2) that no retry policy retries, naming the key and a value
     that fits; the shards stay unpublished with the reason in the manifest."""
     from eagle3_pipeline.engine.start import EngineStartRefused
-    from eagle3_pipeline.errors import chain, exit_code, is_transient
+    from eagle3_pipeline.core.errors import chain, exit_code, is_transient
 
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # the suite's fixed CPU KV cache: the setting decides
     out = tmp_path / "v"

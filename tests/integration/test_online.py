@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_pipeline.config import load_config
-from eagle3_pipeline.proc import CHILD_MARKER_ENV, LAUNCHER_ENV
+from eagle3_pipeline.core.config import load_config
+from eagle3_pipeline.core.proc import CHILD_MARKER_ENV, LAUNCHER_ENV
 from eagle3_pipeline.verify.stage import VerifyFailed
 from tests.helpers.store import describe_processes, processes_with_env
 
@@ -149,7 +149,7 @@ def test_online_on_the_moe_target(tiny_moe_target, tmp_path):
 def _late_corruption(cfg, mode: str, monkeypatch) -> tuple[str, list[str]]:
     """Run online training with LateCorruptionConnector corrupting a third of the rows in `mode` after the
     sample's requests; the stage must fail the gate (exit 4). Returns (its message, the log lines)."""
-    from eagle3_pipeline.errors import exit_code
+    from eagle3_pipeline.core.errors import exit_code
     from tests.helpers.broken_connector import CORRUPT_AFTER_ENV, CORRUPT_EVERY_ENV, CORRUPT_MODE_ENV
 
     monkeypatch.setenv("PYTHONPATH", f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from eagle3_pipeline.config import VerifyConfig, load_config
+from eagle3_pipeline.core.config import VerifyConfig, load_config
 from tests.helpers.targets import random_deepseek_v3, random_qwen3
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,8 +19,8 @@ def pipeline_state(tiny_config, prefect_harness, tmp_path_factory):
     """(run dir, report.json, final flow state) of the tiny default with world_size 2 and one injected
     transient fault per stage of RETRIED."""
     import tasks.stage_tasks as t
-    from eagle3_pipeline.faults import FAIL_ONCE_DIR_ENV, FAIL_ONCE_ENV
-    from eagle3_pipeline.runs import create_run_dir
+    from eagle3_pipeline.core.faults import FAIL_ONCE_DIR_ENV, FAIL_ONCE_ENV
+    from eagle3_pipeline.report.runs import create_run_dir
     from flows.pipeline import pipeline
 
     cfg = tiny_config.model_copy(deep=True)
@@ -90,7 +90,7 @@ def test_corrupted_extraction_stops_before_training_and_rerun_repairs(pipeline_r
     the next extract re-does exactly its shard (from the record pool when it holds the clean record)."""
     from safetensors.torch import load_file, save_file
 
-    from eagle3_pipeline.runs import create_run_dir
+    from eagle3_pipeline.report.runs import create_run_dir
     from eagle3_pipeline.stages import plan_extract, stage_extract, stage_preflight, stage_prepare, stage_verify
     from flows.pipeline import pipeline
 

@@ -37,8 +37,8 @@ def _child(target: str, trust: bool, out_dir: str) -> None:
     from vllm.v1.engine.core_client import InprocClient
 
     from eagle3_pipeline.engine import prompt_scores
-    from eagle3_pipeline.config import EngineConfig, TargetConfig
-    from eagle3_pipeline.contracts import FP_TOP
+    from eagle3_pipeline.core.config import EngineConfig, TargetConfig
+    from eagle3_pipeline.records.contracts import FP_TOP
     from eagle3_pipeline.engine.build import FINGERPRINT_ENGINE_KWARGS, build_llm
 
     assert prompt_scores.install(), "EAGLE3_LEAN_PROMPT_SCORES=1 and a known vLLM: the lean path must install"
@@ -109,7 +109,7 @@ TARGETS = {"tiny-target": ("tiny_target", False), "tiny-moe": ("tiny_moe_target"
 
 @pytest.fixture(scope="module", params=list(TARGETS))
 def scored(request, tmp_path_factory):
-    from eagle3_pipeline.config import EngineConfig
+    from eagle3_pipeline.core.config import EngineConfig
     from eagle3_pipeline.engine.build import engine_env
 
     fixture, trust = TARGETS[request.param]

@@ -25,7 +25,7 @@ EVERY = 6  # ~17% of requests: a dozen bad records in a run of ~80 rows, of six 
 def _why(out: str) -> str:
     """The run's error lines (the CLI's one-line error, exceptions, failed stages) before its tail: a
     tail alone is mostly the temporary Prefect server shutting down."""
-    from eagle3_pipeline.proc import EXCEPTION_LINE
+    from eagle3_pipeline.core.proc import EXCEPTION_LINE
 
     lines = [x for x in out.splitlines() if "eagle3 run: error" in x or EXCEPTION_LINE.search(x)]
     return "error lines:\n" + "\n".join(lines[:40]) + "\n--- tail:\n" + out[-2500:]
@@ -43,7 +43,7 @@ def test_rare_corruption_stops_the_run_at_verify(config, model, tiny_target, tmp
     if config == "tiny-moe" and not (model / "tiny_target.json").exists():
         pytest.skip(f"tiny-moe target not built at {model} (make tiny builds it)")
     cfg_path = ROOT / "configs" / f"{config}.yaml"
-    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.core.config import load_config
 
     base = load_config(cfg_path)
     per_source = 80 // len(base.prepare.sources)  # ~80 conversations, whatever the config's sources
@@ -105,7 +105,7 @@ def test_a_forward_that_computes_rows_wrong_stops_at_verify(tiny_target, tmp_pat
     from tests.helpers.forward_corruption import EVERY_ENV, MODE_ENV, corrupted
 
     cfg_path = ROOT / "configs" / "tiny-cpu.yaml"
-    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.core.config import load_config
 
     base = load_config(cfg_path)
     per_source = 160 // len(base.prepare.sources)

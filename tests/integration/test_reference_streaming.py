@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3_pipeline.config import TargetConfig, VerifyConfig
+from eagle3_pipeline.core.config import TargetConfig, VerifyConfig
 from eagle3_pipeline.verify.reference import ReferenceBudgetExceeded, reference_check, stream_reference
 
 TOL = 1e-2  # bf16; measured: bit-identical on all three targets
@@ -167,7 +167,7 @@ def test_gate_reference_check_streams_and_reports(extracted, tiny_config, tmp_pa
     next layer's states: row 0 passes, row 3 is named with that layer; per-layer stats, peak RSS."""
     import shutil
 
-    from eagle3_pipeline.contracts import read_record, write_record
+    from eagle3_pipeline.records.contracts import read_record, write_record
 
     version = extracted.version.model_copy(update={"dir": str(tmp_path / "copy")})
     shutil.copytree(extracted.hidden_states, version.hidden_states_dir)

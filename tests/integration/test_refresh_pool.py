@@ -34,7 +34,7 @@ def _du(root: Path) -> int:
 
 
 def _cfg(tiny_target: Path, store: Path, limit: int):
-    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.core.config import load_config
 
     corpus = tiny_target / "corpus"
     return load_config(ROOT / "configs" / "tiny-cpu.yaml", [
@@ -137,7 +137,7 @@ def test_heldout_conversations_stay_held_out(refreshed):
 
 def test_rejected_pooled_record_leaves_the_pool(refreshed, tmp_path):
     """Verify moves a bad record away; when it was a link to the pool, the pool forgets it too."""
-    from eagle3_pipeline.pool import row_keys, version_pool
+    from eagle3_pipeline.records.pool import row_keys, version_pool
     from eagle3_pipeline.stages import stage_verify
     from eagle3_pipeline.verify.stage import VerifyFailed
 
@@ -162,7 +162,7 @@ def test_rows_linked_from_the_pool_have_their_masks_checked(refreshed):
     """A row linked from the pool gets its prepared row's hash when it is linked: verify judges every
     row's tokens and loss mask (reused records' too), and a shifted mask on a linked row fails."""
     from eagle3_pipeline.data.prepare import load_tokenized
-    from eagle3_pipeline.shardrun import ShardRun
+    from eagle3_pipeline.records.shardrun import ShardRun
     from eagle3_pipeline.verify.masks import mask_problems
 
     b, v = refreshed["second"], refreshed["second"]["version"]

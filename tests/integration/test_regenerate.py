@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from eagle3_pipeline.config import load_config
+from eagle3_pipeline.core.config import load_config
 from eagle3_pipeline.regenerate.stage import RegenerateFailed, read_quarantine, read_rows, regenerate
 from eagle3_pipeline.regenerate import turns as T
 from eagle3_pipeline.regenerate.worker import KILL_AFTER_ENV

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_pipeline.proc import run_child
+from eagle3_pipeline.core.proc import run_child
 from tests.helpers.speculators_cpu import speculators_train_argv
 
 STEPS = 6
@@ -62,7 +62,7 @@ def test_speculators_cli_draft_has_the_architecture_of_ours(tiny_target, extract
     on the architecture: config fields that shape the draft and every tensor's name and shape."""
     from safetensors import safe_open
 
-    from eagle3_pipeline.config import TargetConfig, TrainConfig
+    from eagle3_pipeline.core.config import TargetConfig, TrainConfig
     from eagle3_pipeline.train.stage import make_untrained_draft
 
     aux = extracted.version.aux_layer_ids

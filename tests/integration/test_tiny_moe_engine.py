@@ -56,7 +56,7 @@ def _child(model_dir: str, out_dir: str, layer_ids: list[int]) -> None:
     from vllm import SamplingParams
     from vllm.v1.engine.core_client import InprocClient
 
-    from eagle3_pipeline.config import EngineConfig, TargetConfig
+    from eagle3_pipeline.core.config import EngineConfig, TargetConfig
     from eagle3_pipeline.engine.build import build_llm, extract_hidden_states_config, hidden_states_kv_config
     from eagle3_pipeline.tiny.moe_target import load_tokenizer
 
@@ -127,7 +127,7 @@ def layer_ids(tiny_moe) -> list[int]:
 @pytest.fixture(scope="module")
 def engine_run(tiny_moe, layer_ids, tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny-moe-engine")
-    from eagle3_pipeline.config import EngineConfig
+    from eagle3_pipeline.core.config import EngineConfig
     from eagle3_pipeline.engine.build import engine_env
 
     env = {**os.environ, **engine_env(EngineConfig()),
@@ -259,8 +259,8 @@ def test_tensor_parallel_2_extraction_agrees_with_tp1(engine_run, layer_ids, tin
     import torch
     from safetensors.torch import load_file
 
-    from eagle3_pipeline.config import ExtractConfig, TargetConfig
-    from eagle3_pipeline.contracts import read_record
+    from eagle3_pipeline.core.config import ExtractConfig, TargetConfig
+    from eagle3_pipeline.records.contracts import read_record
     from eagle3_pipeline.extract.connector import CONNECTOR_LOG
     from tests.helpers.version import extract_all, make_version
 

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-from eagle3_pipeline.config import EvaluateConfig, TargetConfig, TrainConfig
-from eagle3_pipeline.contracts import to_record
-from eagle3_pipeline.proc import ChildFailed
+from eagle3_pipeline.core.config import EvaluateConfig, TargetConfig, TrainConfig
+from eagle3_pipeline.records.contracts import to_record
+from eagle3_pipeline.core.proc import ChildFailed
 from eagle3_pipeline.train.export import ExportCheckError, export_check
 from eagle3_pipeline.train.stage import CKPT_FILES, make_untrained_draft, train_draft
 from eagle3_pipeline.train.worker import KILL_ENV
@@ -211,7 +211,7 @@ def test_step_lines_reach_the_log_callback(trained):
     import json
     import re
 
-    from eagle3_pipeline.progress import interval
+    from eagle3_pipeline.core.progress import interval
 
     pat = re.compile(r"^train: step (\d+)(?:/\d+)? epoch (\d+) loss (\d+\.\d{3}) acc\[(\d\.\d\d) (\d\.\d\d) (\d\.\d\d)\] "
                      r"(\d+) tok/s$")

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3_pipeline.config import VerifyConfig
-from eagle3_pipeline.contracts import invariance_rows, to_record
+from eagle3_pipeline.core.config import VerifyConfig
+from eagle3_pipeline.records.contracts import invariance_rows, to_record
 from eagle3_pipeline.verify.stage import verify
 from eagle3_pipeline.verify.reference import choose_rows, reference_check
 from eagle3_pipeline.verify.structure import StructureCheck, learn_norm_bounds, verify_structure
@@ -43,7 +43,7 @@ def _resketch(version, row: int, drop: bool = False) -> None:
     """Rewrite a record's state sketch from its stored states (`drop`: remove it): a corruption made before
     the engine's sketch (a layer map the model itself got wrong), which only the other checks can see."""
     from eagle3_pipeline.engine import state_sketch as sk
-    from eagle3_pipeline.contracts import dequantise
+    from eagle3_pipeline.records.contracts import dequantise
 
     fp = version.fingerprint_path(row)
     t = load_file(str(fp))
@@ -262,7 +262,7 @@ def test_gate_passes_clean_data_and_records_stats(extracted, tiny_config, tmp_pa
     """The whole gate on a copy of the clean extraction: every row's final layer against the fingerprints,
     layer identity, the streamed reference, the invariance numbers the extract engine measured; verify.json
     and report.json carry the statistics; a second verify reads nothing again."""
-    from eagle3_pipeline.report import build_report
+    from eagle3_pipeline.report.stage import build_report
 
     out = _copy_extract(extracted, tmp_path)
     cfg = VerifyConfig(reference_samples=2)
@@ -286,7 +286,7 @@ def test_gate_passes_clean_data_and_records_stats(extracted, tiny_config, tmp_pa
     rec = json.loads((out / "verify.json").read_text())
     assert [s["layer_id"] for s in rec["layer_stats"]] == extracted.layer_ids
     assert all(s["tokens"] == extracted.record.tokens and s["norm_hi"] > s["norm_lo"] for s in rec["layer_stats"])
-    report = build_report("r", {}, {}, {"verify": res.model_dump()}, {}, "ok")
+    report = build_report("r", {}, {}, {"verify": res.model_dump()}, {}, "ok").to_json()
     assert report["stages"]["verify"]["passed"] is True
     assert report["stages"]["verify"]["details"]["layer_stats"] == rec["layer_stats"]
     again = verify(cfg, tiny_config.target, version, log=lambda m: None)
@@ -398,7 +398,7 @@ def test_a_check_that_cannot_run_fails_unless_allowed(extracted, tiny_config, tm
     skipped and why. Preflight says the same before any engine starts."""
     import json as _json
 
-    from eagle3_pipeline.preflight import PreflightFailed, preflight
+    from eagle3_pipeline.preflight.stage import PreflightFailed, preflight
 
     out = _copy_extract(extracted, tmp_path)
     model = tmp_path / "model"
@@ -533,7 +533,7 @@ def test_every_token_s_aux_layers_are_checked_against_the_engine(extracted, tiny
 def test_fingerprints_off_fails_unless_both_per_token_checks_are_named(extracted, tiny_config, tmp_path):
     """extract.fingerprints false drops the fingerprint and the state sketch together: the gate (and preflight,
     before any load) fails until verify.allow_skip names both, and then lists both skipped."""
-    from eagle3_pipeline.preflight import PreflightFailed, preflight
+    from eagle3_pipeline.preflight.stage import PreflightFailed, preflight
 
     out = _copy_extract(extracted, tmp_path)
     shutil.rmtree(out / "fingerprints")
@@ -562,7 +562,7 @@ def test_fingerprints_off_fails_unless_both_per_token_checks_are_named(extracted
 def test_a_sidecar_that_scores_one_token_fails(extracted, tiny_config, tmp_path):
     """Coverage: a fingerprint sidecar whose every token but one has no top ids (-1) leaves the others
     unchecked: the record fails, named with both counts."""
-    from eagle3_pipeline.contracts import FP_IDS_KEY
+    from eagle3_pipeline.records.contracts import FP_IDS_KEY
 
     out = _copy_extract(extracted, tmp_path)
     version = relocated(extracted.version, out)

@@ -123,7 +123,7 @@ def server_overrides(tiny_target, server_store):
     """Overrides of configs/tiny-cpu.yaml for a 40-row dataset `dataset` from corpus file `source`:
     4 shards of 10 rows in groups of 2, one epoch, 4 held-out prompts; what a whole pipeline run
     through a worker needs to take a few minutes on 2 cores."""
-    from eagle3_pipeline.config import VerifyConfig
+    from eagle3_pipeline.core.config import VerifyConfig
 
     def make(dataset: str, source: str, *extra: str) -> list[str]:
         ovs = [f"name=srv-{dataset}", f"store={server_store}", f"target.model={tiny_target}",
@@ -150,7 +150,7 @@ def server_config_path(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def server_config(server_overrides, server_config_path):
-    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.core.config import load_config
 
     return lambda *a: load_config(server_config_path, server_overrides(*a))
 

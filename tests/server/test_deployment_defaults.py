@@ -14,7 +14,7 @@ from tests.helpers.server import ROOT
 def test_deployed_default_config_is_tiny_cpu_yaml(name, client, deployed, monkeypatch):
     from prefect.flows import load_flow_from_entrypoint
 
-    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.core.config import load_config
     from flows.config_param import resolve_config
 
     dep = client.read_deployment_by_name(name)

@@ -62,7 +62,7 @@ def test_fanout_waits_for_a_slow_pod_and_gives_up_an_unschedulable_one(client, d
     and the fan-out's answer names it with Kubernetes' reason."""
     from prefect import flow
 
-    from eagle3_pipeline.cluster import start_deadline_s
+    from eagle3_pipeline.core.cluster import start_deadline_s
     from eagle3_pipeline.stages import plan_extract, stage_preflight, stage_prepare
     from flows import fanout
 
@@ -121,7 +121,7 @@ def test_a_stage_run_whose_pod_never_starts_fails_with_the_pods_reason(client, d
     pod_watch_timeout_seconds, from the config) and comes back cancelled, with Kubernetes' reason."""
     from prefect.states import Pending
 
-    from eagle3_pipeline.cluster import job_variables
+    from eagle3_pipeline.core.cluster import job_variables
     from flows.pods import StartWatch
     from flows.stage_runs import wait_final
 

@@ -144,18 +144,21 @@ def test_report_artifact_in_the_prefect_ui(prefect_server, client, tmp_path):
     from tasks.stage_tasks import _k, report
 
     t0 = time.time()
-    rec = sample_report()
-    rec["config"]["name"] = "ui-report-check"
+    from eagle3_pipeline.report.record import RunReport
+
+    sample = sample_report()
+    sample["config"]["name"] = "ui-report-check"
+    rec = RunReport.model_validate(sample)
     metrics = sample_metrics(tmp_path / "metrics.jsonl")
 
     @flow(name="report-ui-check")
-    def make_artifacts(run_dir: str, rec: dict, metrics: str) -> dict:
+    def make_artifacts(run_dir: str, rec: RunReport, metrics: str) -> dict:
         paths = report(run_dir, rec, metrics)  # the pipeline's own report task: write_report + the artifact
-        create_markdown_artifact(key="report-old-style", markdown=old_style_markdown(rec), description="control")
+        create_markdown_artifact(key="report-old-style", markdown=old_style_markdown(sample), description="control")
         return paths
 
     paths = make_artifacts(str(tmp_path / "run"), rec, str(metrics))
-    key = f"report-{_k(rec['config']['name'])}"
+    key = f"report-{_k(rec.config['name'])}"
     (new,), (old,) = artifacts(client, key), artifacts(client, "report-old-style")
     assert new.data == Path(paths["report_md"]).read_text()  # the UI artifact is report.md itself
     size = len(new.data.encode())

@@ -69,7 +69,11 @@ def top_level_workers(package_dir: Path) -> list[str]:
     return sorted(p.name for p in Path(package_dir).glob("*_worker.py"))
 
 
-STAGES = ("extract", "verify", "train", "evaluate", "regenerate")
+STAGES = ("preflight", "extract", "verify", "train", "evaluate", "regenerate", "gpu", "report")
+# The ground floor's rooms, floor by floor: a room imports its own modules and rooms on the floors below,
+# never a room beside or above it; the stage packages and ABOVE_STAGES stand on all of them.
+FLOORS = (("core",), ("records", "data"), ("engine", "checks", "tiny"), ("targets",))
+ROOMS = {room: n for n, floor in enumerate(FLOORS) for room in floor}
 # Top-level modules that sit above the stages, each with why it must import them.
 ABOVE_STAGES = {
     "stages.py": "the glue the tasks call: one stage_<name> function per stage",
@@ -87,9 +91,9 @@ PARAM_EXCEPTIONS = {
     "evaluate/stage.py:evaluate_pair": "public API called by stages.py and tests; the drafts belong in one typed record",
     "evaluate/stage.py:_evaluate_pair": "evaluate_pair's body under the dir lock; shrinks with evaluate_pair",
     "extract/stage.py:extract_group": "public API (flows, tasks, tests): settings, target, version, shards, log, force, progress",
-    "proc.py:run_child": "the one child runner: its keyword options (deadline, log, callbacks, env) are its interface",
-    "proc.py:_spawn": "run_child's process start; takes run_child's options",
-    "report.py:build_report": "one record per stage result; a typed run record next",
+    "core/proc.py:run_child": "the one child runner: its keyword options (deadline, log, callbacks, env) are its interface",
+    "core/proc.py:_spawn": "run_child's process start; takes run_child's options",
+    "report/stage.py:build_report": "one record per stage result; a typed run record next",
     "stages.py:stage_evaluate": "the glue takes the earlier stages' records one by one, as the flow holds them",
     "tiny/build_cache.py:cached_build": "tiny/ keys the kept builds: changing it forces a rebuild",
     "tiny/training.py:train_lm": "tiny/ keys the kept builds: changing it forces a rebuild",
@@ -110,7 +114,7 @@ LONG_FUNCTIONS = {
     "data/prepare.py:_encode_chunk": (79, "one pass per row: render, tokenize, mask, trim and quarantine, counting each reason"),
     "data/prepare.py:_assemble": (108, "chunks to one dataset: duplicates, held-out pick and every count prepare.json reports"),
     "extract/worker.py:_run_shard": (65, "one shard's prefill, capture checks, durable writes and event, in the order they must happen"),
-    "preflight.py:preflight": (82, "the checks in the order a user reads them; each adds a problem or a warning"),
+    "preflight/stage.py:preflight": (82, "the checks in the order a user reads them; each adds a problem or a warning"),
     "regenerate/worker.py:_run_shard": (81, "one shard's turn-by-turn generation with the quarantine reason of every row it drops"),
     "targets/smollm2.py:build_smollm2": (66, "GGUF tensors to HF names, tokenizer and template, written in the build's order"),
     "train/export.py:export_check": (79, "one check per property of an exported draft, each with its own message"),
@@ -133,6 +137,25 @@ def stage_of(module: str) -> str | None:
     """The stage package a dotted module belongs to (None: ground floor or not ours)."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 and parts[0] == "eagle3_pipeline" and parts[1] in STAGES else None
+
+
+def room_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "eagle3_pipeline" and parts[1] in ROOMS else None
+
+
+def floor_violations(module: str, source: str) -> list[str]:
+    """`line N: imported` for each import in `source` (the text of `module`, in a room) of a room on its own
+    floor or above (its own room excepted), or of a module that stands above the stages."""
+    own = room_of(module)
+    bad = set()
+    for n, m in imported_modules(source):
+        other = room_of(m)
+        parts = m.split(".")
+        above = len(parts) > 1 and parts[0] == "eagle3_pipeline" and f"{parts[1]}.py" in ABOVE_STAGES
+        if above or (other is not None and other != own and ROOMS[other] >= ROOMS[own]):
+            bad.add(f"line {n}: {'.'.join(parts[:2])}")
+    return sorted(bad)
 
 
 def layer_violations(module: str, source: str) -> list[str]:
@@ -217,6 +240,20 @@ def test_ground_floor_never_imports_a_stage():
                 bad[str(p.relative_to(ROOT))] = hits
     assert bad == {}, f"the ground floor imports a stage package (move the shared piece down): {bad}"
     assert all((CORE / m).is_file() for m in ABOVE_STAGES), "ABOVE_STAGES names a module that is gone"
+
+
+def test_the_ground_floor_is_rooms_and_each_stands_on_the_floors_below():
+    loose = sorted(p.name for p in CORE.glob("*.py") if p.name != "__init__.py" and p.name not in ABOVE_STAGES)
+    assert loose == [], f"modules loose on the ground floor (put each in its room, FLOORS): {loose}"
+    packages = {p.parent.name for p in CORE.glob("*/*.py")}  # tiny/ is a namespace package
+    assert packages - set(ROOMS) - set(STAGES) == set(), "a package that is neither a room (FLOORS) nor a stage (STAGES)"
+    assert set(ROOMS) <= packages, f"FLOORS names a room that is gone: {set(ROOMS) - packages}"
+    bad = {}
+    for room in ROOMS:
+        for p, src in _sources(CORE / room).items():
+            if hits := floor_violations(module_of(p), src):
+                bad[str(p.relative_to(ROOT))] = hits
+    assert bad == {}, f"a room imports one beside or above it (FLOORS: {FLOORS}): {bad}"
 
 
 def test_no_stage_imports_a_sibling_stage():
@@ -306,18 +343,32 @@ def test_worker_checker_finds_top_level_workers(tmp_path):
 
 
 def test_layer_checker_finds_crossings():
-    assert layer_violations("eagle3_pipeline.layout", "from eagle3_pipeline.extract.stage import x\n") == \
+    assert layer_violations("eagle3_pipeline.records.layout", "from eagle3_pipeline.extract.stage import x\n") == \
         ["line 1: eagle3_pipeline.extract"]
-    assert layer_violations("eagle3_pipeline.runs", "def f():\n    import eagle3_pipeline.verify.stage\n") == \
+    assert layer_violations("eagle3_pipeline.report.runs", "def f():\n    import eagle3_pipeline.verify.stage\n") == \
         ["line 2: eagle3_pipeline.verify"]
     assert layer_violations("eagle3_pipeline.train.online", "from eagle3_pipeline.verify import gate\n") == \
         ["line 1: eagle3_pipeline.verify"]
     # a stage's own modules, the ground floor and other packages are fine
     assert layer_violations("eagle3_pipeline.train.stage", "from eagle3_pipeline.train.vocab import x\n"
-                            "from eagle3_pipeline.contracts import y\nfrom eagle3_pipeline.data.prepare import z\n"
+                            "from eagle3_pipeline.records.contracts import y\nfrom eagle3_pipeline.data.prepare import z\n"
                             "import extract\nfrom . import verify\n") == []
-    assert stage_of("eagle3_pipeline.pool") is None and stage_of("eagle3_pipeline.evaluate.ngram") == "evaluate"
+    assert stage_of("eagle3_pipeline.records.pool") is None and stage_of("eagle3_pipeline.evaluate.ngram") == "evaluate"
     assert module_of(CORE / "train" / "__init__.py") == "eagle3_pipeline.train"
+
+
+def test_floor_checker_finds_imports_beside_and_above():
+    assert floor_violations("eagle3_pipeline.records.layout", "from eagle3_pipeline.engine.build import x\n") == \
+        ["line 1: eagle3_pipeline.engine"]
+    assert floor_violations("eagle3_pipeline.core.store", "def f():\n    import eagle3_pipeline.records.pool\n") == \
+        ["line 2: eagle3_pipeline.records"]
+    assert floor_violations("eagle3_pipeline.data.chat", "from eagle3_pipeline.records import contracts\n") == \
+        ["line 1: eagle3_pipeline.records"]  # beside: the same floor
+    assert floor_violations("eagle3_pipeline.engine.build", "from eagle3_pipeline.stages import plan_extract\n") == \
+        ["line 1: eagle3_pipeline.stages"]
+    assert floor_violations("eagle3_pipeline.engine.build", "from eagle3_pipeline.engine.start import x\n"
+                            "from eagle3_pipeline.records.contracts import y\nfrom eagle3_pipeline.core import store\n"
+                            "import records\n") == []
 
 
 def test_stage_shape_checker_finds_a_missing_stage_py_and_a_long_init(tmp_path):

@@ -23,8 +23,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from eagle3_pipeline.config import PrepareConfig, SourceConfig, TargetConfig, load_config
-from eagle3_pipeline.errors import (ConfigError, DiskFull, ExitCode, GateFailed, InputError, StageTimeout,
+from eagle3_pipeline.core.config import PrepareConfig, SourceConfig, TargetConfig, load_config
+from eagle3_pipeline.core.errors import (ConfigError, DiskFull, ExitCode, GateFailed, InputError, StageTimeout,
                                     exit_code)
 from eagle3_pipeline.verify.stage import VerifyFailed
 
@@ -387,14 +387,14 @@ MODEL_CASES = {  # kind: (model_variant kwargs builder, extract.layer_ids or Non
 def no_api_probe(monkeypatch):
     """Preflight's import probe of vLLM/speculators APIs costs ~10 s of imports and is not what these
     cases check; everything else in preflight runs for real."""
-    import eagle3_pipeline.preflight as pf
+    import eagle3_pipeline.preflight.stage as pf
 
     monkeypatch.setattr(pf, "REQUIRED_APIS", {})
 
 
 @pytest.mark.parametrize("kind", MODEL_CASES)
 def test_model_problem_fails_preflight_naming_it(tiny_target, tmp_path, no_api_probe, kind):
-    from eagle3_pipeline.preflight import PreflightFailed, preflight
+    from eagle3_pipeline.preflight.stage import PreflightFailed, preflight
 
     make, layer_ids, fragments = MODEL_CASES[kind]
     model = model_variant(tiny_target, tmp_path / "model", **make(tiny_target))
@@ -412,7 +412,7 @@ def test_model_problem_fails_preflight_naming_it(tiny_target, tmp_path, no_api_p
 
 def test_the_unbroken_variant_passes_preflight(tiny_target, tmp_path, no_api_probe):
     """The control for the table above: the copy itself is a good model."""
-    from eagle3_pipeline.preflight import preflight
+    from eagle3_pipeline.preflight.stage import preflight
 
     model = model_variant(tiny_target, tmp_path / "model")
     cfg = load_config(TINY_YAML, [f"store={tmp_path / 'store'}", f"target.model={model}"])
@@ -420,7 +420,7 @@ def test_the_unbroken_variant_passes_preflight(tiny_target, tmp_path, no_api_pro
 
 
 def test_disk_estimate_larger_than_free_space(tiny_target, tmp_path, no_api_probe, monkeypatch):
-    from eagle3_pipeline.preflight import PreflightFailed, preflight
+    from eagle3_pipeline.preflight.stage import PreflightFailed, preflight
 
     real = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=10 << 20))  # 10 MiB free
@@ -433,7 +433,7 @@ def test_disk_estimate_larger_than_free_space(tiny_target, tmp_path, no_api_prob
 def test_disk_plans_offline_bf16_fp8_and_online(tiny_target, tmp_path, no_api_probe, monkeypatch):
     """Preflight compares the three ways of holding hidden states and checks the one this run uses: online
     keeps only the verified sample and the rows in flight, so it fits where the stored dataset does not."""
-    from eagle3_pipeline.preflight import PreflightFailed, disk_plans, preflight
+    from eagle3_pipeline.preflight.stage import PreflightFailed, disk_plans, preflight
 
     cfg = load_config(TINY_YAML, [f"store={tmp_path / 'store'}", f"target.model={tiny_target}"])
     plans = disk_plans(cfg, 4, 128, 1_000_000)
@@ -600,12 +600,12 @@ def _limit_file_size(n: int):
 ATOMIC_CHILD = """
 import json, sys
 from pathlib import Path
-from eagle3_pipeline.store import write_json
+from eagle3_pipeline.core.store import write_json
 try:
     write_json(Path(sys.argv[1]), {"rows": list(range(5000))})
 except Exception as e:
     print(json.dumps({"type": type(e).__name__, "msg": str(e), "errno": getattr(e, "errno", None),
-                      "code": __import__("eagle3_pipeline.errors").errors.exit_code(e)}))
+                      "code": __import__("eagle3_pipeline.core.errors").errors.exit_code(e)}))
 """
 
 
@@ -693,14 +693,14 @@ def _chain(outer: type[BaseException], inner: BaseException, suppress: bool = Fa
 
 
 def _exit_code_cases():
-    from eagle3_pipeline.contracts import ContractError
+    from eagle3_pipeline.records.contracts import ContractError
     from eagle3_pipeline.data.formats import SourceError
     from eagle3_pipeline.evaluate.results import EvaluateError
     from eagle3_pipeline.evaluate.stage import EvaluateGateFailed, InvalidDraftError
     from eagle3_pipeline.extract.stage import ExtractFailed
-    from eagle3_pipeline.gpu import GpuGateFailed
-    from eagle3_pipeline.preflight import PreflightFailed
-    from eagle3_pipeline.proc import ChildFailed, ChildTimedOut
+    from eagle3_pipeline.gpu.stage import GpuGateFailed
+    from eagle3_pipeline.preflight.stage import PreflightFailed
+    from eagle3_pipeline.core.proc import ChildFailed, ChildTimedOut
     from eagle3_pipeline.train.export import ExportCheckError
     from eagle3_pipeline.train.vocab import VocabError
 
@@ -749,7 +749,7 @@ def test_cli_error_line_names_the_culprit_and_the_wrapper(capsys):
 
 
 def test_interrupt_in_a_command_exits_130(monkeypatch):
-    import eagle3_pipeline.config as config_mod
+    import eagle3_pipeline.core.config as config_mod
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt

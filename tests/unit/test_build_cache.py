@@ -69,7 +69,10 @@ def test_the_builder_code_is_in_the_key(tmp_path, monkeypatch):
     pkg = tmp_path / "pkg"
     (pkg / "tiny").mkdir(parents=True)
     (pkg / "data").mkdir()
-    (pkg / "store.py").write_text("x = 1\n")
+    (pkg / "core").mkdir()
+    for name in ("__init__.py", "data/__init__.py", "data/chat.py", "core/__init__.py", "core/store.py",
+                 "core/errors.py"):
+        (pkg / name).write_text("x = 1\n")
     (pkg / "tiny" / "target.py").write_text("STEPS = 320\n")
     monkeypatch.setattr(build_cache, "PACKAGE", pkg)
     before = build_cache.build_key("llama", Cfg())
@@ -167,3 +170,10 @@ def test_a_prebuilt_build_is_copied_not_built(tmp_path, cache, monkeypatch):
     s = build_cache.cached_build("llama", Cfg(), tmp_path / "out", fake_build(calls), log=lambda m: None)
     assert calls == [] and s["reused_from"] == str(kept / "llama" / key)
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == bytes([0]) * 64
+
+
+def test_a_source_that_is_not_there_stops_the_key(tmp_path, monkeypatch):
+    """A moved or renamed module named in SOURCES would otherwise leave the key without a word."""
+    monkeypatch.setattr(build_cache, "PACKAGE", tmp_path)
+    with pytest.raises(FileNotFoundError, match="store.py"):
+        build_cache.build_key("llama", Cfg(), sources=("store.py",))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_pipeline.config import PrepareConfig, SourceConfig, TargetConfig
+from eagle3_pipeline.core.config import PrepareConfig, SourceConfig, TargetConfig
 from eagle3_pipeline.data.chat import TemplateMismatch, ToolCallsNotRendered, encode_conversation
 from eagle3_pipeline.data.formats import Conversation, Rejected, normalise
 

@@ -10,9 +10,9 @@ import math
 
 import pytest
 
-from eagle3_pipeline import cluster
-from eagle3_pipeline.cluster import GPU_STAGES, job_variables, stage_deadline_s
-from eagle3_pipeline.config import load_config
+from eagle3_pipeline.core import cluster
+from eagle3_pipeline.core.cluster import GPU_STAGES, job_variables, stage_deadline_s
+from eagle3_pipeline.core.config import load_config
 
 REPO = Path(__file__).parents[2]
 KIMI, DEEPSEEK, TINY = (REPO / "configs" / f for f in ("kimi-k2.5-tp8.yaml", "deepseek-v3-tp8.yaml", "tiny-cpu.yaml"))

@@ -3,10 +3,10 @@ import os
 
 import pytest
 
-from eagle3_pipeline.config import load_config
-from eagle3_pipeline.contracts import ContractError, resolve_layer_ids
-from eagle3_pipeline.errors import ConfigError
-from eagle3_pipeline.store import atomic_write, atomic_write_text, content_key, write_json
+from eagle3_pipeline.core.config import load_config
+from eagle3_pipeline.records.contracts import ContractError, resolve_layer_ids
+from eagle3_pipeline.core.errors import ConfigError
+from eagle3_pipeline.core.store import atomic_write, atomic_write_text, content_key, write_json
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 
@@ -62,8 +62,8 @@ def test_layer_ids_invalid(ids, msg):
 
 def test_train_key_follows_what_shapes_the_draft_only():
     """log_freq / timeout_s / num_workers resume the same checkpoint dir; lr or epochs start a new one."""
-    from eagle3_pipeline.contracts import ModelDims
-    from eagle3_pipeline.layout import ExtractVersion, plan_shards
+    from eagle3_pipeline.records.contracts import ModelDims
+    from eagle3_pipeline.records.layout import ExtractVersion, plan_shards
     from eagle3_pipeline.stages import train_key
 
     cfg = load_config(ROOT / "configs/tiny-cpu.yaml")

@@ -39,7 +39,7 @@ def test_a_fresh_process_gets_amx_where_the_cpu_has_it():
 
 
 def test_a_child_killed_by_a_signal_is_named_by_it():
-    from eagle3_pipeline.proc import exit_code
+    from eagle3_pipeline.core.proc import exit_code
 
     assert exit_code(-4) == "code -4 (SIGILL)" and exit_code(-9) == "code -9 (SIGKILL)"
     assert exit_code(1) == "code 1" and exit_code(None) == "code None"

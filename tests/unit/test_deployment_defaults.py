@@ -48,7 +48,7 @@ def resolved_default_config(name: str, monkeypatch):
 
 @pytest.mark.parametrize("name", DEPLOYMENTS_WITH_A_CONFIG)
 def test_deployment_default_config_is_tiny_cpu_yaml(name, monkeypatch):
-    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.core.config import load_config
 
     got = resolved_default_config(name, monkeypatch)
     want = load_config(ROOT / "configs" / "tiny-cpu.yaml")
@@ -66,7 +66,7 @@ def test_no_inline_config_in_prefect_yaml(name):
 def test_a_given_config_wins_over_config_path(monkeypatch, tmp_path):
     """The automation passes `config: {{ event.payload.config }}` on top of the default parameters:
     that config, not the file, is what the run uses."""
-    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.core.config import load_config
     from flows.config_param import resolve_config
 
     monkeypatch.chdir(ROOT)
@@ -87,7 +87,7 @@ def test_the_form_switches_regenerate_online_training_and_prompt_sets(monkeypatc
     field for them, and a run with them set resolves the default config with exactly those changes."""
     from prefect.flows import load_flow_from_entrypoint
 
-    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.core.config import load_config
     from flows.config_param import resolve_config, switches
 
     monkeypatch.chdir(ROOT)

@@ -3,7 +3,7 @@ import types
 
 import pytest
 
-from eagle3_pipeline.config import EngineConfig, EvaluateConfig, ExtractConfig, TargetConfig
+from eagle3_pipeline.core.config import EngineConfig, EvaluateConfig, ExtractConfig, TargetConfig
 from eagle3_pipeline.engine.build import (
     CPU_COMPILATION_CONFIG,
     build_llm,
@@ -180,17 +180,18 @@ def test_engine_settings_that_change_records_are_in_their_keys(monkeypatch, tmp_
     with vLLM's PyTorch rotary: the CPU build's engine settings are part of the extract and pool keys;
     GPU builds (no such settings) keep the keys they had."""
     import eagle3_pipeline.engine.build as engine
-    from eagle3_pipeline.pool import pool_key
-    from eagle3_pipeline.layout import extract_location
-    from eagle3_pipeline.store import extract_key, model_fingerprint
+    from eagle3_pipeline.records.pool import pool_key
+    from eagle3_pipeline.records.layout import extract_location
+    from eagle3_pipeline.core.store import extract_key, model_fingerprint
 
     target = TargetConfig(model=str(tmp_path))
     (tmp_path / "config.json").write_text("{}")
     keys = {}
     for cpu in (True, False):
         monkeypatch.setattr(engine, "vllm_is_cpu_build", lambda cpu=cpu: cpu)
-        keys[cpu] = (extract_location(tmp_path, "p1", target, [2, 4], "bf16", "m.C")[0],
-                     pool_key(target, [2, 4], "bf16", "m.C", 1))
+        keys[cpu] = (extract_location(types.SimpleNamespace(dir=tmp_path, version="p1"), target, [2, 4], "bf16", "m.C",
+                                      engine.cpu_build_kwargs())[0],
+                     pool_key(target, [2, 4], "bf16", "m.C", 1, engine.cpu_build_kwargs()))
     assert keys[True][0] != keys[False][0] and keys[True][1] != keys[False][1]
     fp = model_fingerprint(str(tmp_path), None)
     assert keys[False][0] == extract_key("p1", fp, [2, 4], "bf16", "m.C")

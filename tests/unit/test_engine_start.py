@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3_pipeline.config import EngineConfig, TargetConfig
+from eagle3_pipeline.core.config import EngineConfig, TargetConfig
 from eagle3_pipeline.engine.start import EngineStartRefused, kv_bytes_per_token, memory_plan, start_refusal
-from eagle3_pipeline.errors import exit_code, is_transient
-from eagle3_pipeline.proc import ChildFailed
+from eagle3_pipeline.core.errors import exit_code, is_transient
+from eagle3_pipeline.core.proc import ChildFailed
 
 KV = ("ValueError: To serve at least one request with the model's max seq len (513), (0.03 GiB KV cache is needed, "
       "which is larger than the available KV cache memory (0.01 GiB). Based on the available memory, the estimated "
@@ -95,9 +95,9 @@ def _kimi_like(tmp_path, weights_gib: int):
 def test_the_wrong_gpus_fail_before_any_load_naming_what_fits(tmp_path, monkeypatch):
     """Kimi-K2.5 INT4 (~595 GiB of weights) at tensor parallel 8: 8 x H100 (80 GiB) cannot hold it, 8 x H200 can.
     Preflight's estimate refuses the H100s naming the GPU types and the tensor parallel size that would fit."""
-    from eagle3_pipeline.config import ExtractConfig, TargetConfig
+    from eagle3_pipeline.core.config import ExtractConfig, TargetConfig
     from eagle3_pipeline.engine import start
-    from eagle3_pipeline.preflight import hardware_problem
+    from eagle3_pipeline.preflight.stage import hardware_problem
 
     monkeypatch.setattr(start, "_cpu", lambda: False)
     target = TargetConfig(model=str(_kimi_like(tmp_path, 595)), dtype="bfloat16")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_pipeline.config import EvaluateConfig, TargetConfig, load_config
+from eagle3_pipeline.core.config import EvaluateConfig, TargetConfig, load_config
 from eagle3_pipeline.data.chat import render
 from eagle3_pipeline.data.prepare import load_tokenizer
 from eagle3_pipeline.evaluate.prompts import (

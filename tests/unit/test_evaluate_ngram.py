@@ -132,7 +132,7 @@ def test_baseline_from_a_run_per_category_lossless_and_speed():
 def test_the_ngram_run_is_the_jobs_last():
     """No vLLM engine starts after the n-gram proposer imported numba on the CPU build (worker.py doc):
     the job refuses an n-gram run anywhere but last, and the parent puts it there."""
-    from eagle3_pipeline.config import EngineConfig, TargetConfig
+    from eagle3_pipeline.core.config import EngineConfig, TargetConfig
     from eagle3_pipeline.evaluate.worker import EvalJob, EvalRunSpec
 
     ngram = EvalRunSpec(label="ngram", draft_dir=None, num_speculative_tokens=K,

@@ -46,7 +46,7 @@ def load_manifests(path: Path) -> list[dict]:
 
 
 def validate(doc: dict, where: str) -> None:
-    from eagle3_pipeline.cluster import value_problems
+    from eagle3_pipeline.core.cluster import value_problems
 
     assert value_problems(doc) == [], f"{where}: values the schema accepts but Kubernetes refuses"
     for version in KUBERNETES_VERSIONS:
@@ -119,7 +119,7 @@ def test_worker_role_allows_exactly_what_the_kubernetes_worker_needs():
 
 @pytest.fixture(scope="module")
 def kimi():
-    from eagle3_pipeline.config import load_config
+    from eagle3_pipeline.core.config import load_config
 
     return load_config(ROOT / "configs" / "kimi-k2.5-tp8.yaml")
 
@@ -129,7 +129,7 @@ def kimi_run_jobs(cfg, given: dict | None = None) -> dict[str, tuple[dict, dict]
     pytest.importorskip("prefect_kubernetes")
     from tests.unit.test_k8s_job_template import CPU_TEMPLATE, TEMPLATE, render
 
-    from eagle3_pipeline.cluster import job_variables
+    from eagle3_pipeline.core.cluster import job_variables
 
     assert cfg.extract.parallel_groups == 4
     jobs = {}
@@ -144,7 +144,7 @@ def kimi_run_jobs(cfg, given: dict | None = None) -> dict[str, tuple[dict, dict]
 
 
 def test_kimi_run_jobs_validate_and_request_what_the_config_implies(kimi):
-    from eagle3_pipeline.cluster import stage_deadline_s
+    from eagle3_pipeline.core.cluster import stage_deadline_s
 
     jobs = kimi_run_jobs(kimi)
     assert len([n for n in jobs if n.startswith("extract-")]) == 4
@@ -208,7 +208,7 @@ def test_both_service_accounts_carry_the_registry_pull_secret():
 def test_values_the_schema_accepts_but_kubernetes_refuses_are_named(kimi):
     """kubernetes-validate passes `memory: 512GiB`, `cpu: sixty-four` and an image name with spaces
     (structure only); cluster.value_problems names each, with where it is."""
-    from eagle3_pipeline.cluster import value_problems
+    from eagle3_pipeline.core.cluster import value_problems
 
     (_, job) = kimi_run_jobs(kimi)["train"]
     c = job["spec"]["template"]["spec"]["containers"][0]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_pipeline.config import PrepareConfig, TargetConfig
+from eagle3_pipeline.core.config import PrepareConfig, TargetConfig
 from eagle3_pipeline.data import chat, mask_check
 from eagle3_pipeline.data.formats import RawRow
 

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from eagle3_pipeline.store import extract_key, model_fingerprint, weight_digests
+from eagle3_pipeline.core.store import extract_key, model_fingerprint, weight_digests
 
 
 @pytest.fixture
@@ -44,7 +44,7 @@ def test_checkpoint_changed_in_place_is_a_new_target(model_copy):
 
 
 def test_unchanged_weights_are_not_read_again(model_copy, monkeypatch):
-    from eagle3_pipeline import store
+    from eagle3_pipeline.core import store
 
     w = model_copy / "model.safetensors"
     first = weight_digests([w])
@@ -59,7 +59,7 @@ def test_a_digest_cache_on_a_shared_volume_holds_in_every_pod(model_copy, monkey
     """The cache on the store (EAGLE3_DIGEST_CACHE=/data/.cache/..., the job templates) is read by pods on other
     nodes, where the same volume has another device number (and, on some filesystems, inode numbers): the
     digest is keyed by path, size, mtime and ctime, so another pod stats the files and reads none of them."""
-    from eagle3_pipeline import store
+    from eagle3_pipeline.core import store
 
     w = model_copy / "model.safetensors"
     first = weight_digests([w])

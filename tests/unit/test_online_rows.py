@@ -74,7 +74,7 @@ def _fingerprint_of(checks, hs):
     """vLLM's top-2 next-token scores as the extract engine would write them, from the row's final slot, and the
     server engine's state sketch of the row's states."""
     from eagle3_pipeline.engine import state_sketch as sk
-    from eagle3_pipeline.contracts import FP_IDS_KEY, FP_LOGPROBS_KEY
+    from eagle3_pipeline.records.contracts import FP_IDS_KEY, FP_LOGPROBS_KEY
 
     f = checks.final
     x = hs[:, -1].float()
@@ -95,7 +95,7 @@ def test_every_online_row_is_judged_against_the_target(tmp_path, tiny_target):
     import numpy as np
     from safetensors.torch import load_file
 
-    from eagle3_pipeline.layer_identity import learn, row_features
+    from eagle3_pipeline.checks.layer_identity import learn, row_features
     from eagle3_pipeline.train.online_data import FLAGGED, SampleUnavailable
 
     H = json.loads((tiny_target / "config.json").read_text())["hidden_size"]
@@ -139,7 +139,7 @@ def test_online_checks_are_skipped_one_by_one(tmp_path, tiny_target):
     disagrees is still rejected without sketches; a fingerprint scoring only some tokens is refused."""
     import json
 
-    from eagle3_pipeline.contracts import FP_IDS_KEY
+    from eagle3_pipeline.records.contracts import FP_IDS_KEY
 
     H = json.loads((tiny_target / "config.json").read_text())["hidden_size"]
     full = _checks(tmp_path, tiny_target, None)

@@ -3,7 +3,7 @@
 import json
 from pathlib import Path
 
-from eagle3_pipeline.config import PrepareConfig, SourceConfig, TargetConfig
+from eagle3_pipeline.core.config import PrepareConfig, SourceConfig, TargetConfig
 from eagle3_pipeline.data.prepare import prepare
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_pipeline.config import load_config
-from eagle3_pipeline.contracts import ContractError, default_aux_layer_ids, model_dims, resolve_layer_ids
-from eagle3_pipeline.preflight import architecture_problems
+from eagle3_pipeline.core.config import load_config
+from eagle3_pipeline.records.contracts import ContractError, default_aux_layer_ids, model_dims, resolve_layer_ids
+from eagle3_pipeline.preflight.stage import architecture_problems
 
 CONFIGS = Path(__file__).parents[1] / "data" / "model_configs"
 REPO = Path(__file__).parents[2]
@@ -83,7 +83,7 @@ def test_preflight_of_production_configs_finds_only_the_missing_weights(config, 
     """The production YAMLs against the real models' config.json (no weights here): preflight reads the
     dims and layer ids and resolves the architecture; it stops, in seconds, only on what is really
     missing — weights and tokenizer files — and lists them together."""
-    from eagle3_pipeline.preflight import PreflightFailed, preflight
+    from eagle3_pipeline.preflight.stage import PreflightFailed, preflight
 
     cfg = load_config(REPO / "configs" / f"{config}.yaml", [f"target.model={CONFIGS / model}", f"store={tmp_path}"])
     with pytest.raises(PreflightFailed) as e:

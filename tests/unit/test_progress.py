@@ -1,6 +1,6 @@
 """progress.LineProgress: the calls vLLM's LLM.generate makes on its tqdm bar give timed lines."""
 
-from eagle3_pipeline.progress import LineProgress
+from eagle3_pipeline.core.progress import LineProgress
 
 
 def test_lines_every_interval_and_at_the_end():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_pipeline.errors import EnvironmentProblem
+from eagle3_pipeline.core.errors import EnvironmentProblem
 from eagle3_pipeline.targets import smollm2
 from eagle3_pipeline.tiny import build_cache
 
@@ -53,7 +53,7 @@ def test_every_project_module_the_builder_imports_is_in_the_key():
         p = pkg / name
         covered |= set(p.rglob("*.py")) if p.is_dir() else {p}
     seen = _imported_project_files(pkg / "targets" / "smollm2.py")
-    assert pkg / "store.py" in seen and pkg / "errors.py" in seen  # the walk works
+    assert pkg / "core" / "store.py" in seen and pkg / "core" / "errors.py" in seen  # the walk works
     missing = sorted(str(f.relative_to(pkg)) for f in seen - covered if f != Path(build_cache.__file__).resolve())
     assert not missing, f"the smollm2 builder imports modules its build key does not hash: {missing}"
 

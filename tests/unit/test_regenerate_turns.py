@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_pipeline.config import PipelineConfig, RegenerateConfig, SourceConfig, load_config
+from eagle3_pipeline.core.config import PipelineConfig, RegenerateConfig, SourceConfig, load_config
 from eagle3_pipeline.data.formats import RawRow
 from eagle3_pipeline.regenerate.stage import plan_shards, prepare_config, regenerate, thinking_kwargs
 from eagle3_pipeline.regenerate import turns as T

@@ -1,6 +1,18 @@
 import json
 
-from eagle3_pipeline.report import build_report, write_report
+from eagle3_pipeline.report.record import RunReport
+from eagle3_pipeline.report.stage import build_report as _build_report
+from eagle3_pipeline.report.stage import write_report as _write_report
+
+
+def build_report(*args, **kw) -> dict:
+    """report.build_report's RunReport as report.json holds it (these tests index it as a reader does)."""
+    return _build_report(*args, **kw).to_json()
+
+
+def write_report(run_dir, rep: dict, metrics=None) -> dict:
+    """report.write_report of a report as report.json holds it (the samples are JSON): validated on the way."""
+    return _write_report(run_dir, RunReport.model_validate(rep), metrics)
 
 
 def test_report_contract_and_plots(tmp_path):
@@ -40,7 +52,7 @@ def test_timings_contract_and_table(tmp_path):
 
     import pytest
 
-    from eagle3_pipeline.runs import StageClock
+    from eagle3_pipeline.report.runs import StageClock
 
     clock = StageClock()
     with clock.stage("vocab"):
@@ -58,7 +70,7 @@ def test_timings_contract_and_table(tmp_path):
     assert timings["train"] == {"seconds": 40.0, "engine_start_s": 12.5}
     assert timings["vocab"]["engine_start_s"] is None and timings["evaluate"]["engine_start_s"] is None
     rep = build_report("r3", {"name": "x"}, {}, {}, {}, "completed", timings=timings)
-    assert rep["timings"] is timings
+    assert rep["timings"] == timings
     md = open(write_report(tmp_path / "run", rep)["report_md"]).read()
     assert "| stage | seconds | engine start s | work s |" in md
     assert "| train | 40.0 | 12.5 | 27.5 |" in md
@@ -70,8 +82,8 @@ def _raise():
 
 
 def test_extract_engine_start_counts_this_runs_children(tmp_path):
-    from eagle3_pipeline.shardrun import engine_start_since
-    from eagle3_pipeline.store import write_json
+    from eagle3_pipeline.records.shardrun import engine_start_since
+    from eagle3_pipeline.core.store import write_json
 
     write_json(tmp_path / "manifest.json", {"shards": [], "children": [
         {"attempt": 1, "started_at": "2020-01-01T00:00:00Z", "engine_start_s": 30.0},  # an earlier run
@@ -158,17 +170,25 @@ def test_report_md_without_the_new_keys(tmp_path):
     # malformed / partial values: never a crash, never a warning about plots
     rep = sample_report()
     ev = rep["stages"]["evaluate"]
-    ev.update(speedup=None, per_category={"default": {"prompts": 3, "acceptance_length": 1.5}, "odd": "not a dict",
+    ev.update(speedup=None, per_category={"default": {"prompts": 3, "acceptance_length": 1.5},
                                           "empty": {}, "nan": {"acceptance_length": float("nan")}})
     ev["details"] = {"speedup_detail": {"rounds": 2}}
     rep["stages"]["train"]["details"] = {"hidden_states_peak_bytes": None}
     rep["stages"]["regenerate"] = {"version": None, "rows_in": None, "details": {}}
-    md = open(write_report(tmp_path / "b", rep)["report_md"]).read()
-    assert "warnings" not in rep, rep.get("warnings")
+    paths = write_report(tmp_path / "b", rep)
+    md = open(paths["report_md"]).read()
+    assert json.loads(open(paths["report_json"]).read())["warnings"] == []
     assert "Speed-up" not in md and "hidden states on disk" not in md
     assert "| category | prompts | τ trained |\n" in md  # only the columns some category has
-    assert "| default | 3 | 1.500 |" in md and "| empty | – | – |" in md and "| nan | – | nan |" in md
-    assert "odd" not in md
+    assert "| default | 3 | 1.500 |" in md and "| empty | – | – |" in md and "| nan | – | – |" in md  # NaN is null in report.json (valid JSON)
+    # a category that is not a record is refused where the report is built, before anything is written
+    import pytest
+    from pydantic import ValidationError
+
+    ev["per_category"]["odd"] = "not a dict"
+    with pytest.raises(ValidationError, match="per_category.odd"):
+        write_report(tmp_path / "odd", rep)
+    del ev["per_category"]["odd"]
 
     # long category names and many draft positions stay narrow
     ev["per_category"] = {"a-category-name-far-longer-than-a-table-cell-should-be": {
@@ -194,13 +214,19 @@ def test_new_keys_render_from_stage_records_through_build_report(tmp_path):
         assert "48,213 tokens generated" in md
 
 
-def test_a_failing_plot_is_a_warning_and_the_others_stay(tmp_path):
+def test_a_failing_plot_is_a_warning_and_the_others_stay(tmp_path, monkeypatch):
+    from eagle3_pipeline.report import stage as report_stage
     from tests.helpers.report_sample import sample_metrics, sample_report
 
+    def broken(plt, run_dir, ev):
+        raise ValueError("could not draw")
+
+    monkeypatch.setattr(report_stage, "_acceptance_plot", broken)
     rep = sample_report()
-    rep["stages"]["evaluate"]["per_position_acceptance"] = ["not", "numbers"]
-    md = open(write_report(tmp_path / "run", rep, sample_metrics(tmp_path / "m.jsonl"))["report_md"]).read()
-    assert [w.split(":")[0] for w in rep["warnings"]] == ["plot acceptance failed"], rep["warnings"]
+    paths = write_report(tmp_path / "run", rep, sample_metrics(tmp_path / "m.jsonl"))
+    md = open(paths["report_md"]).read()
+    warnings = json.loads(open(paths["report_json"]).read())["warnings"]
+    assert [w.split(":")[0] for w in warnings] == ["plot acceptance failed"], warnings
     assert "[train_loss]: data:image/png" in md and "[tau_per_category]: data:image/png" in md
     assert "[acceptance]" not in md and not (tmp_path / "run/plots/acceptance.png").exists()
     assert "- warning: plot acceptance failed: " in md
@@ -276,7 +302,7 @@ def test_ngram_baseline_in_report_json_md_and_timings(tmp_path):
     from tests.helpers.report_sample import long_numbers
 
     assert long_numbers([text]) == [] and max(len(line) for line in table_lines) <= 110
-    assert "warnings" not in rep, rep.get("warnings")
+    assert rep["warnings"] == []
 
 
 def test_report_without_ngram_baseline_has_no_trace_of_it(tmp_path):
@@ -343,3 +369,39 @@ def test_evaluate_cost_per_number_in_report_md(tmp_path):
                        {}, "completed")
     md = open(write_report(tmp_path / "run", rep)["report_md"]).read()
     assert "**What each number cost** (seconds of each engine's whole run): trained 90.5 s, untrained 91.2 s, ngram 56.1 s" in md
+
+
+# ------------------------------------------------------------------ report.json's keys: added, never renamed
+
+KEYS_FILE = __import__("pathlib").Path(__file__).resolve().parents[1] / "data" / "report_keys.json"
+
+
+def _key_paths(model, prefix: str = "") -> set[str]:
+    """Every key path of a pydantic model as report.json spells it (`stages.verify.passed`), into nested models."""
+    import typing
+
+    from pydantic import BaseModel
+
+    out = set()
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{name}"
+        out.add(path)
+        for arg in (field.annotation, *typing.get_args(field.annotation)):
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                out |= _key_paths(arg, f"{path}.")
+    return out
+
+
+def test_report_json_keys_are_only_ever_added():
+    """tests/data/report_keys.json holds every key report.json has had since it was typed: a key of that list
+    missing from RunReport is a renamed or dropped key (a reader's script breaks); a new key is added to the list
+    in the same change, so that it is kept from then on."""
+    kept = set(json.loads(KEYS_FILE.read_text()))
+    now = _key_paths(RunReport)
+    assert kept - now == set(), f"report.json keys renamed or removed (keys are only added): {sorted(kept - now)}"
+    assert now - kept == set(), f"new report.json keys: add them to {KEYS_FILE.name}: {sorted(now - kept)}"
+    # and the checker sees a rename
+    from pydantic import create_model
+
+    renamed = create_model("Renamed", run=(str, ...), status=(str, ...))
+    assert "run_id" not in _key_paths(renamed) and "run" in _key_paths(renamed)

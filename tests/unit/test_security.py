@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from eagle3_pipeline.config import PrepareConfig, SourceConfig, TargetConfig, load_config
-from eagle3_pipeline.errors import ConfigError
+from eagle3_pipeline.core.config import PrepareConfig, SourceConfig, TargetConfig, load_config
+from eagle3_pipeline.core.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 SCANNED = ("src", "flows", "tasks", "deployments")
@@ -311,7 +311,7 @@ def test_trust_remote_code_only_from_config_and_off_by_default():
 # -------------------------------------------------------------------- (d) store confinement
 
 def test_within_refuses_paths_that_leave_the_root(tmp_path):
-    from eagle3_pipeline.store import within
+    from eagle3_pipeline.core.store import within
 
     root = tmp_path / "store"
     assert within(root, "ds", "v1") == root / "ds" / "v1"
@@ -323,7 +323,7 @@ def test_within_refuses_paths_that_leave_the_root(tmp_path):
 
 def test_model_and_dataset_names_cannot_climb_out(tiny_target, tmp_path):
     from eagle3_pipeline.data.prepare import prepare
-    from eagle3_pipeline.store import extract_dir, slug
+    from eagle3_pipeline.core.store import extract_dir, slug
 
     assert slug("..") == "__" and slug("/models/.") == "_" and slug("org/model-7B") == "model-7B"
     prep_dir = tmp_path / "store" / "ds" / "v1"
@@ -358,7 +358,7 @@ def test_hub_token_is_never_logged_or_written(tiny_target, tmp_path, monkeypatch
     """prepare with a hub source (offline here, so it fails with its clear error) and a token in the
     environment: the token is in no log line, no output, no error text, no file of the store."""
     from eagle3_pipeline.data.formats import SourceError
-    from eagle3_pipeline.errors import chain
+    from eagle3_pipeline.core.errors import chain
     from eagle3_pipeline.stages import stage_prepare
     from flows.cli import app
 
@@ -389,7 +389,7 @@ def test_configured_token_variable_reaches_the_hub_call(tiny_target, tmp_path, m
     itself is unreachable here, so datasets.load_dataset is replaced by a recorder that fails)."""
     import datasets
 
-    from eagle3_pipeline.config import hub_token
+    from eagle3_pipeline.core.config import hub_token
     from eagle3_pipeline.data.formats import SourceError
     from eagle3_pipeline.data.prepare import prepare
 

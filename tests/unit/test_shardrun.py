@@ -3,7 +3,7 @@ run's attempts open, publish, close and are recovered as extract and regenerate 
 
 import pytest
 
-from eagle3_pipeline.shardrun import ShardManifest, ShardRun, engine_start_since, hashes, published_ok
+from eagle3_pipeline.records.shardrun import ShardManifest, ShardRun, engine_start_since, hashes, published_ok
 
 EXTRACT = {
     "format_version": 1, "content_key": "k", "config": {"extract": {"fingerprints": True}, "target": {}},

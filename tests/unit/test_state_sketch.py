@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from eagle3_pipeline.engine import state_sketch as sk
-from eagle3_pipeline.contracts import dequantise, to_record
+from eagle3_pipeline.records.contracts import dequantise, to_record
 
 
 def test_directions_are_fixed_unit_vectors():

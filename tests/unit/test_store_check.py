@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_pipeline import store_check as sc
-from eagle3_pipeline.errors import ExitCode, exit_code
+from eagle3_pipeline.core import store_check as sc
+from eagle3_pipeline.core.errors import ExitCode, exit_code
 
 MOUNTINFO = """\
 22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw

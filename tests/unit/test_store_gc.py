@@ -17,7 +17,7 @@ SIZE = 1000
 
 
 def _store(root: Path) -> dict:
-    from eagle3_pipeline.pool import RecordPool
+    from eagle3_pipeline.records.pool import RecordPool
 
     ds = root / "chat"
     pool = RecordPool(ds / "pool" / "tiny" / "pk", "pk")

@@ -14,7 +14,7 @@ import textwrap
 
 CHILD = textwrap.dedent("""
     import atexit, sys, time
-    from eagle3_pipeline.signals import Terminated, raise_on_termination
+    from eagle3_pipeline.core.signals import Terminated, raise_on_termination
     atexit.register(lambda: open(sys.argv[1], "a").write("atexit\\n"))
     try:
         with raise_on_termination():
@@ -59,7 +59,7 @@ def test_kill_group_reaps_its_leader_instead_of_waiting_for_the_grace_period(mon
     """A child that dies on SIGTERM is never SIGKILLed: kill_group reaps it and sees the group gone.
     (An unreaped zombie leader still counts as a group member; before, every kill waited the whole
     grace and then sent SIGKILL to the zombie.)"""
-    from eagle3_pipeline import proc as proc_mod
+    from eagle3_pipeline.core import proc as proc_mod
 
     child = subprocess.Popen(["sleep", "300"], start_new_session=True)
     sent = []
@@ -82,7 +82,7 @@ def test_kill_group_returns_when_no_member_is_left_running():
     ignores SIGTERM holds 1 GiB of touched memory, so its exit takes a while after SIGKILL."""
     import psutil
 
-    from eagle3_pipeline import proc as proc_mod
+    from eagle3_pipeline.core import proc as proc_mod
 
     hold = ("import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
             "b = b'x' * (1 << 30); print('ready', flush=True); time.sleep(300)")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3_pipeline.config import TrainConfig
+from eagle3_pipeline.core.config import TrainConfig
 from eagle3_pipeline.train import worker
 
 

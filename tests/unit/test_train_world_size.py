@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_pipeline.config import ConfigError, TrainConfig, load_config
+from eagle3_pipeline.core.config import ConfigError, TrainConfig, load_config
 from eagle3_pipeline.train.stage import WORKER, _argv
 
 ROOT = Path(__file__).resolve().parents[2]

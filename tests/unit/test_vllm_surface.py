@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_pipeline.config import load_config
+from eagle3_pipeline.core.config import load_config
 from eagle3_pipeline.engine import runner, surface
 from tests.helpers.wheels import locked, locked_wheel
 
@@ -34,7 +34,7 @@ def gpu_tree():
 
 def test_one_vllm_version_on_both_stacks():
     """pyproject's cpu and gpu extras, the GPU lock and preflight's tested versions name one vLLM and one torch."""
-    from eagle3_pipeline.preflight import TESTED
+    from eagle3_pipeline.preflight.stage import TESTED
 
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     pins = {r.split("==")[0]: r.split("==")[1] for r in extras["cpu"] + extras["gpu"]}
@@ -142,7 +142,7 @@ def test_a_vllm_that_ignores_the_pin_is_seen(gpu_tree):
 
 
 def test_preflight_refuses_a_runner_without_our_hooks(monkeypatch):
-    from eagle3_pipeline import preflight
+    from eagle3_pipeline.preflight.stage import stage as preflight
 
     cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml")
     assert preflight.engine_surface_problems(cfg, "cpu") == []
@@ -181,9 +181,9 @@ def test_prove_refuses_a_worker_without_the_pin(tmp_path):
 
 
 def test_a_child_that_found_dead_hooks_is_not_retried():
-    from eagle3_pipeline.config import EngineConfig
+    from eagle3_pipeline.core.config import EngineConfig
     from eagle3_pipeline.engine.start import RunnerRefused, start_refusal
-    from eagle3_pipeline.errors import ExitCode, exit_code
+    from eagle3_pipeline.core.errors import ExitCode, exit_code
 
     text = ("Traceback ...\neagle3_pipeline.engine.runner.HooksNotLive: extract: the hook(s) state_sketch never ran "
             "in the engine's runner X\n")
@@ -193,7 +193,7 @@ def test_a_child_that_found_dead_hooks_is_not_retried():
 
 
 def test_preflight_finds_the_c_compiler_triton_would_use(monkeypatch, tmp_path):
-    from eagle3_pipeline.preflight import c_compiler
+    from eagle3_pipeline.preflight.stage import c_compiler
 
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("CC", raising=False)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from eagle3_pipeline.config import VocabConfig
+from eagle3_pipeline.core.config import VocabConfig
 from eagle3_pipeline.train.vocab import VocabError, build_vocab, check_vocab, load_vocab
 
 V = 64

@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from eagle3_pipeline.errors import InputError
+from eagle3_pipeline.core.errors import InputError
 
 
 class TemplateMismatch(InputError):
@@ -115,7 +115,7 @@ def _missing_call(messages: list[dict], turns: list[Turn]) -> str | None:
     return None
 
 
-def _other_argument_form(messages: list[dict]) -> list[dict] | None:
+def other_argument_form(messages: list[dict]) -> list[dict] | None:
     """The messages with every tool call's arguments in the other form (JSON string <-> object); None
     when some string is not a JSON object (there is no other form)."""
     out = []
@@ -146,7 +146,7 @@ def render_turns(tokenizer, messages: list[dict], tools: list[dict] | None = Non
     form_name = "JSON strings" if any(isinstance(c["function"]["arguments"], str)
                                       for m in messages for c in m.get("tool_calls") or ()) else "objects"
     failures = []
-    for form, name in ((messages, f"arguments as given ({form_name})"), (_other_argument_form(messages), "converted")):
+    for form, name in ((messages, f"arguments as given ({form_name})"), (other_argument_form(messages), "converted")):
         if form is None:
             continue
         try:

@@ -7,7 +7,7 @@ each judged) and `MaskDisagrees`. Kept beside chat.py, not in it: chat.py is par
 from __future__ import annotations
 
 from eagle3_pipeline.data import chat
-from eagle3_pipeline.errors import InputError
+from eagle3_pipeline.core.errors import InputError
 
 
 class MaskDisagrees(InputError):

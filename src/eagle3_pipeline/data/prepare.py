@@ -26,13 +26,13 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from eagle3_pipeline.config import PrepareConfig, SourceConfig, TargetConfig, hub_token
+from eagle3_pipeline.core.config import PrepareConfig, SourceConfig, TargetConfig, hub_token
 from eagle3_pipeline.data.chat import (MaskUnavailable, TemplateMismatch, ToolCallsNotRendered,
                                        render)
 from eagle3_pipeline.data.mask_check import MaskDisagrees, encode_checked
 from eagle3_pipeline.data.formats import Conversation, RawRow, Rejected, parse_row, raw_rows, tail_warning
-from eagle3_pipeline.errors import DiskFull, InputError, is_disk_full
-from eagle3_pipeline.store import (atomic_write, atomic_write_text, content_key, dir_fingerprint, dir_lock, read_json,
+from eagle3_pipeline.core.errors import DiskFull, InputError, is_disk_full
+from eagle3_pipeline.core.store import (atomic_write, atomic_write_text, content_key, dir_fingerprint, dir_lock, read_json,
                                    slug, within, write_json)
 
 TOKENIZER_FILES = ("tokenizer*.json", "special_tokens_map.json", "*.jinja", "*.model", "vocab*", "merges.txt")

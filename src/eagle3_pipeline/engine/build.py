@@ -23,7 +23,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 
-from eagle3_pipeline.config import EngineConfig, TargetConfig
+from eagle3_pipeline.core.config import EngineConfig, TargetConfig
 
 
 def vllm_is_cpu_build() -> bool:
@@ -84,7 +84,7 @@ def cpu_mla_kwargs(target: TargetConfig) -> dict:
     same choice on every machine. Empty otherwise (another dtype, no MLA, a hub name, a GPU build)."""
     from pathlib import Path
 
-    from eagle3_pipeline.contracts import model_dims
+    from eagle3_pipeline.records.contracts import model_dims
 
     if target.dtype != "float32" or not vllm_is_cpu_build() or not (Path(target.model) / "config.json").is_file():
         return {}

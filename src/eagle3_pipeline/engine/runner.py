@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from eagle3_pipeline.engine.surface import RUNNER_ENV, V1_RUNNER
-from eagle3_pipeline.errors import EnvironmentProblem
+from eagle3_pipeline.core.errors import EnvironmentProblem
 
 PIN = {RUNNER_ENV: "0"}
 RECORD_ENV = "EAGLE3_RUNNER_RECORD_DIR"

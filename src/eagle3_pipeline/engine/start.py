@@ -24,8 +24,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from eagle3_pipeline.config import EngineConfig, TargetConfig
-from eagle3_pipeline.errors import ConfigError, ExitCode
+from eagle3_pipeline.core.config import EngineConfig, TargetConfig
+from eagle3_pipeline.core.errors import ConfigError, ExitCode
 
 GIB = 2 ** 30
 # vLLM CPU worker: what the engine process holds besides the KV cache is ~0.6 GiB of runtime (torch,
@@ -186,7 +186,7 @@ class MemoryPlan(BaseModel):
 
 
 def _text_config(model_dir: Path) -> dict:
-    from eagle3_pipeline.contracts import text_config
+    from eagle3_pipeline.records.contracts import text_config
 
     return text_config(json.loads((model_dir / "config.json").read_text()))
 

@@ -54,7 +54,7 @@ def stored(states, storage_dtype: str):
     them: bf16 widened, or fp8 e4m3 times its per-token scale (contracts.to_record, contracts.dequantise)."""
     import torch
 
-    from eagle3_pipeline.contracts import dequantise, to_record
+    from eagle3_pipeline.records.contracts import dequantise, to_record
 
     rec = to_record(states, torch.zeros(states.shape[0], dtype=torch.int64, device=states.device), storage_dtype)
     return dequantise(rec)
@@ -198,7 +198,7 @@ def _sketch_step(runner, scheduler_output, aux: list, out_dir: str) -> None:
 def _write(path: str, sketch: np.ndarray) -> None:
     import torch
 
-    from eagle3_pipeline.contracts import save_safetensors
+    from eagle3_pipeline.records.contracts import save_safetensors
 
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"

@@ -36,10 +36,10 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from eagle3_pipeline.contracts import text_config
+from eagle3_pipeline.records.contracts import text_config
 from eagle3_pipeline.data.chat import render
 from eagle3_pipeline.data.formats import RawRow, SourceError, parse_tools, parse_turn, raw_rows, resolve_path
-from eagle3_pipeline.errors import InputError
+from eagle3_pipeline.core.errors import InputError
 
 DEFAULT_CATEGORY = "default"
 PROMPT_COLUMNS = ("prompt", "turns", "messages", "conversations")
@@ -264,7 +264,7 @@ def load_prompt_set(source: str, tokenizer, *, num_prompts: int, max_prompt_toke
         raise PromptSetError(f"evaluate.prompts: {e}") from e
     quarantine = None
     if skipped:
-        from eagle3_pipeline.store import atomic_write_text
+        from eagle3_pipeline.core.store import atomic_write_text
 
         if len(skipped) > LOGGED_SKIPS:
             log(f"evaluate: ... {len(skipped) - LOGGED_SKIPS} more prompt rows skipped")

@@ -51,15 +51,15 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from eagle3_pipeline.config import EvaluateConfig, TargetConfig
+from eagle3_pipeline.core.config import EvaluateConfig, TargetConfig
 from eagle3_pipeline.engine.build import engine_env
-from eagle3_pipeline.contracts import model_dims
-from eagle3_pipeline.errors import GateFailed, InputError
+from eagle3_pipeline.records.contracts import model_dims
+from eagle3_pipeline.core.errors import GateFailed, InputError
 from eagle3_pipeline.engine.start import refusal_of
-from eagle3_pipeline.proc import EXCEPTION_LINE, ChildFailed, python_child, run_child
+from eagle3_pipeline.core.proc import EXCEPTION_LINE, ChildFailed, python_child, run_child
 from eagle3_pipeline.evaluate.ngram import NgramBaseline, describe_ngram, ngram_baseline
 from eagle3_pipeline.evaluate.results import EvalResult, EvaluateError, SpeedResult, eval_result, speed_result, tau_text
-from eagle3_pipeline.store import dir_lock, write_json
+from eagle3_pipeline.core.store import dir_lock, write_json
 
 WORKER = "eagle3_pipeline.evaluate.worker"
 UNTRAINED = "untrained"  # label of the baseline run (evaluate_pair)

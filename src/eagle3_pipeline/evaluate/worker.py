@@ -48,8 +48,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from eagle3_pipeline.config import EngineConfig, TargetConfig
-from eagle3_pipeline.proc import emit_event
+from eagle3_pipeline.core.config import EngineConfig, TargetConfig
+from eagle3_pipeline.core.proc import emit_event
 
 PLAIN = "plain"  # label of the run without speculation (the lossless reference)
 NGRAM = "ngram"  # label of the n-gram (prompt lookup) baseline run
@@ -221,7 +221,7 @@ def _pass(llm, job: EvalJob, k: int, params_for, what: str) -> tuple[dict[str, S
     in prompt order). A long call prints a progress line every 30 s (progress.py), `what` naming the pass."""
     from vllm.inputs import TokensPrompt
 
-    from eagle3_pipeline.progress import LineProgress
+    from eagle3_pipeline.core.progress import LineProgress
 
     outs: list = [None] * len(job.prompts)
     per_cat: dict[str, SpecCounts] = {}
@@ -294,8 +294,8 @@ def main(argv: list[str]) -> int:
           f"in-process engine core: {os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING') == '0'}", flush=True)
     import psutil
 
-    from eagle3_pipeline.faults import take_fault
-    from eagle3_pipeline.store import write_json
+    from eagle3_pipeline.core.faults import take_fault
+    from eagle3_pipeline.core.store import write_json
 
     if take_fault("evaluate"):  # test hook (faults.py): an engine start that fails once
         print("evaluate worker: injected engine start failure (EAGLE3_TEST_FAIL_ONCE)", file=sys.stderr, flush=True)
@@ -319,6 +319,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":  # vLLM's spawned engine processes re-import this module: keep the work here
-    from eagle3_pipeline.proc import exit_child
+    from eagle3_pipeline.core.proc import exit_child
 
     exit_child(main(sys.argv[1:]))  # every result file is written: skip the interpreter's teardown

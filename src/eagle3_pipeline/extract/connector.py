@@ -40,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 from vllm.logger import init_logger
 
-from eagle3_pipeline.contracts import record_metadata, save_safetensors, to_record
+from eagle3_pipeline.records.contracts import record_metadata, save_safetensors, to_record
 
 logger = init_logger(f"vllm.{__name__}")  # under `vllm`, so vLLM's handler prints it in every worker
 CONNECTOR_LOG = "eagle3 hidden-states connector"  # prefix of the one line each TP rank logs at start

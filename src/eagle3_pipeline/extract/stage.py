@@ -33,16 +33,17 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from eagle3_pipeline import FORMAT_VERSION
-from eagle3_pipeline.config import ExtractConfig, TargetConfig
-from eagle3_pipeline.contracts import fingerprint_name, record_name, row_hash
+from eagle3_pipeline.core.config import ExtractConfig, TargetConfig
+from eagle3_pipeline.records.contracts import fingerprint_name, record_name, row_hash
 from eagle3_pipeline.extract.worker import ExtractJob, ShardSpec
-from eagle3_pipeline.layout import (FINGERPRINTS_DIR, MANIFEST_NAME, ExtractVersion, Shard,  # noqa: F401 (re-exported)
+from eagle3_pipeline.records.layout import (FINGERPRINTS_DIR, MANIFEST_NAME, ExtractVersion, Shard,  # noqa: F401 (re-exported)
                                     plan_shards)
 from eagle3_pipeline.engine.build import engine_env
-from eagle3_pipeline.pool import RecordPool, row_keys, version_pool
-from eagle3_pipeline.shardrun import (Attempt, Child, ChildAttempt, ShardEntry, ShardRun, Status, hashes,
+from eagle3_pipeline.engine.start import refusal_of
+from eagle3_pipeline.records.pool import RecordPool, row_keys, version_pool
+from eagle3_pipeline.records.shardrun import (Attempt, Child, ChildAttempt, ShardEntry, ShardRun, Status, hashes,
                                       published_ok, tool_versions)
-from eagle3_pipeline.store import file_locks, sha256_file, write_json
+from eagle3_pipeline.core.store import file_locks, sha256_file, write_json
 
 LOCKS_DIR = "locks"
 WORKER_MODULE = "eagle3_pipeline.extract.worker"
@@ -312,8 +313,8 @@ def _run_group(g: _Group, shards: list[Shard], subsets: dict[int, _Subset]) -> N
                     k: ev[k] for k in ("layers", "shifts", "error") if k in ev} | {"attempt": attempt.number}
 
     child = Child(module=WORKER_MODULE, job_path=job_path, log_path=log_path,
-                  timeout_s=group_deadline(cfg, len(shards)), env=engine_env(cfg), engine=cfg,
-                  max_len_key="prepare.max_length")
+                  timeout_s=group_deadline(cfg, len(shards)), env=engine_env(cfg),
+                  refusal=lambda e, log_path: refusal_of(e, log_path, "extract", cfg, "prepare.max_length"))
     # a record cut off mid-write by a kill (ours only) goes with the scratch dir
     run.run_child(attempt, child, on_event, log,
                   cleanup=lambda: _remove_attempt_files(out_dir, attempt.number, attempt.scratch))

@@ -37,13 +37,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from eagle3_pipeline.config import EngineConfig, TargetConfig
-from eagle3_pipeline.contracts import (FP_TOP, ContractError, fingerprint_from_flat, fingerprint_name, read_record,
+from eagle3_pipeline.core.config import EngineConfig, TargetConfig
+from eagle3_pipeline.records.contracts import (FP_TOP, ContractError, fingerprint_from_flat, fingerprint_name, read_record,
                                        record_file_problem, record_name, row_hash, to_record, write_fingerprint,
                                        write_record)
-from eagle3_pipeline.layout import Shard
-from eagle3_pipeline.proc import child_main, emit_event
-from eagle3_pipeline.progress import LineProgress
+from eagle3_pipeline.records.layout import Shard
+from eagle3_pipeline.core.proc import child_main, emit_event
+from eagle3_pipeline.core.progress import LineProgress
 from eagle3_pipeline.engine.state_sketch import KEY as SKETCH_KEY
 
 KILL_AFTER_ENV = "EAGLE3_TEST_KILL_AFTER_SHARDS"
@@ -209,7 +209,7 @@ class _Durable:
         self.pending.append((Path(tmp), Path(final)))
 
     def wait(self) -> None:
-        from eagle3_pipeline.store import durable_files
+        from eagle3_pipeline.core.store import durable_files
 
         pending, self.pending = self.pending, []
         durable_files(pending)
@@ -297,7 +297,7 @@ def _load_record(path: str, storage_dtype: str) -> dict:
     """The record of a connector's file in either layout (ours as written, vLLM's converted)."""
     from safetensors import safe_open
 
-    from eagle3_pipeline.contracts import RECORD_META_KEY
+    from eagle3_pipeline.records.contracts import RECORD_META_KEY
 
     with safe_open(path, framework="pt") as f:
         ours = RECORD_META_KEY in (f.metadata() or {})
@@ -333,7 +333,7 @@ def _take_sketch(job: ExtractJob, requested: str, who: str):
     path = _sketch_dir(job) / os.path.basename(requested)
     got = state_sketch.read(str(path))
     if got is None:
-        from eagle3_pipeline.errors import EnvironmentProblem
+        from eagle3_pipeline.core.errors import EnvironmentProblem
 
         raise EnvironmentProblem(
             f"{who}: the engine wrote no state sketch ({path}): the hook state_sketch.install is not in place in "
@@ -349,7 +349,7 @@ def _invariance(engine: _Engine, ds, job: ExtractJob) -> None:
     on a request's place in a batch (offsets that drift between requests, one request's states under
     another's name, stale cache slots) without a second model load. Prints one `invariance` event per
     row with per-layer differences; the verify gate judges them (thresholds live in its config)."""
-    from eagle3_pipeline.contracts import dequantise, invariance_entry, invariance_rows
+    from eagle3_pipeline.records.contracts import dequantise, invariance_entry, invariance_rows
 
     rows = [r for s in job.shards for r in s.row_ids()]  # only rows this engine extracted
     seq_lens = [int(x) for x in ds.select(rows)["seq_len"]]

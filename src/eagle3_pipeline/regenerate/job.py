@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 from pydantic import BaseModel, ConfigDict
 
-from eagle3_pipeline.config import EngineConfig, RegenerateConfig, SourceConfig, TargetConfig
+from eagle3_pipeline.core.config import EngineConfig, RegenerateConfig, SourceConfig, TargetConfig
 
 ROWS_DIR = "rows"
 QUARANTINE_DIR = "quarantine"

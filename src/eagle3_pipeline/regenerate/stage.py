@@ -50,13 +50,14 @@ from typing import Any
 from pydantic import BaseModel
 
 from eagle3_pipeline import FORMAT_VERSION
-from eagle3_pipeline.config import PrepareConfig, RegenerateConfig, SourceConfig, TargetConfig, hub_token
+from eagle3_pipeline.core.config import PrepareConfig, RegenerateConfig, SourceConfig, TargetConfig, hub_token
 from eagle3_pipeline.engine.build import engine_env
-from eagle3_pipeline.errors import InputError
+from eagle3_pipeline.engine.start import refusal_of
+from eagle3_pipeline.core.errors import InputError
 from eagle3_pipeline.regenerate.job import (QUARANTINE_DIR, ROWS_DIR, RegenerateJob, ShardInput, input_sha,
                                             shard_file, source_rows)
-from eagle3_pipeline.shardrun import Child, ShardEntry, ShardRun, hashes, published_ok, tool_versions
-from eagle3_pipeline.store import (atomic_write_text, content_key, dir_fingerprint, dir_lock, model_fingerprint,
+from eagle3_pipeline.records.shardrun import Child, ShardEntry, ShardRun, hashes, published_ok, tool_versions
+from eagle3_pipeline.core.store import (atomic_write_text, content_key, dir_fingerprint, dir_lock, model_fingerprint,
                                    read_json, slug, within, write_json)
 
 WORKER = "eagle3_pipeline.regenerate.worker"
@@ -325,7 +326,8 @@ def _run_child(req: _Request, run: ShardRun, shards: list[ShardInput], log: Call
                 f"quarantined, {ev['tokens_generated']} tokens in {ev['generate_s']:.2f}s)")
 
     run.run_child(attempt, Child(module=WORKER, job_path=job_path, log_path=log_path, timeout_s=cfg.timeout_s,
-                                 env=engine_env(cfg), engine=cfg, max_len_key="regenerate.max_model_len"),
+                                 env=engine_env(cfg),
+                                 refusal=lambda e, p: refusal_of(e, p, "regenerate", cfg, "regenerate.max_model_len")),
                   on_event, log)
     return attempt.engine_start_s
 

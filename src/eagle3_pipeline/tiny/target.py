@@ -18,7 +18,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from eagle3_pipeline.data.chat import encode_conversation
-from eagle3_pipeline.store import atomic_write_text
+from eagle3_pipeline.core.store import atomic_write_text
 from eagle3_pipeline.tiny import corpus
 from eagle3_pipeline.tiny.training import train_lm
 

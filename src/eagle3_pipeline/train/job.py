@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from eagle3_pipeline.config import TargetConfig, TrainConfig
+from eagle3_pipeline.core.config import TargetConfig, TrainConfig
 
 
 class RowChecksSpec(BaseModel):

@@ -40,8 +40,8 @@ from types import SimpleNamespace
 from pydantic import BaseModel
 
 from eagle3_pipeline.engine import runner, state_sketch
-from eagle3_pipeline.config import ExtractConfig, PipelineConfig, TargetConfig
-from eagle3_pipeline.contracts import (
+from eagle3_pipeline.core.config import ExtractConfig, PipelineConfig, TargetConfig
+from eagle3_pipeline.records.contracts import (
     FP_TOP,
     ContractError,
     dequantise,
@@ -54,10 +54,10 @@ from eagle3_pipeline.contracts import (
     write_fingerprint,
     write_record,
 )
-from eagle3_pipeline.errors import EnvironmentProblem
-from eagle3_pipeline.layout import ExtractVersion
-from eagle3_pipeline.proc import BackgroundChild
-from eagle3_pipeline.store import write_json
+from eagle3_pipeline.core.errors import EnvironmentProblem
+from eagle3_pipeline.records.layout import ExtractVersion
+from eagle3_pipeline.core.proc import BackgroundChild
+from eagle3_pipeline.core.store import write_json
 
 SKETCHES = "state-sketches"  # the server scratch dir's folder of state sketches (state_sketch.py)
 RUNNER = "engine-runner"  # the server scratch dir's folder of runner records (engine/runner.py)

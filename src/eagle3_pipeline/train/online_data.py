@@ -190,7 +190,7 @@ class RowChecks:
     def __init__(self, spec: RowChecksSpec):
         import numpy as np
 
-        from eagle3_pipeline.final_layer import FinalLayerCheck
+        from eagle3_pipeline.checks.final_layer import FinalLayerCheck
 
         self.spec = spec
         self.final = FinalLayerCheck(spec.model_dir, spec.norm_eps, spec.atol, spec.rtol, spec.slack, spec.stol) \
@@ -224,8 +224,8 @@ class RowChecks:
         self.note(index, "rejected", why)
 
     def judge(self, index: int, row: dict, fp: dict | None) -> dict:
-        from eagle3_pipeline.contracts import record_name, to_record, write_record
-        from eagle3_pipeline.layer_identity import problems_of, row_features
+        from eagle3_pipeline.records.contracts import record_name, to_record, write_record
+        from eagle3_pipeline.checks.layer_identity import problems_of, row_features
 
         hs = row["hidden_states"]  # [T, L, H]
         name = f"online row {index} ({len(row['token_ids'])} tokens)"

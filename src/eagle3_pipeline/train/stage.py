@@ -33,12 +33,12 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from eagle3_pipeline.config import TargetConfig, TrainConfig
-from eagle3_pipeline.contracts import HS_KEY, TOKENS_KEY, ContractError, record_name
-from eagle3_pipeline.layout import ExtractVersion
-from eagle3_pipeline.progress import interval
-from eagle3_pipeline.proc import python_child, run_child
-from eagle3_pipeline.store import atomic_write_text, dir_lock, read_json, sha256_file, write_json
+from eagle3_pipeline.core.config import TargetConfig, TrainConfig
+from eagle3_pipeline.records.contracts import HS_KEY, TOKENS_KEY, ContractError, record_name
+from eagle3_pipeline.records.layout import ExtractVersion
+from eagle3_pipeline.core.progress import interval
+from eagle3_pipeline.core.proc import python_child, run_child
+from eagle3_pipeline.core.store import atomic_write_text, dir_lock, read_json, sha256_file, write_json
 from eagle3_pipeline.train.export import export_check
 from eagle3_pipeline.train.job import OnlineSource, TrainJob, TrainOutput
 from eagle3_pipeline.train.vocab import load_vocab, vocab_paths

@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel
 
-from eagle3_pipeline.config import VocabConfig
-from eagle3_pipeline.errors import InputError
-from eagle3_pipeline.store import atomic_write, dir_lock, read_json, write_json
+from eagle3_pipeline.core.config import VocabConfig
+from eagle3_pipeline.core.errors import InputError
+from eagle3_pipeline.core.store import atomic_write, dir_lock, read_json, write_json
 
 META_NAME = "vocab.json"
 

@@ -46,10 +46,10 @@ import time
 import warnings
 from pathlib import Path
 
-from eagle3_pipeline.config import TrainConfig
-from eagle3_pipeline.faults import take_fault
-from eagle3_pipeline.proc import emit_event
-from eagle3_pipeline.store import write_json
+from eagle3_pipeline.core.config import TrainConfig
+from eagle3_pipeline.core.faults import take_fault
+from eagle3_pipeline.core.proc import emit_event
+from eagle3_pipeline.core.store import write_json
 from eagle3_pipeline.train.job import TrainJob, TrainOutput, UntrainedOutput
 
 ATTN_IMPL = {"sdpa": "sdpa", "eager": "eager", "flex_attention": "simple_flex_attention"}
@@ -566,6 +566,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from eagle3_pipeline.proc import exit_child
+    from eagle3_pipeline.core.proc import exit_child
 
     exit_child(main(sys.argv))  # result and checkpoints are written: skip torch's teardown

@@ -44,7 +44,7 @@ def save(path: Path, results: list) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from eagle3_pipeline.store import atomic_write
+    from eagle3_pipeline.core.store import atomic_write
 
     good = [r for r in results if not r.problems and r.stats is not None]
     if not good:
@@ -151,7 +151,7 @@ def save_pool(pool, config_key: str, new: dict[str, tuple[list[int], object]]) -
     import torch
     from safetensors.torch import save_file
 
-    from eagle3_pipeline.store import atomic_write
+    from eagle3_pipeline.core.store import atomic_write
 
     path = pool_cache_path(pool, config_key)
     with pool.lock(None):

@@ -1,5 +1,5 @@
 """The verify gate's final-layer fingerprint check: `final_layer_check` builds the shared check
-(eagle3_pipeline/final_layer.py, also used per row by online training) for a target, or says why it
+(eagle3_pipeline/checks/final_layer.py, also used per row by online training) for a target, or says why it
 cannot run; `FingerprintSummary` is what verify.json keeps of it."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from eagle3_pipeline.contracts import fingerprint_blocker
-from eagle3_pipeline.final_layer import FP8_SLACK, FinalLayerCheck
+from eagle3_pipeline.records.contracts import fingerprint_blocker
+from eagle3_pipeline.checks.final_layer import FP8_SLACK, FinalLayerCheck
 
 
 class FingerprintSummary(BaseModel):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from eagle3_pipeline.config import VerifyConfig
+from eagle3_pipeline.core.config import VerifyConfig
 
 # fp8 storage: tolerances on the stored states this many times looser (3 mantissa bits instead of 7). Not
 # final_layer.FP8_SLACK, which loosens a tolerance on logits (the error adds up through lm_head).

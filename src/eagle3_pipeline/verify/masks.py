@@ -10,7 +10,7 @@ counted, not judged.
 
 from __future__ import annotations
 
-from eagle3_pipeline.contracts import record_name, row_hash
+from eagle3_pipeline.records.contracts import record_name, row_hash
 
 
 def mask_problems(ds, shards: list, rows: list[int]) -> tuple[list[str], list[int], int]:

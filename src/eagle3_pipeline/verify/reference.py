@@ -28,8 +28,8 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from eagle3_pipeline.data.prepare import load_tokenized
-from eagle3_pipeline.errors import EnvironmentProblem
-from eagle3_pipeline.progress import interval
+from eagle3_pipeline.core.errors import EnvironmentProblem
+from eagle3_pipeline.core.progress import interval
 
 # The pass/fail criteria (per record and layer); decided in `_row_problems` only.
 # Per-layer criteria over a record's tokens, not its single worst token: MoE targets route near-ties
@@ -195,8 +195,8 @@ def stream_reference(target, samples: dict[int, list[int]], layer_ids: list[int]
     ReferenceFailed (non-zero exit, deadline)."""
     from safetensors.torch import load_file
 
-    from eagle3_pipeline.proc import ChildFailed, exit_code, python_child, run_child
-    from eagle3_pipeline.store import read_json, write_json
+    from eagle3_pipeline.core.proc import ChildFailed, exit_code, python_child, run_child
+    from eagle3_pipeline.core.store import read_json, write_json
     from eagle3_pipeline.verify.worker import (BUDGET_EXIT, RESULT_FILE, ReferenceJob, ReferenceOutput,
                                                ReferenceSample)
 
@@ -234,8 +234,8 @@ def reference_check(target, version, rows: list[int], *, log: Callable[[str], No
     child that streams it layer by layer under `cfg.reference_memory_gb` (config.VerifyConfig; default
     VerifyConfig()), and compare them with the stored records. Raises ReferenceBudgetExceeded when the
     child went past its memory budget, ReferenceFailed when it failed otherwise."""
-    from eagle3_pipeline.config import VerifyConfig
-    from eagle3_pipeline.contracts import compare_layers, dequantise, read_record
+    from eagle3_pipeline.core.config import VerifyConfig
+    from eagle3_pipeline.records.contracts import compare_layers, dequantise, read_record
 
     cfg = cfg or VerifyConfig()
     t0 = time.time()

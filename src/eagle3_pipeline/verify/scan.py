@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from eagle3_pipeline.contracts import FP_IDS_KEY, FP_LOGPROBS_KEY, FP_TOP, HS_KEY, SCALES_KEY, TOKENS_KEY, RecordSpec
+from eagle3_pipeline.records.contracts import FP_IDS_KEY, FP_LOGPROBS_KEY, FP_TOP, HS_KEY, SCALES_KEY, TOKENS_KEY, RecordSpec
 from eagle3_pipeline.engine.state_sketch import DIM as SKETCH_DIM
 from eagle3_pipeline.engine.state_sketch import KEY as SKETCH_KEY
 
@@ -339,7 +339,7 @@ class _Reader:
 
     def _read_fingerprint(self, entry: FileEntry, arenas: Arenas) -> None:
         """The record's fingerprint rows into the arenas (rows it lacks stay invalid: id -1)."""
-        from eagle3_pipeline.contracts import fingerprint_name
+        from eagle3_pipeline.records.contracts import fingerprint_name
 
         it, at, T = entry.item, entry.offset, entry.tokens
         ids, lps = arenas.fp_ids[at:at + T], arenas.fp_lps[at:at + T]
@@ -375,7 +375,7 @@ class _Reader:
     def _read_sketch(self, entry: FileEntry, arenas: Arenas, fd: int, header: dict, data: int) -> None:
         """The record's state sketch (fp32 [T, L, DIM], state_sketch.py) from its fingerprint sidecar into the
         arenas; a missing one is a problem where the extraction wrote them."""
-        from eagle3_pipeline.contracts import fingerprint_name
+        from eagle3_pipeline.records.contracts import fingerprint_name
 
         it, at, T = entry.item, entry.offset, entry.tokens
         info = header.get(SKETCH_KEY)

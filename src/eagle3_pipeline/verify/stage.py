@@ -23,14 +23,14 @@ import time
 
 from pydantic import BaseModel
 
-from eagle3_pipeline.config import ExtractConfig, TargetConfig, VerifyConfig
-from eagle3_pipeline.contracts import fingerprints_off_problem, record_name
+from eagle3_pipeline.core.config import ExtractConfig, TargetConfig, VerifyConfig
+from eagle3_pipeline.records.contracts import fingerprints_off_problem, record_name
 from eagle3_pipeline.data.prepare import load_tokenized
-from eagle3_pipeline.errors import GateFailed
-from eagle3_pipeline.pool import row_keys, version_pool
-from eagle3_pipeline.layout import ExtractVersion
-from eagle3_pipeline.shardrun import ShardEntry, ShardManifest, ShardRun, mark_rows_failed
-from eagle3_pipeline.store import content_key, file_lock, read_json, sha256_file, write_json
+from eagle3_pipeline.core.errors import GateFailed
+from eagle3_pipeline.records.pool import row_keys, version_pool
+from eagle3_pipeline.records.layout import ExtractVersion
+from eagle3_pipeline.records.shardrun import ShardEntry, ShardManifest, ShardRun, mark_rows_failed
+from eagle3_pipeline.core.store import content_key, file_lock, read_json, sha256_file, write_json
 from eagle3_pipeline.verify import cache
 from eagle3_pipeline.verify.fingerprint import FingerprintSummary, final_layer_check
 from eagle3_pipeline.verify.invariance import InvarianceResult, judge

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from eagle3_pipeline.contracts import HS_KEY, SCALES_KEY, RecordSpec, fingerprint_name, record_name
+from eagle3_pipeline.records.contracts import HS_KEY, SCALES_KEY, RecordSpec, fingerprint_name, record_name
 from eagle3_pipeline.data.prepare import load_tokenized
 from eagle3_pipeline.verify import prediction, scan
 from eagle3_pipeline.verify.fingerprint import FingerprintSummary
@@ -250,7 +250,7 @@ def _process(batch: scan.Batch, spec: RecordSpec, layer_ids: list[int], extras: 
                         & np.isclose(stats[:, 1, a], stats[:, 1, b], rtol=1e-5, atol=0))
     sigs = None
     if extras is not None and extras.identity and L >= 2:
-        from eagle3_pipeline.layer_identity import features
+        from eagle3_pipeline.checks.layer_identity import features
 
         sigs = features(red.gram, red.cross, starts, lengths)  # [files, F]
     agree = {}
@@ -576,7 +576,7 @@ def _identity(ds, good: list[_FileResult], layer_ids: list[int], max_z: float | 
     the largest deviation of any record: what online training judges each row against)."""
     import numpy as np
 
-    from eagle3_pipeline import layer_identity as identity
+    from eagle3_pipeline.checks import layer_identity as identity
 
     sigs = [r for r in good if r.sig is not None]
     if max_z is None:

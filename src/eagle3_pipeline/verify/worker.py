@@ -50,9 +50,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from eagle3_pipeline.config import TargetConfig
-from eagle3_pipeline.contracts import text_config
-from eagle3_pipeline.proc import emit_event
+from eagle3_pipeline.core.config import TargetConfig
+from eagle3_pipeline.records.contracts import text_config
+from eagle3_pipeline.core.proc import emit_event
 
 BUDGET_EXIT = 3
 HS_FILE, RESULT_FILE = "reference.safetensors", "result.json"
@@ -391,7 +391,7 @@ def _check(budget: int, k: int, what: str) -> None:
 
 
 def _write(out_dir: Path, res: ReferenceOutput) -> None:
-    from eagle3_pipeline.store import write_json
+    from eagle3_pipeline.core.store import write_json
 
     write_json(Path(out_dir) / RESULT_FILE, res.model_dump(mode="json"))
 

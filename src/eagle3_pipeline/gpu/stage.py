@@ -20,8 +20,8 @@ import time
 
 from pydantic import BaseModel
 
-from eagle3_pipeline.errors import EnvironmentProblem
-from eagle3_pipeline.proc import CHILD_MARKER_ENV, LAUNCHER_ENV
+from eagle3_pipeline.core.errors import EnvironmentProblem
+from eagle3_pipeline.core.proc import CHILD_MARKER_ENV, LAUNCHER_ENV
 
 WORKER_MODULES = ("eagle3_pipeline.extract.worker", "eagle3_pipeline.train.worker", "eagle3_pipeline.evaluate.worker")
 

@@ -35,7 +35,7 @@ import math
 import re
 from typing import Any
 
-from eagle3_pipeline.config import PipelineConfig
+from eagle3_pipeline.core.config import PipelineConfig
 
 GPU_STAGES = ("extract", "verify", "train", "evaluate")
 

@@ -84,7 +84,7 @@ class FinalLayerCheck:
         tensors): (fraction of tokens that agree, tokens compared, the first MAX_NAMED disagreeing
         token positions, the largest |margin error| / tolerance over the compared tokens: the clean margin,
         1.0 = at the tolerance)."""
-        from eagle3_pipeline.contracts import FP_IDS_KEY, FP_LOGPROBS_KEY
+        from eagle3_pipeline.records.contracts import FP_IDS_KEY, FP_LOGPROBS_KEY
 
         torch = self.torch
         hs, ids_, lps_, lens = [], [], [], []

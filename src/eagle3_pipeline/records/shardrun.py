@@ -23,9 +23,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from eagle3_pipeline.engine.start import refusal_of
-from eagle3_pipeline.proc import ChildFailed, python_child, run_child
-from eagle3_pipeline.store import read_json, sha256_file, write_json
+from eagle3_pipeline.core.proc import ChildFailed, python_child, run_child
+from eagle3_pipeline.core.store import read_json, sha256_file, write_json
 
 MANIFEST_NAME = "manifest.json"
 Status = Literal["pending", "running", "published", "failed", "quarantined"]
@@ -134,8 +133,9 @@ class Child:
     log_path: Path
     timeout_s: float
     env: dict[str, str]
-    engine: Any  # the stage's EngineConfig (engine_start.refusal_of)
-    max_len_key: str  # the config key to change when the engine refuses the length
+    # how a refused engine start reads: (the child's error, its log) -> the refusal naming the key to change,
+    # or None (the stage's engine.start.refusal_of with its EngineConfig and length key)
+    refusal: Callable[[ChildFailed, Path], Exception | None]
 
 
 class ShardRun:
@@ -266,8 +266,7 @@ class ShardRun:
                       timeout_s=child.timeout_s, log_path=child.log_path, on_line=log, on_event=handle, env=child.env)
         except ChildFailed as e:
             error, child_error = str(e), e
-            refused = None if attempt.published else refusal_of(e, child.log_path, self.kind, child.engine,
-                                                                 child.max_len_key)
+            refused = None if attempt.published else child.refusal(e, child.log_path)
             if refused is not None:  # the same settings would be refused again: no retry, the key to change
                 error, child_error = f"{refused}\n{e}", refused
         except BaseException as e:  # cancelled: the child is gone (run_child killed it); record, re-raise

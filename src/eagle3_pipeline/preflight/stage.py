@@ -21,11 +21,11 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from eagle3_pipeline.config import PipelineConfig
-from eagle3_pipeline.contracts import (ContractError, ModelDims, fingerprint_blocker, fingerprints_off_problem,
+from eagle3_pipeline.core.config import PipelineConfig
+from eagle3_pipeline.records.contracts import (ContractError, ModelDims, fingerprint_blocker, fingerprints_off_problem,
                                       model_dims, resolve_layer_ids)
 from eagle3_pipeline.engine.start import MemoryPlan, describe, memory_plan, what_fits
-from eagle3_pipeline.errors import EnvironmentProblem
+from eagle3_pipeline.core.errors import EnvironmentProblem
 
 # (vllm distribution, vllm, torch, speculators) combinations this pipeline was tested with.
 TESTED = {

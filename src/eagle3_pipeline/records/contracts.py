@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from eagle3_pipeline.errors import InputError
+from eagle3_pipeline.core.errors import InputError
 
 HS_KEY, TOKENS_KEY, SCALES_KEY = "hidden_states", "token_ids", "hidden_states_scales"
 STORAGE_DTYPES = {"bf16": "BF16", "fp8": "F8_E4M3"}  # safetensors dtype names
@@ -105,7 +105,7 @@ def model_dims(target) -> ModelDims:
     """Dims of `target` (a TargetConfig, or a model directory) from its config.json; hub names go
     through AutoConfig. Never loads weights."""
     if isinstance(target, (str, Path)):
-        from eagle3_pipeline.config import TargetConfig
+        from eagle3_pipeline.core.config import TargetConfig
 
         target = TargetConfig(model=str(target))
     local = Path(target.model) / "config.json"
@@ -122,7 +122,7 @@ def model_dims(target) -> ModelDims:
     else:
         from transformers import AutoConfig  # lazy: hub names only
 
-        from eagle3_pipeline.config import hub_token
+        from eagle3_pipeline.core.config import hub_token
 
         cfg = AutoConfig.from_pretrained(target.model, revision=target.revision,
                                          trust_remote_code=target.trust_remote_code, token=hub_token(target)).to_dict()
@@ -232,7 +232,7 @@ def write_record(path: Path, record: dict, layer_ids: list[int], storage_dtype: 
                  durable: bool = True) -> Path:
     """Write a `to_record` dict atomically (store.atomic_write; `durable=False`: written to the returned
     temporary name, the caller fsyncs and renames it with store.durable_replace)."""
-    from eagle3_pipeline.store import atomic_write
+    from eagle3_pipeline.core.store import atomic_write
 
     meta = record_metadata(layer_ids, storage_dtype)
     return atomic_write(Path(path), lambda p: save_safetensors(p, record, meta), tag=tag, durable=durable)
@@ -497,6 +497,6 @@ def fingerprint_from_flat(prompt_logprobs, last_logprobs, num_tokens: int) -> di
 
 
 def write_fingerprint(path: Path, fingerprint: dict, tag: str = "0", durable: bool = True) -> Path:
-    from eagle3_pipeline.store import atomic_write
+    from eagle3_pipeline.core.store import atomic_write
 
     return atomic_write(Path(path), lambda p: save_safetensors(p, fingerprint), tag=tag, durable=durable)

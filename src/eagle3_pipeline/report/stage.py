@@ -17,26 +17,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline.store import atomic_write, atomic_write_text, write_json
+from eagle3_pipeline.core.store import atomic_write, atomic_write_text, write_json
+from eagle3_pipeline.report.record import Artifacts, RunReport, Stages
 
 STAGES = ("regenerate", "prepare", "preflight", "extract", "verify", "vocab", "train", "evaluate")
-# report.json fields per stage (the contract); other keys a stage returns are kept under "details"
-CONTRACT = {
-    "regenerate": ("version", "rows_in", "rows_out", "rows_quarantined", "tokens_generated"),
-    "prepare": ("version", "rows_in", "rows_out", "rows_quarantined", "tokens"),
-    "extract": ("layer_ids", "shards_total", "shards_published", "tokens", "tokens_per_s", "bytes_on_disk",
-                "rows_extracted", "rows_reused"),
-    "verify": ("passed", "samples_checked", "reference_max_rel_err", "shards_rechecked", "shards_reused",
-               "reference_peak_rss_bytes"),
-    "vocab": ("draft_vocab_size", "coverage"),
-    "train": ("mode", "world_size", "steps", "final_loss", "tokens_per_s"),
-    "evaluate": ("acceptance_length", "acceptance_length_untrained", "per_position_acceptance", "per_category",
-                 "speedup", "baseline_ngram"),
-}
+# report.json fields per stage (the contract: the entry models of record.py); other keys a stage returns are
+# kept under "details"
+CONTRACT = {name: tuple(k for k in field.annotation.__args__[0].model_fields if k != "details")
+            for name, field in Stages.model_fields.items()}
 
 
 def build_report(run_id: str, config: dict, versions: dict, stages: dict[str, dict], artifacts: dict[str, str],
-                 status: str, error: str | None = None, timings: dict[str, dict] | None = None) -> dict:
+                 status: str, error: str | None = None, timings: dict[str, dict] | None = None) -> RunReport:
     """report.json's record; `timings` is {stage: {"seconds", "engine_start_s"}} (runs.StageClock). The
     evaluate stage's n-gram baseline costs one more engine: its seconds (`run_s`, inside evaluate's) are
     added to timings.evaluate as `baseline_ngram_s` (and its engine start as `baseline_ngram_engine_start_s`)."""
@@ -50,8 +42,8 @@ def build_report(run_id: str, config: dict, versions: dict, stages: dict[str, di
         entry = {k: rec.get(k) for k in keys}
         entry["details"] = {k: v for k, v in rec.items() if k not in keys}
         out_stages[name] = entry
-    return {"run_id": run_id, "status": status, "error": error, "config": config, "versions": versions,
-            "timings": timings, "stages": out_stages, "artifacts": artifacts}
+    return RunReport(run_id=run_id, status=status, error=error, config=config, versions=versions, timings=timings,
+                     stages=Stages.model_validate(out_stages), artifacts=Artifacts.model_validate(artifacts))
 
 
 def _with_baseline_cost(timings: dict[str, dict], evaluate: dict | None) -> dict[str, dict]:
@@ -509,17 +501,21 @@ def _get(st: dict, key: str):
     return (st.get("details") or {}).get(key)
 
 
-def write_report(run_dir: Path, report: dict, metrics_path: Path | None = None) -> dict[str, str]:
+def write_report(run_dir: Path, rec: RunReport, metrics_path: Path | None = None) -> dict[str, str]:
     """Write report.json, report.md (plots embedded) and plots/*.png; returns their paths."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     plots: list[Plot] = []
+    rec = rec.model_copy(deep=True)
+    data = rec.to_json()
     try:
-        plots = _plots(run_dir, report, metrics_path)
+        plots = _plots(run_dir, data, metrics_path)  # a plot that fails adds its warning to data
     except Exception as e:  # e.g. matplotlib missing
-        report.setdefault("warnings", []).append(f"plots failed: {type(e).__name__}: {e}")
-    report["artifacts"]["report_md"] = str((run_dir / "report.md").resolve())
-    report["artifacts"]["plots"] = [str((run_dir / p.path).resolve()) for p in plots]
+        data["warnings"].append(f"plots failed: {type(e).__name__}: {e}")
+    rec.warnings = data["warnings"]
+    rec.artifacts.report_md = str((run_dir / "report.md").resolve())
+    rec.artifacts.plots = [str((run_dir / p.path).resolve()) for p in plots]
+    report = rec.to_json()
     write_json(run_dir / "report.json", report)
     try:
         md = _markdown(report, plots, {p.name: p.data_uri(run_dir) for p in plots})

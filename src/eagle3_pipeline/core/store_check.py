@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3_pipeline.errors import EnvironmentProblem
+from eagle3_pipeline.core.errors import EnvironmentProblem
 
 DOCS = "docs/store.md (the store's requirements)"
 # FUSE filesystems that present object storage: no flock across hosts, rename is copy + delete.

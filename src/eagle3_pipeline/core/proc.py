@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle3_pipeline.errors import StageTimeout
+from eagle3_pipeline.core.errors import StageTimeout
 
 EVENT_PREFIX = "@@eagle3-event "
 # Marker put in the environment of every child so that gpu-gate can find leftovers of ours.

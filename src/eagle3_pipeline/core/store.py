@@ -60,7 +60,7 @@ def tmp_name(path: Path, tag: str = "0") -> Path:
 
 
 def _disk_full(path: Path, e: OSError) -> OSError:
-    from eagle3_pipeline.errors import DiskFull, is_disk_full
+    from eagle3_pipeline.core.errors import DiskFull, is_disk_full
 
     if is_disk_full(e) and not isinstance(e, DiskFull):
         return DiskFull(f"{path}: write failed, the disk is full ({type(e).__name__}: {e}); nothing was "
@@ -274,7 +274,7 @@ def within(root: str | Path, *parts: str) -> Path:
     """`root/parts...`, normalised (absolute, no `..`); raises ConfigError when a part would lead
     outside `root` (an absolute part, `..`). Every store path built from a configured name goes
     through here."""
-    from eagle3_pipeline.errors import ConfigError
+    from eagle3_pipeline.core.errors import ConfigError
 
     base = Path(os.path.abspath(root))
     path = Path(os.path.abspath(base.joinpath(*map(str, parts))))

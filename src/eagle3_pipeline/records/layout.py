@@ -23,10 +23,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from eagle3_pipeline.contracts import ModelDims, fingerprint_name, record_name
-from eagle3_pipeline.pool import pool_key, pool_location
-from eagle3_pipeline.shardrun import MANIFEST_NAME, ShardRun
-from eagle3_pipeline.store import content_key, extract_key, model_fingerprint, slug, within
+from eagle3_pipeline.records.contracts import ModelDims, fingerprint_name, record_name
+from eagle3_pipeline.records.pool import pool_key, pool_location
+from eagle3_pipeline.records.shardrun import MANIFEST_NAME, ShardRun
+from eagle3_pipeline.core.store import content_key, extract_key, model_fingerprint, slug, within
 
 FINGERPRINTS_DIR = "fingerprints"
 
@@ -121,30 +121,30 @@ class ExtractVersion(BaseModel):
         return [k for k in shard_ids if k not in done]
 
 
-def extract_location(prepare_dir: Path, prepare_version: str, target, layer_ids: list[int], storage_dtype: str,
-                     connector: str) -> tuple[str, Path]:
-    """(content key, directory) of the extraction of one tokenized version by one target."""
-    from eagle3_pipeline.engine.build import cpu_build_kwargs
+def extract_location(prep, target, layer_ids: list[int], storage_dtype: str, connector: str,
+                     engine: dict) -> tuple[str, Path]:
+    """(content key, directory) of the extraction of one tokenized version (`prep`: its dir and version) by
+    one target; `engine`: the engine settings that change a record's values (engine.cpu_build_kwargs())."""
+    key = extract_key(prep.version, model_fingerprint(target.model, target.revision), layer_ids,
+                      storage_dtype, connector, engine)
+    return key, within(Path(prep.dir), slug(target.model), key)
 
-    key = extract_key(prepare_version, model_fingerprint(target.model, target.revision), layer_ids,
-                      storage_dtype, connector, cpu_build_kwargs())
-    return key, within(prepare_dir, slug(target.model), key)
 
-
-def plan_extract(cfg, prep, pre) -> ExtractVersion:
+def plan_extract(cfg, prep, pre, engine: dict) -> ExtractVersion:
     """The ExtractVersion of `cfg` (PipelineConfig) for a prepare record (PrepareResult) and a preflight
-    record (PreflightResult: dims and layer ids come from there, computed once)."""
+    record (PreflightResult: dims and layer ids come from there, computed once); `engine`: the engine
+    settings that change a record's values (stages.plan_extract passes engine.cpu_build_kwargs())."""
     import datasets  # lazy: arrow is memory-mapped, this reads only metadata
 
     e = cfg.extract
-    key, out = extract_location(Path(prep.dir), prep.version, cfg.target, pre.layer_ids, e.storage_dtype,
-                                f"{e.connector_module}.{e.connector_name}")
+    key, out = extract_location(prep, cfg.target, pre.layer_ids, e.storage_dtype,
+                                f"{e.connector_module}.{e.connector_name}", engine)
     rows = datasets.load_from_disk(prep.tokenized).num_rows
     shards = plan_shards(rows, e.rows_per_shard)
     ids = [s.index for s in shards]
     per = e.shards_per_group or max(1, math.ceil(len(ids) / e.parallel_groups))  # one group per parallel slot
     pkey = pool_key(cfg.target, pre.layer_ids, e.storage_dtype, f"{e.connector_module}.{e.connector_name}",
-                    e.tensor_parallel_size)
+                    e.tensor_parallel_size, engine)
     pool = pool_location(Path(prep.dir).parent, cfg.target.model, pkey) if e.record_pool else None
     return ExtractVersion(content_key=key, dir=str(out.resolve()), prepare_version=prep.version,
                           pool_dir=str(pool.resolve()) if pool else None,

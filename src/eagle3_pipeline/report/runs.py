@@ -15,9 +15,10 @@ from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
-from eagle3_pipeline.config import PipelineConfig
-from eagle3_pipeline.report import build_report
-from eagle3_pipeline.store import write_json
+from eagle3_pipeline.core.config import PipelineConfig
+from eagle3_pipeline.report.record import RunReport
+from eagle3_pipeline.report.stage import build_report
+from eagle3_pipeline.core.store import write_json
 
 def new_run_id() -> str:
     return datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
@@ -66,7 +67,7 @@ def _engine_start_s(stage: str, rec, since: float) -> float | None:
     if rec is None:
         return None
     if stage == "extract":
-        from eagle3_pipeline.shardrun import engine_start_since
+        from eagle3_pipeline.records.shardrun import engine_start_since
 
         return engine_start_since(Path(rec.dir), since)
     v = getattr(rec, "engine_start_s", None)
@@ -79,7 +80,7 @@ class RunDir:
         self.run_id = self.path.name
 
     def report_record(self, config: PipelineConfig, recs: dict, versions: dict, error: str | None,
-                      clock: StageClock | None = None) -> dict:
+                      clock: StageClock | None = None) -> RunReport:
         """report.json's record from the stages' typed records (pydantic models, by stage name) and
         the run's StageClock."""
         timings = clock.timings(recs) if clock else {}

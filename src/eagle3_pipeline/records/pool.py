@@ -27,7 +27,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-from eagle3_pipeline.store import content_key, file_lock, model_fingerprint, slug, within
+from eagle3_pipeline.core.store import content_key, file_lock, model_fingerprint, slug, within
 
 POOL_DIR = "pool"
 RECORD_SUFFIX = ".safetensors"
@@ -35,15 +35,14 @@ FP_SUFFIX = ".fp.safetensors"
 _SEQ = itertools.count()
 
 
-def pool_key(target, layer_ids: list[int], storage_dtype: str, connector: str, tensor_parallel_size: int) -> str:
+def pool_key(target, layer_ids: list[int], storage_dtype: str, connector: str, tensor_parallel_size: int,
+             engine: dict) -> str:
     """Everything but the row that determines a record's bytes (target: config.TargetConfig), including the
-    engine settings that change a record's values (engine.cpu_build_kwargs: the CPU build's rotary)."""
-    from eagle3_pipeline.engine.build import cpu_build_kwargs
-
+    engine settings that change a record's values (`engine`: the caller's engine.cpu_build_kwargs())."""
     obj = {"model": model_fingerprint(target.model, target.revision), "layers": list(layer_ids),
            "storage": storage_dtype, "connector": connector, "dtype": target.dtype, "tp": int(tensor_parallel_size),
            "sidecar": "state_sketch"}  # sidecars carry the engine's state sketch: pools of earlier ones are not reused
-    if engine := cpu_build_kwargs():
+    if engine:
         obj["engine"] = engine
     return content_key(obj, 16)
 

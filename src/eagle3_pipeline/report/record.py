@@ -1,0 +1,135 @@
+"""report.json as a typed record: `RunReport`. Its keys are a contract (docs/operations.md, "Reading a run"):
+keys are added, never renamed or removed; tests/unit/test_report.py holds the schema of every key so far.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+
+class _Entry(BaseModel):
+    """A stage's entry: its contract keys (None where the stage's record had none) and the rest of its record
+    under `details`."""
+    model_config = ConfigDict(extra="forbid")
+    details: dict[str, Any] = {}
+
+
+class RegenerateEntry(_Entry):
+    version: str | None = None
+    rows_in: int | None = None
+    rows_out: int | None = None
+    rows_quarantined: int | None = None
+    tokens_generated: int | None = None
+
+
+class PrepareEntry(_Entry):
+    version: str | None = None
+    rows_in: int | None = None
+    rows_out: int | None = None
+    rows_quarantined: int | None = None
+    tokens: int | None = None
+
+
+class PreflightEntry(_Entry):
+    pass
+
+
+class ExtractEntry(_Entry):
+    layer_ids: list[int] | None = None
+    shards_total: int | None = None
+    shards_published: int | None = None
+    tokens: int | None = None
+    tokens_per_s: float | None = None
+    bytes_on_disk: int | None = None
+    rows_extracted: int | None = None
+    rows_reused: int | None = None
+
+
+class VerifyEntry(_Entry):
+    passed: bool | None = None
+    samples_checked: int | None = None
+    reference_max_rel_err: float | None = None
+    shards_rechecked: int | None = None
+    shards_reused: int | None = None
+    reference_peak_rss_bytes: int | None = None
+
+
+class VocabEntry(_Entry):
+    draft_vocab_size: int | None = None
+    coverage: float | None = None
+
+
+class TrainEntry(_Entry):
+    mode: str | None = None
+    world_size: int | None = None
+    steps: int | None = None
+    final_loss: float | None = None
+    tokens_per_s: float | None = None
+
+
+class EvaluateEntry(_Entry):
+    acceptance_length: float | None = None
+    acceptance_length_untrained: float | None = None
+    per_position_acceptance: list[float] | None = None
+    per_category: dict[str, dict[str, Any]] | None = None
+    speedup: float | None = None
+    baseline_ngram: dict[str, Any] | None = None
+
+
+class Stages(BaseModel):
+    """One entry per stage that returned a record, in the order they run; a stage that did not is absent."""
+    model_config = ConfigDict(extra="forbid")
+    regenerate: RegenerateEntry | None = None
+    prepare: PrepareEntry | None = None
+    preflight: PreflightEntry | None = None
+    extract: ExtractEntry | None = None
+    verify: VerifyEntry | None = None
+    vocab: VocabEntry | None = None
+    train: TrainEntry | None = None
+    evaluate: EvaluateEntry | None = None
+
+
+class StageTiming(BaseModel):
+    """Wall seconds of a stage as the flow saw them, and how much of it was engine start-up (None: none)."""
+    model_config = ConfigDict(extra="forbid")
+    seconds: float
+    engine_start_s: float | None = None
+    baseline_ngram_s: float | None = None  # evaluate: the n-gram baseline's engine, inside evaluate's seconds
+    baseline_ngram_engine_start_s: float | None = None
+
+
+class Artifacts(BaseModel):
+    """Where a run's data, draft and report are (absolute paths; None: the stage did not run)."""
+    model_config = ConfigDict(extra="forbid")
+    tokenized: str | None = None
+    hidden_states: str | None = None
+    manifest: str | None = None
+    vocab: str | None = None
+    checkpoint: str | None = None
+    target_model: str | None = None
+    regenerated: str | None = None
+    report_md: str | None = None
+    plots: list[str] = []
+
+
+class RunReport(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    run_id: str
+    status: str  # "completed" | "failed"
+    error: str | None = None
+    config: dict[str, Any]
+    versions: dict[str, Any]
+    timings: dict[str, StageTiming] = {}
+    stages: Stages = Stages()
+    artifacts: Artifacts = Artifacts()
+    warnings: list[str] = []
+
+    def to_json(self) -> dict:
+        """report.json's content: every key, no entry for a stage that did not run, and the n-gram baseline's
+        timing keys on evaluate's timing only."""
+        out = self.model_dump(mode="json")
+        out["stages"] = {k: v for k, v in out["stages"].items() if v is not None}
+        out["timings"] = {k: t.model_dump(mode="json", exclude_unset=True) for k, t in self.timings.items()}
+        return out
