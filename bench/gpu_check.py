@@ -73,7 +73,7 @@ def table() -> str:
 
 
 def check_gate_uuid() -> str:
-    from eagle3_pipeline.gpu.stage import stage as gpu
+    from eagle3_pipeline.gpu import stage as gpu
 
     all_gpus = gpu.visible_gpus(_smi_gpus(), None)
     first = all_gpus[0]
@@ -93,7 +93,7 @@ def check_gate_uuid() -> str:
 
 def check_gate_busy() -> str:
     """A child holds ~4 GiB on GPU 0: the gate (threshold 1 GiB, visible by UUID) must fail naming its pid."""
-    from eagle3_pipeline.gpu.stage import stage as gpu
+    from eagle3_pipeline.gpu import stage as gpu
 
     first = _smi_gpus()[0]
     holder = subprocess.Popen([sys.executable, "-c",
@@ -120,7 +120,7 @@ def check_gate_busy() -> str:
 
 
 def _smi_gpus() -> list[dict]:
-    from eagle3_pipeline.gpu.stage import stage as gpu
+    from eagle3_pipeline.gpu import stage as gpu
 
     out = gpu._smi("--query-gpu=index,uuid,memory.used,memory.total")
     return [dict(zip(("index", "uuid", "used_mib", "total_mib"), (int(a), b, int(c), int(d))))

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 console = Console(width=160)
 
 
-def run(d: dict, out: Path, args, online: dict | None) -> dict:
+def run(d: dict, out: Path, args, online) -> dict:
     from eagle3_pipeline.train.stage import train_draft
 
     cfg = d["cfg"].train.model_copy(update={"epochs": 1, "max_steps": args.max_steps})
@@ -69,8 +69,10 @@ def main() -> None:
     results: list[tuple[int, str, dict]] = []
     with HiddenStateServer(cfg.extract, cfg.target, version, work / "server", max_model_len=int(max(ds["seq_len"])) + 1,
                            start_timeout_s=1800, log=console.print) as srv:
-        online = {"endpoint": srv.endpoint, "model": srv.model, "request_timeout_s": 600.0,
-                  "max_in_flight": max(1, min(cfg.extract.max_num_seqs, 16))}
+        from eagle3_pipeline.train.job import OnlineSource
+
+        online = OnlineSource(endpoint=srv.endpoint, model=srv.model, request_timeout_s=600.0,
+                              max_in_flight=max(1, min(cfg.extract.max_num_seqs, 16)))
         for rnd in range(args.rounds):
             order = ["offline", "online"] if rnd % 2 == 0 else ["online", "offline"]
             for name in order:

@@ -124,10 +124,10 @@ def in_memory(data: dict, files: list[Path]) -> tuple:
 
 def bench(name: str, data: dict, repeats: int, workers: list[int], cold: bool = False) -> list[tuple]:
     from eagle3_pipeline.core.config import VerifyConfig
-    from eagle3_pipeline.verify.structure import StructureCheck, _Extras, verify_structure
+    from eagle3_pipeline.verify.structure import StructureCheck, Extras, verify_structure
 
     vc = VerifyConfig()  # the gate's defaults
-    extras = _Extras(identity=True, final=data.get("final"), fingerprints_dir=data.get("fingerprints"),
+    extras = Extras(identity=True, final=data.get("final"), fingerprints_dir=data.get("fingerprints"),
                      fingerprints_required=bool(data.get("final")), min_agreement=vc.fingerprint_min_agreement)
 
     files = sorted(Path(data["hs"]).glob("hs_*.safetensors"))

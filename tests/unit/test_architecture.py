@@ -5,9 +5,14 @@
     (src/ and bench/ are checked);
   - one shape per stage: a stage's child is `<stage>/worker.py`, never a top-level `*_worker.py`;
     each stage package has `stage.py` (the glue the flow calls) and an `__init__.py` of at most 60 lines;
-  - layers: the ground floor (the top-level modules of src/eagle3_pipeline and the shared packages
-    data, targets, tiny) never imports a stage package (extract, verify, train, evaluate, regenerate),
-    and a stage package never imports a sibling stage package; shared pieces live on the ground floor;
+  - layers: the ground floor (the rooms core, records, data, engine, checks, tiny, targets) never imports a
+    stage package (STAGES), and a stage package never imports a sibling stage package; shared pieces live on
+    the ground floor;
+  - floors: the ground floor is rooms only, and a room imports only rooms on the floors below it (FLOORS);
+  - no private name (`_x`) is imported across a module line (the core, flows/, tasks/);
+  - the stage interface: every stage package declares `STAGE = StageSpec(...)` (core/stage_spec.py) that
+    matches it (entry, record, error, worker), its entry is called by the pipeline, and a stage that holds
+    accelerators runs under a GPU slot in tasks/ (these few tests import the stage modules);
   - no function in the core takes more than 6 parameters (self/cls not counted), but the listed ones.
 Each checker takes source text, so each rule is also shown to fail on a small synthetic violation.
 """
@@ -65,6 +70,18 @@ def llm_constructions(source: str) -> list[str]:
     return found
 
 
+def private_imports(source: str) -> list[str]:
+    """`line N: module.name` for each `from <ours> import _name`: a private name taken across a module line
+    (ours: eagle3_pipeline, flows, tasks)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and \
+                node.module.split(".")[0] in ("eagle3_pipeline", "flows", "tasks"):
+            out += [f"line {node.lineno}: {node.module}.{a.name}" for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")]
+    return out
+
+
 def top_level_workers(package_dir: Path) -> list[str]:
     return sorted(p.name for p in Path(package_dir).glob("*_worker.py"))
 
@@ -78,6 +95,7 @@ ROOMS = {room: n for n, floor in enumerate(FLOORS) for room in floor}
 ABOVE_STAGES = {
     "stages.py": "the glue the tasks call: one stage_<name> function per stage",
     "store_gc.py": "gc sweeps what every stage keeps (versions, the record pool, the pool's verify caches)",
+    "online_training.py": "online training runs the verify gate on rows from the server the trainer then reads",
 }
 # Stage packages whose glue is not yet called stage.py: the list can only shrink.
 NO_STAGE_PY: dict[str, str] = {}
@@ -256,6 +274,12 @@ def test_the_ground_floor_is_rooms_and_each_stands_on_the_floors_below():
     assert bad == {}, f"a room imports one beside or above it (FLOORS: {FLOORS}): {bad}"
 
 
+def test_no_private_name_crosses_a_module_line():
+    bad = {str(p.relative_to(ROOT)): hits for p, s in _sources(CORE, ROOT / "flows", ROOT / "tasks").items()
+           if (hits := private_imports(s))}
+    assert bad == {}, f"a private name imported from another module (make it public, or keep it in its module): {bad}"
+
+
 def test_no_stage_imports_a_sibling_stage():
     bad = {}
     for p, src in _sources(*(CORE / s for s in STAGES)).items():
@@ -357,6 +381,12 @@ def test_layer_checker_finds_crossings():
     assert module_of(CORE / "train" / "__init__.py") == "eagle3_pipeline.train"
 
 
+def test_private_import_checker():
+    assert private_imports("from eagle3_pipeline.data.chat import _form, ok\nfrom flows.cli import _k\n") == \
+        ["line 1: eagle3_pipeline.data.chat._form", "line 2: flows.cli._k"]
+    assert private_imports("from os import _exit\nfrom eagle3_pipeline import __version__\nfrom . import _x\n") == []
+
+
 def test_floor_checker_finds_imports_beside_and_above():
     assert floor_violations("eagle3_pipeline.records.layout", "from eagle3_pipeline.engine.build import x\n") == \
         ["line 1: eagle3_pipeline.engine"]
@@ -396,3 +426,141 @@ def test_signature_checker_counts_parameters():
            "def star(a, b, c, d, e, *args, **kwargs): pass\n"
            "class C:\n    def m(self, a, b, c, d, e, f): pass\n    def n(self, a, b, c, d, e, f, g): pass\n")
     assert long_signatures(src) == {"over": 7, "kw": 7, "star": 7, "n": 7}
+
+
+# ---------------------------------------------------------------- the stage interface (these import the stage modules)
+
+def stage_spec_problems(name: str, module, package_dir: Path) -> list[str]:
+    """What keeps a stage package's `STAGE` (core.stage_spec.StageSpec in its stage.py) from the interface."""
+    import typing
+
+    from pydantic import BaseModel
+
+    from eagle3_pipeline.core.stage_spec import StageSpec
+
+    spec = getattr(module, "STAGE", None)
+    if not isinstance(spec, StageSpec):
+        return [f"{name}/stage.py: no STAGE = StageSpec(...)"]
+    out = []
+    if spec.name != name:
+        out.append(f"STAGE.name {spec.name!r} is not the package's name {name!r}")
+    if getattr(spec.run, "__module__", None) != module.__name__:
+        out.append(f"STAGE.run {getattr(spec.run, '__qualname__', spec.run)} is not defined in {module.__name__}")
+    elif typing.get_type_hints(spec.run).get("return") != spec.result:
+        out.append(f"STAGE.run returns {typing.get_type_hints(spec.run).get('return')}, STAGE.result is {spec.result}")
+    inner = typing.get_args(spec.result)[0] if typing.get_origin(spec.result) is list else spec.result
+    if not (isinstance(inner, type) and issubclass(inner, BaseModel)):
+        out.append(f"STAGE.result {spec.result} is not a pydantic record (or a list of them)")
+    if spec.failure is not None:
+        raised = {ast.unparse(n.exc.func if isinstance(n.exc, ast.Call) else n.exc).split(".")[-1]
+                  for src in _sources(package_dir).values() for n in ast.walk(ast.parse(src))
+                  if isinstance(n, ast.Raise) and n.exc is not None}
+        if spec.failure.__name__ not in raised:
+            out.append(f"STAGE.failure {spec.failure.__name__} is raised nowhere in {name}/")
+    has_worker = (Path(package_dir) / "worker.py").is_file()
+    if has_worker != (spec.worker is not None) or (has_worker and spec.worker != f"eagle3_pipeline.{name}.worker"):
+        out.append(f"STAGE.worker {spec.worker!r} but {name}/worker.py {'exists' if has_worker else 'does not'}")
+    if spec.accelerators and spec.worker is None:
+        out.append("STAGE.accelerators without a worker: a model on accelerators is loaded in a child process")
+    return out
+
+
+def glue_calling(source: str, names: set[str]) -> set[str]:
+    """The top-level functions of stages.py (`source`) that call one of `names`, directly or through another."""
+    calls = {f.name: {getattr(n.func, "id", None) or getattr(n.func, "attr", None)
+                      for n in ast.walk(f) if isinstance(n, ast.Call)}
+             for f in ast.parse(source).body if isinstance(f, ast.FunctionDef)}
+    found: set[str] = set()
+    while True:
+        more = {f for f, called in calls.items() if called & (names | found)} - found
+        if not more:
+            return found
+        found |= more
+
+
+def calls_outside_gpu_slot(source: str, glue: set[str]) -> list[str]:
+    """`line N: stages.stage_x` for each call of one of the stages.py functions `glue` that is not inside a
+    `with gpu_slot():` block."""
+    tree = ast.parse(source)
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.With) and any(ast.unparse(i.context_expr) == "gpu_slot()" for i in node.items):
+            inside |= {id(n) for n in ast.walk(node)}
+    return [f"line {n.lineno}: {ast.unparse(n.func)}" for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and ast.unparse(n.func.value) == "stages"
+            and n.func.attr in glue and id(n) not in inside]
+
+
+def test_every_stage_declares_the_stage_interface():
+    import importlib
+
+    bad = {s: p for s in STAGES
+           if (p := stage_spec_problems(s, importlib.import_module(f"eagle3_pipeline.{s}.stage"), CORE / s))}
+    assert bad == {}, f"stage packages out of the interface (core/stage_spec.py): {bad}"
+
+
+def test_every_stage_entry_is_called_by_the_pipeline():
+    """Each STAGE.run is called somewhere outside its own module (stages.py, report/runs.py, flows/, tasks/)."""
+    import importlib
+
+    callers = {p: s for p, s in _sources(CORE, ROOT / "flows", ROOT / "tasks").items()}
+    for stage in STAGES:
+        mod = importlib.import_module(f"eagle3_pipeline.{stage}.stage")
+        name = mod.STAGE.run.__name__
+        own = CORE / stage / "stage.py"
+        called = [p for p, s in callers.items() if p != own and any(
+            isinstance(n, ast.Call) and (getattr(n.func, "id", None) == name or getattr(n.func, "attr", None) == name)
+            for n in ast.walk(ast.parse(s)))]
+        assert called, f"{stage}: STAGE.run {name} is called nowhere outside {own.name}: not the stage's entry"
+
+
+def test_stages_on_accelerators_run_under_a_gpu_slot():
+    import importlib
+
+    runs = {spec.run.__name__ for s in STAGES if (spec := importlib.import_module(f"eagle3_pipeline.{s}.stage").STAGE).accelerators}
+    gpu = glue_calling((CORE / "stages.py").read_text(), runs)
+    assert {"stage_extract_group", "stage_verify", "stage_train", "stage_evaluate", "stage_regenerate"} <= gpu, gpu
+    assert "stage_extract_summary" not in gpu and "stage_vocab" not in gpu
+    src = (ROOT / "tasks" / "stage_tasks.py").read_text()
+    assert calls_outside_gpu_slot(src, gpu) == [], "a task runs a stage on accelerators without tasks.gpu_lease.gpu_slot()"
+
+
+def test_stage_interface_checkers_fail(tmp_path):
+    import types
+
+    from pydantic import BaseModel
+
+    from eagle3_pipeline.core.stage_spec import StageSpec
+
+    class Rec(BaseModel):
+        x: int = 0
+
+    class Refused(RuntimeError):
+        pass
+
+    mod = types.ModuleType("eagle3_pipeline.demo.stage")
+
+    def run():
+        return Rec()
+
+    run.__module__, run.__annotations__ = mod.__name__, {"return": Rec}
+    (tmp_path / "stage.py").write_text("def run():\n    raise Refused('no')\n")
+    mod.STAGE = StageSpec(name="demo", run=run, result=Rec, failure=Refused)
+    assert stage_spec_problems("demo", mod, tmp_path) == []
+    assert stage_spec_problems("other", mod, tmp_path) == ["STAGE.name 'demo' is not the package's name 'other'"]
+    mod.STAGE = StageSpec(name="demo", run=run, result=list[Rec], failure=Refused, accelerators=True)
+    assert stage_spec_problems("demo", mod, tmp_path) == [
+        f"STAGE.run returns {Rec}, STAGE.result is list[{Rec.__module__}.{Rec.__qualname__}]",
+        "STAGE.accelerators without a worker: a model on accelerators is loaded in a child process"]
+    (tmp_path / "worker.py").write_text("")
+    (tmp_path / "stage.py").write_text("def run():\n    raise ValueError('no')\n")
+    mod.STAGE = StageSpec(name="demo", run=run, result=Rec, failure=Refused)
+    assert stage_spec_problems("demo", mod, tmp_path) == ["STAGE.failure Refused is raised nowhere in demo/",
+                                                          "STAGE.worker None but demo/worker.py exists"]
+    del mod.STAGE
+    assert stage_spec_problems("demo", mod, tmp_path) == ["demo/stage.py: no STAGE = StageSpec(...)"]
+    src = ("def a():\n    with gpu_slot():\n        stages.stage_train(c)\n"
+           "def b():\n    stages.stage_train_online(c)\n    stages.stage_vocab(c)\n")
+    assert calls_outside_gpu_slot(src, {"stage_train", "stage_train_online"}) == ["line 5: stages.stage_train_online"]
+    glue = "def a():\n    return train_draft(x)\ndef b():\n    return a()\ndef c():\n    return vocab(x)\n"
+    assert glue_calling(glue, {"train_draft"}) == {"a", "b"}

@@ -605,7 +605,7 @@ try:
     write_json(Path(sys.argv[1]), {"rows": list(range(5000))})
 except Exception as e:
     print(json.dumps({"type": type(e).__name__, "msg": str(e), "errno": getattr(e, "errno", None),
-                      "code": __import__("eagle3_pipeline.core.errors").errors.exit_code(e)}))
+                      "code": __import__("eagle3_pipeline.core.errors").core.errors.exit_code(e)}))
 """
 
 

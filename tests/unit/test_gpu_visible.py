@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3_pipeline.gpu.stage import stage as gpu
+from eagle3_pipeline.gpu import stage as gpu
 
 UUID0 = "GPU-8f2c1d3e-aaaa-bbbb-cccc-000000000000"
 UUID1 = "GPU-5b7e9a01-dddd-eeee-ffff-111111111111"

@@ -142,7 +142,7 @@ def test_a_vllm_that_ignores_the_pin_is_seen(gpu_tree):
 
 
 def test_preflight_refuses_a_runner_without_our_hooks(monkeypatch):
-    from eagle3_pipeline.preflight.stage import stage as preflight
+    from eagle3_pipeline.preflight import stage as preflight
 
     cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml")
     assert preflight.engine_surface_problems(cfg, "cpu") == []

@@ -60,6 +60,7 @@ from eagle3_pipeline.core.proc import EXCEPTION_LINE, ChildFailed, python_child,
 from eagle3_pipeline.evaluate.ngram import NgramBaseline, describe_ngram, ngram_baseline
 from eagle3_pipeline.evaluate.results import EvalResult, EvaluateError, SpeedResult, eval_result, speed_result, tau_text
 from eagle3_pipeline.core.store import dir_lock, write_json
+from eagle3_pipeline.core.stage_spec import StageSpec
 
 WORKER = "eagle3_pipeline.evaluate.worker"
 UNTRAINED = "untrained"  # label of the baseline run (evaluate_pair)
@@ -538,3 +539,7 @@ def check_acceptance_gate(report: EvaluateReport, cfg: EvaluateConfig) -> None:
     why = gate_failure(report, cfg)
     if why:
         raise EvaluateGateFailed(why)
+
+
+STAGE = StageSpec(name="evaluate", run=evaluate_pair, result=EvaluateReport, failure=EvaluateGateFailed,
+                  worker="eagle3_pipeline.evaluate.worker", accelerators=True)

@@ -44,6 +44,7 @@ from eagle3_pipeline.records.pool import RecordPool, row_keys, version_pool
 from eagle3_pipeline.records.shardrun import (Attempt, Child, ChildAttempt, ShardEntry, ShardRun, Status, hashes,
                                       published_ok, tool_versions)
 from eagle3_pipeline.core.store import file_locks, sha256_file, write_json
+from eagle3_pipeline.core.stage_spec import StageSpec
 
 LOCKS_DIR = "locks"
 WORKER_MODULE = "eagle3_pipeline.extract.worker"
@@ -394,3 +395,7 @@ def summarize(out_dir: Path, since: float | None = None) -> ExtractResult:
                          rows_reused=sum(s.reused_rows for s in now),
                          rows_from_store=sum(s.rows for s in old),
                          cached=since is not None and bool(pub) and not now)
+
+
+STAGE = StageSpec(name="extract", run=extract_group, result=list[ShardRecord], failure=ExtractFailed,
+                  worker="eagle3_pipeline.extract.worker", accelerators=True)

@@ -22,6 +22,7 @@ from pydantic import BaseModel
 
 from eagle3_pipeline.core.errors import EnvironmentProblem
 from eagle3_pipeline.core.proc import CHILD_MARKER_ENV, LAUNCHER_ENV
+from eagle3_pipeline.core.stage_spec import StageSpec
 
 WORKER_MODULES = ("eagle3_pipeline.extract.worker", "eagle3_pipeline.train.worker", "eagle3_pipeline.evaluate.worker")
 
@@ -191,3 +192,6 @@ def gpu_gate(kill: bool = True, max_used_mib: int = 2048, wait_s: float = 30.0, 
         raise GpuGateFailed(f"gpu-gate: GPU memory still in use (more than {max_used_mib} MiB): " + describe_busy(busy))
     log(f"gpu-gate: {len(found)} leftovers ended, {len(gpus)} GPUs checked" + (" (no nvidia-smi)" if not gpus else ""))
     return GpuGateResult(leftovers_found=found, killed=killed, gpus=gpus, passed=True)
+
+
+STAGE = StageSpec(name="gpu", run=gpu_gate, result=GpuGateResult, failure=GpuGateFailed)

@@ -26,6 +26,7 @@ from eagle3_pipeline.records.contracts import (ContractError, ModelDims, fingerp
                                       model_dims, resolve_layer_ids)
 from eagle3_pipeline.engine.start import MemoryPlan, describe, memory_plan, what_fits
 from eagle3_pipeline.core.errors import EnvironmentProblem
+from eagle3_pipeline.core.stage_spec import StageSpec
 
 # (vllm distribution, vllm, torch, speculators) combinations this pipeline was tested with.
 TESTED = {
@@ -280,3 +281,6 @@ def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=prin
     return PreflightResult(versions=versions, flavour=flavour, dims=dims, layer_ids=layer_ids,
                            estimated_bytes=estimated, free_bytes=free, warnings=warnings, disk_plans=plans,
                            memory=memory)
+
+
+STAGE = StageSpec(name="preflight", run=preflight, result=PreflightResult, failure=PreflightFailed)

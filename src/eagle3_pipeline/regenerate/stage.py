@@ -59,6 +59,7 @@ from eagle3_pipeline.regenerate.job import (QUARANTINE_DIR, ROWS_DIR, Regenerate
 from eagle3_pipeline.records.shardrun import Child, ShardEntry, ShardRun, hashes, published_ok, tool_versions
 from eagle3_pipeline.core.store import (atomic_write_text, content_key, dir_fingerprint, dir_lock, model_fingerprint,
                                    read_json, slug, within, write_json)
+from eagle3_pipeline.core.stage_spec import StageSpec
 
 WORKER = "eagle3_pipeline.regenerate.worker"
 REGENERATED_DIR = "regenerated"  # <store>/<dataset>/regenerated/<version>/
@@ -410,3 +411,7 @@ def read_quarantine(res: RegenerateResult) -> list[dict]:
 
 
 __all__ = ["RegenerateFailed", "RegenerateResult", "prepare_config", "read_quarantine", "read_rows", "regenerate"]
+
+
+STAGE = StageSpec(name="regenerate", run=regenerate, result=RegenerateResult, failure=RegenerateFailed,
+                  worker="eagle3_pipeline.regenerate.worker", accelerators=True)

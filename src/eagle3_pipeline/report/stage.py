@@ -19,6 +19,7 @@ from typing import Any
 
 from eagle3_pipeline.core.store import atomic_write, atomic_write_text, write_json
 from eagle3_pipeline.report.record import Artifacts, RunReport, Stages
+from eagle3_pipeline.core.stage_spec import StageSpec
 
 STAGES = ("regenerate", "prepare", "preflight", "extract", "verify", "vocab", "train", "evaluate")
 # report.json fields per stage (the contract: the entry models of record.py); other keys a stage returns are
@@ -524,3 +525,6 @@ def write_report(run_dir: Path, rec: RunReport, metrics_path: Path | None = None
               f"report.md could not be rendered ({type(e).__name__}: {e}); report.json beside it has everything.\n")
     atomic_write_text(run_dir / "report.md", md)
     return {"report_json": str(run_dir / "report.json"), "report_md": str(run_dir / "report.md")}
+
+
+STAGE = StageSpec(name="report", run=build_report, result=RunReport, failure=None)

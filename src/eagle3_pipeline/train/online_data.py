@@ -185,7 +185,7 @@ class RowChecks:
     carries) and the aux layers against the layer profiles the verify gate learned from the sample
     (layer_identity.py). A fingerprint disagreement raises (speculators asks for the row again, and the
     dataset stops training when every attempt failed); a row only the profiles flag is written for the
-    stage to confirm with the target (stages.stage_train_online) and kept out of training."""
+    stage to confirm with the target (online_training.train_online) and kept out of training."""
 
     def __init__(self, spec: RowChecksSpec):
         import numpy as np

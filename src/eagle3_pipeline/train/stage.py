@@ -42,6 +42,7 @@ from eagle3_pipeline.core.store import atomic_write_text, dir_lock, read_json, s
 from eagle3_pipeline.train.export import export_check
 from eagle3_pipeline.train.job import OnlineSource, TrainJob, TrainOutput
 from eagle3_pipeline.train.vocab import load_vocab, vocab_paths
+from eagle3_pipeline.core.stage_spec import StageSpec
 
 WORKER = "eagle3_pipeline.train.worker"
 UNTRAINED_DIR = "untrained_draft"  # in the train dir: the random-weights baseline of the same architecture
@@ -257,12 +258,11 @@ def _run_worker(job: TrainJob, job_path: Path, log: Callable[[str], None], log_p
 
 
 def train_draft(cfg: TrainConfig, target: TargetConfig, version: ExtractVersion, vocab_dir: Path, out_dir: Path, *,
-                log: Callable[[str], None] = print, previous=None, online: dict | None = None) -> TrainResult:
+                log: Callable[[str], None] = print, previous=None, online: OnlineSource | None = None) -> TrainResult:
     """Train (or resume training) the EAGLE-3 draft on `version`'s records; see the module docstring
     for files. Holds `out_dir/.lock` throughout: two trainers never write one checkpoint dir (the
-    second waits, then resumes from what the first left). `online` ({"endpoint", "model",
-    "request_timeout_s"}): take every row's hidden states from that running server instead of the
-    stored records (train/online.py)."""
+    second waits, then resumes from what the first left). `online` (job.OnlineSource): take every row's
+    hidden states from that running server instead of the stored records (train/online.py)."""
     with dir_lock(Path(out_dir), f"train dir {out_dir}", log):
         return _train_draft(cfg, target, version, Path(vocab_dir), Path(out_dir), log, previous, online)
 
@@ -281,7 +281,7 @@ def _check_tokenized(version: ExtractVersion) -> int:
 
 
 def _train_draft(cfg: TrainConfig, target: TargetConfig, version: ExtractVersion, vocab_dir: Path, out_dir: Path,
-                 log: Callable[[str], None], previous=None, online: dict | None = None) -> TrainResult:
+                 log: Callable[[str], None], previous=None, online: OnlineSource | None = None) -> TrainResult:
     """`previous` (lineage.PreviousDraft): initialise the draft from its checkpoint (a refresh)."""
     dims, aux = version.dims, version.aux_layer_ids
     load_vocab(vocab_dir, dims.vocab_size)  # raises on an inconsistent vocab before any work
@@ -305,8 +305,8 @@ def _train_draft(cfg: TrainConfig, target: TargetConfig, version: ExtractVersion
                    init_from=previous.checkpoint if previous is not None else None,
                    # the evaluate stage's baseline, written by the same child (stages.stage_evaluate finds it there)
                    untrained_dir=str((out_dir / UNTRAINED_DIR).resolve()),
-                   online=None if online is None else OnlineSource(
-                       **online, cache_dir=str((out_dir / "online" / "no_stored_rows").resolve())))
+                   online=None if online is None else online.model_copy(
+                       update={"cache_dir": str((out_dir / "online" / "no_stored_rows").resolve())}))
     res = TrainOutput.model_validate(_run_worker(job, out_dir / "train_job.json", log, out_dir / "train.log",
                                                  cfg.timeout_s))
     best = Path(res.checkpoint_best)
@@ -353,3 +353,7 @@ def make_untrained_draft(target: TargetConfig, version: ExtractVersion, vocab_di
         staging.rename(out_dir)
     log(f"train: untrained draft written to {out_dir}")
     return out_dir
+
+
+STAGE = StageSpec(name="train", run=train_draft, result=TrainResult, failure=ContractError,
+                  worker="eagle3_pipeline.train.worker", accelerators=True)

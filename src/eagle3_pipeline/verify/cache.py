@@ -40,7 +40,7 @@ def shard_hash(entry, version) -> str:
 
 
 def save(path: Path, results: list) -> None:
-    """Store the good per-file results (structure._FileResult with stats) atomically."""
+    """Store the good per-file results (structure.FileResult with stats) atomically."""
     import torch
     from safetensors.torch import save_file
 
@@ -55,7 +55,7 @@ def save(path: Path, results: list) -> None:
 
 
 def load(path: Path) -> dict:
-    """{row: structure._FileResult} of a cache file ({} when there is none or it is unreadable)."""
+    """{row: structure.FileResult} of a cache file ({} when there is none or it is unreadable)."""
     from safetensors.numpy import load_file
 
     try:
@@ -70,7 +70,7 @@ def load(path: Path) -> dict:
 
 
 def _columns(rs: list) -> dict:
-    """The cached columns of good per-file results (structure._FileResult), one row each."""
+    """The cached columns of good per-file results (structure.FileResult), one row each."""
     import torch
 
     def opt(name: str):
@@ -88,11 +88,11 @@ def _columns(rs: list) -> dict:
 
 
 def _result(t: dict, i: int, row: int):
-    """Row i of cached columns as a structure._FileResult."""
-    from eagle3_pipeline.verify.structure import _FileResult
+    """Row i of cached columns as a structure.FileResult."""
+    from eagle3_pipeline.verify.structure import FileResult
 
     a = float(t["agreement"][i])
-    return _FileResult(row=row, tokens=int(t["tokens"][i]), nbytes=int(t["nbytes"][i]), stats=t["stats"][i],
+    return FileResult(row=row, tokens=int(t["tokens"][i]), nbytes=int(t["nbytes"][i]), stats=t["stats"][i],
                        sig=t["sig"][i] if "sig" in t else None, agreement=None if np.isnan(a) else a,
                        fp_margin=_margin(t, i), sketch_margin=_margin(t, i, "sketch_margin"),
                        **_next(t, i))
@@ -129,7 +129,7 @@ def file_identity(record: Path, fingerprint: Path | None) -> list[int] | None:
 
 
 def load_pool(path: Path) -> dict[str, tuple[list[int], object]]:
-    """{row key: (file identity, structure._FileResult with row -1)} ({} when missing or unreadable)."""
+    """{row key: (file identity, structure.FileResult with row -1)} ({} when missing or unreadable)."""
     from safetensors import safe_open
 
     try:
@@ -146,7 +146,7 @@ def load_pool(path: Path) -> dict[str, tuple[list[int], object]]:
 
 
 def save_pool(pool, config_key: str, new: dict[str, tuple[list[int], object]]) -> None:
-    """Merge `new` ({row key: (identity, good _FileResult)}) into the pool's cache, under the pool's
+    """Merge `new` ({row key: (identity, good FileResult)}) into the pool's cache, under the pool's
     lock, dropping entries whose pooled record is gone or changed (gc, a record verify rejected)."""
     import torch
     from safetensors.torch import save_file

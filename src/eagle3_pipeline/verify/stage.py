@@ -37,7 +37,8 @@ from eagle3_pipeline.verify.invariance import InvarianceResult, judge
 from eagle3_pipeline.verify.masks import mask_problems
 from eagle3_pipeline.verify.reference import (ReferenceResult, choose_rows, power_statement, reference_check,
                                               reference_size)
-from eagle3_pipeline.verify.structure import LayerStats, StructureCheck, _Extras, verify_structure
+from eagle3_pipeline.verify.structure import LayerStats, StructureCheck, Extras, verify_structure
+from eagle3_pipeline.core.stage_spec import StageSpec
 
 # verify settings that change no verdict: a new value keeps the verified shards
 CONFIG_KEY_EXCLUDE = frozenset({"workers", "move_bad_files"})
@@ -236,7 +237,7 @@ def _reusable(cfg: VerifyConfig, version: ExtractVersion, shards: list[ShardEntr
 
 
 def _pool_reusable(cfg: VerifyConfig, version: ExtractVersion, pool, keys: dict[int, str], fp_required: bool) -> dict:
-    """{row: _FileResult} of rows whose record (and fingerprint) is a hard link to a pooled record
+    """{row: FileResult} of rows whose record (and fingerprint) is a hard link to a pooled record
     that a verify with the same settings found good, unchanged since (verify/cache.py pool cache)."""
     if pool is None or not keys:
         return {}
@@ -351,7 +352,7 @@ class _VerifyRun:
         final, final_skipped = final_layer_check(self.target, version.dims, cfg, version.storage_dtype)
         if final_skipped:
             self.log(f"verify: final-layer fingerprint check skipped: {final_skipped}")
-        extras = _Extras(identity=cfg.identity_max_z is not None,
+        extras = Extras(identity=cfg.identity_max_z is not None,
                          final=final, fingerprints_dir=str(version.fingerprints_dir),
                          fingerprints_required=self.fp_required, min_agreement=cfg.fingerprint_min_agreement,
                          sketch_required=self.sketch_skipped is None)
@@ -554,3 +555,7 @@ def files_changed_since_verify(version: ExtractVersion, res: VerifyResult) -> li
         elif (got := sha256_file(p)) != sha:
             out.append(f"shard {index}: {name} has sha256 {got[:16]}…, the manifest (as verified) {sha[:16]}…")
     return out
+
+
+STAGE = StageSpec(name="verify", run=verify, result=VerifyResult, failure=VerifyFailed,
+                  worker="eagle3_pipeline.verify.worker", accelerators=True)

@@ -47,7 +47,7 @@ from eagle3_pipeline.verify.fingerprint import FingerprintSummary
 SMALL_RECORD_BYTES = 4 << 20  # records smaller than this on average are reduced by one compute thread
 MIN_NORM_FILES = 8      # fewer good files than this: no norm bounds (noted in the result)
 MAD_TO_SIGMA = 1.4826   # MAD of a normal distribution x this = its standard deviation
-STAT_ROWS = 6           # rows of a file's stats (_FileResult.stats)
+STAT_ROWS = 6           # rows of a file's stats (FileResult.stats)
 
 
 class LayerStats(BaseModel):
@@ -102,7 +102,7 @@ _Item = scan.Item
 
 
 @dataclass
-class _FileResult:
+class FileResult:
     row: int
     problems: list[str] = field(default_factory=list)
     tokens: int = 0
@@ -118,7 +118,7 @@ class _FileResult:
 
 
 @dataclass
-class _Extras:
+class Extras:
     """What the scan computes besides structure: identity signatures, the final-layer check."""
     identity: bool = False         # compute layer-identity signatures (layer_identity.py)
     final: object = None           # fingerprint.FinalLayerCheck or None
@@ -198,14 +198,14 @@ def _values(tensors: dict, spec: RecordSpec, out):
 _local = threading.local()
 
 
-def _process(batch: scan.Batch, spec: RecordSpec, layer_ids: list[int], extras: _Extras | None,
-             release) -> list[_FileResult]:
+def _process(batch: scan.Batch, spec: RecordSpec, layer_ids: list[int], extras: Extras | None,
+             release) -> list[FileResult]:
     """Per-file results of one batch the reader filled (then hands its arenas back with `release`)."""
     import numpy as np
     import torch
 
     L = spec.num_layers_captured
-    out = [_FileResult(row=e.item.row, problems=list(e.problems), nbytes=e.nbytes) for e in batch.files]
+    out = [FileResult(row=e.item.row, problems=list(e.problems), nbytes=e.nbytes) for e in batch.files]
     inside = [k for k, e in enumerate(batch.files) if e.offset >= 0]
     if not inside:
         release(batch.arenas)
@@ -303,7 +303,7 @@ def _process(batch: scan.Batch, spec: RecordSpec, layer_ids: list[int], extras: 
     return out
 
 
-def _sketch_check(files: list[tuple[scan.FileEntry, _FileResult]], dev, layer_ids: list[int]) -> None:
+def _sketch_check(files: list[tuple[scan.FileEntry, FileResult]], dev, layer_ids: list[int]) -> None:
     """Every token's every stored state against the engine's sketch of the state it computed
     (state_sketch.py; `dev` [batch tokens, L]: deviation ÷ tolerance): each record's clean margin, and a
     problem naming the layers and positions where they differ."""
@@ -387,7 +387,7 @@ def learn_norm_bounds(norms, n_samples: int, factor: float, min_ratio: float):
     return np.exp(med), np.exp(med - half), np.exp(med + half), len(sample)
 
 
-def scan_records(ds, check: StructureCheck, rows: list[int], *, extras: _Extras | None = None) -> list[_FileResult]:
+def scan_records(ds, check: StructureCheck, rows: list[int], *, extras: Extras | None = None) -> list[FileResult]:
     """Read and check the records of `rows` once each (verify/scan.py: a reader thread, `check.workers`
     compute threads over batches of files): per-file problems, statistics and, with `extras`, identity
     signatures and fingerprint agreement, in row order."""
@@ -406,7 +406,7 @@ def scan_records(ds, check: StructureCheck, rows: list[int], *, extras: _Extras 
     arenas = [scan.Arenas(spec, max(1, scan.BATCH_BYTES // bytes_per_token)) for _ in range(workers + 1)]
     reader = scan._Reader(items, spec, arenas, bool(extras and extras.fingerprints_required), layer_ids,
                           sketch_required=bool(extras and extras.sketch_required))
-    results: list[_FileResult] = []
+    results: list[FileResult] = []
     # one OpenMP thread per compute thread: torch's intra-op threads on small tensors (and on a busy
     # machine) cost more in barriers than they save; the parallelism is across batches of files
     try:
@@ -424,7 +424,7 @@ def scan_records(ds, check: StructureCheck, rows: list[int], *, extras: _Extras 
 
 
 def verify_structure(check: StructureCheck, rows: list[int] | None = None, log=print, *,
-                     extras: _Extras | None = None, reused: list[_FileResult] = ()) -> StructureResult:
+                     extras: Extras | None = None, reused: list[FileResult] = ()) -> StructureResult:
     """Check every record (or `rows`), learn per-layer norm bounds from the first `check.norm_samples`
     good files and flag files outside them, learn layer profiles and flag slots that do not look like their
     layer, and gather per-layer statistics over the remaining good files. `reused`: results of records
@@ -445,8 +445,8 @@ def verify_structure(check: StructureCheck, rows: list[int] | None = None, log=p
     return res.model_copy(update={"bytes_read": nbytes, "seconds": round(dt, 4), "results": results})
 
 
-def judge_records(ds, results: list[_FileResult], check: StructureCheck, log, *,
-                  extras: _Extras | None, extra_problems: list[str] = ()) -> StructureResult:
+def judge_records(ds, results: list[FileResult], check: StructureCheck, log, *,
+                  extras: Extras | None, extra_problems: list[str] = ()) -> StructureResult:
     """Everything that needs all records at once: norm bounds, layer identity, per-layer statistics."""
     import numpy as np
 
@@ -527,14 +527,14 @@ def judge_records(ds, results: list[_FileResult], check: StructureCheck, log, *,
                            learned_rows=sorted(set(problems) - hard), prediction=pred, **_sketch_summary(results))
 
 
-def _sketch_summary(results: list[_FileResult]) -> dict:
+def _sketch_summary(results: list[FileResult]) -> dict:
     m = [r.sketch_margin for r in results if r.sketch_margin is not None]
     clean = [x for x in m if x <= 1.0]
     return {"sketch_rows": len(m), "sketch_failed": len(m) - len(clean),
             "sketch_margin": round(max(clean), 4) if clean else None}
 
 
-def _fingerprint_summary(results: list[_FileResult], extras: _Extras | None) -> FingerprintSummary:
+def _fingerprint_summary(results: list[FileResult], extras: Extras | None) -> FingerprintSummary:
     if extras is None or extras.final is None:
         return FingerprintSummary(skipped="no final-layer check (no fingerprints or no readable lm_head)")
     agree = [r.agreement for r in results if r.agreement is not None]
@@ -547,7 +547,7 @@ def _fingerprint_summary(results: list[_FileResult], extras: _Extras | None) -> 
                               mean_agreement=sum(agree) / len(agree) if agree else None)
 
 
-def _prediction(ds, good: list[_FileResult], max_z: float | None, problems: dict, log, cap: int | None = None) -> dict:
+def _prediction(ds, good: list[FileResult], max_z: float | None, problems: dict, log, cap: int | None = None) -> dict:
     """The target's predictions against each row's next tokens (prediction.py): a problem for every row far
     below rows like it (a learned flag, confirmed or cleared by the target). Returns the summary."""
     from dataclasses import asdict
@@ -569,7 +569,7 @@ def _prediction(ds, good: list[_FileResult], max_z: float | None, problems: dict
     return asdict(summary)
 
 
-def _identity(ds, good: list[_FileResult], layer_ids: list[int], max_z: float | None, problems: dict,
+def _identity(ds, good: list[FileResult], layer_ids: list[int], max_z: float | None, problems: dict,
               log) -> tuple[int, str | None, dict | None]:
     """Learn layer profiles over the good records and add a problem for every slot that does not look
     like its own layer (layer_identity.py). Returns (records learned from, why skipped, the profiles with

@@ -1,0 +1,22 @@
+"""The one interface every stage package implements: `STAGE = StageSpec(...)` in `<stage>/stage.py`.
+
+A stage is a package: stage.py is its parent side (what stages.py and the tasks call) and, when the
+stage runs an engine or a trainer, worker.py is its child process. tests/unit/test_architecture.py
+checks every declaration against the package (docs/README.md, "Adding a stage").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str  # the package's name: also the stage's name in report.json, the run store and the flows
+    run: Callable[..., Any]  # the one entry the pipeline calls; its return annotation is `result`
+    result: Any  # the typed record `run` returns (a pydantic model, or a list of them)
+    failure: type[Exception] | None  # what `run` raises when its own check says no (None: it never refuses)
+    worker: str | None = None  # the child process's module (`eagle3_pipeline.<name>.worker`), if it has one
+    accelerators: bool = False  # it loads a model onto accelerators: in a child, and under a GPU slot (tasks/)
