@@ -73,7 +73,8 @@ def fail(command: str, e: BaseException) -> NoReturn:
 # Prefect's own bookkeeping lines that say nothing a person needs on screen (the UI's run log keeps them): a task
 # or flow that completed, a flow that began. A failure, a retry and every line of the pipeline's stay.
 _ROUTINE = ("Finished in state Completed()", "Finished in state Cached(type=COMPLETED)", "Beginning flow run ",
-            "Beginning subflow run ")
+            "Beginning subflow run ",
+            "Triton is installed, but doesn't include CPU backend")  # vLLM's CPU build says it at every import
 
 
 class _Routine:
@@ -97,6 +98,12 @@ def quiet_console() -> None:
         from loguru import logger
 
         logger.disable("speculators.utils.loading")
+    except ImportError:
+        pass
+    try:  # the datasets library's progress bars ("Saving the dataset ...") under the prepare line that counts them
+        import datasets
+
+        datasets.disable_progress_bars()
     except ImportError:
         pass
 

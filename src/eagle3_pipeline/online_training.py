@@ -1,7 +1,7 @@
 """Online training (train.mode online), the one stage that needs two: a vLLM server of the target, the verify
 gate on a sample of rows taken from it, then the trainer reading every row from the same server, each row
 judged by the checks the sample's gate learned; rows those checks flag are recomputed with the target after
-training. Above the stages, like stages.py, which calls `train_online` from stage_train.
+training. Above the stages, beside stages.py, whose stage_train calls `train_online`.
 """
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ from pathlib import Path
 from eagle3_pipeline.core.config import PipelineConfig
 from eagle3_pipeline.core.store import dir_lock
 from eagle3_pipeline.records.layout import ExtractVersion
-from eagle3_pipeline.stages import train_key, train_start
 
 
-def train_online(cfg: PipelineConfig, version: ExtractVersion, voc, log=print):
+def train_online(cfg: PipelineConfig, version: ExtractVersion, voc, start: tuple, out_dir: Path, log=print):
     """train.mode online: start a vLLM server of the target (extract's engine settings, layers and connector),
     run the verify gate on `verify.online_rows` rows taken from it, then train with every row's hidden
     states fetched from it (train/online.py); the server ends with the stage. The TrainResult carries
@@ -29,8 +28,7 @@ def train_online(cfg: PipelineConfig, version: ExtractVersion, voc, log=print):
     from eagle3_pipeline.train.stage import train_draft
     from eagle3_pipeline.verify.stage import VerifyFailed, check_verify_gate, verify
 
-    prev, tcfg = train_start(cfg, version, log)
-    out_dir = version.train_dir(train_key(cfg, version))
+    prev, tcfg = start  # stages.train_start: the previous draft to continue from (or None) and the settings for it
     work = out_dir / "online"
     seq_lens = load_tokenized(version.tokenized_dir)["seq_len"]
     max_len = int(max(seq_lens)) + 1

@@ -164,7 +164,8 @@ def stage_train(cfg: PipelineConfig, version: ExtractVersion, voc, log=print):
     if cfg.train.mode == "online":
         from eagle3_pipeline.online_training import train_online
 
-        return train_online(cfg, version, voc, log=log)
+        return train_online(cfg, version, voc, train_start(cfg, version, log), version.train_dir(train_key(cfg, version)),
+                            log=log)
     require_verified(version)
     prev, tcfg = train_start(cfg, version, log)
     return train_draft(tcfg, cfg.target, version, Path(voc.dir), version.train_dir(train_key(cfg, version)),

@@ -311,9 +311,9 @@ def _sketch_dir(job: ExtractJob) -> Path:
     return Path(job.scratch_dir) / "state-sketches"
 
 
-def _sketches_on(job: ExtractJob) -> None:
+def _sketches_on(job: ExtractJob) -> bool:
     """The engine's processes (a vLLM plugin) and this one write the state sketch of every request
-    (state_sketch.py) into the scratch dir; the fingerprint sidecar carries it."""
+    (state_sketch.py) into the scratch dir; the fingerprint sidecar carries it. Returns whether it is in place."""
     import shutil
 
     from eagle3_pipeline.engine import state_sketch
@@ -322,7 +322,7 @@ def _sketches_on(job: ExtractJob) -> None:
     _sketch_dir(job).mkdir(parents=True)
     os.environ[state_sketch.ENV] = str(_sketch_dir(job))
     os.environ[state_sketch.STORAGE_ENV] = job.storage_dtype
-    print(f"extract worker: state sketches {'in place' if state_sketch.install() else 'NOT in place'}", flush=True)
+    return state_sketch.install()
 
 
 def _take_sketch(job: ExtractJob, requested: str, who: str):
@@ -387,8 +387,9 @@ def _start_engine(job: ExtractJob, ds, max_len: int) -> _Engine:
         from eagle3_pipeline.engine.prompt_scores import ENV, install
 
         os.environ.setdefault(ENV, "1")
-        print(f"extract worker: lean prompt scores {'in place' if install() else 'off: vLLM own path'}", flush=True)
-        _sketches_on(job)
+        lean = install()
+        print(f"extract worker: lean prompt scores {'in place' if lean else 'off: vLLM own path'}, state sketches "
+              f"{'in place' if _sketches_on(job) else 'NOT in place'}", flush=True)
         hooks = ("state_sketch", "prompt_scores") if os.environ[ENV] == "1" else ("state_sketch",)
     llm = build_llm(job.engine, job.target, max_model_len=max_len + 1,
                     speculative_config=extract_hidden_states_config(job.layer_ids), kv_transfer_config=kv,
