@@ -1,39 +1,6 @@
 """Multi-node extraction: shard groups as runs of the `extract-group` deployment.
 
-Reads the extract manifest (layout.ExtractVersion.manifest_path) to pick the groups that still
-hold unpublished shards (or forced ones): a re-run re-submits only those. Each group becomes a
-flow run of EAGLE3_EXTRACT_GROUP_DEPLOYMENT (default `extract-group/extract-group`) linked to the
-calling flow as a subflow; the work pool places it (Kubernetes: one 8-GPU job per group; locally:
-one process worker per "node"). At most `extract.parallel_groups` are in flight; this waits for all
-and returns one line per group that did not complete, naming its flow run and UI link.
-
-A lost group costs its own re-run, never the run (docs/operations.md "A control plane that survives"):
-- a group run that ends Crashed (its process or pod died, the worker said so) is resubmitted once;
-  the new run reads the manifest, so the shards the lost one published are skipped;
-- a group run that stays Running/Pending with nobody behind it (its worker and process killed, a
-  node lost: nothing will ever report it) is found by its flow-run heartbeats (Prefect's
-  `prefect.flow-run.heartbeat` events, every PREFECT_FLOWS_HEARTBEAT_FREQUENCY seconds from the
-  group's own process): none for EAGLE3_FANOUT_MISSED_HEARTBEATS (3) periods -> marked Crashed and
-  resubmitted once;
-- a group run still unfinished past its deadline (`group_deadline_s`: its Job's deadline from
-  cluster.job_variables, which every group's run also carries as job variables) is cancelled (its worker ends the process),
-  then marked Crashed if it does not stop, and resubmitted once;
-- a group run whose pod has not started (Pending: its Job submitted; scheduling, node scale-up, the image
-  pull) is waiting, never lost: a problem Kubernetes reports for it (Unschedulable, ImagePullBackOff) is
-  logged as soon as it is seen, and past the start deadline (cluster.start_deadline_s, from the config)
-  the run is cancelled, its Job deleted and the group fails the stage with the pod's reason. Scheduled
-  (waiting for the pool's GPU slots) is capacity and waits;
-- before a lost group is resubmitted its Job is deleted (flows/pods.py, where the Kubernetes API is at
-  hand), so the lost run's pod never runs beside its resubmission and holds no GPUs it waits for;
-- Failed (the group's task gave an answer: a bad shard, a config error) and Cancelled by someone
-  else are not resubmitted: they fail the stage as before (the UI's Retry re-runs what is left).
-- the controller (this flow) may die: SIGTERM (a node drain, `PREFECT_FLOW_RUN_EXECUTE_SIGTERM_BEHAVIOR=
-  reschedule`), an eviction, a lost concurrency lease. Its running groups are left alone (they have their
-  own deadlines), unless its own run is being cancelled by a person. Run again (rescheduled, or Retry in
-  the UI: the same flow run), it re-attaches to them: each submission's idempotency key is the same, so
-  the server hands back the run already made, and nothing is submitted or cancelled twice.
-- API errors while submitting or polling (a server restart, a database outage, a few minutes of no
-  API) are retried with backoff for up to EAGLE3_API_OUTAGE_S (900) seconds of continuous failure.
+How it works, what it reads and writes, its test hooks: docs/internals.md, `flows/fanout.py`.
 """
 
 from __future__ import annotations

@@ -144,6 +144,16 @@ LONG_FUNCTIONS = {
 }
 
 
+MAX_DOC_LINES = 28  # a module's docstring: what and why in a few lines; the rest in docs/ (docs/internals.md)
+
+
+def long_docstring(source: str, limit: int = MAX_DOC_LINES) -> int | None:
+    """The line count of `source`'s module docstring when it is over `limit`, else None."""
+    doc = ast.get_docstring(ast.parse(source), clean=False)
+    n = len(doc.splitlines()) if doc else 0
+    return n if n > limit else None
+
+
 def module_of(path: Path, core: Path = CORE) -> str:
     """Dotted module name of a file under the core (`eagle3_pipeline.extract.stage`)."""
     rel = Path(path).relative_to(core).with_suffix("")
@@ -274,6 +284,12 @@ def test_the_ground_floor_is_rooms_and_each_stands_on_the_floors_below():
     assert bad == {}, f"a room imports one beside or above it (FLOORS: {FLOORS}): {bad}"
 
 
+def test_module_docstrings_are_short():
+    bad = {str(p.relative_to(ROOT)): n for p, s in _sources(CORE, ROOT / "flows", ROOT / "tasks").items()
+           if (n := long_docstring(s))}
+    assert bad == {}, f"module docstrings over {MAX_DOC_LINES} lines (move the how and why to docs/internals.md): {bad}"
+
+
 def test_no_private_name_crosses_a_module_line():
     bad = {str(p.relative_to(ROOT)): hits for p, s in _sources(CORE, ROOT / "flows", ROOT / "tasks").items()
            if (hits := private_imports(s))}
@@ -379,6 +395,11 @@ def test_layer_checker_finds_crossings():
                             "import extract\nfrom . import verify\n") == []
     assert stage_of("eagle3_pipeline.records.pool") is None and stage_of("eagle3_pipeline.evaluate.ngram") == "evaluate"
     assert module_of(CORE / "train" / "__init__.py") == "eagle3_pipeline.train"
+
+
+def test_docstring_checker():
+    assert long_docstring('"""one\n\ntwo\n"""\nx = 1\n', limit=2) == 3
+    assert long_docstring('"""one"""\n', limit=2) is None and long_docstring("x = 1\n") is None
 
 
 def test_private_import_checker():

@@ -1,32 +1,6 @@
 """Kubernetes job variables of each GPU stage, derived from the config and reconciled with its deadlines.
 
-Owns `GPU_STAGES`, `stage_deadline_s` (the stage's own child/engine deadline, from the config) and
-`job_variables(config, stage, shards)`: the job variables a Kubernetes work pool's Job template
-(infra/k8s/gpu-job-template.json, infra/k8s/cpu-job-template.json) takes for one stage's flow run, so
-that the pod asks for what the config implies and Kubernetes' own deadline never fires before the
-pipeline's. Core: no Prefect import (flows pass the dict to `run_deployment(job_variables=...)`).
-
-  gpu_count                   extract: extract.tensor_parallel_size x pipeline parallel (1 here)
-                              verify: 0 (the reference child streams the target one layer at a time on
-                                  CPU, verify/reference.py) -> a CPU pod with verify.reference_memory_gb
-                              train: train.world_size on cuda, else 0 (online: at least the server's TP)
-                              evaluate: evaluate.tensor_parallel_size
-  cpu_request / memory_*      GPU stages: CPU_PER_GPU cores and HOST_MEMORY_GIB_PER_GPU per GPU (fits every
-                              8 x H100/H200 node type: 96+ vCPU, 1.8+ TiB); verify: the reference child's
-                              reference_memory_gb + VERIFY_PARENT_MEMORY_GIB for the record scan
-  deadline_seconds            the Job's activeDeadlineSeconds, counted from the Job's creation: the pod's
-                              start deadline (start_deadline_s: node scale-up, image pull) +
-                              every in-pod attempt of the stage's task (1 + retries) x the stage's own
-                              deadline + the retry delays + JOB_MARGIN_S. So the pipeline's own deadline
-                              (ChildTimedOut, naming the config key) always fires first, also on the last retry.
-  pod_watch_timeout_seconds   how long the pod may take to start (start_deadline_s, from the config's
-                              `cluster` section). prefect-kubernetes 0.7.11 carries this variable and reads
-                              it nowhere; the flow that submitted the run enforces it (flows/pods.py):
-                              past it, the run is cancelled and its Job deleted, quoting the pod's reason.
-
-A pod that has not started is judged by `pod_problem` (what Kubernetes says keeps it from starting) and
-`pod_started`; both read a pod as the Kubernetes API returns it (a dict: status.phase, conditions,
-containerStatuses), so a fake pod in a test is the same JSON.
+How it works, what it reads and writes, its test hooks: docs/internals.md, `core/cluster.py`.
 """
 
 from __future__ import annotations

@@ -1,33 +1,6 @@
 """Prompt scores for the fingerprint without vLLM's float32 copy of every prompt token's logits.
 
-The extract engine asks vLLM for the top-2 raw logits at every prompt token (engine.FINGERPRINT_ENGINE_KWARGS,
-contracts.fingerprint_from_flat). vLLM's model runner computes them per request from the engine's own
-logits [T, V], then casts all of them to float32 ([T, V] written once more), takes the top-k, gathers the
-prompt token's score and counts its rank, all on the copy. With raw logits the cast changes no value
-(bf16 and fp16 are exact in float32), so `lean_prompt_scores` works on the logits as they come: the same
-top-k ids and scores and the same prompt-token score, in the same tensors of the same request state.
-It computes the logits of a step's requests together, in row groups of a bounded size (`row_groups`),
-rather than request by request: one lm_head pass per group instead of one per request (a whole step's
-rows in one call, logits far larger than the caches, was slower); and its top-k reads the logits once
-(`top_k`).
-
-It asks for what verify reads and no more: the fingerprint is the top-k ids and scores
-(contracts.fingerprint_from_flat), never the prompt token's rank, whose count is a second pass over
-[T, V] (at the 602M bench size more than the top-k itself). So the lean path leaves that rank uncounted,
-NOT_COUNTED (-1) in vLLM's output, unless the process sets EAGLE3_PROMPT_SCORE_RANKS=1; then it counts
-it exactly as vLLM does (`count_at_least`). Measured at the 602M bench size (bench/fingerprint_cost.py):
-docs/verification.md, "Costs".
-
-It replaces `GPUModelRunner._get_prompt_logprobs_dict` (vLLM's CPU runner inherits it) only where:
-- the process asks for it: `EAGLE3_LEAN_PROMPT_SCORES=1`, which the extract worker sets for its engine
-  and the online trainer for its server (`=0` in the environment keeps vLLM's own path in both);
-- the installed vLLM has everything it reads (`missing()` names what it lacks, and then nothing is
-  replaced and the engine log says why);
-- scores are raw logits (`logprobs_mode` raw_logits / processed_logits); otherwise vLLM's own method runs.
-`install` is registered as a vLLM general plugin (pyproject: `vllm.general_plugins`), which vLLM loads in
-every process it starts (engine core, tensor-parallel workers), and the extract worker calls it in its own
-process too. tests/integration/test_prompt_scores.py checks on the real engine that both paths give the same
-fingerprints, token for token, so a vLLM that changes the bookkeeping fails there rather than in verify.
+How it works, what it reads and writes, its test hooks: docs/internals.md, `engine/prompt_scores.py`.
 """
 
 from __future__ import annotations

@@ -1,44 +1,6 @@
 """The evaluate stage (a gate): how many draft tokens the target accepts when vLLM serves the draft.
 
-Owns `evaluate_draft` (one draft), `evaluate_pair` (trained + untrained baseline in one child, one
-process start), `compare_drafts` (any EAGLE-3 checkpoints side by side: `eagle3 evaluate --draft`)
-and `check_acceptance_gate`. Reads the target model, the draft checkpoint directories (speculators
-EAGLE-3 format, checked here before any engine starts) and the prompts: token ids already rendered
-with the chat template and its generation prompt, with a category each (a `prompts.PromptSet`:
-`evaluate.prompts` or prepare's held-out rows; plain lists of ids are one category "default").
-Writes into `out_dir`: `job.json`, `evaluate.log` (the child's full output), `<label>.result.json`
-per engine run (counters per category, timings, generated token ids) and `evaluate.json` (the report
-of `evaluate_pair` / `compare_drafts`), all under `out_dir/.lock` (store.dir_lock: two evaluations
-never write one out_dir at once). Never cached: every call runs the engines again.
-
-The engines run in a child process (`evaluate.worker`) under `cfg.timeout_s`; one child makes one
-engine per run, in order: each draft with `speculative_config={"method": "eagle3", ...}`, then,
-only with `cfg.check_lossless` and `cfg.lossless_reference: plain` (or no baseline), the target
-alone; with `cfg.speedup` the target-alone run is always made (`plain`); last, with
-`cfg.baseline_ngram` (`evaluate_pair`, `compare_drafts`), vLLM's n-gram prompt lookup (`ngram`, ngram.py;
-last because no engine can start after it in the same process on the CPU build, worker.py). Metrics are
-vLLM's speculative-decoding counters, per prompt category (the child diffs the engine-global counters around
-each category's generate call, evaluate/worker.py):
-  acceptance length τ = 1 + accepted_tokens / drafts   (tokens per target forward, bonus included)
-  per-position acceptance p_k = accepted_at_position_k / drafts   (k = 1..num_speculative_tokens)
-at temperature 0, and for the trained draft (every draft in `compare_drafts`) also at
-`cfg.temperature` (a second, seeded pass in the same engine). Speed-up: output tokens/s of the trained
-draft's engine ÷ the target alone's, both greedy over all prompts in one generate call, same engine
-settings, `cfg.speedup_rounds` timed calls each (median; min-max in `speedup_detail`); engine start-up
-is not timed. It is what this machine gives: on a 2-core CPU with a tiny target it is usually below 1
-(the draft's forward costs about as much as the target's). On vLLM's CPU build the sampled pass's τ is
-flagged (`sampling_warning`): that build's speculative sampling emits wrong tokens (CPU_SAMPLING_WARNING).
-
-Lossless check: greedy speculative decoding must emit exactly the target's own greedy tokens,
-whatever the draft, so with `cfg.check_lossless` the trained draft's tokens are compared with a
-reference decoding, and mismatches (prompt, first differing position, both tokens) are recorded.
-The reference (`cfg.lossless_reference`) is by default the untrained baseline's run, which the
-evaluation makes anyway: its drafts are (almost) all rejected, so its tokens are the target's own
-greedy choices and no third engine is loaded; `plain` decodes with the target alone (one more
-engine; also used when there is no baseline; how it was checked: docs/evaluation.md). A mismatch is
-a real signal, but not proof of a bug: the target scores k+1 tokens at once when verifying and one
-when decoding alone, and in bf16 a near-tie can flip an argmax between the two, so it only fails the
-gate with `cfg.lossless_gate`.
+How it works, what it reads and writes, its test hooks: docs/internals.md, `evaluate/stage.py`.
 """
 
 from __future__ import annotations

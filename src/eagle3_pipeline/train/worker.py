@@ -1,37 +1,6 @@
 """Child process of the train stage: `python -m eagle3_pipeline.train.worker JOB.json`.
 
-Runs speculators' EAGLE-3 draft model and Trainer on offline data, in its own process (started by
-`train.stage.train_draft` / `make_untrained_draft` through `proc.run_child`), so that accelerator
-memory is released when it exits. JOB.json (job.TrainJob, written by train/stage.py) names every input and output.
-
-mode "train" reads:  tokenized_dir (datasets.save_to_disk: input_ids, loss_mask, seq_len, ...),
-                     hidden_states_dir/hs_{i}.safetensors (token_ids [T], hidden_states [T, L, H]),
-                     vocab_dir (d2t/t2d), the target model dir (embeddings, lm_head, final norm).
-             writes: save_path/<epoch>/{config.json, model.safetensors (+d2t, t2d), optimizer/scheduler
-                     state, training_state.json, val_metrics.json}, save_path/checkpoint_best -> <epoch>,
-                     metrics.jsonl (one JSON line per optimizer step / validation pass), result.json.
-             Resumes from the last epoch checkpoint in save_path (speculators' own resume logic).
-mode "untrained" writes a randomly initialised draft of the same architecture to out_dir.
-
-Structured progress goes to the parent as `proc.emit_event` lines: {"kind": "train_step" | "val" |
-"done", ...}. Device "cpu" installs a small shim (speculators' trainer assumes an accelerator):
-the trainer's device is "cpu" (autocast in train.compute_dtype: bf16 where the CPU has it natively, else
-fp32), `torch.accelerator.synchronize` is a no-op, and checkpoints are loaded to "cpu"; draft attention
-is sdpa/eager and the loss is speculators' eager implementation. Device "cuda" uses speculators untouched (flex attention, fused Triton losses). With
-train.world_size > 1 the parent starts this module under torchrun and every rank trains through
-speculators' own distributed path (DDP, or FSDP with `train.fsdp`; its rank-0 checkpointing and
-multipack sampler split by rank): on cuda `maybe_setup_distributed` (NCCL, one GPU per rank), on cpu
-`_setup_cpu_distributed` (the same topology state on gloo, each rank on its own cores). Only rank 0
-writes metrics, events and the result.
-
-Test hook (fault injection, like the extract worker's): with KILL_ENV set to `step:<epoch>:<n>` the
-process SIGKILLs itself right after the n-th logged optimizer step of epoch <epoch> (0-based); with
-`save:<epoch>` it SIGKILLs itself in the middle of saving that epoch's checkpoint (weights and
-optimizer written, training_state.json not yet); with `term:<epoch>:<n>` it sends itself SIGTERM
-there instead (a preemption: speculators saves `interrupted/` and returns normally, and this worker
-must still fail the attempt). Nothing is cleaned up: that is the point. STEP_DELAY_ENV=x makes it
-sleep x seconds after each logged step (the chaos tests' kills then land before the end on any machine).
-`EAGLE3_TEST_FAIL_ONCE=train` (faults.py): one SIGKILL after the first logged step of the last epoch.
+How it works, what it reads and writes, its test hooks: docs/internals.md, `train/worker.py`.
 """
 
 from __future__ import annotations

@@ -1,38 +1,6 @@
 """The reference child: `python -m eagle3_pipeline.verify.worker JOB.json`.
 
-Owns the numeric side of the verify stage's reference check: it recomputes the hidden states of a few
-short samples with Hugging Face transformers, streaming the target **one decoder layer at a time**
-from its safetensors, in the model's dtype, so that a 1T-parameter target never has to fit in memory.
-Reads the job (`ReferenceJob`, written by `verify/reference.py`), the target's `config.json` and its
-safetensors (`model.safetensors.index.json` + shards, or one `model.safetensors`). Writes into the
-job's `out_dir`: `reference.safetensors` (`row_{i}`: [T, L, H] in the model dtype, L = len(layer_ids),
-ascending ids) and `result.json` (`ReferenceOutput`: peak RSS, per-layer seconds, skipped/error).
-
-Per decoder layer k = 0 .. max(layer_ids) - 1:
-  1. a one-layer checkpoint in `out_dir/layer/`: `config.json` = the text model's config with
-     `num_hidden_layers=1` and every per-layer setting made that of layer k (lists of length N sliced,
-     `first_k_dense_replace` / `mlp_only_layers` / `decoder_sparse_step` / `max_window_layers` set so
-     that layer 0 is dense iff layer k is), and `model.safetensors` holding the raw bytes of the
-     checkpoint's `<prefix>layers.{k}.*` tensors renamed to `model.layers.0.*` (copied in chunks: the
-     source dtype, quantised or not, is kept, and no tensor is materialised here);
-  2. `AutoModelForCausalLM.from_pretrained(that dir, dtype=target.dtype)`: transformers applies its
-     own load-time conversions (e.g. fusing MoE experts); the vocabulary is shrunk to 8 in the config,
-     so the missing embedding / lm_head are tiny random tensors that nothing reads;
-  3. for each sample, `model.model(inputs_embeds=h_k)` with a forward hook on `layers[0]`: its output
-     is h_{k+1} (the residual stream after k+1 layers; for k+1 = N the pre-final-norm output, as vLLM
-     captures it). h_0 is the embedding rows of the token ids, read by byte offset from the
-     checkpoint's embedding tensor.
-Only one layer's weights are resident at a time; the samples' hidden states (small) are kept.
-Layer weights are located by their names: the prefix before `layers.{k}.` is the one whose layers
-0..N-1 all exist next to an `embed_tokens.weight` (Kimi-K2.5 nests its text model under
-`language_model.model.`, with the config under `text_config`).
-
-Memory: after each load and each forward the peak RSS (`getrusage(RUSAGE_SELF).ru_maxrss`) is
-compared with the job's budget; past it, or when one layer alone is larger than the budget, the
-child writes `result.json` with the error (naming the budget, the layer and the RSS), prints an
-`error` event and exits with BUDGET_EXIT. A checkpoint transformers cannot build (no safetensors,
-an architecture it does not know) is reported as `skipped`, exit 0. Nothing heavy is imported at
-module level: the parent imports `ReferenceJob` and `ReferenceOutput` from here.
+How it works, what it reads and writes, its test hooks: docs/internals.md, `verify/worker.py`.
 """
 
 from __future__ import annotations
