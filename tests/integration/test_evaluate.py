@@ -3,8 +3,8 @@
 The drafts are randomly initialised speculators checkpoints (tests/helpers/draft.py), so nothing is
 accepted and τ is exactly 1: these tests check the plumbing (counters, per-position rates, the
 lossless comparison with plain greedy decoding, the gate, errors), not the trainer's quality.
-One child with four engines (trained, untrained, the n-gram baseline, plain; engine core in process,
-≈ 30 s) is shared by the module; the broken-weights cases cost one child each (≈ 15 s in process, ≈ 50 s
+One child with five engines (trained, untrained, plain, the suffix decoding and n-gram baselines; engine
+core in process, ≈ 35 s) is shared by the module; the broken-weights cases cost one child each (≈ 15 s in process, ≈ 50 s
 with engine processes).
 """
 
@@ -127,16 +127,43 @@ def test_pair_measures_acceptance(pair, prompts):
         assert r.lossless_checked == len(prompts) and r.lossless_reference == "plain"
         assert r.lossless_mismatches == [], r.lossless_mismatches
     assert rep.engine_start_s == pytest.approx(sum(json.loads((out / f"{k}.result.json").read_text())["engine_start_s"]
-                                                   for k in ("trained", "untrained", "ngram", "plain")), abs=0.01)
+                                                   for k in ("trained", "untrained", "ngram", "suffix", "plain")), abs=0.01)
     assert rep.acceptance_length == rep.trained.acceptance_length
     assert rep.acceptance_length_untrained == rep.untrained.acceptance_length
     assert rep.per_position_acceptance == rep.trained.per_position_acceptance
     assert rep.passed and rep.lossless_ok
     saved = json.loads((out / "evaluate.json").read_text())
     assert saved["acceptance_length"] == rep.acceptance_length
-    for label in ("trained", "untrained", "ngram", "plain"):
+    for label in ("trained", "untrained", "ngram", "suffix", "plain"):
         assert (out / f"{label}.result.json").is_file()
     assert (out / "evaluate.log").stat().st_size > 0
+
+
+def test_suffix_decoding_baseline_beside_tau(pair, prompts, eval_cfg):
+    """vLLM's suffix decoding (arctic-inference, built from source by `make install`) in the same child, same
+    prompts, k and greedy decoding, counted as the n-gram baseline is: tokens per target step over every decode
+    step, lossless against the target alone, its cost measured, in the per-category rows and the engine costs."""
+    from eagle3_pipeline.evaluate.worker import suffix_unavailable
+
+    assert suffix_unavailable() is None, f"the suffix decoding backend should be installed here: {suffix_unavailable()}"
+    rep, out, _ = pair
+    b = rep.baseline_suffix
+    assert rep.baseline_suffix_unavailable is None
+    assert b is not None and b.method == "suffix" and b.num_speculative_tokens == K
+    assert b.max_tree_depth == eval_cfg.suffix_max_tree_depth and b.steps_source == "inter_token_latency"
+    for g in [b, *b.per_category.values()]:
+        assert g.tokens_per_step is not None and g.tokens_per_step == pytest.approx(1 + g.accepted_tokens / g.steps)
+        assert 0 <= g.proposed_steps <= g.steps and g.draft_tokens <= K * g.proposed_steps
+        assert 0 <= g.tokens_past_end <= K * g.prompts
+    assert b.proposed_steps > 0  # the trees of the prompts and earlier answers matched somewhere
+    assert rep.per_category["default"].tokens_per_step_suffix == b.tokens_per_step
+    assert (b.lossless_checked, b.lossless_mismatches, b.lossless_reference) == (len(prompts), 0, "plain")
+    assert b.engine_start_s > 0 and b.run_s >= b.engine_start_s + b.generate_s
+    assert rep.engine_run_s["suffix"] == b.run_s and list(rep.engine_run_s)[-2:] == ["suffix", "ngram"]
+    job = json.loads((out / "job.json").read_text())
+    assert [r["label"] for r in job["runs"]][-2:] == ["suffix", "ngram"]  # n-gram stays the child's last engine
+    print(f"suffix decoding baseline on the tiny target: {b.tokens_per_step:.3f} tokens/step over {b.steps} steps "
+          f"({b.proposed_steps} proposed), n-gram {rep.baseline_ngram.tokens_per_step:.3f}; cost {b.run_s:.1f}s")
 
 
 @pytest.mark.timeout(1200)

@@ -278,6 +278,15 @@ class EvaluateConfig(EngineConfig):
                                  "baseline_ngram, tokens per target step counting every decode step)")
     ngram_prompt_lookup_min: int = Field(2, ge=1, description="n-gram baseline: shortest n-gram looked up")
     ngram_prompt_lookup_max: int = Field(4, ge=1, description="n-gram baseline: longest n-gram looked up")
+    baseline_suffix: bool = Field(True, description="also measure vLLM's suffix decoding (`method: suffix`, the "
+                                  "arctic-inference backend) on the same prompts with the same k: the strongest "
+                                  "training-free option on repetitive and agentic work (one more engine; report.json "
+                                  "stages.evaluate.baseline_suffix, or baseline_suffix_unavailable saying why not)")
+    suffix_max_tree_depth: int = Field(24, ge=1, description="suffix baseline: depth of its prompt and response trees")
+    suffix_max_spec_factor: float = Field(1.0, ge=0, description="suffix baseline: tokens proposed at most per token "
+                                          "of the matched suffix (vLLM's suffix_decoding_max_spec_factor)")
+    suffix_min_token_prob: float = Field(0.1, ge=0, le=1, description="suffix baseline: only tokens at least this "
+                                         "likely in the tree are proposed")
     check_lossless: bool = Field(True, description="compare the trained draft's greedy tokens with a reference "
                                  "decoding of the same prompts (lossless_reference)")
     lossless_reference: Literal["untrained", "plain"] = Field(

@@ -1,4 +1,4 @@
-"""vLLM's n-gram (prompt lookup) speculation as the evaluate stage's baseline.
+"""vLLM's training-free speculation, n-gram (prompt lookup) and suffix decoding, as the evaluate stage's baselines.
 
 The n-gram baseline (`baseline_ngram`): what a user would run instead of training a draft, measured
 in the same child with the same prompts, k, greedy decoding and max_tokens:
@@ -25,6 +25,8 @@ from eagle3_pipeline.evaluate.results import (EvaluateError, SpeedResult, check_
                                               speed_result, speedup_of, tau_text)
 
 NGRAM_LABEL = "ngram"  # label of the n-gram baseline run (worker.NGRAM)
+# Suffix decoding (`baseline_suffix`, vLLM's `method: suffix`, arctic-inference) is measured and counted the same
+# way, with the same k; its trees also hold the earlier prompts' responses of the same pass, as in serving.
 
 
 class NgramCategory(BaseModel):
@@ -42,22 +44,35 @@ class NgramCategory(BaseModel):
     steps_source: str = "inter_token_latency"  # or "generated_minus_accepted" (a lower bound; no histogram)
 
 
-class NgramBaseline(NgramCategory):
-    """report.json stages.evaluate.baseline_ngram: vLLM's n-gram speculation on the evaluation prompts."""
-    method: str = "ngram"
+class _Baseline(NgramCategory):
+    """What every training-free baseline reports beside its counters (module doc)."""
+    method: str
     num_speculative_tokens: int
-    prompt_lookup_min: int
-    prompt_lookup_max: int
     per_category: dict[str, NgramCategory] = {}
     per_position_acceptance: list[float] = []  # accepted at position k / proposed steps
     engine_start_s: float = 0.0
     generate_s: float = 0.0  # the greedy pass
     run_s: float | None = None  # what the baseline costs the evaluation: engine start, passes, shutdown
     tokens_per_s: float | None = None  # median of the timed rounds (cfg.speedup)
-    speedup: float | None = None  # median tokens/s with n-gram ÷ the target alone's
+    speedup: float | None = None  # median tokens/s with the baseline ÷ the target alone's
     lossless_checked: int | None = None
     lossless_mismatches: int | None = None  # prompts whose tokens differ from the reference decoding
     lossless_reference: str | None = None
+
+
+class NgramBaseline(_Baseline):
+    """report.json stages.evaluate.baseline_ngram: vLLM's n-gram speculation on the evaluation prompts."""
+    method: str = "ngram"
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+
+
+class SuffixBaseline(_Baseline):
+    """report.json stages.evaluate.baseline_suffix: vLLM's suffix decoding on the evaluation prompts."""
+    method: str = "suffix"
+    max_tree_depth: int
+    max_spec_factor: float
+    min_token_prob: float
 
 
 def ngram_category(c, k: int, label: str = NGRAM_LABEL) -> NgramCategory:
@@ -86,9 +101,9 @@ def ngram_category(c, k: int, label: str = NGRAM_LABEL) -> NgramCategory:
         steps_source=source)
 
 
-def ngram_baseline(run, ref=None, plain_speed: SpeedResult | None = None) -> NgramBaseline:
-    """report.json's baseline_ngram from the n-gram run's RunOutput (and the lossless reference's, and
-    the target alone's timed rounds)."""
+def ngram_baseline(run, ref=None, plain_speed: SpeedResult | None = None) -> NgramBaseline | SuffixBaseline:
+    """report.json's baseline_ngram (or baseline_suffix, for a suffix decoding run) from the baseline run's
+    RunOutput (and the lossless reference's, and the target alone's timed rounds)."""
     from eagle3_pipeline.evaluate.worker import SpecCounts
 
     k = run.num_speculative_tokens
@@ -98,13 +113,16 @@ def ngram_baseline(run, ref=None, plain_speed: SpeedResult | None = None) -> Ngr
     if run.per_category:
         check_category_sums(run.label, run.per_category, total)
     per_pos = (list(run.accepted_per_position) + [0] * k)[:k]
-    base = NgramBaseline(
-        **ngram_category(total, k, run.label).model_dump(), num_speculative_tokens=k,
-        prompt_lookup_min=run.ngram.prompt_lookup_min if run.ngram else 0,
-        prompt_lookup_max=run.ngram.prompt_lookup_max if run.ngram else 0,
-        per_category={c: ngram_category(v, k, f"{run.label} ({c})") for c, v in run.per_category.items()},
-        per_position_acceptance=[a / run.drafts for a in per_pos] if run.drafts else [],
-        engine_start_s=run.engine_start_s, generate_s=run.generate_s, run_s=run.run_s)
+    common = dict(**ngram_category(total, k, run.label).model_dump(), num_speculative_tokens=k,
+                  per_category={c: ngram_category(v, k, f"{run.label} ({c})") for c, v in run.per_category.items()},
+                  per_position_acceptance=[a / run.drafts for a in per_pos] if run.drafts else [],
+                  engine_start_s=run.engine_start_s, generate_s=run.generate_s, run_s=run.run_s)
+    if getattr(run, "suffix", None) is not None:
+        base = SuffixBaseline(**common, max_tree_depth=run.suffix.max_tree_depth,
+                              max_spec_factor=run.suffix.max_spec_factor, min_token_prob=run.suffix.min_token_prob)
+    else:
+        base = NgramBaseline(**common, prompt_lookup_min=run.ngram.prompt_lookup_min if run.ngram else 0,
+                             prompt_lookup_max=run.ngram.prompt_lookup_max if run.ngram else 0)
     speed = speed_result(run.timed)
     if speed is not None:
         base.tokens_per_s = speed.tokens_per_s_median
@@ -116,8 +134,11 @@ def ngram_baseline(run, ref=None, plain_speed: SpeedResult | None = None) -> Ngr
     return base
 
 
-def describe_ngram(b: NgramBaseline) -> str:
-    s = (f"n-gram baseline (k={b.num_speculative_tokens}, n {b.prompt_lookup_min}-{b.prompt_lookup_max}): "
+def describe_ngram(b: NgramBaseline | SuffixBaseline) -> str:
+    what = (f"suffix decoding baseline (k={b.num_speculative_tokens}, tree depth {b.max_tree_depth})"
+            if isinstance(b, SuffixBaseline) else
+            f"n-gram baseline (k={b.num_speculative_tokens}, n {b.prompt_lookup_min}-{b.prompt_lookup_max})")
+    s = (f"{what}: "
          f"{tau_text(b.tokens_per_step)} tokens per target step over all {b.steps} decode steps, a proposal on "
          f"{b.proposed_steps} (vLLM's mean acceptance length over those: {tau_text(b.acceptance_length_proposed)}), "
          f"{b.tokens_past_end} confirmed tokens past an answer's end")

@@ -19,7 +19,7 @@ from eagle3_pipeline.records.contracts import model_dims
 from eagle3_pipeline.core.errors import GateFailed, InputError
 from eagle3_pipeline.engine.start import refusal_of
 from eagle3_pipeline.core.proc import EXCEPTION_LINE, ChildFailed, python_child, run_child
-from eagle3_pipeline.evaluate.ngram import NgramBaseline, describe_ngram, ngram_baseline
+from eagle3_pipeline.evaluate.ngram import NgramBaseline, SuffixBaseline, describe_ngram, ngram_baseline
 from eagle3_pipeline.evaluate.results import EvalResult, EvaluateError, SpeedResult, eval_result, speed_result, tau_text
 from eagle3_pipeline.core.store import dir_lock, write_json
 from eagle3_pipeline.core.stage_spec import StageSpec
@@ -73,6 +73,7 @@ class CategoryReport(BaseModel):
     accepted_tokens: int = 0
     generated_tokens: int = 0
     tokens_per_step_ngram: float | None = None  # the n-gram baseline, same prompts (NgramCategory.tokens_per_step)
+    tokens_per_step_suffix: float | None = None  # the suffix decoding baseline, same prompts
 
 
 class EvaluateReport(BaseModel):
@@ -99,8 +100,10 @@ class EvaluateReport(BaseModel):
     prompt_set: dict | None = None  # PromptSet.summary(): source, categories, skipped rows, quarantine file
     sampling_warning: str | None = None  # why acceptance_length_sampled is not to be trusted on this build
     baseline_ngram: NgramBaseline | None = None  # vLLM's n-gram speculation, same prompts and settings
+    baseline_suffix: SuffixBaseline | None = None  # vLLM's suffix decoding, same prompts and settings
+    baseline_suffix_unavailable: str | None = None  # why there is no suffix baseline where one was asked for
     engine_run_s: dict[str, float | None] = {}  # what each number cost: seconds of each engine's whole run
-    # (start, passes, shutdown) by label: trained, untrained, previous, ngram (engine_costs)
+    # (start, passes, shutdown) by label: trained, untrained, previous, ngram, suffix (engine_costs)
 
 
 class DraftComparison(BaseModel):
@@ -116,6 +119,8 @@ class DraftComparison(BaseModel):
     out_dir: str
     sampling_warning: str | None = None
     baseline_ngram: NgramBaseline | None = None
+    baseline_suffix: SuffixBaseline | None = None
+    baseline_suffix_unavailable: str | None = None
 
 
 # ---------------------------------------------------------------- checks before any engine
@@ -186,11 +191,21 @@ def _prompt_set(prompts, n: int):
 @dataclass(frozen=True)
 class EnginePlan:
     """The engine runs of one evaluate child: the drafts (label -> checkpoint dir), the labels that also
-    get the sampled pass and the timed rounds, and whether vLLM's n-gram baseline runs (last)."""
+    get the sampled pass and the timed rounds, and whether vLLM's suffix decoding and n-gram baselines run
+    (after the drafts; n-gram last)."""
     drafts: dict[str, Path]
     sampled: frozenset[str] = frozenset()
     timed: frozenset[str] = frozenset()
     ngram: bool = False
+    suffix: bool = False
+
+
+@dataclass
+class Baselines:
+    """The training-free baselines of one evaluation, and why the suffix one is missing where it was asked for."""
+    ngram: NgramBaseline | None = None
+    suffix: SuffixBaseline | None = None
+    suffix_unavailable: str | None = None
 
 
 def _run_engines(cfg: EvaluateConfig, target: TargetConfig, plan: EnginePlan, prompts, out_dir: Path,
@@ -237,11 +252,12 @@ def _run_engines(cfg: EvaluateConfig, target: TargetConfig, plan: EnginePlan, pr
 
 def _run_specs(cfg: EvaluateConfig, plan: EnginePlan) -> list:
     """The child's engine runs in order: each draft, the target alone (the lossless reference or the speedup's
-    baseline), then vLLM's n-gram speculation last (no engine can start in the child after it)."""
-    from eagle3_pipeline.evaluate.worker import NGRAM, PLAIN, EvalRunSpec, NgramLookup
+    baseline), vLLM's suffix decoding, then its n-gram speculation last (no engine can start in the child after it)."""
+    from eagle3_pipeline.evaluate.worker import NGRAM, PLAIN, SUFFIX, EvalRunSpec, NgramLookup, SuffixTree
 
     drafts = plan.drafts
-    for reserved, what in ((PLAIN, "the run without speculation"), (NGRAM, "the n-gram baseline")):
+    for reserved, what in ((PLAIN, "the run without speculation"), (NGRAM, "the n-gram baseline"),
+                           (SUFFIX, "the suffix decoding baseline")):
         if reserved in drafts:
             raise ValueError(f"evaluate: {reserved!r} is reserved for {what}")
     runs = [EvalRunSpec(label=k, draft_dir=str(Path(v).resolve()), num_speculative_tokens=cfg.num_speculative_tokens,
@@ -250,6 +266,12 @@ def _run_specs(cfg: EvaluateConfig, plan: EnginePlan) -> list:
             for k, v in drafts.items()]
     if _reference(cfg, drafts) == PLAIN or cfg.speedup:
         runs.append(EvalRunSpec(label=PLAIN, draft_dir=None, timed=cfg.speedup))
+    if plan.suffix:
+        runs.append(EvalRunSpec(label=SUFFIX, draft_dir=None, num_speculative_tokens=cfg.num_speculative_tokens,
+                                suffix=SuffixTree(max_tree_depth=cfg.suffix_max_tree_depth,
+                                                  max_spec_factor=cfg.suffix_max_spec_factor,
+                                                  min_token_prob=cfg.suffix_min_token_prob),
+                                timed=cfg.speedup))
     if plan.ngram:
         runs.append(EvalRunSpec(label=NGRAM, draft_dir=None, num_speculative_tokens=cfg.num_speculative_tokens,
                                 ngram=NgramLookup(prompt_lookup_min=cfg.ngram_prompt_lookup_min,
@@ -290,7 +312,8 @@ class _ChildWatch:
             return EvaluateError(f"evaluate: {cause}{e}")
         ev = self.errors[-1]
         where = (f"draft {ev['draft_dir']}" if ev.get("draft_dir") else
-                 "target with n-gram speculation" if ev.get("ngram") else "target without speculation")
+                 "target with n-gram speculation" if ev.get("ngram") else
+                 "target with suffix decoding" if ev.get("suffix") else "target without speculation")
         if self.causes and self.causes[0] == ev["error"]:
             cause = ""
         return EvaluateError(f"evaluate: vLLM failed on the {ev['label']} run ({where}): {cause}{ev['error']}\n{e}")
@@ -322,22 +345,29 @@ def _describe(r: EvalResult) -> str:
 
 def _evaluate(cfg: EvaluateConfig, target: TargetConfig, plan: EnginePlan, prompts, out_dir: Path,
               log: Callable[[str], None]
-              ) -> tuple[dict[str, EvalResult], float, SpeedResult | None, object, NgramBaseline | None]:
-    """({label: EvalResult}, summed engine start-up seconds of every run incl. the reference and n-gram,
-    the target alone's timed rounds or None, the PromptSet used, the n-gram baseline (with `plan.ngram`
-    and cfg.baseline_ngram) or None)."""
-    from eagle3_pipeline.evaluate.worker import NGRAM, PLAIN
+              ) -> tuple[dict[str, EvalResult], float, SpeedResult | None, object, Baselines]:
+    """({label: EvalResult}, summed engine start-up seconds of every run incl. the reference and the baselines,
+    the target alone's timed rounds or None, the PromptSet used, the training-free baselines (with `plan.ngram`
+    / `plan.suffix` and cfg.baseline_ngram / cfg.baseline_suffix))."""
+    from eagle3_pipeline.evaluate.worker import NGRAM, PLAIN, SUFFIX, suffix_unavailable
 
     drafts = plan.drafts
     for d in drafts.values():
         validate_draft_dir(d, target)
     pset = _prompt_set(prompts, cfg.num_prompts)
-    outs = _run_engines(cfg, target, replace(plan, ngram=plan.ngram and cfg.baseline_ngram), pset, out_dir, log)
+    bases = Baselines(suffix_unavailable=suffix_unavailable() if plan.suffix and cfg.baseline_suffix else None)
+    if bases.suffix_unavailable:
+        log(f"evaluate: no suffix decoding baseline: {bases.suffix_unavailable}")
+    plan = replace(plan, ngram=plan.ngram and cfg.baseline_ngram,
+                   suffix=plan.suffix and cfg.baseline_suffix and not bases.suffix_unavailable)
+    outs = _run_engines(cfg, target, plan, pset, out_dir, log)
     ref = _reference(cfg, drafts)
     plain_speed = speed_result(outs[PLAIN].timed) if PLAIN in outs else None
     results = {k: eval_result(outs[k], outs[ref] if ref and ref != k else None, len(pset.prompts), plain_speed,
                               cfg.temperature, cfg.sampling_seed) for k in drafts}
-    base = ngram_baseline(outs[NGRAM], outs[ref] if ref else None, plain_speed) if NGRAM in outs else None
+    for label, field in ((NGRAM, "ngram"), (SUFFIX, "suffix")):
+        if label in outs:
+            setattr(bases, field, ngram_baseline(outs[label], outs[ref] if ref else None, plain_speed))
     if plain_speed is not None:
         log(f"evaluate: target alone: {plain_speed.tokens_per_s_median:.1f} tok/s (median of {plain_speed.rounds}, "
             f"{plain_speed.tokens_per_s_min:.1f}-{plain_speed.tokens_per_s_max:.1f})")
@@ -352,35 +382,40 @@ def _evaluate(cfg: EvaluateConfig, target: TargetConfig, plan: EnginePlan, promp
         for m in (r.lossless_mismatches or [])[:5]:
             log(f"evaluate: WARNING {r.label}: prompt {m.prompt} differs from plain greedy decoding at generated "
                 f"position {m.position}: expected token {m.expected}, found {m.found}")
-    if base is not None:
-        log(f"evaluate: {describe_ngram(base)}")
-    return results, round(sum(o.engine_start_s for o in outs.values()), 3), plain_speed, pset, base
+    for b in (bases.suffix, bases.ngram):
+        if b is not None:
+            log(f"evaluate: {describe_ngram(b)}")
+    return results, round(sum(o.engine_start_s for o in outs.values()), 3), plain_speed, pset, bases
 
 
-def engine_costs(results: dict[str, EvalResult], base: NgramBaseline | None) -> dict[str, float | None]:
+def engine_costs(results: dict[str, EvalResult], bases: Baselines) -> dict[str, float | None]:
     """{label: seconds of that engine's whole run in the child}: what each number of the report cost."""
     out = {label: r.run_s for label, r in results.items()}
-    if base is not None:
-        out["ngram"] = base.run_s
+    for label, b in (("suffix", bases.suffix), ("ngram", bases.ngram)):
+        if b is not None:
+            out[label] = b.run_s
     return out
 
 
 def category_reports(r: EvalResult, untrained: EvalResult | None = None,
-                     ngram: NgramBaseline | None = None) -> dict[str, CategoryReport]:
-    """report.json's per_category entries of draft `r` (and the untrained baseline's τ and the n-gram
-    baseline's tokens per step beside them)."""
+                     bases: Baselines | None = None) -> dict[str, CategoryReport]:
+    """report.json's per_category entries of draft `r` (and the untrained baseline's τ and the training-free
+    baselines' tokens per step beside them)."""
     out = {}
+    ngram, suffix = (bases.ngram, bases.suffix) if bases else (None, None)
     for c, v in r.per_category.items():
         s = r.sampled.per_category.get(c) if r.sampled else None
         u = untrained.per_category.get(c) if untrained else None
         g = ngram.per_category.get(c) if ngram else None
+        x = suffix.per_category.get(c) if suffix else None
         out[c] = CategoryReport(
             prompts=v.prompts, acceptance_length=v.acceptance_length, per_position_acceptance=v.per_position_acceptance,
             acceptance_length_untrained=u.acceptance_length if u else None,
             acceptance_length_sampled=s.acceptance_length if s else None,
             per_position_acceptance_sampled=s.per_position_acceptance if s else None,
             drafts=v.drafts, accepted_tokens=v.accepted_tokens, generated_tokens=v.generated_tokens,
-            tokens_per_step_ngram=g.tokens_per_step if g else None)
+            tokens_per_step_ngram=g.tokens_per_step if g else None,
+            tokens_per_step_suffix=x.tokens_per_step if x else None)
     return out
 
 
@@ -417,8 +452,8 @@ def _evaluate_pair(cfg: EvaluateConfig, target: TargetConfig, trained_dir: Path,
         drafts[UNTRAINED] = Path(untrained_dir)
     if previous_dir is not None:
         drafts[PREVIOUS] = Path(previous_dir)
-    plan = EnginePlan(drafts, sampled=frozenset({"trained"}), timed=frozenset({"trained"}), ngram=True)
-    res, engine_start_s, _, pset, base = _evaluate(cfg, target, plan, prompts, out_dir, log)
+    plan = EnginePlan(drafts, sampled=frozenset({"trained"}), timed=frozenset({"trained"}), ngram=True, suffix=True)
+    res, engine_start_s, _, pset, bases = _evaluate(cfg, target, plan, prompts, out_dir, log)
     tr, un = res["trained"], res.get(UNTRAINED)
     lossless_ok = None if tr.lossless_mismatches is None else not tr.lossless_mismatches
     rep = EvaluateReport(
@@ -429,12 +464,13 @@ def _evaluate_pair(cfg: EvaluateConfig, target: TargetConfig, trained_dir: Path,
         trained=tr, untrained=un, wall_s=round(time.time() - t0, 3), engine_start_s=engine_start_s,
         out_dir=str(Path(out_dir).resolve()),
         acceptance_length_previous=res[PREVIOUS].acceptance_length if PREVIOUS in res else None,
-        previous=res.get(PREVIOUS), per_category=category_reports(tr, un, base), speedup=tr.speedup,
+        previous=res.get(PREVIOUS), per_category=category_reports(tr, un, bases), speedup=tr.speedup,
         speedup_detail=tr.speedup_detail, sampling_temperature=tr.sampled.temperature if tr.sampled else None,
         acceptance_length_sampled=tr.sampled.total.acceptance_length if tr.sampled else None,
         per_position_acceptance_sampled=tr.sampled.total.per_position_acceptance if tr.sampled else None,
-        prompt_set=pset.summary(), sampling_warning=sampling_warning(tr.sampled is not None), baseline_ngram=base,
-        engine_run_s=engine_costs(res, base))
+        prompt_set=pset.summary(), sampling_warning=sampling_warning(tr.sampled is not None),
+        baseline_ngram=bases.ngram, baseline_suffix=bases.suffix, baseline_suffix_unavailable=bases.suffix_unavailable,
+        engine_run_s=engine_costs(res, bases))
     log("evaluate: cost per engine run (start, passes, shutdown): "
         + ", ".join(f"{k} {'-' if v is None else f'{v:.1f}'} s" for k, v in rep.engine_run_s.items()))
     if rep.sampling_warning:
@@ -443,9 +479,10 @@ def _evaluate_pair(cfg: EvaluateConfig, target: TargetConfig, trained_dir: Path,
     if un is not None and tr.acceptance_length <= un.acceptance_length:
         log(f"evaluate: WARNING the trained draft (τ={tr.acceptance_length:.3f}) is no better than the untrained "
             f"one (τ={un.acceptance_length:.3f})")
-    if base is not None and base.tokens_per_step is not None and tr.acceptance_length <= base.tokens_per_step:
-        log(f"evaluate: WARNING the trained draft (τ={tr.acceptance_length:.3f}) is no better than vLLM's n-gram "
-            f"speculation without any draft ({base.tokens_per_step:.3f} tokens per target step)")
+    for name, base in (("n-gram speculation", bases.ngram), ("suffix decoding", bases.suffix)):
+        if base is not None and base.tokens_per_step is not None and tr.acceptance_length <= base.tokens_per_step:
+            log(f"evaluate: WARNING the trained draft (τ={tr.acceptance_length:.3f}) is no better than vLLM's {name} "
+                f"without any draft ({base.tokens_per_step:.3f} tokens per target step)")
     write_json(Path(out_dir) / "evaluate.json", rep.model_dump(mode="json"))
     return rep
 
@@ -461,15 +498,17 @@ def compare_drafts(cfg: EvaluateConfig, target: TargetConfig, drafts: dict[str, 
     t0 = time.time()
     with dir_lock(Path(out_dir), f"evaluate dir {out_dir}", log):
         labels = frozenset(drafts)
-        plan = EnginePlan({k: Path(v) for k, v in drafts.items()}, sampled=labels, timed=labels, ngram=True)
-        res, engine_start_s, plain_speed, pset, base = _evaluate(cfg, target, plan, prompts, out_dir, log)
+        plan = EnginePlan({k: Path(v) for k, v in drafts.items()}, sampled=labels, timed=labels, ngram=True,
+                          suffix=True)
+        res, engine_start_s, plain_speed, pset, bases = _evaluate(cfg, target, plan, prompts, out_dir, log)
         rep = DraftComparison(
-            drafts=res, per_category={k: category_reports(r, ngram=base) for k, r in res.items()},
+            drafts=res, per_category={k: category_reports(r, bases=bases) for k, r in res.items()},
             speedup={k: r.speedup for k, r in res.items()},
             plain_tokens_per_s=plain_speed.tokens_per_s_median if plain_speed else None,
             sampling_temperature=cfg.temperature, prompt_set=pset.summary(), wall_s=round(time.time() - t0, 3),
             engine_start_s=engine_start_s, out_dir=str(Path(out_dir).resolve()),
-            sampling_warning=sampling_warning(any(r.sampled is not None for r in res.values())), baseline_ngram=base)
+            sampling_warning=sampling_warning(any(r.sampled is not None for r in res.values())),
+            baseline_ngram=bases.ngram, baseline_suffix=bases.suffix, baseline_suffix_unavailable=bases.suffix_unavailable)
         if rep.sampling_warning:
             log(f"evaluate: WARNING {rep.sampling_warning}")
         write_json(Path(out_dir) / "evaluate.json", rep.model_dump(mode="json"))

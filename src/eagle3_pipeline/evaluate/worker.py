@@ -19,6 +19,7 @@ from eagle3_pipeline.core.proc import emit_event
 
 PLAIN = "plain"  # label of the run without speculation (the lossless reference)
 NGRAM = "ngram"  # label of the n-gram (prompt lookup) baseline run
+SUFFIX = "suffix"  # label of the suffix decoding baseline run (vLLM's `method: suffix`, arctic-inference)
 DRAFTS = "vllm:spec_decode_num_drafts"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
@@ -41,12 +42,43 @@ def ngram_config(num_speculative_tokens: int, lookup: NgramLookup) -> dict:
             "prompt_lookup_max": lookup.prompt_lookup_max, "prompt_lookup_min": lookup.prompt_lookup_min}
 
 
+class SuffixTree(BaseModel):
+    """vLLM's suffix decoding: suffix trees of the prompt and of earlier responses (arctic-inference) propose up
+    to k tokens that followed the context's longest matching suffix, where they were likely enough."""
+    model_config = ConfigDict(extra="forbid")
+    max_tree_depth: int
+    max_spec_factor: float
+    min_token_prob: float
+
+
+def suffix_config(num_speculative_tokens: int, tree: SuffixTree) -> dict:
+    """vLLM's speculative config of suffix decoding (no draft model; vllm/config/speculative.py)."""
+    return {"method": "suffix", "num_speculative_tokens": num_speculative_tokens,
+            "suffix_decoding_max_tree_depth": tree.max_tree_depth,
+            "suffix_decoding_max_spec_factor": tree.max_spec_factor,
+            "suffix_decoding_min_token_prob": tree.min_token_prob}
+
+
+def suffix_unavailable() -> str | None:
+    """Why vLLM's suffix decoding cannot run in this environment (its backend, arctic-inference, is a source
+    build: `make install` builds it), or None when it can."""
+    try:
+        import importlib
+
+        importlib.import_module("arctic_inference.suffix_decoding")
+    except Exception as e:  # noqa: BLE001 - not installed, or its compiled part does not load here
+        return (f"arctic-inference (vLLM's suffix decoding backend) does not load here: {type(e).__name__}: {e}; "
+                "it is built from source by `make install` (docs/evaluation.md)")
+    return None
+
+
 class EvalRunSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     label: str
-    draft_dir: str | None  # None: plain greedy decoding of the target alone (or `ngram`)
+    draft_dir: str | None  # None: plain greedy decoding of the target alone (or a training-free baseline)
     num_speculative_tokens: int = 0
     ngram: NgramLookup | None = None  # n-gram speculation instead of a draft model (draft_dir None)
+    suffix: SuffixTree | None = None  # suffix decoding instead of a draft model (draft_dir None)
     sampled: bool = False  # also the pass at the job's temperature
     timed: bool = False  # also the timed rounds (speed-up)
 
@@ -111,6 +143,7 @@ class RunOutput(BaseModel):
     accepted_per_position: list[int]
     steps: int | None = None  # target decode steps of the greedy pass (SpecCounts.steps)
     ngram: NgramLookup | None = None
+    suffix: SuffixTree | None = None
     token_ids: list[list[int]]  # generated ids per prompt, prompt order
     texts: list[str]  # generated text of the first `sample_texts` prompts
     per_category: dict[str, SpecCounts] = {}  # greedy pass, one generate call per category
@@ -216,6 +249,8 @@ def _run(job: EvalJob, run: EvalRunSpec) -> RunOutput:
     t0 = time.time()
     if run.ngram is not None:
         spec = ngram_config(run.num_speculative_tokens, run.ngram)
+    elif run.suffix is not None:
+        spec = suffix_config(run.num_speculative_tokens, run.suffix)
     else:
         spec = None if run.draft_dir is None else eagle3_config(run.draft_dir, run.num_speculative_tokens)
     llm = build_llm(job.engine, job.target, max_model_len=job.max_model_len, speculative_config=spec,
@@ -249,7 +284,8 @@ def _run(job: EvalJob, run: EvalRunSpec) -> RunOutput:
         engine_start_s=round(start_s, 3), generate_s=total.generate_s,
         prompt_tokens=sum(len(p) for p in job.prompts), generated_tokens=total.generated_tokens,
         drafts=total.drafts, draft_tokens=total.draft_tokens, accepted_tokens=total.accepted_tokens,
-        accepted_per_position=total.accepted_per_position, steps=total.steps, ngram=run.ngram, token_ids=token_ids,
+        accepted_per_position=total.accepted_per_position, steps=total.steps, ngram=run.ngram, suffix=run.suffix,
+        token_ids=token_ids,
         texts=[o.outputs[0].text for o in outs[: job.sample_texts]], per_category=per_cat, sampled=sampled,
         sampled_total=sampled_total, timed=timed, run_s=round(run_s, 3))
 
@@ -272,7 +308,8 @@ def main(argv: list[str]) -> int:
         except BaseException as e:
             traceback.print_exc()
             sys.stderr.flush()
-            emit_event(kind="error", label=run.label, draft_dir=run.draft_dir, ngram=run.ngram is not None,
+            emit_event(kind="error", label=run.label, draft_dir=run.draft_dir,
+                       ngram=run.ngram is not None, suffix=run.suffix is not None,
                        error=f"{type(e).__name__}: {e}"[:4000] or type(e).__name__)
             return 1
         write_json(result_path(job.out_dir, run.label), out.model_dump(mode="json"))

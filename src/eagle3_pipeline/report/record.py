@@ -8,6 +8,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from eagle3_pipeline.report.decision import Decision
+
 
 class _Entry(BaseModel):
     """A stage's entry: its contract keys (None where the stage's record had none) and the rest of its record
@@ -76,6 +78,8 @@ class EvaluateEntry(_Entry):
     per_category: dict[str, dict[str, Any]] | None = None
     speedup: float | None = None
     baseline_ngram: dict[str, Any] | None = None
+    baseline_suffix: dict[str, Any] | None = None
+    baseline_suffix_unavailable: str | None = None
 
 
 class Stages(BaseModel):
@@ -125,6 +129,7 @@ class RunReport(BaseModel):
     stages: Stages = Stages()
     artifacts: Artifacts = Artifacts()
     warnings: list[str] = []
+    decision: Decision | None = None  # worth training? (report/decision.py)
 
     def to_json(self) -> dict:
         """report.json's content: every key, no entry for a stage that did not run, and the n-gram baseline's

@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from eagle3_pipeline.core.config import PipelineConfig
+from eagle3_pipeline.report.decision import curve_point, decide, history_path, record_run
 from eagle3_pipeline.report.record import RunReport
 from eagle3_pipeline.report.stage import build_report
 from eagle3_pipeline.core.store import write_json
@@ -95,6 +96,21 @@ class RunDir:
         if recs.get("regenerate"):  # the rows prepare read instead of the configured sources
             artifacts["regenerated"] = recs["regenerate"].get("rows_dir")
         status = "failed" if error else "completed"
-        return build_report(self.run_id, config.model_dump(mode="json"), versions, recs,
-                            {k: (str(v) if v is not None else None) for k, v in artifacts.items()}, status, error,
-                            timings=timings)
+        rep = build_report(self.run_id, config.model_dump(mode="json"), versions, recs,
+                           {k: (str(v) if v is not None else None) for k, v in artifacts.items()}, status, error,
+                           timings=timings)
+        return self._with_history(rep, config)
+
+    def _with_history(self, rep: RunReport, config: PipelineConfig) -> RunReport:
+        """This run's τ against its training data size joins the store's history of the dataset and target,
+        and the decision is made again with the curve of the comparable runs (report/decision.py)."""
+        point = curve_point(self.run_id, rep.to_json()["stages"])
+        if point is None:
+            return rep
+        try:
+            curve = record_run(history_path(Path(config.store), config.prepare.dataset, config.target.model), point)
+        except OSError as e:  # the report is written all the same; it says why the curve is missing
+            rep.warnings.append(f"history not kept: {type(e).__name__}: {e}")
+            return rep
+        rep.decision = decide(rep.to_json()["stages"].get("evaluate"), curve)
+        return rep

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_pipeline.core.store import atomic_write, atomic_write_text, write_json
+from eagle3_pipeline.report.decision import CurvePoint, decide
 from eagle3_pipeline.report.record import Artifacts, RunReport, Stages
 from eagle3_pipeline.core.stage_spec import StageSpec
 
@@ -29,7 +30,8 @@ CONTRACT = {name: tuple(k for k in field.annotation.__args__[0].model_fields if 
 
 
 def build_report(run_id: str, config: dict, versions: dict, stages: dict[str, dict], artifacts: dict[str, str],
-                 status: str, error: str | None = None, timings: dict[str, dict] | None = None) -> RunReport:
+                 status: str, error: str | None = None, timings: dict[str, dict] | None = None,
+                 curve: list[CurvePoint] | None = None) -> RunReport:
     """report.json's record; `timings` is {stage: {"seconds", "engine_start_s"}} (runs.StageClock). The
     evaluate stage's n-gram baseline costs one more engine: its seconds (`run_s`, inside evaluate's) are
     added to timings.evaluate as `baseline_ngram_s` (and its engine start as `baseline_ngram_engine_start_s`)."""
@@ -43,8 +45,10 @@ def build_report(run_id: str, config: dict, versions: dict, stages: dict[str, di
         entry = {k: rec.get(k) for k in keys}
         entry["details"] = {k: v for k, v in rec.items() if k not in keys}
         out_stages[name] = entry
-    return RunReport(run_id=run_id, status=status, error=error, config=config, versions=versions, timings=timings,
-                     stages=Stages.model_validate(out_stages), artifacts=Artifacts.model_validate(artifacts))
+    rep = RunReport(run_id=run_id, status=status, error=error, config=config, versions=versions, timings=timings,
+                    stages=Stages.model_validate(out_stages), artifacts=Artifacts.model_validate(artifacts))
+    rep.decision = decide(rep.to_json()["stages"].get("evaluate"), curve or [])
+    return rep
 
 
 def _with_baseline_cost(timings: dict[str, dict], evaluate: dict | None) -> dict[str, dict]:
@@ -104,7 +108,8 @@ def _plots(run_dir: Path, report: dict, metrics_path: Path | None) -> list[Plot]
     for name, draw in (("train_loss", lambda: _train_plot(plt, run_dir, metrics_path)),
                        ("acceptance", lambda: _acceptance_plot(plt, run_dir, ev)),
                        ("tau_per_category", lambda: _category_plot(plt, run_dir, _categories(ev),
-                                                                   _get(ev, "sampling_temperature")))):
+                                                                   _get(ev, "sampling_temperature"))),
+                       ("tau_vs_data", lambda: _data_plot(plt, run_dir, report.get("decision")))):
         try:
             plot = draw()
         except Exception as e:  # a plot must never hide the report itself
@@ -166,7 +171,7 @@ def _category_plot(plt, run_dir: Path, cats: dict[str, dict], temperature) -> Pl
     every step); the bars a category has no number for are left out."""
     series = [("acceptance_length", "trained, T=0"), ("acceptance_length_untrained", "untrained, T=0"),
               ("acceptance_length_sampled", f"trained, T={_num(temperature)}" if temperature else "trained, sampled"),
-              ("tokens_per_step_ngram", "n-gram, T=0")]
+              ("tokens_per_step_ngram", "n-gram, T=0"), ("tokens_per_step_suffix", "suffix, T=0")]
     series = [(k, label) for k, label in series if any(_isnum(c.get(k)) for c in cats.values())]
     if not series:
         return None
@@ -187,6 +192,24 @@ def _category_plot(plt, run_dir: Path, cats: dict[str, dict], temperature) -> Pl
     return _save(fig, run_dir, "tau_per_category", "acceptance length per prompt category")
 
 
+def _data_plot(plt, run_dir: Path, decision) -> Plot | None:
+    """τ against the training data's size (log scale), one point per run of this dataset and target on the
+    same prompts, with the best training-free option of each run."""
+    curve = (decision or {}).get("curve") or [] if isinstance(decision, dict) else []
+    if len(curve) < 2:
+        return None
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    xs = [p["train_tokens"] for p in curve]
+    ax.plot(xs, [p["tau"] for p in curve], "o-", label="trained draft τ")
+    free = [(x, p["best_free"]) for x, p in zip(xs, curve) if _isnum(p.get("best_free"))]
+    if free:
+        ax.plot([x for x, _ in free], [y for _, y in free], "s--", label="best training-free")
+    ax.set_xscale("log", base=2)
+    ax.set(title="τ against training data", xlabel="training tokens (per epoch)", ylabel="tokens per target step")
+    ax.legend(fontsize=8)
+    return _save(fig, run_dir, "tau_vs_data", "acceptance length against training data")
+
+
 # ------------------------------------------------------------------------------------------- report.md
 # Every number goes through _num/_value: 4 significant digits, bytes in KB/MB/GB, lists shortened.
 # Tables are narrow (stage | metric | value; one row per category): the Prefect UI renders table cells
@@ -195,6 +218,7 @@ def _category_plot(plt, run_dir: Path, cats: dict[str, dict], temperature) -> Pl
 def _markdown(report: dict, plots: list[Plot], images: dict[str, str] | None = None) -> str:
     """report.md; `images` maps a plot name to its data URI (the reference definitions at the end)."""
     lines = [f"# eagle3-pipeline run `{report['run_id']}`", "", f"**Status:** {report['status']}", ""]
+    lines += _decision(report.get("decision"))
     if report.get("error"):
         lines += ["```", report["error"][:4000], "```", ""]
     lines += [f"- warning: {_cell(w)[:300]}" for w in report.get("warnings") or []] + ([""] if report.get("warnings") else [])
@@ -208,7 +232,7 @@ def _markdown(report: dict, plots: list[Plot], images: dict[str, str] | None = N
         lines += ["## Acceptance per prompt category", ""] + cats + [""]
         if "tau_per_category" in by_name:
             lines += [_image(by_name["tau_per_category"], images), ""]
-    others = [p for p in plots if p.name != "tau_per_category"]
+    others = [p for p in plots if p.name not in ("tau_per_category", "tau_vs_data")]
     if others:
         lines += ["## Plots", ""] + [x for p in others for x in (_image(p, images), "")]
     table = _stage_table(stages)
@@ -225,6 +249,29 @@ def _markdown(report: dict, plots: list[Plot], images: dict[str, str] | None = N
     return "\n".join(lines) + "\n"
 
 
+def _decision(d) -> list[str]:
+    """Worth training? First: the decision in a sentence, then per category the trained τ against the best
+    training-free option (tokens per target step over every decode step) and the margin."""
+    if not isinstance(d, dict) or not d.get("says"):
+        return []
+    out = ["## Worth training?", "", f"**{d['says'][0].upper()}{d['says'][1:]}.**", ""]
+    rows = {**(d.get("per_category") or {})}
+    if rows:
+        out += ["| category | τ trained | best training-free | tok/step | margin |", "|---|---:|---|---:|---:|"]
+        for name, r in rows.items():
+            label = name if len(name) <= 24 else name[:23] + "…"
+            margin = r.get("margin")
+            tau, free = (f"{x:.3f}" if _isnum(x) else "–" for x in (r.get("trained"), r.get("best_free")))
+            out.append(f"| {_cell(label)} | {tau} | {r.get('best_free_method') or '–'} | {free} | "
+                       + (f"{margin:+.3f} {'✓' if margin > 0 else '✗'}" if _isnum(margin) else "–") + " |")
+        out.append("")
+    if d.get("curve") and len(d["curve"]) > 1:
+        out += ["τ against training data, the runs of this dataset and target on these prompts: "
+                + ", ".join(f"{_num(p['train_tokens'])} tokens τ {p['tau']:.3f}" for p in d["curve"][:8])
+                + (" …" if len(d["curve"]) > 8 else "") + " (plots/tau_vs_data.png)", ""]
+    return out
+
+
 def _image(plot: Plot, images: dict[str, str] | None) -> str:
     return f"![{plot.title}][{plot.name}]" if images and plot.name in images else f"![{plot.title}]({plot.path})"
 
@@ -238,6 +285,9 @@ def _summary(stages: dict) -> list[str]:
         out.append(f"- **Acceptance length τ** (temperature 0): **{tau:.3f}** trained"
                    + (f" vs {tau0:.3f} untrained" if _isnum(tau0) else ""))
     out += _ngram_summary(ev, tau)
+    out += _ngram_summary(ev, tau, "baseline_suffix")
+    if _get(ev, "baseline_suffix_unavailable"):
+        out.append(f"- **suffix decoding baseline**: not measured: {_cell(str(_get(ev, 'baseline_suffix_unavailable')))}")
     temp, sampled = _get(ev, "sampling_temperature"), _get(ev, "acceptance_length_sampled")
     cats = _categories(ev)
     if not _isnum(sampled) and cats:  # the prompt-weighted mean over the categories that have it
@@ -263,24 +313,7 @@ def _summary(stages: dict) -> list[str]:
         out.append("- **What each number cost** (seconds of each engine's whole run): "
                    + ", ".join(f"{k} {_num(v, 3)} s" for k, v in costs.items() if _isnum(v)))
     out += _verify_summary(stages.get("verify") or {})
-    tr = stages.get("train") or {}
-    mode = _get(tr, "mode")
-    if mode:
-        parts = [f"- **Training:** {mode}"]
-        if _isnum(_get(tr, "steps")):
-            parts.append(f"{_num(_get(tr, 'steps'))} steps")
-        for key, text in (("final_loss", "final loss {} (the last step's)"), ("val_loss", "held-out loss {}")):
-            if _isnum(_get(tr, key)):
-                parts.append(text.format(_num(_get(tr, key))))
-        peak = _get(tr, "hidden_states_peak_bytes")
-        if _isnum(peak):
-            parts.append(f"hidden states on disk at peak {_bytes(peak)}")
-        rc = (_get(tr, "online") or {}).get("row_checks") if isinstance(_get(tr, "online"), dict) else None
-        if rc:
-            judged = ["structure"] + [k for k in ("fingerprint", "identity") if rc.get(k)]
-            parts.append(f"every row from the server judged ({', '.join(judged)}): {len(rc.get('flagged') or [])} "
-                         f"flagged and cleared by the target, {len(rc.get('unavailable') or [])} not delivered")
-        out.append(", ".join(parts))
+    out += _train_summary(stages.get("train") or {})
     rg = stages.get("regenerate")
     if rg:
         nums = [(k, _get(rg, k)) for k in ("rows_in", "rows_out", "rows_quarantined", "tokens_generated")]
@@ -289,6 +322,28 @@ def _summary(stages: dict) -> list[str]:
         out.append("- **Regenerated** answers with the target: " + (text or "no numbers")
                    + (f" (version `{version}`)" if version else ""))
     return out
+
+
+def _train_summary(tr: dict) -> list[str]:
+    """The training line: mode, steps, losses, hidden states on disk, how online rows were judged."""
+    mode = _get(tr, "mode")
+    if not mode:
+        return []
+    parts = [f"- **Training:** {mode}"]
+    if _isnum(_get(tr, "steps")):
+        parts.append(f"{_num(_get(tr, 'steps'))} steps")
+    for key, text in (("final_loss", "final loss {} (the last step's)"), ("val_loss", "held-out loss {}")):
+        if _isnum(_get(tr, key)):
+            parts.append(text.format(_num(_get(tr, key))))
+    peak = _get(tr, "hidden_states_peak_bytes")
+    if _isnum(peak):
+        parts.append(f"hidden states on disk at peak {_bytes(peak)}")
+    rc = (_get(tr, "online") or {}).get("row_checks") if isinstance(_get(tr, "online"), dict) else None
+    if rc:
+        judged = ["structure"] + [k for k in ("fingerprint", "identity") if rc.get(k)]
+        parts.append(f"every row from the server judged ({', '.join(judged)}): {len(rc.get('flagged') or [])} "
+                     f"flagged and cleared by the target, {len(rc.get('unavailable') or [])} not delivered")
+    return [", ".join(parts)]
 
 
 def _verify_summary(vr: dict) -> list[str]:
@@ -330,16 +385,21 @@ def _verify_summary(vr: dict) -> list[str]:
     return out
 
 
-def _ngram_summary(ev: dict, tau) -> list[str]:
-    """The n-gram baseline beside τ: tokens per target step over every decode step (τ's convention), how
-    often the lookup proposed, vLLM's own mean acceptance length over those steps, the tokens per step
-    that reached the answers (without those a stop token or max_tokens cut off), and what it cost."""
-    base = _get(ev, "baseline_ngram")
+def _ngram_summary(ev: dict, tau, key: str = "baseline_ngram") -> list[str]:
+    """A training-free baseline (n-gram, or suffix decoding with `key` baseline_suffix) beside τ: tokens per
+    target step over every decode step (τ's convention), how often it proposed, vLLM's own mean acceptance
+    length over those steps, the tokens per step that reached the answers (without those a stop token or
+    max_tokens cut off), and what it cost."""
+    base = _get(ev, key)
     if not isinstance(base, dict) or not _isnum(base.get("tokens_per_step")):
         return []
     k, lo, hi = base.get("num_speculative_tokens"), base.get("prompt_lookup_min"), base.get("prompt_lookup_max")
-    how = "".join(x for x in (f", k={k}" if _isnum(k) else "", f", n {lo}–{hi}" if _isnum(lo) and _isnum(hi) else ""))
-    line = (f"- **n-gram baseline** (vLLM prompt lookup, no draft{how}): **{base['tokens_per_step']:.3f}** tokens "
+    depth = base.get("max_tree_depth")
+    how = "".join(x for x in (f", k={k}" if _isnum(k) else "", f", n {lo}–{hi}" if _isnum(lo) and _isnum(hi) else "",
+                              f", tree depth {depth}" if _isnum(depth) else ""))
+    what = "suffix decoding baseline** (vLLM `method: suffix`" if key == "baseline_suffix" else \
+        "n-gram baseline** (vLLM prompt lookup"
+    line = (f"- **{what}, no draft{how}): **{base['tokens_per_step']:.3f}** tokens "
             "per target step" + (f" vs τ {tau:.3f} trained" if _isnum(tau) else ""))
     steps, proposed = base.get("steps"), base.get("proposed_steps")
     if _isnum(steps) and _isnum(proposed):
@@ -374,7 +434,8 @@ def _category_table(ev: dict) -> list[str]:
     temp = _get(ev, "sampling_temperature")
     cols = [("prompts", "prompts"), ("acceptance_length", "τ trained"), ("acceptance_length_untrained", "τ untrained"),
             ("acceptance_length_sampled", f"τ at T={_num(temp)}" if _isnum(temp) else "τ sampled"),
-            ("tokens_per_step_ngram", "n-gram tok/step"), ("per_position_acceptance", "accepted per position")]
+            ("tokens_per_step_ngram", "n-gram tok/step"), ("tokens_per_step_suffix", "suffix tok/step"),
+            ("per_position_acceptance", "accepted per position")]
     cols = [(k, h) for k, h in cols if any(c.get(k) is not None for c in cats.values())]
     out = ["| category | " + " | ".join(h for _, h in cols) + " |",
            "|---|" + "|".join("---" if k == "per_position_acceptance" else "---:" for k, _ in cols) + "|"]

@@ -1,0 +1,150 @@
+"""Worth training? The report's first lines: per prompt category, the trained draft's τ against the best
+training-free option measured in the same evaluation (vLLM's n-gram and suffix decoding, tokens per target
+step counting every decode step, τ's convention), and the τ-vs-data curve of this dataset and target from
+the store's history (one row per run: store/<dataset>/history/<target>.jsonl).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from eagle3_pipeline.core.store import atomic_write_text, slug
+
+BASELINES = (("baseline_ngram", "n-gram", "tokens_per_step_ngram"),
+             ("baseline_suffix", "suffix decoding", "tokens_per_step_suffix"))
+
+
+class DecisionRow(BaseModel):
+    """One category (or all prompts): the trained draft against the best training-free option."""
+    prompts: int | None = None
+    trained: float | None  # τ of the trained draft, temperature 0
+    best_free: float | None  # tokens per target step of the best training-free baseline
+    best_free_method: str | None  # "n-gram" or "suffix decoding"
+    margin: float | None  # trained - best_free
+    beats: bool | None  # None: one side was not measured
+
+
+class CurvePoint(BaseModel):
+    """One run of this dataset and target, as the store's history keeps it."""
+    run_id: str
+    train_tokens: int  # tokens the trainer read per epoch: the training data's size
+    tau: float
+    best_free: float | None = None
+    prompts: str | None = None  # the evaluation prompt set's source: τ compares only on the same set
+    k: int | None = None
+
+
+class Decision(BaseModel):
+    """report.json `decision`."""
+    overall: DecisionRow
+    per_category: dict[str, DecisionRow] = {}
+    curve: list[CurvePoint] = []  # this run and the earlier runs on the same prompts and k, by training tokens
+    tau_per_doubling: float | None = None  # least-squares slope of τ against log2(training tokens); None: < 2 sizes
+    says: str  # the decision in one sentence
+
+
+def _row(trained, options: dict[str, float | None], prompts=None) -> DecisionRow:
+    have = {m: v for m, v in options.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+    method = max(have, key=have.get) if have else None
+    best = have.get(method) if method else None
+    ok = isinstance(trained, (int, float)) and math.isfinite(trained)
+    margin = trained - best if ok and best is not None else None
+    return DecisionRow(prompts=prompts, trained=trained if ok else None, best_free=best, best_free_method=method,
+                       margin=None if margin is None else round(margin, 4),
+                       beats=None if margin is None else margin > 0)
+
+
+def decide(evaluate: dict | None, curve: list[CurvePoint]) -> Decision | None:
+    """The decision from report.json's evaluate entry (contract keys and details alike) and the curve."""
+    if not isinstance(evaluate, dict):
+        return None
+    flat = {**(evaluate.get("details") or {}), **{k: v for k, v in evaluate.items() if v is not None}}
+    free = {name: (flat.get(key) or {}).get("tokens_per_step") for key, name, _ in BASELINES
+            if isinstance(flat.get(key), dict)}
+    overall = _row(flat.get("acceptance_length"), free)
+    cats = {str(c): _row(v.get("acceptance_length"), {name: v.get(col) for key, name, col in BASELINES
+                                                        if isinstance(flat.get(key), dict)}, v.get("prompts"))
+            for c, v in (flat.get("per_category") or {}).items() if isinstance(v, dict)}
+    slope = per_doubling(curve)
+    return Decision(overall=overall, per_category=cats, curve=curve, tau_per_doubling=slope,
+                    says=_says(overall, cats, slope, len(curve)))
+
+
+def per_doubling(curve: list[CurvePoint]) -> float | None:
+    """Least-squares slope of τ against log2(training tokens) over the runs (None: fewer than 2 data sizes)."""
+    pts = [(math.log2(p.train_tokens), p.tau) for p in curve if p.train_tokens > 0]
+    if len({x for x, _ in pts}) < 2:
+        return None
+    mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
+    return round(sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts), 4)
+
+
+def _says(overall: DecisionRow, cats: dict[str, DecisionRow], slope: float | None, runs: int) -> str:
+    if overall.trained is None:
+        return "no trained τ was measured"
+    if overall.best_free is None:
+        return f"trained τ {overall.trained:.3f}; no training-free baseline was measured to compare with"
+    won = [c for c, r in cats.items() if r.beats]
+    lost = [c for c, r in cats.items() if r.beats is False]
+    head = (f"the trained draft {'beats' if overall.beats else 'does not beat'} the best training-free option "
+            f"({overall.best_free_method}, {overall.best_free:.3f} tokens per target step) with τ {overall.trained:.3f} "
+            f"({overall.margin:+.3f})")
+    if cats and len(cats) > 1:
+        head += f"; it wins {len(won)} of {len(won) + len(lost)} categories" + (
+            f" and loses {', '.join(lost[:4])}" + (" …" if len(lost) > 4 else "") if lost else "")
+    if slope is not None:
+        head += f"; over {runs} runs τ grows {slope:+.3f} per doubling of the training data"
+        if not overall.beats and slope > 0:
+            gap = -overall.margin / slope
+            head += f", so about {gap:.1f} more doublings would reach the best training-free option"
+    return head
+
+
+# ------------------------------------------------------------------ the store's history
+
+def history_path(store: Path, dataset: str, model: str) -> Path:
+    """store/<dataset>/history/<target slug>.jsonl: one line per run that trained and evaluated a draft."""
+    return Path(store) / dataset / "history" / f"{slug(model)}.jsonl"
+
+
+def read_history(path: Path) -> list[CurvePoint]:
+    """Every readable line of the history (a line cut off by a crash is skipped)."""
+    out = []
+    if Path(path).is_file():
+        for line in Path(path).read_text().splitlines():
+            try:
+                out.append(CurvePoint.model_validate_json(line))
+            except ValueError:
+                continue
+    return out
+
+
+def record_run(path: Path, point: CurvePoint) -> list[CurvePoint]:
+    """Add (or replace: a run reported again) this run's point; returns the curve of the runs comparable with it
+    (same prompt set and k), by training tokens."""
+    rows = [p for p in read_history(path) if p.run_id != point.run_id] + [point]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(Path(path), "".join(p.model_dump_json() + "\n" for p in rows))
+    same = [p for p in rows if p.prompts == point.prompts and p.k == point.k]
+    return sorted(same, key=lambda p: (p.train_tokens, p.run_id))
+
+
+def curve_point(run_id: str, stages: dict) -> CurvePoint | None:
+    """This run's point from its report entries (None: no trained draft was evaluated)."""
+    ev, tr = stages.get("evaluate") or {}, stages.get("train") or {}
+    ev_flat = {**(ev.get("details") or {}), **{k: v for k, v in ev.items() if v is not None}}
+    tr_flat = {**(tr.get("details") or {}), **{k: v for k, v in tr.items() if v is not None}}
+    tau, tokens, epochs = ev_flat.get("acceptance_length"), tr_flat.get("tokens"), tr_flat.get("epochs_done") or 1
+    if not isinstance(tau, (int, float)) or not isinstance(tokens, int) or tokens <= 0:
+        return None
+    free = [(ev_flat.get(key) or {}).get("tokens_per_step") for key, _, _ in BASELINES
+            if isinstance(ev_flat.get(key), dict)]
+    free = [f for f in free if isinstance(f, (int, float))]
+    ps = ev_flat.get("prompt_set") or {}
+    trained = ev_flat.get("trained") or {}
+    return CurvePoint(run_id=run_id, train_tokens=int(tokens // max(int(epochs), 1)), tau=float(tau),
+                      best_free=max(free) if free else None, prompts=ps.get("source") if isinstance(ps, dict) else None,
+                      k=trained.get("num_speculative_tokens") if isinstance(trained, dict) else None)
