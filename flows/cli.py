@@ -367,7 +367,8 @@ def draft_labels(values: list[str]) -> dict[str, Path]:
                 label, n = f"{base}-{n}", n + 1
         elif label in out:
             raise typer.BadParameter(f"--draft label {label!r} given twice", param_hint="--draft")
-        reserved = {"plain": "the target alone", "ngram": "the n-gram baseline"}
+        reserved = {"plain": "the target alone", "ngram": "the n-gram baseline", "suffix": "the suffix decoding "
+                    "baseline", "answers": "the answers to earlier turns"}
         if label in reserved:
             raise typer.BadParameter(f"--draft label {label!r} is reserved for {reserved[label]}", param_hint="--draft")
         out[label] = Path(path)
@@ -386,32 +387,34 @@ def _comparison_table(rep) -> None:
     table.add_column("prompts", justify="right")
     for label in rep.drafts:
         table.add_column(label, justify="right")
-    base = rep.baseline_ngram  # vLLM's n-gram speculation: tokens per target step (τ's convention), T=0 only
-    if base is not None:
-        table.add_column("n-gram (T=0)", justify="right")
+    # vLLM's training-free speculation: tokens per target step (τ's convention), T=0 only
+    bases = [b for b in (rep.baseline_suffix, rep.baseline_ngram) if b is not None]
+    for b in bases:
+        table.add_column(f"{'suffix' if b.method == 'suffix' else 'n-gram'} (T=0)", justify="right")
 
     def cell(t0, ts) -> str:
         a = "-" if t0 is None else f"{t0:.3f}"
         return a if not temp else f"{a} / {'-' if ts is None else f'{ts:.3f}'}"
 
-    def ngram(value, fmt: str = "{:.3f}") -> list[str]:
-        return [] if base is None else ["-" if value is None else fmt.format(value)]
+    def free(pick, fmt: str = "{:.3f}") -> list[str]:
+        return ["-" if (v := pick(b)) is None else fmt.format(v) for b in bases]
 
     first = next(iter(rep.per_category.values()))
     for cat, c in first.items():
-        g = base.per_category.get(cat) if base is not None else None
         table.add_row(cat, str(c.prompts), *(cell(rep.per_category[k][cat].acceptance_length,
                                                   rep.per_category[k][cat].acceptance_length_sampled) for k in rep.drafts),
-                      *ngram(g.tokens_per_step if g else None))
+                      *free(lambda b: g.tokens_per_step if (g := b.per_category.get(cat)) else None))
     table.add_row("[bold]all[/]", str(next(iter(rep.drafts.values())).prompts),
                   *(cell(r.acceptance_length, r.sampled.total.acceptance_length if r.sampled else None)
-                    for r in rep.drafts.values()), *ngram(base.tokens_per_step if base else None), end_section=True)
+                    for r in rep.drafts.values()), *free(lambda b: b.tokens_per_step), end_section=True)
     table.add_row("tokens/s (T=0)", f"plain {rep.plain_tokens_per_s:.1f}" if rep.plain_tokens_per_s else "",
                   *(f"{r.speed.tokens_per_s_median:.1f}" if r.speed else "-" for r in rep.drafts.values()),
-                  *ngram(base.tokens_per_s if base else None, "{:.1f}"))
+                  *free(lambda b: b.tokens_per_s, "{:.1f}"))
     table.add_row("[bold]speed-up[/]", "", *(f"{s:.3f}x" if s is not None else "-" for s in rep.speedup.values()),
-                  *ngram(base.speedup if base else None, "{:.3f}x"))
+                  *free(lambda b: b.speedup, "{:.3f}x"))
     console.print(table)
+    if rep.baseline_suffix_unavailable:
+        console.print(f"no suffix decoding baseline: {rep.baseline_suffix_unavailable}")
 
 
 @app.command()
@@ -527,11 +530,11 @@ def evaluate_headline(ev: dict) -> str:
         return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
     tau, tau0, speed = num("acceptance_length"), num("acceptance_length_untrained"), num("speedup")
-    base = ev.get("baseline_ngram") or (ev.get("details") or {}).get("baseline_ngram")
-    ngram = num("tokens_per_step", base) if isinstance(base, dict) else None
     parts = ["τ " + ("-" if tau is None else f"{tau:.2f}") + (f" (untrained {tau0:.2f})" if tau0 is not None else "")]
-    if ngram is not None:
-        parts.append(f"n-gram {ngram:.2f} tokens/step")
+    for key, name in (("baseline_ngram", "n-gram"), ("baseline_suffix", "suffix")):
+        base = ev.get(key) or (ev.get("details") or {}).get(key)
+        if isinstance(base, dict) and (v := num("tokens_per_step", base)) is not None:
+            parts.append(f"{name} {v:.2f} tokens/step")
     if speed is not None:
         parts.append(f"speed-up {speed:.2f}x")
     return ", ".join(parts)

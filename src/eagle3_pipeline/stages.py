@@ -209,7 +209,7 @@ def evaluate_prompts(cfg: PipelineConfig, prep: PrepareResult | None, out_dir: P
     limit = prompt_token_limit(ev.max_model_len, cfg.target.model, ev.max_tokens, ev.num_speculative_tokens)
     return load_prompt_set(ev.prompts, load_tokenizer(cfg.target), num_prompts=ev.num_prompts, max_prompt_tokens=limit,
                            split=ev.prompts_split, token=hub_token(cfg.target),
-                           quarantine_path=Path(out_dir) / QUARANTINE_NAME, log=log)
+                           quarantine_path=Path(out_dir) / QUARANTINE_NAME, log=log, all_turns=ev.turns == "all")
 
 
 def stage_compare_drafts(cfg: PipelineConfig, drafts: dict[str, Path], run_dir: Path, prep: PrepareResult | None = None,

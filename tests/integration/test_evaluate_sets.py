@@ -85,12 +85,16 @@ def llama_compare(tiny_target, tmp_path_factory):
     draft = make_random_draft(tiny_target, root / "random-a", seed=0)
     prompts = root / "prompts.jsonl"
     shipped = (ROOT / "configs" / "prompts" / "tiny-chat.jsonl").read_text()
-    prompts.write_text(shipped + json.dumps({"category": "arithmetic", "prompt": ""}) + "\n"
+    two_turn = [{"id": f"two-turn-{i}", "category": "two-turn", "turns": [q, "And the same with 10 more?"]}
+                 for i, q in enumerate(["What is 2 + 3?", "What is 7 + 1?"])]  # MT-Bench's shape: asked both turns
+    prompts.write_text(shipped + "".join(json.dumps(r) + "\n" for r in two_turn)
+                       + json.dumps({"category": "arithmetic", "prompt": ""}) + "\n"
                        + json.dumps({"category": "units", "answer": "no prompt here"}) + "\n")
-    n_rows = len(shipped.splitlines()) + 2
+    n_rows = len(shipped.splitlines()) + 4
     res = CliRunner().invoke(app, [
         "evaluate", "-c", str(ROOT / "configs" / "tiny-cpu.yaml"), "--set", f"target.model={tiny_target}",
-        "--set", f"store={root / 'store'}", "--set", f"evaluate.prompts={prompts}", "--set", "evaluate.num_prompts=14",
+        "--set", f"store={root / 'store'}", "--set", f"evaluate.prompts={prompts}", "--set", "evaluate.num_prompts=16",
+        "--set", "evaluate.turns=all", "--set", "evaluate.turn_answer_max_tokens=24",
         "--set", "evaluate.max_tokens=32", "--set", "evaluate.timeout_s=900", "--output-dir", str(root / "runs"),
         "--draft", f"random={draft}"])
     print(res.stdout, res.stderr)
@@ -107,9 +111,18 @@ def test_cli_compares_drafts_per_category_with_speedup(llama_compare):
     rep = DraftComparison.model_validate(raw)
     assert list(rep.drafts) == ["random"] and not (ev.parent / "store").exists()  # no prepare was needed
     ps = rep.prompt_set
-    cats = {"arithmetic": 2, "units": 2, "sorting": 2, "strings": 2, "dates": 2, "lookup": 2, "multi-turn": 2}
-    assert ps["categories"] == cats and ps["prompts"] == 14  # num_prompts=14: two of each of the 7 categories
-    assert ps["rows_in"] == n_rows and ps["rows_skipped"] == 2 and ps["rows_unused"] == n_rows - 2 - 14
+    cats = {"arithmetic": 2, "units": 2, "sorting": 2, "strings": 2, "dates": 2, "lookup": 2, "multi-turn": 2,
+            "two-turn": 2, "two-turn · turn 2": 2}
+    # num_prompts=16: two first turns of each of the 8 categories, and the two second turns (evaluate.turns=all),
+    # each asked after the target's own greedy answer to its first turn (one child, before the drafts' child)
+    assert ps["categories"] == cats and ps["prompts"] == 18
+    assert ps["rows_in"] == n_rows and ps["rows_skipped"] == 2 and ps["rows_unused"] == n_rows - 2 - 16
+    assert ps["answers"] == 2 and 0 <= ps["answers_cut"] <= 2 and ps["answers_max_tokens"] == 24
+    answers = json.loads((ev / "answers-1" / "job.json").read_text())
+    assert [x["label"] for x in answers["runs"]] == ["answers"] and answers["max_tokens"] == 24
+    assert len(answers["prompts"]) == 2 and (ev / "answers-1" / "answers.result.json").is_file()
+    turns = rep.acceptance_length_per_turn["random"]
+    assert set(turns) == {"turn 1", "turn 2"} and all(t >= 1.0 for t in turns.values())
     q = [json.loads(line) for line in (ev / "prompts.quarantine.jsonl").read_text().splitlines()]
     assert [r["row"] for r in q] == [n_rows - 2, n_rows - 1]
     assert "empty user message" in q[0]["reason"] and "no prompt" in q[1]["reason"]
@@ -134,7 +147,7 @@ def test_cli_compares_drafts_per_category_with_speedup(llama_compare):
     job = json.loads((ev / "job.json").read_text())
     assert job["temperature"] == 0.7 and job["timing_rounds"] == 3
     assert [(x["label"], x["sampled"], x["timed"]) for x in job["runs"]] == [
-        ("random", True, True), ("plain", False, True), ("ngram", False, True)]
+        ("random", True, True), ("plain", False, True), ("suffix", False, True), ("ngram", False, True)]
 
 
 # ---------------------------------------------------------------- tiny MoE: evaluate_pair

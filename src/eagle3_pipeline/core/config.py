@@ -305,6 +305,12 @@ class EvaluateConfig(EngineConfig):
                                 "`messages`, optional `category`, `system`, `tools` (evaluate/prompts.py); rendered "
                                 "with the target's chat template. None = prepare's held-out prompts")
     prompts_split: str = Field("train", description="split of a hub dataset or a saved DatasetDict (evaluate.prompts)")
+    turns: Literal["first", "all"] = Field("first", description="first: each row's first user turn; all: also its "
+                                           "later turns (MT-Bench's second), each asked after the target's own greedy "
+                                           "answer to the turns before, in category '<category> · turn <n>' (one more "
+                                           "engine run per later turn)")
+    turn_answer_max_tokens: int = Field(256, ge=1, description="evaluate.turns=all: tokens of the target's answer to "
+                                        "a turn before a later one (answers cut there are counted in the prompt set)")
     temperature: float | None = Field(0.7, gt=0, description="also measure the trained draft's acceptance at this "
                                       "sampling temperature (a second pass in the same engine, seeded); None = "
                                       "temperature 0 only")

@@ -1,31 +1,6 @@
 """The evaluate stage's prompts: a categorized prompt set (`evaluate.prompts`) or prepare's held-out rows.
 
-Owns `load_prompt_set` (a JSONL/JSON/Parquet file, a directory of them, a `datasets.save_to_disk`
-directory, or a hub dataset name, read through data/formats.raw_rows), `heldout_prompt_set`,
-`select_balanced` and `prompt_token_limit`. Reads the rows and the target's tokenizer; writes the
-quarantine file of skipped rows (`prompts.quarantine.jsonl` in the evaluate directory).
-
-A row gives its prompt in the first of these columns that it has:
-  prompt         a user message (a string; a list of strings is read like `turns`)
-  turns          MT-Bench style user turns: only the first turn is used (the follow-up turns would need
-                 the model's own answer to the first one in the history, i.e. a second generation round)
-  messages       an OpenAI chat list: the conversation so far (system, user, assistant incl. tool calls,
-                 tool results); trailing assistant messages are taken as reference answers and dropped,
-                 so the prompt ends with a user or tool message
-  conversations  the same as ShareGPT (`from`/`value`)
-plus optional `system` (a system prompt for `prompt`/`turns`), `tools` (OpenAI tool definitions, passed
-to the template), `category` (default "default") and `id` (or `question_id`/`prompt_id`; default
-`<file>:<row>`). Every prompt is rendered with the target's own chat template and its generation
-prompt, and tokenized without adding special tokens (the template writes them), exactly as prepare
-renders the held-out prompts (data/chat.render), also for Python-backend `trust_remote_code`
-tokenizers and templates with tools or thinking blocks.
-
-Bad rows are skipped, never silently: a row without a prompt, with an empty one, one the template
-cannot render, or one whose tokens leave no room for `max_tokens` (+ drafts) within the context
-(`evaluate.max_model_len`, else the model's `max_position_embeddings`) goes to the quarantine file
-with its source, row and reason, and is logged. A set with no usable row is an InputError. When more
-rows are usable than `evaluate.num_prompts`, the prompts are taken round-robin over the categories
-(in file order within each), so that a bound keeps every category; the file order is kept.
+Which columns a row may give, how it is rendered, what is skipped: docs/internals.md, `evaluate/prompts.py`.
 """
 
 from __future__ import annotations
@@ -51,12 +26,30 @@ class PromptSetError(InputError):
     """evaluate.prompts cannot be used: missing, unreadable, no chat template, or no usable row."""
 
 
+TURN_SEP = " · turn "  # category of a later turn: "<category> · turn <n>"
+
+
+class FollowUp(BaseModel):
+    """A later user turn of a prompt row, asked once the target has answered the prompt at `parent`."""
+    parent: int  # index in PromptSet.prompts of the turn before
+    messages: list[dict]  # the conversation up to and including that turn's user message
+    tools: list[dict] | None = None
+    turns: list[str]  # the user turns still to come, the next first
+    turn: int  # the number of the next turn (2 for MT-Bench's second)
+    category: str  # the row's own category
+    id: str
+
+
 class PromptSet(BaseModel):
     """Rendered prompts (token ids), in file order, with one category and id each."""
     source: str  # the evaluate.prompts value, or "heldout:<prepare's heldout.jsonl>"
     prompts: list[list[int]]
     categories: list[str]
     ids: list[str]
+    followups: list[FollowUp] = []  # later turns still to ask (evaluate.turns=all)
+    answers_max_tokens: int | None = None  # the target's answers to earlier turns were cut at this many tokens
+    answers: int = 0  # answers generated for later turns
+    answers_cut: int = 0  # of which ended at answers_max_tokens (not at an end of turn)
     rows_in: int = 0  # rows read from the source
     rows_skipped: int = 0  # quarantined (reasons in `quarantine`)
     rows_unused: int = 0  # usable, but beyond evaluate.num_prompts
@@ -71,9 +64,13 @@ class PromptSet(BaseModel):
 
     def summary(self) -> dict:
         """What report.json keeps of the set (details.prompt_set)."""
-        return {"source": self.source, "prompts": len(self.prompts), "categories": self.category_counts(),
-                "rows_in": self.rows_in, "rows_skipped": self.rows_skipped, "rows_unused": self.rows_unused,
-                "skip_reasons": self.skip_reasons, "quarantine": self.quarantine}
+        out = {"source": self.source, "prompts": len(self.prompts), "categories": self.category_counts(),
+               "rows_in": self.rows_in, "rows_skipped": self.rows_skipped, "rows_unused": self.rows_unused,
+               "skip_reasons": self.skip_reasons, "quarantine": self.quarantine}
+        if self.answers:
+            out |= {"answers": self.answers, "answers_cut": self.answers_cut,
+                    "answers_max_tokens": self.answers_max_tokens}
+        return out
 
 
 class _Skip(ValueError):
@@ -123,6 +120,21 @@ def _chat(turns, fmt: str) -> list[dict]:
         raise _Skip("no prompt", f"{column}: nothing to answer (the conversation, without trailing assistant "
                                  f"turns, must end with a user or tool message)")
     return msgs
+
+
+def later_turns(rec) -> list[str]:
+    """The user turns after the first of a `prompt`/`turns` row (MT-Bench's second turn), non-empty strings only."""
+    column = next((c for c in ("prompt", "turns") if isinstance(rec.get(c), list)), None) if isinstance(rec, dict) \
+        else None
+    if column is None:
+        return []
+    out = []
+    for t in rec[column][1:]:
+        text = t.get("content") if isinstance(t, dict) else t
+        if not isinstance(text, str) or not text.strip():
+            break  # a later turn that is not a question ends the conversation there
+        out.append(text)
+    return out
 
 
 def row_messages(rec) -> tuple[list[dict], list[dict] | None]:
@@ -228,13 +240,15 @@ def select_balanced(categories: list[str], n: int) -> list[int]:
 
 def load_prompt_set(source: str, tokenizer, *, num_prompts: int, max_prompt_tokens: int | None = None,
                     split: str = "train", revision: str | None = None, token: str | None = None,
-                    quarantine_path: Path | None = None, log: Callable[[str], None] = print) -> PromptSet:
+                    quarantine_path: Path | None = None, log: Callable[[str], None] = print,
+                    all_turns: bool = False) -> PromptSet:
     """Read, render and select the prompts of `source` (module doc). Skipped rows go to `quarantine_path`
-    (JSONL: source, row, id, reason, raw) and the log; raises PromptSetError when nothing is usable."""
+    (JSONL: source, row, id, reason, raw) and the log; raises PromptSetError when nothing is usable. With
+    `all_turns` the later turns of `turns` rows are kept as follow-ups of their first turn."""
     if not getattr(tokenizer, "chat_template", None):
         raise PromptSetError(f"evaluate.prompts {source}: tokenizer {getattr(tokenizer, 'name_or_path', '?')} has no "
                              f"chat template, so the prompts cannot be rendered as the target sees them")
-    prompts, cats, ids, skipped = [], [], [], []
+    prompts, cats, ids, skipped, later = [], [], [], [], []
     kinds: dict[str, int] = {}
     n_in = 0
     try:
@@ -260,31 +274,82 @@ def load_prompt_set(source: str, tokenizer, *, num_prompts: int, max_prompt_toke
             prompts.append(p)
             cats.append(row_category(rec))
             ids.append(_row_id(rec, raw.source, raw.row))
+            later.append((msgs, tools, later_turns(rec)) if all_turns else None)
     except SourceError as e:
         raise PromptSetError(f"evaluate.prompts: {e}") from e
-    quarantine = None
-    if skipped:
-        from eagle3_pipeline.core.store import atomic_write_text
-
-        if len(skipped) > LOGGED_SKIPS:
-            log(f"evaluate: ... {len(skipped) - LOGGED_SKIPS} more prompt rows skipped")
-        if quarantine_path is not None:
-            Path(quarantine_path).parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(Path(quarantine_path), "".join(json.dumps(s, default=str) + "\n" for s in skipped))
-            quarantine = str(Path(quarantine_path).resolve())
-            log(f"evaluate: {len(skipped)} of {n_in} prompt rows of {source} skipped ({kinds}); reasons in {quarantine}")
+    quarantine = _quarantine(skipped, f"{n_in} prompt rows of {source}", kinds, quarantine_path, log)
     if not prompts:
         first = f"; first: {skipped[0]['source']} row {skipped[0]['row']}: {skipped[0]['reason']}" if skipped else ""
         raise PromptSetError(f"evaluate.prompts {source}: no usable prompt among {n_in} rows{first}"
                              + (f" (all reasons in {quarantine})" if quarantine else ""))
     keep = select_balanced(cats, num_prompts)
+    follow = [FollowUp(parent=j, messages=later[i][0], tools=later[i][1], turns=later[i][2], turn=2,
+                       category=cats[i], id=ids[i]) for j, i in enumerate(keep) if later[i] and later[i][2]]
     out = PromptSet(source=source, prompts=[prompts[i] for i in keep], categories=[cats[i] for i in keep],
                     ids=[ids[i] for i in keep], rows_in=n_in, rows_skipped=len(skipped),
-                    rows_unused=len(prompts) - len(keep), skip_reasons=kinds, quarantine=quarantine)
+                    rows_unused=len(prompts) - len(keep), skip_reasons=kinds, quarantine=quarantine, followups=follow)
     counts = out.category_counts()
     log(f"evaluate: {len(keep)} prompts of {source} in {len(counts)} categories {counts}"
-        + (f" ({out.rows_unused} more usable rows beyond evaluate.num_prompts={num_prompts})" if out.rows_unused else ""))
+        + (f" ({out.rows_unused} more usable rows beyond evaluate.num_prompts={num_prompts})" if out.rows_unused else "")
+        + (f"; {len(follow)} of them have later turns, asked after the target's own answers" if follow else ""))
     return out
+
+
+def _quarantine(skipped: list[dict], what: str, kinds: dict[str, int], path: Path | None,
+                log: Callable[[str], None]) -> str | None:
+    """Write the skipped rows to `path` (JSONL) and say so; returns its absolute path (None: nothing written)."""
+    if not skipped:
+        return None
+    from eagle3_pipeline.core.store import atomic_write_text
+
+    if len(skipped) > LOGGED_SKIPS:
+        log(f"evaluate: ... {len(skipped) - LOGGED_SKIPS} more prompt rows skipped")
+    if path is None:
+        return None
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(Path(path), "".join(json.dumps(s, default=str) + "\n" for s in skipped))
+    log(f"evaluate: {len(skipped)} of {what} skipped ({kinds}); reasons in {Path(path).resolve()}")
+    return str(Path(path).resolve())
+
+
+def next_turns(pset: PromptSet, answers: dict[int, list[int]], tokenizer, *, max_tokens: int,
+               max_prompt_tokens: int | None = None, log: Callable[[str], None] = print) -> PromptSet:
+    """The set with each follow-up's next turn added as a prompt: the conversation so far, the target's own
+    answer (`answers`: generated token ids by parent index, decoded as a chat client would send it back) and
+    the next user turn, rendered with the chat template, in category "<category> · turn <n>". Follow-ups
+    with turns after that stay follow-ups of the new prompt; one whose prompt grows too long is dropped and
+    counted in skip_reasons."""
+    out = pset.model_copy(deep=True)
+    out.followups, out.answers_max_tokens = [], max_tokens
+    for f in pset.followups:
+        ids = answers.get(f.parent)
+        if ids is None:
+            continue
+        out.answers += 1
+        out.answers_cut += int(len(ids) >= max_tokens)
+        text = tokenizer.decode(ids, skip_special_tokens=True).strip()
+        msgs = [*f.messages, {"role": "assistant", "content": text}, {"role": "user", "content": f.turns[0]}]
+        try:
+            p = render_prompt(tokenizer, msgs, f.tools)
+            if max_prompt_tokens is not None and len(p) > max_prompt_tokens:
+                raise _Skip("too long", f"turn {f.turn} has {len(p)} tokens with the answers before it")
+        except _Skip as e:
+            out.skip_reasons[f"turn {f.turn}: {e.kind}"] = out.skip_reasons.get(f"turn {f.turn}: {e.kind}", 0) + 1
+            log(f"evaluate: {f.id} turn {f.turn} skipped: {e}")
+            continue
+        out.prompts.append(p)
+        out.categories.append(f"{f.category}{TURN_SEP}{f.turn}")
+        out.ids.append(f"{f.id}{TURN_SEP}{f.turn}")
+        if len(f.turns) > 1:
+            out.followups.append(f.model_copy(update={"parent": len(out.prompts) - 1, "messages": msgs,
+                                                      "turns": f.turns[1:], "turn": f.turn + 1}))
+    return out
+
+
+def turn_of(category: str) -> int:
+    """1 for a first turn's category, n for "<category> · turn <n>"."""
+    head, sep, n = category.rpartition(TURN_SEP)
+    return int(n) if sep and n.isdigit() else 1
 
 
 def heldout_prompt_set(heldout_path: str | Path, n: int) -> PromptSet:

@@ -96,6 +96,7 @@ class EvaluateReport(BaseModel):
     speedup_detail: dict | None = None  # tokens_per_s_draft, tokens_per_s_plain, rounds, min-max, seconds
     sampling_temperature: float | None = None
     acceptance_length_sampled: float | None = None  # the trained draft at sampling_temperature, all prompts
+    acceptance_length_per_turn: dict[str, float | None] = {}  # "turn 1", "turn 2": τ over each turn's prompts
     per_position_acceptance_sampled: list[float] | None = None
     prompt_set: dict | None = None  # PromptSet.summary(): source, categories, skipped rows, quarantine file
     sampling_warning: str | None = None  # why acceptance_length_sampled is not to be trusted on this build
@@ -121,6 +122,7 @@ class DraftComparison(BaseModel):
     baseline_ngram: NgramBaseline | None = None
     baseline_suffix: SuffixBaseline | None = None
     baseline_suffix_unavailable: str | None = None
+    acceptance_length_per_turn: dict[str, dict[str, float | None]] = {}  # label -> "turn n" -> τ
 
 
 # ---------------------------------------------------------------- checks before any engine
@@ -181,7 +183,8 @@ def _prompt_set(prompts, n: int):
     if len(prompts.categories) != len(prompts.prompts):
         raise ValueError(f"evaluate: {len(prompts.categories)} categories for {len(prompts.prompts)} prompts")
     cut = prompts.model_copy(update={"prompts": [list(map(int, p)) for p in prompts.prompts[:n]],
-                                     "categories": prompts.categories[:n], "ids": prompts.ids[:n]})
+                                     "categories": prompts.categories[:n], "ids": prompts.ids[:n],
+                                     "followups": [f for f in prompts.followups if f.parent < n]})
     _check_prompts(cut.prompts)
     return cut
 
@@ -208,22 +211,57 @@ class Baselines:
     suffix_unavailable: str | None = None
 
 
+def _ask_later_turns(cfg: EvaluateConfig, target: TargetConfig, pset, out_dir: Path, log: Callable[[str], None]):
+    """The prompt set with every later turn of its rows added (evaluate.turns=all): round by round the target
+    answers the turns before (greedy, alone, evaluate.turn_answer_max_tokens; one child each), and each next
+    turn is asked after that answer (prompts.next_turns)."""
+    from eagle3_pipeline.data.prepare import load_tokenizer
+    from eagle3_pipeline.evaluate.prompts import PromptSet, next_turns, prompt_token_limit
+    from eagle3_pipeline.evaluate.worker import ANSWERS, EvalRunSpec
+
+    tok = load_tokenizer(target)
+    limit = prompt_token_limit(cfg.max_model_len, target.model, cfg.max_tokens, cfg.num_speculative_tokens)
+    rnd = 0
+    while pset.followups:
+        rnd += 1
+        parents = sorted({f.parent for f in pset.followups})
+        sub = PromptSet(source=pset.source, prompts=[pset.prompts[i] for i in parents],
+                        categories=[ANSWERS] * len(parents), ids=[pset.ids[i] for i in parents])
+        log(f"evaluate: the target answers {len(parents)} turns before their next one (round {rnd})")
+        answering = cfg.model_copy(update={"max_tokens": cfg.turn_answer_max_tokens})
+        out = _run_child(answering, target, [EvalRunSpec(label=ANSWERS, draft_dir=None)], sub,
+                         Path(out_dir) / f"answers-{rnd}", log)[ANSWERS]
+        pset = next_turns(pset, dict(zip(parents, out.token_ids, strict=True)), tok,
+                          max_tokens=cfg.turn_answer_max_tokens, max_prompt_tokens=limit, log=log)
+    if pset.answers:
+        log(f"evaluate: {len(pset.prompts)} prompts with the later turns; {pset.answers_cut} of {pset.answers} answers "
+            f"before them ended at evaluate.turn_answer_max_tokens={cfg.turn_answer_max_tokens}")
+    return pset
+
+
 def _run_engines(cfg: EvaluateConfig, target: TargetConfig, plan: EnginePlan, prompts, out_dir: Path,
                  log: Callable[[str], None]) -> dict:
     """Run one child that evaluates `plan.drafts` (label -> dir) on `prompts` (a PromptSet), with
     `plan.ngram` vLLM's n-gram speculation (label NGRAM), and, with check_lossless or speedup, the target
     alone; return {label: RunOutput}. Labels in `plan.sampled` also get the pass at cfg.temperature, those
     in `plan.timed` (and the target alone, and n-gram) the timed rounds."""
+    return _run_child(cfg, target, _run_specs(cfg, plan), prompts, out_dir, log)
+
+
+def _run_child(cfg: EvaluateConfig, target: TargetConfig, runs: list, prompts, out_dir: Path,
+               log: Callable[[str], None]) -> dict:
+    """One evaluate child over `prompts` (a PromptSet) with the engine `runs` in order, cfg.max_tokens each;
+    returns {label: RunOutput}."""
+    max_tokens = cfg.max_tokens
     from eagle3_pipeline.evaluate.worker import EvalJob, RunOutput, result_path
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    runs = _run_specs(cfg, plan)
     for r in runs:  # a gate never reads an earlier attempt's numbers
         result_path(out_dir, r.label).unlink(missing_ok=True)
     ids = prompts.prompts
-    max_len = cfg.max_model_len or max(len(p) for p in ids) + cfg.max_tokens + cfg.num_speculative_tokens + 8
-    job = EvalJob(target=target, engine=cfg.engine(), max_model_len=max_len, max_tokens=cfg.max_tokens,
+    max_len = cfg.max_model_len or max(len(p) for p in ids) + max_tokens + cfg.num_speculative_tokens + 8
+    job = EvalJob(target=target, engine=cfg.engine(), max_model_len=max_len, max_tokens=max_tokens,
                   sample_texts=cfg.sample_texts, prompts=ids, categories=prompts.categories,
                   temperature=cfg.temperature, seed=cfg.sampling_seed,
                   timing_rounds=cfg.speedup_rounds if cfg.speedup else 0, runs=runs, out_dir=str(out_dir.resolve()))
@@ -257,7 +295,7 @@ def _run_specs(cfg: EvaluateConfig, plan: EnginePlan) -> list:
 
     drafts = plan.drafts
     for reserved, what in ((PLAIN, "the run without speculation"), (NGRAM, "the n-gram baseline"),
-                           (SUFFIX, "the suffix decoding baseline")):
+                           (SUFFIX, "the suffix decoding baseline"), ("answers", "the answers to earlier turns")):
         if reserved in drafts:
             raise ValueError(f"evaluate: {reserved!r} is reserved for {what}")
     runs = [EvalRunSpec(label=k, draft_dir=str(Path(v).resolve()), num_speculative_tokens=cfg.num_speculative_tokens,
@@ -354,7 +392,7 @@ def _evaluate(cfg: EvaluateConfig, target: TargetConfig, plan: EnginePlan, promp
     drafts = plan.drafts
     for d in drafts.values():
         validate_draft_dir(d, target)
-    pset = _prompt_set(prompts, cfg.num_prompts)
+    pset = _ask_later_turns(cfg, target, _prompt_set(prompts, cfg.num_prompts), out_dir, log)
     bases = Baselines(suffix_unavailable=suffix_unavailable() if plan.suffix and cfg.baseline_suffix else None)
     if bases.suffix_unavailable:
         log(f"evaluate: no suffix decoding baseline: {bases.suffix_unavailable}")
@@ -386,6 +424,20 @@ def _evaluate(cfg: EvaluateConfig, target: TargetConfig, plan: EnginePlan, promp
         if b is not None:
             log(f"evaluate: {describe_ngram(b)}")
     return results, round(sum(o.engine_start_s for o in outs.values()), 3), plain_speed, pset, bases
+
+
+def per_turn(r: EvalResult) -> dict[str, float | None]:
+    """τ of draft `r` over each turn's prompts ("turn 1": first turns, "turn 2": MT-Bench's second, ...) from
+    its per-category counters; empty when every prompt is a first turn."""
+    from eagle3_pipeline.evaluate.prompts import turn_of
+
+    sums: dict[int, list[int]] = {}
+    for c, v in r.per_category.items():
+        s = sums.setdefault(turn_of(c), [0, 0])
+        s[0], s[1] = s[0] + v.accepted_tokens, s[1] + v.drafts
+    if len(sums) < 2:
+        return {}
+    return {f"turn {t}": (1 + a / d if d else None) for t, (a, d) in sorted(sums.items())}
 
 
 def engine_costs(results: dict[str, EvalResult], bases: Baselines) -> dict[str, float | None]:
@@ -467,6 +519,7 @@ def _evaluate_pair(cfg: EvaluateConfig, target: TargetConfig, trained_dir: Path,
         previous=res.get(PREVIOUS), per_category=category_reports(tr, un, bases), speedup=tr.speedup,
         speedup_detail=tr.speedup_detail, sampling_temperature=tr.sampled.temperature if tr.sampled else None,
         acceptance_length_sampled=tr.sampled.total.acceptance_length if tr.sampled else None,
+        acceptance_length_per_turn=per_turn(tr),
         per_position_acceptance_sampled=tr.sampled.total.per_position_acceptance if tr.sampled else None,
         prompt_set=pset.summary(), sampling_warning=sampling_warning(tr.sampled is not None),
         baseline_ngram=bases.ngram, baseline_suffix=bases.suffix, baseline_suffix_unavailable=bases.suffix_unavailable,
@@ -508,7 +561,8 @@ def compare_drafts(cfg: EvaluateConfig, target: TargetConfig, drafts: dict[str, 
             sampling_temperature=cfg.temperature, prompt_set=pset.summary(), wall_s=round(time.time() - t0, 3),
             engine_start_s=engine_start_s, out_dir=str(Path(out_dir).resolve()),
             sampling_warning=sampling_warning(any(r.sampled is not None for r in res.values())),
-            baseline_ngram=bases.ngram, baseline_suffix=bases.suffix, baseline_suffix_unavailable=bases.suffix_unavailable)
+            baseline_ngram=bases.ngram, baseline_suffix=bases.suffix, baseline_suffix_unavailable=bases.suffix_unavailable,
+            acceptance_length_per_turn={k: t for k, r in res.items() if (t := per_turn(r))})
         if rep.sampling_warning:
             log(f"evaluate: WARNING {rep.sampling_warning}")
         write_json(Path(out_dir) / "evaluate.json", rep.model_dump(mode="json"))

@@ -19,6 +19,7 @@ from eagle3_pipeline.core.proc import emit_event
 
 PLAIN = "plain"  # label of the run without speculation (the lossless reference)
 NGRAM = "ngram"  # label of the n-gram (prompt lookup) baseline run
+ANSWERS = "answers"  # label of the target's own answers to earlier turns (evaluate.turns=all)
 SUFFIX = "suffix"  # label of the suffix decoding baseline run (vLLM's `method: suffix`, arctic-inference)
 DRAFTS = "vllm:spec_decode_num_drafts"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"

@@ -284,6 +284,10 @@ def _summary(stages: dict) -> list[str]:
     if _isnum(tau):
         out.append(f"- **Acceptance length τ** (temperature 0): **{tau:.3f}** trained"
                    + (f" vs {tau0:.3f} untrained" if _isnum(tau0) else ""))
+    turns = _get(ev, "acceptance_length_per_turn")
+    if isinstance(turns, dict) and turns:
+        out.append("- **τ per turn** (trained, temperature 0): " + ", ".join(
+            f"{k} {v:.3f}" if _isnum(v) else f"{k} –" for k, v in turns.items()))
     out += _ngram_summary(ev, tau)
     out += _ngram_summary(ev, tau, "baseline_suffix")
     if _get(ev, "baseline_suffix_unavailable"):
