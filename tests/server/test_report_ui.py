@@ -19,6 +19,7 @@ import shutil
 import time
 from pathlib import Path
 
+from eagle3_pipeline.report.record import RunReport  # module level: Prefect resolves the flow's annotations here
 from tests.helpers.report_sample import long_numbers, sample_metrics, sample_report
 from tests.helpers.server import artifacts
 
@@ -144,8 +145,6 @@ def test_report_artifact_in_the_prefect_ui(prefect_server, client, tmp_path):
     from tasks.stage_tasks import _k, report
 
     t0 = time.time()
-    from eagle3_pipeline.report.record import RunReport
-
     sample = sample_report()
     sample["config"]["name"] = "ui-report-check"
     rec = RunReport.model_validate(sample)
