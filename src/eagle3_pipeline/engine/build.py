@@ -171,6 +171,9 @@ def build_llm(engine: EngineConfig, target: TargetConfig, *, max_model_len: int,
     return _proven(lambda: LLM(**kwargs))
 
 
+_SAID: set[str] = set()  # the runner proofs this process has printed
+
+
 def _proven(make):
     """`make()` (an engine) with the runner its workers built checked to be V1 (engine/runner.py), into the
     caller's record dir (RECORD_ENV, e.g. the extract worker's, which proves its hooks later) or a temporary
@@ -184,7 +187,10 @@ def _proven(make):
     records = caller or runner.watch(tempfile.mkdtemp(prefix="eagle3-runner-"))
     try:
         llm = make()
-        print(f"eagle3 engine: runner {runner.prove(records, (), 'engine')}", flush=True)
+        proof = runner.prove(records, (), "engine")  # raises unless every worker built the V1 runner
+        if proof not in _SAID:  # once per process: a child that builds several engines says it once
+            _SAID.add(proof)
+            print(f"eagle3 engine: runner {proof}", flush=True)
         return llm
     finally:
         if not caller:

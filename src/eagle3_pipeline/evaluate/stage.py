@@ -338,8 +338,9 @@ class _ChildWatch:
         elif kind == "run_done":
             speed = f", timed rounds {ev['timed_tokens_per_s']} tok/s" if ev.get("timed_tokens_per_s") else ""
             steps = f" in {ev['steps']} decode steps" if ev.get("steps") is not None else ""
+            rss = f", worker RSS {ev['rss_gib']:.2f} GiB after shutdown" if ev.get("rss_gib") is not None else ""
             self.log(f"evaluate: {ev['label']}: {ev['generated_tokens']} tokens in {ev['generate_s']:.2f}s, "
-                     f"{ev['drafts']} drafts, {ev['accepted']} draft tokens accepted{steps}{speed}")
+                     f"{ev['drafts']} drafts, {ev['accepted']} draft tokens accepted{steps}{speed}{rss}")
         elif kind == "error":
             self.errors.append(ev)
 

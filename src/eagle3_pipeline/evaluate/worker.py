@@ -314,9 +314,8 @@ def main(argv: list[str]) -> int:
                        error=f"{type(e).__name__}: {e}"[:4000] or type(e).__name__)
             return 1
         write_json(result_path(job.out_dir, run.label), out.model_dump(mode="json"))
-        rss = psutil.Process().memory_info().rss / 2**30
-        print(f"evaluate worker: {run.label} done, engine shut down, worker RSS {rss:.2f} GiB", flush=True)
-        emit_event(kind="run_done", label=run.label, drafts=out.drafts, accepted=out.accepted_tokens,
+        rss = psutil.Process().memory_info().rss / 2**30  # after the engine's shutdown: what the next one starts with
+        emit_event(kind="run_done", label=run.label, rss_gib=round(rss, 2), drafts=out.drafts, accepted=out.accepted_tokens,
                    generated_tokens=out.generated_tokens, generate_s=out.generate_s, steps=out.steps, run_s=out.run_s,
                    timed_tokens_per_s=[round(t.generated_tokens / max(t.generate_s, 1e-9), 1) for t in out.timed])
     return 0
