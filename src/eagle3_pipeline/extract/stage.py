@@ -41,8 +41,8 @@ from eagle3_pipeline.records.layout import (FINGERPRINTS_DIR, MANIFEST_NAME, Ext
 from eagle3_pipeline.engine.build import engine_env
 from eagle3_pipeline.engine.start import refusal_of
 from eagle3_pipeline.records.pool import RecordPool, row_keys, version_pool
-from eagle3_pipeline.records.shardrun import (Attempt, Child, ChildAttempt, ShardEntry, ShardRun, Status, hashes,
-                                      published_ok, tool_versions)
+from eagle3_pipeline.records.shardrun import (Attempt, Child, ChildAttempt, ShardEntry, ShardRun, ShardSummary, hashes,
+                                              published_ok, tool_versions)
 from eagle3_pipeline.core.store import file_locks, sha256_file, write_json
 from eagle3_pipeline.core.stage_spec import StageSpec
 
@@ -54,23 +54,9 @@ class ExtractFailed(RuntimeError):
     """Some shards of a group are not published; the message names them and the child's error."""
 
 
-class ShardRecord(BaseModel):
-    """One shard as the manifest knows it after a call (small: paths and hashes, never tensors)."""
-    index: int
-    row_start: int
-    row_end: int
-    status: Status
-    attempts: int = 0
-    tokens: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-    phases: dict[str, float] | None = None  # the child's seconds per phase (rows, prefill, files, records, fsync_wait)
-    files: dict[str, str] = {}  # record name -> sha256
-    fingerprints: dict[str, str] = {}  # fingerprint sidecar name -> sha256 (extract.fingerprints)
-    error: str | None = None
-    reused: bool = False        # True when this call found it published and left it alone
-    reused_rows: int = 0        # rows whose records were linked from the record pool (pool.py)
-    extracted_rows: int = 0     # rows the engine extracted for this shard when it was published
+class ShardRecord(ShardSummary):
+    """One shard as the manifest knows it after an extract_group call (shardrun.ShardSummary's fields)."""
+    reused: bool = False  # True when this call found it published and left it alone
 
 
 class ExtractResult(BaseModel):
@@ -123,8 +109,7 @@ def _ensure_manifest(g: _Group) -> None:
                     tools=tool_versions(), layer_ids=version.layer_ids,
                     num_rows=plan[-1].row_end if plan else 0, rows_per_shard=cfg.rows_per_shard,
                     children=m.get("children", []),
-                    shards=[ShardRecord(**s.model_dump(), status="pending").model_dump(exclude={"reused"})
-                            for s in plan])
+                    shards=[ShardSummary(**s.model_dump(), status="pending").model_dump() for s in plan])
 
     g.run.ensure(version.content_key, fresh)
 

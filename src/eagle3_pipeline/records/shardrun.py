@@ -49,25 +49,30 @@ class ChildAttempt(BaseModel):
     error: str | None = None
 
 
-class ShardEntry(BaseModel):
-    """manifest `shards[]`: a shard's row range, status and the sha256 of its files once published;
-    the fields after `published_at` are those the stage's child reports (extract's, then regenerate's)."""
-    model_config = ConfigDict(extra="allow")
+class ShardSummary(BaseModel):
+    """A shard as a stage reports it after a call: row range, status, counts and the sha256 of its files
+    (small: never the per-row hashes, never tensors). The manifest's ShardEntry is this and more."""
     index: int
     row_start: int
     row_end: int
     status: Status
     attempts: int = 0
     error: str | None = None
-    published_at: float | None = None
     tokens: int = 0
     bytes: int = 0
     seconds: float | None = None
-    phases: dict | None = None
+    phases: dict | None = None  # the child's seconds per phase (rows, prefill, files, records, fsync_wait)
     files: dict[str, str] = {}  # record name -> sha256
     fingerprints: dict[str, str] | None = None  # fingerprint sidecar name -> sha256
-    extracted_rows: int | None = None
-    reused_rows: int = 0
+    extracted_rows: int | None = None  # rows the engine computed for this shard when it was published
+    reused_rows: int = 0  # rows whose records were linked from the record pool (pool.py)
+
+
+class ShardEntry(ShardSummary):
+    """manifest `shards[]`: a shard's summary, when it was published and what the stage's child reports beside
+    it (extract's, then regenerate's)."""
+    model_config = ConfigDict(extra="allow")
+    published_at: float | None = None
     extracted_tokens: int | None = None
     row_hashes: dict[str, str] = {}  # row -> contracts.row_hash of the prepared row it was extracted from
     input_sha: str | None = None
