@@ -405,3 +405,22 @@ def test_report_json_keys_are_only_ever_added():
 
     renamed = create_model("Renamed", run=(str, ...), status=(str, ...))
     assert "run_id" not in _key_paths(renamed) and "run" in _key_paths(renamed)
+
+
+def test_each_baseline_states_its_share_of_evaluate(tmp_path):
+    """timings.evaluate carries what the suffix decoding baseline's engine cost beside the n-gram one's, and the
+    Time table shows both inside evaluate's row (not added to the total again)."""
+    sample = _ngram_sample()
+    ev = sample["stages"]["evaluate"]
+    ev["baseline_suffix"] = {**ev["baseline_ngram"], "method": "suffix", "tokens_per_step": 1.5, "run_s": 4.04,
+                             "engine_start_s": 1.91}
+    flat = {name: {**{k: v for k, v in st.items() if k != "details"}, **st.get("details", {})}
+            for name, st in sample["stages"].items()}
+    rep = build_report("r7", {"name": "x"}, {}, flat, {}, "completed", timings=sample["timings"])
+    t = rep["timings"]["evaluate"]
+    assert (t["baseline_suffix_s"], t["baseline_suffix_engine_start_s"], t["baseline_ngram_s"]) == (4.04, 1.91, 6.25)
+    md = open(write_report(tmp_path / "run", rep)["report_md"]).read()
+    assert "| ↳ of which suffix decoding baseline | 4.0 | 1.9 | 2.1 |" in md
+    assert "| ↳ of which n-gram baseline | 6.2 | 2.5 | 3.7 |" in md
+    assert "| **total** | **255.8** |" in md
+    assert "**suffix decoding baseline** (vLLM `method: suffix`, no draft, k=3" in md

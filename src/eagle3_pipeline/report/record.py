@@ -102,6 +102,8 @@ class StageTiming(BaseModel):
     engine_start_s: float | None = None
     baseline_ngram_s: float | None = None  # evaluate: the n-gram baseline's engine, inside evaluate's seconds
     baseline_ngram_engine_start_s: float | None = None
+    baseline_suffix_s: float | None = None  # evaluate: the suffix decoding baseline's engine, inside evaluate's seconds
+    baseline_suffix_engine_start_s: float | None = None
 
 
 class Artifacts(BaseModel):

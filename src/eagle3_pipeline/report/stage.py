@@ -52,13 +52,15 @@ def build_report(run_id: str, config: dict, versions: dict, stages: dict[str, di
 
 
 def _with_baseline_cost(timings: dict[str, dict], evaluate: dict | None) -> dict[str, dict]:
-    base = _get(evaluate, "baseline_ngram") if isinstance(evaluate, dict) else None
-    if "evaluate" not in timings or not isinstance(base, dict) or not _isnum(base.get("run_s")):
-        return timings
+    """timings.evaluate with what each training-free baseline's engine cost inside it (baseline_<name>_s)."""
     out = dict(timings)
-    out["evaluate"] = {**timings["evaluate"], "baseline_ngram_s": round(base["run_s"], 2),
-                       "baseline_ngram_engine_start_s": round(base["engine_start_s"], 2)
-                       if _isnum(base.get("engine_start_s")) else None}
+    for name in ("ngram", "suffix"):
+        base = _get(evaluate, f"baseline_{name}") if isinstance(evaluate, dict) else None
+        if "evaluate" not in out or not isinstance(base, dict) or not _isnum(base.get("run_s")):
+            continue
+        out["evaluate"] = {**out["evaluate"], f"baseline_{name}_s": round(base["run_s"], 2),
+                           f"baseline_{name}_engine_start_s": round(base["engine_start_s"], 2)
+                           if _isnum(base.get("engine_start_s")) else None}
     return out
 
 
@@ -480,10 +482,11 @@ def _timings_table(timings: dict[str, dict]) -> list[str]:
         s, e = t.get("seconds") or 0.0, t.get("engine_start_s")
         total += s
         out.append(f"| {name} | {_secs(s)} | {'-' if e is None else _secs(e)} | {_secs(s - (e or 0.0))} |")
-        b, be = t.get("baseline_ngram_s"), t.get("baseline_ngram_engine_start_s")
-        if _isnum(b):  # a part of the row above, not added to the total again
-            out.append(f"| ↳ of which n-gram baseline | {_secs(b)} | {_secs(be) if _isnum(be) else '-'} | "
-                       f"{_secs(b - (be if _isnum(be) else 0.0))} |")
+        for key, what in (("baseline_suffix", "suffix decoding"), ("baseline_ngram", "n-gram")):
+            b, be = t.get(f"{key}_s"), t.get(f"{key}_engine_start_s")
+            if _isnum(b):  # a part of the row above, not added to the total again
+                out.append(f"| ↳ of which {what} baseline | {_secs(b)} | {_secs(be) if _isnum(be) else '-'} | "
+                           f"{_secs(b - (be if _isnum(be) else 0.0))} |")
     starts = sum(t.get("engine_start_s") or 0.0 for t in timings.values())
     out.append(f"| **total** | **{_secs(total)}** | **{_secs(starts)}** | **{_secs(total - starts)}** |")
     return out
