@@ -89,21 +89,23 @@ class RareCorruptionConnector(Eagle3HiddenStatesConnector):
     def _mode_of(self, pending) -> str | None:
         return corruption_of(pending.token_ids)
 
-    def _submit_async_write(self, pending) -> None:
-        mode = self._mode_of(pending) if self._is_tp_rank_zero else None
-        if mode is None:
-            super()._submit_async_write(pending)
-            if self._is_tp_rank_zero and os.path.exists(pending.filename):
-                from safetensors.torch import load_file
-
-                self._previous = load_file(pending.filename)["hidden_states"]
-                self._previous_ids = pending.token_ids.clone()
-            return
+    def _states(self, pending):
+        """[T, L, H]: the request's hidden states as the connector is about to write them, from the KV cache."""
         blocks = torch.tensor(pending.block_ids, dtype=torch.long)
         offsets = torch.arange(self._block_size, dtype=torch.long)
         slots = (blocks[:, None] * self._block_size + offsets[None, :]).flatten()
+        return extract_from_kv_cache(self._kv_cache, slots, pending.token_ids.shape[0]).clone()
+
+    def _submit_async_write(self, pending) -> None:
+        mode = self._mode_of(pending) if self._is_tp_rank_zero else None
+        if mode is None:
+            if self._is_tp_rank_zero:  # kept from the KV cache now: the file is written asynchronously, and
+                # reading it back here raced its writer (a half-written file failed the engine: HTTP 500 online)
+                self._previous, self._previous_ids = self._states(pending), pending.token_ids.clone()
+            super()._submit_async_write(pending)
+            return
         num_tokens = pending.token_ids.shape[0]
-        hs = extract_from_kv_cache(self._kv_cache, slots, num_tokens).clone()  # [T, L, H]
+        hs = self._states(pending)  # [T, L, H]
         if mode == MODES[0]:
             hs[:, [0, 1]] = hs[:, [1, 0]]
         elif mode == MODES[1]:  # a row within one block loses its second half (else it would be clean)

@@ -244,7 +244,7 @@ class HiddenStateServer:
             path, fp = request_row(self.endpoint, self.model, ids, timeout_s, fingerprint=fingerprint)
         except OnlineRequestFailed as e:
             alive = "running" if self.child is not None and self.child.alive() else "exited"
-            tail = "\n".join(self.child.tail[-20:]) if self.child is not None else ""
+            tail = "\n".join(list(self.child.tail)[-20:]) if self.child is not None else ""  # tail: a deque
             raise OnlineRequestFailed(f"{e} (the server is {alive}; its log: {self.work_dir / 'server.log'}, "
                                       f"last lines:\n{tail})") from e
         data = load_file(path)
