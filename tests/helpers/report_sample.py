@@ -41,9 +41,11 @@ def sample_report(run_id: str = "20261201-033731-6ee4") -> dict:
                     "evaluate": {"seconds": 123.8123, "engine_start_s": 24.2123}},
         "stages": {
             "regenerate": {"version": "0c1d2e3f4a5b", "rows_in": 300, "rows_out": 297, "rows_quarantined": 3,
-                           "tokens_generated": 48213, "details": {"temperature": 0.0}},
+                           "tokens_generated": 48213, "details": {"temperature": 0.0, "turns_regenerated": 412,
+                                                                  "answers_cut": {"max_tokens 256": 37}}},
             "prepare": {"version": "591a33c497d5", "rows_in": 297, "rows_out": 349, "rows_quarantined": 0,
-                        "tokens": 63077, "details": {"rows_heldout": 32, "tokenized": f"{STORE}/tokenized"}},
+                        "tokens": 63077, "details": {"rows_heldout": 32, "tokenized": f"{STORE}/tokenized",
+                                                     "supervised_tokens": 30412, "rows_truncated": 6}},
             "preflight": {"details": {"layer_ids": [2, 3, 4, 7]}},
             "extract": {"layer_ids": [2, 5, 9, 13, 17, 20, 24, 29, 31, 32], "shards_total": 2, "shards_published": 2,
                         "tokens": 63077, "tokens_per_s": 4751.523918273645, "bytes_on_disk": 65183368,

@@ -1,4 +1,4 @@
-"""The regenerate stage with the real vLLM engine on CPU: three engine starts for the module.
+"""The regenerate stage with the real vLLM engine on CPU: four engine starts for the module.
 
 Tiny Llama (module fixture `llama`): 24 input rows in two sources (ShareGPT + OpenAI) whose assistant
 answers are placeholders, plus a malformed line, a pre-tokenized row, a prompts-only row and a row
@@ -296,3 +296,45 @@ def test_moe_regenerated_rows_tokenize(moe):
     prep = stage_prepare(moe.cfg, log=lambda _: None, regenerated=moe.res)
     assert prep.rows_in == moe.res.rows_out and prep.rows_quarantined == 0, Path(prep.quarantine).read_text()[:2000]
     assert prep.supervised_tokens > 0
+
+
+def test_cut_answers_are_counted_and_a_long_history_ends_the_conversation(tiny_target, tmp_path):
+    """on_length: keep with a tiny max_tokens: every answer cut short is counted by the limit it hit and named
+    in its row. max_history_tokens: a later turn whose rendered history is longer is not answered; the
+    conversation ends after the turns answered (kept, not quarantined), and every answered turn's history fits."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    src_rows = _placeholders(_first(Path(tiny_target) / "corpus" / "openai.jsonl", 10), "messages")
+
+    def prompt_len(messages: list[dict]) -> int:
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return len(tok(text, add_special_tokens=False)["input_ids"])
+
+    firsts = [prompt_len(r["messages"][: T.plan_turns(r["messages"]).targets[0]]) for r in src_rows]
+    limit = max(firsts) + 4  # every first turn fits; later turns of the longer conversations do not
+    src = _write(tmp_path / "chats.jsonl", [json.dumps(r) for r in src_rows])
+    cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml", [
+        f"store={tmp_path / 'store'}", f"target.model={tiny_target}", f"prepare.sources=[{{path: {src}}}]",
+        "regenerate.max_tokens=6", "regenerate.on_length=keep", f"regenerate.max_history_tokens={limit}",
+        "regenerate.max_model_len=256", "regenerate.gpu_memory_utilization=0.1"])
+    res = regenerate(cfg.regenerate, cfg.prepare, cfg.target, Path(cfg.store), log=lambda _: None)
+    rows = {r["id"]: r for r in read_rows(res)}
+    assert res.rows_quarantined == 0 and len(rows) == len(src_rows) == res.rows_out
+    cut = [j for r in rows.values() for j in r["regenerated"]["cut_turns"]]
+    assert cut and res.answers_cut == {"max_tokens 6": len(cut)}
+    assert all(j in r["regenerated"]["turns"] for r in rows.values() for j in r["regenerated"]["cut_turns"])
+    ended = 0
+    for s in src_rows:
+        row, planned = rows[s["id"]], T.plan_turns(s["messages"]).targets
+        turns = row["regenerated"]["turns"]
+        assert turns == planned[: len(turns)] and turns, row
+        for j in turns:  # each answered turn's history fit the limit
+            assert prompt_len(row["messages"][:j]) <= limit, (s["id"], j)
+        if len(turns) < len(planned):  # ended early: the next turn's history is past the limit
+            ended += 1
+            nxt = planned[len(turns)]
+            history = row["messages"] + s["messages"][turns[-1] + 1: nxt]
+            assert prompt_len(history) > limit, (s["id"], nxt)
+            assert len(row["messages"]) == turns[-1] + 1  # nothing after the last answered turn
+    assert ended == res.conversations_ended > 0

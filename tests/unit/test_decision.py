@@ -66,9 +66,13 @@ def test_history_keeps_one_point_per_run_and_compares_like_with_like(tmp_path):
     assert [p.run_id for p in other] == ["x"]  # another prompt set is not on this curve
     again = record_run(path, pts[1].model_copy(update={"tau": 1.36}))  # a run reported again replaces its point
     assert [p.run_id for p in again] == ["r0", "r1", "r2"] and again[1].tau == 1.36
-    assert len(read_history(path)) == 4
+    regen = record_run(path, CurvePoint(run_id="g", train_tokens=200_000, tau=1.5, prompts="mtbench", k=3,
+                                        data="regenerated"))
+    assert [p.run_id for p in regen] == ["g"]  # the target's own answers are another curve
+    assert [p.run_id for p in record_run(path, pts[0])] == ["r0", "r1", "r2"]
+    assert len(read_history(path)) == 5
     path.write_text(path.read_text() + '{"run_id": "cut off by a cra')  # a torn last line is skipped
-    assert len(read_history(path)) == 4
+    assert len(read_history(path)) == 5
     assert per_doubling(curve) == pytest.approx(0.055, abs=1e-3)
     assert per_doubling(curve[:1]) is None
 
@@ -79,6 +83,8 @@ def test_report_opens_with_the_decision_and_plots_the_curve(tmp_path):
     rep["stages"]["train"]["details"].update(tokens=60_000, epochs_done=2)
     point = curve_point("r9", rep["stages"])
     assert (point.train_tokens, point.tau, point.best_free) == (30_000, rep["stages"]["evaluate"]["acceptance_length"], 1.3)
+    assert point.data == "regenerated" and point.supervised_tokens == 30412  # the sample run regenerated its data
+    assert curve_point("r9", {k: v for k, v in rep["stages"].items() if k != "regenerate"}).data == "source"
     curve = [CurvePoint(run_id="r1", train_tokens=15_000, tau=1.9, best_free=1.3), point]
     rep["decision"] = decide(rep["stages"]["evaluate"], curve).model_dump()
     paths = write_report(tmp_path / "run", RunReport.model_validate(rep))

@@ -62,6 +62,19 @@ def test_max_turns_cuts_after_the_last_answered_reply():
     assert plan.kept_tool_turns == 1
 
 
+def test_a_long_history_ends_the_conversation_after_the_turns_answered():
+    run = T.ConversationRun("c1", "src.jsonl", 0, None, T.plan_turns(agentic()))
+    with pytest.raises(AssertionError):
+        run.end_here()  # nothing answered yet: that conversation is quarantined instead
+    run.answer("Bo has 555-1.", None)
+    run.end_here()  # the next turn's history is past max_history_tokens
+    assert run.done and run.problem is None and run.ended_early
+    rec = run.record()
+    assert [m["role"] for m in rec["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
+    assert rec["messages"][4]["content"] == "Bo has 555-1." and rec["regenerated"]["turns"] == [4]
+    assert rec["regenerated"]["kept_tool_turns"] == 1 and rec["regenerated"]["cut_turns"] == []
+
+
 def test_only_tool_calls_passes_through_unchanged():
     msgs = agentic()[:3]  # ends with the assistant's call: nothing to answer
     plan = T.plan_turns(msgs)

@@ -354,6 +354,10 @@ class RegenerateConfig(EngineConfig):
                                          "templates that render reasoning themselves; None = the answer is content")
     max_turns: int | None = Field(None, ge=1, description="text replies answered per conversation (the conversation "
                                   "is cut after the last one); None = all")
+    max_history_tokens: int | None = Field(None, ge=1, description="a later turn whose prompt (the history) has more "
+                                           "tokens is not answered: the conversation ends after the turns answered "
+                                           "so far (set it near prepare.max_length: training cuts longer rows); "
+                                           "None = every turn while it fits max_model_len")
     on_length: Literal["quarantine", "keep"] = Field("quarantine", description="an answer cut off at max_tokens (or "
                                                      "max_model_len): quarantine the conversation, or keep the cut answer")
     max_model_len: int | None = Field(None, ge=16, description="engine context; None = the model's. A prompt that "

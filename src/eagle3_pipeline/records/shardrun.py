@@ -79,6 +79,7 @@ class ShardEntry(ShardSummary):
     rows_sha256: str | None = None
     quarantine_sha256: str | None = None
     quarantine_kinds: dict[str, int] | None = None
+    answers_cut: dict[str, int] | None = None  # regenerate: answers kept though cut short, by the limit hit
 
     @property
     def rows(self) -> int:

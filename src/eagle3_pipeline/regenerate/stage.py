@@ -31,7 +31,7 @@ WORKER = "eagle3_pipeline.regenerate.worker"
 REGENERATED_DIR = "regenerated"  # <store>/<dataset>/regenerated/<version>/
 DONE = "regenerate.json"
 # Bump when the same inputs and settings give different rows or quarantine decisions.
-REGENERATE_FORMAT = 1
+REGENERATE_FORMAT = 2  # 2: a row names its answers cut short (regenerated.cut_turns)
 SINGLE_PASS_GAP = ("this pipeline regenerates and extracts in two passes: the rows extract records are prepare's "
                    "rendering of each whole regenerated conversation (templates re-render history, e.g. drop the "
                    "reasoning of earlier turns; re-tokenized text can split differently from the generated ids; the "
@@ -58,6 +58,8 @@ class RegenerateResult(BaseModel):
     kept_tool_turns: int
     quarantine_kinds: dict[str, int]
     turns_rendered_differently: int  # answered turns whose rendering is not prompt + generated text
+    answers_cut: dict[str, int] = {}  # answers kept though cut short (on_length: keep), by the limit hit
+    conversations_ended: int = 0  # ended before a turn whose history was past max_history_tokens
     shards_total: int
     shards_computed: int  # by this call
     single_pass: bool
@@ -134,7 +136,8 @@ def version_key(cfg: RegenerateConfig, shards: list[ShardInput], target: TargetC
             "dtype": target.dtype, "tokenizer": tok_id, "template": tok.chat_template, "template_kwargs": kwargs,
             "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_tokens,
                          "seed": cfg.seed},
-            "turns": {"max_turns": cfg.max_turns, "on_length": cfg.on_length},
+            "turns": {"max_turns": cfg.max_turns, "on_length": cfg.on_length,
+                      **({"max_history_tokens": h} if (h := cfg.max_history_tokens) is not None else {})},
             "reasoning_parser": cfg.reasoning_parser, "max_model_len": cfg.max_model_len,
             "format": REGENERATE_FORMAT, **({"engine": e} if (e := cpu_build_kwargs()) else {})}
 
@@ -170,7 +173,7 @@ def _lineage(req: _Request) -> dict:
                    "chat_template_sha256": hashlib.sha256((tok.chat_template or "").encode()).hexdigest()},
         "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_tokens,
                      "seed": cfg.seed, "request_seed": "sha256(seed|conversation id|turn)"},
-        "turns": {"max_turns": cfg.max_turns, "on_length": cfg.on_length,
+        "turns": {"max_turns": cfg.max_turns, "on_length": cfg.on_length, "max_history_tokens": cfg.max_history_tokens,
                   "policy": "text replies answered in order, each on the regenerated history; assistant turns with "
                             "tool calls, system prompts, tools, user turns and tool results kept verbatim; a "
                             "conversation ending in a user turn or tool result gets one more answer"},
@@ -319,6 +322,7 @@ def _publish(run: ShardRun, ev: dict) -> None:
                                f"{ev['rows_out']} + {ev['rows_quarantined']} of {ev['rows_in']}")
     keys = ("rows_in", "rows_out", "rows_quarantined", "quarantine_kinds", "turns_regenerated", "kept_tool_turns",
             "tokens_generated", "prompt_tokens", "rounds", "turns_rendered_differently", "first_difference",
+            "answers_cut", "conversations_ended",
             "generate_s", "seconds")
 
     def same_rows(m: dict) -> None:
@@ -339,9 +343,12 @@ def _assemble(run: ShardRun, note: dict, shards_computed: int, engine_start_s: f
     atomic_write_text(out / "quarantine.jsonl",
                       "".join((out / QUARANTINE_DIR / shard_file(e.index)).read_text() for e in es))
     kinds: dict[str, int] = {}
+    cut: dict[str, int] = {}
     for e in es:
         for k, v in (e.quarantine_kinds or {}).items():
             kinds[k] = kinds.get(k, 0) + v
+        for k, v in (e.answers_cut or {}).items():
+            cut[k] = cut.get(k, 0) + v
 
     def total(key: str):
         return sum(e.count(key) for e in es)
@@ -353,7 +360,8 @@ def _assemble(run: ShardRun, note: dict, shards_computed: int, engine_start_s: f
         rows_in=total("rows_in"), rows_out=total("rows_out"), rows_quarantined=total("rows_quarantined"),
         tokens_generated=total("tokens_generated"), prompt_tokens=total("prompt_tokens"),
         turns_regenerated=total("turns_regenerated"), kept_tool_turns=total("kept_tool_turns"),
-        quarantine_kinds=kinds, turns_rendered_differently=total("turns_rendered_differently"),
+        quarantine_kinds=kinds, turns_rendered_differently=total("turns_rendered_differently"), answers_cut=cut,
+        conversations_ended=total("conversations_ended"),
         shards_total=len(es), shards_computed=shards_computed, single_pass=m.single_pass,
         single_pass_reason=m.single_pass_reason or "", output_token_states=m.output_token_states,
         thinking=note, generate_s=round(gen_s, 3),

@@ -15,6 +15,9 @@ The policy, turn by turn, in message order:
   target answers that last message too (so a prompts-only row, system + user, becomes a conversation).
 - `max_turns`: at most this many replies per conversation are answered; the conversation is cut
   after the last one (what followed answered a history that no longer exists). None = all.
+- `max_history_tokens`: a later turn whose prompt is longer is not answered; the conversation ends
+  after the turns answered so far (training cuts rows at prepare.max_length anyway). A first turn
+  whose prompt is longer quarantines the conversation (PROMPT_TOO_LONG).
 - A conversation without any text reply to answer (only tool-call turns) is passed through unchanged.
 - A turn the target cannot answer quarantines the whole conversation (the later turns depend on
   it): `Problem(kind, reason)` names the turn. Kinds: see QUARANTINE_KINDS.
@@ -110,6 +113,8 @@ class ConversationRun:
     k: int = 0  # index into plan.targets of the next turn
     problem: Problem | None = None
     generated_tokens: int = 0
+    cut_turns: list[int] = field(default_factory=list)  # answered turns cut short (on_length: keep)
+    ended_early: bool = False  # ended before a turn whose history was past max_history_tokens (end_here)
 
     @property
     def done(self) -> bool:
@@ -134,13 +139,23 @@ class ConversationRun:
     def fail(self, problem: Problem) -> None:
         self.problem = problem
 
+    def end_here(self) -> None:
+        """End the conversation before the next turn (its history grew past regenerate.max_history_tokens):
+        the turns answered so far are kept, what followed them is cut (as max_turns cuts)."""
+        assert self.k > 0, "a conversation with no answered turn is quarantined, not ended"
+        self.plan.messages = self.plan.messages[: self.plan.targets[self.k - 1] + 1]
+        self.plan.targets = self.plan.targets[: self.k]
+        self.plan.kept_tool_turns = sum(1 for m in self.plan.messages if m["role"] == "assistant" and m.get("tool_calls"))
+        self.ended_early = True
+
     def record(self) -> dict:
         """The output row (OpenAI format; prepare reads it like any source row)."""
         rec = {"id": self.sample_id, "messages": self.plan.messages}
         if self.tools:
             rec["tools"] = self.tools
         rec["regenerated"] = {"turns": self.plan.targets, "kept_tool_turns": self.plan.kept_tool_turns,
-                              "source": self.source, "row": self.row, "generated_tokens": self.generated_tokens}
+                              "source": self.source, "row": self.row, "generated_tokens": self.generated_tokens,
+                              "cut_turns": self.cut_turns}
         return {**self.extra, **rec}
 
     def quarantine_entry(self) -> dict:

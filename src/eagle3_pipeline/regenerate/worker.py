@@ -122,6 +122,8 @@ def _run_shard(llm, target: _Target, job: RegenerateJob, shard: ShardInput, rows
     t0 = time.time()
     convs, quarantined = T.begin(rows, cfg.max_turns)
     answered = generated = prompt_tokens = differently = rounds = 0
+    cut: dict[str, int] = {}  # answers kept though cut short (on_length: keep), by the limit they hit
+    ended = 0  # conversations ended before a turn whose history was past max_history_tokens
     first_difference = None
     gen_s = 0.0
     limit = f"max_tokens {cfg.max_tokens}"
@@ -135,6 +137,14 @@ def _run_shard(llm, target: _Target, job: RegenerateJob, shard: ShardInput, rows
                 c.fail(T.Problem(T.TEMPLATE, f"turn {c.turn}: the chat template raised {type(e).__name__}: {e}"))
                 continue
             ids = target.ids(text)
+            if cfg.max_history_tokens is not None and len(ids) > cfg.max_history_tokens:
+                if c.k > 0:
+                    c.end_here()
+                    ended += 1
+                    continue
+                c.fail(T.Problem(T.PROMPT_TOO_LONG, f"turn {c.turn}: the prompt has {len(ids)} tokens, more than "
+                                                    f"regenerate.max_history_tokens {cfg.max_history_tokens}"))
+                continue
             if len(ids) >= max_len:
                 c.fail(T.Problem(T.PROMPT_TOO_LONG, f"turn {c.turn}: the prompt has {len(ids)} tokens, the engine's "
                                                     f"max_model_len is {max_len} (nothing left to generate)"))
@@ -165,6 +175,9 @@ def _run_shard(llm, target: _Target, job: RegenerateJob, shard: ShardInput, rows
                 c.fail(problem)
                 continue
             turn = c.turn
+            if o.finish_reason == "length":
+                cut[why_cut] = cut.get(why_cut, 0) + 1
+                c.cut_turns.append(turn)
             c.answer(content, reasoning)
             answered += 1
             try:  # does the answered turn render back as the prompt followed by what was generated?
@@ -189,7 +202,8 @@ def _run_shard(llm, target: _Target, job: RegenerateJob, shard: ShardInput, rows
                rows_quarantined=len(entries), quarantine_kinds=kinds,
                turns_regenerated=sum(len(c.plan.targets) for c in convs if c.problem is None), turns_answered=answered,
                kept_tool_turns=sum(c.plan.kept_tool_turns for c in convs if c.problem is None),
-               tokens_generated=generated, prompt_tokens=prompt_tokens, rounds=rounds,
+               tokens_generated=generated, prompt_tokens=prompt_tokens, rounds=rounds, answers_cut=cut,
+               conversations_ended=ended,
                turns_rendered_differently=differently, first_difference=first_difference,
                generate_s=round(gen_s, 4), seconds=round(time.time() - t0, 4))
 

@@ -35,6 +35,8 @@ class CurvePoint(BaseModel):
     best_free: float | None = None
     prompts: str | None = None  # the evaluation prompt set's source: τ compares only on the same set
     k: int | None = None
+    data: str = "source"  # "source": the dataset's own answers; "regenerated": the target's (one curve each)
+    supervised_tokens: int | None = None  # of train_tokens, those under the loss mask (prepare's count)
 
 
 class Decision(BaseModel):
@@ -124,11 +126,11 @@ def read_history(path: Path) -> list[CurvePoint]:
 
 def record_run(path: Path, point: CurvePoint) -> list[CurvePoint]:
     """Add (or replace: a run reported again) this run's point; returns the curve of the runs comparable with it
-    (same prompt set and k), by training tokens."""
+    (same prompt set, k and kind of answers), by training tokens."""
     rows = [p for p in read_history(path) if p.run_id != point.run_id] + [point]
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(Path(path), "".join(p.model_dump_json() + "\n" for p in rows))
-    same = [p for p in rows if p.prompts == point.prompts and p.k == point.k]
+    same = [p for p in rows if (p.prompts, p.k, p.data) == (point.prompts, point.k, point.data)]
     return sorted(same, key=lambda p: (p.train_tokens, p.run_id))
 
 
@@ -145,6 +147,10 @@ def curve_point(run_id: str, stages: dict) -> CurvePoint | None:
     free = [f for f in free if isinstance(f, (int, float))]
     ps = ev_flat.get("prompt_set") or {}
     trained = ev_flat.get("trained") or {}
+    pr = stages.get("prepare") or {}
+    sup = pr.get("supervised_tokens", (pr.get("details") or {}).get("supervised_tokens"))
     return CurvePoint(run_id=run_id, train_tokens=int(tokens // max(int(epochs), 1)), tau=float(tau),
                       best_free=max(free) if free else None, prompts=ps.get("source") if isinstance(ps, dict) else None,
-                      k=trained.get("num_speculative_tokens") if isinstance(trained, dict) else None)
+                      k=trained.get("num_speculative_tokens") if isinstance(trained, dict) else None,
+                      data="regenerated" if stages.get("regenerate") else "source",
+                      supervised_tokens=sup if isinstance(sup, int) else None)

@@ -268,7 +268,8 @@ def _decision(d) -> list[str]:
                        + (f"{margin:+.3f} {'✓' if margin > 0 else '✗'}" if _isnum(margin) else "–") + " |")
         out.append("")
     if d.get("curve") and len(d["curve"]) > 1:
-        out += ["τ against training data, the runs of this dataset and target on these prompts: "
+        kind = "its regenerated answers" if d["curve"][0].get("data") == "regenerated" else "its own answers"
+        out += [f"τ against training data, the runs of this dataset ({kind}) and target on these prompts: "
                 + ", ".join(f"{_num(p['train_tokens'])} tokens τ {p['tau']:.3f}" for p in d["curve"][:8])
                 + (" …" if len(d["curve"]) > 8 else "") + " (plots/tau_vs_data.png)", ""]
     return out
@@ -326,8 +327,36 @@ def _summary(stages: dict) -> list[str]:
         text = ", ".join(f"{_num(v)} {k.replace('_', ' ')}" for k, v in nums if _isnum(v))
         version = _get(rg, "version")
         out.append("- **Regenerated** answers with the target: " + (text or "no numbers")
-                   + (f" (version `{version}`)" if version else ""))
+                   + (f" (version `{version}`)" if version else "") + _cut_answers(rg))
+    out += _data_summary(stages.get("prepare") or {})
     return out
+
+
+def _cut_answers(rg: dict) -> str:
+    """How many regenerated answers were kept though cut short (on_length: keep), by the limit they hit."""
+    cut, turns = _get(rg, "answers_cut"), _get(rg, "turns_regenerated")
+    if not isinstance(cut, dict):
+        return ""
+    n = sum(v for v in cut.values() if _isnum(v))
+    of = f" of {_num(turns)}" if _isnum(turns) else ""
+    if not n:
+        return f"; none of the{' ' + _num(turns) if _isnum(turns) else ''} answers cut short"
+    return (f"; ⚠ **{_num(n)}{of} answers cut short** and kept (" + ", ".join(f"at {k}: {_num(v)}" for k, v in
+                                                                            cut.items()) + ")")
+
+
+def _data_summary(pr: dict) -> list[str]:
+    """The training data's size: rows, tokens, the tokens trained on, rows cut at prepare.max_length."""
+    rows, tokens, sup = _get(pr, "rows_out"), _get(pr, "tokens"), _get(pr, "supervised_tokens")
+    if not _isnum(rows) or not _isnum(tokens):
+        return []
+    line = f"- **Training data:** {_num(rows)} rows, {_num(tokens)} tokens"
+    if _isnum(sup):
+        line += f", {_num(sup)} of them trained on (the loss mask)"
+    cut = _get(pr, "rows_truncated")
+    if _isnum(cut) and cut:
+        line += f"; {_num(cut)} rows cut at prepare.max_length"
+    return [line]
 
 
 def _train_summary(tr: dict) -> list[str]:
