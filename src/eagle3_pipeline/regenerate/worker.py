@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
