@@ -221,7 +221,8 @@ def prepare(config: ConfigOpt, set_: SetOpt = None) -> None:
     cfg = load_config(config, set_ or [])
     _hub_secret(cfg)
     rec = stage_prepare(cfg, log=console.print, regenerated=_regenerated(cfg))
-    console.print_json(data=rec.model_dump(include={"version", "dir", "rows_in", "rows_out", "rows_quarantined", "tokens"}))
+    console.print_json(data=rec.model_dump(include={"version", "dir", "rows_in", "rows_out", "rows_quarantined", "tokens",
+                                                    "supervised_tokens", "rows_truncated"}))
 
 
 @app.command()
@@ -238,7 +239,8 @@ def regenerate(config: ConfigOpt, set_: SetOpt = None) -> None:
     rec = stage_regenerate(cfg, log=console.print)
     console.print_json(data=rec.model_dump(include={"version", "dir", "rows_in", "rows_out", "rows_quarantined",
                                                     "tokens_generated", "rows_per_s", "tokens_per_s", "single_pass",
-                                                    "single_pass_reason", "quarantine_kinds", "cached"}))
+                                                    "single_pass_reason", "quarantine_kinds", "turns_regenerated",
+                                                    "answers_cut", "conversations_ended", "cached"}))
 
 
 def _regenerated(cfg):
