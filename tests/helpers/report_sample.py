@@ -42,7 +42,8 @@ def sample_report(run_id: str = "20261201-033731-6ee4") -> dict:
         "stages": {
             "regenerate": {"version": "0c1d2e3f4a5b", "rows_in": 300, "rows_out": 297, "rows_quarantined": 3,
                            "tokens_generated": 48213, "details": {"temperature": 0.0, "turns_regenerated": 412,
-                                                                  "answers_cut": {"max_tokens 256": 37}}},
+                                                                  "answers_cut": {"max_tokens 256": 37},
+                                                                  "answers_repeating": 21}},
             "prepare": {"version": "591a33c497d5", "rows_in": 297, "rows_out": 349, "rows_quarantined": 0,
                         "tokens": 63077, "details": {"rows_heldout": 32, "tokenized": f"{STORE}/tokenized",
                                                      "supervised_tokens": 30412, "rows_truncated": 6}},

@@ -276,6 +276,11 @@ def test_moe_keeps_tools_and_tool_turns_and_splits_thinking(moe):
     assert r.turns_regenerated > 0
     assert r.turns_rendered_differently == 0  # each answer renders back as the target generated it
     assert r.thinking["requested"] is True and r.thinking["applied"] is False  # this template has no switch
+    out = read_rows(r)  # answers cut short (on_length: keep) and answers that loop: counted and named in their row
+    assert sum(r.answers_cut.values()) == sum(len(row["regenerated"]["cut_turns"]) for row in out)
+    assert r.answers_repeating == sum(len(row["regenerated"]["repeating_turns"]) for row in out)
+    assert all(set(row["regenerated"]["cut_turns"] + row["regenerated"]["repeating_turns"])
+               <= set(row["regenerated"]["turns"]) for row in out)
     for row in read_rows(r):
         src = moe.src[row["id"]]
         assert row.get("tools") == src.get("tools") and row["family"] == src["family"]

@@ -75,6 +75,15 @@ def test_a_long_history_ends_the_conversation_after_the_turns_answered():
     assert rec["regenerated"]["kept_tool_turns"] == 1 and rec["regenerated"]["cut_turns"] == []
 
 
+def test_an_answer_that_loops_is_told_from_one_that_does_not():
+    loop = [5, 6, 7, 8, 9, 10, 11, 12] * 6  # one sentence over and over
+    assert T.repeats_itself([1, 2, 3, 4] + loop)
+    assert not T.repeats_itself(list(range(60)))  # every span distinct
+    assert not T.repeats_itself(list(range(30)) + [5, 6, 7, 8, 9, 10, 11, 12] * 2)  # a phrase said twice
+    assert not T.repeats_itself([3] * 15)  # too short to tell
+    assert T.repeats_itself([3] * 40)
+
+
 def test_only_tool_calls_passes_through_unchanged():
     msgs = agentic()[:3]  # ends with the assistant's call: nothing to answer
     plan = T.plan_turns(msgs)

@@ -31,7 +31,7 @@ WORKER = "eagle3_pipeline.regenerate.worker"
 REGENERATED_DIR = "regenerated"  # <store>/<dataset>/regenerated/<version>/
 DONE = "regenerate.json"
 # Bump when the same inputs and settings give different rows or quarantine decisions.
-REGENERATE_FORMAT = 2  # 2: a row names its answers cut short (regenerated.cut_turns)
+REGENERATE_FORMAT = 3  # 2: a row names its answers cut short (regenerated.cut_turns); 3: and those that loop
 SINGLE_PASS_GAP = ("this pipeline regenerates and extracts in two passes: the rows extract records are prepare's "
                    "rendering of each whole regenerated conversation (templates re-render history, e.g. drop the "
                    "reasoning of earlier turns; re-tokenized text can split differently from the generated ids; the "
@@ -60,6 +60,7 @@ class RegenerateResult(BaseModel):
     turns_rendered_differently: int  # answered turns whose rendering is not prompt + generated text
     answers_cut: dict[str, int] = {}  # answers kept though cut short (on_length: keep), by the limit hit
     conversations_ended: int = 0  # ended before a turn whose history was past max_history_tokens
+    answers_repeating: int = 0  # kept answers that are mostly a loop (turns.repeats_itself)
     shards_total: int
     shards_computed: int  # by this call
     single_pass: bool
@@ -322,7 +323,7 @@ def _publish(run: ShardRun, ev: dict) -> None:
                                f"{ev['rows_out']} + {ev['rows_quarantined']} of {ev['rows_in']}")
     keys = ("rows_in", "rows_out", "rows_quarantined", "quarantine_kinds", "turns_regenerated", "kept_tool_turns",
             "tokens_generated", "prompt_tokens", "rounds", "turns_rendered_differently", "first_difference",
-            "answers_cut", "conversations_ended",
+            "answers_cut", "conversations_ended", "answers_repeating",
             "generate_s", "seconds")
 
     def same_rows(m: dict) -> None:
@@ -361,7 +362,7 @@ def _assemble(run: ShardRun, note: dict, shards_computed: int, engine_start_s: f
         tokens_generated=total("tokens_generated"), prompt_tokens=total("prompt_tokens"),
         turns_regenerated=total("turns_regenerated"), kept_tool_turns=total("kept_tool_turns"),
         quarantine_kinds=kinds, turns_rendered_differently=total("turns_rendered_differently"), answers_cut=cut,
-        conversations_ended=total("conversations_ended"),
+        conversations_ended=total("conversations_ended"), answers_repeating=total("answers_repeating"),
         shards_total=len(es), shards_computed=shards_computed, single_pass=m.single_pass,
         single_pass_reason=m.single_pass_reason or "", output_token_states=m.output_token_states,
         thinking=note, generate_s=round(gen_s, 3),

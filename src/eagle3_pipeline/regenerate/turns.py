@@ -99,6 +99,18 @@ def judge(text: str | None, finish_reason: str | None, on_length: str,
     return content, (reasoning if reasoning and reasoning.strip() else None), None
 
 
+REPEAT_SPAN = 8  # tokens of the spans repeats_itself compares
+REPEAT_DISTINCT = 0.5  # an answer with fewer distinct spans than this share of its spans repeats itself
+
+
+def repeats_itself(ids: list[int]) -> bool:
+    """Whether a generated answer is mostly a loop: fewer than REPEAT_DISTINCT of its REPEAT_SPAN-token spans
+    are distinct (greedy decoding of a small target falls into such loops; a draft trained on them learns
+    loops). Answers shorter than two spans never count."""
+    spans = [tuple(ids[i:i + REPEAT_SPAN]) for i in range(len(ids) - REPEAT_SPAN + 1)]
+    return len(spans) > REPEAT_SPAN and len(set(spans)) < REPEAT_DISTINCT * len(spans)
+
+
 @dataclass
 class ConversationRun:
     """One conversation being regenerated: its plan, the next turn to answer, and its outcome."""
@@ -114,6 +126,7 @@ class ConversationRun:
     problem: Problem | None = None
     generated_tokens: int = 0
     cut_turns: list[int] = field(default_factory=list)  # answered turns cut short (on_length: keep)
+    repeating_turns: list[int] = field(default_factory=list)  # answered turns that repeat themselves (repeats_itself)
     ended_early: bool = False  # ended before a turn whose history was past max_history_tokens (end_here)
 
     @property
@@ -155,7 +168,7 @@ class ConversationRun:
             rec["tools"] = self.tools
         rec["regenerated"] = {"turns": self.plan.targets, "kept_tool_turns": self.plan.kept_tool_turns,
                               "source": self.source, "row": self.row, "generated_tokens": self.generated_tokens,
-                              "cut_turns": self.cut_turns}
+                              "cut_turns": self.cut_turns, "repeating_turns": self.repeating_turns}
         return {**self.extra, **rec}
 
     def quarantine_entry(self) -> dict:

@@ -123,6 +123,7 @@ def _run_shard(llm, target: _Target, job: RegenerateJob, shard: ShardInput, rows
     answered = generated = prompt_tokens = differently = rounds = 0
     cut: dict[str, int] = {}  # answers kept though cut short (on_length: keep), by the limit they hit
     ended = 0  # conversations ended before a turn whose history was past max_history_tokens
+    repeating = 0  # kept answers that repeat themselves (turns.repeats_itself)
     first_difference = None
     gen_s = 0.0
     limit = f"max_tokens {cfg.max_tokens}"
@@ -177,6 +178,9 @@ def _run_shard(llm, target: _Target, job: RegenerateJob, shard: ShardInput, rows
             if o.finish_reason == "length":
                 cut[why_cut] = cut.get(why_cut, 0) + 1
                 c.cut_turns.append(turn)
+            if T.repeats_itself(list(o.token_ids)):
+                repeating += 1
+                c.repeating_turns.append(turn)
             c.answer(content, reasoning)
             answered += 1
             try:  # does the answered turn render back as the prompt followed by what was generated?
@@ -202,7 +206,7 @@ def _run_shard(llm, target: _Target, job: RegenerateJob, shard: ShardInput, rows
                turns_regenerated=sum(len(c.plan.targets) for c in convs if c.problem is None), turns_answered=answered,
                kept_tool_turns=sum(c.plan.kept_tool_turns for c in convs if c.problem is None),
                tokens_generated=generated, prompt_tokens=prompt_tokens, rounds=rounds, answers_cut=cut,
-               conversations_ended=ended,
+               conversations_ended=ended, answers_repeating=repeating,
                turns_rendered_differently=differently, first_difference=first_difference,
                generate_s=round(gen_s, 4), seconds=round(time.time() - t0, 4))
 

@@ -327,7 +327,7 @@ def _summary(stages: dict) -> list[str]:
         text = ", ".join(f"{_num(v)} {k.replace('_', ' ')}" for k, v in nums if _isnum(v))
         version = _get(rg, "version")
         out.append("- **Regenerated** answers with the target: " + (text or "no numbers")
-                   + (f" (version `{version}`)" if version else "") + _cut_answers(rg))
+                   + (f" (version `{version}`)" if version else "") + _cut_answers(rg) + _repeating(rg))
     out += _data_summary(stages.get("prepare") or {})
     return out
 
@@ -343,6 +343,15 @@ def _cut_answers(rg: dict) -> str:
         return f"; none of the{' ' + _num(turns) if _isnum(turns) else ''} answers cut short"
     return (f"; ⚠ **{_num(n)}{of} answers cut short** and kept (" + ", ".join(f"at {k}: {_num(v)}" for k, v in
                                                                             cut.items()) + ")")
+
+
+def _repeating(rg: dict) -> str:
+    """How many kept answers are mostly a loop (regenerate/turns.repeats_itself)."""
+    n, turns = _get(rg, "answers_repeating"), _get(rg, "turns_regenerated")
+    if not _isnum(n) or not n:
+        return ""
+    return (f"; ⚠ **{_num(n)}{f' of {_num(turns)}' if _isnum(turns) else ''} answers repeat themselves** (fewer "
+            f"than half of their 8-token spans distinct: the draft learns the loops)")
 
 
 def _data_summary(pr: dict) -> list[str]:
