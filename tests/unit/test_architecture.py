@@ -133,7 +133,6 @@ LONG_FUNCTIONS = {
     "data/prepare.py:_assemble": (108, "chunks to one dataset: duplicates, held-out pick and every count prepare.json reports"),
     "extract/worker.py:_run_shard": (65, "one shard's prefill, capture checks, durable writes and event, in the order they must happen"),
     "preflight/stage.py:preflight": (82, "the checks in the order a user reads them; each adds a problem or a warning"),
-    "regenerate/worker.py:_run_shard": (81, "one shard's turn-by-turn generation with the quarantine reason of every row it drops"),
     "targets/smollm2.py:build_smollm2": (66, "GGUF tensors to HF names, tokenizer and template, written in the build's order"),
     "train/export.py:export_check": (79, "one check per property of an exported draft, each with its own message"),
     "train/worker.py:run_train": (82, "the speculators trainer's set-up (model, data, resume, kill hooks) in the order it needs"),

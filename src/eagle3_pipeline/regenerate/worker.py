@@ -24,10 +24,12 @@ import hashlib
 import os
 import signal
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle3_pipeline.core.proc import child_main, emit_event
 from eagle3_pipeline.core.progress import LineProgress
+from eagle3_pipeline.regenerate import turns as T
 from eagle3_pipeline.regenerate.job import (QUARANTINE_DIR, ROWS_DIR, RegenerateJob, ShardInput, input_sha, shard_file,
                                             source_rows)
 
@@ -110,45 +112,99 @@ def _max_model_len(llm) -> int:
     raise RuntimeError("cannot read max_model_len from the vLLM engine")
 
 
+@dataclass
+class _Tally:
+    """One shard's work: what its turns are asked and judged with, and what its rounds add up to (the
+    numbers of its shard_done event)."""
+    target: _Target
+    cfg: object  # RegenerateConfig
+    max_len: int  # the engine's max_model_len
+    answered: int = 0
+    generated: int = 0
+    prompt_tokens: int = 0
+    differently: int = 0  # answered turns that do not render back as prompt + generated text
+    rounds: int = 0
+    ended: int = 0  # conversations ended before a turn whose history was past max_history_tokens
+    repeating: int = 0  # kept answers that repeat themselves (turns.repeats_itself)
+    cut: dict[str, int] = field(default_factory=dict)  # answers kept though cut short, by the limit they hit
+    first_difference: dict | None = None
+    gen_s: float = 0.0
+
+
+def _next_prompt(c, tally: _Tally) -> tuple[str, list[int]] | None:
+    """The rendered prompt of a conversation's next turn and its ids; None when the conversation failed
+    (quarantined with its reason) or ended here (max_history_tokens)."""
+    target, cfg, max_len = tally.target, tally.cfg, tally.max_len
+    try:
+        text = target.render(c.history(), c.tools, generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - the template's own error, kept as the reason
+        c.fail(T.Problem(T.TEMPLATE, f"turn {c.turn}: the chat template raised {type(e).__name__}: {e}"))
+        return None
+    ids = target.ids(text)
+    if cfg.max_history_tokens is not None and len(ids) > cfg.max_history_tokens:
+        if c.k > 0:
+            c.end_here()
+            tally.ended += 1
+            return None
+        c.fail(T.Problem(T.PROMPT_TOO_LONG, f"turn {c.turn}: the prompt has {len(ids)} tokens, more than "
+                                            f"regenerate.max_history_tokens {cfg.max_history_tokens}"))
+        return None
+    if len(ids) >= max_len:
+        c.fail(T.Problem(T.PROMPT_TOO_LONG, f"turn {c.turn}: the prompt has {len(ids)} tokens, the engine's "
+                                            f"max_model_len is {max_len} (nothing left to generate)"))
+        return None
+    return text, ids
+
+
+def _take_answer(c, text: str, out, tally: _Tally) -> None:
+    """Judge one generated answer: the turn is answered with it, or the conversation fails with the reason."""
+    target, cfg, max_len = tally.target, tally.cfg, tally.max_len
+    o = out.outputs[0] if out.outputs else None
+    n = len(o.token_ids) if o is not None else 0
+    tally.generated += n
+    c.generated_tokens += n
+    why_cut = f"max_tokens {cfg.max_tokens}" if n >= cfg.max_tokens else f"max_model_len {max_len}"
+    content, reasoning, problem = T.judge(o.text if o else None, o.finish_reason if o else None,
+                                          cfg.on_length, target.split, c.turn, why_cut)
+    if problem is not None:
+        c.fail(problem)
+        return
+    turn = c.turn
+    if o.finish_reason == "length":
+        tally.cut[why_cut] = tally.cut.get(why_cut, 0) + 1
+        c.cut_turns.append(turn)
+    if T.repeats_itself(list(o.token_ids)):
+        tally.repeating += 1
+        c.repeating_turns.append(turn)
+    c.answer(content, reasoning)
+    tally.answered += 1
+    try:  # does the answered turn render back as the prompt followed by what was generated?
+        same = target.render(c.plan.messages[: turn + 1], c.tools, generation_prompt=False).startswith(text + o.text)
+    except Exception:  # noqa: BLE001
+        same = False
+    if not same:
+        tally.differently += 1
+        tally.first_difference = tally.first_difference or {"sample_id": c.sample_id, "turn": turn,
+                                                            "generated": o.text[:200]}
+
+
 def _run_shard(llm, target: _Target, job: RegenerateJob, shard: ShardInput, rows: list, max_len: int) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from eagle3_pipeline.regenerate import turns as T
     from eagle3_pipeline.core.store import atomic_write_text
 
     cfg = job.regenerate
     t0 = time.time()
     convs, quarantined = T.begin(rows, cfg.max_turns)
-    answered = generated = prompt_tokens = differently = rounds = 0
-    cut: dict[str, int] = {}  # answers kept though cut short (on_length: keep), by the limit they hit
-    ended = 0  # conversations ended before a turn whose history was past max_history_tokens
-    repeating = 0  # kept answers that repeat themselves (turns.repeats_itself)
-    first_difference = None
-    gen_s = 0.0
-    limit = f"max_tokens {cfg.max_tokens}"
+    tally = _Tally(target, cfg, max_len)
     while active := [c for c in convs if not c.done]:
-        rounds += 1
+        tally.rounds += 1
         batch, prompts, params, texts = [], [], [], []
         for c in active:
-            try:
-                text = target.render(c.history(), c.tools, generation_prompt=True)
-            except Exception as e:  # noqa: BLE001 - the template's own error, kept as the reason
-                c.fail(T.Problem(T.TEMPLATE, f"turn {c.turn}: the chat template raised {type(e).__name__}: {e}"))
+            if (asked := _next_prompt(c, tally)) is None:
                 continue
-            ids = target.ids(text)
-            if cfg.max_history_tokens is not None and len(ids) > cfg.max_history_tokens:
-                if c.k > 0:
-                    c.end_here()
-                    ended += 1
-                    continue
-                c.fail(T.Problem(T.PROMPT_TOO_LONG, f"turn {c.turn}: the prompt has {len(ids)} tokens, more than "
-                                                    f"regenerate.max_history_tokens {cfg.max_history_tokens}"))
-                continue
-            if len(ids) >= max_len:
-                c.fail(T.Problem(T.PROMPT_TOO_LONG, f"turn {c.turn}: the prompt has {len(ids)} tokens, the engine's "
-                                                    f"max_model_len is {max_len} (nothing left to generate)"))
-                continue
+            text, ids = asked
             batch.append(c)
             texts.append(text)
             prompts.append(TokensPrompt(prompt_token_ids=ids))
@@ -156,42 +212,15 @@ def _run_shard(llm, target: _Target, job: RegenerateJob, shard: ShardInput, rows
                 temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens,
                 seed=T.request_seed(cfg.seed, c.sample_id, c.turn),
                 skip_special_tokens=False, spaces_between_special_tokens=False))  # the text as generated
-            prompt_tokens += len(ids)
+            tally.prompt_tokens += len(ids)
         if not batch:
             continue
         t1 = time.time()
-        what = f"regenerate: shard {shard.index}, round {rounds}"
+        what = f"regenerate: shard {shard.index}, round {tally.rounds}"
         outs = llm.generate(prompts, params, use_tqdm=LineProgress(what, sum(len(p["prompt_token_ids"]) for p in prompts)))
-        gen_s += time.time() - t1
+        tally.gen_s += time.time() - t1
         for c, text, out in zip(batch, texts, outs):
-            o = out.outputs[0] if out.outputs else None
-            n = len(o.token_ids) if o is not None else 0
-            generated += n
-            c.generated_tokens += n
-            why_cut = limit if n >= cfg.max_tokens else f"max_model_len {max_len}"
-            content, reasoning, problem = T.judge(o.text if o else None, o.finish_reason if o else None,
-                                                  cfg.on_length, target.split, c.turn, why_cut)
-            if problem is not None:
-                c.fail(problem)
-                continue
-            turn = c.turn
-            if o.finish_reason == "length":
-                cut[why_cut] = cut.get(why_cut, 0) + 1
-                c.cut_turns.append(turn)
-            if T.repeats_itself(list(o.token_ids)):
-                repeating += 1
-                c.repeating_turns.append(turn)
-            c.answer(content, reasoning)
-            answered += 1
-            try:  # does the answered turn render back as the prompt followed by what was generated?
-                full = target.render(c.plan.messages[: turn + 1], c.tools, generation_prompt=False)
-                same = full.startswith(text + o.text)
-            except Exception:  # noqa: BLE001
-                same = False
-            if not same:
-                differently += 1
-                first_difference = first_difference or {"sample_id": c.sample_id, "turn": turn,
-                                                        "generated": o.text[:200]}
+            _take_answer(c, text, out, tally)
     out_rows, entries = T.finish(convs, quarantined)
     out_dir = Path(job.out_dir)
     name = shard_file(shard.index)
@@ -203,12 +232,13 @@ def _run_shard(llm, target: _Target, job: RegenerateJob, shard: ShardInput, rows
         kinds[e["kind"]] = kinds.get(e["kind"], 0) + 1
     emit_event(kind="shard_done", shard=shard.index, file=name, rows_in=len(rows), rows_out=len(out_rows),
                rows_quarantined=len(entries), quarantine_kinds=kinds,
-               turns_regenerated=sum(len(c.plan.targets) for c in convs if c.problem is None), turns_answered=answered,
+               turns_regenerated=sum(len(c.plan.targets) for c in convs if c.problem is None),
+               turns_answered=tally.answered,
                kept_tool_turns=sum(c.plan.kept_tool_turns for c in convs if c.problem is None),
-               tokens_generated=generated, prompt_tokens=prompt_tokens, rounds=rounds, answers_cut=cut,
-               conversations_ended=ended, answers_repeating=repeating,
-               turns_rendered_differently=differently, first_difference=first_difference,
-               generate_s=round(gen_s, 4), seconds=round(time.time() - t0, 4))
+               tokens_generated=tally.generated, prompt_tokens=tally.prompt_tokens, rounds=tally.rounds,
+               answers_cut=tally.cut, conversations_ended=tally.ended, answers_repeating=tally.repeating,
+               turns_rendered_differently=tally.differently, first_difference=tally.first_difference,
+               generate_s=round(tally.gen_s, 4), seconds=round(time.time() - t0, 4))
 
 
 def _shard_rows(job: RegenerateJob) -> dict[int, list]:
