@@ -84,6 +84,39 @@ def test_an_answer_that_loops_is_told_from_one_that_does_not():
     assert T.repeats_itself([3] * 40)
 
 
+@pytest.mark.parametrize("policy", ["keep", "end"])
+def test_a_looping_answer_is_kept_and_named_or_ends_the_conversation(policy):
+    """regenerate.on_repetition over the worker's judging of one generated answer (no engine: the output
+    is what vLLM returns, the target renders nothing that matters here)."""
+    from types import SimpleNamespace
+
+    from eagle3_pipeline.regenerate.worker import _take_answer, _Tally
+
+    cfg = RegenerateConfig(on_length="keep", max_tokens=64, on_repetition=policy)
+    tally = _Tally(SimpleNamespace(render=lambda *a, **k: "", split=None), cfg, 1024)
+
+    def out(ids, text, finish="stop"):
+        return SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, text=text, finish_reason=finish)])
+
+    loop = list(range(8)) * 8  # 64 tokens, one 8-token sentence over and over: cut at max_tokens too
+    first = T.ConversationRun("c1", "src.jsonl", 0, None, T.plan_turns(agentic()))
+    _take_answer(first, "", out(loop, "again " * 64, "length"), tally)  # its first answer loops
+    later = T.ConversationRun("c2", "src.jsonl", 1, None, T.plan_turns(agentic()))
+    _take_answer(later, "", out(list(range(40)), "Bo has 555."), tally)  # a plain answer, then a loop
+    _take_answer(later, "", out(loop, "again " * 64, "length"), tally)
+    assert tally.repeating == 2 and tally.answered == (3 if policy == "keep" else 1)
+    if policy == "keep":
+        assert first.problem is None and first.repeating_turns == [4] and first.cut_turns == [4]
+        assert later.done and later.record()["regenerated"]["repeating_turns"] == [6]
+        assert tally.cut == {"max_tokens 64": 2}
+    else:
+        assert first.problem.kind == T.REPEATS and "mostly a loop" in first.problem.reason
+        assert first.quarantine_entry()["generated"].startswith("again")
+        assert later.problem is None and later.ended_early and later.record()["regenerated"]["turns"] == [4]
+        assert later.record()["messages"][-1]["content"] == "Bo has 555." and tally.ended == 1
+        assert tally.cut == {} and later.record()["regenerated"]["repeating_turns"] == []
+
+
 def test_only_tool_calls_passes_through_unchanged():
     msgs = agentic()[:3]  # ends with the assistant's call: nothing to answer
     plan = T.plan_turns(msgs)

@@ -139,7 +139,7 @@ def test_report_md_rounds_numbers_and_keeps_tables_small(tmp_path):
     assert "**Training:** online, 128 steps, final loss 0.2856 (the last step's), held-out loss 0.3123, hidden states on disk at peak 2.1 MB" in md
     assert ("300 rows in, 297 rows out, 3 rows quarantined, 48,213 tokens generated (version `0c1d2e3f4a5b`); "
             "⚠ **37 of 412 answers cut short** and kept (at max_tokens 256: 37); ⚠ **21 of 412 answers repeat "
-            "themselves** (fewer than half of their 8-token spans distinct: the draft learns the loops)") in md
+            "themselves** (fewer than half of their 8-token spans distinct; kept: the draft learns the loops)") in md
     assert ("- **Training data:** 349 rows, 63,077 tokens, 30,412 of them trained on (the loss mask); "
             "6 rows cut at prepare.max_length") in md
     # τ per category: one row per category, the sampled column with a dash where it was not measured

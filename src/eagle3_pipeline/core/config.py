@@ -358,6 +358,10 @@ class RegenerateConfig(EngineConfig):
                                            "tokens is not answered: the conversation ends after the turns answered "
                                            "so far (set it near prepare.max_length: training cuts longer rows); "
                                            "None = every turn while it fits max_model_len")
+    on_repetition: Literal["keep", "end"] = Field("keep", description="an answer that is mostly a loop (fewer than "
+                                                  "half of its 8-token spans distinct): keep it, or end the "
+                                                  "conversation before that turn (a looping first answer quarantines "
+                                                  "the conversation); counted either way")
     on_length: Literal["quarantine", "keep"] = Field("quarantine", description="an answer cut off at max_tokens (or "
                                                      "max_model_len): quarantine the conversation, or keep the cut answer")
     max_model_len: int | None = Field(None, ge=16, description="engine context; None = the model's. A prompt that "

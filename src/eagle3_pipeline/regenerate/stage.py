@@ -60,7 +60,8 @@ class RegenerateResult(BaseModel):
     turns_rendered_differently: int  # answered turns whose rendering is not prompt + generated text
     answers_cut: dict[str, int] = {}  # answers kept though cut short (on_length: keep), by the limit hit
     conversations_ended: int = 0  # ended before a turn whose history was past max_history_tokens
-    answers_repeating: int = 0  # kept answers that are mostly a loop (turns.repeats_itself)
+    answers_repeating: int = 0  # answers that are mostly a loop (turns.repeats_itself), kept or not (on_repetition)
+    on_repetition: str = "keep"  # what was done with them (regenerate.on_repetition)
     shards_total: int
     shards_computed: int  # by this call
     single_pass: bool
@@ -138,7 +139,8 @@ def version_key(cfg: RegenerateConfig, shards: list[ShardInput], target: TargetC
             "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_tokens,
                          "seed": cfg.seed},
             "turns": {"max_turns": cfg.max_turns, "on_length": cfg.on_length,
-                      **({"max_history_tokens": h} if (h := cfg.max_history_tokens) is not None else {})},
+                      **({"max_history_tokens": h} if (h := cfg.max_history_tokens) is not None else {}),
+                      **({"on_repetition": cfg.on_repetition} if cfg.on_repetition != "keep" else {})},
             "reasoning_parser": cfg.reasoning_parser, "max_model_len": cfg.max_model_len,
             "format": REGENERATE_FORMAT, **({"engine": e} if (e := cpu_build_kwargs()) else {})}
 
@@ -175,6 +177,7 @@ def _lineage(req: _Request) -> dict:
         "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_tokens,
                      "seed": cfg.seed, "request_seed": "sha256(seed|conversation id|turn)"},
         "turns": {"max_turns": cfg.max_turns, "on_length": cfg.on_length, "max_history_tokens": cfg.max_history_tokens,
+                  "on_repetition": cfg.on_repetition,
                   "policy": "text replies answered in order, each on the regenerated history; assistant turns with "
                             "tool calls, system prompts, tools, user turns and tool results kept verbatim; a "
                             "conversation ending in a user turn or tool result gets one more answer"},
@@ -363,6 +366,7 @@ def _assemble(run: ShardRun, note: dict, shards_computed: int, engine_start_s: f
         turns_regenerated=total("turns_regenerated"), kept_tool_turns=total("kept_tool_turns"),
         quarantine_kinds=kinds, turns_rendered_differently=total("turns_rendered_differently"), answers_cut=cut,
         conversations_ended=total("conversations_ended"), answers_repeating=total("answers_repeating"),
+        on_repetition=(m.lineage.get("turns") or {}).get("on_repetition") or "keep",
         shards_total=len(es), shards_computed=shards_computed, single_pass=m.single_pass,
         single_pass_reason=m.single_pass_reason or "", output_token_states=m.output_token_states,
         thinking=note, generate_s=round(gen_s, 3),

@@ -19,6 +19,8 @@ The policy, turn by turn, in message order:
   after the turns answered so far (training cuts rows at prepare.max_length anyway). A first turn
   whose prompt is longer quarantines the conversation (PROMPT_TOO_LONG).
 - A conversation without any text reply to answer (only tool-call turns) is passed through unchanged.
+- `on_repetition: end`: an answer that is mostly a loop (repeats_itself) ends the conversation before
+  that turn, as max_history_tokens does; a looping first answer quarantines it (REPEATS).
 - A turn the target cannot answer quarantines the whole conversation (the later turns depend on
   it): `Problem(kind, reason)` names the turn. Kinds: see QUARANTINE_KINDS.
 """
@@ -38,7 +40,8 @@ PROMPT_TOO_LONG = "prompt too long"     # history + generation prompt does not f
 CUT = "cut at max_tokens"               # finish_reason length (on_length: quarantine)
 EMPTY = "empty answer"                  # nothing but whitespace (or only reasoning) was generated
 UNUSABLE = "no usable text"             # a finish reason that leaves no answer (abort, error)
-QUARANTINE_KINDS = (MALFORMED, PRETOKENIZED, TEMPLATE, PROMPT_TOO_LONG, CUT, EMPTY, UNUSABLE)
+REPEATS = "answer repeats itself"       # the first answer is mostly a loop (on_repetition: end)
+QUARANTINE_KINDS = (MALFORMED, PRETOKENIZED, TEMPLATE, PROMPT_TOO_LONG, CUT, EMPTY, UNUSABLE, REPEATS)
 
 
 @dataclass
@@ -127,7 +130,7 @@ class ConversationRun:
     generated_tokens: int = 0
     cut_turns: list[int] = field(default_factory=list)  # answered turns cut short (on_length: keep)
     repeating_turns: list[int] = field(default_factory=list)  # answered turns that repeat themselves (repeats_itself)
-    ended_early: bool = False  # ended before a turn whose history was past max_history_tokens (end_here)
+    ended_early: bool = False  # ended before a turn (end_here: its history was too long, or its answer looped)
 
     @property
     def done(self) -> bool:
@@ -153,7 +156,8 @@ class ConversationRun:
         self.problem = problem
 
     def end_here(self) -> None:
-        """End the conversation before the next turn (its history grew past regenerate.max_history_tokens):
+        """End the conversation before the next turn (its history grew past regenerate.max_history_tokens, or
+        its answer looped under on_repetition: end):
         the turns answered so far are kept, what followed them is cut (as max_turns cuts)."""
         assert self.k > 0, "a conversation with no answered turn is quarantined, not ended"
         self.plan.messages = self.plan.messages[: self.plan.targets[self.k - 1] + 1]

@@ -124,8 +124,8 @@ class _Tally:
     prompt_tokens: int = 0
     differently: int = 0  # answered turns that do not render back as prompt + generated text
     rounds: int = 0
-    ended: int = 0  # conversations ended before a turn whose history was past max_history_tokens
-    repeating: int = 0  # kept answers that repeat themselves (turns.repeats_itself)
+    ended: int = 0  # conversations ended before a turn (history past max_history_tokens, or a loop: on_repetition)
+    repeating: int = 0  # answers that repeat themselves (turns.repeats_itself), kept or not
     cut: dict[str, int] = field(default_factory=dict)  # answers kept though cut short, by the limit they hit
     first_difference: dict | None = None
     gen_s: float = 0.0
@@ -170,12 +170,21 @@ def _take_answer(c, text: str, out, tally: _Tally) -> None:
         c.fail(problem)
         return
     turn = c.turn
+    if T.repeats_itself(list(o.token_ids)):
+        tally.repeating += 1
+        if cfg.on_repetition == "end":
+            if c.k > 0:
+                c.end_here()
+                tally.ended += 1
+            else:
+                c.fail(T.Problem(T.REPEATS, f"turn {turn}: the answer is mostly a loop (fewer than half of its "
+                                            f"{T.REPEAT_SPAN}-token spans distinct; regenerate.on_repetition: end)",
+                                 o.text[:1000]))
+            return
+        c.repeating_turns.append(turn)
     if o.finish_reason == "length":
         tally.cut[why_cut] = tally.cut.get(why_cut, 0) + 1
         c.cut_turns.append(turn)
-    if T.repeats_itself(list(o.token_ids)):
-        tally.repeating += 1
-        c.repeating_turns.append(turn)
     c.answer(content, reasoning)
     tally.answered += 1
     try:  # does the answered turn render back as the prompt followed by what was generated?

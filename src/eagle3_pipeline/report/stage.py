@@ -350,8 +350,11 @@ def _repeating(rg: dict) -> str:
     n, turns = _get(rg, "answers_repeating"), _get(rg, "turns_regenerated")
     if not _isnum(n) or not n:
         return ""
+    if _get(rg, "on_repetition") == "end":  # not among the turns kept
+        return (f"; {_num(n)} answers repeated themselves (fewer than half of their 8-token spans distinct): their "
+                f"conversations end before them (on_repetition: end)")
     return (f"; ⚠ **{_num(n)}{f' of {_num(turns)}' if _isnum(turns) else ''} answers repeat themselves** (fewer "
-            f"than half of their 8-token spans distinct: the draft learns the loops)")
+            f"than half of their 8-token spans distinct; kept: the draft learns the loops)")
 
 
 def _data_summary(pr: dict) -> list[str]:
