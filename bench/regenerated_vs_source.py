@@ -42,7 +42,8 @@ def summary(run: Path) -> dict:
     return {"run": run.name, "regenerated": bool(rg), "rows": _get(pr, "rows_out"), "tokens": _get(pr, "tokens"),
             "supervised": _get(pr, "supervised_tokens"), "rows_cut": _get(pr, "rows_truncated"),
             "answers": _get(rg, "turns_regenerated"), "answers_cut": sum(cut.values()) if rg else None,
-            "epochs": _get(tr, "epochs_done"), "val_loss": _get(tr, "val_loss"), "final_acc": _get(tr, "final_acc"),
+            "answers_repeating": _get(rg, "answers_repeating") if rg else None,
+            "epochs": _get(tr, "epochs_done"), "val_loss": _get(tr, "val_loss"), "acc1": _first(_get(tr, "final_acc")),
             "tau": _get(ev, "acceptance_length"), "tau_untrained": _get(ev, "acceptance_length_untrained"),
             "per_turn": _get(ev, "acceptance_length_per_turn") or {},
             "per_category": {c: v.get("acceptance_length") for c, v in cats.items() if isinstance(v, dict)},
@@ -62,6 +63,11 @@ def history(rep: dict) -> list[dict]:
     path = history_path(Path(cfg["store"]), cfg["prepare"]["dataset"], cfg["target"]["model"])
     return [p.model_dump() for p in read_history(path)
             if (p.prompts, p.k, p.data) == (mine.get("prompts"), mine.get("k"), mine.get("data", "source"))]
+
+
+def _first(v):
+    """The first draft position's accuracy (final_acc is one number per position)."""
+    return v[0] if isinstance(v, list) and v else v
 
 
 def on_curve(curve: list[dict], tokens: int) -> float | None:
@@ -89,18 +95,21 @@ def main() -> int:
     ap.add_argument("--regenerated", type=Path, required=True, help="run dir trained on the target's answers")
     ap.add_argument("--tolerance", type=float, default=0.05, help="supervised tokens closer than this are equal")
     ap.add_argument("--json", type=Path, help="also write the comparison here")
+    ap.add_argument("--any-runs", action="store_true", help="compare two runs whatever their data (e.g. regenerated "
+                    "rows filtered by hand and read as a source)")
     a = ap.parse_args()
     s, r = summary(a.source), summary(a.regenerated)
-    if s["regenerated"] or not r["regenerated"]:
+    if not a.any_runs and (s["regenerated"] or not r["regenerated"]):
         raise SystemExit("--source must be a run without regenerate, --regenerated one with it")
-    con = Console(width=140)
+    con = Console(width=160)
     t = Table(title="training data")
-    for col in ("arm", "run", "rows", "tokens", "supervised", "rows cut at max_length", "answers", "answers cut short",
-                "held-out loss", "final acc"):
+    for col in ("arm", "run", "rows", "tokens", "supervised", "rows cut at max_length", "answers", "cut short",
+                "looping", "held-out loss (own data)", "acc@1"):
         t.add_column(col, justify="right" if col not in ("arm", "run") else "left")
     for name, x in (("source", s), ("regenerated", r)):
         t.add_row(name, x["run"], _f(x["rows"]), _f(x["tokens"]), _f(x["supervised"]), _f(x["rows_cut"]),
-                  _f(x["answers"]), _f(x["answers_cut"]), _f(x["val_loss"], 4), _f(x["final_acc"], 4))
+                  _f(x["answers"]), _f(x["answers_cut"]), _f(x["answers_repeating"]), _f(x["val_loss"], 3),
+                  _f(x["acc1"], 3))
     con.print(t)
     ratio = r["supervised"] / s["supervised"] if s["supervised"] and r["supervised"] else None
     equal = ratio is not None and abs(ratio - 1) <= a.tolerance
