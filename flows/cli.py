@@ -240,7 +240,8 @@ def regenerate(config: ConfigOpt, set_: SetOpt = None) -> None:
     console.print_json(data=rec.model_dump(include={"version", "dir", "rows_in", "rows_out", "rows_quarantined",
                                                     "tokens_generated", "rows_per_s", "tokens_per_s", "single_pass",
                                                     "single_pass_reason", "quarantine_kinds", "turns_regenerated",
-                                                    "answers_cut", "conversations_ended", "cached"}))
+                                                    "answers_cut", "answers_repeating", "conversations_ended",
+                                                    "cached"}))
 
 
 def _regenerated(cfg):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,8 +140,7 @@ def version_key(cfg: RegenerateConfig, shards: list[ShardInput], target: TargetC
             "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_tokens,
                          "seed": cfg.seed},
             "turns": {"max_turns": cfg.max_turns, "on_length": cfg.on_length,
-                      **({"max_history_tokens": h} if (h := cfg.max_history_tokens) is not None else {}),
-                      **({"on_repetition": cfg.on_repetition} if cfg.on_repetition != "keep" else {})},
+                      "max_history_tokens": cfg.max_history_tokens, "on_repetition": cfg.on_repetition},
             "reasoning_parser": cfg.reasoning_parser, "max_model_len": cfg.max_model_len,
             "format": REGENERATE_FORMAT, **({"engine": e} if (e := cpu_build_kwargs()) else {})}
 
@@ -346,13 +346,10 @@ def _assemble(run: ShardRun, note: dict, shards_computed: int, engine_start_s: f
     es = m.shards
     atomic_write_text(out / "quarantine.jsonl",
                       "".join((out / QUARANTINE_DIR / shard_file(e.index)).read_text() for e in es))
-    kinds: dict[str, int] = {}
-    cut: dict[str, int] = {}
+    kinds, cut = Counter(), Counter()
     for e in es:
-        for k, v in (e.quarantine_kinds or {}).items():
-            kinds[k] = kinds.get(k, 0) + v
-        for k, v in (e.answers_cut or {}).items():
-            cut[k] = cut.get(k, 0) + v
+        kinds.update(e.quarantine_kinds or {})
+        cut.update(e.answers_cut or {})
 
     def total(key: str):
         return sum(e.count(key) for e in es)
@@ -364,7 +361,8 @@ def _assemble(run: ShardRun, note: dict, shards_computed: int, engine_start_s: f
         rows_in=total("rows_in"), rows_out=total("rows_out"), rows_quarantined=total("rows_quarantined"),
         tokens_generated=total("tokens_generated"), prompt_tokens=total("prompt_tokens"),
         turns_regenerated=total("turns_regenerated"), kept_tool_turns=total("kept_tool_turns"),
-        quarantine_kinds=kinds, turns_rendered_differently=total("turns_rendered_differently"), answers_cut=cut,
+        quarantine_kinds=dict(kinds), turns_rendered_differently=total("turns_rendered_differently"),
+        answers_cut=dict(cut),
         conversations_ended=total("conversations_ended"), answers_repeating=total("answers_repeating"),
         on_repetition=(m.lineage.get("turns") or {}).get("on_repetition") or "keep",
         shards_total=len(es), shards_computed=shards_computed, single_pass=m.single_pass,

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle3_pipeline.core.config import RegenerateConfig
 from eagle3_pipeline.core.proc import child_main, emit_event
 from eagle3_pipeline.core.progress import LineProgress
 from eagle3_pipeline.regenerate import turns as T
@@ -117,7 +118,7 @@ class _Tally:
     """One shard's work: what its turns are asked and judged with, and what its rounds add up to (the
     numbers of its shard_done event)."""
     target: _Target
-    cfg: object  # RegenerateConfig
+    cfg: RegenerateConfig
     max_len: int  # the engine's max_model_len
     answered: int = 0
     generated: int = 0

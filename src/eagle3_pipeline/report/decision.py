@@ -63,7 +63,7 @@ def decide(evaluate: dict | None, curve: list[CurvePoint]) -> Decision | None:
     """The decision from report.json's evaluate entry (contract keys and details alike) and the curve."""
     if not isinstance(evaluate, dict):
         return None
-    flat = {**(evaluate.get("details") or {}), **{k: v for k, v in evaluate.items() if v is not None}}
+    flat = _flat(evaluate)
     free = {name: (flat.get(key) or {}).get("tokens_per_step") for key, name, _ in BASELINES
             if isinstance(flat.get(key), dict)}
     overall = _row(flat.get("acceptance_length"), free)
@@ -134,11 +134,15 @@ def record_run(path: Path, point: CurvePoint) -> list[CurvePoint]:
     return sorted(same, key=lambda p: (p.train_tokens, p.run_id))
 
 
+def _flat(entry: dict | None) -> dict:
+    """A report entry's contract keys and details in one mapping (a contract key's value wins unless None)."""
+    entry = entry or {}
+    return {**(entry.get("details") or {}), **{k: v for k, v in entry.items() if v is not None}}
+
+
 def curve_point(run_id: str, stages: dict) -> CurvePoint | None:
     """This run's point from its report entries (None: no trained draft was evaluated)."""
-    ev, tr = stages.get("evaluate") or {}, stages.get("train") or {}
-    ev_flat = {**(ev.get("details") or {}), **{k: v for k, v in ev.items() if v is not None}}
-    tr_flat = {**(tr.get("details") or {}), **{k: v for k, v in tr.items() if v is not None}}
+    ev_flat, tr_flat, pr_flat = (_flat(stages.get(name)) for name in ("evaluate", "train", "prepare"))
     tau, tokens, epochs = ev_flat.get("acceptance_length"), tr_flat.get("tokens"), tr_flat.get("epochs_done") or 1
     if not isinstance(tau, (int, float)) or not isinstance(tokens, int) or tokens <= 0:
         return None
@@ -147,8 +151,7 @@ def curve_point(run_id: str, stages: dict) -> CurvePoint | None:
     free = [f for f in free if isinstance(f, (int, float))]
     ps = ev_flat.get("prompt_set") or {}
     trained = ev_flat.get("trained") or {}
-    pr = stages.get("prepare") or {}
-    sup = pr.get("supervised_tokens", (pr.get("details") or {}).get("supervised_tokens"))
+    sup = pr_flat.get("supervised_tokens")
     return CurvePoint(run_id=run_id, train_tokens=int(tokens // max(int(epochs), 1)), tau=float(tau),
                       best_free=max(free) if free else None, prompts=ps.get("source") if isinstance(ps, dict) else None,
                       k=trained.get("num_speculative_tokens") if isinstance(trained, dict) else None,

@@ -340,7 +340,7 @@ def _cut_answers(rg: dict) -> str:
     n = sum(v for v in cut.values() if _isnum(v))
     of = f" of {_num(turns)}" if _isnum(turns) else ""
     if not n:
-        return f"; none of the{' ' + _num(turns) if _isnum(turns) else ''} answers cut short"
+        return f"; none{of} answers cut short"
     return (f"; ⚠ **{_num(n)}{of} answers cut short** and kept (" + ", ".join(f"at {k}: {_num(v)}" for k, v in
                                                                             cut.items()) + ")")
 
