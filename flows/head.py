@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from eagle3_pipeline.core.config import PipelineConfig
+from eagle3_pipeline.core.config import PipelineConfig, check_target
 from eagle3_pipeline.data.prepare import PrepareResult
 from eagle3_pipeline.records.layout import ExtractVersion
 from eagle3_pipeline.preflight.stage import PreflightResult
@@ -28,6 +28,7 @@ class Prepared(BaseModel):
 def prepare_run(config: PipelineConfig, clock=None) -> Prepared:
     """Run the head; `clock` (runs.StageClock) times each stage when given."""
     timed = clock.stage if clock is not None else lambda name: contextlib.nullcontext()
+    check_target(config)  # a missing model directory is named before any stage
     regen = None
     if config.regenerate.enabled:  # the target answers the sources' turns; prepare reads its rows
         with timed("regenerate"):

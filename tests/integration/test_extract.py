@@ -27,6 +27,7 @@ from eagle3_pipeline.extract.worker import KILL_AFTER_ENV, ExtractJob, ShardSpec
 from eagle3_pipeline.records.layout import ExtractVersion, plan_shards
 from eagle3_pipeline.core.proc import ChildFailed, python_child
 from tests.helpers.version import extract_all, make_version
+from tests.helpers.stack import expected_runner
 
 ROWS, ROWS_PER_SHARD = 12, 4  # 3 shards
 LAYER_IDS = [2, 4, 5, 8]      # the default for the 8-layer tiny target: [2, N//2, N-3] + N
@@ -295,7 +296,7 @@ def test_fp8_records_carry_per_token_scales(tmp_path):
     assert set(bf) == {"hidden_states", "token_ids"} and bf["hidden_states"].dtype == torch.bfloat16
 
 
-RUNNER_LINE = "extract worker: engine runner vllm.v1.worker.cpu_model_runner:CPUModelRunner, hooks live: "
+RUNNER_LINE = f"extract worker: engine runner {expected_runner()}, hooks live: "
 
 
 def test_the_engine_runs_the_v1_runner_with_its_hooks_live(full_run):
@@ -319,7 +320,7 @@ def test_a_hook_missing_from_the_engine_stops_before_the_first_shard(small_token
         extract_all(_cfg(engine_in_process=False), target, _version(target, small_tokenized, out), log=lambda _: None)
     refused = [e for e in chain(err.value) if isinstance(e, RunnerRefused)]
     assert refused, str(err.value)
-    assert "the hook(s) state_sketch never ran in the engine's runner vllm.v1.worker.cpu_model_runner:CPUModelRunner" \
+    assert f"the hook(s) state_sketch never ran in the engine's runner {expected_runner()}" \
         in str(refused[0])
     assert exit_code(err.value) == 5 and not is_transient(err.value, (OSError, ChildFailed))
     shards = ShardRun(out).read_raw()["shards"]

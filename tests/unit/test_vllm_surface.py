@@ -193,7 +193,7 @@ def test_a_child_that_found_dead_hooks_is_not_retried():
 
 
 def test_preflight_finds_the_c_compiler_triton_would_use(monkeypatch, tmp_path):
-    from eagle3_pipeline.preflight.stage import c_compiler
+    from eagle3_pipeline.core.host import c_compiler
 
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("CC", raising=False)
@@ -204,3 +204,31 @@ def test_preflight_finds_the_c_compiler_triton_would_use(monkeypatch, tmp_path):
     assert c_compiler() == str(gcc)
     monkeypatch.setenv("CC", "clang-99")
     assert c_compiler() is None  # Triton takes $CC as it is: one that is not there fails its first kernel
+
+
+def test_a_wheel_the_index_cannot_give_is_named_with_how_to_seed_the_cache(tmp_path, monkeypatch):
+    """A lock entry the configured index does not have: the error names the wheel, the lock and how to seed the
+    cache (pip download on a machine that reaches it), and nothing half-written is left in the cache."""
+    from tests.helpers import wheels
+
+    monkeypatch.setenv("EAGLE3_WHEEL_CACHE", str(tmp_path / "cache"))
+    lock = tmp_path / "missing.lock"
+    lock.write_text("eagle3-pipeline-no-such-wheel==9.9.9 \\\n    --hash=sha256:" + "0" * 64 + "\n")
+    with pytest.raises(wheels.WheelUnavailable) as err:
+        wheels.locked_wheel("eagle3-pipeline-no-such-wheel", lock=lock)
+    msg = str(err.value)
+    assert "eagle3-pipeline-no-such-wheel==9.9.9" in msg and "missing.lock" in msg and "pip's configured index" in msg
+    assert "Seed the cache instead" in msg and str(tmp_path / "cache") in msg
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_one_prefect_everywhere():
+    """pyproject pins the Prefect (and prefect-kubernetes) the GPU lock installs, which is the one installed here:
+    an environment without vLLM (the worker, the pipeline pod) cannot resolve another."""
+    import importlib.metadata as md
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = {r.split("==")[0]: r.split("==")[1] for r in project["dependencies"] + project["optional-dependencies"]["k8s"]
+            if "==" in r}
+    for name in ("prefect", "prefect-kubernetes"):
+        assert pins[name] == locked(name)[0] == md.version(name), name

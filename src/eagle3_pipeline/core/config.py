@@ -31,8 +31,10 @@ class Strict(BaseModel):
 
 
 class TargetConfig(Strict):
-    model: str = Field(description="HF model directory (or hub name on machines that can reach a hub)")
+    model: str = Field(description="HF model directory (a hub name only with `hub: true`)")
     tokenizer: str | None = Field(None, description="defaults to the model directory")
+    hub: bool = Field(False, description="model and tokenizer may be hub ids (org/name) that transformers and vLLM "
+                      "download; off, each must be a local directory, checked before any stage runs")
     revision: str | None = None
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
         "bfloat16", description="the dtype vLLM (extract, regenerate, evaluate) and the streamed verify reference "
@@ -494,6 +496,39 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     except ValidationError as e:
         lines = describe_validation_error(e)
         raise ConfigError(f"config {path}{' with overrides' if overrides else ''}: " + "; ".join(lines)) from None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+
+
+def target_problems(target: TargetConfig) -> list[str]:
+    """Why `target.model` or `target.tokenizer` is not a local model (or tokenizer) directory: a typo or an
+    unmounted volume is named here, not as a hub error at prepare. With `hub: true` a name that is no local path
+    is left to the hub."""
+    out = []
+    for key, path, wanted in (("target.model", target.model, ("config.json",)),
+                              ("target.tokenizer", target.tokenizer, TOKENIZER_FILES)):
+        p = Path(path).expanduser()
+        if target.hub and not p.exists():
+            continue
+        what = f"a local model directory holding {' or '.join(wanted)}"
+        if not p.exists():
+            hint = "" if target.hub else "; a hub id needs target.hub: true"
+            out.append(f"{key} {path}: no such file or directory (resolved to {p.resolve()}), expected {what}{hint}")
+        elif not p.is_dir():
+            out.append(f"{key} {path}: is a file, expected {what}")
+        elif not any((p / name).exists() for name in wanted):
+            out.append(f"{key} {path}: is a directory without {' or '.join(wanted)}, expected {what}")
+        if key == "target.model" and target.tokenizer == target.model and out:
+            break  # the tokenizer is the same path: said once
+    return out
+
+
+def check_target(cfg: PipelineConfig) -> PipelineConfig:
+    """`cfg`, or a ConfigError naming every target path that is not what it should be (before any stage)."""
+    if problems := target_problems(cfg.target):
+        raise ConfigError("config: " + "; ".join(problems))
+    return cfg
 
 
 def hub_token(target: TargetConfig) -> str | None:

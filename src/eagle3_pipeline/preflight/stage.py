@@ -25,6 +25,7 @@ from eagle3_pipeline.core.config import PipelineConfig
 from eagle3_pipeline.records.contracts import (ContractError, ModelDims, fingerprint_blocker, fingerprints_off_problem,
                                       model_dims, resolve_layer_ids)
 from eagle3_pipeline.engine.start import MemoryPlan, describe, memory_plan, what_fits
+from eagle3_pipeline.core import host
 from eagle3_pipeline.core.errors import EnvironmentProblem
 from eagle3_pipeline.core.stage_spec import StageSpec
 
@@ -152,15 +153,6 @@ def hardware_problem(plan: MemoryPlan, engine) -> str:
             f"GPU ({plan.stage}.gpu_memory_gib or nvidia-smi): it cannot load here; what fits: {what_fits(plan, engine)}")
 
 
-def c_compiler() -> str | None:
-    """The C compiler Triton would use (its own search, triton/runtime/build.py: $CC, then gcc, then clang on
-    PATH), or None."""
-    cc = os.environ.get("CC")
-    if cc:
-        return shutil.which(cc)
-    return next((p for p in map(shutil.which, ("gcc", "clang")) if p), None)
-
-
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
 
 
@@ -214,9 +206,10 @@ def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=prin
         if err:
             problems.append(f"{name}: {err}")
     problems += engine_surface_problems(cfg, flavour)
-    if flavour == "gpu" and not c_compiler():
-        problems.append("no C compiler ($CC, gcc or clang on PATH): Triton compiles its CUDA driver stub at the "
-                        "engine's first kernel, and FlashInfer's JIT and torch.compile compile too; install gcc")
+    if flavour == "gpu":
+        problems += host.build_problems()
+        listed, driver = host.nvidia_smi()
+        problems += host.cuda_host_problems(listed, driver, *host.torch_cuda_facts())
     try:
         dims = model_dims(cfg.target)
     except (ContractError, OSError, ValueError) as e:
