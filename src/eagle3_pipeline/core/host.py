@@ -91,6 +91,11 @@ def build_problems() -> list[str]:
     return out
 
 
+def gpu_host_problems() -> list[str]:
+    """Everything this host lacks for the GPU stack: Triton's build needs, and a torch that sees the listed GPUs."""
+    return build_problems() + cuda_host_problems(*nvidia_smi(), *torch_cuda_facts())
+
+
 def _dist(name: str) -> str | None:
     try:
         return md.version(name)

@@ -206,10 +206,7 @@ def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=prin
         if err:
             problems.append(f"{name}: {err}")
     problems += engine_surface_problems(cfg, flavour)
-    if flavour == "gpu":
-        problems += host.build_problems()
-        listed, driver = host.nvidia_smi()
-        problems += host.cuda_host_problems(listed, driver, *host.torch_cuda_facts())
+    problems += host.gpu_host_problems() if flavour == "gpu" else []
     try:
         dims = model_dims(cfg.target)
     except (ContractError, OSError, ValueError) as e:
