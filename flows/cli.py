@@ -147,7 +147,10 @@ def run(config: ConfigOpt, output_dir: Annotated[Path, typer.Option(help="where 
         console.print(f"report: {run_dir / 'report.md'}")
         fail("run", e)
     rep = json.loads((run_dir / "report.json").read_text())
-    console.print(f"[green bold]done[/]: {evaluate_headline(rep['stages'].get('evaluate') or {})}")
+    for w in rep.get("warnings") or []:
+        console.print(f"[yellow bold]warning[/]: {w}", highlight=False)
+    done = "[green bold]done[/]" if not rep.get("warnings") else "[yellow bold]done, with warnings[/]"
+    console.print(f"{done}: {evaluate_headline(rep['stages'].get('evaluate') or {})}")
     console.print(f"report: {run_dir / 'report.md'}\n        {run_dir / 'report.json'}")
 
 

@@ -16,7 +16,7 @@ import json
 import time
 from pathlib import Path
 
-from eagle3_pipeline.core.config import PipelineConfig
+from eagle3_pipeline.core.config import PipelineConfig, skipped_checks
 from eagle3_pipeline.data.prepare import PrepareResult
 from eagle3_pipeline.core.faults import fail_once
 from eagle3_pipeline.records.layout import ExtractVersion
@@ -49,7 +49,7 @@ def stage_regenerate(cfg: PipelineConfig, log=print):
 def stage_prepare(cfg: PipelineConfig, log=print, regenerated=None) -> PrepareResult:
     """Tokenize prepare.sources, or with `regenerated` (a RegenerateResult) the regenerated rows."""
     check_store(Path(cfg.store), log)
-    from eagle3_pipeline.data.prepare import prepare
+    from eagle3_pipeline.data.prepare import loss_warnings, prepare
 
     fail_once("prepare")
     prep_cfg = cfg.prepare
@@ -58,7 +58,10 @@ def stage_prepare(cfg: PipelineConfig, log=print, regenerated=None) -> PrepareRe
 
         prep_cfg = prepare_config(cfg.prepare, regenerated)
         log(f"prepare: reading the regenerated rows of version {regenerated.version} ({regenerated.rows_dir})")
-    return prepare(prep_cfg, cfg.target, Path(cfg.store), log=log)
+    res = prepare(prep_cfg, cfg.target, Path(cfg.store), log=log)
+    for w in loss_warnings(res, cfg.prepare):
+        log(f"prepare warning: {w}")
+    return res
 
 
 def first_quarantined(prep: PrepareResult, n: int) -> list[dict]:
@@ -116,6 +119,8 @@ def stage_verify(cfg: PipelineConfig, version: ExtractVersion, log=print):
     from eagle3_pipeline.verify.stage import check_verify_gate, verify
 
     fail_once("verify")
+    for w in skipped_checks(cfg):
+        log(f"verify warning: {w}")
     res = verify(cfg.verify, cfg.target, version, log=log, extract_cfg=cfg.extract)
     check_verify_gate(res)
     return res

@@ -91,4 +91,5 @@ def small_overrides(tiny_target: Path, store: Path) -> list[str]:
     return [f"store={store}", f"target.model={tiny_target}",
             f"prepare.sources=[{{path: {corpus / 'sharegpt.jsonl'}, limit: {n}}}, {{path: {corpus / 'openai.jsonl'}, limit: {n}}}]",
             "prepare.heldout_rows=4", f"extract.rows_per_shard={SMALL_ROWS_PER_SHARD}", "verify.reference_samples=0",
+            "verify.allow_skip=[reference]",
             "train.epochs=2", "train.max_seq_len=256"]

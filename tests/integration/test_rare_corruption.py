@@ -49,7 +49,7 @@ def test_rare_corruption_stops_the_run_at_verify(config, model, tiny_target, tmp
     per_source = 80 // len(base.prepare.sources)  # ~80 conversations, whatever the config's sources
     sources = ", ".join(f"{{path: {s.path}, limit: {per_source}}}" for s in base.prepare.sources)
     sets = [f"store={tmp_path / 'store'}", f"target.model={model}", f"prepare.sources=[{sources}]",
-            "prepare.heldout_rows=4", "extract.rows_per_shard=32", "verify.reference_samples=0",
+            "prepare.heldout_rows=4", "extract.rows_per_shard=32", "verify.reference_samples=0", "verify.allow_skip=[reference]",
             "extract.connector_module=tests.helpers.broken_connector",
             "extract.connector_name=RareCorruptionConnector"]
     env = {**os.environ, CORRUPT_EVERY_ENV: str(EVERY),

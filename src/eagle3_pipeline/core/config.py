@@ -77,6 +77,9 @@ class PrepareConfig(Strict):
                                            "alone, so a refresh that adds rows never moves one between training "
                                            "and held-out (heldout_rows then only caps heldout.jsonl); None = the "
                                            "heldout_rows lowest hashes (a refresh may shift that set)")
+    warn_loss_share: float = Field(0.02, ge=0, le=1, description="a run that quarantines or trims more than this "
+                                   "share of its input rows ends 'completed with warnings', the numbers first in the report")
+    warn_reason_share: float = Field(0.01, ge=0, le=1, description="the same for any single quarantine or trim reason")
     num_proc: int = Field(1, description="processes that tokenize chunks in parallel")
     chunk_rows: int = Field(1000, description="input rows per content-keyed chunk (a refresh redoes only changed chunks)")
 
@@ -141,6 +144,43 @@ class ExtractConfig(EngineConfig):
                                  "group (same engine, batch of one) and compared with the batched records; verify judges")
 
 
+SkippableCheck = Literal["reference", "fingerprint", "state_sketch", "prediction", "identity", "norm_bounds",
+                         "invariance", "confirmation"]
+# check -> (the setting that turns it off, what the run can no longer catch without it)
+OFF_SWITCHES: dict[str, tuple[str, str]] = {
+    "reference": ("verify.reference_samples: 0", "a forward computed wrongly (wrong positions, context, KV or kernel): "
+                  "the only check that recomputes rows with the target"),
+    "prediction": ("verify.prediction_max_z: null", "rows whose states the target's own next-token predictions "
+                   "disagree with, on every row rather than a sample"),
+    "identity": ("verify.identity_max_z: null", "an aux slot holding another layer than the one configured"),
+    "norm_bounds": ("verify.norm_bounds_samples: 0", "records with states far outside the version's norms"),
+    "confirmation": ("verify.confirm_rows: 0", "nothing more, but flagged rows stop the run without the target's "
+                     "verdict (false alarms are not cleared)"),
+    "invariance": ("extract.invariance_rows: 0", "an engine whose states depend on the batch a row was computed in"),
+    "fingerprint": ("extract.fingerprints: false", "a final layer that does not reproduce the target's logits"),
+    "state_sketch": ("extract.fingerprints: false", "stored states that differ from what the engine computed "
+                     "(transport and storage corruption)"),
+}
+
+
+def switched_off(cfg: PipelineConfig) -> list[str]:
+    """The checks this config's settings turn off (OFF_SWITCHES), in their order."""
+    v, e = cfg.verify, cfg.extract
+    off = {"reference": v.reference_samples == 0, "prediction": v.prediction_max_z is None,
+           "identity": v.identity_max_z is None, "norm_bounds": v.norm_bounds_samples == 0,
+           "confirmation": v.confirm_rows == 0, "invariance": e.invariance_rows == 0,
+           "fingerprint": not e.fingerprints, "state_sketch": not e.fingerprints}
+    return [k for k in OFF_SWITCHES if off[k]]
+
+
+def skipped_checks(cfg: PipelineConfig) -> list[str]:
+    """One warning per check this config skips (turned off, or named in verify.allow_skip), with what it could have
+    caught: the report's first lines and the console's."""
+    names = list(dict.fromkeys(switched_off(cfg) + list(cfg.verify.allow_skip)))
+    return [f"check {n} skipped ({OFF_SWITCHES[n][0] if n in switched_off(cfg) else 'verify.allow_skip names it'}): "
+            f"this run cannot catch {OFF_SWITCHES[n][1]}" for n in names]
+
+
 class VerifyConfig(Strict):
     reference_samples: int | None = Field(None, ge=0, description="rows re-computed with the target, streamed layer "
                                           "by layer (0 = skip, noted); None = sized so that a corruption of "
@@ -188,11 +228,12 @@ class VerifyConfig(Strict):
     confirm_rows: int = Field(32, ge=0, description="rows flagged only by learned checks (layer identity, norm "
                               "bounds) that are recomputed with the target before they may stop the run; a row "
                               "the model agrees with is cleared (0: learned checks alone decide)")
-    allow_skip: list[Literal["reference", "fingerprint", "state_sketch"]] = Field(
-        [], description="checks against the model itself that may be skipped when they cannot run here (a hub name "
-        "without a local copy, layers transformers cannot build on CPU, logits the fingerprint cannot reproduce); "
-        "otherwise such a check fails the gate. extract.fingerprints false turns both fingerprint and state_sketch "
-        "off and needs both named here; the report lists every check, ran or skipped, and why")
+    allow_skip: list[SkippableCheck] = Field(
+        [], description="checks that may be skipped: those against the model itself when they cannot run here (a hub "
+        "name without a local copy, layers transformers cannot build on CPU, logits the fingerprint cannot reproduce; "
+        "otherwise such a check fails the gate), and every check a setting turns off (OFF_SWITCHES: a setting that "
+        "turns one off without its name here is a config error). extract.fingerprints false turns both fingerprint "
+        "and state_sketch off and needs both named here. A skipped check is a warning at the top of the report")
     workers: int | None = Field(None, ge=1, description="threads reading and checking files; None = CPU count "
                                 "(max 8), or 1 for records under 4 MB on average")
     online_rows: int = Field(64, ge=1, description="train.mode online: rows whose hidden states are taken from the "
@@ -402,6 +443,16 @@ class PipelineConfig(Strict):
         "in_flow", description="where verify, train and evaluate run: in the flow's own process, or as runs of "
         "their deployments (verify-stage, train-stage, evaluate-stage) that the work pool places on GPU nodes, "
         "each with job variables derived from this config (cluster.py)")
+
+    @model_validator(mode="after")
+    def _no_silent_off_switch(self):
+        unnamed = [n for n in switched_off(self) if n not in self.verify.allow_skip
+                   and n not in ("fingerprint", "state_sketch")]  # extract.fingerprints false: preflight says it, naming both
+        if unnamed:
+            raise ValueError("; ".join(f"{OFF_SWITCHES[n][0]} turns the {n} check off, and then this run cannot catch "
+                                       f"{OFF_SWITCHES[n][1]}: name it to go on without it (verify.allow_skip: [{n}])"
+                                       for n in unnamed))
+        return self
 
 
 def _set_dotted(d: dict, key: str, value) -> None:

@@ -73,6 +73,24 @@ class PrepareResult(BaseModel):
     cached: bool = False
 
 
+def loss_warnings(res: PrepareResult, cfg: PrepareConfig) -> list[str]:
+    """The rows a prepare lost when they are more than `warn_loss_share` of its input (quarantined, or kept with
+    turns trimmed), or one reason is more than `warn_reason_share`: one line each, numbers and reasons first."""
+    if not res.rows_in:
+        return []
+    share = lambda n: n / res.rows_in  # noqa: E731
+    lost = res.rows_quarantined + res.rows_trimmed
+    reasons = sorted({**{f"quarantined: {k}": v for k, v in res.quarantine_reasons.items()},
+                      **{f"trimmed: {k}": v for k, v in res.trim_reasons.items()}}.items(), key=lambda kv: -kv[1])
+    loud = [(k, v) for k, v in reasons if share(v) > cfg.warn_reason_share]
+    if share(lost) <= cfg.warn_loss_share and not loud:
+        return []
+    top = ", ".join(f"{k} {v} ({share(v):.1%})" for k, v in (loud or reasons)[:6])
+    return [f"prepare lost {lost} of {res.rows_in} input rows ({share(lost):.1%}: {res.rows_quarantined} quarantined, "
+            f"{res.rows_trimmed} kept with turns trimmed; limits {cfg.warn_loss_share:.0%} in all, "
+            f"{cfg.warn_reason_share:.0%} per reason): {top}; every row is in {res.quarantine} with its reason"]
+
+
 def _summed(dicts) -> dict[str, int]:
     out: dict[str, int] = {}
     for d in dicts:

@@ -15,11 +15,21 @@ from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
-from eagle3_pipeline.core.config import PipelineConfig
+from eagle3_pipeline.core.config import PipelineConfig, skipped_checks
+from eagle3_pipeline.data.prepare import PrepareResult, loss_warnings
 from eagle3_pipeline.report.decision import curve_point, decide, history_path, record_run
 from eagle3_pipeline.report.record import RunReport
 from eagle3_pipeline.report.stage import build_report
 from eagle3_pipeline.core.store import write_json
+
+
+def run_warnings(config: PipelineConfig, recs: dict) -> list[str]:
+    """What a person must read before trusting a run that completed: the checks it skipped (with what each could
+    have caught) and the input rows it lost past prepare's limits."""
+    prep = recs.get("prepare")
+    lost = loss_warnings(PrepareResult.model_validate(prep), config.prepare) if prep else []
+    return lost + skipped_checks(config)
+
 
 def new_run_id() -> str:
     return datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
@@ -95,10 +105,12 @@ class RunDir:
         }
         if recs.get("regenerate"):  # the rows prepare read instead of the configured sources
             artifacts["regenerated"] = recs["regenerate"].get("rows_dir")
-        status = "failed" if error else "completed"
         rep = build_report(self.run_id, config.model_dump(mode="json"), versions, recs,
-                           {k: (str(v) if v is not None else None) for k, v in artifacts.items()}, status, error,
-                           timings=timings)
+                           {k: (str(v) if v is not None else None) for k, v in artifacts.items()},
+                           "failed" if error else "completed", error, timings=timings)
+        rep.warnings = run_warnings(config, recs) + rep.warnings
+        if rep.warnings and not error:
+            rep.status = "completed with warnings"
         return self._with_history(rep, config)
 
     def _with_history(self, rep: RunReport, config: PipelineConfig) -> RunReport:

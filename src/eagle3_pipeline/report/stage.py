@@ -220,10 +220,10 @@ def _data_plot(plt, run_dir: Path, decision) -> Plot | None:
 def _markdown(report: dict, plots: list[Plot], images: dict[str, str] | None = None) -> str:
     """report.md; `images` maps a plot name to its data URI (the reference definitions at the end)."""
     lines = [f"# eagle3-pipeline run `{report['run_id']}`", "", f"**Status:** {report['status']}", ""]
+    lines += [f"- ⚠ warning: {_cell(w)[:600]}" for w in report.get("warnings") or []] + ([""] if report.get("warnings") else [])
     lines += _decision(report.get("decision"))
     if report.get("error"):
         lines += ["```", report["error"][:4000], "```", ""]
-    lines += [f"- warning: {_cell(w)[:300]}" for w in report.get("warnings") or []] + ([""] if report.get("warnings") else [])
     stages = report.get("stages") or {}
     summary = _summary(stages)
     if summary:
