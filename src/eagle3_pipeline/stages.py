@@ -31,10 +31,11 @@ __all__ = ["plan_extract", "stage_regenerate", "stage_prepare", "stage_preflight
 
 
 def plan_extract(cfg: PipelineConfig, prep: PrepareResult, pre: PreflightResult) -> ExtractVersion:
-    """The ExtractVersion of a prepare and a preflight record, keyed by this vLLM build's engine settings."""
-    from eagle3_pipeline.engine.build import cpu_build_kwargs
+    """The ExtractVersion of a prepare and a preflight record, keyed by this vLLM build's engine settings and by
+    the build itself (engine_build: vLLM, torch, CUDA runtime)."""
+    from eagle3_pipeline.engine.build import cpu_build_kwargs, engine_build
 
-    return _plan_extract(cfg, prep, pre, cpu_build_kwargs())
+    return _plan_extract(cfg, prep, pre, {**cpu_build_kwargs(), "build": engine_build()})
 
 
 def stage_regenerate(cfg: PipelineConfig, log=print):

