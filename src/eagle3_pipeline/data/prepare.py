@@ -39,10 +39,14 @@ from eagle3_pipeline.core.store import (atomic_write, atomic_write_text, content
 TOKENIZER_FILES = ("tokenizer*.json", "special_tokens_map.json", "*.jinja", "*.model", "vocab*", "merges.txt")
 # Bump when the same rows, tokenizer and settings give different chunk bytes or quarantine decisions:
 # 2 = tool use, history-rewriting (thinking) templates, masks without offsets; 3 = leading assistant,
-# trailing and post-empty turns trimmed, ShareGPT's chatgpt/bing/bard speakers, damaged-file tails.
-PREPARE_FORMAT = 4
+# trailing and post-empty turns trimmed, ShareGPT's chatgpt/bing/bard speakers, damaged-file tails; 5 = each row's
+# hash as prepare judged it (ROW_HASHES).
+PREPARE_FORMAT = 5
 ROW_COLUMNS = ("sample_id", "conv_id", "input_ids", "loss_mask", "seq_len", "truncated", "prompt_ids", "reference",
                "source", "row")
+
+
+ROW_HASHES = "row_hashes.safetensors"
 
 
 class PrepareResult(BaseModel):
@@ -72,6 +76,7 @@ class PrepareResult(BaseModel):
     chunks_total: int
     chunks_computed: int
     cached: bool = False
+    row_hashes: str | None = None  # ROW_HASHES: each row's contracts.row_hash as prepare judged it
 
 
 def loss_warnings(res: PrepareResult, cfg: PrepareConfig) -> list[str]:
@@ -437,5 +442,23 @@ def _assemble(cfg: PrepareConfig, chunk_dirs: list[Path], computed: int, out: Pa
         tokens=int(sum(seq)), supervised_tokens=int(counts.sum()),
         quarantine_reasons=reasons, length_histogram={k: v for k, v in hist.items() if v},
         chunks_total=len(chunk_dirs), chunks_computed=computed)
+    atomic_write(out / ROW_HASHES, lambda p: save_file({"hashes": torch.from_numpy(_judged_row_hashes(arrow))}, str(p)))
+    res.row_hashes = str((out / ROW_HASHES).resolve())
     write_json(out / "prepare.json", res.model_dump())
     return res
+
+
+def _judged_row_hashes(arrow):
+    """contracts.row_hash of every row as prepare judged it (its mask checked twice), as uint8 [N, 8]: verify
+    compares the rows train will read with these, so a row changed after prepare is named."""
+    import numpy as np
+
+    from eagle3_pipeline.records.contracts import row_hash
+
+    if not arrow.num_rows:
+        return np.zeros((0, 8), dtype=np.uint8)
+    ids, masks = (arrow[c].combine_chunks() for c in ("input_ids", "loss_mask"))
+    offs = ids.offsets.to_numpy() - ids.offsets.to_numpy()[0]
+    iv, mv = ids.flatten().to_numpy(), masks.flatten().to_numpy()
+    return np.frombuffer(b"".join(bytes.fromhex(row_hash(iv[a:b], mv[a:b])) for a, b in zip(offs, offs[1:])),
+                         dtype=np.uint8).reshape(-1, 8).copy()

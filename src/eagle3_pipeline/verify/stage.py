@@ -36,7 +36,7 @@ from eagle3_pipeline.verify import cache
 from eagle3_pipeline.verify.extent import Evidence, Extent, assess
 from eagle3_pipeline.verify.fingerprint import FingerprintSummary, final_layer_check
 from eagle3_pipeline.verify.invariance import InvarianceResult, judge
-from eagle3_pipeline.verify.masks import mask_problems
+from eagle3_pipeline.verify.masks import mask_problems, prepared_hashes
 from eagle3_pipeline.verify.reference import (ReferenceResult, choose_rows, power_statement, reference_check,
                                               reference_size)
 from eagle3_pipeline.verify.structure import LayerStats, StructureCheck, Extras, verify_structure
@@ -305,7 +305,7 @@ class _VerifyRun:
         inv = _invariance(cfg, version, self.man, ds, log, self.sample)
         # every row's tokens and mask, reused records' too (hashing the rows is cheap; a dataset can change under them)
         mask_found, mask_bad, mask_rows = mask_problems(ds, self.shards, self.todo if self.sample is not None
-                                                        else list(range(len(ds))))
+                                                        else list(range(len(ds))), prepared_hashes(version.tokenized_dir))
         off = fingerprints_off_problem(self.fp_required, cfg.allow_skip)
         problems = st.problems + [p for p in ref.problems if p not in st.problems] + inv.problems + mask_found + (
             [off] if off else []) + unrunnable(
