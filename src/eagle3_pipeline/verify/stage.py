@@ -438,7 +438,6 @@ class _VerifyRun:
         ev = Evidence(self.sample_rows, computed_bad, record_bad, escalated, recomputed - computed_bad)
         ext = assess(ev, len(self.ds), self.shards, version.groups, engine)
         log(f"verify: extent: {ext.says}")
-        problems.insert(0, f"extent: {ext.says}")
         if self.sample is not None:  # online: the server's rows are not stored; the stage stops before training
             return ext, set()
         if ext.verdict == "spread":
@@ -567,7 +566,7 @@ def check_verify_gate(res: VerifyResult, max_listed: int = 20) -> None:
         return
     if res.samples_checked == 0:
         raise VerifyFailed("verify: no records to check")
-    shown = "\n  ".join(res.problems[:max_listed])
+    shown = "\n  ".join(([f"extent: {res.extent.says}"] if res.extent else []) + res.problems[:max_listed])
     more = f"\n  ... and {len(res.problems) - max_listed} more" if len(res.problems) > max_listed else ""
     raise VerifyFailed(f"verify failed: {len(res.problems)} problems in {len(res.bad_rows)} records "
                        f"(moved to hidden_states_failed/: {len(res.moved_files)}):\n  {shown}{more}")
