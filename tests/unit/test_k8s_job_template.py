@@ -132,13 +132,13 @@ def test_every_new_variable_reaches_the_pod():
     job = render({"image": IMAGE, "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "eagle3",
                                                    "effect": "NoSchedule"}],
                   "cpu_request": "32", "memory_request": "256Gi", "cpu_limit": "48", "memory_limit": "300Gi",
-                  "service_account_name": "runner", "image_pull_secrets": [{"name": "regcred"}],
+                  "service_account_name": "runner", "image_pull_secrets": [{"name": "eagle3-registry"}],
                   "image_pull_policy": "Always", "hf_token_secret": "hub", "node_selector": {"pool": "h100"}})
     pod, c = _pod(job), _container(job)
     assert pod["tolerations"][0]["key"] == "dedicated" and pod["nodeSelector"] == {"pool": "h100"}
     assert c["resources"]["requests"] == {"cpu": "32", "memory": "256Gi", "nvidia.com/gpu": 8}
     assert c["resources"]["limits"] == {"cpu": "48", "memory": "300Gi", "nvidia.com/gpu": 8}
-    assert pod["serviceAccountName"] == "runner" and pod["imagePullSecrets"] == [{"name": "regcred"}]
+    assert pod["serviceAccountName"] == "runner" and pod["imagePullSecrets"] == [{"name": "eagle3-registry"}]
     assert c["imagePullPolicy"] == "Always"
     (tok,) = [e for e in c["env"] if e["name"] == "HF_TOKEN"]
     assert tok["valueFrom"]["secretKeyRef"]["name"] == "hub"

@@ -26,6 +26,7 @@ from pydantic import BaseModel
 
 from eagle3_pipeline.core.config import EngineConfig, TargetConfig
 from eagle3_pipeline.core.errors import ConfigError, ExitCode
+from eagle3_pipeline.core.gpus import GPU_MEMORY_GIB
 
 GIB = 2 ** 30
 # vLLM CPU worker: what the engine process holds besides the KV cache is ~0.6 GiB of runtime (torch,
@@ -240,8 +241,8 @@ def memory_plan(stage: str, engine: EngineConfig, target: TargetConfig, *, max_m
                       fits=fits, min_utilization=min_util)
 
 
-# One GPU's memory by type (GiB as vLLM counts it), for what fits where the configured GPUs do not.
-GPU_TYPES = {"A100-80GB": 80, "H100": 80, "H200": 141, "B200": 180, "GB200": 186, "MI300X": 192}
+# The GPU types named in what fits where the configured GPUs do not (core/gpus.py holds their memory).
+GPU_TYPES = {name: GPU_MEMORY_GIB[name] for name in ("A100-80GB", "H100", "H200", "B200", "GB200", "MI300X")}
 
 
 def gpu_bytes(engine: EngineConfig) -> int | None:

