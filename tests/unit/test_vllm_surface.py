@@ -1,7 +1,9 @@
-"""One program on every stack (engine/surface.py, engine/runner.py): every vLLM/speculators internal the project
-touches is listed once and found in the CPU build and in the GPU lock's vLLM wheel (downloaded once, hash-checked,
-read with ast); the code behind them is the same text in both; and every engine the product starts, on the GPU
-wheel's own runner choice, builds the V1 runner our hooks wrap."""
+"""One program on every stack and every supported vLLM (engine/surface.py, engine/runner.py): every vLLM/speculators
+internal the project touches is listed once and found in the CPU build, in the GPU lock's vLLM wheel and in each
+supported vLLM's wheel (infra/vllm-wheels.lock; downloaded once, hash-checked, read with ast), for the runner our
+engines run on there; a seam that vanishes or changes is named with its version; the code behind the surface is
+the same text on the CPU build and the GPU lock's wheel; and every engine the product starts on a vLLM that still
+has V1 builds it."""
 
 from __future__ import annotations
 
@@ -30,6 +32,16 @@ def cpu_tree():
 @pytest.fixture(scope="module")
 def gpu_tree():
     return surface.SourceTree.wheel(locked_wheel("vllm"))
+
+
+_WHEELS: dict[str, surface.SourceTree] = {}
+
+
+def wheel_tree(version: str) -> surface.SourceTree:
+    """The wheel of a supported vLLM (infra/vllm-wheels.lock), read once per test session."""
+    if version not in _WHEELS:
+        _WHEELS[version] = surface.SourceTree.wheel(locked_wheel("vllm", lock=VLLM_WHEELS, version=version))
+    return _WHEELS[version]
 
 
 def test_one_vllm_version_on_both_stacks():
@@ -89,6 +101,55 @@ def test_the_surface_holds_on_the_gpu_locks_vllm_wheel(gpu_tree):
     assert surface.check(gpu_tree, "gpu", ("vllm",)) == []
 
 
+@pytest.mark.parametrize("version", list(surface.VLLM_VERSIONS))
+def test_the_surface_holds_on_every_supported_vllm_for_its_runner(version):
+    """Each supported vLLM builds the runner VLLM_VERSIONS says for our engines (V1 pinned on 0.32 and 0.33, V2 on
+    0.34, the only one left), and has every item that runner's engines need, on both stacks."""
+    tree = wheel_tree(version)
+    assert surface.tree_version(tree) == version
+    for stack in ("gpu", "cpu"):
+        assert surface.engine_runner(tree, stack) == surface.VLLM_VERSIONS[version]
+        assert surface.check(tree, stack, ("vllm",)) == []
+
+
+@pytest.mark.parametrize("version", list(surface.VLLM_VERSIONS))
+def test_a_runners_own_items_are_only_asked_of_its_engines(version):
+    """The other runner's items are not asked for: on 0.34 the V1 items are gone (asking names the version and the
+    runner), on 0.32 and 0.33 V2 lacks what our V2 engines would need (its suffix proposer)."""
+    tree = wheel_tree(version)
+    other = surface.V2 if surface.VLLM_VERSIONS[version] == surface.V1 else surface.V1
+    problems = surface.check(tree, "gpu", ("vllm",), runner=other)
+    assert problems and all(f"(vllm {version}, runner {other})" in p for p in problems), problems
+
+
+# (version, module, old text, new text, what the problem line names): a seam of the runner our engines run on there,
+# and one both runners share
+RUNNER_SEAMS = [
+    ("0.32.0", "vllm.v1.worker.gpu_model_runner", "    def propose_draft_token_ids(\n        self,",
+     "    def propose_drafts(\n        self,", "GPUModelRunner.propose_draft_token_ids"),
+    ("0.33.0", "vllm.v1.worker.gpu_model_runner", "    def _get_prompt_logprobs_dict(\n        self,\n        hidden_states",
+     "    def _get_prompt_logprobs_dict(\n        self,\n        states", "does not accept ['hidden_states']"),
+    ("0.34.0", "vllm.v1.worker.gpu.spec_decode.extract_hidden_states", '"eagle_aux_hidden_state_layer_ids"',
+     '"aux_layer_ids"', "extract_hidden_states:eagle_aux_hidden_state_layer_ids"),
+]
+SHARED_SEAMS = [
+    ("vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
+     "        self,\n        pending: PendingSave,", "        self,\n        save: PendingSave,", "does not accept ['pending']"),
+    ("vllm.v1.spec_decode.metrics", '"vllm:spec_decode_num_drafts"', '"vllm:spec_decode_drafts"',
+     "vllm:spec_decode_num_drafts"),
+]
+
+
+@pytest.mark.parametrize("version, module, old, new, named", RUNNER_SEAMS + [
+    (v, *seam) for v in surface.VLLM_VERSIONS for seam in SHARED_SEAMS])
+def test_a_vanished_or_changed_seam_is_named_with_its_version(version, module, old, new, named):
+    tree = wheel_tree(version)
+    assert old in surface.source_text(tree, module), f"the edit no longer applies to vllm {version}'s {module}"
+    problems = surface.check(_edited(tree, module, lambda s: s.replace(old, new, 1)), "gpu", ("vllm",))
+    runner = surface.VLLM_VERSIONS[version]
+    assert len(problems) == 1 and named in problems[0] and f"(vllm {version}, runner {runner})" in problems[0], problems
+
+
 def test_the_code_behind_the_surface_is_the_same_text_on_both_stacks(cpu_tree, gpu_tree):
     """Every module a surface item reaches (its definition and the classes it was found on) reads the same in
     the CPU build and the CUDA wheel: the tests run the program production runs, where we touch it."""
@@ -109,14 +170,18 @@ def _gpu_engine_env(monkeypatch, stage: str) -> dict:
     return build.engine_env(getattr(cfg, stage))
 
 
+V1_VERSIONS = [v for v, r in surface.VLLM_VERSIONS.items() if r == surface.V1]
+
+
+@pytest.mark.parametrize("version", V1_VERSIONS)
 @pytest.mark.parametrize("stage", ["extract", "evaluate", "regenerate", "server"])
-def test_every_engine_builds_the_v1_runner_on_the_gpu_wheel(gpu_tree, monkeypatch, stage):
-    """The GPU wheel's own VllmConfig.use_v2_model_runner, evaluated for the environment each engine start path
+def test_every_engine_builds_the_v1_runner_where_vllm_has_it(monkeypatch, stage, version):
+    """Each GPU wheel's own VllmConfig.use_v2_model_runner, evaluated for the environment each engine start path
     gives its child on a GPU build (extract, evaluate and regenerate children: engine_env; the online server:
-    server_env), even where the operator's shell asks for V2: V1, whose methods our hooks wrap."""
+    server_env), even where the operator's shell asks for V2: V1, whose methods our V1 hooks wrap."""
     monkeypatch.setenv(surface.RUNNER_ENV, "1")
     env = {surface.RUNNER_ENV: "1"} | _gpu_engine_env(monkeypatch, stage)
-    assert surface.runner_choice(gpu_tree, env, has_triton=True) == surface.V1_RUNNER
+    assert surface.runner_choice(wheel_tree(version), env, has_triton=True) == surface.V1_RUNNER
 
 
 def test_without_the_pin_the_gpu_wheel_builds_v2(gpu_tree, cpu_tree):
@@ -124,6 +189,13 @@ def test_without_the_pin_the_gpu_wheel_builds_v2(gpu_tree, cpu_tree):
     assert surface.runner_choice(gpu_tree, {}, has_triton=True) == surface.V2_RUNNER
     assert surface.runner_choice(cpu_tree, {}, has_triton=False) == surface.V1_RUNNER
     assert surface.runner_choice(gpu_tree, {surface.RUNNER_ENV: "1"}, has_triton=True) == surface.V2_RUNNER
+
+
+def test_a_vllm_without_v1_builds_v2_whatever_the_environment():
+    tree = wheel_tree("0.34.0")
+    for env in ({}, dict(runner.PIN), {surface.RUNNER_ENV: "1"}):
+        assert surface.runner_choice(tree, env, has_triton=True) == surface.V2_RUNNER
+    assert tree.module("vllm.v1.worker.gpu_model_runner") is None
 
 
 def test_every_vllm_and_speculators_import_of_the_core_is_listed():
@@ -187,6 +259,17 @@ def test_preflight_refuses_a_runner_without_our_hooks(monkeypatch):
     monkeypatch.setattr(surface, "runner_choice", lambda tree, env, has_triton: surface.V2_RUNNER)
     problems = preflight.engine_surface_problems(cfg, "gpu")
     assert len(problems) == 1 and surface.V2_RUNNER in problems[0] and surface.V1_RUNNER in problems[0]
+
+
+def test_preflight_on_a_vllm_without_v1_names_the_version(monkeypatch):
+    from eagle3_pipeline.preflight import stage as preflight
+
+    cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml")
+    wheel, here = wheel_tree("0.34.0"), surface.installed_tree()  # vLLM 0.34's sources, speculators installed here
+    tree = surface.SourceTree(lambda r: (wheel if r.startswith("vllm/") else here)._read(r), wheel.name)
+    monkeypatch.setattr(surface, "installed_tree", lambda: tree)
+    problems = preflight.engine_surface_problems(cfg, "gpu")
+    assert len(problems) == 1 and "vLLM 0.34.0 has no Model Runner V1" in problems[0], problems
 
 
 # ---------------------------------------------------------------- runner.prove on the records

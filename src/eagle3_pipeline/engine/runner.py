@@ -14,10 +14,9 @@ import json
 import os
 from pathlib import Path
 
-from eagle3_pipeline.engine.surface import RUNNER_ENV, V1_RUNNER
+from eagle3_pipeline.engine.surface import PIN, RUNNER_ENV, V1_RUNNER
 from eagle3_pipeline.core.errors import EnvironmentProblem
 
-PIN = {RUNNER_ENV: "0"}
 RECORD_ENV = "EAGLE3_RUNNER_RECORD_DIR"
 _LIVE: set[str] = set()
 _STATE = {"installed": False}

@@ -120,8 +120,8 @@ def architecture_problems(dims: ModelDims) -> list[str]:
 
 def engine_surface_problems(cfg: PipelineConfig, flavour: str) -> list[str]:
     """The installed vLLM and speculators against engine/surface.py (every internal we touch, read from the
-    sources without importing), and the model runner this vLLM would build for our engines' environment
-    (engine_env: the V1 pin) on this stack: our hooks live on V1 only."""
+    sources without importing, for the runner our engines run on), and the model runner this vLLM would build
+    for our engines' environment (engine_env: the V1 pin) on this stack: our hooks live on V1."""
     from eagle3_pipeline.engine import surface
     from eagle3_pipeline.engine.build import engine_env
 
@@ -129,17 +129,26 @@ def engine_surface_problems(cfg: PipelineConfig, flavour: str) -> list[str]:
         tree = surface.installed_tree()
     except ModuleNotFoundError as e:
         return [f"vLLM's sources: {e}"]
-    problems = [f"vLLM/speculators internal this project uses is missing: {p}" for p in surface.check(tree, flavour)]
     env = dict(os.environ) | engine_env(cfg.extract)
     try:
         runner = surface.runner_choice(tree, env, has_triton=flavour == "gpu")
     except LookupError as e:
-        return problems + [f"model runner: {e}"]
+        return [f"vLLM/speculators internal this project uses is missing: {p}" for p in surface.check(
+            tree, flavour, runner=surface.V1)] + [f"model runner: {e}"]
+    has_v1 = tree.module(surface.V1_RUNNER.split(":")[0]) is not None
+    problems = [f"vLLM/speculators internal this project uses is missing: {p}"
+                for p in surface.check(tree, flavour, runner=surface.V1 if has_v1 else surface.RUNNER_KIND[runner])]
     if runner != surface.V1_RUNNER:
-        problems.append(f"model runner: the installed vLLM would build {runner} for this pipeline's engines "
-                        f"({surface.RUNNER_ENV}={env.get(surface.RUNNER_ENV)!r}), but the engine hooks "
-                        f"(state_sketch, prompt_scores) wrap {surface.V1_RUNNER}: extraction would load the model "
-                        f"and then fail; engine/runner.py's PIN must reach this vLLM")
+        version = surface.tree_version(tree)
+        if not has_v1:
+            problems.append(f"model runner: vLLM {version} has no Model Runner V1 (0.33 is the last), only "
+                            f"{runner}, and the engine hooks (state_sketch, prompt_scores) wrap V1's "
+                            f"{surface.V1_RUNNER}: install vLLM {surface.DEFAULT_VLLM} (docs/vllm-versions.md)")
+        else:
+            problems.append(f"model runner: the installed vLLM {version} would build {runner} for this pipeline's "
+                            f"engines ({surface.RUNNER_ENV}={env.get(surface.RUNNER_ENV)!r}), but the engine hooks "
+                            f"(state_sketch, prompt_scores) wrap {surface.V1_RUNNER}: extraction would load the "
+                            f"model and then fail; engine/runner.py's PIN must reach this vLLM")
     return problems
 
 
