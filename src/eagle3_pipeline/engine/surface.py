@@ -22,7 +22,7 @@ from functools import lru_cache
 from pathlib import Path
 
 RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
-PIN = {RUNNER_ENV: "0"}  # in every engine's environment (engine/runner.py): V1 wherever vLLM still has it
+PIN = {RUNNER_ENV: "0"}  # in every engine's environment where vLLM still has V1 (engine/runner.py pin)
 V1, V2 = "v1", "v2"  # the runner kinds an Item names
 V1_RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 V2_RUNNER = "vllm.v1.worker.gpu.model_runner:GPUModelRunner"
@@ -50,6 +50,9 @@ _HSC = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_conne
 _RUN = V1_RUNNER
 _REQ = "vllm.v1.worker.gpu_input_batch:CachedRequestState"
 _SPEC_TRAIN = "speculators.train"
+_SPEC2 = "vllm.v1.worker.gpu.spec_decode.extract_hidden_states:ExtractHiddenStatesSpeculator"
+_BATCH2 = "vllm.v1.worker.gpu.input_batch:InputBatch"
+_NEWREQ = "vllm.v1.core.sched.output:NewRequestData"
 _ONLY_V1, _ONLY_V2 = (V1,), (V2,)
 
 SURFACE: tuple[Item, ...] = (
@@ -63,6 +66,8 @@ SURFACE: tuple[Item, ...] = (
     Item("vllm.v1.worker.cpu_model_runner:CPUModelRunner", "the CPU build's runner: a V1 subclass", stack="cpu",
          runners=_ONLY_V1),
     Item(V2_RUNNER, "runner.prove: the runner a V2 engine builds", runners=_ONLY_V2),
+    Item(f"text:vllm.platforms.interface:{RUNNER_ENV}", "runner.pin: a vLLM without V1 refuses the switch but =1: "
+         "no pin there", runners=_ONLY_V2),
     Item("vllm.v1.worker.cpu.model_runner:CPUModelRunner", "the CPU runner of a V2-only vLLM: a V2 subclass",
          stack="cpu", runners=_ONLY_V2),
     # the state sketch hook on V1 (engine/state_sketch.py)
@@ -81,6 +86,23 @@ SURFACE: tuple[Item, ...] = (
     Item(f"{_REQ}.num_computed_tokens", "state_sketch, prompt_scores: the step's first position", runners=_ONLY_V1),
     Item(f"{_REQ}.sampling_params", "state_sketch.file_name: kv_transfer_params.hidden_states_path", runners=_ONLY_V1),
     Item(f"{_REQ}.req_id", "state_sketch.file_name: the connector's default file name", runners=_ONLY_V1),
+    # the state sketch's V2 adapter (engine/state_sketch.py _install_v2)
+    Item(f"{_SPEC2}.propose", "state_sketch wraps it: the captured states before the capture's KV cache",
+         params=("input_batch", "aux_hidden_states", "dummy_run", "skip_attn_for_dummy_run"), runners=_ONLY_V2),
+    Item(f"{_SPEC2}.vllm_config", "state_sketch: the hidden-states cache dtype", runners=_ONLY_V2),
+    Item(f"{_BATCH2}.req_ids", "state_sketch: the step's requests in batch order", runners=_ONLY_V2),
+    Item(f"{_BATCH2}.num_scheduled_tokens", "state_sketch: tokens per request", runners=_ONLY_V2),
+    Item(f"{_BATCH2}.query_start_loc_np", "state_sketch: each request's first row in the step", runners=_ONLY_V2),
+    Item(f"{_BATCH2}.num_computed_tokens_np", "state_sketch: the step's first position", runners=_ONLY_V2),
+    Item(f"{V2_RUNNER}.add_requests", "state_sketch wraps it: each new request's file name and prompt length",
+         params=("scheduler_output",), runners=_ONLY_V2),
+    Item("vllm.v1.core.sched.output:SchedulerOutput.scheduled_new_reqs", "state_sketch: the new requests",
+         runners=_ONLY_V2),
+    Item(f"{_NEWREQ}.req_id", "state_sketch.file_name: the connector's default file name", runners=_ONLY_V2),
+    Item(f"{_NEWREQ}.prompt_token_ids", "state_sketch: the prompt's length", runners=_ONLY_V2),
+    Item(f"{_NEWREQ}.sampling_params", "state_sketch.file_name: kv_transfer_params.hidden_states_path",
+         runners=_ONLY_V2),
+    Item("vllm.config.cache:CacheConfig.cache_dtype", "state_sketch: the hidden-states cache's rounding"),
     Item("vllm.distributed:get_tensor_model_parallel_rank", "state_sketch and the connector: rank 0 writes"),
     Item("vllm.distributed:get_tensor_model_parallel_world_size", "the connector's log line"),
     # the lean prompt-scores hook on V1 (engine/prompt_scores.py)
@@ -100,6 +122,12 @@ SURFACE: tuple[Item, ...] = (
          runners=_ONLY_V1),
     Item("vllm.v1.sample.ops.logprobs:batched_count_greater_than", "prompt_scores: ranks where counted",
          runners=_ONLY_V1),
+    # prompt scores on V2: vLLM's own path is the lean one (prompt_scores.wanted: no hook)
+    Item("vllm.v1.worker.gpu.sample.prompt_logprob:compute_prompt_logprobs_with_chunking",
+         "prompt scores on V2: every request's rows together, CHUNK_SIZE rows per lm_head call, raw logits",
+         params=("logprobs_mode",), runners=_ONLY_V2),
+    Item("vllm.v1.worker.gpu.sample.prompt_logprob:CHUNK_SIZE", "prompt scores on V2: rows per lm_head call",
+         runners=_ONLY_V2),
     # the hidden-states connector (extract/connector.py): the same on both runners
     Item(f"{_HSC}:ExampleHiddenStatesConnector", "our connector's parent"),
     Item(f"{_HSC}:ExampleHiddenStatesConnector.register_kv_caches", "our connector extends it"),
@@ -134,6 +162,7 @@ SURFACE: tuple[Item, ...] = (
     Item("vllm:LLM", "build_llm", params=("model", "speculative_config", "kv_transfer_config")),
     Item("vllm:SamplingParams", "extract, evaluate, regenerate requests"),
     Item("vllm:SamplingParams.extra_args", "extract: kv_transfer_params.hidden_states_path"),
+    Item("text:vllm.v1.request:kv_transfer_params", "extract: a request's extra_args reach the connector"),
     Item("vllm:SamplingParams.flat_logprobs", "extract: the fingerprint's scores as flat lists"),
     Item("vllm:SamplingParams.prompt_logprobs", "extract: the fingerprint's prompt scores"),
     Item("vllm.inputs:TokensPrompt", "evaluate, regenerate: token prompts"),
@@ -241,6 +270,11 @@ class SourceTree:
                 text = self._read(base + "/__init__.py")
             self._parsed[dotted] = None if text is None else ast.parse(text)
         return self._parsed[dotted]
+
+    def has_module(self, dotted: str) -> bool:
+        """Whether the tree holds `dotted` (a file read, nothing parsed)."""
+        base = dotted.replace(".", "/")
+        return self._read(base + ".py") is not None or self._read(base + "/__init__.py") is not None
 
     def is_package(self, dotted: str) -> bool:
         return self._read(dotted.replace(".", "/") + "/__init__.py") is not None

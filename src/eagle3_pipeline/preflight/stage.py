@@ -1,7 +1,7 @@
 """The preflight gate: everything that can be known before an 18-minute model load, in seconds.
 
 Reads installed package versions, the vLLM/speculators APIs our code relies on (every internal listed in
-engine/surface.py, and the model runner this vLLM would build for our engines: it must be V1, where our hooks live), the model's
+engine/surface.py, and the model runner this vLLM would build for our engines: V1, pinned, where it has V1), the model's
 config.json (nested `text_config` too; and that a local model directory holds weight files), the
 model's architecture in the installed vLLM's registry (registered, supports EAGLE-3 aux hidden states),
 the tokenizer (its vocabulary must fit the model's embedding), the configured layer ids, the extract engine's
@@ -128,35 +128,33 @@ def architecture_problems(dims: ModelDims) -> list[str]:
 
 def engine_surface_problems(cfg: PipelineConfig, flavour: str) -> list[str]:
     """The installed vLLM and speculators against engine/surface.py (every internal we touch, read from the
-    sources without importing, for the runner our engines run on), and the model runner this vLLM would build
-    for our engines' environment (engine_env: the V1 pin) on this stack: our hooks live on V1."""
+    sources without importing, for the runner our engines run on: V1 where this vLLM has it, else V2), and the
+    model runner this vLLM would build for our engines' environment (engine_env: the V1 pin) on this stack."""
     from eagle3_pipeline.engine import surface
     from eagle3_pipeline.engine.build import engine_env
+    from eagle3_pipeline.engine.runner import expected
 
     try:
         tree = surface.installed_tree()
     except ModuleNotFoundError as e:
         return [f"vLLM's sources: {e}"]
+    kind = expected()
+    problems = [f"vLLM/speculators internal this project uses is missing: {p}"
+                for p in surface.check(tree, flavour, runner=kind)]
     env = dict(os.environ) | engine_env(cfg.extract)
     try:
         runner = surface.runner_choice(tree, env, has_triton=flavour == "gpu")
     except LookupError as e:
-        return [f"vLLM/speculators internal this project uses is missing: {p}" for p in surface.check(
-            tree, flavour, runner=surface.V1)] + [f"model runner: {e}"]
-    has_v1 = tree.module(surface.V1_RUNNER.split(":")[0]) is not None
-    problems = [f"vLLM/speculators internal this project uses is missing: {p}"
-                for p in surface.check(tree, flavour, runner=surface.V1 if has_v1 else surface.RUNNER_KIND[runner])]
-    if runner != surface.V1_RUNNER:
-        version = surface.tree_version(tree)
-        if not has_v1:
-            problems.append(f"model runner: vLLM {version} has no Model Runner V1 (0.33 is the last), only "
-                            f"{runner}, and the engine hooks (state_sketch, prompt_scores) wrap V1's "
-                            f"{surface.V1_RUNNER}: install vLLM {surface.DEFAULT_VLLM} (docs/vllm-versions.md)")
-        else:
-            problems.append(f"model runner: the installed vLLM {version} would build {runner} for this pipeline's "
-                            f"engines ({surface.RUNNER_ENV}={env.get(surface.RUNNER_ENV)!r}), but the engine hooks "
-                            f"(state_sketch, prompt_scores) wrap {surface.V1_RUNNER}: extraction would load the "
-                            f"model and then fail; engine/runner.py's PIN must reach this vLLM")
+        return problems + [f"model runner: {e}"]
+    if kind == surface.V2 and env.get(surface.RUNNER_ENV) not in (None, "1"):
+        problems.append(f"model runner: {surface.RUNNER_ENV}={env[surface.RUNNER_ENV]} is set, and vLLM "
+                        f"{surface.tree_version(tree)} (no Model Runner V1) refuses to start an engine with it: "
+                        f"unset it")
+    if surface.RUNNER_KIND[runner] != kind:
+        problems.append(f"model runner: the installed vLLM {surface.tree_version(tree)} would build {runner} for this "
+                        f"pipeline's engines ({surface.RUNNER_ENV}={env.get(surface.RUNNER_ENV)!r}), but the engine "
+                        f"hooks (state_sketch, prompt_scores) wrap {surface.V1_RUNNER} on a vLLM that has it: "
+                        f"extraction would load the model and then fail; engine/runner.py's PIN must reach this vLLM")
     return problems
 
 
