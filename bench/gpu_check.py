@@ -9,7 +9,7 @@ The script of the first GPU run: one call answers "does production work".
 
 Checks (each a row: check, result, seconds, detail):
   runner         before any load: the installed vLLM against engine/surface.py, and the runner it would build
-                 for our engines (engine_env's pin: V1, where the hooks live)
+                 for our engines (V1, pinned, where vLLM has it; V2 on 0.34: `make gpu-check VLLM=0.34`)
   gate-uuid      nvidia-smi gate: CUDA_VISIBLE_DEVICES given as a GPU UUID selects exactly that GPU
   gate-busy      the gate fails on a GPU a process holds memory on, and names that process (by UUID too)
   <target>:*     per target (dense Llama: configs/tiny-cpu.yaml; MoE/MLA: configs/tiny-moe.yaml; SmolLM2 on
@@ -169,29 +169,38 @@ def ensure_target(name: str) -> str | None:
 
 
 def check_runner() -> str:
-    """Before any load: the surface in the installed vLLM and the runner it would build for our engines."""
+    """Before any load: the surface in the installed vLLM and the runner it would build for our engines (V1 where
+    this vLLM has it, else V2: engine/runner.py expected)."""
     from eagle3_pipeline.core.config import load_config
     from eagle3_pipeline.engine import surface
     from eagle3_pipeline.engine.build import engine_env
+    from eagle3_pipeline.engine.runner import expected
 
     tree = surface.installed_tree()
-    problems = surface.check(tree, "gpu")
+    kind = expected()
+    problems = surface.check(tree, "gpu", runner=kind)
     if problems:
         raise RuntimeError("; ".join(problems))
     env = dict(os.environ) | engine_env(load_config(TARGETS["dense"][0]).extract)
     choice = surface.runner_choice(tree, env, has_triton=True)
-    if choice != surface.V1_RUNNER:
-        raise RuntimeError(f"this vLLM would build {choice}, not {surface.V1_RUNNER} where the hooks live")
-    return f"{len(surface.SURFACE)} surface items present; runner {choice} ({surface.RUNNER_ENV}={env.get(surface.RUNNER_ENV)})"
+    if surface.RUNNER_KIND[choice] != kind:
+        raise RuntimeError(f"this vLLM would build {choice}, not the {kind} runner where the hooks live")
+    return (f"vllm {surface.tree_version(tree)}: {len(surface.SURFACE)} surface items, those of runner {kind} present; "
+            f"runner {choice} ({surface.RUNNER_ENV}={env.get(surface.RUNNER_ENV)})")
 
 
 def _hooks_live(lines: list[str]) -> str:
+    from eagle3_pipeline.engine import surface
+    from eagle3_pipeline.engine.runner import expected
+
     got = [ln for ln in lines if RUNNER_LINE in ln]
     if not got:
         raise RuntimeError("the extract worker named no runner (its log has no 'engine runner' line)")
     line = got[-1].split(RUNNER_LINE, 1)[1]
-    if "vllm.v1.worker.gpu_model_runner:GPUModelRunner" not in line or "state_sketch, prompt_scores" not in line:
-        raise RuntimeError(f"runner or hooks not as expected: {line}")
+    want = (surface.V1_RUNNER, "state_sketch, prompt_scores") if expected() == surface.V1 else (
+        surface.V2_RUNNER, "state_sketch")  # V2: vLLM's own prompt-score path, no hook
+    if any(w not in line for w in want):
+        raise RuntimeError(f"runner or hooks not as expected ({want}): {line}")
     return line
 
 

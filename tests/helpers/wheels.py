@@ -1,8 +1,8 @@
 """The GPU stack's wheels as the image installs them: the version and sha256 hashes pinned in a lock
-(infra/requirements-gpu-k8s.lock by default), fetched once through the package index pip is configured to use
-(`pip download --require-hashes`: the user's index, find-links and certificates, never a hard-coded URL) into a
-cache (EAGLE3_WHEEL_CACHE, default ~/.cache/eagle3-pipeline/wheels), and checked against the lock's hashes
-before anything reads them."""
+(infra/requirements-gpu-k8s.lock by default; infra/vllm-wheels.lock holds one entry per supported vLLM), fetched
+once through the package index pip is configured to use (`pip download --require-hashes`: the user's index,
+find-links and certificates, never a hard-coded URL) into a cache (EAGLE3_WHEEL_CACHE, default
+~/.cache/eagle3-pipeline/wheels), and checked against the lock's hashes before anything reads them."""
 
 from __future__ import annotations
 
@@ -18,17 +18,22 @@ from eagle3_pipeline.core.store import sha256_file
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCK = ROOT / "infra" / "requirements-gpu-k8s.lock"
+VLLM_WHEELS = ROOT / "infra" / "vllm-wheels.lock"  # one entry per supported vLLM version
 
 
 class WheelUnavailable(RuntimeError):
     """The lock's wheel is neither in the cache nor reachable through the configured index."""
 
 
-def locked(name: str, lock: Path = LOCK) -> tuple[str, set[str]]:
-    """(version, sha256 hashes) of `name` in the lock."""
-    m = re.search(rf"^{re.escape(name)}==(\S+)((?:\s*\\\s*\n\s*--hash=sha256:[0-9a-f]{{64}})+)", lock.read_text(), re.M)
-    assert m, f"{name} is not pinned with hashes in {lock}"
-    return m.group(1), set(re.findall(r"sha256:([0-9a-f]{64})", m.group(2)))
+def locked(name: str, lock: Path = LOCK, version: str | None = None) -> tuple[str, set[str]]:
+    """(version, sha256 hashes) of `name` in the lock: its one entry, or the entry of `version` where the lock
+    holds several (infra/vllm-wheels.lock)."""
+    found = re.findall(rf"^{re.escape(name)}==(\S+)((?:\s*\\\s*\n\s*--hash=sha256:[0-9a-f]{{64}})+)", lock.read_text(), re.M)
+    if version is not None:
+        found = [f for f in found if f[0] == version]
+    assert found, f"{name}{'==' + version if version else ''} is not pinned with hashes in {lock}"
+    assert len(found) == 1, f"{lock} pins {name} {len(found)} times ({[f[0] for f in found]}): name the version"
+    return found[0][0], set(re.findall(r"sha256:([0-9a-f]{64})", found[0][1]))
 
 
 def cache_dir() -> Path:
@@ -48,10 +53,11 @@ def pip_command() -> list[str]:
     raise WheelUnavailable("no pip found (EAGLE3_PIP, this Python's, its base Python's, pip3 on PATH) to fetch wheels")
 
 
-def locked_wheel(name: str, platform_tag: str = "manylinux_2_28_x86_64", lock: Path = LOCK) -> Path:
-    """The lock's wheel of `name` for Linux x86_64 (or a pure-Python one), hash-checked, from the cache or
-    through the configured index."""
-    version, hashes = locked(name, lock)
+def locked_wheel(name: str, platform_tag: str = "manylinux_2_28_x86_64", lock: Path = LOCK,
+                 version: str | None = None) -> Path:
+    """The lock's wheel of `name` (of `version`, where the lock pins several) for Linux x86_64 (or a pure-Python
+    one), hash-checked, from the cache or through the configured index."""
+    version, hashes = locked(name, lock, version)
     cache = cache_dir()
     for p in cache.glob(f"{name.replace('-', '_')}-{version}-*.whl"):
         if sha256_file(p) in hashes:

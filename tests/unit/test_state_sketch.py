@@ -141,3 +141,67 @@ def test_the_engine_rounds_as_a_half_precision_kv_cache_does(tmp_path, monkeypat
     sk._sketch_step(runner, NS(num_scheduled_tokens={"r": 6}), list(x.unbind(1)), str(tmp_path))
     got = sk.read(str(tmp_path / "r.safetensors"))
     assert torch.equal(got, sk.project(sk.stored(x.half(), "bf16"), 16))
+
+
+def test_both_adapters_fit_the_installed_vllm():
+    """The CPU build carries V2's classes too (0.34's have the same parameters: tests/unit/test_vllm_surface.py)."""
+    assert sk.missing("v1") == [] and sk.missing("v2") == []
+
+
+def test_the_v2_adapter_sketches_the_states_the_speculator_is_given(tmp_path, monkeypatch):
+    """The V2 adapter on vLLM's own V2 classes, their methods stubbed (no V2 engine runs on a CPU here):
+    add_requests names each request's file and prompt length, propose hands over the step's rows by its
+    InputBatch (batch order, one prompt over two steps); each file equals the sketch of that request's own states
+    (what the V1 hook writes), and the dummy runs of start-up are not sketched."""
+    import functools
+    from types import SimpleNamespace as NS
+
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu.spec_decode.extract_hidden_states import ExtractHiddenStatesSpeculator
+
+    from eagle3_pipeline.engine import runner
+
+    calls = []
+
+    @functools.wraps(ExtractHiddenStatesSpeculator.propose)
+    def propose(self, *args, **kwargs):
+        calls.append("propose")
+        return "drafts"
+
+    @functools.wraps(GPUModelRunner.add_requests)
+    def add_requests(self, scheduler_output):
+        calls.append("add")
+
+    monkeypatch.setattr(ExtractHiddenStatesSpeculator, "propose", propose)
+    monkeypatch.setattr(GPUModelRunner, "add_requests", add_requests)
+    monkeypatch.setattr(runner, "expected", lambda: "v2")
+    monkeypatch.setitem(sk._STATE, "installed", False)
+    monkeypatch.setattr(sk, "_NEW", {})
+    monkeypatch.setattr(sk, "_rank_zero", lambda: True)
+    monkeypatch.setenv(sk.ENV, str(tmp_path))
+    monkeypatch.setenv(sk.STORAGE_ENV, "bf16")
+    assert sk.install()
+    L, H = 3, 32
+    full = {"a": torch.randn(7, L, H), "b": torch.randn(5, L, H)}
+    kv = {"kv_transfer_params": {"hidden_states_path": "/elsewhere/hs_1.safetensors.tmp-0-engine"}}
+    new = [NS(req_id="a", prompt_token_ids=list(range(7)), sampling_params=NS(extra_args=kv)),
+           NS(req_id="b", prompt_token_ids=list(range(5)), sampling_params=None)]
+    GPUModelRunner.add_requests(object(), NS(scheduled_new_reqs=new))
+    spec = NS(vllm_config=NS(cache_config=NS(cache_dtype="auto")))
+
+    def step(req_ids, n, computed, aux, **kwargs):
+        qsl = np.concatenate([[0], np.cumsum(n)])
+        batch = NS(req_ids=req_ids, num_scheduled_tokens=np.array(n, dtype=np.int32),
+                   num_computed_tokens_np=np.array(computed, dtype=np.int32), query_start_loc_np=qsl)
+        # as the V2 runner calls it: positional up to the seeds, then keywords
+        return ExtractHiddenStatesSpeculator.propose(spec, batch, {}, {}, None, list(aux.unbind(1)), None, None, None,
+                                                     None, None, None, **kwargs)
+
+    assert step(["x"], [4], [0], torch.randn(4, L, H), dummy_run=True) == "drafts"  # a start-up dummy: not sketched
+    step(["a", "b"], [4, 5], [0, 0], torch.cat([full["a"][:4], full["b"], torch.zeros(2, L, H)]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.safetensors"]
+    step(["a"], [3], [4], full["a"][4:])
+    for rid, name in (("a", "hs_1.safetensors.tmp-0-engine"), ("b", "b.safetensors")):
+        got = sk.read(str(tmp_path / name))
+        assert torch.allclose(got, sk.project(sk.stored(full[rid], "bf16"), H), atol=1e-6), rid
+    assert calls == ["add", "propose", "propose", "propose"] and sk._NEW == {} and spec._eagle3_sketches == {}

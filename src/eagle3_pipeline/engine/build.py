@@ -1,6 +1,6 @@
 """The one place that builds a vLLM engine: `build_llm` (extract with its invariance re-prefill, regenerate,
 evaluate, benches) and `server_argv` / `server_env` (the same settings as a server: online training).
-Every engine runs vLLM's V1 model runner (runner.PIN in `engine_env` and `build_llm`: our hooks live there).
+Every engine runs vLLM's V1 model runner where vLLM has it (runner.pin() in `engine_env` and `build_llm`), else V2.
 Owns the speculative configs (`extract_hidden_states_config`, `eagle3_config`), the hidden-states
 connector's KV-transfer config (`hidden_states_kv_config`) and an engine child's environment (`engine_env`,
 decided in the parent before the child imports torch; values already in the environment win). Knows no
@@ -46,10 +46,11 @@ def cpu_bind_spec(setting: str, tp: int, cpus: list[int]) -> str:
 
 
 def engine_env(engine: EngineConfig) -> dict[str, str]:
-    """Environment additions for an engine child: the runner pin (runner.PIN, on every stack, over any value
-    the environment has) and, on the CPU build, the settings above."""
-    from eagle3_pipeline.engine.runner import PIN
+    """Environment additions for an engine child: the runner pin (runner.pin(): on every stack where vLLM has
+    V1, over any value the environment has) and, on the CPU build, the settings above."""
+    from eagle3_pipeline.engine.runner import pin
 
+    PIN = pin()
     if not vllm_is_cpu_build():
         return dict(PIN)
     env: dict[str, str] = {}
@@ -191,7 +192,7 @@ _SAID: set[str] = set()  # the runner proofs this process has printed
 
 
 def _proven(make):
-    """`make()` (an engine) with the runner its workers built checked to be V1 (engine/runner.py), into the
+    """`make()` (an engine) with the runner its workers built checked (engine/runner.py `expected`), into the
     caller's record dir (RECORD_ENV, e.g. the extract worker's, which proves its hooks later) or a temporary
     one."""
     import shutil
@@ -203,7 +204,7 @@ def _proven(make):
     records = caller or runner.watch(tempfile.mkdtemp(prefix="eagle3-runner-"))
     try:
         llm = make()
-        proof = runner.prove(records, (), "engine")  # raises unless every worker built the V1 runner
+        proof = runner.prove(records, (), "engine")  # raises unless every worker built the expected runner
         if proof not in _SAID:  # once per process: a child that builds several engines says it once
             _SAID.add(proof)
             print(f"eagle3 engine: runner {proof}", flush=True)

@@ -34,10 +34,20 @@ def missing() -> list[str]:
     return out
 
 
+def wanted(value: str | None = None) -> bool:
+    """Whether the lean path is a hook of this engine: asked for (`value`, default EAGLE3_LEAN_PROMPT_SCORES, is
+    "1") on Model Runner V1. V2's own path (PromptLogprobsWorker) already scores every request's rows together,
+    1,024 rows per lm_head call, on raw logits without a float32 copy of the vocabulary: nothing to replace."""
+    from eagle3_pipeline.engine.runner import expected
+    from eagle3_pipeline.engine.surface import V1
+
+    return (os.environ.get(ENV) if value is None else value) == "1" and expected() == V1
+
+
 def install() -> bool:
     """Replace vLLM's prompt-scores step with `lean_prompt_scores` in this process when asked
-    (EAGLE3_LEAN_PROMPT_SCORES=1) and possible; idempotent. Returns whether it is in place."""
-    if os.environ.get(ENV) != "1":
+    (EAGLE3_LEAN_PROMPT_SCORES=1) and possible (`wanted`); idempotent. Returns whether it is in place."""
+    if not wanted():
         return False
     if _STATE["installed"]:
         return True

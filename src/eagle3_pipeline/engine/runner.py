@@ -1,11 +1,13 @@
 """The model runner every engine runs, chosen here, and the proof that our hooks live in it.
 
-vLLM on CUDA builds Model Runner V2 unless `VLLM_USE_V2_MODEL_RUNNER=0`; the CPU build has only V1. Our engine
-hooks (state_sketch, prompt_scores) wrap V1's GPUModelRunner, so `PIN` is in every engine's environment
-(build.engine_env, build.build_llm): one program on every stack. `install` (a vLLM general plugin, where
-RECORD_ENV names a directory) records the runner class each worker built; the hooks call `mark_live` the
-first time they run. `prove` reads both after an engine's first request: a runner that is not V1, or a
-hook that never ran, stops the stage before its first shard, naming the runner class.
+vLLM 0.32 and 0.33 on CUDA build Model Runner V2 unless `VLLM_USE_V2_MODEL_RUNNER=0`; their CPU build has only V1;
+0.34 has only V2 (and refuses the switch). `pin()` is in every engine's environment (build.engine_env,
+build.build_llm): V1 wherever vLLM has it, the runner the CPU tests run (one program on every stack). Each engine
+hook has one adapter per runner (state_sketch.py; prompt_scores.py hooks V1 only: V2's own path is the lean one),
+chosen by `expected()`, the runner the installed vLLM builds for our engines. `install` (a vLLM general
+plugin, where RECORD_ENV names a directory) records the runner class each worker built; the hooks call
+`mark_live` the first time they run. `prove` reads both after an engine's first request: a runner other than
+`expected()`'s, or a hook that never ran, stops the stage before its first shard, naming the runner class.
 """
 
 from __future__ import annotations
@@ -14,10 +16,9 @@ import json
 import os
 from pathlib import Path
 
-from eagle3_pipeline.engine.surface import RUNNER_ENV, V1_RUNNER
+from eagle3_pipeline.engine.surface import PIN, RUNNER_ENV, V1, V1_RUNNER, V2, V2_RUNNER
 from eagle3_pipeline.core.errors import EnvironmentProblem
 
-PIN = {RUNNER_ENV: "0"}
 RECORD_ENV = "EAGLE3_RUNNER_RECORD_DIR"
 _LIVE: set[str] = set()
 _STATE = {"installed": False}
@@ -27,9 +28,19 @@ class HooksNotLive(EnvironmentProblem):
     """The engine runs a runner our hooks are not on, or a hook never ran: no retry can help."""
 
 
+def pin() -> dict[str, str]:
+    """PIN where the installed vLLM has V1, else nothing: 0.34 refuses any VLLM_USE_V2_MODEL_RUNNER but 1 ("Model
+    Runner V1 has been removed. Unset this variable", vllm/platforms/interface.py)."""
+    return dict(PIN) if expected() == V1 else {}
+
+
 def pin_environment() -> None:
-    """Set PIN in this process (an in-process engine reads it; spawned engine processes inherit it)."""
-    os.environ.update(PIN)
+    """Set the pin in this process (an in-process engine reads it; spawned engine processes inherit it); on a vLLM
+    without V1, drop a pin this process inherited."""
+    if expected() == V1:
+        os.environ.update(PIN)
+    elif os.environ.get(RUNNER_ENV) not in (None, "1"):
+        os.environ.pop(RUNNER_ENV)
 
 
 def watch(record_dir: Path | str) -> Path:
@@ -61,6 +72,20 @@ def is_v1(cls: type) -> bool:
     return any(qualname(c) == V1_RUNNER for c in cls.__mro__)
 
 
+def kind_of(cls: type) -> str | None:
+    """V1 or V2 for a runner class (a subclass counts: the CPU runners), else None."""
+    names = {qualname(c) for c in cls.__mro__}
+    return V1 if V1_RUNNER in names else V2 if V2_RUNNER in names else None
+
+
+def expected() -> str:
+    """The runner kind our engines run on with the installed vLLM: V1 where it has V1 (pinned), else V2 (its
+    files, read without importing vLLM)."""
+    from eagle3_pipeline.engine.surface import installed_tree
+
+    return V1 if installed_tree().has_module(V1_RUNNER.split(":")[0]) else V2
+
+
 def _write(name: str, data: dict) -> None:
     d = os.environ.get(RECORD_ENV)
     if not d:
@@ -85,8 +110,8 @@ def install() -> bool:
     def load_model(self, *args, **kwargs):
         out = own(self, *args, **kwargs)
         cls = type(self.model_runner)
-        _write("runner", {"runner": qualname(cls), "v1": is_v1(cls), "pin": os.environ.get(RUNNER_ENV),
-                          "pid": os.getpid()})
+        _write("runner", {"runner": qualname(cls), "v1": is_v1(cls), "kind": kind_of(cls),
+                          "pin": os.environ.get(RUNNER_ENV), "pid": os.getpid()})
         return out
 
     Worker.load_model = load_model
@@ -114,23 +139,29 @@ def records(record_dir: Path | str) -> tuple[list[dict], dict[str, list[dict]]]:
     return runners, live
 
 
-def prove(record_dir: Path | str, hooks: tuple[str, ...], who: str) -> str:
+def prove(record_dir: Path | str, hooks: tuple[str, ...], who: str, kind: str | None = None) -> str:
     """The runner class the engine runs, once its first request is done; raises HooksNotLive where it is
-    not V1 or a hook of `hooks` never ran in it."""
+    not of `kind` (default `expected()`: V1, pinned, where vLLM has it, else V2) or a hook of `hooks` never
+    ran in it."""
+    kind = kind or expected()
     runners, live = records(record_dir)
     names = sorted({r["runner"] for r in runners})
     if not runners:
         raise HooksNotLive(f"{who}: the engine's workers recorded no runner ({record_dir}): the plugin "
                            f"eagle3_pipeline.engine.runner:install is not loaded in vLLM's processes (is the "
                            f"eagle3-pipeline package installed with its vllm.general_plugins entry points?)")
-    if not all(r["v1"] for r in runners):
+    kinds = {r.get("kind", V1 if r["v1"] else None) for r in runners}
+    if kinds != {kind} and kind == V1:
         raise HooksNotLive(f"{who}: the engine runs {', '.join(names)}, not vLLM's V1 runner {V1_RUNNER} that "
                            f"our hooks wrap: {RUNNER_ENV}={os.environ.get(RUNNER_ENV)!r} here; this vLLM did not "
                            f"take the pin {PIN} (engine/runner.py)")
+    if kinds != {kind}:
+        raise HooksNotLive(f"{who}: the engine runs {', '.join(names)}, not vLLM's {kind} runner "
+                           f"{V2_RUNNER if kind == V2 else V1_RUNNER} that our {kind} hooks wrap (engine/runner.py)")
     unpinned = sorted({str(r.get("pin")) for r in runners if r.get("pin") != PIN[RUNNER_ENV]})
-    if unpinned:
+    if kind == V1 and unpinned:
         raise HooksNotLive(f"{who}: the engine's workers ran with {RUNNER_ENV}={', '.join(unpinned)}, not "
-                           f"{PIN[RUNNER_ENV]}: on CUDA that vLLM builds Model Runner V2, where our hooks are not "
+                           f"{PIN[RUNNER_ENV]}: on CUDA that vLLM builds Model Runner V2, where our V1 hooks are not "
                            f"(start engines with build.engine_env / build.server_env)")
     dead = [h for h in hooks if h not in live]
     if dead:

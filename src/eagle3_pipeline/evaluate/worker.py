@@ -61,8 +61,16 @@ def suffix_config(num_speculative_tokens: int, tree: SuffixTree) -> dict:
 
 
 def suffix_unavailable() -> str | None:
-    """Why vLLM's suffix decoding cannot run in this environment (its backend, arctic-inference, is a source
-    build: `make install` builds it), or None when it can."""
+    """Why vLLM's suffix decoding cannot run in this environment (its backend on Model Runner V1, arctic-inference,
+    is a source build: `make install` builds it), or None when it can. A vLLM without V1 (0.34) decodes suffixes
+    with its own GPU proposer: nothing to load (another implementation: docs/vllm-versions.md)."""
+    from eagle3_pipeline.engine import surface
+
+    try:
+        if surface.engine_runner(surface.installed_tree(), "gpu") == surface.V2:
+            return None
+    except (ModuleNotFoundError, LookupError):
+        pass
     try:
         import importlib
 

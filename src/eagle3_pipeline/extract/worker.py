@@ -338,7 +338,7 @@ def _take_sketch(job: ExtractJob, requested: str, who: str):
         raise EnvironmentProblem(
             f"{who}: the engine wrote no state sketch ({path}): the hook state_sketch.install is not in place in "
             f"vLLM's processes (is the eagle3-pipeline package installed, with its vllm.general_plugins entry "
-            f"points, and does this vLLM have GPUModelRunner.propose_draft_token_ids?)")
+            f"points, and does this vLLM have what state_sketch.missing() asks?)")
     _remove(str(path))
     return got
 
@@ -384,20 +384,20 @@ def _start_engine(job: ExtractJob, ds, max_len: int) -> _Engine:
     hooks: tuple[str, ...] = ()
     records = runner.watch(Path(job.scratch_dir) / "engine-runner")
     if job.fingerprints_dir:  # the engine's processes (vLLM plugin) and this one score prompts without a float32 copy
-        from eagle3_pipeline.engine.prompt_scores import ENV, install
+        from eagle3_pipeline.engine.prompt_scores import ENV, install, wanted
 
         os.environ.setdefault(ENV, "1")
         lean = install()
         print(f"extract worker: lean prompt scores {'in place' if lean else 'off: vLLM own path'}, state sketches "
               f"{'in place' if _sketches_on(job) else 'NOT in place'}", flush=True)
-        hooks = ("state_sketch", "prompt_scores") if os.environ[ENV] == "1" else ("state_sketch",)
+        hooks = ("state_sketch", "prompt_scores") if wanted() else ("state_sketch",)
     llm = build_llm(job.engine, job.target, max_model_len=max_len + 1,
                     speculative_config=extract_hidden_states_config(job.layer_ids), kv_transfer_config=kv,
                     max_num_seqs=job.max_num_seqs, enable_chunked_prefill=False, enable_prefix_caching=False,
                     **batched, **scores)
     engine = _Engine(llm, job, nudge_token=int(ds[job.shards[0].row_ids()[0]]["input_ids"][0]))
     warm = engine.warm_up()
-    # before the first shard: the hooks ran in the runner instance the engine uses, and it is V1
+    # before the first shard: the hooks ran in the runner instance the engine uses, and it is the expected one
     print(f"extract worker: engine runner {runner.prove(records, hooks, 'extract')}, hooks live: "
           f"{', '.join(hooks) or 'none asked'}", flush=True)
     if job.fingerprints_dir:  # and the sketch hook wrote where the worker reads

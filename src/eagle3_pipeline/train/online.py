@@ -174,6 +174,7 @@ class HiddenStateServer:
                  f"{self.version.layer_ids}, max_num_seqs {cfg.max_num_seqs}, log {log_path})")
         t0 = time.time()
         from eagle3_pipeline.engine.prompt_scores import ENV as LEAN
+        from eagle3_pipeline.engine.prompt_scores import wanted as lean_wanted
 
         # every row's fingerprint scores: the lean path in the server's engine (prompt_scores.py, a vLLM plugin)
         # and every row's state sketch (state_sketch.py, a vLLM plugin): files beside the connector's, which
@@ -183,7 +184,7 @@ class HiddenStateServer:
         self.child = BackgroundChild(argv, name="online-server", log_path=log_path, env=env).__enter__()
         try:
             self._wait_ready()
-            hooks = ("state_sketch", "prompt_scores") if env[LEAN] == "1" else ("state_sketch",)
+            hooks = ("state_sketch", "prompt_scores") if lean_wanted(env[LEAN]) else ("state_sketch",)
             self.log(f"online: server runner {self._prove(hooks)}, hooks live: {', '.join(hooks)}")
         except BaseException:
             self.__exit__(None, None, None)  # the server's group and its scratch dir go with the failure
@@ -215,8 +216,8 @@ class HiddenStateServer:
             time.sleep(0.5)
 
     def _prove(self, hooks: tuple[str, ...]) -> str:
-        """One two-token row through the server before any training row: the runner its engine built is V1
-        and every hook of `hooks` ran in it (engine/runner.py)."""
+        """One two-token row through the server before any training row: the runner its engine built is the
+        expected one (V1 where vLLM has it) and every hook of `hooks` ran in it (engine/runner.py)."""
         path, _ = request_row(self.endpoint, self.model, [0, 0], timeout_s=self.start_timeout_s)
         Path(path).unlink(missing_ok=True)
         sketch_path(path).unlink(missing_ok=True)
