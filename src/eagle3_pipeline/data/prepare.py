@@ -34,7 +34,7 @@ from eagle3_pipeline.data.mask_check import MaskDisagrees, encode_checked
 from eagle3_pipeline.data.formats import Conversation, RawRow, Rejected, parse_row, raw_rows, tail_warning
 from eagle3_pipeline.core.errors import DiskFull, InputError, is_disk_full
 from eagle3_pipeline.core.store import (atomic_write, atomic_write_text, content_key, dir_fingerprint, dir_lock, read_json,
-                                   slug, within, write_json)
+                                   row_hash, slug, within, write_json)
 
 TOKENIZER_FILES = ("tokenizer*.json", "special_tokens_map.json", "*.jinja", "*.model", "vocab*", "merges.txt")
 # Bump when the same rows, tokenizer and settings give different chunk bytes or quarantine decisions:
@@ -442,18 +442,23 @@ def _assemble(cfg: PrepareConfig, chunk_dirs: list[Path], computed: int, out: Pa
         tokens=int(sum(seq)), supervised_tokens=int(counts.sum()),
         quarantine_reasons=reasons, length_histogram={k: v for k, v in hist.items() if v},
         chunks_total=len(chunk_dirs), chunks_computed=computed)
-    atomic_write(out / ROW_HASHES, lambda p: save_file({"hashes": torch.from_numpy(_judged_row_hashes(arrow))}, str(p)))
+    return _publish(out, res, arrow)
+
+
+def _publish(out: Path, res: PrepareResult, arrow) -> PrepareResult:
+    """ROW_HASHES, then prepare.json (the version is complete from then on)."""
+    from safetensors.numpy import save_file
+
+    atomic_write(out / ROW_HASHES, lambda p: save_file({"hashes": _judged_row_hashes(arrow)}, str(p)))
     res.row_hashes = str((out / ROW_HASHES).resolve())
     write_json(out / "prepare.json", res.model_dump())
     return res
 
 
 def _judged_row_hashes(arrow):
-    """contracts.row_hash of every row as prepare judged it (its mask checked twice), as uint8 [N, 8]: verify
+    """store.row_hash of every row as prepare judged it (its mask checked twice), as uint8 [N, 8]: verify
     compares the rows train will read with these, so a row changed after prepare is named."""
     import numpy as np
-
-    from eagle3_pipeline.records.contracts import row_hash
 
     if not arrow.num_rows:
         return np.zeros((0, 8), dtype=np.uint8)

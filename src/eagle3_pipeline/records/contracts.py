@@ -21,6 +21,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from eagle3_pipeline.core.errors import InputError
+from eagle3_pipeline.core.store import row_hash  # noqa: F401 - the record format's name for it
 
 HS_KEY, TOKENS_KEY, SCALES_KEY = "hidden_states", "token_ids", "hidden_states_scales"
 STORAGE_DTYPES = {"bf16": "BF16", "fp8": "F8_E4M3"}  # safetensors dtype names
@@ -143,20 +144,6 @@ def model_dims(target) -> ModelDims:
 
 
 # ---------------------------------------------------------------- the record: name, write, read, compare
-
-def row_hash(input_ids, loss_mask) -> str:
-    """What a record was extracted from: sha256 (16 hex) of the prepared row's token ids and loss mask
-    (int64 little-endian). The extract manifest keeps it per row; verify compares it with the row as
-    the trainer will read it, so a shifted mask or reordered rows fail (the mask is in no record)."""
-    import hashlib
-
-    import numpy as np
-
-    h = hashlib.sha256(np.asarray(input_ids, dtype="<i8").tobytes())
-    h.update(b"|")
-    h.update(np.asarray(loss_mask, dtype="<i8").tobytes())
-    return h.hexdigest()[:16]
-
 
 def record_name(row: int) -> str:
     """The file name of row `row`'s record (speculators' offline layout: row index = file index)."""
