@@ -378,15 +378,3 @@ def extract_key(prepare_version: str, model_fp: str, layer_ids: list[int], stora
 def extract_dir(prepare_dir: Path, model: str, key: str) -> Path:
     """<store>/<dataset>/<tok-version>/<model>/<extract-version>/"""
     return within(prepare_dir, slug(model), key)
-
-
-def row_hash(input_ids, loss_mask) -> str:
-    """What a row is: sha256 (16 hex) of a prepared row's token ids and loss mask (int64 little-endian). Prepare
-    keeps it for every row as it judged it, the extract manifest for every row it extracted; verify compares both
-    with the row as the trainer will read it, so a shifted mask or reordered rows fail (the mask is in no record)."""
-    import numpy as np
-
-    h = hashlib.sha256(np.asarray(input_ids, dtype="<i8").tobytes())
-    h.update(b"|")
-    h.update(np.asarray(loss_mask, dtype="<i8").tobytes())
-    return h.hexdigest()[:16]

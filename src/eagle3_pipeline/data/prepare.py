@@ -28,13 +28,14 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from eagle3_pipeline.core.config import PrepareConfig, SourceConfig, TargetConfig, hub_token
+from eagle3_pipeline.core.digest import row_hash
 from eagle3_pipeline.data.chat import (MaskUnavailable, TemplateMismatch, ToolCallsNotRendered,
                                        render)
 from eagle3_pipeline.data.mask_check import MaskDisagrees, encode_checked
 from eagle3_pipeline.data.formats import Conversation, RawRow, Rejected, parse_row, raw_rows, tail_warning
 from eagle3_pipeline.core.errors import DiskFull, InputError, is_disk_full
 from eagle3_pipeline.core.store import (atomic_write, atomic_write_text, content_key, dir_fingerprint, dir_lock, read_json,
-                                   row_hash, slug, within, write_json)
+                                   slug, within, write_json)
 
 TOKENIZER_FILES = ("tokenizer*.json", "special_tokens_map.json", "*.jinja", "*.model", "vocab*", "merges.txt")
 # Bump when the same rows, tokenizer and settings give different chunk bytes or quarantine decisions:
@@ -76,7 +77,7 @@ class PrepareResult(BaseModel):
     chunks_total: int
     chunks_computed: int
     cached: bool = False
-    row_hashes: str | None = None  # ROW_HASHES: each row's contracts.row_hash as prepare judged it
+    row_hashes: str | None = None  # ROW_HASHES: each row's digest.row_hash as prepare judged it
 
 
 def loss_warnings(res: PrepareResult, cfg: PrepareConfig) -> list[str]:
@@ -456,7 +457,7 @@ def _publish(out: Path, res: PrepareResult, arrow) -> PrepareResult:
 
 
 def _judged_row_hashes(arrow):
-    """store.row_hash of every row as prepare judged it (its mask checked twice), as uint8 [N, 8]: verify
+    """digest.row_hash of every row as prepare judged it (its mask checked twice), as uint8 [N, 8]: verify
     compares the rows train will read with these, so a row changed after prepare is named."""
     import numpy as np
 
