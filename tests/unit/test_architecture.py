@@ -120,7 +120,6 @@ PARAM_EXCEPTIONS = {
     "train/stage.py:_train_draft": "train_draft's body under the dir lock; shrinks with train_draft",
     "train/stage.py:make_untrained_draft": "public API (stages.py, tests); shrinks with train_draft",
     "verify/reference.py:stream_reference": "the reference child's inputs: target, version, rows, budget, work dir, log",
-    "verify/stage.py:verify": "public API (stages.py, tests): cfg, target, version and the online sample's rows",
 }
 
 

@@ -57,17 +57,16 @@ def stage_deadline_s(config: PipelineConfig, stage: str, shards: int | None = No
 
 def _gpu_count(config: PipelineConfig, stage: str) -> int:
     if stage == "extract":
-        e = config.extract
-        return e.tensor_parallel_size * getattr(e, "pipeline_parallel_size", 1)
+        return config.extract.tensor_parallel_size
     if stage == "verify":
         return 0
     if stage == "train":
         t = config.train
         n = t.world_size if t.device == "cuda" else 0
         if t.mode == "online":  # the trainer's vLLM server runs the target at extract's TP on the same node
-            n = max(n, config.extract.tensor_parallel_size * getattr(config.extract, "pipeline_parallel_size", 1))
+            n = max(n, config.extract.tensor_parallel_size)
         return n
-    return config.evaluate.tensor_parallel_size * getattr(config.evaluate, "pipeline_parallel_size", 1)
+    return config.evaluate.tensor_parallel_size
 
 
 def _cpu_and_memory(config: PipelineConfig, stage: str, gpus: int) -> tuple[int, int]:

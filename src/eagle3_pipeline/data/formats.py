@@ -12,10 +12,10 @@ normalised to the same shape. Every tool call becomes `{"type": "function", "fun
 "arguments"}}` (plus `id` when the data has one); `arguments` stays as the data has it (a JSON
 string or an object): chat/`encode_conversation` renders it that way first and switches to the
 other form only when the template does not render it (a template that applies `tojson` to a
-string, or concatenates an object). Assistant `reasoning_content` is kept for thinking templates;
-inline `<think>` blocks simply stay in the content. A plain turn is exactly `{"role", "content"}`. Reads local `.jsonl`/`.json`/`.parquet` files or
-directories of them and `datasets.save_to_disk` directories. Nothing is dropped silently: a row that
-cannot be read is yielded as `Rejected(source, row, reason, raw)` for the quarantine file.
+string, or concatenates an object). Assistant `reasoning_content` is kept for thinking templates; inline `<think>`
+blocks simply stay in the content. A plain turn is exactly `{"role", "content"}`. Reads local
+`.jsonl`/`.json`/`.parquet` files or directories of them and `datasets.save_to_disk` directories. Nothing is dropped
+silently: a row that cannot be read is yielded as `Rejected(source, row, reason, raw)` for the quarantine file.
 """
 
 from __future__ import annotations
@@ -509,10 +509,3 @@ def parse_row(raw: RawRow, fmt: str = "auto", require_assistant: bool = True) ->
     if kind is None:
         return Rejected(raw.source, raw.row, f"unknown format: keys {sorted(raw.rec)[:8]}", raw.rec)
     return normalise(raw.rec, kind, raw.source, raw.row, require_assistant)
-
-
-def read_source(path: str | Path, fmt: str = "auto", limit: int | None = None
-                ) -> Iterator[Conversation | Pretokenized | Rejected]:
-    """Every row of a source, normalised or rejected, at most `limit` rows in all."""
-    for raw in raw_rows(str(path), limit):
-        yield parse_row(raw, fmt)

@@ -56,7 +56,6 @@ def _ours(p, protected: set[int], dead_launchers: set[int]) -> str | None:
         return f"pid {p.pid} ({env.get(CHILD_MARKER_ENV, 'worker')}, launcher {launcher or '?'} gone): {cmd[:120]}"
     except Exception:  # process vanished or is not ours to read
         return None
-    return None
 
 
 def _protected() -> set[int]:
