@@ -38,14 +38,15 @@ from prefect.cache_policies import NO_CACHE
 
 from eagle3_pipeline import stages
 from eagle3_pipeline.core.config import PipelineConfig
-from eagle3_pipeline.data.prepare import PrepareResult
 from eagle3_pipeline.core.errors import is_transient
-from eagle3_pipeline.records.layout import ExtractVersion
-from eagle3_pipeline.preflight.stage import PreflightResult
-from eagle3_pipeline.report.record import RunReport
 from eagle3_pipeline.core.proc import ChildFailed
 from eagle3_pipeline.core.store import slug
-from tasks.gpu_lease import gpu_slot, gpu_slot_scope, run_logger  # gpu_slot_scope: the flows call it as t.gpu_slot_scope
+from eagle3_pipeline.data.prepare import PrepareResult
+from eagle3_pipeline.preflight.stage import PreflightResult
+from eagle3_pipeline.records.layout import ExtractVersion
+from eagle3_pipeline.report.record import RunReport
+from tasks.gpu_lease import gpu_slot, run_logger
+from tasks.gpu_lease import gpu_slot_scope as gpu_slot_scope  # re-exported: the flows call it as t.gpu_slot_scope
 
 DATASET_PUBLISHED = "eagle3.dataset.published"
 DRAFT_EXPORTED = "eagle3.draft.exported"
@@ -137,9 +138,9 @@ def regenerate(cfg: PipelineConfig):
 @task(name="prepare", cache_policy=NO_CACHE, tags=["cpu"], **retry_options("prepare"))
 def prepare(cfg: PipelineConfig, regenerated=None) -> PrepareResult:
     rec = stages.stage_prepare(cfg, log=_log(), regenerated=regenerated)
-    counts = [{"what": k, "value": getattr(rec, k)} for k in ("version", "rows_in", "rows_out", "rows_heldout", "rows_quarantined",
-                                                      "rows_truncated", "turns_dropped", "rows_trimmed", "turns_trimmed",
-                                                      "tokens", "chunks_computed")]
+    counts = [{"what": k, "value": getattr(rec, k)}
+              for k in ("version", "rows_in", "rows_out", "rows_heldout", "rows_quarantined", "rows_truncated",
+                        "turns_dropped", "rows_trimmed", "turns_trimmed", "tokens", "chunks_computed")]
     counts += [{"what": f"turns trimmed: {why}", "value": n} for why, n in rec.trim_reasons.items()]
     counts += [{"what": "WARNING", "value": w} for w in rec.source_warnings]
     counts += [{"what": f"damaged source {d['source']}", "value": f"{d['records_complete']} complete records kept, "

@@ -4,9 +4,8 @@ in-pod attempt of the stage's own deadline, on the production configs and the ti
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import math
+from pathlib import Path
 
 import pytest
 

@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3_pipeline.core.errors import DiskFull, is_transient
+from eagle3_pipeline.core.errors import ConfigError, DiskFull, is_transient
+from eagle3_pipeline.core.faults import FAIL_ONCE_DIR_ENV, FAIL_ONCE_ENV, InjectedFault, fail_once, take_fault
+from eagle3_pipeline.core.proc import ChildFailed, ChildTimedOut
 from eagle3_pipeline.evaluate.results import EvaluateError
 from eagle3_pipeline.evaluate.stage import EvaluateGateFailed, InvalidDraftError
-from eagle3_pipeline.core.faults import FAIL_ONCE_DIR_ENV, FAIL_ONCE_ENV, InjectedFault, fail_once, take_fault
 from eagle3_pipeline.preflight.stage import PreflightFailed
-from eagle3_pipeline.core.proc import ChildFailed, ChildTimedOut
+from eagle3_pipeline.records.contracts import ContractError
 from eagle3_pipeline.train.export import ExportCheckError
 from eagle3_pipeline.verify.stage import VerifyFailed
-from eagle3_pipeline.core.errors import ConfigError
-from eagle3_pipeline.records.contracts import ContractError
 from tasks.stage_tasks import RETRY_POLICIES, retry_options
 
 

@@ -28,13 +28,22 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from eagle3_pipeline.core.config import PrepareConfig, SourceConfig, TargetConfig, hub_token
-from eagle3_pipeline.data.chat import (MaskUnavailable, TemplateMismatch, ToolCallsNotRendered,
-                                       render)
-from eagle3_pipeline.data.mask_check import MaskDisagrees, encode_checked
-from eagle3_pipeline.data.formats import Conversation, RawRow, Rejected, parse_row, raw_rows, tail_warning
 from eagle3_pipeline.core.errors import DiskFull, InputError, is_disk_full
-from eagle3_pipeline.core.store import (atomic_write, atomic_write_text, content_key, dir_fingerprint, dir_lock, read_json,
-                                   row_hash, slug, within, write_json)
+from eagle3_pipeline.core.store import (
+    atomic_write,
+    atomic_write_text,
+    content_key,
+    dir_fingerprint,
+    dir_lock,
+    read_json,
+    row_hash,
+    slug,
+    within,
+    write_json,
+)
+from eagle3_pipeline.data.chat import MaskUnavailable, TemplateMismatch, ToolCallsNotRendered, render
+from eagle3_pipeline.data.formats import Conversation, RawRow, Rejected, parse_row, raw_rows, tail_warning
+from eagle3_pipeline.data.mask_check import MaskDisagrees, encode_checked
 
 TOKENIZER_FILES = ("tokenizer*.json", "special_tokens_map.json", "*.jinja", "*.model", "vocab*", "merges.txt")
 # Bump when the same rows, tokenizer and settings give different chunk bytes or quarantine decisions:
@@ -340,12 +349,12 @@ def _assemble(cfg: PrepareConfig, chunk_dirs: list[Path], computed: int, out: Pa
               vocab: int) -> PrepareResult:
     """Concatenate chunks; drop duplicate ids (later ones quarantined); pick the held-out conversations."""
     import datasets
-    from datasets.table import InMemoryTable
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
     import torch
+    from datasets.table import InMemoryTable
     from safetensors.torch import save_file
 
     metas = [read_json(d / "chunk.json") for d in chunk_dirs]

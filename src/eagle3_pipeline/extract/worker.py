@@ -30,7 +30,6 @@ from __future__ import annotations
 import fcntl
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Literal
@@ -38,13 +37,23 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from eagle3_pipeline.core.config import EngineConfig, TargetConfig
-from eagle3_pipeline.records.contracts import (FP_TOP, ContractError, fingerprint_from_flat, fingerprint_name, read_record,
-                                       record_file_problem, record_name, row_hash, to_record, write_fingerprint,
-                                       write_record)
-from eagle3_pipeline.records.layout import Shard
 from eagle3_pipeline.core.proc import child_main, emit_event
 from eagle3_pipeline.core.progress import LineProgress
 from eagle3_pipeline.engine.state_sketch import KEY as SKETCH_KEY
+from eagle3_pipeline.records.contracts import (
+    FP_TOP,
+    ContractError,
+    fingerprint_from_flat,
+    fingerprint_name,
+    read_record,
+    record_file_problem,
+    record_name,
+    row_hash,
+    to_record,
+    write_fingerprint,
+    write_record,
+)
+from eagle3_pipeline.records.layout import Shard
 
 KILL_AFTER_ENV = "EAGLE3_TEST_KILL_AFTER_SHARDS"
 RECORD_DELAY_ENV = "EAGLE3_TEST_RECORD_DELAY_S"
@@ -372,8 +381,13 @@ def _invariance(engine: _Engine, ds, job: ExtractJob) -> None:
 def _start_engine(job: ExtractJob, ds, max_len: int) -> _Engine:
     """The extract engine, warmed up, with its hooks proven live in the runner it built (engine/runner.py)."""
     from eagle3_pipeline.engine import runner
-    from eagle3_pipeline.engine.build import (FINGERPRINT_ENGINE_KWARGS, build_llm, extract_hidden_states_config,
-                                              hidden_states_kv_config, vllm_is_cpu_build)
+    from eagle3_pipeline.engine.build import (
+        FINGERPRINT_ENGINE_KWARGS,
+        build_llm,
+        extract_hidden_states_config,
+        hidden_states_kv_config,
+        vllm_is_cpu_build,
+    )
 
     # one request = one whole prompt and one file: no chunked prefill, no prefix cache
     batched = {} if job.max_num_batched_tokens is None else {"max_num_batched_tokens": job.max_num_batched_tokens}

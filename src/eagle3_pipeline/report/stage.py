@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eagle3_pipeline.core.stage_spec import StageSpec
 from eagle3_pipeline.core.store import atomic_write, atomic_write_text, write_json
 from eagle3_pipeline.report.decision import CurvePoint, decide
 from eagle3_pipeline.report.record import Artifacts, RunReport, Stages
-from eagle3_pipeline.core.stage_spec import StageSpec
 
 STAGES = ("regenerate", "prepare", "preflight", "extract", "verify", "vocab", "train", "evaluate")
 # report.json fields per stage (the contract: the entry models of record.py); other keys a stage returns are

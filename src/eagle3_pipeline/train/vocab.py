@@ -175,7 +175,8 @@ def build_vocab(cfg: VocabConfig, token_freq: Path, target_vocab_size: int, out_
             coverage=float(counts[t2d].sum()) / total, distinct_tokens=len(np.nonzero(counts)[0]),
             padded=int((counts[t2d] == 0).sum()) - len([s for s in forced if counts[s] == 0]),
             forced_special=forced, d2t_path=d2t_path, t2d_path=t2d_path)
-        write_json(out_dir / META_NAME, {**result.model_dump(mode="json", exclude={"dir"}), "d2t": d2t_name(k), "t2d": t2d_name(k),
+        write_json(out_dir / META_NAME, {**result.model_dump(mode="json", exclude={"dir"}),
+                                         "d2t": d2t_name(k), "t2d": t2d_name(k),
                                          "special_token_ids": sorted(set(special_token_ids)),
                                          "token_freq": str(token_freq), "supervised_tokens": total})
     return result.model_copy(update={"dir": str(out_dir.resolve())})

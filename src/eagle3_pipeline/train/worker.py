@@ -59,8 +59,8 @@ def _is_rank0() -> bool:
 
 def _install_cpu_shim() -> None:
     """Let speculators' single-process trainer run without an accelerator (see module docstring)."""
-    import torch
     import speculators.train.checkpointer as ckpt
+    import torch
 
     if not torch.accelerator.is_available():
         torch.accelerator.synchronize = lambda *a, **k: None  # the step timer calls it around every phase
@@ -128,9 +128,9 @@ def _setup_cpu_distributed() -> None:
     Each rank gets its own share of the cores (threads and affinity). Without torchrun: nothing."""
     if "LOCAL_RANK" not in os.environ:
         return
+    import speculators.train.distributed as sd
     import torch
     import torch.distributed as dist
-    import speculators.train.distributed as sd
 
     local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     cores = sorted(os.sched_getaffinity(0))
@@ -193,7 +193,8 @@ class _MetricSink(logging.Handler):
                     "acc": self._per_step(m, "full_acc"), "cond_acc": self._per_step(m, "cond_acc"),
                     "lr": lr if not isinstance(lr, dict) else lr.get("AdamW", next(iter(lr.values()))),
                     "tokens": tokens, "step_s": step_s,
-                    "tokens_per_s": tokens / step_s if step_s > 0 else prof.get("tokens_per_s"), "error_records": m.get("error_records"),
+                    "tokens_per_s": tokens / step_s if step_s > 0 else prof.get("tokens_per_s"),
+                    "error_records": m.get("error_records"),
                     **{k: prof.get(k) for k in PHASES}}
             self.last_train = line
         elif "val" in msg:

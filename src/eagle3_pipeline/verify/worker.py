@@ -19,8 +19,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from eagle3_pipeline.core.config import TargetConfig
-from eagle3_pipeline.records.contracts import text_config
 from eagle3_pipeline.core.proc import emit_event
+from eagle3_pipeline.records.contracts import text_config
 
 BUDGET_EXIT = 3
 HS_FILE, RESULT_FILE = "reference.safetensors", "result.json"
