@@ -48,7 +48,7 @@ BYTECODE_SKIP := /site-packages/(.+/)?tests/|/site-packages/(anthropic|numba|llv
 COMPILE := env -u SOURCE_DATE_EPOCH $(PY) -m compileall -qq -j 0 --invalidation-mode timestamp
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: install run test test-fast tiny tiny-moe smollm2 bench gpu-check clean browser postgres
+.PHONY: install run test test-fast lint tiny tiny-moe smollm2 bench gpu-check clean browser postgres
 
 install: $(STAMP)
 
@@ -159,11 +159,18 @@ postgres:
 # tests/conftest.py); TEST_WORKERS=0 runs the suite in this one process.
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope)
+# The linter first (seconds): ruff from the `test` extra, its rules in pyproject.toml [tool.ruff] (docs/testing.md).
+LINT := $(PY) -m ruff check --no-cache .
 test: $(STAMP) $(BYTECODE_ALL) tiny tiny-moe smollm2 browser postgres
+	$(LINT)
 	$(PY) -m pytest tests -q -p no:cacheprovider --timeout 3600 --durations=25 $(XDIST)
 
 test-fast: $(STAMP) $(BYTECODE_ALL)
+	$(LINT)
 	$(PY) -m pytest tests/unit -q -p no:cacheprovider
+
+lint: $(STAMP)
+	$(LINT)
 
 bench: $(STAMP) $(BYTECODE_ALL) tiny
 	$(PY) bench/extract_vs_prefill.py
