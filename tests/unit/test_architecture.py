@@ -129,7 +129,6 @@ MAX_LINES = 60
 LONG_FUNCTIONS = {
     "data/formats.py:_json_values": (62, "one incremental JSON decoder loop: every damage case ends it with its byte offset"),
     "data/prepare.py:_encode_chunk": (79, "one pass per row: render, tokenize, mask, trim and quarantine, counting each reason"),
-    "data/prepare.py:_assemble": (108, "chunks to one dataset: duplicates, held-out pick and every count prepare.json reports"),
     "extract/worker.py:_run_shard": (65, "one shard's prefill, capture checks, durable writes and event, in the order they must happen"),
     "preflight/stage.py:preflight": (82, "the checks in the order a user reads them; each adds a problem or a warning"),
     "targets/smollm2.py:build_smollm2": (66, "GGUF tensors to HF names, tokenizer and template, written in the build's order"),
