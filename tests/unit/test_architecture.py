@@ -135,7 +135,6 @@ LONG_FUNCTIONS = {
     "train/export.py:export_check": (79, "one check per property of an exported draft, each with its own message"),
     "train/worker.py:run_train": (82, "the speculators trainer's set-up (model, data, resume, kill hooks) in the order it needs"),
     "verify/scan.py:_read_record": (71, "one record's read with a problem message for every way a file can be wrong"),
-    "verify/structure.py:_process": (103, "the per-file checks of one batch while its arenas are held"),
     "verify/structure.py:judge_records": (80, "the checks that need every record at once, sharing one pass over the statistics"),
     "verify/worker.py:run": (108, "the reference child: load layer by layer, stream rows, compare, write, within its budget"),
 }
