@@ -136,7 +136,6 @@ LONG_FUNCTIONS = {
     "train/worker.py:run_train": (82, "the speculators trainer's set-up (model, data, resume, kill hooks) in the order it needs"),
     "verify/scan.py:_read_record": (71, "one record's read with a problem message for every way a file can be wrong"),
     "verify/structure.py:judge_records": (80, "the checks that need every record at once, sharing one pass over the statistics"),
-    "verify/worker.py:run": (108, "the reference child: load layer by layer, stream rows, compare, write, within its budget"),
 }
 
 
