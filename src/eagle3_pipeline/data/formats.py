@@ -311,16 +311,20 @@ class DamagedSource(InputError):
     """A source file that is cut or corrupt part-way (`on_damaged: error`)."""
 
 
+def _utf8_prefix(data: bytes) -> tuple[str, int | None]:
+    """(the text of `data`'s longest valid UTF-8 prefix, the offset of its first invalid byte or None)."""
+    try:
+        return data.decode("utf-8"), None
+    except UnicodeDecodeError as e:  # e.g. a cut in the middle of a multi-byte character
+        return data[: e.start].decode("utf-8"), e.start
+
+
 def _json_values(path: Path, on_damaged: str = "error") -> Iterator[Any]:
     """The values of a JSON file (the elements of a top-level array, else the one value), decoded one
     at a time so that a damaged file yields its complete records; at the damage, a `Damage` last
     (`on_damaged: keep_complete`) or `DamagedSource` naming the byte offset (`error`)."""
     data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
-        bad_byte = None
-    except UnicodeDecodeError as e:  # e.g. a cut in the middle of a multi-byte character
-        text, bad_byte = data[: e.start].decode("utf-8"), e.start
+    text, bad_byte = _utf8_prefix(data)
     dec = json.JSONDecoder()
     ws = " \t\r\n"
     i = len(text) - len(text.lstrip(ws))
