@@ -598,4 +598,4 @@ def check_acceptance_gate(report: EvaluateReport, cfg: EvaluateConfig) -> None:
 
 
 STAGE = StageSpec(name="evaluate", run=evaluate_pair, result=EvaluateReport, failure=EvaluateGateFailed,
-                  worker="eagle3_pipeline.evaluate.worker", accelerators=True)
+                  worker="eagle3_pipeline.evaluate.worker", accelerators=True, gate=True, own_job=True)

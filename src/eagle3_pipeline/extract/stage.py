@@ -391,4 +391,4 @@ def summarize(out_dir: Path, since: float | None = None) -> ExtractResult:
 
 
 STAGE = StageSpec(name="extract", run=extract_group, result=list[ShardRecord], failure=ExtractFailed,
-                  worker="eagle3_pipeline.extract.worker", accelerators=True)
+                  worker="eagle3_pipeline.extract.worker", accelerators=True, own_job=True, task="extract-group")

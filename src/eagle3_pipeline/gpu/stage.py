@@ -193,4 +193,5 @@ def gpu_gate(kill: bool = True, max_used_mib: int = 2048, wait_s: float = 30.0, 
     return GpuGateResult(leftovers_found=found, killed=killed, gpus=gpus, passed=True)
 
 
-STAGE = StageSpec(name="gpu", run=gpu_gate, result=GpuGateResult, failure=GpuGateFailed)
+STAGE = StageSpec(name="gpu", run=gpu_gate, result=GpuGateResult, failure=GpuGateFailed, gate=True, reported=False,
+                  task="gpu-gate")

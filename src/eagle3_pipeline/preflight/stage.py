@@ -296,4 +296,4 @@ def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=prin
                            memory=memory)
 
 
-STAGE = StageSpec(name="preflight", run=preflight, result=PreflightResult, failure=PreflightFailed)
+STAGE = StageSpec(name="preflight", run=preflight, result=PreflightResult, failure=PreflightFailed, gate=True)

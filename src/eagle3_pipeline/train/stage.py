@@ -357,4 +357,4 @@ def make_untrained_draft(target: TargetConfig, version: ExtractVersion, vocab_di
 
 
 STAGE = StageSpec(name="train", run=train_draft, result=TrainResult, failure=ContractError,
-                  worker="eagle3_pipeline.train.worker", accelerators=True)
+                  worker="eagle3_pipeline.train.worker", accelerators=True, own_job=True)

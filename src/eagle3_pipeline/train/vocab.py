@@ -23,6 +23,7 @@ from pydantic import BaseModel
 
 from eagle3_pipeline.core.config import VocabConfig
 from eagle3_pipeline.core.errors import InputError
+from eagle3_pipeline.core.stage_spec import StageSpec
 from eagle3_pipeline.core.store import atomic_write, dir_lock, read_json, write_json
 
 META_NAME = "vocab.json"
@@ -211,3 +212,7 @@ def load_vocab(vocab_dir: Path, target_vocab_size: int | None = None) -> tuple[n
     check_vocab(d2t, t2d, target_vocab_size if target_vocab_size is not None else t2d.shape[0],
                 meta.get("special_token_ids", ()), where=str(vocab_dir))
     return d2t, t2d
+
+
+# a stage still beside train, which reads its files (load_vocab); registry.py lists it
+STAGE = StageSpec(name="vocab", run=build_vocab, result=VocabResult, failure=VocabError)

@@ -628,4 +628,4 @@ def files_changed_since_verify(version: ExtractVersion, res: VerifyResult) -> li
 
 
 STAGE = StageSpec(name="verify", run=verify, result=VerifyResult, failure=VerifyFailed,
-                  worker="eagle3_pipeline.verify.worker", accelerators=True)
+                  worker="eagle3_pipeline.verify.worker", accelerators=True, gate=True, own_job=True)
