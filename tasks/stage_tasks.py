@@ -103,8 +103,8 @@ POLICIES_BY_STAGE: dict[str, RetryPolicy] = {
     "preflight": RetryPolicy(0, 0, (), "a gate of seconds, no I/O worth retrying: its failure is the answer"),
     "gpu": RetryPolicy(0, 0, (), "a gate: busy GPUs are an answer for the operator, not a transient error"),
     "extract": RetryPolicy(2, 5, (*IO, *CHILD, RuntimeError), "engine child per shard group (crash, OOM, "
-                                 "lost node); a retry extracts only the shards not yet published. Count: "
-                                 "config extract.retries"),
+                           "lost node); a retry extracts only the shards not yet published. Count: "
+                           "config extract.retries"),
     "verify": RetryPolicy(1, 10, (*IO, *CHILD), "reads every record and streams the target for the reference "
                           "check (I/O, the reference child); a retry reuses each shard an earlier complete verify "
                           "checked (verify_rows.safetensors) and never turns a VerifyFailed into a retry"),
