@@ -159,18 +159,16 @@ postgres:
 # tests/conftest.py); TEST_WORKERS=0 runs the suite in this one process.
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope)
-# The linter first (seconds): ruff from the `test` extra, its rules in pyproject.toml [tool.ruff] (docs/testing.md).
-LINT := $(PY) -m ruff check --no-cache .
-test: $(STAMP) $(BYTECODE_ALL) tiny tiny-moe smollm2 browser postgres
-	$(LINT)
+# The linter first, right after the install (a second, before the targets are built): ruff from the `test` extra,
+# its rules in pyproject.toml [tool.ruff] (docs/testing.md, "The linter").
+test: $(STAMP) lint $(BYTECODE_ALL) tiny tiny-moe smollm2 browser postgres
 	$(PY) -m pytest tests -q -p no:cacheprovider --timeout 3600 --durations=25 $(XDIST)
 
-test-fast: $(STAMP) $(BYTECODE_ALL)
-	$(LINT)
+test-fast: $(STAMP) lint $(BYTECODE_ALL)
 	$(PY) -m pytest tests/unit -q -p no:cacheprovider
 
 lint: $(STAMP)
-	$(LINT)
+	$(PY) -m ruff check --no-cache .
 
 bench: $(STAMP) $(BYTECODE_ALL) tiny
 	$(PY) bench/extract_vs_prefill.py
