@@ -28,8 +28,8 @@ from pydantic import BaseModel, ConfigDict
 
 from eagle3_pipeline.core.store import atomic_write_text
 from eagle3_pipeline.tiny import agentic
-from eagle3_pipeline.tiny import tokenization_tiny_moe as tokmod
 from eagle3_pipeline.tiny.training import train_lm
+from eagle3_pipeline.tiny import tokenization_tiny_moe as tokmod
 
 TOKENIZER_MODULE = "tokenization_tiny_moe"
 TOKENIZER_CLASS = "TinyMoeTokenizer"

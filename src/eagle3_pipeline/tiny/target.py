@@ -17,8 +17,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from eagle3_pipeline.core.store import atomic_write_text
 from eagle3_pipeline.data.chat import encode_conversation
+from eagle3_pipeline.core.store import atomic_write_text
 from eagle3_pipeline.tiny import corpus
 from eagle3_pipeline.tiny.training import train_lm
 
