@@ -48,7 +48,7 @@ BYTECODE_SKIP := /site-packages/(.+/)?tests/|/site-packages/(anthropic|numba|llv
 COMPILE := env -u SOURCE_DATE_EPOCH $(PY) -m compileall -qq -j 0 --invalidation-mode timestamp
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: install run test test-fast tiny tiny-moe smollm2 bench gpu-check clean browser postgres
+.PHONY: install run test test-fast lint tiny tiny-moe smollm2 bench gpu-check clean browser postgres
 
 install: $(STAMP)
 
@@ -159,11 +159,16 @@ postgres:
 # tests/conftest.py); TEST_WORKERS=0 runs the suite in this one process.
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope)
-test: $(STAMP) $(BYTECODE_ALL) tiny tiny-moe smollm2 browser postgres
+# The linter first, right after the install (a second, before the targets are built): ruff from the `test` extra,
+# its rules in pyproject.toml [tool.ruff] (docs/testing.md, "The linter").
+test: $(STAMP) lint $(BYTECODE_ALL) tiny tiny-moe smollm2 browser postgres
 	$(PY) -m pytest tests -q -p no:cacheprovider --timeout 3600 --durations=25 $(XDIST)
 
-test-fast: $(STAMP) $(BYTECODE_ALL)
+test-fast: $(STAMP) lint $(BYTECODE_ALL)
 	$(PY) -m pytest tests/unit -q -p no:cacheprovider
+
+lint: $(STAMP)
+	$(PY) -m ruff check --no-cache .
 
 bench: $(STAMP) $(BYTECODE_ALL) tiny
 	$(PY) bench/extract_vs_prefill.py

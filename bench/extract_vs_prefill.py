@@ -26,7 +26,6 @@ import json
 import os
 import re
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -107,8 +106,8 @@ def _prod(shape) -> int:
 
 
 def prefill(model: Path, tokenized: str, rows: int, cfg, dtype: str) -> float:
-    from eagle3_pipeline.engine.build import engine_env
     from eagle3_pipeline.core.proc import run_child
+    from eagle3_pipeline.engine.build import engine_env
 
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"model": str(model), "dtype": dtype, "tokenized": tokenized, "rows": rows, "max_num_seqs": cfg.max_num_seqs,
@@ -128,10 +127,10 @@ def speculators_offline(model: Path, tokenized: str, rows: int, cfg, out: Path, 
     import subprocess
     import urllib.request
 
-    from eagle3_pipeline.data.prepare import load_tokenized
     from eagle3_pipeline.core.config import TargetConfig
-    from eagle3_pipeline.records.contracts import model_dims, resolve_layer_ids
+    from eagle3_pipeline.data.prepare import load_tokenized
     from eagle3_pipeline.engine.build import engine_env, extract_hidden_states_config, hidden_states_kv_config
+    from eagle3_pipeline.records.contracts import model_dims, resolve_layer_ids
 
     ids = load_tokenized(tokenized)["input_ids"][:rows]
     tokens = sum(map(len, ids))
@@ -141,7 +140,8 @@ def speculators_offline(model: Path, tokenized: str, rows: int, cfg, out: Path, 
     scratch = out / "scratch"
     shutil.rmtree(out, ignore_errors=True)
     scratch.mkdir(parents=True)
-    layers = resolve_layer_ids(model_dims(TargetConfig(model=str(model))).num_layers, cfg.layer_ids)  # what our extraction captures
+    # what our extraction captures
+    layers = resolve_layer_ids(model_dims(TargetConfig(model=str(model))).num_layers, cfg.layer_ids)
     spec = extract_hidden_states_config(layers)
     kv = hidden_states_kv_config(cfg.connector_module, cfg.connector_name, str(scratch))
     bin_ = Path(sys.executable).parent
@@ -318,7 +318,6 @@ def bench_size(size: str, n_rows: int, args) -> dict:
 
 
 def fp8_error(bf16_dir: Path, fp8_dir: Path) -> float:
-    import torch
     from safetensors.torch import load_file
 
     worst = 0.0

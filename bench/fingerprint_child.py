@@ -74,13 +74,14 @@ def hook_arms(switch: dict) -> list[int]:
 
 if __name__ == "__main__":
     job = json.loads(open(sys.argv[1]).read())
-    from eagle3_pipeline.core.config import EngineConfig, TargetConfig
-    from eagle3_pipeline.records.contracts import FP_TOP
-    from eagle3_pipeline.data.prepare import load_tokenized
-    from eagle3_pipeline.engine.build import build_llm
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.v1.engine.core_client import InprocClient
+
+    from eagle3_pipeline.core.config import EngineConfig, TargetConfig
+    from eagle3_pipeline.data.prepare import load_tokenized
+    from eagle3_pipeline.engine.build import build_llm
+    from eagle3_pipeline.records.contracts import FP_TOP
 
     rows = load_tokenized(job["tokenized"])["input_ids"][: job["rows"]]
     switch = {"arm": None, "in_step": dict.fromkeys(ARMS, 0.0)}

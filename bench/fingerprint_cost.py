@@ -55,10 +55,10 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from eagle3_pipeline.core.config import ExtractConfig, PrepareConfig, SourceConfig, TargetConfig
+    from eagle3_pipeline.core.proc import run_child
     from eagle3_pipeline.data.prepare import prepare
     from eagle3_pipeline.engine.build import FINGERPRINT_ENGINE_KWARGS, engine_env
     from eagle3_pipeline.engine.prompt_scores import RAW_MODES
-    from eagle3_pipeline.core.proc import run_child
 
     work, tiny = Path(args.work), ROOT / ".cache" / "tiny-target"
     t = Table(title=f"fingerprint cost: share of prefill time, {args.rounds} alternating rounds, median (min-max)")
@@ -114,8 +114,8 @@ def main() -> None:
             t.add_row(size, mode + (" (pipeline)" if mode == out["pipeline_mode"] else ""), f"{ev['tokens']:,}",
                       f"{spread(s['plain'])['median']:.2f}", pct(sp["lm_head"]), pct(sp["lm_head_groups"]),
                       pct(sp["fingerprint"]) + ("" if lean else " (vLLM's step)"), pts(ab["fingerprint"]),
-                      pts(ab["groups"]) if lean else "-", pts(ins["fingerprint"]), pct(sp["fingerprint_vllm"]), pts(ab["fingerprint_vllm"]),
-                      pts(ins["fingerprint_vllm"]), f"{floor:.1%}")
+                      pts(ab["groups"]) if lean else "-", pts(ins["fingerprint"]), pct(sp["fingerprint_vllm"]),
+                      pts(ab["fingerprint_vllm"]), pts(ins["fingerprint_vllm"]), f"{floor:.1%}")
     Console().print(t)
     record("fingerprint", out)
 

@@ -13,11 +13,12 @@ from eagle3_pipeline.core.proc import emit_event, exit_child
 
 if __name__ == "__main__":
     job = json.loads(open(sys.argv[1]).read())
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
     from eagle3_pipeline.core.config import EngineConfig, TargetConfig
     from eagle3_pipeline.data.prepare import load_tokenized
     from eagle3_pipeline.engine.build import build_llm
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     prompts = load_tokenized(job["tokenized"])["input_ids"][: job["rows"]]
     batched = {"max_num_batched_tokens": job["max_num_batched_tokens"]} if job.get("max_num_batched_tokens") else {}

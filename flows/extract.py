@@ -1,5 +1,5 @@
-"""The extract flow: for an ExtractVersion (layout.py: the planned shard groups), extract each group (one engine child per group, published
-shard by shard), then summarise the manifest.
+"""The extract flow: for an ExtractVersion (layout.py: the planned shard groups), extract each group (one engine
+child per group, published shard by shard), then summarise the manifest.
 
 parallel_groups == 1: one cached `extract-group` task per group in this process, all under one GPU
 slot (taken by the first group that runs, released when the flow ends). A group that

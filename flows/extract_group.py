@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from prefect import flow
 
-from eagle3_pipeline.records.layout import ExtractVersion
 from eagle3_pipeline.core.config import PipelineConfig
+from eagle3_pipeline.records.layout import ExtractVersion
 from flows.hub_auth import use_hub_secret
 from tasks import stage_tasks as t
 

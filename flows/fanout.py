@@ -19,8 +19,8 @@ from prefect.exceptions import ObjectNotFound
 from prefect.settings import get_current_settings
 from prefect.states import Cancelling, Crashed
 
-from eagle3_pipeline.core.config import PipelineConfig
 from eagle3_pipeline.core.cluster import job_variables, start_deadline_s
+from eagle3_pipeline.core.config import PipelineConfig
 from eagle3_pipeline.records.layout import ExtractVersion
 from eagle3_pipeline.records.shardrun import ShardRun
 from flows.pods import StartWatch, pod_source

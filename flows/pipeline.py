@@ -14,11 +14,11 @@ from prefect import flow
 
 from eagle3_pipeline.core.config import PipelineConfig
 from eagle3_pipeline.preflight.stage import installed_versions
-from eagle3_pipeline.report.runs import RunDir, StageClock, create_run_dir
 from eagle3_pipeline.report.record import RunReport
+from eagle3_pipeline.report.runs import RunDir, StageClock, create_run_dir
 from eagle3_pipeline.verify.stage import VerifyResult
-from flows.config_param import DEFAULT_CONFIG_PATH, resolve_config, switches
 from flows import stage_runs
+from flows.config_param import DEFAULT_CONFIG_PATH, resolve_config, switches
 from flows.extract import extract
 from flows.head import Prepared, prepare_run
 from flows.hub_auth import use_hub_secret

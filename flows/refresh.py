@@ -20,8 +20,8 @@ from prefect import flow
 
 from eagle3_pipeline import stages
 from eagle3_pipeline.core.config import PipelineConfig, SourceConfig, load_config
-from eagle3_pipeline.records.layout import ExtractVersion
 from eagle3_pipeline.core.store import read_json
+from eagle3_pipeline.records.layout import ExtractVersion
 from flows.head import prepare_run
 from flows.hub_auth import use_hub_secret
 from flows.pipeline import pipeline

@@ -15,17 +15,17 @@ import os
 import time
 
 from prefect import flow, get_run_logger
-from prefect.runtime import flow_run as this_run
 from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
+from prefect.runtime import flow_run as this_run
 from prefect.states import Cancelling
 from pydantic import BaseModel
 
 from eagle3_pipeline.core.cluster import job_variables
 from eagle3_pipeline.core.config import PipelineConfig
 from eagle3_pipeline.data.prepare import PrepareResult
-from eagle3_pipeline.records.layout import ExtractVersion
 from eagle3_pipeline.evaluate.stage import EvaluateReport
+from eagle3_pipeline.records.layout import ExtractVersion
 from eagle3_pipeline.train.stage import TrainResult
 from eagle3_pipeline.train.vocab import VocabResult
 from eagle3_pipeline.verify.stage import VerifyResult

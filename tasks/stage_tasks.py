@@ -1,9 +1,10 @@
 """Thin Prefect tasks around the stage functions of `eagle3_pipeline.stages`.
 
-Each task is one core call plus what Prefect adds: logging through the run logger, retries, tags,
-timeouts and artifacts. Gates (preflight, gpu-gate, verify, evaluate) use NO_CACHE: they must run
-every time. Stages whose bytes are content-addressed (prepare, extract, vocab, train) answer repeated
-work from the run store itself, which checks hashes; Prefect's cache is not trusted with that.
+Each task is one core call plus what Prefect adds: logging through the run logger, retries, tags, timeouts and
+artifacts. A stage's task is named, retried and kept out of Prefect's cache from the registry (`stage_task`): gates
+(registry.GATES: preflight, gpu-gate, verify, evaluate) must run every time. Stages whose bytes are content-addressed
+(prepare, extract, vocab, train) answer repeated work from the run store itself, which checks hashes; Prefect's cache
+is not trusted with that.
 
 Prefect-side records (docs/operations.md):
 - GPU ownership: every task that loads the target or the draft (extract-group, verify, train,
@@ -36,16 +37,17 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from eagle3_pipeline import stages
+from eagle3_pipeline import registry, stages
 from eagle3_pipeline.core.config import PipelineConfig
-from eagle3_pipeline.data.prepare import PrepareResult
 from eagle3_pipeline.core.errors import is_transient
-from eagle3_pipeline.records.layout import ExtractVersion
-from eagle3_pipeline.preflight.stage import PreflightResult
-from eagle3_pipeline.report.record import RunReport
 from eagle3_pipeline.core.proc import ChildFailed
 from eagle3_pipeline.core.store import slug
-from tasks.gpu_lease import gpu_slot, gpu_slot_scope, run_logger  # gpu_slot_scope: the flows call it as t.gpu_slot_scope
+from eagle3_pipeline.data.prepare import PrepareResult
+from eagle3_pipeline.preflight.stage import PreflightResult
+from eagle3_pipeline.records.layout import ExtractVersion
+from eagle3_pipeline.report.record import RunReport
+from tasks.gpu_lease import gpu_slot, run_logger
+from tasks.gpu_lease import gpu_slot_scope as gpu_slot_scope  # re-exported: the flows call it as t.gpu_slot_scope
 
 DATASET_PUBLISHED = "eagle3.dataset.published"
 DRAFT_EXPORTED = "eagle3.draft.exported"
@@ -91,17 +93,18 @@ class RetryPolicy:
 
 IO = (OSError, TimeoutError)  # lost mounts, hub/network errors (requests' errors are OSErrors), timeouts
 CHILD = (ChildFailed,)  # a child that crashed, was OOM-killed or timed out (ChildTimedOut); also wrapped
-RETRY_POLICIES: dict[str, RetryPolicy] = {
+# by stage name (registry.NAMES); RETRY_POLICIES below is keyed by each stage's task name, in the registry's order
+POLICIES_BY_STAGE: dict[str, RetryPolicy] = {
     "regenerate": RetryPolicy(2, 30, (*IO, *CHILD, RuntimeError), "engine child that answers the sources' turns "
                               "(crash, OOM, lost node, timeout); a retry regenerates only the shards not yet "
                               "published. Count: config regenerate.retries"),
     "prepare": RetryPolicy(2, 30, IO, "reads sources (files, fsspec, the hub) and writes the store; a retry "
                            "reuses every content-keyed chunk already tokenized"),
     "preflight": RetryPolicy(0, 0, (), "a gate of seconds, no I/O worth retrying: its failure is the answer"),
-    "gpu-gate": RetryPolicy(0, 0, (), "a gate: busy GPUs are an answer for the operator, not a transient error"),
-    "extract-group": RetryPolicy(2, 5, (*IO, *CHILD, RuntimeError), "engine child per shard group (crash, OOM, "
-                                 "lost node); a retry extracts only the shards not yet published. Count: "
-                                 "config extract.retries"),
+    "gpu": RetryPolicy(0, 0, (), "a gate: busy GPUs are an answer for the operator, not a transient error"),
+    "extract": RetryPolicy(2, 5, (*IO, *CHILD, RuntimeError), "engine child per shard group (crash, OOM, "
+                           "lost node); a retry extracts only the shards not yet published. Count: "
+                           "config extract.retries"),
     "verify": RetryPolicy(1, 10, (*IO, *CHILD), "reads every record and streams the target for the reference "
                           "check (I/O, the reference child); a retry reuses each shard an earlier complete verify "
                           "checked (verify_rows.safetensors) and never turns a VerifyFailed into a retry"),
@@ -113,13 +116,22 @@ RETRY_POLICIES: dict[str, RetryPolicy] = {
                             "memory not yet freed); never when τ is below the floor (EvaluateGateFailed)"),
     "report": RetryPolicy(1, 5, IO, "writes report.json/md and plots"),
 }
+RETRY_POLICIES: dict[str, RetryPolicy] = {s.task_name: POLICIES_BY_STAGE[s.name] for s in registry.STAGES}
 
 
 def retry_options(stage: str, retries: int | None = None) -> dict:
     return RETRY_POLICIES[stage].options(stage, retries)
 
 
-@task(name="regenerate", cache_policy=NO_CACHE, tags=["gpu"], **retry_options("regenerate"))
+def stage_task(stage: str, **kw):
+    """@task of a registered stage: its task's name and retry policy, and Prefect's cache off: a gate
+    (registry.GATES) must run every time, and the content-addressed stages answer a repeat from the run store,
+    which checks hashes."""
+    name = registry.spec(stage).task_name
+    return task(name=name, cache_policy=NO_CACHE, **retry_options(name), **kw)
+
+
+@stage_task("regenerate", tags=["gpu"])
 def regenerate(cfg: PipelineConfig):
     """The target answers the sources' turns (one engine child for the unpublished shards); the store
     answers a repeated call (content-keyed version), so Prefect's cache is not used."""
@@ -134,12 +146,12 @@ def regenerate(cfg: PipelineConfig):
     return rec
 
 
-@task(name="prepare", cache_policy=NO_CACHE, tags=["cpu"], **retry_options("prepare"))
+@stage_task("prepare", tags=["cpu"])
 def prepare(cfg: PipelineConfig, regenerated=None) -> PrepareResult:
     rec = stages.stage_prepare(cfg, log=_log(), regenerated=regenerated)
-    counts = [{"what": k, "value": getattr(rec, k)} for k in ("version", "rows_in", "rows_out", "rows_heldout", "rows_quarantined",
-                                                      "rows_truncated", "turns_dropped", "rows_trimmed", "turns_trimmed",
-                                                      "tokens", "chunks_computed")]
+    counts = [{"what": k, "value": getattr(rec, k)}
+              for k in ("version", "rows_in", "rows_out", "rows_heldout", "rows_quarantined", "rows_truncated",
+                        "turns_dropped", "rows_trimmed", "turns_trimmed", "tokens", "chunks_computed")]
     counts += [{"what": f"turns trimmed: {why}", "value": n} for why, n in rec.trim_reasons.items()]
     counts += [{"what": "WARNING", "value": w} for w in rec.source_warnings]
     counts += [{"what": f"damaged source {d['source']}", "value": f"{d['records_complete']} complete records kept, "
@@ -154,12 +166,12 @@ def prepare(cfg: PipelineConfig, regenerated=None) -> PrepareResult:
     return rec
 
 
-@task(name="preflight", cache_policy=NO_CACHE, **retry_options("preflight"))
+@stage_task("preflight")
 def preflight(cfg: PipelineConfig, prep: PrepareResult) -> PreflightResult:
     return stages.stage_preflight(cfg, prep, log=_log())
 
 
-@task(name="gpu-gate", cache_policy=NO_CACHE, task_run_name="gpu-gate-{where}", **retry_options("gpu-gate"))
+@stage_task("gpu", task_run_name="gpu-gate-{where}")
 def gpu_gate(where: str):
     return stages.stage_gpu_gate(where, log=_log())
 
@@ -175,8 +187,9 @@ def _group_key(ctx, params) -> str:
 
 # No tags: a tagged task run takes a slot of Prefect's tag concurrency limits (one more API round trip
 # per group, ~50-200 ms on SQLite, cached or not); the GPU is guarded by gpu_slot().
-@task(name="extract-group", cache_key_fn=_group_key, persist_result=True, result_serializer="json",
-      task_run_name="extract-shards-{shard_ids}", **retry_options("extract-group"))
+# Not a gate: Prefect's cache answers a repeated group, keyed by content (registry.spec("extract"))
+@task(name=registry.spec("extract").task_name, cache_key_fn=_group_key, persist_result=True, result_serializer="json",
+      task_run_name="extract-shards-{shard_ids}", **retry_options(registry.spec("extract").task_name))
 def extract_group(cfg: PipelineConfig, version: ExtractVersion, shard_ids: list[int], force: bool = False) -> list:
     """One engine child for these shards; each shard is published (and counted in the progress
     artifact) the moment it is complete. Cached by content key + directory + shard ids; the flow
@@ -247,7 +260,7 @@ class _Progress:
         self._sending = self._pool.submit(send)
 
 
-@task(name="verify", cache_policy=NO_CACHE, **retry_options("verify"))
+@stage_task("verify")
 def verify(cfg: PipelineConfig, version: ExtractVersion):
     with gpu_slot():  # the reference check loads the target
         rec = stages.stage_verify(cfg, version, log=_log())
@@ -258,12 +271,12 @@ def verify(cfg: PipelineConfig, version: ExtractVersion):
     return rec
 
 
-@task(name="vocab", cache_policy=NO_CACHE, **retry_options("vocab"))
+@stage_task("vocab")
 def vocab(cfg: PipelineConfig, prep: PrepareResult, version: ExtractVersion):
     return stages.stage_vocab(cfg, prep, version, log=_log())
 
 
-@task(name="train", cache_policy=NO_CACHE, tags=["gpu"], **retry_options("train"))
+@stage_task("train", tags=["gpu"])
 def train(cfg: PipelineConfig, version: ExtractVersion, voc):
     with gpu_slot():
         rec = stages.stage_train(cfg, version, voc, log=_log())
@@ -282,7 +295,7 @@ def train(cfg: PipelineConfig, version: ExtractVersion, voc):
     return rec
 
 
-@task(name="evaluate", cache_policy=NO_CACHE, tags=["gpu"], **retry_options("evaluate"))
+@stage_task("evaluate", tags=["gpu"])
 def evaluate(cfg: PipelineConfig, prep: PrepareResult, version: ExtractVersion, voc, tr, run_dir: str):
     with gpu_slot():
         rec = stages.stage_evaluate(cfg, prep, version, voc, tr, run_dir, log=_log())
@@ -301,7 +314,7 @@ def evaluate(cfg: PipelineConfig, prep: PrepareResult, version: ExtractVersion, 
     return rec
 
 
-@task(name="report", cache_policy=NO_CACHE, **retry_options("report"))
+@stage_task("report")
 def report(run_dir: str, rec: RunReport, metrics_path: str | None) -> dict:
     from pathlib import Path
 

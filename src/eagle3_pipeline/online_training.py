@@ -20,9 +20,9 @@ def train_online(cfg: PipelineConfig, version: ExtractVersion, voc, start: tuple
     run the verify gate on `verify.online_rows` rows taken from it, then train with every row's hidden
     states fetched from it (train/online.py); the server ends with the stage. The TrainResult carries
     the OnlineResult and its `verify` (the VerifyResult of the sample) for the report."""
+    from eagle3_pipeline.core.store import write_json
     from eagle3_pipeline.data.prepare import load_tokenized
     from eagle3_pipeline.preflight.stage import disk_plans
-    from eagle3_pipeline.core.store import write_json
     from eagle3_pipeline.train.job import OnlineSource
     from eagle3_pipeline.train.online import HiddenStateServer, OnlineResult, take_sample
     from eagle3_pipeline.train.stage import train_draft

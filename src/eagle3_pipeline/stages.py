@@ -17,13 +17,13 @@ import time
 from pathlib import Path
 
 from eagle3_pipeline.core.config import PipelineConfig, skipped_checks
-from eagle3_pipeline.data.prepare import PrepareResult
 from eagle3_pipeline.core.faults import fail_once
-from eagle3_pipeline.records.layout import ExtractVersion
-from eagle3_pipeline.records.layout import plan_extract as _plan_extract
-from eagle3_pipeline.preflight.stage import PreflightResult
 from eagle3_pipeline.core.store import content_key, dir_lock
 from eagle3_pipeline.core.store_check import check_store
+from eagle3_pipeline.data.prepare import PrepareResult
+from eagle3_pipeline.preflight.stage import PreflightResult
+from eagle3_pipeline.records.layout import ExtractVersion
+from eagle3_pipeline.records.layout import plan_extract as _plan_extract
 
 __all__ = ["plan_extract", "stage_regenerate", "stage_prepare", "stage_preflight", "stage_gpu_gate", "stage_extract_group",
            "stage_extract_summary", "stage_extract", "stage_verify", "stage_vocab", "train_key", "stage_train",
@@ -122,7 +122,7 @@ def stage_verify(cfg: PipelineConfig, version: ExtractVersion, log=print):
     fail_once("verify")
     for w in skipped_checks(cfg):
         log(f"verify warning: {w}")
-    res = verify(cfg.verify, cfg.target, version, log=log, extract_cfg=cfg.extract)
+    res = verify(cfg.verify, cfg.target, version, log=log)
     check_verify_gate(res)
     return res
 
@@ -202,7 +202,12 @@ def evaluate_prompts(cfg: PipelineConfig, prep: PrepareResult | None, out_dir: P
     from eagle3_pipeline.core.config import hub_token
     from eagle3_pipeline.data.prepare import load_tokenizer
     from eagle3_pipeline.evaluate.prompts import (
-        QUARANTINE_NAME, PromptSetError, heldout_prompt_set, load_prompt_set, prompt_token_limit)
+        QUARANTINE_NAME,
+        PromptSetError,
+        heldout_prompt_set,
+        load_prompt_set,
+        prompt_token_limit,
+    )
 
     ev = cfg.evaluate
     if ev.prompts is None:

@@ -22,9 +22,9 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from eagle3_pipeline.core.store import LOCK_NAME, file_locks, within
 from eagle3_pipeline.records.lineage import prepare_versions
 from eagle3_pipeline.records.shardrun import MANIFEST_NAME, ShardRun
-from eagle3_pipeline.core.store import LOCK_NAME, file_locks, within
 
 
 class GcPlan(BaseModel):

@@ -40,9 +40,9 @@ class _JsonlTap(logging.Handler):
 
 
 def install_cpu_shim() -> None:
-    import torch
     import speculators.train.checkpointer as checkpointer
     import speculators.train.cli as cli
+    import torch
     from speculators.train.trainer import Trainer
 
     if not torch.accelerator.is_available():

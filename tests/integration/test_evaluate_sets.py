@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from eagle3_pipeline.core.config import EvaluateConfig, TargetConfig
-from eagle3_pipeline.records.contracts import default_aux_layer_ids, model_dims
 from eagle3_pipeline.data.prepare import load_tokenizer
 from eagle3_pipeline.evaluate.stage import sampling_warning
+from eagle3_pipeline.records.contracts import default_aux_layer_ids, model_dims
 from tests.helpers.draft import make_random_draft
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -154,8 +154,8 @@ def test_cli_compares_drafts_per_category_with_speedup(llama_compare):
 
 @pytest.fixture(scope="module")
 def moe_pair(tiny_moe_target, tmp_path_factory):
-    from eagle3_pipeline.evaluate.stage import evaluate_pair
     from eagle3_pipeline.evaluate.prompts import load_prompt_set, prompt_token_limit
+    from eagle3_pipeline.evaluate.stage import evaluate_pair
 
     root = tmp_path_factory.mktemp("eval-sets-moe")
     target = TargetConfig(model=str(tiny_moe_target), trust_remote_code=True)

@@ -18,16 +18,16 @@ from types import SimpleNamespace
 import pytest
 
 from eagle3_pipeline.core.config import ExtractConfig, TargetConfig
-from eagle3_pipeline.records.contracts import RECORD_META_KEY, to_record
-from eagle3_pipeline.data.prepare import load_tokenized
-from eagle3_pipeline.records import shardrun as run_mod
-from eagle3_pipeline.extract.stage import ExtractFailed, extract_group
-from eagle3_pipeline.records.shardrun import ShardRun
-from eagle3_pipeline.extract.worker import KILL_AFTER_ENV, ExtractJob, ShardSpec
-from eagle3_pipeline.records.layout import ExtractVersion, plan_shards
 from eagle3_pipeline.core.proc import ChildFailed, python_child
-from tests.helpers.version import extract_all, make_version
+from eagle3_pipeline.data.prepare import load_tokenized
+from eagle3_pipeline.extract.stage import ExtractFailed, extract_group
+from eagle3_pipeline.extract.worker import KILL_AFTER_ENV, ExtractJob, ShardSpec
+from eagle3_pipeline.records import shardrun as run_mod
+from eagle3_pipeline.records.contracts import RECORD_META_KEY, to_record
+from eagle3_pipeline.records.layout import ExtractVersion, plan_shards
+from eagle3_pipeline.records.shardrun import ShardRun
 from tests.helpers.stack import expected_runner
+from tests.helpers.version import extract_all, make_version
 
 ROWS, ROWS_PER_SHARD = 12, 4  # 3 shards
 LAYER_IDS = [2, 4, 5, 8]      # the default for the 8-layer tiny target: [2, N//2, N-3] + N
@@ -127,7 +127,6 @@ def test_plan_shards_covers_rows_once():
 
 
 def test_records_follow_the_contract(full_run, small_tokenized):
-    import datasets
     import torch
 
     ds = load_tokenized(small_tokenized)
@@ -177,7 +176,6 @@ def test_progress_inside_a_shard(full_run, small_tokenized):
 def test_layers_match_hf_transformers(full_run, small_tokenized, tiny_target):
     """Layer id k == HF output_hidden_states[k]; id N == the last decoder layer's output before the
     final norm (HF's hidden_states[N] is after it, so it is taken with a hook)."""
-    import datasets
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -311,8 +309,8 @@ def test_a_hook_missing_from_the_engine_stops_before_the_first_shard(small_token
     """The state sketch's plugin left out of vLLM's engine process (VLLM_PLUGINS, engine core in its own
     process): the worker stops after the warm-up request, naming the hook and the runner class, no shard is
     published, and no retry pays another model load (exit code 5, not transient)."""
-    from eagle3_pipeline.engine.start import RunnerRefused
     from eagle3_pipeline.core.errors import chain, exit_code, is_transient
+    from eagle3_pipeline.engine.start import RunnerRefused
 
     monkeypatch.setenv("VLLM_PLUGINS", "eagle3_pipeline_amx,eagle3_pipeline_prompt_scores,eagle3_pipeline_runner")
     out = tmp_path / "v"
@@ -374,8 +372,8 @@ def test_engine_start_refused_is_not_retried_and_names_the_key(small_tokenized, 
     """gpu_memory_utilization too small for the engine process itself: vLLM refuses at start-up. The
     failure is a config error (exit code 2) that no retry policy retries, naming the key and a value
     that fits; the shards stay unpublished with the reason in the manifest."""
-    from eagle3_pipeline.engine.start import EngineStartRefused
     from eagle3_pipeline.core.errors import chain, exit_code, is_transient
+    from eagle3_pipeline.engine.start import EngineStartRefused
 
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # the suite's fixed CPU KV cache: the setting decides
     out = tmp_path / "v"

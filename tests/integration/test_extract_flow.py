@@ -4,8 +4,6 @@ executes only that group (the others are answered from Prefect's cache, as the t
 import json
 from pathlib import Path
 
-import pytest
-
 
 def _task_states(flow_state) -> dict[str, str]:
     from prefect.client.orchestration import get_client

@@ -18,8 +18,8 @@ import pytest
 from eagle3_pipeline.core.config import load_config
 from eagle3_pipeline.core.proc import CHILD_MARKER_ENV, LAUNCHER_ENV
 from eagle3_pipeline.verify.stage import VerifyFailed
-from tests.helpers.store import describe_processes, processes_with_env
 from tests.helpers.stack import expected_runner
+from tests.helpers.store import describe_processes, processes_with_env
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(1200)
@@ -37,7 +37,7 @@ def _servers_left() -> list[str]:
 
 
 def _run_online(cfg, log_lines: list[str]):
-    from eagle3_pipeline.stages import plan_extract, stage_prepare, stage_preflight, stage_train, stage_vocab
+    from eagle3_pipeline.stages import plan_extract, stage_preflight, stage_prepare, stage_train, stage_vocab
 
     prep = stage_prepare(cfg, log=log_lines.append)
     pre = stage_preflight(cfg, prep, log=log_lines.append)

@@ -36,10 +36,10 @@ def _child(target: str, trust: bool, out_dir: str) -> None:
     from vllm.inputs import TokensPrompt
     from vllm.v1.engine.core_client import InprocClient
 
-    from eagle3_pipeline.engine import prompt_scores
     from eagle3_pipeline.core.config import EngineConfig, TargetConfig
-    from eagle3_pipeline.records.contracts import FP_TOP
+    from eagle3_pipeline.engine import prompt_scores
     from eagle3_pipeline.engine.build import FINGERPRINT_ENGINE_KWARGS, build_llm
+    from eagle3_pipeline.records.contracts import FP_TOP
 
     assert prompt_scores.install(), "EAGLE3_LEAN_PROMPT_SCORES=1 and a known vLLM: the lean path must install"
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner

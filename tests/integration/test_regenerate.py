@@ -21,12 +21,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from tests.helpers.stack import expected_runner
 
 from eagle3_pipeline.core.config import load_config
-from eagle3_pipeline.regenerate.stage import RegenerateFailed, read_quarantine, read_rows, regenerate
 from eagle3_pipeline.regenerate import turns as T
+from eagle3_pipeline.regenerate.stage import RegenerateFailed, read_quarantine, read_rows, regenerate
 from eagle3_pipeline.regenerate.worker import KILL_AFTER_ENV
+from tests.helpers.stack import expected_runner
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(1200)

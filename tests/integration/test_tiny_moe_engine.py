@@ -260,8 +260,8 @@ def test_tensor_parallel_2_extraction_agrees_with_tp1(engine_run, layer_ids, tin
     from safetensors.torch import load_file
 
     from eagle3_pipeline.core.config import ExtractConfig, TargetConfig
-    from eagle3_pipeline.records.contracts import read_record
     from eagle3_pipeline.extract.connector import CONNECTOR_LOG
+    from eagle3_pipeline.records.contracts import read_record
     from tests.helpers.version import extract_all, make_version
 
     out, _, _ = engine_run

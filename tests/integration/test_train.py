@@ -10,9 +10,9 @@ killed-training test and the untrained draft run children of their own.
 from __future__ import annotations
 
 import json
-import time
 import os
 import shutil
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from eagle3_pipeline.core.config import EvaluateConfig, TargetConfig, TrainConfig
-from eagle3_pipeline.records.contracts import to_record
 from eagle3_pipeline.core.proc import ChildFailed
+from eagle3_pipeline.records.contracts import to_record
 from eagle3_pipeline.train.export import ExportCheckError, export_check
 from eagle3_pipeline.train.stage import CKPT_FILES, make_untrained_draft, train_draft
 from eagle3_pipeline.train.worker import KILL_ENV

@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from eagle3_pipeline.core.config import VerifyConfig
 from eagle3_pipeline.records.contracts import invariance_rows, to_record
-from eagle3_pipeline.verify.stage import verify
 from eagle3_pipeline.verify.reference import choose_rows, reference_check
+from eagle3_pipeline.verify.stage import verify
 from eagle3_pipeline.verify.structure import StructureCheck, learn_norm_bounds, verify_structure
 from tests.helpers.version import extract_all, make_version, relocated
 
@@ -154,8 +154,11 @@ def test_fp8_records(extracted, hs_copy):
     writes with) passes as fp8; without its scales, or a bf16 record checked as fp8, is caught."""
     for r in ROWS:
         _rewrite(hs_copy / f"hs_{r}.safetensors", lambda rec: to_record(rec["hidden_states"], rec["token_ids"], "fp8"))
-    fp8 = lambda: verify_structure(StructureCheck(extracted.tokenized, hs_copy, extracted.layer_ids, extracted.hidden_size,
-                                                  "fp8"), rows=ROWS, log=lambda m: None)
+
+    def fp8():
+        return verify_structure(StructureCheck(extracted.tokenized, hs_copy, extracted.layer_ids, extracted.hidden_size,
+                                               "fp8"), rows=ROWS, log=lambda m: None)
+
     res = fp8()
     assert res.passed, res.problems
     bf = _check(extracted, extracted.hidden_states)
@@ -182,8 +185,10 @@ def test_norm_outlier_is_caught(extracted, tmp_path):
     d.mkdir()
     for r in range(NORM_FILES):
         shutil.copy(extracted.hidden_states / f"hs_{r}.safetensors", d)
-    check = lambda: verify_structure(StructureCheck(extracted.tokenized, d, extracted.layer_ids, extracted.hidden_size,
-                                                    norm_samples=32), rows=list(range(NORM_FILES)), log=lambda m: None)
+    def check():
+        return verify_structure(StructureCheck(extracted.tokenized, d, extracted.layer_ids, extracted.hidden_size,
+                                               norm_samples=32), rows=list(range(NORM_FILES)), log=lambda m: None)
+
     clean = check()
     assert clean.passed and clean.norm_bounds_files == 32, clean.problems
     def scale(li):

@@ -22,9 +22,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
 from tests.helpers.prefect_events import events_to
 from tests.helpers.server import BIN, GPU_LIMIT, POOL, ROOT, Proc, free_port, run_cmd
-
 
 # ------------------------------------------------------------------------------- fixtures
 

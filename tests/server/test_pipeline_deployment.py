@@ -14,8 +14,17 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.helpers.server import (GPU_LIMIT, POOL, artifacts, read_events, subflow_runs, task_states, ui_retry,
-                                  ui_run, wait_final)
+from tests.helpers.server import (
+    GPU_LIMIT,
+    POOL,
+    artifacts,
+    read_events,
+    subflow_runs,
+    task_states,
+    ui_retry,
+    ui_run,
+    wait_final,
+)
 
 MODEL = "tiny-target"  # artifact keys: <what>-<dataset>-<model>
 
@@ -71,7 +80,7 @@ def test_versioned_records_and_events(pipeline_run, client):
     found = {k: artifacts(client, k) for k in keys}
     assert all(found.values()), {k: len(v) for k, v in found.items()}
     assert len(found[f"prepare-{ds}"]) == 2  # one version per attempt under the same key
-    assert len(found[f"report-srv-pipeline"]) == 2  # the failed attempt's report too
+    assert len(found["report-srv-pipeline"]) == 2  # the failed attempt's report too
 
     def table(k):
         data = found[k][-1].data
@@ -114,8 +123,9 @@ def test_refresh_schedule_and_unchanged_data(pipeline_run, client, controller, s
 
 
 def test_deployed_engine_task_refuses_to_run_without_the_gpu_limit(pipeline_run, client, nodes):
-    from eagle3_pipeline.stages import plan_extract, stage_preflight, stage_prepare
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+
+    from eagle3_pipeline.stages import plan_extract, stage_preflight, stage_prepare
 
     cfg = pipeline_run.cfg
     prep = stage_prepare(cfg)

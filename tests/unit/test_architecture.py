@@ -1,4 +1,5 @@
-"""The layout rules of the code (README.md, "Stages, and where their code is"), checked on the source (parsed with `ast`, nothing imported):
+"""The layout rules of the code (README.md, "Stages, and where their code is"), checked on the source (parsed with `ast`;
+the list of stages is the registry's, eagle3_pipeline/registry.py, which imports the stage modules):
   - the core (src/eagle3_pipeline) never imports Prefect, not even inside a function;
   - the import direction is flows -> tasks -> eagle3_pipeline: tasks/ never imports flows/;
   - one place builds a vLLM engine: nothing but src/eagle3_pipeline/engine/build.py constructs `vllm.LLM`
@@ -10,10 +11,12 @@
     the ground floor;
   - floors: the ground floor is rooms only, and a room imports only rooms on the floors below it (FLOORS);
   - no private name (`_x`) is imported across a module line (the core, flows/, tasks/);
-  - the stage interface: every stage package declares `STAGE = StageSpec(...)` (core/stage_spec.py) that
+  - the stage interface: every registered stage declares `STAGE = StageSpec(...)` (core/stage_spec.py) that
     matches it (entry, record, error, worker), its entry is called by the pipeline, and a stage that holds
-    accelerators runs under a GPU slot in tasks/ (these few tests import the stage modules);
-  - no function in the core takes more than 6 parameters (self/cls not counted), but the listed ones.
+    accelerators runs under a GPU slot in tasks/; the lists below the registry that name stages (the report's
+    entries, core/cluster.py's GPU Jobs) are the registry's;
+  - no function in the core takes more than 6 parameters (self/cls not counted), but the listed ones;
+  - no function is over 60 lines but the listed ones, at most 6 and none over 80 (the core, flows/, tasks/).
 Each checker takes source text, so each rule is also shown to fail on a small synthetic violation.
 """
 
@@ -23,6 +26,8 @@ import ast
 from pathlib import Path
 
 import pytest
+
+from eagle3_pipeline import registry
 
 ROOT = Path(__file__).resolve().parents[2]
 CORE = ROOT / "src" / "eagle3_pipeline"
@@ -86,13 +91,18 @@ def top_level_workers(package_dir: Path) -> list[str]:
     return sorted(p.name for p in Path(package_dir).glob("*_worker.py"))
 
 
-STAGES = ("preflight", "extract", "verify", "train", "evaluate", "regenerate", "gpu", "report")
+# The stage packages: the registered stages (eagle3_pipeline.registry.STAGES, which imports every stage module and
+# no Prefect) that have a package of their own; UNPACKAGED, the ones that do not yet, can only shrink.
+REGISTERED = {s.name: s for s in registry.STAGES}
+UNPACKAGED = {"prepare": "data/prepare.py", "vocab": "train/vocab.py"}  # their STAGE is in that module
+STAGES = tuple(n for n in REGISTERED if n not in UNPACKAGED)
 # The ground floor's rooms, floor by floor: a room imports its own modules and rooms on the floors below,
 # never a room beside or above it; the stage packages and ABOVE_STAGES stand on all of them.
 FLOORS = (("core",), ("records", "data"), ("engine", "checks", "tiny"), ("targets",))
 ROOMS = {room: n for n, floor in enumerate(FLOORS) for room in floor}
 # Top-level modules that sit above the stages, each with why it must import them.
 ABOVE_STAGES = {
+    "registry.py": "the one ordered list of the stages' StageSpecs: it reads every stage's STAGE",
     "stages.py": "the glue the tasks call: one stage_<name> function per stage",
     "store_gc.py": "gc sweeps what every stage keeps (versions, the record pool, the pool's verify caches)",
     "online_training.py": "online training runs the verify gate on rows from the server the trainer then reads",
@@ -120,26 +130,21 @@ PARAM_EXCEPTIONS = {
     "train/stage.py:_train_draft": "train_draft's body under the dir lock; shrinks with train_draft",
     "train/stage.py:make_untrained_draft": "public API (stages.py, tests); shrinks with train_draft",
     "verify/reference.py:stream_reference": "the reference child's inputs: target, version, rows, budget, work dir, log",
-    "verify/stage.py:verify": "public API (stages.py, tests): cfg, target, version and the online sample's rows",
 }
 
 
 MAX_LINES = 60
+MAX_LISTED_LINES = 80  # no function over this, listed or not
+MAX_LISTED = 6  # at most this many functions over MAX_LINES
 # Functions over MAX_LINES lines today, "path:function" -> (its length cap, why), in one line; a cap is the
 # function's length when it was listed, and caps only go down: the list can only shrink. Core, flows/, tasks/.
 LONG_FUNCTIONS = {
-    "data/formats.py:_json_values": (62, "one incremental JSON decoder loop: every damage case ends it with its byte offset"),
     "data/prepare.py:_encode_chunk": (79, "one pass per row: render, tokenize, mask, trim and quarantine, counting each reason"),
-    "data/prepare.py:_assemble": (108, "chunks to one dataset: duplicates, held-out pick and every count prepare.json reports"),
-    "extract/worker.py:_run_shard": (65, "one shard's prefill, capture checks, durable writes and event, in the order they must happen"),
-    "preflight/stage.py:preflight": (82, "the checks in the order a user reads them; each adds a problem or a warning"),
+    "preflight/stage.py:preflight": (80, "the checks in the order a user reads them; each adds a problem or a warning"),
     "targets/smollm2.py:build_smollm2": (66, "GGUF tensors to HF names, tokenizer and template, written in the build's order"),
     "train/export.py:export_check": (79, "one check per property of an exported draft, each with its own message"),
-    "train/worker.py:run_train": (82, "the speculators trainer's set-up (model, data, resume, kill hooks) in the order it needs"),
     "verify/scan.py:_read_record": (71, "one record's read with a problem message for every way a file can be wrong"),
-    "verify/structure.py:_process": (103, "the per-file checks of one batch while its arenas are held"),
     "verify/structure.py:judge_records": (80, "the checks that need every record at once, sharing one pass over the statistics"),
-    "verify/worker.py:run": (108, "the reference child: load layer by layer, stream rows, compare, write, within its budget"),
 }
 
 
@@ -179,20 +184,26 @@ def floor_violations(module: str, source: str) -> list[str]:
     for n, m in imported_modules(source):
         other = room_of(m)
         parts = m.split(".")
-        above = len(parts) > 1 and parts[0] == "eagle3_pipeline" and f"{parts[1]}.py" in ABOVE_STAGES
-        if above or (other is not None and other != own and ROOMS[other] >= ROOMS[own]):
+        if above_stages(m) or (other is not None and other != own and ROOMS[other] >= ROOMS[own]):
             bad.add(f"line {n}: {'.'.join(parts[:2])}")
     return sorted(bad)
 
 
+def above_stages(module: str) -> bool:
+    """Whether a dotted module is one of those that stand above the stages (ABOVE_STAGES: stages.py, registry.py...)."""
+    parts = module.split(".")
+    return len(parts) > 1 and parts[0] == "eagle3_pipeline" and f"{parts[1]}.py" in ABOVE_STAGES
+
+
 def layer_violations(module: str, source: str) -> list[str]:
     """`line N: imported` for each import in `source` (the text of `module`) that breaks the layers: a
-    ground-floor module importing a stage package, or a stage package importing a sibling."""
+    ground-floor module importing a stage package, a stage package importing a sibling, or either importing
+    a module that stands above the stages."""
     own = stage_of(module)
     bad = set()
     for n, m in imported_modules(source):
         other = stage_of(m)
-        if other is not None and other != own:
+        if (other is not None and other != own) or above_stages(m):
             bad.add(f"line {n}: {'.'.join(m.split('.')[:2])}")
     return sorted(bad)
 
@@ -338,6 +349,8 @@ def test_no_function_over_sixty_lines_without_a_reason():
     grown = {k: (n, LONG_FUNCTIONS[k][0]) for k, n in found.items() if k in LONG_FUNCTIONS and n > LONG_FUNCTIONS[k][0]}
     assert grown == {}, f"(lines, cap) of listed functions that grew past their cap (caps only go down): {grown}"
     assert all(cap > MAX_LINES and why and "\n" not in why for cap, why in LONG_FUNCTIONS.values())
+    assert len(LONG_FUNCTIONS) <= MAX_LISTED and all(cap <= MAX_LISTED_LINES for cap, _ in LONG_FUNCTIONS.values()), \
+        f"at most {MAX_LISTED} functions over {MAX_LINES} lines, none over {MAX_LISTED_LINES}: split one"
 
 
 # ---------------------------------------------------------------- each checker can fail
@@ -388,6 +401,8 @@ def test_layer_checker_finds_crossings():
         ["line 2: eagle3_pipeline.verify"]
     assert layer_violations("eagle3_pipeline.train.online", "from eagle3_pipeline.verify import gate\n") == \
         ["line 1: eagle3_pipeline.verify"]
+    assert layer_violations("eagle3_pipeline.report.record", "def f():\n    from eagle3_pipeline.registry import STAGES\n") == \
+        ["line 2: eagle3_pipeline.registry"]
     # a stage's own modules, the ground floor and other packages are fine
     assert layer_violations("eagle3_pipeline.train.stage", "from eagle3_pipeline.train.vocab import x\n"
                             "from eagle3_pipeline.records.contracts import y\nfrom eagle3_pipeline.data.prepare import z\n"
@@ -451,7 +466,8 @@ def test_signature_checker_counts_parameters():
 # ---------------------------------------------------------------- the stage interface (these import the stage modules)
 
 def stage_spec_problems(name: str, module, package_dir: Path) -> list[str]:
-    """What keeps a stage package's `STAGE` (core.stage_spec.StageSpec in its stage.py) from the interface."""
+    """What keeps a stage's `STAGE` (core.stage_spec.StageSpec in its package's stage.py) from the interface;
+    `package_dir` a module file for a stage not yet in its own package (UNPACKAGED: no worker then)."""
     import typing
 
     from pydantic import BaseModel
@@ -471,13 +487,15 @@ def stage_spec_problems(name: str, module, package_dir: Path) -> list[str]:
     inner = typing.get_args(spec.result)[0] if typing.get_origin(spec.result) is list else spec.result
     if not (isinstance(inner, type) and issubclass(inner, BaseModel)):
         out.append(f"STAGE.result {spec.result} is not a pydantic record (or a list of them)")
+    home = Path(package_dir)
+    sources = [home.read_text()] if home.is_file() else _sources(home).values()
     if spec.failure is not None:
         raised = {ast.unparse(n.exc.func if isinstance(n.exc, ast.Call) else n.exc).split(".")[-1]
-                  for src in _sources(package_dir).values() for n in ast.walk(ast.parse(src))
+                  for src in sources for n in ast.walk(ast.parse(src))
                   if isinstance(n, ast.Raise) and n.exc is not None}
         if spec.failure.__name__ not in raised:
-            out.append(f"STAGE.failure {spec.failure.__name__} is raised nowhere in {name}/")
-    has_worker = (Path(package_dir) / "worker.py").is_file()
+            out.append(f"STAGE.failure {spec.failure.__name__} is raised nowhere in {home.name}")
+    has_worker = home.is_dir() and (home / "worker.py").is_file()
     if has_worker != (spec.worker is not None) or (has_worker and spec.worker != f"eagle3_pipeline.{name}.worker"):
         out.append(f"STAGE.worker {spec.worker!r} but {name}/worker.py {'exists' if has_worker else 'does not'}")
     if spec.accelerators and spec.worker is None:
@@ -511,23 +529,47 @@ def calls_outside_gpu_slot(source: str, glue: set[str]) -> list[str]:
             and n.func.attr in glue and id(n) not in inside]
 
 
+def _home(stage: str) -> Path:
+    """Where a registered stage's STAGE is declared: its package's stage.py, or its UNPACKAGED module."""
+    return CORE / UNPACKAGED[stage] if stage in UNPACKAGED else CORE / stage / "stage.py"
+
+
 def test_every_stage_declares_the_stage_interface():
     import importlib
 
-    bad = {s: p for s in STAGES
-           if (p := stage_spec_problems(s, importlib.import_module(f"eagle3_pipeline.{s}.stage"), CORE / s))}
-    assert bad == {}, f"stage packages out of the interface (core/stage_spec.py): {bad}"
+    bad = {}
+    for s, spec in REGISTERED.items():
+        mod = importlib.import_module(module_of(_home(s)))
+        if mod.STAGE is not spec:
+            bad[s] = [f"registry.STAGES holds another StageSpec than {_home(s).relative_to(CORE)}'s STAGE"]
+        elif p := stage_spec_problems(s, mod, _home(s) if s in UNPACKAGED else CORE / s):
+            bad[s] = p
+    assert bad == {}, f"stages out of the interface (core/stage_spec.py): {bad}"
+
+
+def test_the_registry_is_the_one_list_of_stages():
+    """registry.STAGES: each stage once, each task once; the packages of stages are exactly the registered ones
+    (UNPACKAGED only shrinks); the two lists below the registry that name stages (it cannot be read from there)
+    are its own: report.json's typed entries in its order, and the stages core/cluster.py sizes a Job for."""
+    from eagle3_pipeline.core import cluster
+    from eagle3_pipeline.report.record import Stages
+
+    assert len(set(registry.NAMES)) == len(registry.NAMES) and len(set(registry.TASKS)) == len(registry.TASKS)
+    assert set(UNPACKAGED) <= set(REGISTERED), f"UNPACKAGED names a stage that is not registered: {UNPACKAGED}"
+    packaged = {n for n in REGISTERED if (CORE / n / "stage.py").is_file()}
+    assert packaged == set(STAGES), f"{sorted(packaged & set(UNPACKAGED))} have a package now: drop them from UNPACKAGED"
+    assert tuple(Stages.model_fields) == registry.REPORTED, \
+        f"report/record.py Stages {tuple(Stages.model_fields)}: the reported stages in run order are {registry.REPORTED}"
+    assert cluster.GPU_STAGES == registry.JOB_STAGES, \
+        f"core/cluster.py GPU_STAGES {cluster.GPU_STAGES}: the registry's own-Job stages are {registry.JOB_STAGES}"
 
 
 def test_every_stage_entry_is_called_by_the_pipeline():
     """Each STAGE.run is called somewhere outside its own module (stages.py, report/runs.py, flows/, tasks/)."""
-    import importlib
-
     callers = {p: s for p, s in _sources(CORE, ROOT / "flows", ROOT / "tasks").items()}
-    for stage in STAGES:
-        mod = importlib.import_module(f"eagle3_pipeline.{stage}.stage")
-        name = mod.STAGE.run.__name__
-        own = CORE / stage / "stage.py"
+    for stage, spec in REGISTERED.items():
+        name = spec.run.__name__
+        own = _home(stage)
         called = [p for p, s in callers.items() if p != own and any(
             isinstance(n, ast.Call) and (getattr(n.func, "id", None) == name or getattr(n.func, "attr", None) == name)
             for n in ast.walk(ast.parse(s)))]
@@ -535,9 +577,7 @@ def test_every_stage_entry_is_called_by_the_pipeline():
 
 
 def test_stages_on_accelerators_run_under_a_gpu_slot():
-    import importlib
-
-    runs = {spec.run.__name__ for s in STAGES if (spec := importlib.import_module(f"eagle3_pipeline.{s}.stage").STAGE).accelerators}
+    runs = {spec.run.__name__ for spec in registry.STAGES if spec.accelerators}
     gpu = glue_calling((CORE / "stages.py").read_text(), runs)
     assert {"stage_extract_group", "stage_verify", "stage_train", "stage_evaluate", "stage_regenerate"} <= gpu, gpu
     assert "stage_extract_summary" not in gpu and "stage_vocab" not in gpu
@@ -575,7 +615,7 @@ def test_stage_interface_checkers_fail(tmp_path):
     (tmp_path / "worker.py").write_text("")
     (tmp_path / "stage.py").write_text("def run():\n    raise ValueError('no')\n")
     mod.STAGE = StageSpec(name="demo", run=run, result=Rec, failure=Refused)
-    assert stage_spec_problems("demo", mod, tmp_path) == ["STAGE.failure Refused is raised nowhere in demo/",
+    assert stage_spec_problems("demo", mod, tmp_path) == [f"STAGE.failure Refused is raised nowhere in {tmp_path.name}",
                                                           "STAGE.worker None but demo/worker.py exists"]
     del mod.STAGE
     assert stage_spec_problems("demo", mod, tmp_path) == ["demo/stage.py: no STAGE = StageSpec(...)"]

@@ -24,8 +24,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from eagle3_pipeline.core.config import PrepareConfig, SourceConfig, TargetConfig, load_config
-from eagle3_pipeline.core.errors import (ConfigError, DiskFull, ExitCode, GateFailed, InputError, StageTimeout,
-                                    exit_code)
+from eagle3_pipeline.core.errors import ConfigError, DiskFull, ExitCode, GateFailed, InputError, StageTimeout, exit_code
 from eagle3_pipeline.verify.stage import VerifyFailed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -693,14 +692,14 @@ def _chain(outer: type[BaseException], inner: BaseException, suppress: bool = Fa
 
 
 def _exit_code_cases():
-    from eagle3_pipeline.records.contracts import ContractError
+    from eagle3_pipeline.core.proc import ChildFailed, ChildTimedOut
     from eagle3_pipeline.data.formats import SourceError
     from eagle3_pipeline.evaluate.results import EvaluateError
     from eagle3_pipeline.evaluate.stage import EvaluateGateFailed, InvalidDraftError
     from eagle3_pipeline.extract.stage import ExtractFailed
     from eagle3_pipeline.gpu.stage import GpuGateFailed
     from eagle3_pipeline.preflight.stage import PreflightFailed
-    from eagle3_pipeline.core.proc import ChildFailed, ChildTimedOut
+    from eagle3_pipeline.records.contracts import ContractError
     from eagle3_pipeline.train.export import ExportCheckError
     from eagle3_pipeline.train.vocab import VocabError
 

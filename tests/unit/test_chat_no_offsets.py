@@ -16,8 +16,15 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizer
 
-from eagle3_pipeline.data.chat import (MaskUnavailable, _mask_by_decoding, _mask_from_offsets, encode_conversation,
-                                       encode_text, mask_without_offsets, render_turns)
+from eagle3_pipeline.data.chat import (
+    MaskUnavailable,
+    _mask_by_decoding,
+    _mask_from_offsets,
+    encode_conversation,
+    encode_text,
+    mask_without_offsets,
+    render_turns,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 PIECE = re.compile(r" ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+")

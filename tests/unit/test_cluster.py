@@ -4,9 +4,8 @@ in-pod attempt of the stage's own deadline, on the production configs and the ti
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import math
+from pathlib import Path
 
 import pytest
 
@@ -99,10 +98,11 @@ def test_retry_counts_match_the_task_policies():
     """The Job must outlive the retries that happen inside the pod: cluster's copy of the counts is the
     policies' (tasks/ imports Prefect, the core cannot read them)."""
     pytest.importorskip("prefect")
+    from eagle3_pipeline import registry
     from tasks.stage_tasks import RETRY_POLICIES
 
     for stage, (retries, delay) in cluster.STAGE_RETRIES.items():
-        pol = RETRY_POLICIES["extract-group" if stage == "extract" else stage]
+        pol = RETRY_POLICIES[registry.spec(stage).task_name]
         if retries is not None:
             assert pol.retries == retries, stage
         assert pol.delay_s == delay, stage

@@ -1,12 +1,11 @@
 import json
-import os
 
 import pytest
 
 from eagle3_pipeline.core.config import load_config
-from eagle3_pipeline.records.contracts import ContractError, resolve_layer_ids
 from eagle3_pipeline.core.errors import ConfigError
 from eagle3_pipeline.core.store import atomic_write, atomic_write_text, content_key, write_json
+from eagle3_pipeline.records.contracts import ContractError, resolve_layer_ids
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 

@@ -8,8 +8,15 @@ import json
 
 import pytest
 
-from eagle3_pipeline.report.decision import (CurvePoint, curve_point, decide, history_path, per_doubling, read_history,
-                                             record_run)
+from eagle3_pipeline.report.decision import (
+    CurvePoint,
+    curve_point,
+    decide,
+    history_path,
+    per_doubling,
+    read_history,
+    record_run,
+)
 from eagle3_pipeline.report.record import RunReport
 from eagle3_pipeline.report.stage import write_report
 from tests.helpers.report_sample import sample_report

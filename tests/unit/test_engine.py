@@ -180,9 +180,9 @@ def test_engine_settings_that_change_records_are_in_their_keys(monkeypatch, tmp_
     with vLLM's PyTorch rotary: the CPU build's engine settings are part of the extract and pool keys;
     GPU builds (no such settings) keep the keys they had."""
     import eagle3_pipeline.engine.build as engine
-    from eagle3_pipeline.records.pool import pool_key
-    from eagle3_pipeline.records.layout import extract_location
     from eagle3_pipeline.core.store import extract_key, model_fingerprint
+    from eagle3_pipeline.records.layout import extract_location
+    from eagle3_pipeline.records.pool import pool_key
 
     target = TargetConfig(model=str(tmp_path))
     (tmp_path / "config.json").write_text("{}")

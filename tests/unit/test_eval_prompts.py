@@ -197,7 +197,7 @@ def test_committed_prompt_sets_are_the_generated_ones():
 
     for name, rows in ((prompt_sets.CHAT_FILE, prompt_sets.chat_set()), (prompt_sets.AGENTIC_FILE, prompt_sets.agentic_set())):
         committed = (ROOT / "configs" / "prompts" / name).read_text()
-        assert committed == prompt_sets.render_jsonl(rows), f"regenerate: python -m eagle3_pipeline.tiny.prompt_sets"
+        assert committed == prompt_sets.render_jsonl(rows), "regenerate: python -m eagle3_pipeline.tiny.prompt_sets"
         cats: dict[str, int] = {}
         for r in rows:
             cats[r["category"]] = cats.get(r["category"], 0) + 1

@@ -17,7 +17,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -154,9 +153,8 @@ def kimi():
 def kimi_run_jobs(cfg, given: dict | None = None) -> dict[str, tuple[dict, dict]]:
     """name -> (job variables, rendered Job) of one Kimi run: 100 shards in 4 groups, verify, train, evaluate."""
     pytest.importorskip("prefect_kubernetes")
-    from tests.unit.test_k8s_job_template import CPU_TEMPLATE, TEMPLATE, render
-
     from eagle3_pipeline.core.cluster import job_variables
+    from tests.unit.test_k8s_job_template import CPU_TEMPLATE, TEMPLATE, render
 
     assert cfg.extract.parallel_groups == 4
     jobs = {}
@@ -649,9 +647,8 @@ def test_the_pipeline_pod_checks_the_config_against_the_gpu_pool(kimi, tmp_path)
     """What pools.sh gives the CPU pool's pods is what preflight reads there (cluster.gpu_pool_problems): on the
     shipped GPU pool the Kimi config passes; on GKE's H100 nodes its gpu_memory_gib 141 is refused, naming 80."""
     pytest.importorskip("prefect_kubernetes")
-    from tests.unit.test_k8s_job_template import render as render_job
-
     from eagle3_pipeline.core.cluster import gpu_pool_problems
+    from tests.unit.test_k8s_job_template import render as render_job
 
     for selector, refused in ((None, False), ('{"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}', True)):
         templates, _ = run_pools(tmp_path, **({"EAGLE3_GPU_NODE_SELECTOR": selector} if selector else {}))

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from eagle3_pipeline.core.config import ExtractConfig, TargetConfig
-from eagle3_pipeline.records.contracts import FP_IDS_KEY, FP_LOGPROBS_KEY, fingerprint_from_logprobs
 from eagle3_pipeline.core.proc import BackgroundChild
+from eagle3_pipeline.records.contracts import FP_IDS_KEY, FP_LOGPROBS_KEY, fingerprint_from_logprobs
 from eagle3_pipeline.train.online import _last_logprobs, _prompt_logprobs, sample_rows
 
 
@@ -104,8 +104,8 @@ def test_a_server_that_cannot_start_names_the_cause(tiny_target, tmp_path):
     server's own last lines, instead of waiting for its start-up deadline."""
     import shutil
 
-    from eagle3_pipeline.records.layout import ExtractVersion
     from eagle3_pipeline.records.contracts import model_dims
+    from eagle3_pipeline.records.layout import ExtractVersion
     from eagle3_pipeline.train.online import HiddenStateServer, OnlineServerFailed
 
     model = tmp_path / "no-weights"

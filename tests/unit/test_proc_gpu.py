@@ -8,8 +8,8 @@ import time
 import psutil
 import pytest
 
-from eagle3_pipeline.gpu.stage import find_leftovers, gpu_gate
 from eagle3_pipeline.core.proc import CHILD_MARKER_ENV, LAUNCHER_ENV, ChildFailed, run_child
+from eagle3_pipeline.gpu.stage import find_leftovers, gpu_gate
 
 GRANDCHILD = """
 import subprocess, sys, time

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from eagle3_pipeline.core.config import load_config
-from eagle3_pipeline.records.contracts import ContractError, default_aux_layer_ids, model_dims, resolve_layer_ids
 from eagle3_pipeline.preflight.stage import architecture_problems
+from eagle3_pipeline.records.contracts import ContractError, default_aux_layer_ids, model_dims, resolve_layer_ids
 
 CONFIGS = Path(__file__).parents[1] / "data" / "model_configs"
 REPO = Path(__file__).parents[2]

@@ -12,9 +12,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3_pipeline.records.contracts import (fingerprint_from_flat, fingerprint_from_logprobs, record_file_problem,
-                                      record_metadata, save_safetensors, to_record, write_record)
 from eagle3_pipeline.core.store import durable_files
+from eagle3_pipeline.records.contracts import (
+    fingerprint_from_flat,
+    fingerprint_from_logprobs,
+    record_file_problem,
+    record_metadata,
+    save_safetensors,
+    to_record,
+    write_record,
+)
 
 LAYERS = [2, 4, 5, 8]
 

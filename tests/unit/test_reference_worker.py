@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3_pipeline.records.contracts import LayerDiff
 from eagle3_pipeline.verify.reference import COS_BOUND, MAX_FRAC_BELOW, MAX_REL_ERR, MIN_MEAN_COSINE, _row_problems
-from eagle3_pipeline.verify.worker import Checkpoint, CannotStream, _known_model_type, layer_config, text_config
+from eagle3_pipeline.verify.worker import CannotStream, Checkpoint, _known_model_type, layer_config, text_config
 
 
 def test_deepseek_layer_is_dense_iff_the_full_models_layer_is():

@@ -11,8 +11,8 @@ import pytest
 
 from eagle3_pipeline.core.config import PipelineConfig, RegenerateConfig, SourceConfig, load_config
 from eagle3_pipeline.data.formats import RawRow
-from eagle3_pipeline.regenerate.stage import plan_shards, prepare_config, regenerate, thinking_kwargs
 from eagle3_pipeline.regenerate import turns as T
+from eagle3_pipeline.regenerate.stage import plan_shards, prepare_config, regenerate, thinking_kwargs
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -82,8 +82,8 @@ def _raise():
 
 
 def test_extract_engine_start_counts_this_runs_children(tmp_path):
-    from eagle3_pipeline.records.shardrun import engine_start_since
     from eagle3_pipeline.core.store import write_json
+    from eagle3_pipeline.records.shardrun import engine_start_since
 
     write_json(tmp_path / "manifest.json", {"shards": [], "children": [
         {"attempt": 1, "started_at": "2020-01-01T00:00:00Z", "engine_start_s": 30.0},  # an earlier run
@@ -115,6 +115,7 @@ def test_report_md_rounds_numbers_and_keeps_tables_small(tmp_path):
     import io
 
     from PIL import Image
+
     from tests.helpers.report_sample import long_numbers, sample_metrics, sample_report
 
     run = tmp_path / "run"

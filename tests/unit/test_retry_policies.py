@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3_pipeline.core.errors import DiskFull, is_transient
+from eagle3_pipeline.core.errors import ConfigError, DiskFull, is_transient
+from eagle3_pipeline.core.faults import FAIL_ONCE_DIR_ENV, FAIL_ONCE_ENV, InjectedFault, fail_once, take_fault
+from eagle3_pipeline.core.proc import ChildFailed, ChildTimedOut
 from eagle3_pipeline.evaluate.results import EvaluateError
 from eagle3_pipeline.evaluate.stage import EvaluateGateFailed, InvalidDraftError
-from eagle3_pipeline.core.faults import FAIL_ONCE_DIR_ENV, FAIL_ONCE_ENV, InjectedFault, fail_once, take_fault
 from eagle3_pipeline.preflight.stage import PreflightFailed
-from eagle3_pipeline.core.proc import ChildFailed, ChildTimedOut
+from eagle3_pipeline.records.contracts import ContractError
 from eagle3_pipeline.train.export import ExportCheckError
 from eagle3_pipeline.verify.stage import VerifyFailed
-from eagle3_pipeline.core.errors import ConfigError
-from eagle3_pipeline.records.contracts import ContractError
 from tasks.stage_tasks import RETRY_POLICIES, retry_options
 
 
@@ -64,17 +63,40 @@ def test_retry_condition(stage, exc, retried):
         assert fn is None and retry_options(stage)["retries"] == 0
 
 
-def test_every_task_states_its_policy():
+def _stage_tasks() -> dict:
+    """{task name: the Prefect task of tasks/stage_tasks.py}."""
+    from prefect.tasks import Task
+
     import tasks.stage_tasks as t
 
-    for name, task in [("prepare", t.prepare), ("verify", t.verify), ("vocab", t.vocab), ("train", t.train),
-                       ("evaluate", t.evaluate), ("preflight", t.preflight), ("gpu-gate", t.gpu_gate),
-                       ("extract-group", t.extract_group), ("report", t.report)]:
-        pol = RETRY_POLICIES[name]
+    return {v.name: v for v in vars(t).values() if isinstance(v, Task)}
+
+
+def test_every_task_states_its_policy():
+    """One task per registered stage (registry.TASKS), each with its stage's policy, and no policy for a stage that
+    is not registered."""
+    from eagle3_pipeline import registry
+    from tasks.stage_tasks import POLICIES_BY_STAGE
+
+    found = _stage_tasks()
+    assert list(RETRY_POLICIES) == list(registry.TASKS) and set(POLICIES_BY_STAGE) == set(registry.NAMES)
+    for name in registry.TASKS:
+        task, pol = found[name], RETRY_POLICIES[name]
         assert task.retries == pol.retries, name
         assert (task.retry_condition_fn is not None) == (pol.retries > 0), name
     assert {"prepare", "verify", "vocab", "train", "evaluate"} <= {k for k, p in RETRY_POLICIES.items() if p.retries}
     assert retry_options("extract-group", 5)["retries"] == 5  # config.extract.retries overrides the count
+
+
+def test_gates_are_never_answered_from_a_cache():
+    """Every gate's task (registry.GATES) runs every time: Prefect's cache is off for it."""
+    from prefect.cache_policies import NO_CACHE
+
+    from eagle3_pipeline import registry
+
+    found = _stage_tasks()
+    assert set(registry.GATES) == {"preflight", "gpu-gate", "verify", "evaluate"}  # DESIGN.md §1
+    assert {g: found[g].cache_policy for g in registry.GATES if found[g].cache_policy is not NO_CACHE} == {}
 
 
 def test_fail_once_is_one_shot(tmp_path, monkeypatch):

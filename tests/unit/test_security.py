@@ -322,8 +322,8 @@ def test_within_refuses_paths_that_leave_the_root(tmp_path):
 
 
 def test_model_and_dataset_names_cannot_climb_out(tiny_target, tmp_path):
-    from eagle3_pipeline.data.prepare import prepare
     from eagle3_pipeline.core.store import extract_dir, slug
+    from eagle3_pipeline.data.prepare import prepare
 
     assert slug("..") == "__" and slug("/models/.") == "_" and slug("org/model-7B") == "model-7B"
     prep_dir = tmp_path / "store" / "ds" / "v1"
@@ -357,8 +357,8 @@ def _hub_config(tmp_path: Path, tiny_target: Path, *extra: str):
 def test_hub_token_is_never_logged_or_written(tiny_target, tmp_path, monkeypatch, caplog, capfd):
     """prepare with a hub source (offline here, so it fails with its clear error) and a token in the
     environment: the token is in no log line, no output, no error text, no file of the store."""
-    from eagle3_pipeline.data.formats import SourceError
     from eagle3_pipeline.core.errors import chain
+    from eagle3_pipeline.data.formats import SourceError
     from eagle3_pipeline.stages import stage_prepare
     from flows.cli import app
 

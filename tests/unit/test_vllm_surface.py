@@ -384,8 +384,8 @@ def test_prove_refuses_a_worker_without_the_pin(tmp_path):
 
 def test_a_child_that_found_dead_hooks_is_not_retried():
     from eagle3_pipeline.core.config import EngineConfig
-    from eagle3_pipeline.engine.start import RunnerRefused, start_refusal
     from eagle3_pipeline.core.errors import ExitCode, exit_code
+    from eagle3_pipeline.engine.start import RunnerRefused, start_refusal
 
     text = ("Traceback ...\neagle3_pipeline.engine.runner.HooksNotLive: extract: the hook(s) state_sketch never ran "
             "in the engine's runner X\n")

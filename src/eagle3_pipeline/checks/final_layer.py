@@ -28,7 +28,9 @@ from pathlib import Path
 NORM_SUFFIXES = ("model.norm.weight", "norm.weight")  # the final norm (never a layer's: those have "layers.")
 HEAD_SUFFIXES = ("lm_head.weight", "output.weight")
 EMBED_SUFFIXES = ("embed_tokens.weight", "wte.weight", "tok_embeddings.weight")
-FP8_SLACK = 8.0  # fp8 storage: the final-layer fingerprint's logit tolerance this many times looser (verify/invariance.py has its own, for states)
+# fp8 storage: the final-layer fingerprint's logit tolerance this many times looser (verify/invariance.py has its own,
+# for states)
+FP8_SLACK = 8.0
 MAX_NAMED = 8  # disagreeing token positions named in a problem
 
 

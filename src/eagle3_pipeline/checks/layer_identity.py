@@ -10,14 +10,15 @@ a's" and "fraction of tokens where slot b is closer (cosine) to the last slot th
 0 or 1 for every record and flip when two slots are swapped; and adjacent slots of the same token are
 similar (mean cosine; fraction of tokens below cosine 0.5) and each token's state is nearer its own
 token's state in the next slot than the neighbouring tokens' (a slot shifted by a token flips this),
-which states of another request or of a shifted span break. `features` computes these per record from the
-products the structure pass takes of every token (verify/scan.py: one read); `learn` takes the median and MAD of each feature over the records (robust: a few percent
-of bad records do not move them); a record fails when a feature is more than `max_z` robust
-deviations from the median. A whole extraction with a wrong layer id is consistent with itself: that
-is the reference check's job (verify/reference.py); the final slot is also checked against the
+which states of another request or of a shifted span break. `features` computes these per record from the products the
+structure pass takes of every token (verify/scan.py: one read); `learn` takes the median and MAD of each feature over
+the records (robust: a few percent of bad records do not move them); a record fails when a feature is more than
+`max_z` robust deviations from the median. A whole extraction with a wrong layer id is consistent with itself: that is
+the reference check's job (verify/reference.py); the final slot is also checked against the
 target's logits (final_layer.py).
 
-The calibration: docs/verification.md, "Calibration". Default max_z (VerifyConfig.identity_max_z) 20; feature scale floor 0.03 (fractions of short rows).
+The calibration: docs/verification.md, "Calibration". Default max_z (VerifyConfig.identity_max_z) 20; feature
+scale floor 0.03 (fractions of short rows).
 """
 
 from __future__ import annotations
@@ -85,13 +86,10 @@ def features(gram, cross, starts, lengths) -> np.ndarray:
     sums = np.add.reduceat(per_token, st, axis=0) if len(st) else np.zeros((0, per_token.shape[1]))
     n = np.asarray(lengths, dtype=np.float64)[:, None]
     means = sums / n
-    k = 0
-    g = means[:, k:k + L * L].reshape(-1, L, L); k += L * L
-    nr = means[:, k:k + L * L].reshape(-1, L, L); k += L * L
-    cos_mean = means[:, k:k + L - 1]; k += L - 1
-    cos_low = means[:, k:k + L - 1]; k += L - 1
-    own_sum = sums[:, k:k + L - 1]; k += L - 1
-    inner = sums[:, k:k + 1]
+    cut = np.cumsum([L * L, L * L, L - 1, L - 1, L - 1])  # per_token's column groups, in order; then `interior`
+    g, nr, cos_mean, cos_low = np.split(means, cut, axis=1)[:4]
+    g, nr = g.reshape(-1, L, L), nr.reshape(-1, L, L)
+    own_sum, inner = np.split(sums, cut, axis=1)[4:]
     own_mean = np.where(inner > 0, own_sum / np.maximum(inner, 1), 1.0)  # records of < 3 tokens: 1
     cols = []
     for a in range(L - 1):
@@ -111,7 +109,7 @@ def row_features(hidden) -> np.ndarray:
     import torch
 
     x = hidden.float()
-    T, L = x.shape[0], x.shape[1]
+    T = x.shape[0]
     gram = torch.bmm(x, x.transpose(1, 2))                                  # [T, L, L]
     cross = torch.zeros_like(gram)
     if T > 1:

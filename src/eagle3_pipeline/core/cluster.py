@@ -14,6 +14,7 @@ from typing import Any, Mapping
 from eagle3_pipeline.core.config import PipelineConfig
 from eagle3_pipeline.core.gpus import GFD_MEMORY_LABEL, GPU_MEMORY_GIB, NODE_LABELS, node_gpus, same_memory
 
+# registry.JOB_STAGES (StageSpec.own_job), which the core cannot import: tests/unit/test_architecture.py checks the copy
 GPU_STAGES = ("extract", "verify", "train", "evaluate")
 
 CPU_PER_GPU = 8                  # cores requested per GPU (vLLM workers, tokenizer, torchrun ranks, loaders)
@@ -57,17 +58,16 @@ def stage_deadline_s(config: PipelineConfig, stage: str, shards: int | None = No
 
 def _gpu_count(config: PipelineConfig, stage: str) -> int:
     if stage == "extract":
-        e = config.extract
-        return e.tensor_parallel_size * getattr(e, "pipeline_parallel_size", 1)
+        return config.extract.tensor_parallel_size
     if stage == "verify":
         return 0
     if stage == "train":
         t = config.train
         n = t.world_size if t.device == "cuda" else 0
         if t.mode == "online":  # the trainer's vLLM server runs the target at extract's TP on the same node
-            n = max(n, config.extract.tensor_parallel_size * getattr(config.extract, "pipeline_parallel_size", 1))
+            n = max(n, config.extract.tensor_parallel_size)
         return n
-    return config.evaluate.tensor_parallel_size * getattr(config.evaluate, "pipeline_parallel_size", 1)
+    return config.evaluate.tensor_parallel_size
 
 
 def _cpu_and_memory(config: PipelineConfig, stage: str, gpus: int) -> tuple[int, int]:

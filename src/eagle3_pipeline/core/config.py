@@ -264,7 +264,8 @@ class TrainConfig(Strict):
     seed: int = 0
     optimizer: Literal["adamw", "muon"] = "muon"
     loss: str = Field("kl_div", description="speculators loss spec: a name (kl_div, ce, tv, ...) or a JSON dict of weights")
-    val_ratio: float = Field(0.1, gt=0.0, lt=1.0, description="last fraction of the rows held out for validation / checkpoint_best")
+    val_ratio: float = Field(0.1, gt=0.0, lt=1.0,
+                             description="last fraction of the rows held out for validation / checkpoint_best")
     max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps (smoke runs)")
     num_workers: int = Field(0, ge=0, description="data-loader worker processes (0 on CPU)")
     world_size: int = Field(1, ge=1, description="training processes (torchrun ranks, DDP or FSDP): one per GPU on "

@@ -12,10 +12,10 @@ normalised to the same shape. Every tool call becomes `{"type": "function", "fun
 "arguments"}}` (plus `id` when the data has one); `arguments` stays as the data has it (a JSON
 string or an object): chat/`encode_conversation` renders it that way first and switches to the
 other form only when the template does not render it (a template that applies `tojson` to a
-string, or concatenates an object). Assistant `reasoning_content` is kept for thinking templates;
-inline `<think>` blocks simply stay in the content. A plain turn is exactly `{"role", "content"}`. Reads local `.jsonl`/`.json`/`.parquet` files or
-directories of them and `datasets.save_to_disk` directories. Nothing is dropped silently: a row that
-cannot be read is yielded as `Rejected(source, row, reason, raw)` for the quarantine file.
+string, or concatenates an object). Assistant `reasoning_content` is kept for thinking templates; inline `<think>`
+blocks simply stay in the content. A plain turn is exactly `{"role", "content"}`. Reads local
+`.jsonl`/`.json`/`.parquet` files or directories of them and `datasets.save_to_disk` directories. Nothing is dropped
+silently: a row that cannot be read is yielded as `Rejected(source, row, reason, raw)` for the quarantine file.
 """
 
 from __future__ import annotations
@@ -311,16 +311,20 @@ class DamagedSource(InputError):
     """A source file that is cut or corrupt part-way (`on_damaged: error`)."""
 
 
+def _utf8_prefix(data: bytes) -> tuple[str, int | None]:
+    """(the text of `data`'s longest valid UTF-8 prefix, the offset of its first invalid byte or None)."""
+    try:
+        return data.decode("utf-8"), None
+    except UnicodeDecodeError as e:  # e.g. a cut in the middle of a multi-byte character
+        return data[: e.start].decode("utf-8"), e.start
+
+
 def _json_values(path: Path, on_damaged: str = "error") -> Iterator[Any]:
     """The values of a JSON file (the elements of a top-level array, else the one value), decoded one
     at a time so that a damaged file yields its complete records; at the damage, a `Damage` last
     (`on_damaged: keep_complete`) or `DamagedSource` naming the byte offset (`error`)."""
     data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
-        bad_byte = None
-    except UnicodeDecodeError as e:  # e.g. a cut in the middle of a multi-byte character
-        text, bad_byte = data[: e.start].decode("utf-8"), e.start
+    text, bad_byte = _utf8_prefix(data)
     dec = json.JSONDecoder()
     ws = " \t\r\n"
     i = len(text) - len(text.lstrip(ws))
@@ -509,10 +513,3 @@ def parse_row(raw: RawRow, fmt: str = "auto", require_assistant: bool = True) ->
     if kind is None:
         return Rejected(raw.source, raw.row, f"unknown format: keys {sorted(raw.rec)[:8]}", raw.rec)
     return normalise(raw.rec, kind, raw.source, raw.row, require_assistant)
-
-
-def read_source(path: str | Path, fmt: str = "auto", limit: int | None = None
-                ) -> Iterator[Conversation | Pretokenized | Rejected]:
-    """Every row of a source, normalised or rejected, at most `limit` rows in all."""
-    for raw in raw_rows(str(path), limit):
-        yield parse_row(raw, fmt)

@@ -6,8 +6,8 @@ each judged) and `MaskDisagrees`. Kept beside chat.py, not in it: chat.py is par
 
 from __future__ import annotations
 
-from eagle3_pipeline.data import chat
 from eagle3_pipeline.core.errors import InputError
+from eagle3_pipeline.data import chat
 
 
 class MaskDisagrees(InputError):

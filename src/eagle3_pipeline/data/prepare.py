@@ -29,13 +29,22 @@ from pydantic import BaseModel
 
 from eagle3_pipeline.core.config import PrepareConfig, SourceConfig, TargetConfig, hub_token
 from eagle3_pipeline.core.digest import row_hash
-from eagle3_pipeline.data.chat import (MaskUnavailable, TemplateMismatch, ToolCallsNotRendered,
-                                       render)
-from eagle3_pipeline.data.mask_check import MaskDisagrees, encode_checked
-from eagle3_pipeline.data.formats import Conversation, RawRow, Rejected, parse_row, raw_rows, tail_warning
 from eagle3_pipeline.core.errors import DiskFull, InputError, is_disk_full
-from eagle3_pipeline.core.store import (atomic_write, atomic_write_text, content_key, dir_fingerprint, dir_lock, read_json,
-                                   slug, within, write_json)
+from eagle3_pipeline.core.stage_spec import StageSpec
+from eagle3_pipeline.core.store import (
+    atomic_write,
+    atomic_write_text,
+    content_key,
+    dir_fingerprint,
+    dir_lock,
+    read_json,
+    slug,
+    within,
+    write_json,
+)
+from eagle3_pipeline.data.chat import MaskUnavailable, TemplateMismatch, ToolCallsNotRendered, render
+from eagle3_pipeline.data.formats import Conversation, RawRow, Rejected, parse_row, raw_rows, tail_warning
+from eagle3_pipeline.data.mask_check import MaskDisagrees, encode_checked
 
 TOKENIZER_FILES = ("tokenizer*.json", "special_tokens_map.json", "*.jinja", "*.model", "vocab*", "merges.txt")
 # Bump when the same rows, tokenizer and settings give different chunk bytes or quarantine decisions:
@@ -341,7 +350,6 @@ def _assemble(cfg: PrepareConfig, chunk_dirs: list[Path], computed: int, out: Pa
               vocab: int) -> PrepareResult:
     """Concatenate chunks; drop duplicate ids (later ones quarantined); pick the held-out conversations."""
     import datasets
-    from datasets.table import InMemoryTable
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -352,40 +360,13 @@ def _assemble(cfg: PrepareConfig, chunk_dirs: list[Path], computed: int, out: Pa
     metas = [read_json(d / "chunk.json") for d in chunk_dirs]
     rejected = [json.loads(line) for d in chunk_dirs for line in (d / "rejected.jsonl").read_text().splitlines()]
     table = pa.concat_tables([pq.read_table(d / "rows.parquet") for d in chunk_dirs]) if chunk_dirs else None
-    keep_idx, owner, dup_rows = [], {}, set()
-    conv_ids = table["conv_id"].to_pylist() if table is not None else []
-    where = list(zip(table["source"].to_pylist(), table["row"].to_pylist())) if table is not None else []
-    for i, (cid, w) in enumerate(zip(conv_ids, where)):
-        first = owner.setdefault(cid, w)
-        if first != w:
-            if w not in dup_rows:
-                dup_rows.add(w)
-                rejected.append({"source": w[0], "row": w[1], "reason": f"duplicate id {cid!r} (first at {first[0]} "
-                                 f"row {first[1]})", "raw": None, "partial": False})
-            continue
-        keep_idx.append(i)
-    table = table.take(pa.array(keep_idx, pa.int64())) if table is not None else None
-    heldout_lines, held = [], set()
-    if table is not None and cfg.heldout_rows:
-        convs = {}
-        for cid, p, ref in zip(table["conv_id"].to_pylist(), table["prompt_ids"].to_pylist(), table["reference"].to_pylist()):
-            if p is not None and cid not in convs:
-                convs[cid] = (p, ref)
-        ranked = sorted(convs, key=lambda c: hashlib.sha256(c.encode()).hexdigest())
-        if cfg.heldout_fraction is not None:  # a function of the conversation alone: stable across refreshes
-            ranked = [c for c in ranked if heldout_hash(c) < cfg.heldout_fraction]
-            held.update(ranked)  # all of them leave training; heldout.jsonl lists the first heldout_rows
-        for cid in ranked[: cfg.heldout_rows]:
-            held.add(cid)
-            heldout_lines.append(json.dumps({"sample_id": cid, "prompt_ids": convs[cid][0], "reference": convs[cid][1]}))
-        table = table.filter(pc.invert(pc.is_in(table["conv_id"], pa.array(sorted(held), pa.string()))))
+    table = _without_duplicates(table, rejected)
+    table, held, heldout_lines = _hold_out(cfg, table)
     n_out = table.num_rows if table is not None else 0
     features = datasets.Features({
         "input_ids": datasets.Sequence(datasets.Value("int64")), "loss_mask": datasets.Sequence(datasets.Value("int64")),
         "seq_len": datasets.Value("int64"), "sample_id": datasets.Value("string")})
-    # The Arrow columns as they are (no Python lists), cast to the features' schema. The dataset gets the
-    # version's own key as its fingerprint: otherwise `datasets` hashes the whole table through dill on
-    # construction (a pass over every token, and dill's `dis` output landed in the flow log as prints).
+    # The Arrow columns as they are (no Python lists), cast to the features' schema.
     arrow = (pa.table({k: table[k] for k in features}).cast(features.arrow_schema).combine_chunks() if n_out
              else features.arrow_schema.empty_table())
     counts = np.zeros(vocab, dtype=np.int64)
@@ -393,22 +374,7 @@ def _assemble(cfg: PrepareConfig, chunk_dirs: list[Path], computed: int, out: Pa
         ids = pc.list_flatten(table["input_ids"]).to_numpy()
         mask = pc.list_flatten(table["loss_mask"]).to_numpy()
         counts = np.bincount(ids, weights=mask, minlength=vocab).astype(np.int64)[:vocab]
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "tokenized.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    ds = datasets.Dataset(InMemoryTable(arrow), info=datasets.DatasetInfo(features=features),
-                          fingerprint=hashlib.sha256(f"eagle3-prepare:{version}:{n_out}".encode()).hexdigest()[:16])
-    ds.set_format(type="torch")  # speculators' convention (its prepare-data does the same)
-    try:
-        ds.save_to_disk(str(tmp))
-    except OSError as e:
-        if not is_disk_full(e):
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise DiskFull(f"{out / 'tokenized'}: write failed, the disk is full ({type(e).__name__}: {e}); "
-                       f"nothing was written under this name", e.errno) from e
-    shutil.rmtree(out / "tokenized", ignore_errors=True)
-    tmp.rename(out / "tokenized")
+    _save_tokenized(out, version, arrow, features)
     atomic_write(out / "token_freq.safetensors", lambda p: save_file({"counts": torch.from_numpy(counts)}, str(p)))
     atomic_write_text(out / "heldout.jsonl", "".join(line + "\n" for line in heldout_lines))
     atomic_write_text(out / "quarantine.jsonl", "".join(json.dumps(r, default=str) + "\n" for r in rejected))
@@ -422,13 +388,8 @@ def _assemble(cfg: PrepareConfig, chunk_dirs: list[Path], computed: int, out: Pa
         top = ", ".join(f"{k} ({v})" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1])[:3])
         raise InputError(f"prepare: no usable rows: the sources hold {rows_in} rows" +
                          (f", all quarantined ({top}); see {out / 'quarantine.jsonl'}" if rows_in else ""))
-    trims: dict[str, int] = {}
-    for m in metas:
-        for why, n in m.get("trim_reasons", {}).items():
-            trims[why] = trims.get(why, 0) + n
+    trims = _summed(m.get("trim_reasons", {}) for m in metas)
     seq = arrow["seq_len"].to_pylist()
-    edges = [0, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 1 << 30]
-    hist = {f"{a}-{b - 1}" if b < 1 << 30 else f">={a}": sum(a <= s < b for s in seq) for a, b in zip(edges, edges[1:])}
     res = PrepareResult(
         version=version, dir=str(out.resolve()), tokenized=str((out / "tokenized").resolve()),
         token_freq=str((out / "token_freq.safetensors").resolve()), heldout=str((out / "heldout.jsonl").resolve()),
@@ -441,9 +402,86 @@ def _assemble(cfg: PrepareConfig, chunk_dirs: list[Path], computed: int, out: Pa
         damaged_sources=[r["damage"] for r in rejected if r.get("damage")],
         source_warnings=[w for src in cfg.sources if (w := tail_warning(src.path))],
         tokens=int(sum(seq)), supervised_tokens=int(counts.sum()),
-        quarantine_reasons=reasons, length_histogram={k: v for k, v in hist.items() if v},
+        quarantine_reasons=reasons, length_histogram=_length_histogram(seq),
         chunks_total=len(chunk_dirs), chunks_computed=computed)
     return _publish(out, res, arrow)
+
+
+def _without_duplicates(table, rejected: list[dict]):
+    """`table` (pyarrow, or None: no chunks) without the rows whose conversation id came before; each such
+    source row is added to `rejected` once, naming where the id was first."""
+    import pyarrow as pa
+
+    if table is None:
+        return None
+    keep_idx, owner, dup_rows = [], {}, set()
+    where = list(zip(table["source"].to_pylist(), table["row"].to_pylist()))
+    for i, (cid, w) in enumerate(zip(table["conv_id"].to_pylist(), where)):
+        first = owner.setdefault(cid, w)
+        if first != w:
+            if w not in dup_rows:
+                dup_rows.add(w)
+                rejected.append({"source": w[0], "row": w[1], "reason": f"duplicate id {cid!r} (first at {first[0]} "
+                                 f"row {first[1]})", "raw": None, "partial": False})
+            continue
+        keep_idx.append(i)
+    return table.take(pa.array(keep_idx, pa.int64()))
+
+
+def _hold_out(cfg: PrepareConfig, table) -> tuple[object, set[str], list[str]]:
+    """(`table` without the held-out conversations, their ids, heldout.jsonl's lines): the first
+    `heldout_rows` conversations by id hash, or with `heldout_fraction` every conversation below it."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    heldout_lines, held = [], set()
+    if table is None or not cfg.heldout_rows:
+        return table, held, heldout_lines
+    convs = {}
+    for cid, p, ref in zip(table["conv_id"].to_pylist(), table["prompt_ids"].to_pylist(), table["reference"].to_pylist()):
+        if p is not None and cid not in convs:
+            convs[cid] = (p, ref)
+    ranked = sorted(convs, key=lambda c: hashlib.sha256(c.encode()).hexdigest())
+    if cfg.heldout_fraction is not None:  # a function of the conversation alone: stable across refreshes
+        ranked = [c for c in ranked if heldout_hash(c) < cfg.heldout_fraction]
+        held.update(ranked)  # all of them leave training; heldout.jsonl lists the first heldout_rows
+    for cid in ranked[: cfg.heldout_rows]:
+        held.add(cid)
+        heldout_lines.append(json.dumps({"sample_id": cid, "prompt_ids": convs[cid][0], "reference": convs[cid][1]}))
+    return table.filter(pc.invert(pc.is_in(table["conv_id"], pa.array(sorted(held), pa.string())))), held, heldout_lines
+
+
+def _save_tokenized(out: Path, version: str, arrow, features) -> None:
+    """`<out>/tokenized` (save_to_disk, torch format) from the Arrow table, written aside and renamed."""
+    import datasets
+    from datasets.table import InMemoryTable
+
+    n_out = arrow.num_rows
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "tokenized.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    # The dataset gets the version's own key as its fingerprint: otherwise `datasets` hashes the whole table
+    # through dill on construction (a pass over every token, and dill's `dis` output landed in the flow log).
+    ds = datasets.Dataset(InMemoryTable(arrow), info=datasets.DatasetInfo(features=features),
+                          fingerprint=hashlib.sha256(f"eagle3-prepare:{version}:{n_out}".encode()).hexdigest()[:16])
+    ds.set_format(type="torch")  # speculators' convention (its prepare-data does the same)
+    try:
+        ds.save_to_disk(str(tmp))
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise DiskFull(f"{out / 'tokenized'}: write failed, the disk is full ({type(e).__name__}: {e}); "
+                       f"nothing was written under this name", e.errno) from e
+    shutil.rmtree(out / "tokenized", ignore_errors=True)
+    tmp.rename(out / "tokenized")
+
+
+def _length_histogram(seq: list[int]) -> dict[str, int]:
+    """Rows per length bucket (0-63, 64-127, ..., >=8192), the empty buckets left out."""
+    edges = [0, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 1 << 30]
+    hist = {f"{a}-{b - 1}" if b < 1 << 30 else f">={a}": sum(a <= s < b for s in seq) for a, b in zip(edges, edges[1:])}
+    return {k: v for k, v in hist.items() if v}
 
 
 def _publish(out: Path, res: PrepareResult, arrow) -> PrepareResult:
@@ -468,3 +506,7 @@ def _judged_row_hashes(arrow):
     iv, mv = ids.flatten().to_numpy(), masks.flatten().to_numpy()
     return np.frombuffer(b"".join(bytes.fromhex(row_hash(iv[a:b], mv[a:b])) for a, b in zip(offs, offs[1:])),
                          dtype=np.uint8).reshape(-1, 8).copy()
+
+
+# a stage still in its room (the dataset reader beside it: load_tokenized, load_tokenizer); registry.py lists it
+STAGE = StageSpec(name="prepare", run=prepare, result=PrepareResult, failure=InputError)

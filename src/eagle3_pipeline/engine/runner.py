@@ -16,8 +16,8 @@ import json
 import os
 from pathlib import Path
 
-from eagle3_pipeline.engine.surface import PIN, RUNNER_ENV, V1, V1_RUNNER, V2, V2_RUNNER
 from eagle3_pipeline.core.errors import EnvironmentProblem
+from eagle3_pipeline.engine.surface import PIN, RUNNER_ENV, V1, V1_RUNNER, V2, V2_RUNNER
 
 RECORD_ENV = "EAGLE3_RUNNER_RECORD_DIR"
 _LIVE: set[str] = set()

@@ -11,11 +11,11 @@ runner's `propose_draft_token_ids`, on V2 the `ExtractHiddenStatesSpeculator.pro
 names from the runner's `add_requests`). Before the drafter runs, it takes the step's states of every request
 that names a file (`kv_transfer_params.hidden_states_path`, or the
 connector's default `<request id>.safetensors`), rounds them as the KV cache (its dtype, where one is set)
-and the record store them (`stored`: bf16, or fp8 with the per-token scale of contracts.to_record),
-projects each on DIM fixed unit directions (`directions`, from a seeded generator) and, when the request's prompt is complete, writes
-`<EAGLE3_STATE_SKETCH_DIR>/<that file's name>` (fp32 [T, L, DIM], atomically). The extract worker puts it
-into the record's fingerprint sidecar under KEY; verify projects the stored states on the same directions
-(verify/scan.py) and compares, every token and every layer (`deviation`).
+and the record store them (`stored`: bf16, or fp8 with the per-token scale of contracts.to_record), projects each on
+DIM fixed unit directions (`directions`, from a seeded generator) and, when the request's prompt is complete, writes
+`<EAGLE3_STATE_SKETCH_DIR>/<that file's name>` (fp32 [T, L, DIM], atomically). The extract worker puts it into the
+record's fingerprint sidecar under KEY; verify projects the stored states on the same directions (verify/scan.py) and
+compares, every token and every layer (`deviation`).
 
 Tolerance: the stored values and the engine's rounded values are the same numbers; the two projections
 differ only by float32 summation order (relative ~1e-6 of the state's norm; TF32 on a GPU ~1e-5). A

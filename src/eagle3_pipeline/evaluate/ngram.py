@@ -21,8 +21,15 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from eagle3_pipeline.evaluate.results import (EvaluateError, SpeedResult, check_category_sums, lossless_mismatches,
-                                              speed_result, speedup_of, tau_text)
+from eagle3_pipeline.evaluate.results import (
+    EvaluateError,
+    SpeedResult,
+    check_category_sums,
+    lossless_mismatches,
+    speed_result,
+    speedup_of,
+    tau_text,
+)
 
 NGRAM_LABEL = "ngram"  # label of the n-gram baseline run (worker.NGRAM)
 # Suffix decoding (`baseline_suffix`, vLLM's `method: suffix`, arctic-inference) is measured and counted the same

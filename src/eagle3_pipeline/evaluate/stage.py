@@ -14,15 +14,15 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from eagle3_pipeline.core.config import EvaluateConfig, TargetConfig
-from eagle3_pipeline.engine.build import engine_env
-from eagle3_pipeline.records.contracts import model_dims
 from eagle3_pipeline.core.errors import GateFailed, InputError
-from eagle3_pipeline.engine.start import refusal_of
 from eagle3_pipeline.core.proc import EXCEPTION_LINE, ChildFailed, python_child, run_child
+from eagle3_pipeline.core.stage_spec import StageSpec
+from eagle3_pipeline.core.store import dir_lock, write_json
+from eagle3_pipeline.engine.build import engine_env
+from eagle3_pipeline.engine.start import refusal_of
 from eagle3_pipeline.evaluate.ngram import NgramBaseline, SuffixBaseline, describe_ngram, ngram_baseline
 from eagle3_pipeline.evaluate.results import EvalResult, EvaluateError, SpeedResult, eval_result, speed_result, tau_text
-from eagle3_pipeline.core.store import dir_lock, write_json
-from eagle3_pipeline.core.stage_spec import StageSpec
+from eagle3_pipeline.records.contracts import model_dims
 
 WORKER = "eagle3_pipeline.evaluate.worker"
 UNTRAINED = "untrained"  # label of the baseline run (evaluate_pair)
@@ -598,4 +598,4 @@ def check_acceptance_gate(report: EvaluateReport, cfg: EvaluateConfig) -> None:
 
 
 STAGE = StageSpec(name="evaluate", run=evaluate_pair, result=EvaluateReport, failure=EvaluateGateFailed,
-                  worker="eagle3_pipeline.evaluate.worker", accelerators=True)
+                  worker="eagle3_pipeline.evaluate.worker", accelerators=True, gate=True, own_job=True)

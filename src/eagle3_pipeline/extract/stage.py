@@ -34,17 +34,25 @@ from pydantic import BaseModel
 
 from eagle3_pipeline import FORMAT_VERSION
 from eagle3_pipeline.core.config import ExtractConfig, TargetConfig
-from eagle3_pipeline.records.contracts import fingerprint_name, record_name, row_hash
-from eagle3_pipeline.extract.worker import ExtractJob, ShardSpec
-from eagle3_pipeline.records.layout import (FINGERPRINTS_DIR, MANIFEST_NAME, ExtractVersion, Shard,  # noqa: F401 (re-exported)
-                                    plan_shards)
+from eagle3_pipeline.core.stage_spec import StageSpec
+from eagle3_pipeline.core.store import file_locks, sha256_file, write_json
 from eagle3_pipeline.engine.build import engine_env
 from eagle3_pipeline.engine.start import refusal_of
+from eagle3_pipeline.extract.worker import ExtractJob, ShardSpec
+from eagle3_pipeline.records.contracts import fingerprint_name, record_name, row_hash
+from eagle3_pipeline.records.layout import FINGERPRINTS_DIR, MANIFEST_NAME, ExtractVersion, Shard, plan_shards  # noqa: F401 (re-exported)
 from eagle3_pipeline.records.pool import RecordPool, row_keys, version_pool
-from eagle3_pipeline.records.shardrun import (Attempt, Child, ChildAttempt, ShardEntry, ShardRun, ShardSummary, hashes,
-                                              published_ok, tool_versions)
-from eagle3_pipeline.core.store import file_locks, sha256_file, write_json
-from eagle3_pipeline.core.stage_spec import StageSpec
+from eagle3_pipeline.records.shardrun import (
+    Attempt,
+    Child,
+    ChildAttempt,
+    ShardEntry,
+    ShardRun,
+    ShardSummary,
+    hashes,
+    published_ok,
+    tool_versions,
+)
 
 LOCKS_DIR = "locks"
 WORKER_MODULE = "eagle3_pipeline.extract.worker"
@@ -383,4 +391,4 @@ def summarize(out_dir: Path, since: float | None = None) -> ExtractResult:
 
 
 STAGE = StageSpec(name="extract", run=extract_group, result=list[ShardRecord], failure=ExtractFailed,
-                  worker="eagle3_pipeline.extract.worker", accelerators=True)
+                  worker="eagle3_pipeline.extract.worker", accelerators=True, own_job=True, task="extract-group")

@@ -30,7 +30,6 @@ from __future__ import annotations
 import fcntl
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Literal
@@ -38,13 +37,23 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from eagle3_pipeline.core.config import EngineConfig, TargetConfig
-from eagle3_pipeline.records.contracts import (FP_TOP, ContractError, fingerprint_from_flat, fingerprint_name, read_record,
-                                       record_file_problem, record_name, row_hash, to_record, write_fingerprint,
-                                       write_record)
-from eagle3_pipeline.records.layout import Shard
 from eagle3_pipeline.core.proc import child_main, emit_event
 from eagle3_pipeline.core.progress import LineProgress
 from eagle3_pipeline.engine.state_sketch import KEY as SKETCH_KEY
+from eagle3_pipeline.records.contracts import (
+    FP_TOP,
+    ContractError,
+    fingerprint_from_flat,
+    fingerprint_name,
+    read_record,
+    record_file_problem,
+    record_name,
+    row_hash,
+    to_record,
+    write_fingerprint,
+    write_record,
+)
+from eagle3_pipeline.records.layout import Shard
 
 KILL_AFTER_ENV = "EAGLE3_TEST_KILL_AFTER_SHARDS"
 RECORD_DELAY_ENV = "EAGLE3_TEST_RECORD_DELAY_S"
@@ -215,9 +224,28 @@ class _Durable:
         durable_files(pending)
 
 
-def _run_shard(engine: _Engine, ds, job: ExtractJob, shard: ShardSpec, durable: _Durable) -> None:
+def _converted(path, ids: list[int], who: str, job: ExtractJob, dest: Path) -> Path:
+    """The engine's file `path` of another layout (another connector, vLLM's own) read, checked against the
+    tokenized row `ids` and written as our record for `dest` under a temporary name (returned)."""
     import torch
 
+    L, H = len(job.layer_ids), job.hidden_size
+    data = _load_file(path)
+    hs, tok = data["hidden_states"], data["token_ids"]  # [T, L, H], [T]
+    expect = torch.tensor(ids, dtype=torch.int64)  # [T]
+    if tok.shape != expect.shape or not torch.equal(tok.to(torch.int64), expect):
+        n = min(len(tok), len(expect))
+        diff = next((i for i in range(n) if int(tok[i]) != int(expect[i])), n)
+        raise ContractError(f"{who}: vLLM token_ids differ from the tokenized row: expected "
+                            f"[{len(expect)}], found [{len(tok)}], first difference at position {diff}")
+    if tuple(hs.shape) != (len(ids), L, H):
+        raise ContractError(f"{who}: layers {job.layer_ids}: hidden_states expected "
+                            f"{[len(ids), L, H]}, found {list(hs.shape)} (file {path})")
+    return write_record(dest, to_record(hs, tok, job.storage_dtype), job.layer_ids,
+                        job.storage_dtype, tag=str(job.attempt), durable=False)
+
+
+def _run_shard(engine: _Engine, ds, job: ExtractJob, shard: ShardSpec, durable: _Durable) -> None:
     t0 = time.time()
     row_ids = shard.row_ids()
     rows = ds.select(row_ids)
@@ -231,7 +259,6 @@ def _run_shard(engine: _Engine, ds, job: ExtractJob, shard: ShardSpec, durable: 
     t_await = time.time()
     engine.await_files(paths)
     t_files = time.time()
-    L, H = len(job.layer_ids), job.hidden_size
     files, fp_files, tokens, converted = [], [], 0, 0
     for k, (ids, sid, path) in enumerate(zip(input_ids, sample_ids, paths)):
         row = row_ids[k]
@@ -240,20 +267,7 @@ def _run_shard(engine: _Engine, ds, job: ExtractJob, shard: ShardSpec, durable: 
         if _is_record(path, hs_dir, ids, job):
             durable.submit(path, hs_dir / name)  # the connector wrote the record itself
         else:  # another layout (another connector, vLLM's own): read, check, convert, write
-            data = _load_file(path)
-            hs, tok = data["hidden_states"], data["token_ids"]  # [T, L, H], [T]
-            expect = torch.tensor(ids, dtype=torch.int64)  # [T]
-            if tok.shape != expect.shape or not torch.equal(tok.to(torch.int64), expect):
-                n = min(len(tok), len(expect))
-                diff = next((i for i in range(n) if int(tok[i]) != int(expect[i])), n)
-                raise ContractError(f"{who}: vLLM token_ids differ from the tokenized row: expected "
-                                    f"[{len(expect)}], found [{len(tok)}], first difference at position {diff}")
-            if tuple(hs.shape) != (len(ids), L, H):
-                raise ContractError(f"{who}: layers {job.layer_ids}: hidden_states expected "
-                                    f"{[len(ids), L, H]}, found {list(hs.shape)} (file {path})")
-            tmp = write_record(hs_dir / name, to_record(hs, tok, job.storage_dtype), job.layer_ids,
-                               job.storage_dtype, tag=str(job.attempt), durable=False)
-            durable.submit(tmp, hs_dir / name)
+            durable.submit(_converted(path, ids, who, job, hs_dir / name), hs_dir / name)
             _remove(path)
             converted += 1
         files.append(name)
@@ -372,8 +386,13 @@ def _invariance(engine: _Engine, ds, job: ExtractJob) -> None:
 def _start_engine(job: ExtractJob, ds, max_len: int) -> _Engine:
     """The extract engine, warmed up, with its hooks proven live in the runner it built (engine/runner.py)."""
     from eagle3_pipeline.engine import runner
-    from eagle3_pipeline.engine.build import (FINGERPRINT_ENGINE_KWARGS, build_llm, extract_hidden_states_config,
-                                              hidden_states_kv_config, vllm_is_cpu_build)
+    from eagle3_pipeline.engine.build import (
+        FINGERPRINT_ENGINE_KWARGS,
+        build_llm,
+        extract_hidden_states_config,
+        hidden_states_kv_config,
+        vllm_is_cpu_build,
+    )
 
     # one request = one whole prompt and one file: no chunked prefill, no prefix cache
     batched = {} if job.max_num_batched_tokens is None else {"max_num_batched_tokens": job.max_num_batched_tokens}

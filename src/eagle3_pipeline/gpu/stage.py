@@ -56,7 +56,6 @@ def _ours(p, protected: set[int], dead_launchers: set[int]) -> str | None:
         return f"pid {p.pid} ({env.get(CHILD_MARKER_ENV, 'worker')}, launcher {launcher or '?'} gone): {cmd[:120]}"
     except Exception:  # process vanished or is not ours to read
         return None
-    return None
 
 
 def _protected() -> set[int]:
@@ -194,4 +193,5 @@ def gpu_gate(kill: bool = True, max_used_mib: int = 2048, wait_s: float = 30.0, 
     return GpuGateResult(leftovers_found=found, killed=killed, gpus=gpus, passed=True)
 
 
-STAGE = StageSpec(name="gpu", run=gpu_gate, result=GpuGateResult, failure=GpuGateFailed)
+STAGE = StageSpec(name="gpu", run=gpu_gate, result=GpuGateResult, failure=GpuGateFailed, gate=True, reported=False,
+                  task="gpu-gate")

@@ -22,14 +22,20 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from eagle3_pipeline.core import host
 from eagle3_pipeline.core.cluster import gpu_pool_problems
 from eagle3_pipeline.core.config import PipelineConfig
-from eagle3_pipeline.records.contracts import (ContractError, ModelDims, fingerprint_blocker, fingerprints_off_problem,
-                                      model_dims, resolve_layer_ids)
-from eagle3_pipeline.engine.start import MemoryPlan, describe, memory_plan, what_fits
-from eagle3_pipeline.core import host
 from eagle3_pipeline.core.errors import EnvironmentProblem
 from eagle3_pipeline.core.stage_spec import StageSpec
+from eagle3_pipeline.engine.start import MemoryPlan, describe, memory_plan, what_fits
+from eagle3_pipeline.records.contracts import (
+    ContractError,
+    ModelDims,
+    fingerprint_blocker,
+    fingerprints_off_problem,
+    model_dims,
+    resolve_layer_ids,
+)
 
 # (vllm distribution, vllm, torch, speculators) combinations this pipeline was tested with: the two default stacks,
 # and the GPU stack `make install VLLM=0.34` installs (infra/requirements-gpu-k8s-vllm-0.34.lock; docs/vllm-versions.md)
@@ -290,4 +296,4 @@ def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=prin
                            memory=memory)
 
 
-STAGE = StageSpec(name="preflight", run=preflight, result=PreflightResult, failure=PreflightFailed)
+STAGE = StageSpec(name="preflight", run=preflight, result=PreflightResult, failure=PreflightFailed, gate=True)

@@ -23,10 +23,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from eagle3_pipeline.core.store import content_key, extract_key, model_fingerprint, slug, within
 from eagle3_pipeline.records.contracts import ModelDims, fingerprint_name, record_name
 from eagle3_pipeline.records.pool import pool_key, pool_location
 from eagle3_pipeline.records.shardrun import MANIFEST_NAME, ShardRun
-from eagle3_pipeline.core.store import content_key, extract_key, model_fingerprint, slug, within
 
 FINGERPRINTS_DIR = "fingerprints"
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from eagle3_pipeline.records.shardrun import MANIFEST_NAME, ShardRun
 from eagle3_pipeline.core.store import read_json
+from eagle3_pipeline.records.shardrun import MANIFEST_NAME, ShardRun
 
 
 class PreviousDraft(BaseModel):

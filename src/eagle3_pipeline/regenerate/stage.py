@@ -18,15 +18,31 @@ from pydantic import BaseModel
 
 from eagle3_pipeline import FORMAT_VERSION
 from eagle3_pipeline.core.config import PrepareConfig, RegenerateConfig, SourceConfig, TargetConfig, hub_token
+from eagle3_pipeline.core.errors import InputError
+from eagle3_pipeline.core.stage_spec import StageSpec
+from eagle3_pipeline.core.store import (
+    atomic_write_text,
+    content_key,
+    dir_fingerprint,
+    dir_lock,
+    model_fingerprint,
+    read_json,
+    slug,
+    within,
+    write_json,
+)
 from eagle3_pipeline.engine.build import engine_env
 from eagle3_pipeline.engine.start import refusal_of
-from eagle3_pipeline.core.errors import InputError
-from eagle3_pipeline.regenerate.job import (QUARANTINE_DIR, ROWS_DIR, RegenerateJob, ShardInput, input_sha,
-                                            shard_file, source_rows)
 from eagle3_pipeline.records.shardrun import Child, ShardEntry, ShardRun, hashes, published_ok, tool_versions
-from eagle3_pipeline.core.store import (atomic_write_text, content_key, dir_fingerprint, dir_lock, model_fingerprint,
-                                   read_json, slug, within, write_json)
-from eagle3_pipeline.core.stage_spec import StageSpec
+from eagle3_pipeline.regenerate.job import (
+    QUARANTINE_DIR,
+    ROWS_DIR,
+    RegenerateJob,
+    ShardInput,
+    input_sha,
+    shard_file,
+    source_rows,
+)
 
 WORKER = "eagle3_pipeline.regenerate.worker"
 REGENERATED_DIR = "regenerated"  # <store>/<dataset>/regenerated/<version>/

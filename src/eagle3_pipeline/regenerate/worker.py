@@ -31,8 +31,15 @@ from eagle3_pipeline.core.config import RegenerateConfig
 from eagle3_pipeline.core.proc import child_main, emit_event
 from eagle3_pipeline.core.progress import LineProgress
 from eagle3_pipeline.regenerate import turns as T
-from eagle3_pipeline.regenerate.job import (QUARANTINE_DIR, ROWS_DIR, RegenerateJob, ShardInput, input_sha, shard_file,
-                                            source_rows)
+from eagle3_pipeline.regenerate.job import (
+    QUARANTINE_DIR,
+    ROWS_DIR,
+    RegenerateJob,
+    ShardInput,
+    input_sha,
+    shard_file,
+    source_rows,
+)
 
 KILL_AFTER_ENV = "EAGLE3_TEST_REGENERATE_KILL_AFTER_SHARDS"
 

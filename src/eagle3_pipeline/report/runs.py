@@ -16,11 +16,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from eagle3_pipeline.core.config import PipelineConfig, skipped_checks
+from eagle3_pipeline.core.store import write_json
 from eagle3_pipeline.data.prepare import PrepareResult, loss_warnings
 from eagle3_pipeline.report.decision import curve_point, decide, history_path, record_run
 from eagle3_pipeline.report.record import RunReport
 from eagle3_pipeline.report.stage import build_report
-from eagle3_pipeline.core.store import write_json
 
 
 def run_warnings(config: PipelineConfig, recs: dict) -> list[str]:

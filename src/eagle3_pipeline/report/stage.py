@@ -17,12 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eagle3_pipeline.core.stage_spec import StageSpec
 from eagle3_pipeline.core.store import atomic_write, atomic_write_text, write_json
 from eagle3_pipeline.report.decision import CurvePoint, decide
 from eagle3_pipeline.report.record import Artifacts, RunReport, Stages
-from eagle3_pipeline.core.stage_spec import StageSpec
 
-STAGES = ("regenerate", "prepare", "preflight", "extract", "verify", "vocab", "train", "evaluate")
+# the reported stages in run order: Stages' fields (registry.REPORTED; tests/unit/test_architecture.py checks the two)
+STAGES = tuple(Stages.model_fields)
 # report.json fields per stage (the contract: the entry models of record.py); other keys a stage returns are
 # kept under "details"
 CONTRACT = {name: tuple(k for k in field.annotation.__args__[0].model_fields if k != "details")
@@ -636,4 +637,4 @@ def write_report(run_dir: Path, rec: RunReport, metrics_path: Path | None = None
     return {"report_json": str(run_dir / "report.json"), "report_md": str(run_dir / "report.md")}
 
 
-STAGE = StageSpec(name="report", run=build_report, result=RunReport, failure=None)
+STAGE = StageSpec(name="report", run=build_report, result=RunReport, failure=None, reported=False)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eagle3_pipeline.records.contracts import model_dims
 from eagle3_pipeline.core.errors import GateFailed
+from eagle3_pipeline.records.contracts import model_dims
 from eagle3_pipeline.train.vocab import load_vocab
 
 

@@ -39,8 +39,11 @@ from types import SimpleNamespace
 
 from pydantic import BaseModel
 
-from eagle3_pipeline.engine import runner, state_sketch
 from eagle3_pipeline.core.config import ExtractConfig, PipelineConfig, TargetConfig
+from eagle3_pipeline.core.errors import EnvironmentProblem
+from eagle3_pipeline.core.proc import BackgroundChild
+from eagle3_pipeline.core.store import write_json
+from eagle3_pipeline.engine import runner, state_sketch
 from eagle3_pipeline.records.contracts import (
     FP_TOP,
     ContractError,
@@ -54,10 +57,7 @@ from eagle3_pipeline.records.contracts import (
     write_fingerprint,
     write_record,
 )
-from eagle3_pipeline.core.errors import EnvironmentProblem
 from eagle3_pipeline.records.layout import ExtractVersion
-from eagle3_pipeline.core.proc import BackgroundChild
-from eagle3_pipeline.core.store import write_json
 
 SKETCHES = "state-sketches"  # the server scratch dir's folder of state sketches (state_sketch.py)
 RUNNER = "engine-runner"  # the server scratch dir's folder of runner records (engine/runner.py)
@@ -155,8 +155,13 @@ class HiddenStateServer:
         return self.target.model  # the served model name (engine.server_argv)
 
     def __enter__(self) -> HiddenStateServer:
-        from eagle3_pipeline.engine.build import (FINGERPRINT_ENGINE_KWARGS, extract_hidden_states_config,
-                                            hidden_states_kv_config, server_argv, server_env)
+        from eagle3_pipeline.engine.build import (
+            FINGERPRINT_ENGINE_KWARGS,
+            extract_hidden_states_config,
+            hidden_states_kv_config,
+            server_argv,
+            server_env,
+        )
 
         shutil.rmtree(self.scratch, ignore_errors=True)
         self.scratch.mkdir(parents=True)

@@ -224,8 +224,8 @@ class RowChecks:
         self.note(index, "rejected", why)
 
     def judge(self, index: int, row: dict, fp: dict | None) -> dict:
-        from eagle3_pipeline.records.contracts import record_name, to_record, write_record
         from eagle3_pipeline.checks.layer_identity import problems_of, row_features
+        from eagle3_pipeline.records.contracts import record_name, to_record, write_record
 
         hs = row["hidden_states"]  # [T, L, H]
         name = f"online row {index} ({len(row['token_ids'])} tokens)"

@@ -34,15 +34,15 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from eagle3_pipeline.core.config import TargetConfig, TrainConfig
+from eagle3_pipeline.core.proc import python_child, run_child
+from eagle3_pipeline.core.progress import interval
+from eagle3_pipeline.core.stage_spec import StageSpec
+from eagle3_pipeline.core.store import atomic_write_text, dir_lock, read_json, sha256_file, write_json
 from eagle3_pipeline.records.contracts import HS_KEY, TOKENS_KEY, ContractError, record_name
 from eagle3_pipeline.records.layout import ExtractVersion
-from eagle3_pipeline.core.progress import interval
-from eagle3_pipeline.core.proc import python_child, run_child
-from eagle3_pipeline.core.store import atomic_write_text, dir_lock, read_json, sha256_file, write_json
 from eagle3_pipeline.train.export import export_check
 from eagle3_pipeline.train.job import OnlineSource, TrainJob, TrainOutput
 from eagle3_pipeline.train.vocab import load_vocab, vocab_paths
-from eagle3_pipeline.core.stage_spec import StageSpec
 
 WORKER = "eagle3_pipeline.train.worker"
 UNTRAINED_DIR = "untrained_draft"  # in the train dir: the random-weights baseline of the same architecture
@@ -202,7 +202,8 @@ def _format_event(ev: dict, total_steps: int | None = None) -> str | None:
     if kind == "start":
         return (f"train: start (resumed from epoch {ev.get('resumed_from_epoch')}, step {ev.get('global_step')}); "
                 f"{ev.get('train_batches_per_epoch')} packed rows/epoch, {ev.get('val_batches')} for validation, "
-                f"{ev.get('params_trainable')} trainable parameters, {ev.get('compute_dtype')} compute, {ev.get('threads')} threads, "
+                f"{ev.get('params_trainable')} trainable parameters, {ev.get('compute_dtype')} compute, "
+                f"{ev.get('threads')} threads, "
                 f"child ready after {ev.get('startup_s')}s")
     if kind == "done":
         return f"train: done, {ev['steps']} steps" if "steps" in ev else "train: done"
@@ -356,4 +357,4 @@ def make_untrained_draft(target: TargetConfig, version: ExtractVersion, vocab_di
 
 
 STAGE = StageSpec(name="train", run=train_draft, result=TrainResult, failure=ContractError,
-                  worker="eagle3_pipeline.train.worker", accelerators=True)
+                  worker="eagle3_pipeline.train.worker", accelerators=True, own_job=True)

@@ -23,6 +23,7 @@ from pydantic import BaseModel
 
 from eagle3_pipeline.core.config import VocabConfig
 from eagle3_pipeline.core.errors import InputError
+from eagle3_pipeline.core.stage_spec import StageSpec
 from eagle3_pipeline.core.store import atomic_write, dir_lock, read_json, write_json
 
 META_NAME = "vocab.json"
@@ -175,7 +176,8 @@ def build_vocab(cfg: VocabConfig, token_freq: Path, target_vocab_size: int, out_
             coverage=float(counts[t2d].sum()) / total, distinct_tokens=len(np.nonzero(counts)[0]),
             padded=int((counts[t2d] == 0).sum()) - len([s for s in forced if counts[s] == 0]),
             forced_special=forced, d2t_path=d2t_path, t2d_path=t2d_path)
-        write_json(out_dir / META_NAME, {**result.model_dump(mode="json", exclude={"dir"}), "d2t": d2t_name(k), "t2d": t2d_name(k),
+        write_json(out_dir / META_NAME, {**result.model_dump(mode="json", exclude={"dir"}),
+                                         "d2t": d2t_name(k), "t2d": t2d_name(k),
                                          "special_token_ids": sorted(set(special_token_ids)),
                                          "token_freq": str(token_freq), "supervised_tokens": total})
     return result.model_copy(update={"dir": str(out_dir.resolve())})
@@ -210,3 +212,7 @@ def load_vocab(vocab_dir: Path, target_vocab_size: int | None = None) -> tuple[n
     check_vocab(d2t, t2d, target_vocab_size if target_vocab_size is not None else t2d.shape[0],
                 meta.get("special_token_ids", ()), where=str(vocab_dir))
     return d2t, t2d
+
+
+# a stage still beside train, which reads its files (load_vocab); registry.py lists it
+STAGE = StageSpec(name="vocab", run=build_vocab, result=VocabResult, failure=VocabError)

@@ -59,8 +59,8 @@ def _is_rank0() -> bool:
 
 def _install_cpu_shim() -> None:
     """Let speculators' single-process trainer run without an accelerator (see module docstring)."""
-    import torch
     import speculators.train.checkpointer as ckpt
+    import torch
 
     if not torch.accelerator.is_available():
         torch.accelerator.synchronize = lambda *a, **k: None  # the step timer calls it around every phase
@@ -128,9 +128,9 @@ def _setup_cpu_distributed() -> None:
     Each rank gets its own share of the cores (threads and affinity). Without torchrun: nothing."""
     if "LOCAL_RANK" not in os.environ:
         return
+    import speculators.train.distributed as sd
     import torch
     import torch.distributed as dist
-    import speculators.train.distributed as sd
 
     local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     cores = sorted(os.sched_getaffinity(0))
@@ -193,7 +193,8 @@ class _MetricSink(logging.Handler):
                     "acc": self._per_step(m, "full_acc"), "cond_acc": self._per_step(m, "cond_acc"),
                     "lr": lr if not isinstance(lr, dict) else lr.get("AdamW", next(iter(lr.values()))),
                     "tokens": tokens, "step_s": step_s,
-                    "tokens_per_s": tokens / step_s if step_s > 0 else prof.get("tokens_per_s"), "error_records": m.get("error_records"),
+                    "tokens_per_s": tokens / step_s if step_s > 0 else prof.get("tokens_per_s"),
+                    "error_records": m.get("error_records"),
                     **{k: prof.get(k) for k in PHASES}}
             self.last_train = line
         elif "val" in msg:
@@ -385,12 +386,9 @@ def _install_save_kill(trainer, epoch: int) -> None:
 
 def run_train(job: TrainJob) -> TrainOutput | None:
     import torch
-    from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.train.cli import set_seed
-    from speculators.train.trainer import Trainer, TrainerConfig
 
     cfg = job.train
-    cpu = cfg.device == "cpu"
     kill = _parse_kill(os.environ.get(KILL_ENV))
     save_path = Path(job.save_path)
     metrics_path = Path(job.metrics_path)
@@ -400,27 +398,7 @@ def run_train(job: TrainJob) -> TrainOutput | None:
         init_from_draft(model, Path(job.init_from))
     hidden_size = model.config.transformer_layer_config.hidden_size
     train_loader, val_loader = _loaders(job, hidden_size, len(job.aux_layer_ids))
-    train_kwargs, val_kwargs = Eagle3DraftModel.get_trainer_kwargs(
-        loss_fn=cfg.loss, loss_implementation="eager" if cpu else "fused",
-        ttt_steps=cfg.ttt_steps, ttt_step_loss_decay=cfg.ttt_step_loss_decay)
-
-    class CpuTrainer(Trainer):
-        def setup_model(self):  # speculators moves the model to the local rank (an accelerator index)
-            self.local_rank = torch.device("cpu")  # type: ignore[assignment]
-            self.device_type = "cpu"
-            super().setup_model()
-
-    trainer_cls = CpuTrainer if cpu else Trainer
-    dtype = compute_dtype(cfg)
-    if dtype == torch.float32:  # autocast to fp32 is plain fp32: torch warns that it disables itself, every step
-        warnings.filterwarnings("ignore", message=".*[Aa]utocast.*")
-        muon_in_fp32()
-    trainer = trainer_cls(model, TrainerConfig(
-        lr=cfg.lr, num_epochs=cfg.epochs, save_path=str(save_path), resume_from_checkpoint=True,
-        train_call_kwargs=train_kwargs, val_call_kwargs=val_kwargs, optimizer=cfg.optimizer,
-        muon_lr=cfg.lr, checkpoint_freq=1, save_best=False, hidden_states_dtype=dtype,
-        log_freq=cfg.log_freq, fsdp_shard=cfg.fsdp, gradient_checkpointing=cfg.gradient_checkpointing,
-        max_steps=cfg.max_steps), train_loader, val_loader)
+    trainer, dtype = _trainer(job, model, train_loader, val_loader)
     if kill and kill[0] == "save":
         _install_save_kill(trainer, kill[1])
     resumed_from = trainer.checkpointer.previous_epoch
@@ -444,6 +422,53 @@ def run_train(job: TrainJob) -> TrainOutput | None:
     if not rank0:  # every rank has passed speculators' final barrier; rank 0 reports
         return None
 
+    best, last = _checkpoints(trainer, save_path)
+    summary = _summarise(metrics_path)
+    if job.untrained_dir:
+        _write_untrained_once(job)
+    from speculators.train.distributed import get_world_size
+
+    return TrainOutput(steps=trainer.global_step, world_size=get_world_size(), epochs_done=last + 1,
+                       resumed_from_epoch=resumed_from, checkpoint_best=str(best),
+                       checkpoint_best_epoch=int(os.readlink(best)), checkpoint_last=str(save_path / str(last)),
+                       metrics=str(metrics_path), wall_seconds_this_attempt=wall, startup_s=startup_s, **summary)
+
+
+def _trainer(job: TrainJob, model, train_loader, val_loader):
+    """(speculators' Trainer for the job, a CPU one where the device is the CPU; the compute dtype)."""
+    import torch
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from speculators.train.trainer import Trainer, TrainerConfig
+
+    cfg = job.train
+    cpu = cfg.device == "cpu"
+    train_kwargs, val_kwargs = Eagle3DraftModel.get_trainer_kwargs(
+        loss_fn=cfg.loss, loss_implementation="eager" if cpu else "fused",
+        ttt_steps=cfg.ttt_steps, ttt_step_loss_decay=cfg.ttt_step_loss_decay)
+
+    class CpuTrainer(Trainer):
+        def setup_model(self):  # speculators moves the model to the local rank (an accelerator index)
+            self.local_rank = torch.device("cpu")  # type: ignore[assignment]
+            self.device_type = "cpu"
+            super().setup_model()
+
+    trainer_cls = CpuTrainer if cpu else Trainer
+    dtype = compute_dtype(cfg)
+    if dtype == torch.float32:  # autocast to fp32 is plain fp32: torch warns that it disables itself, every step
+        warnings.filterwarnings("ignore", message=".*[Aa]utocast.*")
+        muon_in_fp32()
+    trainer = trainer_cls(model, TrainerConfig(
+        lr=cfg.lr, num_epochs=cfg.epochs, save_path=str(Path(job.save_path)), resume_from_checkpoint=True,
+        train_call_kwargs=train_kwargs, val_call_kwargs=val_kwargs, optimizer=cfg.optimizer,
+        muon_lr=cfg.lr, checkpoint_freq=1, save_best=False, hidden_states_dtype=dtype,
+        log_freq=cfg.log_freq, fsdp_shard=cfg.fsdp, gradient_checkpointing=cfg.gradient_checkpointing,
+        max_steps=cfg.max_steps), train_loader, val_loader)
+    return trainer, dtype
+
+
+def _checkpoints(trainer, save_path: Path) -> tuple[Path, int]:
+    """(checkpoint_best, the last epoch) once training has returned: an interrupted run or one without an
+    epoch checkpoint fails; where validation recorded no best, checkpoint_best is the last epoch."""
     if (save_path / "interrupted").is_dir():  # speculators caught SIGTERM/SIGINT, saved this, and returned
         raise RuntimeError(f"training was interrupted by a signal at step {trainer.global_step}; its partial save "
                            f"{save_path / 'interrupted'} is not resumed from (the next attempt resumes from the last "
@@ -456,15 +481,7 @@ def run_train(job: TrainJob) -> TrainOutput | None:
         if best.is_symlink():
             best.unlink()
         best.symlink_to(str(last), target_is_directory=True)
-    summary = _summarise(metrics_path)
-    if job.untrained_dir:
-        _write_untrained_once(job)
-    from speculators.train.distributed import get_world_size
-
-    return TrainOutput(steps=trainer.global_step, world_size=get_world_size(), epochs_done=last + 1,
-                       resumed_from_epoch=resumed_from, checkpoint_best=str(best),
-                       checkpoint_best_epoch=int(os.readlink(best)), checkpoint_last=str(save_path / str(last)),
-                       metrics=str(metrics_path), wall_seconds_this_attempt=wall, startup_s=startup_s, **summary)
+    return best, last
 
 
 def _process_started() -> float:

@@ -1,12 +1,12 @@
 """What verify keeps per record so that a re-run reads only new or re-extracted shards.
 
 Owns `<extract-dir>/verify_rows.safetensors` (no pickle): per verified-good record its row, token
-count, bytes, statistics [STAT_ROWS, L], identity signature [F], fingerprint agreement and state-sketch margin, and the shard
-hash that ties a shard's entry in verify.json to its files: sha256 over the manifest's record and
-fingerprint hashes of the shard and each file's size and mtime (shard_hash). A shard is reused when verify.json holds the same hash, for the same
-content key and the same verify settings, and every row of it is in the cache; its records are not
-read again, but they still take part in everything learned over all records (norm bounds, layer
-profiles, statistics), so a new shard is judged against the whole extraction.
+count, bytes, statistics [STAT_ROWS, L], identity signature [F], fingerprint agreement and state-sketch margin,
+and the shard hash that ties a shard's entry in verify.json to its files: sha256 over the manifest's record and
+fingerprint hashes of the shard and each file's size and mtime (shard_hash). A shard is reused when verify.json holds
+the same hash, for the same content key and the same verify settings, and every row of it is in the cache; its records
+are not read again, but they still take part in everything learned over all records (norm bounds, layer profiles,
+statistics), so a new shard is judged against the whole extraction.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from eagle3_pipeline.records.contracts import fingerprint_blocker
 from eagle3_pipeline.checks.final_layer import FP8_SLACK, FinalLayerCheck
+from eagle3_pipeline.records.contracts import fingerprint_blocker
 
 
 class FingerprintSummary(BaseModel):

@@ -27,9 +27,9 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from eagle3_pipeline.data.prepare import load_tokenized
 from eagle3_pipeline.core.errors import EnvironmentProblem
 from eagle3_pipeline.core.progress import interval
+from eagle3_pipeline.data.prepare import load_tokenized
 
 # The pass/fail criteria (per record and layer); decided in `_row_problems` only.
 # Per-layer criteria over a record's tokens, not its single worst token: MoE targets route near-ties
@@ -197,8 +197,7 @@ def stream_reference(target, samples: dict[int, list[int]], layer_ids: list[int]
 
     from eagle3_pipeline.core.proc import ChildFailed, exit_code, python_child, run_child
     from eagle3_pipeline.core.store import read_json, write_json
-    from eagle3_pipeline.verify.worker import (BUDGET_EXIT, RESULT_FILE, ReferenceJob, ReferenceOutput,
-                                               ReferenceSample)
+    from eagle3_pipeline.verify.worker import BUDGET_EXIT, RESULT_FILE, ReferenceJob, ReferenceOutput, ReferenceSample
 
     work = Path(work_dir)
     shutil.rmtree(work, ignore_errors=True)

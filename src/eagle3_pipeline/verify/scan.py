@@ -10,11 +10,11 @@ Two stages overlap (bench/verify_throughput.py, profile-driven):
   byte sizes, data offsets contiguous and covering the data section) and the contract (keys, token
   ids int64 [T] equal to the row, hidden states [T, L, H] of the storage dtype, fp8 scales fp32
   [T, 1, 1]), and scatters the tensors with `preadv` straight into the batch's arenas: all hidden
-  states of the batch one contiguous [sum T, L, H] array, token ids, fp8 scales, fingerprint
-  rows and state sketches ([T, L, 4], state_sketch.py) beside it. No tensor object per file, no copy through a temporary buffer. It asks the kernel
-  for the next files ahead of time (`posix_fadvise(WILLNEED)`, a window of a few MB), so disk reads
-  of small files overlap, and large files are read in 1 MB pieces, which the kernel's readahead
-  pipelines (the timings: docs/benchmarks.md);
+  states of the batch one contiguous [sum T, L, H] array, token ids, fp8 scales, fingerprint rows and state sketches
+  ([T, L, 4], state_sketch.py) beside it. No tensor object per file, no copy through a temporary buffer. It asks the
+  kernel for the next files ahead of time (`posix_fadvise(WILLNEED)`, a window of a few MB), so disk reads of small
+  files overlap, and large files are read in 1 MB pieces, which the kernel's readahead pipelines (the timings:
+  docs/benchmarks.md);
 - **compute threads** (one per batch in flight) convert the arena to fp32 in cache-sized blocks of
   tokens and take, per token, the sum, minimum and maximum over H, the Gram matrix of its L slots
   (x_a . x_b: squared norms on the diagonal) and the cross Gram with the previous token
@@ -38,9 +38,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from eagle3_pipeline.records.contracts import FP_IDS_KEY, FP_LOGPROBS_KEY, FP_TOP, HS_KEY, SCALES_KEY, TOKENS_KEY, RecordSpec
 from eagle3_pipeline.engine.state_sketch import DIM as SKETCH_DIM
 from eagle3_pipeline.engine.state_sketch import KEY as SKETCH_KEY
+from eagle3_pipeline.records.contracts import (
+    FP_IDS_KEY,
+    FP_LOGPROBS_KEY,
+    FP_TOP,
+    HS_KEY,
+    SCALES_KEY,
+    TOKENS_KEY,
+    RecordSpec,
+)
 
 BATCH_BYTES = 32 << 20  # a batch: files of up to this many hidden-state bytes ...
 BATCH_FILES = 512       # ... or this many files
@@ -449,7 +457,7 @@ def reduce_batch(batch: Batch, spec: RecordSpec, keep_final: bool, buffers: dict
         b = min(N, a + step)
         m = b - a
         if a:
-            stage[0].copy_(stage[prev_m])
+            stage[0].copy_(stage[step])  # the previous block's last token: every block but the last is full
         x = stage[1:m + 1]
         x.copy_(hs[a:b])  # [m, L, H] fp32
         if scales is not None:
@@ -463,9 +471,4 @@ def reduce_batch(batch: Batch, spec: RecordSpec, keep_final: bool, buffers: dict
             out.final[a:b].copy_(x[:, L - 1])
         if sketch:
             torch.mm(x.view(m * L, H), dirs, out=out.proj[a:b].view(m * L, SKETCH_DIM))
-        prev_m = m
     return out
-
-
-def segment_starts(lengths: list[int]) -> np.ndarray:
-    return np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if lengths else np.zeros(0, np.int64)

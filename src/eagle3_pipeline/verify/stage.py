@@ -24,23 +24,28 @@ import time
 
 from pydantic import BaseModel
 
-from eagle3_pipeline.core.config import ExtractConfig, TargetConfig, VerifyConfig
-from eagle3_pipeline.records.contracts import fingerprints_off_problem, record_name
-from eagle3_pipeline.data.prepare import load_tokenized
+from eagle3_pipeline.core.config import TargetConfig, VerifyConfig
 from eagle3_pipeline.core.errors import GateFailed
-from eagle3_pipeline.records.pool import row_keys, version_pool
-from eagle3_pipeline.records.layout import ExtractVersion
-from eagle3_pipeline.records.shardrun import ShardEntry, ShardManifest, ShardRun, mark_rows_failed
+from eagle3_pipeline.core.stage_spec import StageSpec
 from eagle3_pipeline.core.store import content_key, file_lock, read_json, sha256_file, write_json
+from eagle3_pipeline.data.prepare import load_tokenized
+from eagle3_pipeline.records.contracts import fingerprints_off_problem, record_name
+from eagle3_pipeline.records.layout import ExtractVersion
+from eagle3_pipeline.records.pool import row_keys, version_pool
+from eagle3_pipeline.records.shardrun import ShardEntry, ShardManifest, ShardRun, mark_rows_failed
 from eagle3_pipeline.verify import cache
 from eagle3_pipeline.verify.extent import Evidence, Extent, assess
 from eagle3_pipeline.verify.fingerprint import FingerprintSummary, final_layer_check
 from eagle3_pipeline.verify.invariance import InvarianceResult, judge
 from eagle3_pipeline.verify.masks import mask_problems, prepared_hashes
-from eagle3_pipeline.verify.reference import (ReferenceResult, choose_rows, power_statement, reference_check,
-                                              reference_size)
-from eagle3_pipeline.verify.structure import LayerStats, StructureCheck, Extras, verify_structure
-from eagle3_pipeline.core.stage_spec import StageSpec
+from eagle3_pipeline.verify.reference import (
+    ReferenceResult,
+    choose_rows,
+    power_statement,
+    reference_check,
+    reference_size,
+)
+from eagle3_pipeline.verify.structure import Extras, LayerStats, StructureCheck, verify_structure
 
 # verify settings that change no verdict: a new value keeps the verified shards
 CONFIG_KEY_EXCLUDE = frozenset({"workers", "move_bad_files"})
@@ -205,11 +210,10 @@ def _config_key(cfg: VerifyConfig) -> str:
 
 
 def verify(cfg: VerifyConfig, target: TargetConfig, version: ExtractVersion, *, log=print,
-           extract_cfg: ExtractConfig | None = None, rows: list[int] | None = None,
-           fingerprints: bool | None = None) -> VerifyResult:
+           rows: list[int] | None = None, fingerprints: bool | None = None) -> VerifyResult:
     """Check everything, record the result in `verify.json`, and return it (the caller raises on failure).
-    Holds the extract dir's verify lock throughout. `extract_cfg` is accepted for callers that pass it;
-    the invariance numbers come from the manifest, written by the engine that extracted the records.
+    Holds the extract dir's verify lock throughout. The invariance numbers come from the manifest, written by
+    the engine that extracted the records.
     `rows`: check only these rows' records (a sample, e.g. the rows an online-training server produced
     before training: train/online.py); nothing is reused from caches or the record pool then, and
     `fingerprints` says whether every record must have its fingerprint (default: the manifest's setting)."""
@@ -624,4 +628,4 @@ def files_changed_since_verify(version: ExtractVersion, res: VerifyResult) -> li
 
 
 STAGE = StageSpec(name="verify", run=verify, result=VerifyResult, failure=VerifyFailed,
-                  worker="eagle3_pipeline.verify.worker", accelerators=True)
+                  worker="eagle3_pipeline.verify.worker", accelerators=True, gate=True, own_job=True)

@@ -39,8 +39,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from eagle3_pipeline.records.contracts import HS_KEY, SCALES_KEY, RecordSpec, fingerprint_name, record_name
 from eagle3_pipeline.data.prepare import load_tokenized
+from eagle3_pipeline.records.contracts import HS_KEY, SCALES_KEY, RecordSpec, fingerprint_name, record_name
 from eagle3_pipeline.verify import prediction, scan
 from eagle3_pipeline.verify.fingerprint import FingerprintSummary
 
@@ -223,6 +223,50 @@ def _process(batch: scan.Batch, spec: RecordSpec, layer_ids: list[int], extras: 
         fp_rows = (torch.from_numpy(ar.fp_ids[:batch.tokens].copy()), torch.from_numpy(ar.fp_lps[:batch.tokens].copy()))
     release(batch.arenas)  # everything below reads the per-token arrays only
 
+    stats, suspect, norm = _batch_stats(red, starts, lengths)
+    if sketched:
+        from eagle3_pipeline.engine.state_sketch import TOLERANCE, deviation
+
+        dev = (deviation(red.proj, engine_sketch, norm.float()) / TOLERANCE).numpy()  # [N, L]: 1.0 = at the tolerance
+        _sketch_check([(batch.files[inside[j]], out[inside[j]]) for j in sketched], dev, layer_ids)
+    sigs = None
+    if extras is not None and extras.identity and L >= 2:
+        from eagle3_pipeline.checks.layer_identity import features
+
+        sigs = features(red.gram, red.cross, starts, lengths)  # [files, F]
+    agree = {}
+    if final:
+        with_fp = [j for j, k in enumerate(inside) if batch.files[k].fingerprint]
+        agree = _agreements(extras.final, red.final, fp_rows, starts, lengths, with_fp)
+    for j, k in enumerate(inside):
+        r, it = out[k], batch.files[k].item
+        r.tokens = lengths[j]
+        if sigs is not None:
+            r.sig = sigs[j]
+        if j in agree:
+            a0 = starts[j]
+            r.next_hits, r.next_scored = prediction.hits(fp_rows[0][a0:a0 + lengths[j]].numpy(), it.input_ids)
+            _fingerprint_problems(r, it, agree[j], extras.min_agreement)
+        if not suspect[j]:
+            r.stats = stats[j]
+            continue
+        from safetensors.torch import load_file  # the slow path reads the file again, with the library
+
+        rec = _values(load_file(it.path), spec, torch.empty((lengths[j], L, spec.hidden_size)))
+        found = _diagnose_values(_name(it), rec, layer_ids)
+        r.problems += found
+        if not found:  # a false alarm (e.g. fp32 overflow of a square): exact float64 stats
+            r.stats = _file_stats(rec)
+    return out
+
+
+def _batch_stats(red: scan.Reduced, starts, lengths: list[int]):
+    """(stats float64 [files, STAT_ROWS, L], suspect bool [files], token norms [N, L]) of the records of a
+    batch at `starts` with `lengths`, from the scan's per-token reductions."""
+    import numpy as np
+    import torch
+
+    L = red.sum.shape[1]
     d = torch.diagonal(red.gram, dim1=1, dim2=2).double()  # [N, L] squared norms
     norm = d.clamp_min(0).sqrt()
     s = np.add.reduceat(red.sum.double().numpy(), starts, axis=0)  # [files, L]
@@ -230,11 +274,6 @@ def _process(batch: scan.Batch, spec: RecordSpec, layer_ids: list[int], extras: 
     lo = np.minimum.reduceat(red.min.numpy(), starts, axis=0).astype(np.float64)
     hi = np.maximum.reduceat(red.max.numpy(), starts, axis=0).astype(np.float64)
     norm_np = norm.numpy()
-    if sketched:
-        from eagle3_pipeline.engine.state_sketch import TOLERANCE, deviation
-
-        dev = (deviation(red.proj, engine_sketch, norm.float()) / TOLERANCE).numpy()  # [N, L]: 1.0 = at the tolerance
-        _sketch_check([(batch.files[inside[j]], out[inside[j]]) for j in sketched], dev, layer_ids)
     ns = np.add.reduceat(norm_np, starts, axis=0)
     min_norm = np.minimum.reduceat(norm_np, starts, axis=0)  # a zero token
     med = np.stack([np.median(norm_np[a:a + n], axis=0) for a, n in zip(starts, lengths)])  # [files, L]
@@ -248,59 +287,48 @@ def _process(batch: scan.Batch, spec: RecordSpec, layer_ids: list[int], extras: 
             suspect |= ((stats[:, 2, a] == stats[:, 2, b]) & (stats[:, 3, a] == stats[:, 3, b])
                         & np.isclose(stats[:, 0, a], stats[:, 0, b], rtol=1e-5, atol=1e-6)
                         & np.isclose(stats[:, 1, a], stats[:, 1, b], rtol=1e-5, atol=0))
-    sigs = None
-    if extras is not None and extras.identity and L >= 2:
-        from eagle3_pipeline.checks.layer_identity import features
+    return stats, suspect, norm
 
-        sigs = features(red.gram, red.cross, starts, lengths)  # [files, F]
-    agree = {}
-    if final:
-        with_fp = [j for j, k in enumerate(inside) if batch.files[k].fingerprint]
-        if with_fp:
-            h, ids, lps = red.final, fp_rows[0], fp_rows[1]
-            if len(with_fp) < len(inside):  # only the tokens of records that have a fingerprint
-                keep = np.zeros(batch.tokens, dtype=bool)
-                for j in with_fp:
-                    keep[starts[j]:starts[j] + lengths[j]] = True
-                idx = torch.from_numpy(np.flatnonzero(keep))
-                h, ids, lps = h[idx], ids[idx], lps[idx]
-            res = extras.final.agreement_arrays(h, ids, lps, [lengths[j] for j in with_fp])
-            agree = dict(zip(with_fp, res))
-    for j, k in enumerate(inside):
-        r, it = out[k], batch.files[k].item
-        r.tokens = lengths[j]
-        if sigs is not None:
-            r.sig = sigs[j]
-        if j in agree:
-            a0 = starts[j]
-            r.next_hits, r.next_scored = prediction.hits(fp_rows[0][a0:a0 + lengths[j]].numpy(), it.input_ids)
-            a, n, bad, worst = agree[j]
-            r.agreement, r.fp_margin = a, worst
-            if not n and lengths[j]:  # an empty or all-invalid sidecar: nothing was compared, nothing passed
-                r.problems.append(f"{_name(it)}: its fingerprint has no usable token (top ids -1 or logprobs not "
-                                  f"finite at all {lengths[j]}): the final layer cannot be checked")
-            elif n < lengths[j]:  # coverage: a sidecar that scores some tokens leaves the others unchecked
-                missing = lengths[j] - n
-                r.problems.append(f"{_name(it)}: its fingerprint scores {n} of {lengths[j]} tokens ({missing} without "
-                                  f"top ids or finite scores): every token's final layer must be checked")
-            if n and a < extras.min_agreement:
-                n_bad = round((1 - a) * n)
-                r.problems.append(
-                    f"{_name(it)}: final layer does not reproduce the target's logits at {n_bad} of {n} tokens "
-                    f"(positions {bad}{' ...' if n_bad > len(bad) else ''}; {a:.2%} agree with the fingerprint vLLM "
-                    f"wrote in the same pass, min {extras.min_agreement:.0%}): another request's or another depth's "
-                    f"states, stale states of those tokens, or a corrupted record")
-        if not suspect[j]:
-            r.stats = stats[j]
-            continue
-        from safetensors.torch import load_file  # the slow path reads the file again, with the library
 
-        rec = _values(load_file(it.path), spec, torch.empty((lengths[j], L, spec.hidden_size)))
-        found = _diagnose_values(_name(it), rec, layer_ids)
-        r.problems += found
-        if not found:  # a false alarm (e.g. fp32 overflow of a square): exact float64 stats
-            r.stats = _file_stats(rec)
-    return out
+def _agreements(check, final, fp_rows, starts, lengths: list[int], with_fp: list[int]) -> dict[int, tuple]:
+    """{j: the final-layer check's (agreement, scored tokens, bad positions, worst margin)} of the records
+    `with_fp` (indices into `starts`/`lengths`), from the batch's final-layer states `final` [N, H] and its
+    fingerprint rows: only those records' tokens are scored."""
+    import numpy as np
+    import torch
+
+    if not with_fp:
+        return {}
+    h, ids, lps = final, fp_rows[0], fp_rows[1]
+    if len(with_fp) < len(starts):  # only the tokens of records that have a fingerprint
+        keep = np.zeros(final.shape[0], dtype=bool)
+        for j in with_fp:
+            keep[starts[j]:starts[j] + lengths[j]] = True
+        idx = torch.from_numpy(np.flatnonzero(keep))
+        h, ids, lps = h[idx], ids[idx], lps[idx]
+    res = check.agreement_arrays(h, ids, lps, [lengths[j] for j in with_fp])
+    return dict(zip(with_fp, res))
+
+
+def _fingerprint_problems(r: FileResult, it: _Item, agreement: tuple, min_agreement: float) -> None:
+    """Record one file's final-layer agreement on `r`, with a problem for a sidecar that scores no token or
+    only some, and for an agreement under `min_agreement`."""
+    a, n, bad, worst = agreement
+    r.agreement, r.fp_margin = a, worst
+    if not n and r.tokens:  # an empty or all-invalid sidecar: nothing was compared, nothing passed
+        r.problems.append(f"{_name(it)}: its fingerprint has no usable token (top ids -1 or logprobs not "
+                          f"finite at all {r.tokens}): the final layer cannot be checked")
+    elif n < r.tokens:  # coverage: a sidecar that scores some tokens leaves the others unchecked
+        missing = r.tokens - n
+        r.problems.append(f"{_name(it)}: its fingerprint scores {n} of {r.tokens} tokens ({missing} without "
+                          f"top ids or finite scores): every token's final layer must be checked")
+    if n and a < min_agreement:
+        n_bad = round((1 - a) * n)
+        r.problems.append(
+            f"{_name(it)}: final layer does not reproduce the target's logits at {n_bad} of {n} tokens "
+            f"(positions {bad}{' ...' if n_bad > len(bad) else ''}; {a:.2%} agree with the fingerprint vLLM "
+            f"wrote in the same pass, min {min_agreement:.0%}): another request's or another depth's "
+            f"states, stale states of those tokens, or a corrupted record")
 
 
 def _sketch_check(files: list[tuple[scan.FileEntry, FileResult]], dev, layer_ids: list[int]) -> None:

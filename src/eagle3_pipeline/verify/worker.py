@@ -19,8 +19,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from eagle3_pipeline.core.config import TargetConfig
-from eagle3_pipeline.records.contracts import text_config
 from eagle3_pipeline.core.proc import emit_event
+from eagle3_pipeline.records.contracts import text_config
 
 BUDGET_EXIT = 3
 HS_FILE, RESULT_FILE = "reference.safetensors", "result.json"
@@ -244,7 +244,6 @@ def _decoder_layers(model):
 def run(job: ReferenceJob, log=print) -> ReferenceOutput:
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -255,26 +254,13 @@ def run(job: ReferenceJob, log=print) -> ReferenceOutput:
     target, budget = job.target, job.memory_budget_bytes
     dtype = getattr(torch, target.dtype)
     model_dir = Path(target.model)
-    if not (model_dir / "config.json").is_file():
-        return ReferenceOutput(skipped=f"{target.model} is not a local model directory with a config.json (the "
-                               "reference streams local safetensors; download the model first)",
-                               seconds=round(time.time() - t0, 2))
-    full = json.loads((model_dir / "config.json").read_text())
-    text = text_config(full)
-    n = int(text["num_hidden_layers"])
-    depth = max(job.layer_ids)
-    if not 0 <= min(job.layer_ids) or depth > n:
-        raise ValueError(f"layer ids {job.layer_ids} outside [0, {n}] of {model_dir}")
     try:
-        ckpt = Checkpoint(model_dir)
-        prefix = ckpt.text_prefix(n)
+        ckpt, prefix, text = _open_checkpoint(job)
     except CannotStream as e:
         return ReferenceOutput(skipped=str(e), seconds=round(time.time() - t0, 2))
-    embed = prefix + "embed_tokens.weight"
-    if embed not in ckpt.weight_map:
-        return ReferenceOutput(skipped=f"{model_dir}: no {embed} in the checkpoint", seconds=round(time.time() - t0, 2))
+    n, depth = int(text["num_hidden_layers"]), max(job.layer_ids)
     # h_0: the embedding rows, in the model dtype (as the model would compute them)
-    hs = [ckpt.rows(embed, s.token_ids).to(dtype) for s in job.samples]  # each [T, H]
+    hs = [ckpt.rows(prefix + "embed_tokens.weight", s.token_ids).to(dtype) for s in job.samples]  # each [T, H]
     captured: dict[int, list] = {0: [h.clone() for h in hs]} if 0 in job.layer_ids else {}
     baseline = peak_rss_bytes()
     log(f"reference: {len(job.samples)} samples, {depth} of {n} layers streamed from {model_dir} (prefix "
@@ -285,56 +271,16 @@ def run(job: ReferenceJob, log=print) -> ReferenceOutput:
     for k in range(depth):
         tk = time.time()
         names = ckpt.layer_names(prefix, k)
-        size = sum(ckpt.nbytes(x) for x in names)
-        in_dtype = sum(ckpt.nbytes(x) // _ST_BYTES[ckpt.info(x)[1]["dtype"]] * dtype.itemsize
-                       if ckpt.info(x)[1]["dtype"] in _FLOAT else ckpt.nbytes(x) for x in names)
+        size, in_dtype = _layer_bytes(ckpt, names, dtype)
         max_layer = max(max_layer, size)
         if baseline + in_dtype > budget:
             raise BudgetExceeded(f"verify reference: layer {k} alone needs {_gib(in_dtype)} in {target.dtype} "
                                  f"on top of {_gib(baseline)} RSS, more than the memory budget "
                                  f"verify.reference_memory_gb = {_gib(budget)}")
-        shutil.rmtree(layer_dir, ignore_errors=True)
-        layer_dir.mkdir(parents=True)
-        src = f"{prefix}layers.{k}."
-        ckpt.write_renamed({x: "model.layers.0." + x[len(src):] for x in names}, layer_dir / "model.safetensors")
-        cfg = _known_model_type(layer_config(text, k))
-        (layer_dir / "config.json").write_text(json.dumps(cfg, indent=1))
-        for p in remote_code:
-            shutil.copy(p, layer_dir / p.name)
-        try:
-            model, info = AutoModelForCausalLM.from_pretrained(layer_dir, dtype=dtype, output_loading_info=True,
-                                                               trust_remote_code=target.trust_remote_code)
-        except Exception as e:  # noqa: BLE001 - transformers cannot build this architecture here
-            if k == 0:
-                return ReferenceOutput(skipped=f"transformers cannot load a layer of {model_dir} here "
-                                       f"({type(e).__name__}: {e})", seconds=round(time.time() - t0, 2))
-            raise
-        # a layer weight left at its random init (or one the model has no place for) would make a
-        # wrong reference that looks right: refuse
-        missing = sorted(x for x in info.get("missing_keys") or [] if ".layers.0." in x)
-        unused = sorted(info.get("unexpected_keys") or [])
-        if missing or unused:
-            raise RuntimeError(f"verify reference: layer {k} of {model_dir} did not load as layer 0 of a one-layer "
-                               f"{cfg.get('model_type')} model: missing {missing[:8]}, unexpected {unused[:8]}")
-        model.eval()
-        _check(budget, k, "loading")
-        inner, layers = _decoder_layers(model)
-        got = {}
-
-        def hook(mod, inp, output):
-            got["h"] = output[0] if isinstance(output, tuple) else output
-
-        handle = layers[0].register_forward_hook(hook)
-        try:
-            with torch.no_grad():
-                for i, h in enumerate(hs):
-                    inner(inputs_embeds=h[None], use_cache=False)
-                    hs[i] = got.pop("h")[0].to(dtype)  # [T, H]: h_{k+1}
-        finally:
-            handle.remove()
-        del model, inner, layers
-        gc.collect()
-        _check(budget, k, "the forward")
+        cfg = _write_layer(ckpt, prefix, k, text, layer_dir, remote_code)
+        skipped = _through_layer(layer_dir, cfg, hs, target, k, budget)
+        if skipped is not None:
+            return ReferenceOutput(skipped=skipped, seconds=round(time.time() - t0, 2))
         if k + 1 in job.layer_ids:
             captured[k + 1] = [h.clone() for h in hs]
         layer_seconds.append(round(time.time() - tk, 3))
@@ -349,6 +295,103 @@ def run(job: ReferenceJob, log=print) -> ReferenceOutput:
                            dtype=target.dtype, peak_rss_bytes=peak_rss_bytes(), baseline_rss_bytes=baseline,
                            max_layer_bytes=max_layer, layers_run=depth, layer_seconds=layer_seconds,
                            seconds=round(time.time() - t0, 2))
+
+
+def _open_checkpoint(job: ReferenceJob) -> tuple[Checkpoint, str, dict]:
+    """(the target's checkpoint, the weight prefix of its decoder layers, its text config). CannotStream where
+    it cannot be streamed (the reference is skipped then), ValueError for layer ids outside the model."""
+    model_dir = Path(job.target.model)
+    if not (model_dir / "config.json").is_file():
+        raise CannotStream(f"{job.target.model} is not a local model directory with a config.json (the "
+                           "reference streams local safetensors; download the model first)")
+    text = text_config(json.loads((model_dir / "config.json").read_text()))
+    n = int(text["num_hidden_layers"])
+    if not 0 <= min(job.layer_ids) or max(job.layer_ids) > n:
+        raise ValueError(f"layer ids {job.layer_ids} outside [0, {n}] of {model_dir}")
+    ckpt = Checkpoint(model_dir)
+    prefix = ckpt.text_prefix(n)
+    embed = prefix + "embed_tokens.weight"
+    if embed not in ckpt.weight_map:
+        raise CannotStream(f"{model_dir}: no {embed} in the checkpoint")
+    return ckpt, prefix, text
+
+
+def _layer_bytes(ckpt: Checkpoint, names: list[str], dtype) -> tuple[int, int]:
+    """(bytes on disk, bytes once loaded in `dtype`: float tensors are cast to it) of the tensors `names`."""
+    size = sum(ckpt.nbytes(x) for x in names)
+    in_dtype = sum(ckpt.nbytes(x) // _ST_BYTES[ckpt.info(x)[1]["dtype"]] * dtype.itemsize
+                   if ckpt.info(x)[1]["dtype"] in _FLOAT else ckpt.nbytes(x) for x in names)
+    return size, in_dtype
+
+
+def _write_layer(ckpt: Checkpoint, prefix: str, k: int, text: dict, layer_dir: Path, remote_code: list[Path]) -> dict:
+    """Layer `k` of the checkpoint as layer 0 of a one-layer model in `layer_dir` (written afresh): its weights
+    renamed, its config (returned) and the model's remote code."""
+    shutil.rmtree(layer_dir, ignore_errors=True)
+    layer_dir.mkdir(parents=True)
+    src = f"{prefix}layers.{k}."
+    ckpt.write_renamed({x: "model.layers.0." + x[len(src):] for x in ckpt.layer_names(prefix, k)},
+                       layer_dir / "model.safetensors")
+    cfg = _known_model_type(layer_config(text, k))
+    (layer_dir / "config.json").write_text(json.dumps(cfg, indent=1))
+    for p in remote_code:
+        shutil.copy(p, layer_dir / p.name)
+    return cfg
+
+
+def _through_layer(layer_dir: Path, cfg: dict, hs: list, target: TargetConfig, k: int, budget: int) -> str | None:
+    """`hs` through layer `k` (the one-layer model in `layer_dir`, `cfg` its config), in place, within the
+    memory budget. Returns why the reference is skipped (transformers cannot build the first layer here)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype, model_dir = getattr(torch, target.dtype), Path(target.model)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(layer_dir, dtype=dtype, output_loading_info=True,
+                                                           trust_remote_code=target.trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - transformers cannot build this architecture here
+        if k == 0:
+            return f"transformers cannot load a layer of {model_dir} here ({type(e).__name__}: {e})"
+        raise
+    _loaded_whole(info, k, model_dir, cfg)
+    model.eval()
+    _check(budget, k, "loading")
+    _forward(model, hs, dtype)
+    del model
+    gc.collect()
+    _check(budget, k, "the forward")
+    return None
+
+
+def _loaded_whole(info: dict, k: int, model_dir: Path, cfg: dict) -> None:
+    """A layer weight left at its random init (or one the model has no place for) would make a wrong
+    reference that looks right: refuse."""
+    missing = sorted(x for x in info.get("missing_keys") or [] if ".layers.0." in x)
+    unused = sorted(info.get("unexpected_keys") or [])
+    if missing or unused:
+        raise RuntimeError(f"verify reference: layer {k} of {model_dir} did not load as layer 0 of a one-layer "
+                           f"{cfg.get('model_type')} model: missing {missing[:8]}, unexpected {unused[:8]}")
+
+
+def _forward(model, hs: list, dtype) -> None:
+    """Each sample's states through the one-layer model's decoder layer, in place: hs[i] [T, H] becomes the
+    layer's output in `dtype` (h_{k+1} from h_k)."""
+    import torch
+
+    inner, layers = _decoder_layers(model)
+    got = {}
+
+    def hook(mod, inp, output):
+        got["h"] = output[0] if isinstance(output, tuple) else output
+
+    handle = layers[0].register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            for i, h in enumerate(hs):
+                inner(inputs_embeds=h[None], use_cache=False)
+                hs[i] = got.pop("h")[0].to(dtype)  # [T, H]: h_{k+1}
+    finally:
+        handle.remove()
 
 
 def _check(budget: int, k: int, what: str) -> None:

@@ -1,0 +1,41 @@
+"""The stages, in the order a pipeline run meets them: `STAGES`, every stage's `StageSpec` once.
+
+The lists that name stages are read from here: the report's stage order (`REPORTED`), the Prefect tasks' retry
+policies and gates (tasks/stage_tasks.py: `TASKS`, `GATES`), the stages that run as their own Kubernetes Job
+(`JOB_STAGES`) and the stage packages the architecture test checks. It imports every stage, so it stands above
+them (tests/unit/test_architecture.py ABOVE_STAGES). Two lists sit below it and are checked against it instead
+of read from it: core/cluster.py `GPU_STAGES` (the core imports no stage) and report/record.py `Stages`, the typed
+report.json entries in this order (the report is a stage: it imports no sibling and nothing above it).
+"""
+
+from __future__ import annotations
+
+from eagle3_pipeline.core.stage_spec import StageSpec
+from eagle3_pipeline.data.prepare import STAGE as PREPARE
+from eagle3_pipeline.evaluate.stage import STAGE as EVALUATE
+from eagle3_pipeline.extract.stage import STAGE as EXTRACT
+from eagle3_pipeline.gpu.stage import STAGE as GPU
+from eagle3_pipeline.preflight.stage import STAGE as PREFLIGHT
+from eagle3_pipeline.regenerate.stage import STAGE as REGENERATE
+from eagle3_pipeline.report.stage import STAGE as REPORT
+from eagle3_pipeline.train.stage import STAGE as TRAIN
+from eagle3_pipeline.train.vocab import STAGE as VOCAB
+from eagle3_pipeline.verify.stage import STAGE as VERIFY
+
+# DESIGN.md §1: [regenerate] -> prepare -> preflight -> gpu-gate -> extract -> verify -> vocab -> train -> evaluate -> report
+STAGES: tuple[StageSpec, ...] = (REGENERATE, PREPARE, PREFLIGHT, GPU, EXTRACT, VERIFY, VOCAB, TRAIN, EVALUATE, REPORT)
+
+NAMES = tuple(s.name for s in STAGES)
+REPORTED = tuple(s.name for s in STAGES if s.reported)  # report.json `stages`, in this order
+TASKS = tuple(s.task_name for s in STAGES)  # one Prefect task per stage, each with its retry policy
+GATES = tuple(s.task_name for s in STAGES if s.gate)  # tasks that must run every time: never a cached answer
+JOB_STAGES = tuple(s.name for s in STAGES if s.own_job)  # core/cluster.py GPU_STAGES
+ACCELERATED = tuple(s.name for s in STAGES if s.accelerators)  # their tasks hold a GPU slot
+
+
+def spec(name: str) -> StageSpec:
+    """The registered stage `name` (its package's name, or its task's: `gpu-gate`, `extract-group`)."""
+    for s in STAGES:
+        if name in (s.name, s.task_name):
+            return s
+    raise KeyError(f"no stage {name!r}: the stages are {', '.join(NAMES)}")
