@@ -20,8 +20,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from eagle3_pipeline.core.digest import row_hash as row_hash  # the record format's name for it
 from eagle3_pipeline.core.errors import InputError
-from eagle3_pipeline.core.digest import row_hash  # noqa: F401 - the record format's name for it
 
 HS_KEY, TOKENS_KEY, SCALES_KEY = "hidden_states", "token_ids", "hidden_states_scales"
 STORAGE_DTYPES = {"bf16": "BF16", "fp8": "F8_E4M3"}  # safetensors dtype names
