@@ -208,6 +208,15 @@ def disk_plans(cfg: PipelineConfig, num_layers_captured: int, hidden_size: int, 
             "online": int(min(tokens, online_tokens) * bf16 * 1.05)}
 
 
+def _train_problems(cfg: PipelineConfig) -> list[str]:
+    out = []
+    if cfg.train.device == "cpu" and cfg.train.attention == "flex_attention":
+        out.append("train.attention flex_attention has no CPU backward; use sdpa or eager on CPU")
+    if why := cfg.train.topology_problem():  # the global batch this topology cannot hold (train/topology.py)
+        out.append(why)
+    return out
+
+
 def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=print) -> PreflightResult:
     problems, warnings = gpu_pool_problems(cfg, os.environ)  # the GPU pool's nodes, in its pods; else none
     versions = installed_versions()
@@ -246,8 +255,7 @@ def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=prin
                             f"[fingerprint] to train on records it cannot check")
     if msg := fingerprints_off_problem(cfg.extract.fingerprints, cfg.verify.allow_skip):
         problems.append(msg)
-    if cfg.train.device == "cpu" and cfg.train.attention == "flex_attention":
-        problems.append("train.attention flex_attention has no CPU backward; use sdpa or eager on CPU")
+    problems += _train_problems(cfg)
     memory = memory_plan("extract", cfg.extract, cfg.target, max_model_len=cfg.prepare.max_length + 1,
                          captured_layers=len(layer_ids) or 4)
     if memory is not None:
