@@ -240,3 +240,47 @@ def test_accumulated_gradients_are_the_mean_over_every_micro_batch_under_ddp(tmp
                           str(script)], capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.count("OK") == 2
+
+
+def test_a_set_started_by_node_zero_alone_is_given_up_at_the_start_deadline():
+    """Gang start: node 0's pod runs the flow (Running), but a set is started only when all its pods are; past the
+    start deadline with one still Pending the run is given up (its Job, every pod of the set, is then deleted)."""
+    from types import SimpleNamespace
+
+    from flows.pods import StartWatch
+
+    def pod(i, phase, reason=None):
+        st = {"phase": phase}
+        if reason:
+            st["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                 "message": reason}]
+        return {"metadata": {"name": f"train-abc-{i}"}, "status": st}
+
+    class Pods:
+        found = [pod(0, "Running"), pod(1, "Running"), pod(2, "Running"),
+                 pod(3, "Pending", "0/9 nodes are available: 9 Insufficient nvidia.com/gpu")]
+
+        def of(self, _):
+            return self.found
+
+    running = SimpleNamespace(is_pending=lambda: False, is_running=lambda: True, timestamp=None)
+    lines = []
+    watch = StartWatch("train", 600.0, Pods(), lines.append, expected=4)
+    assert watch.give_up("run", running, now=1000.0) is None  # within the deadline
+    assert "Insufficient nvidia.com/gpu" in lines[0]
+    why = watch.give_up("run", running, now=1700.0)
+    assert why and "did not start within 600s" in why
+    Pods.found[3] = pod(3, "Running")
+    late = StartWatch("train", 600.0, Pods(), lines.append, expected=4)
+    assert late.give_up("run", running, now=1000.0) is None and late.all_started
+    assert late.give_up("run", running, now=5000.0) is None  # started once: not watched again
+    single = StartWatch("evaluate", 600.0, Pods(), lines.append)
+    assert single.give_up("run", running, now=5000.0) is None  # a one-pod run that runs has started
+
+
+def test_a_pod_of_a_set_finds_node_zero_by_its_job_name():
+    cfg = TrainConfig(nodes=2, rdzv_port=29411)
+    ts = train_set(cfg, "/data/j.json", {RDZV_ID_ENV: "train-xyz", NODE_RANK_ENV: "0"})
+    assert ts.endpoint == "train-xyz-0.eagle3-train:29411" and ts.node_rank == 0 and not ts.local
+    with pytest.raises(RuntimeError, match="Indexed Job"):
+        train_set(cfg, "/data/j.json", {RDZV_ID_ENV: "train-xyz"})  # a set's pod outside an Indexed Job

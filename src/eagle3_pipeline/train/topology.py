@@ -22,9 +22,10 @@ from eagle3_pipeline.core.config import TrainConfig
 
 WORKER = "eagle3_pipeline.train.worker"
 # Set by the GPU job template for a train set's pods (infra/k8s-gpu-job-template.json, docs/kubernetes.md):
-RDZV_ENDPOINT_ENV = "EAGLE3_TRAIN_RDZV_ENDPOINT"  # host:port of node 0's c10d store: <job>-0.<service>:<port>
-RDZV_ID_ENV = "EAGLE3_TRAIN_RDZV_ID"              # the set's id: its Job's name
+RDZV_ID_ENV = "EAGLE3_TRAIN_RDZV_ID"              # the set's id: its Job's name (the pod's job-name label)
+SERVICE_ENV = "EAGLE3_TRAIN_SERVICE"              # the headless Service its pods are the subdomain of
 NODE_RANK_ENV = "JOB_COMPLETION_INDEX"            # this pod's index, as Kubernetes sets it in an Indexed Job
+RDZV_ENDPOINT_ENV = "EAGLE3_TRAIN_RDZV_ENDPOINT"  # host:port of node 0's c10d store; default <id>-0.<service>:<port>
 LOCAL_ADDR_ENV = "EAGLE3_TRAIN_LOCAL_ADDR"        # the address other pods reach this one at (its pod IP)
 SET_DIR_ENV = "EAGLE3_TRAIN_SET_DIR"              # where node 0 publishes the set's record for the others
 
@@ -74,14 +75,20 @@ def agent_argv(cfg: TrainConfig, endpoint: str, set_id: str, node_rank: int, loc
 
 
 def train_set(cfg: TrainConfig, job_path: str, environ: Mapping[str, str] = os.environ) -> TrainSet | None:
-    """The set this config trains on, or None for one node. In a pod of a train set (RDZV_ENDPOINT_ENV set) the
-    agents are that set's pods; elsewhere `nodes` agents on 127.0.0.1 play the nodes."""
+    """The set this config trains on, or None for one node. In a pod of a train set (RDZV_ID_ENV set by the GPU job
+    template, NODE_RANK_ENV by Kubernetes) the agents are that set's pods; elsewhere `nodes` agents on 127.0.0.1."""
     if cfg.nodes == 1:
         return None
+    set_id, index = environ.get(RDZV_ID_ENV, "").strip(), environ.get(NODE_RANK_ENV)
     endpoint = environ.get(RDZV_ENDPOINT_ENV, "").strip()
+    if set_id and index is None and not endpoint:
+        raise RuntimeError(f"train.nodes={cfg.nodes} in a pod that is not an Indexed Job's ({NODE_RANK_ENV} unset): the "
+                           f"train stage's Job needs cluster.job_variables' train set variables")
+    if set_id and not endpoint:
+        endpoint = f"{set_id}-0.{environ.get(SERVICE_ENV) or 'eagle3-train'}:{cfg.rdzv_port}"
     if endpoint:
-        set_id = environ.get(RDZV_ID_ENV, "").strip() or "eagle3-train"
-        rank = int(environ.get(NODE_RANK_ENV, "0") or 0)
+        set_id = set_id or "eagle3-train"
+        rank = int(index or 0)
         addr = environ.get(LOCAL_ADDR_ENV) or None
         argv = [agent_argv(cfg, endpoint, set_id, i, addr if i == rank else None, job_path) for i in range(cfg.nodes)]
         return TrainSet(id=set_id, endpoint=endpoint, nodes=cfg.nodes, argv=argv, local=False, node_rank=rank)
