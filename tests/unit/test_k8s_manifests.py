@@ -718,3 +718,18 @@ def test_no_account_of_the_pipeline_may_create_services():
     for (kind, name), d in _objects().items():
         if kind == "Role":
             assert not any("services" in rule["resources"] for rule in d["rules"]), name
+
+
+def test_the_multi_node_engine_design_validates():
+    """docs/decisions/multi-node-engine.yaml: the engine set's Service, NetworkPolicy and two-pod Indexed Job."""
+    docs = [d for d in yaml.safe_load_all((ROOT / "docs" / "decisions" / "multi-node-engine.yaml").read_text()) if d]
+    kinds = {d["kind"]: d for d in docs}
+    assert set(kinds) == {"Service", "NetworkPolicy", "Job"}
+    for d in docs:
+        validate(d, f"multi-node-engine.yaml {d['kind']}")
+    job, svc = kinds["Job"], kinds["Service"]
+    pod = job["spec"]["template"]["spec"]
+    assert (job["spec"]["parallelism"], job["spec"]["completions"], job["spec"]["completionMode"]) == (2, 2, "Indexed")
+    assert pod["subdomain"] == svc["metadata"]["name"] and svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["selector"].items() <= job["spec"]["template"]["metadata"]["labels"].items()
+    assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
