@@ -162,10 +162,11 @@ def test_a_save_is_put_in_place_whole(tmp_path):
 
 def test_the_duration_is_estimated_against_the_deadline():
     cfg = TrainConfig(timeout_s=3600.0, max_seq_len=1024, global_batch_tokens=8192)
-    ok = fit(cfg, tokens_per_s=8192.0, steps_left=1000, elapsed_s=60.0)
+    ok = fit(cfg, tokens_per_s=8192.0, step_s=1.0, steps_left=1000, elapsed_s=60.0)
     assert ok.fits and ok.nodes_to_fit is None and ok.estimated_s == 1060.0
-    late = fit(cfg, tokens_per_s=1024.0, steps_left=1000, elapsed_s=100.0)  # 8000 s of training in 3500 s
+    late = fit(cfg, tokens_per_s=1024.0, step_s=8.0, steps_left=1000, elapsed_s=100.0)  # 8000 s of training in 3500 s
     assert not late.fits and late.nodes_to_fit == 3
+    assert fit(cfg.model_copy(update={"nodes": 2}), 1024.0, 8.0, 1000, 100.0).nodes_to_fit == 5
 
 
 def test_the_local_launcher_ends_the_set_when_one_agent_fails():
@@ -284,3 +285,14 @@ def test_a_pod_of_a_set_finds_node_zero_by_its_job_name():
     assert ts.endpoint == "train-xyz-0.eagle3-train:29411" and ts.node_rank == 0 and not ts.local
     with pytest.raises(RuntimeError, match="Indexed Job"):
         train_set(cfg, "/data/j.json", {RDZV_ID_ENV: "train-xyz"})  # a set's pod outside an Indexed Job
+
+
+def test_preflight_states_what_training_asks_of_the_store_and_the_network():
+    from eagle3_pipeline.preflight.stage import train_traffic
+
+    kimi = load_config(ROOT / "configs" / "kimi-k2.5-tp8.yaml")
+    line = train_traffic(kimi, 57 * 10**12, 7168)  # 1B tokens of bf16 records
+    assert "10 time(s)" in line and "per node over 4 node(s)" in line and "fp32 gradients between the nodes" in line
+    rate = float(line.split("at least ")[1].split(" MiB/s")[0])
+    assert rate == pytest.approx(57e12 * 10 / 86400 / 2**20, rel=0.01)
+    assert "between the nodes" not in train_traffic(load_config(TINY), 10**6, 64)

@@ -332,7 +332,7 @@ class _Timing:
         if rate <= 0:
             return
         left = self.total - int(ev.get("step") or 0) - 1
-        self.fit = fit(self.cfg, rate, left, time.monotonic() - self.t0)
+        self.fit = fit(self.cfg, rate, secs / len(timed), left, time.monotonic() - self.t0)
         f = self.fit
         said = (f"train: at {rate:,.0f} tok/s over {self.cfg.nodes} node(s), the run needs ~{f.estimated_s / 3600:.2f} h "
                 f"({left} steps left); the stage's deadline is {f.deadline_s / 3600:.2f} h (train.timeout_s)")

@@ -107,17 +107,17 @@ class Fit(BaseModel):
     nodes_to_fit: int | None  # the node count whose rate would end within the deadline (None: it fits)
 
 
-def fit(cfg: TrainConfig, tokens_per_s: float, steps_left: int, elapsed_s: float) -> Fit:
-    """`steps_left` optimizer steps at `tokens_per_s` (every rank together), after `elapsed_s` of this
-    attempt, against train.timeout_s; the nodes that would fit assume throughput grows with the node count
-    (data parallel, the global batch held), which the report's tokens/s per topology lets you check."""
-    step_tokens = cfg.batch_tokens
-    train_s = steps_left * step_tokens / max(tokens_per_s, 1e-9)
+def fit(cfg: TrainConfig, tokens_per_s: float, step_s: float, steps_left: int, elapsed_s: float) -> Fit:
+    """`steps_left` optimizer steps of `step_s` each (measured; `tokens_per_s` over every rank, for the record),
+    after `elapsed_s` of this attempt, against train.timeout_s. The node count that would fit assumes the step time
+    shrinks with the nodes (data parallel, the global batch held: fewer accumulation steps), which the report's
+    tokens/s per topology lets you check."""
+    train_s = steps_left * step_s
     total = elapsed_s + train_s
     fits = total <= cfg.timeout_s
     need = None
     if not fits:
         room = max(cfg.timeout_s - elapsed_s, 1.0)
         need = max(cfg.nodes + 1, math.ceil(cfg.nodes * train_s / room))
-    return Fit(tokens_per_s=tokens_per_s, steps_left=steps_left, estimated_s=round(total, 1),
+    return Fit(tokens_per_s=round(tokens_per_s, 1), steps_left=steps_left, estimated_s=round(total, 1),
                deadline_s=cfg.timeout_s, fits=fits, nodes_to_fit=need)
