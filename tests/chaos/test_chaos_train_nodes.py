@@ -36,7 +36,7 @@ def inputs(small_reference):
     ref = small_reference
     voc = stage_vocab(ref.cfg, ref.prep, ref.version, log=lambda _: None)
     cfg = ref.cfg.train.model_copy(update={"nodes": 2, "world_size": 1, "epochs": 1, "max_steps": 14,
-                                           "checkpoint_every_steps": CHECKPOINT_EVERY})
+                                           "max_seq_len": 256, "checkpoint_every_steps": CHECKPOINT_EVERY})
     return SimpleNamespace(cfg=cfg, target=TargetConfig(model=ref.cfg.target.model), version=ref.version,
                            vocab_dir=Path(voc.dir))
 

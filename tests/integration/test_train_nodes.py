@@ -64,9 +64,10 @@ def test_two_nodes_train_through_c10d_and_say_so(two_nodes, one_node):
     from eagle3_pipeline.report.stage import build_report
 
     rep = build_report("r", {"name": "t"}, {}, {"train": r.model_dump(mode="json")}, {}, "completed")
-    train = rep["stages"]["train"]
-    assert (train["nodes"], train["ranks_per_node"], train["accumulation_steps"], train["global_batch_tokens"]) == \
+    train = rep.stages.train
+    assert (train.nodes, train.ranks_per_node, train.accumulation_steps, train.global_batch_tokens) == \
         (2, 1, 1, GLOBAL_BATCH)
+    assert train.details["fit"]["fits"] and train.details["resumed_from_step"] == 0
 
 
 def test_the_loss_does_not_depend_on_the_topology(two_nodes, one_node):
@@ -77,6 +78,9 @@ def test_the_loss_does_not_depend_on_the_topology(two_nodes, one_node):
     la, lb = np.array([s["loss"] for s in a.steps]), np.array([s["loss"] for s in b.steps])
     print("one node :", np.round(la, 4).tolist())
     print("two nodes:", np.round(lb, 4).tolist())
-    assert np.max(np.abs(la - lb) / np.abs(la)) < 0.02, (la, lb)
+    rel = np.max(np.abs(la - lb) / np.abs(la))
+    print(f"largest relative loss difference {rel:.2e}; tok/s one node {a.res.tokens_per_s:.0f}, two nodes "
+          f"{b.res.tokens_per_s:.0f}")
+    assert rel < 0.02, (la, lb)
     assert lb[-3:].mean() < 0.8 * lb[:2].mean()  # and it learns
     assert a.val[-1]["loss"] == pytest.approx(b.val[-1]["loss"], rel=0.05)
