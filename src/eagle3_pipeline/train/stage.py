@@ -141,8 +141,11 @@ def _unfinished_epoch(save_path: Path, epoch: int, vals: dict[int, float | None]
     speculators saves an epoch's checkpoint *before* validating it and moving checkpoint_best, and
     resumes with the next epoch: a kill in between would leave that epoch never validated, and
     checkpoint_best possibly on a worse epoch than a run without the kill."""
-    state = read_json(save_path / str(epoch) / "training_state.json") or {}
-    if state.get("epoch") == epoch and (state.get("local_step") or 0) > 0:
+    try:
+        state = read_json(save_path / str(epoch) / "training_state.json") or {}
+    except ValueError:  # unreadable: not a step checkpoint we could resume within
+        state = {}
+    if isinstance(state, dict) and state.get("epoch") == epoch and (state.get("local_step") or 0) > 0:
         return None  # a step checkpoint inside the epoch: speculators resumes within it, validation comes later
     if epoch not in vals:
         return "its validation never finished"

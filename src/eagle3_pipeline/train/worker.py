@@ -477,8 +477,9 @@ def _accumulating(cfg: TrainConfig, model, train_loader):
 def trainer_class(cfg: TrainConfig):
     """speculators' Trainer with: the CPU as its device (it moves the model to the local rank, an accelerator
     index); no zero_grad of its own under accumulation (train/accumulate.py zeroes at a step's start); a step
-    checkpoint every train.checkpoint_every_steps steps; every save written beside its place and renamed into
-    it (accumulate.put_in_place), so a kill never leaves a half-overwritten epoch directory."""
+    checkpoint every train.checkpoint_every_steps steps, and then every save written beside its place and renamed
+    into it (accumulate.put_in_place): a step checkpoint rewrites its epoch's directory, which a kill must never
+    leave half-overwritten."""
     import torch
     import torch.distributed as dist
     from speculators.train.trainer import Trainer
@@ -515,7 +516,9 @@ def trainer_class(cfg: TrainConfig):
             super().train_epoch(epoch, step_callback=after_step)
 
         def maybe_save_checkpoint(self, epoch, local_step: int = 0):
-            if not isinstance(epoch, int):  # speculators' "interrupted" save of a stopped attempt
+            # in place, as speculators writes it, where each epoch directory is written once (no step checkpoints:
+            # the parent moves an incomplete one aside), and for its "interrupted" save of a stopped attempt
+            if not every or not isinstance(epoch, int):
                 return super().maybe_save_checkpoint(epoch, local_step)
             root = self.checkpointer.path
             staging = root / f"{STAGING_PREFIX}{epoch}-{self.global_step}"
