@@ -296,3 +296,22 @@ def test_preflight_states_what_training_asks_of_the_store_and_the_network():
     rate = float(line.split("at least ")[1].split(" MiB/s")[0])
     assert rate == pytest.approx(57e12 * 10 / 86400 / 2**20, rel=0.01)
     assert "between the nodes" not in train_traffic(load_config(TINY), 10**6, 64)
+
+
+def test_a_run_that_will_not_fit_its_deadline_is_said_after_its_first_steps():
+    """The stage times the first train.estimate_after_steps logged steps (the very first, warm-up, left out) and
+    warns, naming the node count that would fit, long before the deadline; the record keeps the estimate."""
+    from eagle3_pipeline.train.stage import _Timing
+
+    cfg = TrainConfig(timeout_s=600.0, estimate_after_steps=3, global_batch_tokens=2048, max_seq_len=1024)
+    lines: list[str] = []
+    timing = _Timing(cfg, lines.append)
+    timing.on_event({"kind": "start", "train_batches_per_epoch": 100, "epochs": 2})
+    for step in range(4):
+        timing.on_event({"kind": "train_step", "step": step, "tokens": 2000, "step_s": 30.0 if step else 99.0})
+    f = timing.fit
+    assert f is not None and not f.fits and f.steps_left == 196 and f.nodes_to_fit == 10
+    assert f.tokens_per_s == pytest.approx(3 * 2000 / 90.0, abs=0.1)  # steps 1-3: 6000 tokens in 90 s
+    assert len(lines) == 1 and "WARNING it will not finish in time; train.nodes=10 would fit" in lines[0]
+    timing.on_event({"kind": "train_step", "step": 4, "tokens": 2000, "step_s": 30.0})
+    assert len(lines) == 1  # said once
