@@ -310,6 +310,10 @@ def _start_set(cfg: TrainConfig, job_path: Path, log: Callable[[str], None]) -> 
     return tset
 
 
+def _span(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
 class _Timing:
     """Times the first train.estimate_after_steps logged steps of an attempt, then estimates the run's duration
     against train.timeout_s (topology.fit) and says so: a warning naming the node count that would fit."""
@@ -337,8 +341,8 @@ class _Timing:
         left = self.total - int(ev.get("step") or 0) - 1
         self.fit = fit(self.cfg, rate, secs / len(timed), left, time.monotonic() - self.t0)
         f = self.fit
-        said = (f"train: at {rate:,.0f} tok/s over {self.cfg.nodes} node(s), the run needs ~{f.estimated_s / 3600:.2f} h "
-                f"({left} steps left); the stage's deadline is {f.deadline_s / 3600:.2f} h (train.timeout_s)")
+        said = (f"train: at {rate:,.0f} tok/s over {self.cfg.nodes} node(s), the run needs ~{_span(f.estimated_s)} "
+                f"({left} steps left); the stage's deadline is {_span(f.deadline_s)} (train.timeout_s)")
         self.log(said + ": it fits" if f.fits else
                  f"{said}: WARNING it will not finish in time; train.nodes={f.nodes_to_fit} would fit "
                  f"(at the same tokens/s per node)")
