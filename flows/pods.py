@@ -110,15 +110,18 @@ class KubernetesPods:
         return _run(go())
 
 
-def describe(pods: Pods | None, flow_run_id: str) -> tuple[bool, str | None]:
-    """(whether a pod of the run started, what keeps its pods from starting in Kubernetes' words or None)."""
+def describe(pods: Pods | None, flow_run_id: str, expected: int = 1) -> tuple[bool, str | None]:
+    """(whether `expected` pods of the run started: all of a train set's, what keeps its pods from starting in
+    Kubernetes' words or None)."""
     from eagle3_pipeline.core.cluster import pod_problem, pod_started
 
     if pods is None:
         return False, None
     found = pods.of(str(flow_run_id))
     problems = [p for p in map(pod_problem, found) if p]
-    return any(map(pod_started, found)), ("; ".join(problems) if problems else
+    if found and sum(map(pod_started, found)) < expected and not problems:
+        problems = [f"{sum(map(pod_started, found))} of the set's {expected} pods started"]
+    return sum(map(pod_started, found)) >= expected, ("; ".join(problems) if problems else
                                            None if found else "no pod was created for its Job (a quota, an "
                                            "admission webhook or the worker refused it: `kubectl describe job`)")
 
@@ -129,24 +132,31 @@ class StartWatch:
     before the run is given up with what keeps its pod from starting. A problem Kubernetes reports is logged
     once as soon as it is seen, so the UI shows it in minutes, not at the deadline."""
 
-    def __init__(self, what: str, deadline_s: float, pods: Pods | None, log):
+    def __init__(self, what: str, deadline_s: float, pods: Pods | None, log, expected: int = 1):
         self.what, self.deadline_s, self.pods, self.log = what, deadline_s, pods, log
+        self.expected = expected  # a train set's pods (cluster.job_variables "pods"): all start, or none runs
+        self.all_started = False
         self.pending_since: float | None = None
         self.reported: str | None = None
         self.never_started: str | None = None  # why it was given up, once it was
 
     def give_up(self, flow_run_id, state, now: float) -> str | None:
-        """None while the run may go on waiting (or has started); else why it is given up."""
-        if state is None or not state.is_pending():
+        """None while the run may go on waiting (or has started); else why it is given up. A set's run is watched
+        past its own start (node 0 runs the flow) until every pod of the set has started."""
+        gang = self.expected > 1 and not self.all_started and state is not None and state.is_running()
+        if state is None or not (state.is_pending() or gang):
             return None
         if self.pending_since is None:
             self.pending_since = state.timestamp.timestamp() if state.timestamp else now
         try:
-            started, problem = describe(self.pods, flow_run_id)
+            started, problem = describe(self.pods, flow_run_id, self.expected)
         except Exception as e:  # noqa: BLE001 - the Kubernetes API away or refusing: judged by the deadline alone
             started, problem = False, f"(its pods could not be read: {type(e).__name__}: {str(e)[:200]})"
         if started:
+            self.all_started = self.expected > 1
             return None  # the container runs: the flow's own start (imports, the API) before it reports Running
+        if gang and self.pods is None:
+            return None  # no pods to read: the set's rendezvous timeout (train.rdzv_timeout_s) ends a partial set
         if problem and problem != self.reported:
             self.reported = problem
             self.log(f"{self.what}: its pod has not started: {problem}")

@@ -95,7 +95,8 @@ def on_pool(config: PipelineConfig, stage: str, **inputs):
             idempotency_key=f"{parent}-{stage}-{attempt}"), f"submit {stage}", log.warning)
         log.info(f"{stage}: flow run {fr.name} of {name} ({jv['gpu_count']} GPUs, deadline {jv['deadline_seconds']} s): "
                  f"{flow_run_link(fr.id)}")
-        start = StartWatch(f"{stage}: flow run {fr.name}", jv["pod_watch_timeout_seconds"], pod_source(), log.warning)
+        start = StartWatch(f"{stage}: flow run {fr.name}", jv["pod_watch_timeout_seconds"], pod_source(), log.warning,
+                           expected=jv.get("pods", 1))
         state = wait_final(fr.id, jv["deadline_seconds"], log, start)
         if state is not None and state.is_completed():
             return RECORD[stage].model_validate(state.result())  # the JSON result comes back as a dict

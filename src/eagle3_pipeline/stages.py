@@ -140,7 +140,10 @@ def stage_vocab(cfg: PipelineConfig, prep: PrepareResult, version: ExtractVersio
 
 # Train settings that change how a run is watched, not the draft it produces: a new value resumes
 # the same checkpoint dir instead of training from scratch.
-TRAIN_KEY_EXCLUDE = frozenset({"log_freq", "timeout_s", "num_workers", "online_start_timeout_s", "online_request_timeout_s"})
+TRAIN_KEY_EXCLUDE = frozenset({"log_freq", "timeout_s", "num_workers", "online_start_timeout_s", "online_request_timeout_s",
+                               "checkpoint_every_steps", "rdzv_port", "rdzv_timeout_s", "estimate_after_steps",
+                               # the topology: the key names the global batch it gives instead (train_key)
+                               "nodes", "global_batch_tokens"})
 
 
 def train_key(cfg: PipelineConfig, version: ExtractVersion) -> str:
@@ -150,6 +153,9 @@ def train_key(cfg: PipelineConfig, version: ExtractVersion) -> str:
     prev = previous_for(cfg, version)
     train = cfg.train.model_dump(exclude=set(TRAIN_KEY_EXCLUDE) | ({"init", "refresh_epochs"} if prev is None else set())
                                  | ({"mode"} if cfg.train.mode == "offline" else set()))  # offline keys as before
+    t = cfg.train
+    if t.batch_tokens != t.world_size * t.max_seq_len:  # one node's one row per rank: the keys from before nodes
+        train["global_batch_tokens"] = t.batch_tokens
     return content_key({"extract": version.content_key, "vocab": str(vocab_dir), "train": train,
                         **({"previous": prev.checkpoint} if prev else {})})
 

@@ -159,7 +159,7 @@ def test_cluster_job_variables_are_variables_of_both_templates():
     from eagle3_pipeline.core.config import load_config
 
     cfg = load_config(ROOT / "configs" / "kimi-k2.5-tp8.yaml")
-    types = {"integer": int, "string": str}
+    types = {"integer": int, "string": str, "array": list, "object": dict}
     for path in (TEMPLATE, CPU_TEMPLATE):
         props = json.loads(path.read_text())["variables"]["properties"]
         for stage in GPU_STAGES:

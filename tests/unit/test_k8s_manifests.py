@@ -660,3 +660,73 @@ def test_the_pipeline_pod_checks_the_config_against_the_gpu_pool(kimi, tmp_path)
             assert problems and all("GPUs of 80 GiB" in p for p in problems) and "141" in problems[0], problems
         else:
             assert (problems, warnings) == ([], [])
+
+
+# ------------------------------------------------------------------ training on several nodes
+
+
+def test_kimi_trains_on_a_set_of_four_pods(kimi):
+    """configs/kimi-k2.5-tp8.yaml (train.nodes 4) renders the train stage as an Indexed Job of 4 pods of 8 GPUs in the
+    headless Service's subdomain, started through the set's launcher, failed whole at its first failed pod; the
+    Service selects exactly the pods the template labels. The other stages' Jobs stay one pod."""
+    from eagle3_pipeline.core.cluster import NODES_LAUNCHER, TRAIN_SERVICE, TRAIN_SET_LABEL
+
+    jobs = kimi_run_jobs(kimi)
+    jv, job = jobs["train"]
+    validate(job, "the train set's Job")
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    assert (spec["parallelism"], spec["completions"], spec["completionMode"]) == (4, 4, "Indexed") == \
+        (kimi.train.nodes, kimi.train.nodes, "Indexed")
+    assert pod["subdomain"] == TRAIN_SERVICE and pod["restartPolicy"] == "Never"
+    (c,) = pod["containers"]
+    assert c["command"] == NODES_LAUNCHER and c["args"] == ["prefect", "flow-run", "execute"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == kimi.train.world_size == 8
+    rules = spec["podFailurePolicy"]["rules"]
+    assert {r["action"] for r in rules} == {"FailJob"} and spec["backoffLimit"] == 1  # the policy acts first
+    assert pod["topologySpreadConstraints"][0]["topologyKey"] == "kubernetes.io/hostname"
+    env = {e["name"]: e for e in c["env"]}
+    assert env["EAGLE3_TRAIN_RDZV_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.labels['batch.kubernetes.io/job-name']"
+    assert env["EAGLE3_TRAIN_LOCAL_ADDR"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env["EAGLE3_TRAIN_SET_DIR"]["value"].startswith("/data/")  # on the store every pod mounts
+    labels = job["spec"]["template"]["metadata"]["labels"]
+    service = _objects()["Service", TRAIN_SERVICE]
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["selector"] == {TRAIN_SET_LABEL: TRAIN_SERVICE} and labels[TRAIN_SET_LABEL] == TRAIN_SERVICE
+    assert service["spec"]["ports"][0]["port"] == kimi.train.rdzv_port
+    for name, (_, other) in jobs.items():
+        if name != "train":
+            o = other["spec"]
+            assert (o["parallelism"], o["completions"], o["backoffLimit"]) == (1, 1, 0), name
+            assert "completionMode" not in o and "subdomain" not in o["template"]["spec"], name
+            assert "command" not in o["template"]["spec"]["containers"][0], name
+            assert TRAIN_SET_LABEL not in o["template"]["metadata"].get("labels", {}), name
+
+
+def test_one_node_training_stays_one_pod(kimi):
+    jv, job = kimi_run_jobs(kimi.model_copy(update={"train": kimi.train.model_copy(update={"nodes": 1})}))["train"]
+    validate(job, "the one-node train Job")
+    assert (job["spec"]["parallelism"], job["spec"]["completions"]) == (1, 1) and "pods" not in jv
+    assert "completionMode" not in job["spec"] and "command" not in job["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_no_account_of_the_pipeline_may_create_services():
+    """The train sets' Service is applied once in step 2 (train-service.yaml); no Role grants services."""
+    for (kind, name), d in _objects().items():
+        if kind == "Role":
+            assert not any("services" in rule["resources"] for rule in d["rules"]), name
+
+
+def test_the_multi_node_engine_design_validates():
+    """docs/decisions/multi-node-engine.yaml: the engine set's Service, NetworkPolicy and two-pod Indexed Job."""
+    docs = [d for d in yaml.safe_load_all((ROOT / "docs" / "decisions" / "multi-node-engine.yaml").read_text()) if d]
+    kinds = {d["kind"]: d for d in docs}
+    assert set(kinds) == {"Service", "NetworkPolicy", "Job"}
+    for d in docs:
+        validate(d, f"multi-node-engine.yaml {d['kind']}")
+    job, svc = kinds["Job"], kinds["Service"]
+    pod = job["spec"]["template"]["spec"]
+    assert (job["spec"]["parallelism"], job["spec"]["completions"], job["spec"]["completionMode"]) == (2, 2, "Indexed")
+    assert pod["subdomain"] == svc["metadata"]["name"] and svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["selector"].items() <= job["spec"]["template"]["metadata"]["labels"].items()
+    assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8

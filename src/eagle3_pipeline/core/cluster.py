@@ -103,6 +103,32 @@ def job_variables(config: PipelineConfig, stage: str, shards: int | None = None)
         "memory_limit": f"{mem}Gi",
         "deadline_seconds": int(math.ceil(deadline)),
         "pod_watch_timeout_seconds": int(math.ceil(watch)),
+        **(train_set_variables(config) if stage == "train" and config.train.nodes > 1 else {}),
+    }
+
+
+TRAIN_SERVICE = "eagle3-train"     # infra/k8s/train-service.yaml: the headless Service every train set's pods join
+TRAIN_SET_LABEL = "eagle3.dev/train-set"  # its selector (the GPU job template labels a set's pods with it)
+NODES_LAUNCHER = ["python", "-m", "eagle3_pipeline.train.nodes", "pod", "--"]  # before the flow-run command
+
+
+def train_set_variables(config: PipelineConfig) -> dict[str, Any]:
+    """The GPU job template's variables that make the train stage's Job a set of train.nodes pods: an Indexed Job
+    (each pod's index is its node rank, its hostname <job>-<index>), in the headless Service's subdomain (pods reach
+    node 0 as <job>-0.eagle3-train), one pod per node, started through train/nodes.py (node 0 runs the flow run,
+    the others their torchrun agent), and failed whole at its first failed or disrupted pod. backoff_limit 1 and
+    first_generation 1 never act (the failure policy fails the Job first; the API server sets generation 1 on
+    create): prefect-kubernetes 0.7.11 accepts a Job only with two such values of 1 (docs/kubernetes.md)."""
+    n = config.train.nodes
+    return {
+        "pods": n, "completion_mode": "Indexed", "subdomain": TRAIN_SERVICE, "pod_command": NODES_LAUNCHER,
+        "pod_failure_policy": {"rules": [
+            {"action": "FailJob", "onExitCodes": {"operator": "NotIn", "values": [0]}},
+            {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]},
+        "backoff_limit": 1, "first_generation": 1,
+        "spread": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "DoNotSchedule",
+                    "labelSelector": {"matchLabels": {TRAIN_SET_LABEL: TRAIN_SERVICE}},
+                    "matchLabelKeys": ["batch.kubernetes.io/job-name"]}],
     }
 
 

@@ -289,6 +289,22 @@ class TrainConfig(Strict):
     online_start_timeout_s: float = Field(1800.0, gt=0, description="online: deadline of the server's start-up "
                                           "(a 1T model loads for ~18 minutes)")
     online_request_timeout_s: float = Field(600.0, gt=0, description="online: deadline of one hidden-state request")
+    nodes: int = Field(1, ge=1, description="training nodes, each running world_size ranks (torchrun agents meeting "
+                       "through its c10d rendezvous; on Kubernetes an Indexed Job of this many pods, on a machine "
+                       "without a cluster as many agents on 127.0.0.1)")
+    global_batch_tokens: int | None = Field(
+        None, ge=1, description="tokens per optimizer step over every rank (packed rows of max_seq_len), held for "
+        "any topology by gradient accumulation: a multiple of nodes x world_size x max_seq_len. Unset: one packed "
+        "row per rank, so the batch grows with the topology")
+    checkpoint_every_steps: int | None = Field(
+        None, ge=1, description="also checkpoint every this many optimizer steps (rank 0 writes, atomically); a "
+        "killed run resumes from the last one. Unset: at each epoch's end only")
+    rdzv_port: int = Field(29400, ge=1, le=65535, description="nodes > 1: the port of torchrun's c10d rendezvous "
+                           "on node 0 (on a machine without a cluster, a free local port is taken instead)")
+    rdzv_timeout_s: float = Field(1800.0, gt=0, description="nodes > 1: how long the agents wait for every node "
+                                  "to join the rendezvous (a pod that has not started by then fails the set)")
+    estimate_after_steps: int = Field(5, ge=1, description="optimizer steps timed before the run's duration is "
+                                      "estimated against timeout_s (a warning names the nodes that would fit)")
 
     @model_validator(mode="before")
     @classmethod
@@ -311,6 +327,43 @@ class TrainConfig(Strict):
             raise ValueError(f"train.fsdp=true needs train.device=cuda and train.world_size >= 2 (torchrun); found "
                              f"device={self.device}, world_size={self.world_size}")
         return self
+
+    def topology_problem(self) -> str | None:
+        """Why this topology cannot train the configured global batch (preflight and the train stage say it)."""
+        try:
+            a = self.accumulation_steps
+        except ValueError as e:
+            return str(e)
+        if self.mode == "online" and self.nodes > 1:
+            return ("train.mode=online with train.nodes > 1 is not built: the stage's vLLM server serves its own "
+                    "node; train offline on several nodes, or online on one")
+        if self.fsdp and a > 1:
+            return (f"train.fsdp=true with gradient accumulation ({a} steps for train.global_batch_tokens "
+                    f"{self.global_batch_tokens}) is not built: use DDP, or more nodes")
+        return None
+
+    @property
+    def ranks(self) -> int:
+        """Training processes over every node."""
+        return self.nodes * self.world_size
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Packed rows each rank trains on per optimizer step (global_batch_tokens / ranks / max_seq_len)."""
+        if self.global_batch_tokens is None:
+            return 1
+        per_step = self.ranks * self.max_seq_len
+        if self.global_batch_tokens % per_step:
+            fits = [n for n in range(1, 65) if self.global_batch_tokens % (n * self.world_size * self.max_seq_len) == 0]
+            raise ValueError(f"train.global_batch_tokens {self.global_batch_tokens} is not a multiple of nodes x "
+                             f"world_size x max_seq_len = {self.nodes} x {self.world_size} x {self.max_seq_len} = "
+                             f"{per_step}: node counts that divide it at this world_size: {fits[:8] or 'none'}")
+        return self.global_batch_tokens // per_step
+
+    @property
+    def batch_tokens(self) -> int:
+        """The global batch in tokens (packed rows of max_seq_len), whatever the topology."""
+        return self.global_batch_tokens or self.ranks * self.max_seq_len
 
 
 class EvaluateConfig(EngineConfig):

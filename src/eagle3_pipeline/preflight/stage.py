@@ -214,6 +214,32 @@ def disk_plans(cfg: PipelineConfig, num_layers_captured: int, hidden_size: int, 
             "online": int(min(tokens, online_tokens) * bf16 * 1.05)}
 
 
+def train_traffic(cfg: PipelineConfig, stored: int, hidden_size: int) -> str:
+    """What training asks of the store and the network: every epoch reads every record once, so finishing within
+    train.timeout_s needs at least stored x epochs / timeout_s from the store (shared by the nodes); with several
+    nodes each optimizer step all-reduces the draft's fp32 gradients (trainable parameters ~ 12 H^2 per draft layer
+    + 3 H^2 for fc + K x H for the draft's lm_head) between them."""
+    t = cfg.train
+    if t.mode == "online":
+        return "preflight: training (online) reads its rows from the stage's vLLM server, not the store"
+    rate = stored * t.epochs / t.timeout_s
+    grads = 4 * (t.draft_layers * 12 * hidden_size ** 2 + 3 * hidden_size ** 2 + cfg.vocab.draft_vocab_size * hidden_size)
+    return (f"preflight: training reads the store's ~{stored / 2**30:.3f} GiB of hidden states {t.epochs} time(s): at "
+            f"least {rate / 2**20:.2f} MiB/s to end within train.timeout_s ({t.timeout_s:.0f} s), "
+            f"{rate / t.nodes / 2**20:.2f} MiB/s per node over {t.nodes} node(s)"
+            + (f"; each optimizer step all-reduces ~{grads / 2**30:.2f} GiB of fp32 gradients between the nodes"
+               if t.nodes > 1 else ""))
+
+
+def _train_problems(cfg: PipelineConfig) -> list[str]:
+    out = []
+    if cfg.train.device == "cpu" and cfg.train.attention == "flex_attention":
+        out.append("train.attention flex_attention has no CPU backward; use sdpa or eager on CPU")
+    if why := cfg.train.topology_problem():  # the global batch this topology cannot hold (train/topology.py)
+        out.append(why)
+    return out
+
+
 def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=print) -> PreflightResult:
     problems, warnings = gpu_pool_problems(cfg, os.environ)  # the GPU pool's nodes, in its pods; else none
     versions = installed_versions()
@@ -252,8 +278,7 @@ def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=prin
                             f"[fingerprint] to train on records it cannot check")
     if msg := fingerprints_off_problem(cfg.extract.fingerprints, cfg.verify.allow_skip):
         problems.append(msg)
-    if cfg.train.device == "cpu" and cfg.train.attention == "flex_attention":
-        problems.append("train.attention flex_attention has no CPU backward; use sdpa or eager on CPU")
+    problems += _train_problems(cfg)
     memory = memory_plan("extract", cfg.extract, cfg.target, max_model_len=cfg.prepare.max_length + 1,
                          captured_layers=len(layer_ids) or 4)
     if memory is not None:
@@ -279,6 +304,7 @@ def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=prin
     fits = [k for k, v in plans.items() if v <= free]
     log("preflight: hidden states on disk: " + ", ".join(f"{k} ~{v / 2**30:.3f} GiB" for k, v in plans.items())
         + f"; {free / 2**30:.1f} GiB free at {probe}; fits: {', '.join(fits) or 'none'} (this run: {chosen})")
+    log(train_traffic(cfg, estimated, dims.hidden_size))
     if estimated > free:
         others = [k for k in fits if k != chosen]
         hint = (f"; what fits: {', '.join(others)} (extract.storage_dtype fp8 / train.mode online)" if others

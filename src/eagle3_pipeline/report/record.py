@@ -69,6 +69,10 @@ class TrainEntry(_Entry):
     steps: int | None = None
     final_loss: float | None = None
     tokens_per_s: float | None = None
+    nodes: int | None = None
+    ranks_per_node: int | None = None
+    accumulation_steps: int | None = None
+    global_batch_tokens: int | None = None
 
 
 class EvaluateEntry(_Entry):

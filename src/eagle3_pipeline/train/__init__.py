@@ -6,5 +6,8 @@
   export.py       export_check: is a checkpoint the draft we meant
   vocab.py        the draft vocabulary (d2t / t2d) from prepare's token frequencies
   online.py, online_data.py   online training: hidden states from a running vLLM server
+  topology.py     nodes x ranks, the global batch, a multi-node set's torchrun agents, the duration estimate
+  nodes.py        a set's agents: on this machine, or a Kubernetes train set's pod (`python -m ...train.nodes`)
+  accumulate.py   the child's gradient accumulation and step checkpoints (inside speculators' trainer)
 Nothing is re-exported here, so the child does not import the parent's modules.
 """

@@ -73,6 +73,7 @@ class TrainOutput(BaseModel):
     world_size: int
     epochs_done: int
     resumed_from_epoch: int
+    resumed_from_step: int = 0  # the optimizer step this attempt started at (a step or epoch checkpoint's)
     checkpoint_best: str
     checkpoint_best_epoch: int
     checkpoint_last: str

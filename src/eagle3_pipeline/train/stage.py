@@ -40,11 +40,16 @@ from eagle3_pipeline.core.stage_spec import StageSpec
 from eagle3_pipeline.core.store import atomic_write_text, dir_lock, read_json, sha256_file, write_json
 from eagle3_pipeline.records.contracts import HS_KEY, TOKENS_KEY, ContractError, record_name
 from eagle3_pipeline.records.layout import ExtractVersion
+from eagle3_pipeline.train.accumulate import recover
 from eagle3_pipeline.train.export import export_check
 from eagle3_pipeline.train.job import OnlineSource, TrainJob, TrainOutput
+from eagle3_pipeline.train.nodes import publish
+from eagle3_pipeline.train.topology import SET_DIR_ENV, Fit, TrainSet, fit, topology, train_set
 from eagle3_pipeline.train.vocab import load_vocab, vocab_paths
 
 WORKER = "eagle3_pipeline.train.worker"
+NODES = "eagle3_pipeline.train.nodes"  # a local multi-node set's launcher
+SET_NAME = "train_set.json"  # beside train_job.json: the local set's agents (topology.TrainSet)
 UNTRAINED_DIR = "untrained_draft"  # in the train dir: the random-weights baseline of the same architecture
 RECORD_NAME = "train_record.json"  # the TrainResult of the last completed train_draft (export-checked)
 CKPT_FILES = ("config.json", "model.safetensors", "optimizer_state_dict.pt", "training_state.json")
@@ -74,6 +79,13 @@ class TrainResult(BaseModel):
     hidden_states_peak_bytes: int | None = None  # online: most bytes of hidden states on disk (train/online.py)
     online: dict | None = None  # online: the OnlineResult (server start-up, verified sample, disk peak) + its verify
     cached: bool = False  # every epoch was trained before this call (its checkpoints were found): nothing trained now
+    nodes: int = 1  # training nodes (torchrun agents meeting through c10d; train/topology.py)
+    ranks_per_node: int = 1
+    accumulation_steps: int = 1  # packed rows each rank trains on per optimizer step
+    global_batch_tokens: int | None = None  # tokens per optimizer step over every rank: the same on any topology
+    checkpoint_every_steps: int | None = None  # step checkpoints (None: at epoch ends only)
+    resumed_from_step: int = 0  # the optimizer step this attempt resumed at (0: a fresh start)
+    fit: dict | None = None  # topology.Fit: the duration estimated from the first steps against train.timeout_s
 
 
 def _check_inputs(version: ExtractVersion) -> int:
@@ -129,6 +141,12 @@ def _unfinished_epoch(save_path: Path, epoch: int, vals: dict[int, float | None]
     speculators saves an epoch's checkpoint *before* validating it and moving checkpoint_best, and
     resumes with the next epoch: a kill in between would leave that epoch never validated, and
     checkpoint_best possibly on a worse epoch than a run without the kill."""
+    try:
+        state = read_json(save_path / str(epoch) / "training_state.json") or {}
+    except ValueError:  # unreadable: not a step checkpoint we could resume within
+        state = {}
+    if isinstance(state, dict) and state.get("epoch") == epoch and (state.get("local_step") or 0) > 0:
+        return None  # a step checkpoint inside the epoch: speculators resumes within it, validation comes later
     if epoch not in vals:
         return "its validation never finished"
     loss, earlier = vals[epoch], [v for e, v in vals.items() if e < epoch and v is not None]
@@ -145,6 +163,7 @@ def _move_incomplete_checkpoints(save_path: Path, log: Callable[[str], None]) ->
     validation and checkpoint_best update were done (`_unfinished_epoch`): that epoch is trained again."""
     if not save_path.is_dir():
         return
+    recover(save_path, log)  # a save cut short between its staging dir and its place (train/accumulate.py)
     interrupted = save_path / "interrupted"  # speculators' save on SIGTERM/SIGINT; a new one means this attempt was stopped
     if interrupted.is_dir() and not interrupted.is_symlink():
         dest = interrupted.with_name(f"interrupted.{int(time.time())}")
@@ -210,10 +229,15 @@ def _format_event(ev: dict, total_steps: int | None = None) -> str | None:
     return None
 
 
-def _argv(cfg: TrainConfig, job_path: Path, distributed: bool = True) -> list[str]:
+def _argv(cfg: TrainConfig, job_path: Path, distributed: bool = True, tset: TrainSet | None = None) -> list[str]:
     """world_size > 1: torchrun starts world_size ranks of the worker on this node (`--standalone`: its own
     rendezvous on a free local port), one per GPU on cuda, gloo processes on cpu; the child's process group
-    holds torchrun and every rank, so a timeout or cancel ends them all."""
+    holds torchrun and every rank, so a timeout or cancel ends them all. nodes > 1 (`tset`): this node's
+    torchrun agent of a cluster set, or the local set's launcher (train/nodes.py) with every node's agent."""
+    if distributed and tset is not None:
+        if tset.local:
+            return python_child(NODES, "local", str(job_path.with_name(SET_NAME)))
+        return tset.argv[tset.node_rank]
     if distributed and cfg.world_size > 1:
         return [sys.executable, "-u", "-m", "torch.distributed.run", "--standalone",
                 f"--nproc_per_node={cfg.world_size}", "-m", WORKER, str(job_path)]
@@ -250,12 +274,79 @@ def _run_worker(job: TrainJob, job_path: Path, log: Callable[[str], None], log_p
         if line:
             log(line)
 
-    run_child(_argv(cfg, job_path, distributed), name="train", timeout_s=timeout_s, log_path=log_path, on_line=log,
-              on_event=on_event, env={"TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    tset = _start_set(cfg, job_path, log) if distributed else None
+    timing = _Timing(cfg, log)
+    run_child(_argv(cfg, job_path, distributed, tset), name="train", timeout_s=timeout_s, log_path=log_path,
+              on_line=log, on_event=lambda ev: (timing.on_event(ev), on_event(ev)),
+              env={"TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    if tset is not None and not tset.local:
+        publish(tset, _set_dir(), "done")  # the other pods' agents have ended: their pods may end too
     result = read_json(Path(job.result_path))
     if result is None:
         raise RuntimeError(f"train worker exited 0 without writing {job.result_path}")
-    return result
+    return {**result, "fit": timing.fit.model_dump() if timing.fit else None}
+
+
+def _set_dir() -> Path:
+    d = os.environ.get(SET_DIR_ENV)
+    if not d:
+        raise RuntimeError(f"train.nodes > 1 in a train set's pod needs {SET_DIR_ENV} (the GPU job template sets it)")
+    return Path(d)
+
+
+def _start_set(cfg: TrainConfig, job_path: Path, log: Callable[[str], None]) -> TrainSet | None:
+    """nodes > 1: the set's agents (train/topology.py); a local set's record for its launcher, or a cluster
+    set's record published on the store for the other pods (train/nodes.py)."""
+    tset = train_set(cfg, str(job_path))
+    if tset is None:
+        return None
+    topo = topology(cfg)
+    log(f"train: {topo.nodes} nodes x {topo.ranks_per_node} ranks, {topo.accumulation_steps} accumulation "
+        f"step(s), {topo.global_batch_tokens} tokens per optimizer step; rendezvous {tset.endpoint} ({tset.id}, "
+        + ("agents on this machine)" if tset.local else f"this pod is node {tset.node_rank})"))
+    if tset.local:
+        atomic_write_text(job_path.with_name(SET_NAME), tset.model_dump_json(indent=2))
+    else:
+        publish(tset, _set_dir())
+    return tset
+
+
+def _span(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+class _Timing:
+    """Times the first train.estimate_after_steps logged steps of an attempt, then estimates the run's duration
+    against train.timeout_s (topology.fit) and says so: a warning naming the node count that would fit."""
+
+    def __init__(self, cfg: TrainConfig, log: Callable[[str], None]):
+        self.cfg, self.log, self.t0 = cfg, log, time.monotonic()
+        self.total: int | None = None
+        self.steps: list[dict] = []
+        self.fit: Fit | None = None
+
+    def on_event(self, ev: dict) -> None:
+        if ev.get("kind") == "start" and ev.get("train_batches_per_epoch") and ev.get("epochs"):
+            self.total = int(ev["train_batches_per_epoch"]) * int(ev["epochs"])
+            self.total = min(self.total, self.cfg.max_steps or self.total)
+        if ev.get("kind") != "train_step" or self.fit is not None or self.total is None:
+            return
+        self.steps.append(ev)
+        timed = self.steps[1:]  # the attempt's first step carries warm-up (allocations, lazy inits)
+        if len(timed) < self.cfg.estimate_after_steps:
+            return
+        secs = sum(e.get("step_s") or 0.0 for e in timed)
+        rate = sum(e.get("tokens") or 0 for e in timed) / secs if secs > 0 else 0.0
+        if rate <= 0:
+            return
+        left = self.total - int(ev.get("step") or 0) - 1
+        self.fit = fit(self.cfg, rate, secs / len(timed), left, time.monotonic() - self.t0)
+        f = self.fit
+        said = (f"train: at {rate:,.0f} tok/s over {self.cfg.nodes} node(s), the run needs ~{_span(f.estimated_s)} "
+                f"({left} steps left); the stage's deadline is {_span(f.deadline_s)} (train.timeout_s)")
+        self.log(said + ": it fits" if f.fits else
+                 f"{said}: WARNING it will not finish in time; train.nodes={f.nodes_to_fit} would fit "
+                 f"(at the same tokens/s per node)")
 
 
 def train_draft(cfg: TrainConfig, target: TargetConfig, version: ExtractVersion, vocab_dir: Path, out_dir: Path, *,
@@ -285,6 +376,8 @@ def _train_draft(cfg: TrainConfig, target: TargetConfig, version: ExtractVersion
                  log: Callable[[str], None], previous=None, online: OnlineSource | None = None) -> TrainResult:
     """`previous` (lineage.PreviousDraft): initialise the draft from its checkpoint (a refresh)."""
     dims, aux = version.dims, version.aux_layer_ids
+    if why := cfg.topology_problem():
+        raise ValueError(why)
     load_vocab(vocab_dir, dims.vocab_size)  # raises on an inconsistent vocab before any work
     d2t_path, t2d_path = vocab_paths(vocab_dir)
     rows = _check_tokenized(version) if online else _check_inputs(version)
@@ -308,8 +401,8 @@ def _train_draft(cfg: TrainConfig, target: TargetConfig, version: ExtractVersion
                    untrained_dir=str((out_dir / UNTRAINED_DIR).resolve()),
                    online=None if online is None else online.model_copy(
                        update={"cache_dir": str((out_dir / "online" / "no_stored_rows").resolve())}))
-    res = TrainOutput.model_validate(_run_worker(job, out_dir / "train_job.json", log, out_dir / "train.log",
-                                                 cfg.timeout_s))
+    out = _run_worker(job, out_dir / "train_job.json", log, out_dir / "train.log", cfg.timeout_s)
+    fit_, res = out.pop("fit", None), TrainOutput.model_validate(out)
     best = Path(res.checkpoint_best)
     checked = Path(target.model).is_dir()
     if checked:  # the exported draft must be the one we meant before anything serves it
@@ -328,7 +421,9 @@ def _train_draft(cfg: TrainConfig, target: TargetConfig, version: ExtractVersion
         previous_draft=previous.checkpoint if previous is not None else None,
         previous_version=f"{previous.prepare_version}/{previous.extract_version}" if previous is not None else None,
         engine_start_s=res.startup_s, mode="online" if online else "offline",
-        cached=res.resumed_from_epoch + 1 >= res.epochs_done)
+        cached=res.resumed_from_epoch + 1 >= res.epochs_done, resumed_from_step=res.resumed_from_step,
+        checkpoint_every_steps=cfg.checkpoint_every_steps, fit=fit_,
+        **topology(cfg).model_dump(include={"nodes", "ranks_per_node", "accumulation_steps", "global_batch_tokens"}))
     write_json(out_dir / RECORD_NAME, result.model_dump(mode="json"))
     return result
 

@@ -162,12 +162,13 @@ class _MetricSink(logging.Handler):
     """Receives the dicts speculators' Trainer logs to `speculators.metrics`; writes metrics.jsonl
     and forwards each record to the parent as an event."""
 
-    def __init__(self, path: Path, ttt_steps: int, kill: tuple[str, int, int] | None = None, last_epoch: int = 0):
+    def __init__(self, path: Path, ttt_steps: int, kill: tuple[str, int, int] | None = None, last_epoch: int = 0,
+                 accumulation: int = 1):
         super().__init__(logging.INFO)
         self.last_epoch = last_epoch  # faults.take_fault("train") kills after the first step of this epoch
         from speculators.train.distributed import get_world_size
 
-        self.world_size = get_world_size()
+        self.world_size = get_world_size() * accumulation  # packed rows per optimizer step
         self.path = Path(path)
         self.ttt_steps = ttt_steps
         self.last_train: dict | None = None
@@ -184,8 +185,8 @@ class _MetricSink(logging.Handler):
         if "train" in msg:
             m, prof = msg["train"], msg.get("profile") or {}
             step_s = prof.get("step_ms", 0.0) / 1000.0
-            # speculators profiles rank 0's own rows; every rank gets packed rows of ~the same token count
-            # (its multipack sampler), so the step's tokens are rank 0's times the world size
+            # speculators profiles rank 0's own (last) packed row; every row of a step holds ~the same token
+            # count (its multipack sampler), so the step's tokens are that times the rows per step
             tokens = round(prof.get("tokens_per_s", 0.0) * step_s * self.world_size)
             lr = msg.get("lr")
             line = {"kind": "train_step", "step": msg.get("global_step"), "epoch": msg.get("epoch"),
@@ -398,10 +399,11 @@ def run_train(job: TrainJob) -> TrainOutput | None:
         init_from_draft(model, Path(job.init_from))
     hidden_size = model.config.transformer_layer_config.hidden_size
     train_loader, val_loader = _loaders(job, hidden_size, len(job.aux_layer_ids))
+    train_loader = _accumulating(cfg, model, train_loader)
     trainer, dtype = _trainer(job, model, train_loader, val_loader)
     if kill and kill[0] == "save":
         _install_save_kill(trainer, kill[1])
-    resumed_from = trainer.checkpointer.previous_epoch
+    resumed_from, resumed_step = trainer.checkpointer.previous_epoch, trainer.global_step
     rank0 = _is_rank0()
     startup_s = round(time.time() - _process_started(), 2)  # imports, draft, loaders, trainer: before step 1
     if rank0:
@@ -415,7 +417,7 @@ def run_train(job: TrainJob) -> TrainOutput | None:
     mlog.setLevel(logging.INFO)
     mlog.propagate = False
     if rank0:
-        mlog.addHandler(_MetricSink(metrics_path, cfg.ttt_steps, kill, last_epoch=cfg.epochs - 1))
+        mlog.addHandler(_MetricSink(metrics_path, cfg.ttt_steps, kill, cfg.epochs - 1, cfg.accumulation_steps))
     t0 = time.time()
     trainer.run_training()
     wall = time.time() - t0
@@ -429,7 +431,7 @@ def run_train(job: TrainJob) -> TrainOutput | None:
     from speculators.train.distributed import get_world_size
 
     return TrainOutput(steps=trainer.global_step, world_size=get_world_size(), epochs_done=last + 1,
-                       resumed_from_epoch=resumed_from, checkpoint_best=str(best),
+                       resumed_from_epoch=resumed_from, resumed_from_step=resumed_step, checkpoint_best=str(best),
                        checkpoint_best_epoch=int(os.readlink(best)), checkpoint_last=str(save_path / str(last)),
                        metrics=str(metrics_path), wall_seconds_this_attempt=wall, startup_s=startup_s, **summary)
 
@@ -438,7 +440,7 @@ def _trainer(job: TrainJob, model, train_loader, val_loader):
     """(speculators' Trainer for the job, a CPU one where the device is the CPU; the compute dtype)."""
     import torch
     from speculators.models.eagle3 import Eagle3DraftModel
-    from speculators.train.trainer import Trainer, TrainerConfig
+    from speculators.train.trainer import TrainerConfig
 
     cfg = job.train
     cpu = cfg.device == "cpu"
@@ -446,13 +448,7 @@ def _trainer(job: TrainJob, model, train_loader, val_loader):
         loss_fn=cfg.loss, loss_implementation="eager" if cpu else "fused",
         ttt_steps=cfg.ttt_steps, ttt_step_loss_decay=cfg.ttt_step_loss_decay)
 
-    class CpuTrainer(Trainer):
-        def setup_model(self):  # speculators moves the model to the local rank (an accelerator index)
-            self.local_rank = torch.device("cpu")  # type: ignore[assignment]
-            self.device_type = "cpu"
-            super().setup_model()
-
-    trainer_cls = CpuTrainer if cpu else Trainer
+    trainer_cls = trainer_class(cfg)
     dtype = compute_dtype(cfg)
     if dtype == torch.float32:  # autocast to fp32 is plain fp32: torch warns that it disables itself, every step
         warnings.filterwarnings("ignore", message=".*[Aa]utocast.*")
@@ -482,6 +478,79 @@ def _checkpoints(trainer, save_path: Path) -> tuple[Path, int]:
             best.unlink()
         best.symlink_to(str(last), target_is_directory=True)
     return best, last
+
+
+def _accumulating(cfg: TrainConfig, model, train_loader):
+    """train.accumulation_steps > 1: A packed rows per rank per optimizer step (train/accumulate.py)."""
+    if cfg.accumulation_steps == 1:
+        return train_loader
+    from speculators.train.distributed import get_dp_rank, get_dp_size
+
+    from eagle3_pipeline.train.accumulate import Accumulator, GroupedLoader
+
+    Accumulator(model, cfg.accumulation_steps)
+    return GroupedLoader(train_loader, get_dp_rank(), get_dp_size(), cfg.accumulation_steps)
+
+
+def trainer_class(cfg: TrainConfig):
+    """speculators' Trainer with: the CPU as its device (it moves the model to the local rank, an accelerator
+    index); no zero_grad of its own under accumulation (train/accumulate.py zeroes at a step's start); a step
+    checkpoint every train.checkpoint_every_steps steps, and then every save written beside its place and renamed
+    into it (accumulate.put_in_place): a step checkpoint rewrites its epoch's directory, which a kill must never
+    leave half-overwritten."""
+    import torch
+    import torch.distributed as dist
+    from speculators.train.trainer import Trainer
+
+    from eagle3_pipeline.train.accumulate import STAGING_PREFIX, put_in_place
+
+    cpu, accumulation, every, max_steps = cfg.device == "cpu", cfg.accumulation_steps, cfg.checkpoint_every_steps, \
+        cfg.max_steps
+
+    class PipelineTrainer(Trainer):
+        def setup_model(self):
+            if cpu:
+                self.local_rank = torch.device("cpu")  # type: ignore[assignment]
+                self.device_type = "cpu"
+            super().setup_model()
+
+        def _optimizers_zero_grad(self):
+            if accumulation == 1:
+                super()._optimizers_zero_grad()
+
+        def train_epoch(self, epoch, *, step_callback=None):
+            self.train_loader.batch_sampler.set_epoch(epoch)
+            steps = len(self.train_loader)  # the whole epoch's (before a resume's fast-skip shortens it)
+            done = [getattr(self, "_resume_local_step", 0) if epoch == self.current_epoch else 0]
+
+            def after_step():
+                done[0] += 1
+                if every and self.global_step % every == 0 and done[0] < steps and \
+                        not (max_steps and self.global_step >= max_steps):
+                    self.maybe_save_checkpoint(epoch, local_step=done[0])
+                if step_callback is not None:
+                    step_callback()
+
+            super().train_epoch(epoch, step_callback=after_step)
+
+        def maybe_save_checkpoint(self, epoch, local_step: int = 0):
+            # in place, as speculators writes it, where each epoch directory is written once (no step checkpoints:
+            # the parent moves an incomplete one aside), and for its "interrupted" save of a stopped attempt
+            if not every or not isinstance(epoch, int):
+                return super().maybe_save_checkpoint(epoch, local_step)
+            root = self.checkpointer.path
+            staging = root / f"{STAGING_PREFIX}{epoch}-{self.global_step}"
+            self.checkpointer.path = staging
+            try:
+                super().maybe_save_checkpoint(epoch, local_step)
+            finally:
+                self.checkpointer.path = root
+            if self.rank == 0 and (staging / str(epoch)).is_dir():
+                put_in_place(root, staging, epoch)
+            if self.is_distributed:
+                dist.barrier()
+
+    return PipelineTrainer
 
 
 def _process_started() -> float:
