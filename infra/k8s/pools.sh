@@ -14,11 +14,7 @@
 # (+ PREFECT_API_AUTH_STRING) names the server these commands talk to.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-env_file=${EAGLE3_CLUSTER_ENV:-$here/cluster.env}
-[[ -f "$env_file" ]] || { echo "$env_file not found: cp infra/k8s/cluster.env.example infra/k8s/cluster.env and edit it (docs/kubernetes.md step 0)" >&2; exit 2; }
-given=$(export -p)  # what the caller exported wins over the file
-set -a; . "$env_file"; set +a
-eval "$given" 2>/dev/null || true  # (a read-only variable stays as it is)
+. "$here/cluster-env.sh"
 : "${EAGLE3_GPU_NODES:?set EAGLE3_GPU_NODES in $env_file to the number of GPU nodes the pipeline may use (docs/kubernetes.md step 0)}"
 infra=$(cd "$here/.." && pwd)
 gpu_limit=$((EAGLE3_GPU_NODES * ${EAGLE3_GPU_JOBS_PER_NODE:-1}))

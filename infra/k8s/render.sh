@@ -8,9 +8,5 @@
 # (EAGLE3_IMAGE, MODEL_REPO, ...). An unset variable stops it, naming the variable; nothing is applied half-filled.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-env_file=${EAGLE3_CLUSTER_ENV:-$here/cluster.env}
-[[ -f "$env_file" ]] || { echo "$env_file not found: cp infra/k8s/cluster.env.example infra/k8s/cluster.env and edit it (docs/kubernetes.md step 0)" >&2; exit 2; }
-given=$(export -p)  # what the caller exported wins over the file
-set -a; . "$env_file"; set +a
-eval "$given" 2>/dev/null || true  # (a read-only variable stays as it is)
+. "$here/cluster-env.sh"
 exec python3 "$here/place.py" manifest "${1:?usage: render.sh infra/k8s/<manifest>.yaml}"
