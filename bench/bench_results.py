@@ -28,7 +28,7 @@ def tiny_default_data(work: Path) -> dict:
     """The tiny default (configs/tiny-cpu.yaml) prepared, extracted and its vocab built in a store under
     `work` (content-addressed: a second call reuses it): {"cfg", "prep", "version", "ext", "voc"}."""
     from eagle3_pipeline.core.config import load_config
-    from eagle3_pipeline.stages import plan_extract, stage_extract, stage_preflight, stage_prepare, stage_vocab
+    from eagle3_pipeline.pipeline.stages import plan_extract, stage_extract, stage_preflight, stage_prepare, stage_vocab
 
     root = Path(__file__).resolve().parents[1]
     tiny = root / ".cache" / "tiny-target"

@@ -128,7 +128,7 @@ def speculators_offline(model: Path, tokenized: str, rows: int, cfg, out: Path, 
     import urllib.request
 
     from eagle3_pipeline.core.config import TargetConfig
-    from eagle3_pipeline.data.prepare import load_tokenized
+    from eagle3_pipeline.data.tokenized import load_tokenized
     from eagle3_pipeline.engine.build import engine_env, extract_hidden_states_config, hidden_states_kv_config
     from eagle3_pipeline.records.contracts import model_dims, resolve_layer_ids
 
@@ -225,7 +225,7 @@ def main() -> None:
 
 def bench_size(size: str, n_rows: int, args) -> dict:
     from eagle3_pipeline.core.config import ExtractConfig, PrepareConfig, SourceConfig, TargetConfig
-    from eagle3_pipeline.data.prepare import prepare
+    from eagle3_pipeline.prepare.stage import prepare
     from eagle3_pipeline.records.shardrun import ShardRun
     from tests.helpers.version import extract_all, make_version  # ROOT is on sys.path (above)
 

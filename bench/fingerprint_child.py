@@ -79,7 +79,7 @@ if __name__ == "__main__":
     from vllm.v1.engine.core_client import InprocClient
 
     from eagle3_pipeline.core.config import EngineConfig, TargetConfig
-    from eagle3_pipeline.data.prepare import load_tokenized
+    from eagle3_pipeline.data.tokenized import load_tokenized
     from eagle3_pipeline.engine.build import build_llm
     from eagle3_pipeline.records.contracts import FP_TOP
 

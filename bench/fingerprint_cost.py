@@ -56,9 +56,9 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from eagle3_pipeline.core.config import ExtractConfig, PrepareConfig, SourceConfig, TargetConfig
     from eagle3_pipeline.core.proc import run_child
-    from eagle3_pipeline.data.prepare import prepare
     from eagle3_pipeline.engine.build import FINGERPRINT_ENGINE_KWARGS, engine_env
     from eagle3_pipeline.engine.prompt_scores import RAW_MODES
+    from eagle3_pipeline.prepare.stage import prepare
 
     work, tiny = Path(args.work), ROOT / ".cache" / "tiny-target"
     t = Table(title=f"fingerprint cost: share of prefill time, {args.rounds} alternating rounds, median (min-max)")

@@ -62,7 +62,7 @@ def _config(name: str, work: Path, rows: int):
 
 
 def measure(name: str, work: Path, rows: int) -> dict:
-    from eagle3_pipeline.stages import plan_extract, stage_extract, stage_preflight, stage_prepare
+    from eagle3_pipeline.pipeline.stages import plan_extract, stage_extract, stage_preflight, stage_prepare
     from eagle3_pipeline.verify.stage import verify
 
     cfg = _config(name, work, rows)

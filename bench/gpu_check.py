@@ -221,7 +221,7 @@ def _margins(rec, cfg) -> tuple[str, object]:
 
 
 def run_target(name: str, out: Path, two_gpus: bool) -> None:
-    from eagle3_pipeline import stages
+    from eagle3_pipeline.pipeline import stages
     from eagle3_pipeline.report.runs import create_run_dir
 
     cfg_path = TARGETS[name][0]

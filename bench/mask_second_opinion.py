@@ -23,7 +23,7 @@ def main() -> None:
     from eagle3_pipeline.core.config import TargetConfig
     from eagle3_pipeline.data import mask_check
     from eagle3_pipeline.data.formats import normalise
-    from eagle3_pipeline.data.prepare import load_tokenizer
+    from eagle3_pipeline.data.tokenized import load_tokenizer
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=400)

@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--work", default=str(ROOT / ".cache" / "bench-online"))
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from eagle3_pipeline.data.prepare import load_tokenized
+    from eagle3_pipeline.data.tokenized import load_tokenized
     from eagle3_pipeline.train.online import HiddenStateServer
 
     work = Path(args.work)

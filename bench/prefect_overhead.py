@@ -64,8 +64,8 @@ def run(args, tmp: Path) -> None:
     from rich.table import Table
 
     from bench_results import record, spread  # bench/ is sys.path[0] when run as a script
-    from eagle3_pipeline import stages
     from eagle3_pipeline.core.config import load_config
+    from eagle3_pipeline.pipeline import stages
     from flows.extract import extract
     from tasks.stage_tasks import gpu_slot
 

@@ -17,7 +17,7 @@ if __name__ == "__main__":
     from vllm.inputs import TokensPrompt
 
     from eagle3_pipeline.core.config import EngineConfig, TargetConfig
-    from eagle3_pipeline.data.prepare import load_tokenized
+    from eagle3_pipeline.data.tokenized import load_tokenized
     from eagle3_pipeline.engine.build import build_llm
 
     prompts = load_tokenized(job["tokenized"])["input_ids"][: job["rows"]]

@@ -18,7 +18,7 @@ from rich.table import Table
 
 from bench_results import record  # bench/ is sys.path[0] when run as a script
 from eagle3_pipeline.core.config import PrepareConfig, SourceConfig, TargetConfig
-from eagle3_pipeline.data.prepare import prepare
+from eagle3_pipeline.prepare.stage import prepare
 
 
 def main() -> None:

@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def tiny_data(config: str, store: str) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from eagle3_pipeline.core.config import load_config
-    from eagle3_pipeline.stages import plan_extract, stage_extract, stage_preflight, stage_prepare
+    from eagle3_pipeline.pipeline.stages import plan_extract, stage_extract, stage_preflight, stage_prepare
 
     tiny = ROOT / ".cache" / "tiny-target"
     cfg = load_config(config, [f"store={store}", f"target.model={tiny}",
@@ -102,7 +102,7 @@ def evict(files: list[Path]) -> None:
 
 def in_memory(data: dict, files: list[Path]) -> tuple:
     """(spec, batches): every record of `data` read once into arenas of its own (kept, not reused)."""
-    from eagle3_pipeline.data.prepare import load_tokenized
+    from eagle3_pipeline.data.tokenized import load_tokenized
     from eagle3_pipeline.records.contracts import RecordSpec
     from eagle3_pipeline.verify import scan
     from eagle3_pipeline.verify.structure import _row_items

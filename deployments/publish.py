@@ -15,8 +15,8 @@ import argparse
 import json
 
 from eagle3_pipeline.core.config import PipelineConfig, load_config
-from eagle3_pipeline.data.prepare import PrepareResult
-from eagle3_pipeline.stages import stage_prepare
+from eagle3_pipeline.data.tokenized import PrepareResult
+from eagle3_pipeline.pipeline.stages import stage_prepare
 from tasks.stage_tasks import publish_dataset_event
 
 

@@ -221,7 +221,7 @@ def make_real_target(out: Annotated[Path | None, typer.Option(help="model direct
 def prepare(config: ConfigOpt, set_: SetOpt = None) -> None:
     """Run only the prepare stage (content-addressed: a repeated call reuses the version)."""
     from eagle3_pipeline.core.config import check_target, load_config
-    from eagle3_pipeline.stages import stage_prepare
+    from eagle3_pipeline.pipeline.stages import stage_prepare
 
     cfg = check_target(load_config(config, set_ or []))
     _hub_secret(cfg)
@@ -237,7 +237,7 @@ def regenerate(config: ConfigOpt, set_: SetOpt = None) -> None:
     """Run only the regenerate stage: the target answers the sources' turns (whatever regenerate.enabled
     says; content-addressed: a repeated call reuses the version, a rerun does only unpublished shards)."""
     from eagle3_pipeline.core.config import check_target, load_config
-    from eagle3_pipeline.stages import stage_regenerate
+    from eagle3_pipeline.pipeline.stages import stage_regenerate
 
     cfg = check_target(load_config(config, set_ or []))
     _hub_secret(cfg)
@@ -251,7 +251,7 @@ def regenerate(config: ConfigOpt, set_: SetOpt = None) -> None:
 
 def _regenerated(cfg):
     """With regenerate.enabled: the regenerated version prepare reads (from the store when complete)."""
-    from eagle3_pipeline.stages import stage_regenerate
+    from eagle3_pipeline.pipeline.stages import stage_regenerate
 
     return stage_regenerate(cfg, log=console.print) if cfg.regenerate.enabled else None
 
@@ -282,8 +282,8 @@ def extract(config: ConfigOpt, set_: SetOpt = None) -> None:
     """Prepare (from the store when unchanged), preflight, and extract with a live progress bar."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from eagle3_pipeline import stages
     from eagle3_pipeline.core.config import check_target, load_config
+    from eagle3_pipeline.pipeline import stages
 
     cfg = check_target(load_config(config, set_ or []))
     prep, version = _prepared(cfg)
@@ -308,7 +308,7 @@ def extract(config: ConfigOpt, set_: SetOpt = None) -> None:
 def _prepared(cfg):
     """Prepare (answered from the store when unchanged), preflight and the extract version: what every
     single-stage command starts from (seconds when the data is already prepared)."""
-    from eagle3_pipeline import stages
+    from eagle3_pipeline.pipeline import stages
 
     _hub_secret(cfg)
     prep = stages.stage_prepare(cfg, log=console.print, regenerated=_regenerated(cfg))
@@ -327,8 +327,8 @@ def _published(cfg, version):
 @exits
 def verify(config: ConfigOpt, set_: SetOpt = None) -> None:
     """Run only the verify gate on this config's extraction (prepared and extracted data are reused)."""
-    from eagle3_pipeline import stages
     from eagle3_pipeline.core.config import check_target, load_config
+    from eagle3_pipeline.pipeline import stages
 
     cfg = check_target(load_config(config, set_ or []))
     _, version = _prepared(cfg)
@@ -343,8 +343,8 @@ def verify(config: ConfigOpt, set_: SetOpt = None) -> None:
 def train(config: ConfigOpt, set_: SetOpt = None) -> None:
     """Run only vocab + train on this config's verified extraction (resumes a checkpoint dir); with
     train.mode online, on a vLLM server of the target started for it (no extraction needed)."""
-    from eagle3_pipeline import stages
     from eagle3_pipeline.core.config import check_target, load_config
+    from eagle3_pipeline.pipeline import stages
 
     cfg = check_target(load_config(config, set_ or []))
     prep, version = _prepared(cfg)
@@ -433,11 +433,11 @@ def evaluate(config: ConfigOpt, set_: SetOpt = None,
              draft: DraftOpt = None) -> None:
     """Run only the evaluate gate on the draft this config trained (trains nothing); with --draft, compare
     the given checkpoints on this config's prompts instead (no gate)."""
-    from eagle3_pipeline import stages
     from eagle3_pipeline.core.config import check_target, load_config
+    from eagle3_pipeline.pipeline import stages
     from eagle3_pipeline.report.runs import create_run_dir
     from eagle3_pipeline.train.stage import RECORD_NAME, TrainResult
-    from eagle3_pipeline.train.vocab import VocabResult
+    from eagle3_pipeline.vocab.stage import VocabResult
 
     cfg = check_target(load_config(config, set_ or []))
     if draft:
@@ -474,7 +474,7 @@ def gc(keep: Annotated[int, typer.Option("--keep", min=1, help="versions to keep
        set_: SetOpt = None) -> None:
     """Remove all but the N newest versions of each dataset, then record-pool files no kept version links."""
     from eagle3_pipeline.core.config import load_config
-    from eagle3_pipeline.store_gc import gc as store_gc
+    from eagle3_pipeline.pipeline.store_gc import gc as store_gc
 
     root = store or (Path(load_config(config, set_ or []).store) if config else None)
     if root is None:

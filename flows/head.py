@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from eagle3_pipeline.core.config import PipelineConfig, check_target
-from eagle3_pipeline.data.prepare import PrepareResult
+from eagle3_pipeline.data.tokenized import PrepareResult
 from eagle3_pipeline.preflight.stage import PreflightResult
 from eagle3_pipeline.records.layout import ExtractVersion
 from tasks import stage_tasks as t

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from prefect import flow
 
-from eagle3_pipeline import stages
 from eagle3_pipeline.core.config import PipelineConfig, SourceConfig, load_config
 from eagle3_pipeline.core.store import read_json
+from eagle3_pipeline.pipeline import stages
 from eagle3_pipeline.records.layout import ExtractVersion
 from flows.head import prepare_run
 from flows.hub_auth import use_hub_secret

@@ -23,12 +23,12 @@ from pydantic import BaseModel
 
 from eagle3_pipeline.core.cluster import job_variables
 from eagle3_pipeline.core.config import PipelineConfig
-from eagle3_pipeline.data.prepare import PrepareResult
+from eagle3_pipeline.data.tokenized import PrepareResult
 from eagle3_pipeline.evaluate.stage import EvaluateReport
 from eagle3_pipeline.records.layout import ExtractVersion
 from eagle3_pipeline.train.stage import TrainResult
-from eagle3_pipeline.train.vocab import VocabResult
 from eagle3_pipeline.verify.stage import VerifyResult
+from eagle3_pipeline.vocab.stage import VocabResult
 from flows.fanout import flow_run_link, with_api_retry
 from flows.hub_auth import use_hub_secret
 from flows.pods import StartWatch, pod_source

@@ -1,4 +1,4 @@
-"""Thin Prefect tasks around the stage functions of `eagle3_pipeline.stages`.
+"""Thin Prefect tasks around the stage functions of `eagle3_pipeline.pipeline.stages`.
 
 Each task is one core call plus what Prefect adds: logging through the run logger, retries, tags, timeouts and
 artifacts. A stage's task is named, retried and kept out of Prefect's cache from the registry (`stage_task`): gates
@@ -37,12 +37,12 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from eagle3_pipeline import registry, stages
 from eagle3_pipeline.core.config import PipelineConfig
 from eagle3_pipeline.core.errors import is_transient
 from eagle3_pipeline.core.proc import ChildFailed
 from eagle3_pipeline.core.store import slug
-from eagle3_pipeline.data.prepare import PrepareResult
+from eagle3_pipeline.data.tokenized import PrepareResult
+from eagle3_pipeline.pipeline import registry, stages
 from eagle3_pipeline.preflight.stage import PreflightResult
 from eagle3_pipeline.records.layout import ExtractVersion
 from eagle3_pipeline.report.record import RunReport

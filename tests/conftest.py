@@ -1,6 +1,6 @@
 """Session fixtures: the tiny target (built once), a tiny pipeline config on a temporary store, and
 the stage records that several integration tests share (one prepare, one extraction per session).
-The records are the stages' own typed ones (stages.py): PrepareResult, PreflightResult, the
+The records are the stages' own typed ones (pipeline/stages.py): PrepareResult, PreflightResult, the
 ExtractVersion of layout.py and the ExtractResult. Helpers live in the package tests/helpers/."""
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def tiny_config(tiny_target, store_root):
 @pytest.fixture(scope="session")
 def prepared(tiny_config):
     """The PrepareResult of the tiny config."""
-    from eagle3_pipeline.stages import stage_prepare
+    from eagle3_pipeline.pipeline.stages import stage_prepare
 
     return stage_prepare(tiny_config)
 
@@ -115,7 +115,7 @@ def tokenized(prepared) -> Path:
 @pytest.fixture(scope="session")
 def preflighted(tiny_config, prepared):
     """The PreflightResult (dims, layer ids) of the tiny config."""
-    from eagle3_pipeline.stages import stage_preflight
+    from eagle3_pipeline.pipeline.stages import stage_preflight
 
     return stage_preflight(tiny_config, prepared)
 
@@ -123,7 +123,7 @@ def preflighted(tiny_config, prepared):
 @pytest.fixture(scope="session")
 def extract_version(tiny_config, prepared, preflighted):
     """The ExtractVersion the pipeline plans for the tiny config (layout.plan_extract)."""
-    from eagle3_pipeline.stages import plan_extract
+    from eagle3_pipeline.pipeline.stages import plan_extract
 
     return plan_extract(tiny_config, prepared, preflighted)
 
@@ -132,7 +132,7 @@ def extract_version(tiny_config, prepared, preflighted):
 def extracted(tiny_config, extract_version) -> SimpleNamespace:
     """One real vLLM extraction of the tiny prepared data, shared by the session: its ExtractVersion
     (`version`), its ExtractResult (`record`) and the fields tests use most."""
-    from eagle3_pipeline.stages import stage_extract
+    from eagle3_pipeline.pipeline.stages import stage_extract
 
     v = extract_version
     rec = stage_extract(tiny_config, v)
@@ -167,7 +167,7 @@ def small_reference(tiny_target, tmp_path_factory) -> SimpleNamespace:
     concurrency tests compare their stores with byte for byte: the config, the stage records (prep,
     pre, ext) and the ExtractVersion (`version`; relocate it with `version.model_copy(update={"dir": ..., "pool_dir": None})`)."""
     from eagle3_pipeline.core.config import load_config
-    from eagle3_pipeline.stages import plan_extract, stage_extract, stage_preflight, stage_prepare
+    from eagle3_pipeline.pipeline.stages import plan_extract, stage_extract, stage_preflight, stage_prepare
 
     cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml", small_overrides(tiny_target, tmp_path_factory.mktemp("small-ref")))
     quiet = lambda _: None  # noqa: E731

@@ -68,7 +68,7 @@ def _relocated(ref, out: Path):
 
 
 def _resume_and_compare(ref, out: Path) -> list[str]:
-    from eagle3_pipeline.stages import stage_extract_group
+    from eagle3_pipeline.pipeline.stages import stage_extract_group
 
     lines: list[str] = []
     recs = stage_extract_group(ref.cfg, _relocated(ref, out), ref.version.groups[0], log=lines.append)
@@ -81,7 +81,7 @@ def _resume_and_compare(ref, out: Path) -> list[str]:
 
 @pytest.mark.parametrize("trial", range(ENGINE_TRIALS))
 def test_engine_child_killed(trial, small_reference, tag, tmp_path, monkeypatch):
-    from eagle3_pipeline.stages import stage_extract_group
+    from eagle3_pipeline.pipeline.stages import stage_extract_group
 
     ref = small_reference
     rng = trial_rng("engine", trial)
@@ -125,7 +125,7 @@ PARENT = """
 import sys
 from eagle3_pipeline.core.config import load_config
 from eagle3_pipeline.records.layout import ExtractVersion
-from eagle3_pipeline.stages import stage_extract_group
+from eagle3_pipeline.pipeline.stages import stage_extract_group
 cfg = load_config(sys.argv[1])
 version = ExtractVersion.model_validate_json(open(sys.argv[2]).read())
 stage_extract_group(cfg, version, version.groups[0], log=lambda m: print(m, flush=True))

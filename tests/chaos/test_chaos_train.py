@@ -40,7 +40,7 @@ pytestmark = pytest.mark.timeout(600)
 @pytest.fixture(scope="module")
 def inputs(small_reference):
     from eagle3_pipeline.core.config import TargetConfig
-    from eagle3_pipeline.stages import stage_vocab
+    from eagle3_pipeline.pipeline.stages import stage_vocab
 
     ref = small_reference
     voc = stage_vocab(ref.cfg, ref.prep, ref.version, log=lambda _: None)

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.timeout(900)
 
 @pytest.fixture(scope="module")
 def inputs(tiny_config, tiny_target, prepared, extracted):
-    from eagle3_pipeline.stages import stage_vocab
+    from eagle3_pipeline.pipeline.stages import stage_vocab
 
     voc = stage_vocab(tiny_config, prepared, extracted.version, log=lambda _: None)
     cfg = tiny_config.train.model_copy(update={"nodes": 2, "world_size": 1, "epochs": 1, "max_steps": 14,

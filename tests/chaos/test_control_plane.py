@@ -156,7 +156,7 @@ def _config(tiny_target: Path, store: Path):
 
 
 def _plan(cfg):
-    from eagle3_pipeline.stages import plan_extract, stage_preflight, stage_prepare
+    from eagle3_pipeline.pipeline.stages import plan_extract, stage_preflight, stage_prepare
 
     quiet = lambda _: None  # noqa: E731
     prep = stage_prepare(cfg, log=quiet)
@@ -166,7 +166,7 @@ def _plan(cfg):
 @pytest.fixture(scope="module")
 def undisturbed(tiny_target, tmp_path_factory):
     """The same extraction, undisturbed and without Prefect (the stage function): what every run must equal."""
-    from eagle3_pipeline.stages import stage_extract
+    from eagle3_pipeline.pipeline.stages import stage_extract
 
     cfg = _config(tiny_target, tmp_path_factory.mktemp("cp-reference"))
     version = _plan(cfg)

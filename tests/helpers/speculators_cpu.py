@@ -74,7 +74,7 @@ def speculators_train_argv(target: Path, tokenized: Path, hidden_states: Path, v
                            seed: int = 0, val_ratio: float = 0.1) -> list[str]:
     """`speculators train` flags for the draft train_draft builds (1 llama layer, full attention,
     kl_div), with what CPU needs: sdpa attention, eager loss, no loader workers, never generate."""
-    from eagle3_pipeline.train.vocab import vocab_paths
+    from eagle3_pipeline.records.vocab import vocab_paths
 
     d2t, t2d = vocab_paths(vocab_dir)
     argv = [sys.executable, "-u", str(Path(__file__).resolve()),

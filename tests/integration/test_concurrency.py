@@ -124,7 +124,7 @@ def test_lock_is_reentrant_in_one_thread_and_names_its_holder(tmp_path):
 
 RUNNER = """
 import sys
-from eagle3_pipeline import stages
+from eagle3_pipeline.pipeline import stages
 from eagle3_pipeline.core.config import load_config
 say = lambda m: print(m, flush=True)
 cfg = load_config(sys.argv[1])

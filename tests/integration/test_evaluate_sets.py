@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from eagle3_pipeline.core.config import EvaluateConfig, TargetConfig
-from eagle3_pipeline.data.prepare import load_tokenizer
+from eagle3_pipeline.data.tokenized import load_tokenizer
 from eagle3_pipeline.evaluate.stage import sampling_warning
 from eagle3_pipeline.records.contracts import default_aux_layer_ids, model_dims
 from tests.helpers.draft import make_random_draft

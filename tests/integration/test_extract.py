@@ -19,7 +19,7 @@ import pytest
 
 from eagle3_pipeline.core.config import ExtractConfig, TargetConfig
 from eagle3_pipeline.core.proc import ChildFailed, python_child
-from eagle3_pipeline.data.prepare import load_tokenized
+from eagle3_pipeline.data.tokenized import load_tokenized
 from eagle3_pipeline.extract.stage import ExtractFailed, extract_group
 from eagle3_pipeline.extract.worker import KILL_AFTER_ENV, ExtractJob, ShardSpec
 from eagle3_pipeline.records import shardrun as run_mod

@@ -17,7 +17,7 @@ def _task_states(flow_state) -> dict[str, str]:
 
 def test_retry_runs_only_the_failed_shard_group(tiny_config, tiny_target, prefect_harness, tmp_path, monkeypatch):
     from eagle3_pipeline.extract.worker import FAIL_SHARDS_ENV
-    from eagle3_pipeline.stages import plan_extract, stage_preflight, stage_prepare
+    from eagle3_pipeline.pipeline.stages import plan_extract, stage_preflight, stage_prepare
     from flows.extract import extract
 
     corpus = tiny_target / "corpus"

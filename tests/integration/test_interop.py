@@ -9,7 +9,7 @@ def test_speculators_arrow_dataset_reads_our_files(extracted):
 
     ds = ArrowDataset(max_len=4096, datapath=str(extracted.tokenized), transfer=FileTransfer(extracted.hidden_states),
                       on_missing="raise")
-    from eagle3_pipeline.data.prepare import load_tokenized
+    from eagle3_pipeline.data.tokenized import load_tokenized
 
     ours = load_tokenized(extracted.tokenized)
     assert len(ds) == len(ours) and ds.approx_lengths == ours["seq_len"]

@@ -37,7 +37,7 @@ def _servers_left() -> list[str]:
 
 
 def _run_online(cfg, log_lines: list[str]):
-    from eagle3_pipeline.stages import plan_extract, stage_preflight, stage_prepare, stage_train, stage_vocab
+    from eagle3_pipeline.pipeline.stages import plan_extract, stage_preflight, stage_prepare, stage_train, stage_vocab
 
     prep = stage_prepare(cfg, log=log_lines.append)
     pre = stage_preflight(cfg, prep, log=log_lines.append)
@@ -98,7 +98,7 @@ def test_online_training_takes_every_row_from_the_server(llama_online):
 
 
 def test_online_train_key_differs_from_offline(llama_online):
-    from eagle3_pipeline.stages import train_key
+    from eagle3_pipeline.pipeline.stages import train_key
 
     cfg, version, tr, _ = llama_online
     offline = cfg.model_copy(update={"train": cfg.train.model_copy(update={"mode": "offline"})})

@@ -21,7 +21,7 @@ BUILDERS = {"qwen3-6-layers": (random_qwen3, [1, 3, 5, 6]), "deepseek-v3-mla-moe
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
 def clean_run(request, tiny_target, tmp_path_factory):
-    from eagle3_pipeline.stages import plan_extract, stage_extract, stage_preflight, stage_prepare
+    from eagle3_pipeline.pipeline.stages import plan_extract, stage_extract, stage_preflight, stage_prepare
 
     build, ids = BUILDERS[request.param]
     root = tmp_path_factory.mktemp(request.param)

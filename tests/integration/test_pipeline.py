@@ -90,8 +90,14 @@ def test_corrupted_extraction_stops_before_training_and_rerun_repairs(pipeline_r
     the next extract re-does exactly its shard (from the record pool when it holds the clean record)."""
     from safetensors.torch import load_file, save_file
 
+    from eagle3_pipeline.pipeline.stages import (
+        plan_extract,
+        stage_extract,
+        stage_preflight,
+        stage_prepare,
+        stage_verify,
+    )
     from eagle3_pipeline.report.runs import create_run_dir
-    from eagle3_pipeline.stages import plan_extract, stage_extract, stage_preflight, stage_prepare, stage_verify
     from flows.pipeline import pipeline
 
     _, rep = pipeline_run

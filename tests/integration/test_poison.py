@@ -23,8 +23,14 @@ def test_a_failed_verify_keeps_nothing_the_failed_engine_wrote(tiny_target, tmp_
     import datasets
 
     from eagle3_pipeline.core.config import load_config
+    from eagle3_pipeline.pipeline.stages import (
+        plan_extract,
+        stage_extract,
+        stage_preflight,
+        stage_prepare,
+        stage_verify,
+    )
     from eagle3_pipeline.records.shardrun import ShardRun
-    from eagle3_pipeline.stages import plan_extract, stage_extract, stage_preflight, stage_prepare, stage_verify
     from eagle3_pipeline.verify.stage import VerifyFailed
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))

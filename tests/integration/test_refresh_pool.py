@@ -45,7 +45,7 @@ def _cfg(tiny_target: Path, store: Path, limit: int):
 
 
 def _ids_by_row(version) -> dict[int, bytes]:
-    from eagle3_pipeline.data.prepare import load_tokenized
+    from eagle3_pipeline.data.tokenized import load_tokenized
 
     ds = load_tokenized(version.tokenized_dir)
     return {i: hashlib.sha256(str(ids).encode()).digest() for i, ids in enumerate(ds["input_ids"])}
@@ -53,7 +53,13 @@ def _ids_by_row(version) -> dict[int, bytes]:
 
 @pytest.fixture(scope="module")
 def refreshed(tiny_target, tmp_path_factory):
-    from eagle3_pipeline.stages import plan_extract, stage_extract, stage_preflight, stage_prepare, stage_verify
+    from eagle3_pipeline.pipeline.stages import (
+        plan_extract,
+        stage_extract,
+        stage_preflight,
+        stage_prepare,
+        stage_verify,
+    )
 
     store = tmp_path_factory.mktemp("refresh-store")
     out = {}
@@ -120,7 +126,7 @@ def test_verify_reads_only_new_records(refreshed):
 def test_heldout_conversations_stay_held_out(refreshed):
     import json
 
-    from eagle3_pipeline.data.prepare import load_tokenized
+    from eagle3_pipeline.data.tokenized import load_tokenized
 
     held = {}
     train = {}
@@ -137,8 +143,8 @@ def test_heldout_conversations_stay_held_out(refreshed):
 
 def test_rejected_pooled_record_leaves_the_pool(refreshed, tmp_path):
     """Verify moves a bad record away; when it was a link to the pool, the pool forgets it too."""
+    from eagle3_pipeline.pipeline.stages import stage_verify
     from eagle3_pipeline.records.pool import row_keys, version_pool
-    from eagle3_pipeline.stages import stage_verify
     from eagle3_pipeline.verify.stage import VerifyFailed
 
     b = refreshed["second"]
@@ -161,7 +167,7 @@ def test_rejected_pooled_record_leaves_the_pool(refreshed, tmp_path):
 def test_rows_linked_from_the_pool_have_their_masks_checked(refreshed):
     """A row linked from the pool gets its prepared row's hash when it is linked: verify judges every
     row's tokens and loss mask (reused records' too), and a shifted mask on a linked row fails."""
-    from eagle3_pipeline.data.prepare import load_tokenized
+    from eagle3_pipeline.data.tokenized import load_tokenized
     from eagle3_pipeline.records.shardrun import ShardRun
     from eagle3_pipeline.verify.masks import mask_problems
 

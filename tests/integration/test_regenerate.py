@@ -221,8 +221,8 @@ def test_a_changed_published_shard_is_regenerated_not_trusted(llama, tmp_path):
 
 
 def test_prepare_reads_the_regenerated_rows_and_keeps_heldout_out_of_training(llama):
-    from eagle3_pipeline.data.prepare import load_tokenized
-    from eagle3_pipeline.stages import stage_prepare
+    from eagle3_pipeline.data.tokenized import load_tokenized
+    from eagle3_pipeline.pipeline.stages import stage_prepare
 
     plain = stage_prepare(llama.cfg, log=lambda _: None)
     regen = stage_prepare(llama.cfg, log=lambda _: None, regenerated=llama.res)
@@ -297,7 +297,7 @@ def test_moe_keeps_tools_and_tool_turns_and_splits_thinking(moe):
 
 
 def test_moe_regenerated_rows_tokenize(moe):
-    from eagle3_pipeline.stages import stage_prepare
+    from eagle3_pipeline.pipeline.stages import stage_prepare
 
     prep = stage_prepare(moe.cfg, log=lambda _: None, regenerated=moe.res)
     assert prep.rows_in == moe.res.rows_out and prep.rows_quarantined == 0, Path(prep.quarantine).read_text()[:2000]

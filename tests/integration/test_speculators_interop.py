@@ -20,7 +20,7 @@ STEPS = 6
 
 @pytest.fixture(scope="module")
 def vocab_dir(tiny_config, prepared, extracted) -> Path:
-    from eagle3_pipeline.stages import stage_vocab
+    from eagle3_pipeline.pipeline.stages import stage_vocab
 
     return Path(stage_vocab(tiny_config, prepared, extracted.version, log=lambda _: None).dir)
 

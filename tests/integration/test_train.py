@@ -30,7 +30,7 @@ from eagle3_pipeline.train.worker import KILL_ENV
 
 @pytest.fixture(scope="module")
 def inputs(tiny_config, tiny_target, prepared, extracted):
-    from eagle3_pipeline.stages import stage_vocab
+    from eagle3_pipeline.pipeline.stages import stage_vocab
 
     voc = stage_vocab(tiny_config, prepared, extracted.version, log=lambda _: None)
     assert voc.coverage > 0.9
@@ -298,7 +298,7 @@ def test_trained_checkpoint_is_served_by_vllm(trained, inputs, tmp_path):
     target on held-out prompts: drafts are accepted (τ well above the untrained 1.0x), and greedy
     speculative decoding reproduces the target's own greedy tokens."""
     from eagle3_pipeline.evaluate.stage import evaluate_draft
-    from eagle3_pipeline.stages import heldout_prompts
+    from eagle3_pipeline.pipeline.stages import heldout_prompts
 
     cfg = EvaluateConfig(num_prompts=8, num_speculative_tokens=3, max_tokens=32, check_lossless=True, timeout_s=600)
     r = evaluate_draft(cfg, inputs.target, trained.res.checkpoint_best, heldout_prompts(inputs.prepared, 8),

@@ -22,7 +22,7 @@ GLOBAL_BATCH = 1024  # tokens per optimizer step: 2 packed rows of 512
 
 @pytest.fixture(scope="module")
 def inputs(tiny_config, tiny_target, prepared, extracted):
-    from eagle3_pipeline.stages import stage_vocab
+    from eagle3_pipeline.pipeline.stages import stage_vocab
 
     voc = stage_vocab(tiny_config, prepared, extracted.version, log=lambda _: None)
     return SimpleNamespace(version=extracted.version, vocab_dir=Path(voc.dir), target=TargetConfig(model=str(tiny_target)))

@@ -125,7 +125,7 @@ def test_refresh_schedule_and_unchanged_data(pipeline_run, client, controller, s
 def test_deployed_engine_task_refuses_to_run_without_the_gpu_limit(pipeline_run, client, nodes):
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 
-    from eagle3_pipeline.stages import plan_extract, stage_preflight, stage_prepare
+    from eagle3_pipeline.pipeline.stages import plan_extract, stage_preflight, stage_prepare
 
     cfg = pipeline_run.cfg
     prep = stage_prepare(cfg)

@@ -63,7 +63,7 @@ def test_fanout_waits_for_a_slow_pod_and_gives_up_an_unschedulable_one(client, d
     from prefect import flow
 
     from eagle3_pipeline.core.cluster import start_deadline_s
-    from eagle3_pipeline.stages import plan_extract, stage_preflight, stage_prepare
+    from eagle3_pipeline.pipeline.stages import plan_extract, stage_preflight, stage_prepare
     from flows import fanout
 
     cfg = server_config("podstart", "sharegpt.jsonl", "extract.parallel_groups=2", *SHORT_START)

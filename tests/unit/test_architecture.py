@@ -1,5 +1,5 @@
 """The layout rules of the code (README.md, "Stages, and where their code is"), checked on the source (parsed with `ast`;
-the list of stages is the registry's, eagle3_pipeline/registry.py, which imports the stage modules):
+the list of stages is the registry's, eagle3_pipeline/pipeline/registry.py, which imports the stage modules):
   - the core (src/eagle3_pipeline) never imports Prefect, not even inside a function;
   - the import direction is flows -> tasks -> eagle3_pipeline: tasks/ never imports flows/;
   - one place builds a vLLM engine: nothing but src/eagle3_pipeline/engine/build.py constructs `vllm.LLM`
@@ -7,9 +7,11 @@ the list of stages is the registry's, eagle3_pipeline/registry.py, which imports
   - one shape per stage: a stage's child is `<stage>/worker.py`, never a top-level `*_worker.py`;
     each stage package has `stage.py` (the glue the flow calls) and an `__init__.py` of at most 60 lines;
   - layers: the ground floor (the rooms core, records, data, engine, checks, tiny, targets) never imports a
-    stage package (STAGES), and a stage package never imports a sibling stage package; shared pieces live on
-    the ground floor;
-  - floors: the ground floor is rooms only, and a room imports only rooms on the floors below it (FLOORS);
+    stage package (STAGES), and a stage package never imports a sibling stage package, prepare included (its
+    dataset reader is data/tokenized.py); shared pieces live on the ground floor; nothing below the pipeline
+    room (ABOVE_STAGES) imports it;
+  - floors: the package root holds folders only (and __init__.py), each a room (FLOORS), a stage (the registry's)
+    or the pipeline room above them, and a room imports only rooms on the floors below it;
   - no private name (`_x`) is imported across a module line (the core, flows/, tasks/);
   - the stage interface: every registered stage declares `STAGE = StageSpec(...)` (core/stage_spec.py) that
     matches it (entry, record, error, worker), its entry is called by the pipeline, and a stage that holds
@@ -27,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_pipeline import registry
+from eagle3_pipeline.pipeline import registry
 
 ROOT = Path(__file__).resolve().parents[2]
 CORE = ROOT / "src" / "eagle3_pipeline"
@@ -91,17 +93,18 @@ def top_level_workers(package_dir: Path) -> list[str]:
     return sorted(p.name for p in Path(package_dir).glob("*_worker.py"))
 
 
-# The stage packages: the registered stages (eagle3_pipeline.registry.STAGES, which imports every stage module and
-# no Prefect) that have a package of their own; UNPACKAGED, the ones that do not yet, can only shrink.
+# The stage packages: the registered stages (eagle3_pipeline.pipeline.registry.STAGES, which imports every stage
+# module and no Prefect), each a package of its own with its STAGE in <name>/stage.py.
 REGISTERED = {s.name: s for s in registry.STAGES}
-UNPACKAGED = {"prepare": "data/prepare.py", "vocab": "train/vocab.py"}  # their STAGE is in that module
-STAGES = tuple(n for n in REGISTERED if n not in UNPACKAGED)
+STAGES = tuple(REGISTERED)
 # The ground floor's rooms, floor by floor: a room imports its own modules and rooms on the floors below,
 # never a room beside or above it; the stage packages and ABOVE_STAGES stand on all of them.
 FLOORS = (("core",), ("records", "data"), ("engine", "checks", "tiny"), ("targets",))
 ROOMS = {room: n for n, floor in enumerate(FLOORS) for room in floor}
-# Top-level modules that sit above the stages, each with why it must import them.
-ABOVE_STAGES = {
+# The room above the stages, and why each of its modules must import them.
+ABOVE_STAGES = "pipeline"
+PIPELINE_MODULES = {
+    "__init__.py": "the room's map",
     "registry.py": "the one ordered list of the stages' StageSpecs: it reads every stage's STAGE",
     "stages.py": "the glue the tasks call: one stage_<name> function per stage",
     "store_gc.py": "gc sweeps what every stage keeps (versions, the record pool, the pool's verify caches)",
@@ -122,7 +125,7 @@ PARAM_EXCEPTIONS = {
     "core/proc.py:run_child": "the one child runner: its keyword options (deadline, log, callbacks, env) are its interface",
     "core/proc.py:_spawn": "run_child's process start; takes run_child's options",
     "report/stage.py:build_report": "one record per stage result; a typed run record next",
-    "stages.py:stage_evaluate": "the glue takes the earlier stages' records one by one, as the flow holds them",
+    "pipeline/stages.py:stage_evaluate": "the glue takes the earlier stages' records one by one, as the flow holds them",
     "tiny/build_cache.py:cached_build": "tiny/ keys the kept builds: changing it forces a rebuild",
     "tiny/training.py:train_lm": "tiny/ keys the kept builds: changing it forces a rebuild",
     "train/online.py:__init__": "HiddenStateServer: the server's engine settings, version, work dir, deadlines, log",
@@ -139,7 +142,7 @@ MAX_LISTED = 6  # at most this many functions over MAX_LINES
 # Functions over MAX_LINES lines today, "path:function" -> (its length cap, why), in one line; a cap is the
 # function's length when it was listed, and caps only go down: the list can only shrink. Core, flows/, tasks/.
 LONG_FUNCTIONS = {
-    "data/prepare.py:_encode_chunk": (79, "one pass per row: render, tokenize, mask, trim and quarantine, counting each reason"),
+    "prepare/stage.py:_encode_chunk": (79, "one pass per row: render, tokenize, mask, trim and quarantine, counting each reason"),
     "preflight/stage.py:preflight": (80, "the checks in the order a user reads them; each adds a problem or a warning"),
     "targets/smollm2.py:build_smollm2": (66, "GGUF tensors to HF names, tokenizer and template, written in the build's order"),
     "train/export.py:export_check": (79, "one check per property of an exported draft, each with its own message"),
@@ -190,9 +193,9 @@ def floor_violations(module: str, source: str) -> list[str]:
 
 
 def above_stages(module: str) -> bool:
-    """Whether a dotted module is one of those that stand above the stages (ABOVE_STAGES: stages.py, registry.py...)."""
+    """Whether a dotted module is in the room that stands above the stages (ABOVE_STAGES: pipeline/)."""
     parts = module.split(".")
-    return len(parts) > 1 and parts[0] == "eagle3_pipeline" and f"{parts[1]}.py" in ABOVE_STAGES
+    return len(parts) > 1 and parts[0] == "eagle3_pipeline" and parts[1] == ABOVE_STAGES
 
 
 def layer_violations(module: str, source: str) -> list[str]:
@@ -273,18 +276,21 @@ def test_ground_floor_never_imports_a_stage():
     bad = {}
     for p, src in _sources(CORE).items():
         mod = module_of(p)
-        if stage_of(mod) is None and p.relative_to(CORE).as_posix() not in ABOVE_STAGES:
+        if stage_of(mod) is None and not above_stages(mod):
             if hits := layer_violations(mod, src):
                 bad[str(p.relative_to(ROOT))] = hits
     assert bad == {}, f"the ground floor imports a stage package (move the shared piece down): {bad}"
-    assert all((CORE / m).is_file() for m in ABOVE_STAGES), "ABOVE_STAGES names a module that is gone"
+    here = {p.name for p in (CORE / ABOVE_STAGES).glob("*.py")}
+    assert here == set(PIPELINE_MODULES), \
+        f"pipeline/ holds {sorted(here)}: PIPELINE_MODULES names {sorted(PIPELINE_MODULES)} (each with why it is above the stages)"
 
 
 def test_the_ground_floor_is_rooms_and_each_stands_on_the_floors_below():
-    loose = sorted(p.name for p in CORE.glob("*.py") if p.name != "__init__.py" and p.name not in ABOVE_STAGES)
-    assert loose == [], f"modules loose on the ground floor (put each in its room, FLOORS): {loose}"
+    loose = sorted(p.name for p in CORE.glob("*.py") if p.name != "__init__.py")
+    assert loose == [], f"modules loose in the package root (put each in its room, FLOORS, or in pipeline/): {loose}"
     packages = {p.parent.name for p in CORE.glob("*/*.py")}  # tiny/ is a namespace package
-    assert packages - set(ROOMS) - set(STAGES) == set(), "a package that is neither a room (FLOORS) nor a stage (STAGES)"
+    assert packages - set(ROOMS) - set(STAGES) - {ABOVE_STAGES} == set(), \
+        "a package that is neither a room (FLOORS), a stage (the registry's) nor the pipeline room"
     assert set(ROOMS) <= packages, f"FLOORS names a room that is gone: {set(ROOMS) - packages}"
     bad = {}
     for room in ROOMS:
@@ -401,11 +407,14 @@ def test_layer_checker_finds_crossings():
         ["line 2: eagle3_pipeline.verify"]
     assert layer_violations("eagle3_pipeline.train.online", "from eagle3_pipeline.verify import gate\n") == \
         ["line 1: eagle3_pipeline.verify"]
-    assert layer_violations("eagle3_pipeline.report.record", "def f():\n    from eagle3_pipeline.registry import STAGES\n") == \
-        ["line 2: eagle3_pipeline.registry"]
+    assert layer_violations("eagle3_pipeline.report.record", "def f():\n    from eagle3_pipeline.pipeline.registry import STAGES\n") == \
+        ["line 2: eagle3_pipeline.pipeline"]
+    # prepare is a stage like any other: its dataset reader is on the ground floor (data/tokenized.py)
+    assert layer_violations("eagle3_pipeline.verify.masks", "from eagle3_pipeline.prepare.stage import load_tokenized\n") == \
+        ["line 1: eagle3_pipeline.prepare"]
     # a stage's own modules, the ground floor and other packages are fine
-    assert layer_violations("eagle3_pipeline.train.stage", "from eagle3_pipeline.train.vocab import x\n"
-                            "from eagle3_pipeline.records.contracts import y\nfrom eagle3_pipeline.data.prepare import z\n"
+    assert layer_violations("eagle3_pipeline.train.stage", "from eagle3_pipeline.train.job import x\n"
+                            "from eagle3_pipeline.records.vocab import y\nfrom eagle3_pipeline.data.tokenized import z\n"
                             "import extract\nfrom . import verify\n") == []
     assert stage_of("eagle3_pipeline.records.pool") is None and stage_of("eagle3_pipeline.evaluate.ngram") == "evaluate"
     assert module_of(CORE / "train" / "__init__.py") == "eagle3_pipeline.train"
@@ -429,8 +438,8 @@ def test_floor_checker_finds_imports_beside_and_above():
         ["line 2: eagle3_pipeline.records"]
     assert floor_violations("eagle3_pipeline.data.chat", "from eagle3_pipeline.records import contracts\n") == \
         ["line 1: eagle3_pipeline.records"]  # beside: the same floor
-    assert floor_violations("eagle3_pipeline.engine.build", "from eagle3_pipeline.stages import plan_extract\n") == \
-        ["line 1: eagle3_pipeline.stages"]
+    assert floor_violations("eagle3_pipeline.engine.build", "from eagle3_pipeline.pipeline.stages import plan_extract\n") == \
+        ["line 1: eagle3_pipeline.pipeline"]
     assert floor_violations("eagle3_pipeline.engine.build", "from eagle3_pipeline.engine.start import x\n"
                             "from eagle3_pipeline.records.contracts import y\nfrom eagle3_pipeline.core import store\n"
                             "import records\n") == []
@@ -466,8 +475,7 @@ def test_signature_checker_counts_parameters():
 # ---------------------------------------------------------------- the stage interface (these import the stage modules)
 
 def stage_spec_problems(name: str, module, package_dir: Path) -> list[str]:
-    """What keeps a stage's `STAGE` (core.stage_spec.StageSpec in its package's stage.py) from the interface;
-    `package_dir` a module file for a stage not yet in its own package (UNPACKAGED: no worker then)."""
+    """What keeps a stage's `STAGE` (core.stage_spec.StageSpec in its package's stage.py) from the interface."""
     import typing
 
     from pydantic import BaseModel
@@ -530,8 +538,8 @@ def calls_outside_gpu_slot(source: str, glue: set[str]) -> list[str]:
 
 
 def _home(stage: str) -> Path:
-    """Where a registered stage's STAGE is declared: its package's stage.py, or its UNPACKAGED module."""
-    return CORE / UNPACKAGED[stage] if stage in UNPACKAGED else CORE / stage / "stage.py"
+    """Where a registered stage's STAGE is declared: its package's stage.py."""
+    return CORE / stage / "stage.py"
 
 
 def test_every_stage_declares_the_stage_interface():
@@ -542,22 +550,20 @@ def test_every_stage_declares_the_stage_interface():
         mod = importlib.import_module(module_of(_home(s)))
         if mod.STAGE is not spec:
             bad[s] = [f"registry.STAGES holds another StageSpec than {_home(s).relative_to(CORE)}'s STAGE"]
-        elif p := stage_spec_problems(s, mod, _home(s) if s in UNPACKAGED else CORE / s):
+        elif p := stage_spec_problems(s, mod, CORE / s):
             bad[s] = p
     assert bad == {}, f"stages out of the interface (core/stage_spec.py): {bad}"
 
 
 def test_the_registry_is_the_one_list_of_stages():
-    """registry.STAGES: each stage once, each task once; the packages of stages are exactly the registered ones
-    (UNPACKAGED only shrinks); the two lists below the registry that name stages (it cannot be read from there)
-    are its own: report.json's typed entries in its order, and the stages core/cluster.py sizes a Job for."""
+    """registry.STAGES: each stage once, each task once, each with a package of its own; the two lists below the
+    registry that name stages (it cannot be read from there) are its own: report.json's typed entries in its order, and the stages core/cluster.py sizes a Job for."""
     from eagle3_pipeline.core import cluster
     from eagle3_pipeline.report.record import Stages
 
     assert len(set(registry.NAMES)) == len(registry.NAMES) and len(set(registry.TASKS)) == len(registry.TASKS)
-    assert set(UNPACKAGED) <= set(REGISTERED), f"UNPACKAGED names a stage that is not registered: {UNPACKAGED}"
-    packaged = {n for n in REGISTERED if (CORE / n / "stage.py").is_file()}
-    assert packaged == set(STAGES), f"{sorted(packaged & set(UNPACKAGED))} have a package now: drop them from UNPACKAGED"
+    unpackaged = sorted(n for n in REGISTERED if not (CORE / n / "stage.py").is_file())
+    assert unpackaged == [], f"registered stages without a package of their own (<name>/stage.py): {unpackaged}"
     assert tuple(Stages.model_fields) == registry.REPORTED, \
         f"report/record.py Stages {tuple(Stages.model_fields)}: the reported stages in run order are {registry.REPORTED}"
     assert cluster.GPU_STAGES == registry.JOB_STAGES, \
@@ -578,7 +584,7 @@ def test_every_stage_entry_is_called_by_the_pipeline():
 
 def test_stages_on_accelerators_run_under_a_gpu_slot():
     runs = {spec.run.__name__ for spec in registry.STAGES if spec.accelerators}
-    gpu = glue_calling((CORE / "stages.py").read_text(), runs)
+    gpu = glue_calling((CORE / ABOVE_STAGES / "stages.py").read_text(), runs)
     assert {"stage_extract_group", "stage_verify", "stage_train", "stage_evaluate", "stage_regenerate"} <= gpu, gpu
     assert "stage_extract_summary" not in gpu and "stage_vocab" not in gpu
     src = (ROOT / "tasks" / "stage_tasks.py").read_text()

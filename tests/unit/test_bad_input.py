@@ -190,7 +190,7 @@ N_GOOD = 20
 @pytest.fixture(scope="module")
 def corpus(tiny_target, tmp_path_factory):
     """One prepare over 20 good rows followed by one row of every bad kind."""
-    from eagle3_pipeline.data.prepare import prepare
+    from eagle3_pipeline.prepare.stage import prepare
 
     d = tmp_path_factory.mktemp("corpus")
     src = write_jsonl(d / "rows.jsonl", [good_row(i) for i in range(N_GOOD)] + [r for _, r, _ in ROWS])
@@ -212,7 +212,7 @@ def test_bad_row_is_quarantined_with_its_reason(corpus, i):
 
 
 def test_corpus_keeps_the_good_rows_and_the_invariant(corpus):
-    from eagle3_pipeline.data.prepare import load_tokenized
+    from eagle3_pipeline.data.tokenized import load_tokenized
 
     res, _, q = corpus
     assert res.rows_in == N_GOOD + len(ROWS) == res.rows_out + res.rows_heldout + res.rows_quarantined
@@ -230,7 +230,7 @@ def _tokenizer_without_template(tiny_target: Path, dst: Path) -> Path:
 
 
 def test_missing_chat_template_fails_naming_tokenizer_and_row(tiny_target, tmp_path):
-    from eagle3_pipeline.data.prepare import prepare
+    from eagle3_pipeline.prepare.stage import prepare
 
     tok = _tokenizer_without_template(tiny_target, tmp_path / "tok")
     src = write_jsonl(tmp_path / "a.jsonl", [good_row(i) for i in range(3)])
@@ -248,7 +248,7 @@ def test_missing_chat_template_fails_naming_tokenizer_and_row(tiny_target, tmp_p
 
 
 def test_no_usable_row_fails_and_keeps_the_quarantine(tiny_target, tmp_path):
-    from eagle3_pipeline.data.prepare import prepare
+    from eagle3_pipeline.prepare.stage import prepare
 
     src = write_jsonl(tmp_path / "bad.jsonl", [r for _, r, _ in ROWS[:6]])
     with pytest.raises(InputError) as ei:
@@ -282,7 +282,7 @@ SOURCE_CASES = {  # kind: (how to make the source under tmp_path, fragment of th
 
 @pytest.mark.parametrize("kind", SOURCE_CASES)
 def test_unusable_source_is_a_clear_input_error(tiny_target, tmp_path, kind):
-    from eagle3_pipeline.data.prepare import prepare
+    from eagle3_pipeline.prepare.stage import prepare
 
     make, fragment = SOURCE_CASES[kind]
     src = make(tmp_path)
@@ -298,7 +298,7 @@ def test_damaged_json_file_stops_or_keeps_its_complete_records(tiny_target, tmp_
     records before it; with on_damaged: keep_complete those records are prepared, the tail is one
     quarantined row with the offsets, and prepare.json records the loss."""
     from eagle3_pipeline.data.formats import DamagedSource
-    from eagle3_pipeline.data.prepare import prepare
+    from eagle3_pipeline.prepare.stage import prepare
 
     good = write_jsonl(tmp_path / "good.jsonl", [good_row(i) for i in range(6)])
     text = json.dumps([good_row(10 + i) for i in range(3)])
@@ -469,7 +469,7 @@ def test_bad_layer_ids_through_the_cli_exit_5(tiny_target, tmp_path, no_api_prob
 
 @pytest.fixture(scope="module")
 def tokenized(corpus) -> tuple[Path, list[list[int]]]:
-    from eagle3_pipeline.data.prepare import load_tokenized
+    from eagle3_pipeline.data.tokenized import load_tokenized
 
     res = corpus[0]
     ds = load_tokenized(res.tokenized)
@@ -576,7 +576,8 @@ def test_bad_token_frequencies(tmp_path, kind, counts, fragment):
     import numpy as np
     from safetensors.numpy import save_file
 
-    from eagle3_pipeline.train.vocab import VocabError, read_token_freq
+    from eagle3_pipeline.records.vocab import VocabError
+    from eagle3_pipeline.vocab.stage import read_token_freq
 
     path = tmp_path / "token_freq.safetensors"
     save_file({"counts": np.asarray(counts, dtype=np.int64)}, str(path))
@@ -700,8 +701,8 @@ def _exit_code_cases():
     from eagle3_pipeline.gpu.stage import GpuGateFailed
     from eagle3_pipeline.preflight.stage import PreflightFailed
     from eagle3_pipeline.records.contracts import ContractError
+    from eagle3_pipeline.records.vocab import VocabError
     from eagle3_pipeline.train.export import ExportCheckError
-    from eagle3_pipeline.train.vocab import VocabError
 
     timed_out = ChildTimedOut("evaluate ran past its deadline of 60s")
     evaluate_wrapped = EvaluateError("evaluate: child failed")

@@ -277,7 +277,8 @@ ROWS = [
 
 
 def _prepare(tiny_target, tmp_path, tokenizer):
-    from eagle3_pipeline.data.prepare import load_tokenized, prepare
+    from eagle3_pipeline.data.tokenized import load_tokenized
+    from eagle3_pipeline.prepare.stage import prepare
 
     src = tmp_path / "agentic.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in ROWS))

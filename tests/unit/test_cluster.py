@@ -98,7 +98,7 @@ def test_retry_counts_match_the_task_policies():
     """The Job must outlive the retries that happen inside the pod: cluster's copy of the counts is the
     policies' (tasks/ imports Prefect, the core cannot read them)."""
     pytest.importorskip("prefect")
-    from eagle3_pipeline import registry
+    from eagle3_pipeline.pipeline import registry
     from tasks.stage_tasks import RETRY_POLICIES
 
     for stage, (retries, delay) in cluster.STAGE_RETRIES.items():

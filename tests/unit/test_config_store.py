@@ -61,9 +61,9 @@ def test_layer_ids_invalid(ids, msg):
 
 def test_train_key_follows_what_shapes_the_draft_only():
     """log_freq / timeout_s / num_workers resume the same checkpoint dir; lr or epochs start a new one."""
+    from eagle3_pipeline.pipeline.stages import train_key
     from eagle3_pipeline.records.contracts import ModelDims
     from eagle3_pipeline.records.layout import ExtractVersion, plan_shards
-    from eagle3_pipeline.stages import train_key
 
     cfg = load_config(ROOT / "configs/tiny-cpu.yaml")
     version = ExtractVersion(content_key="abc", dir="/store/x/abc", prepare_version="p", tokenized_dir="/store/x/tok",

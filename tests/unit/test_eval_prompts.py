@@ -13,7 +13,7 @@ import pytest
 
 from eagle3_pipeline.core.config import EvaluateConfig, TargetConfig, load_config
 from eagle3_pipeline.data.chat import render
-from eagle3_pipeline.data.prepare import load_tokenizer
+from eagle3_pipeline.data.tokenized import load_tokenizer
 from eagle3_pipeline.evaluate.prompts import (
     DEFAULT_CATEGORY,
     PromptSetError,

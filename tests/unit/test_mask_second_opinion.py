@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _tok(model: Path):
-    from eagle3_pipeline.data.prepare import load_tokenizer
+    from eagle3_pipeline.data.tokenized import load_tokenizer
 
     return load_tokenizer(TargetConfig(model=str(model), trust_remote_code=(model / "tokenization_tiny_moe.py").exists()))
 
@@ -65,7 +65,7 @@ def test_a_mask_one_token_off_is_refused(name, path, tiny_target, tiny_moe_targe
 
 
 def test_prepare_quarantines_a_conversation_whose_mask_disagrees(tiny_target, monkeypatch):
-    from eagle3_pipeline.data.prepare import _encode_chunk
+    from eagle3_pipeline.prepare.stage import _encode_chunk
 
     tok = _tok(Path(tiny_target))
     convs = _conversations(Path(tiny_target), 3)

@@ -8,7 +8,8 @@ import shutil
 from pathlib import Path
 
 from eagle3_pipeline.core.config import PrepareConfig, SourceConfig, TargetConfig
-from eagle3_pipeline.data.prepare import load_tokenized, prepare
+from eagle3_pipeline.data.tokenized import load_tokenized
+from eagle3_pipeline.prepare.stage import prepare
 from eagle3_pipeline.verify.masks import mask_problems, prepared_hashes
 
 

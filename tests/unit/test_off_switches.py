@@ -10,7 +10,7 @@ import pytest
 
 from eagle3_pipeline.core.config import OFF_SWITCHES, load_config, skipped_checks, switched_off
 from eagle3_pipeline.core.errors import ConfigError
-from eagle3_pipeline.data.prepare import PrepareResult, loss_warnings
+from eagle3_pipeline.data.tokenized import PrepareResult, loss_warnings
 
 ROOT = Path(__file__).resolve().parents[2]
 SWITCHES = {"reference": "verify.reference_samples=0", "prediction": "verify.prediction_max_z=null",

@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 from eagle3_pipeline.core.config import PrepareConfig, SourceConfig, TargetConfig
-from eagle3_pipeline.data.prepare import prepare
+from eagle3_pipeline.prepare.stage import prepare
 
 
 def _good(i):
@@ -48,7 +48,7 @@ def test_quarantine_invariant_and_reasons(tiny_target, tmp_path):
     for (_, why), rec in zip(BAD, sorted(q, key=lambda r: r["row"])):
         assert why in rec["reason"], (why, rec)
         assert rec["source"].endswith("mixed.jsonl")
-    from eagle3_pipeline.data.prepare import load_tokenized
+    from eagle3_pipeline.data.tokenized import load_tokenized
 
     ds = load_tokenized(res.tokenized)
     assert ds.features["input_ids"].feature.dtype == "int64" and ds.features["seq_len"].dtype == "int64"
@@ -97,7 +97,7 @@ def test_rows_per_turn_keeps_the_invariant_in_source_rows(tiny_target, tmp_path)
     cfg = PrepareConfig(sources=[SourceConfig(path=str(src))], heldout_rows=0, rows_per="turn")
     res = prepare(cfg, TargetConfig(model=str(tiny_target)), tmp_path / "store")
     assert res.rows_out == 7 and res.rows_out_sources == 6 == res.rows_in
-    from eagle3_pipeline.data.prepare import load_tokenized
+    from eagle3_pipeline.data.tokenized import load_tokenized
 
     assert {"m1#0", "m1#1"} <= set(load_tokenized(res.tokenized)["sample_id"])
 
@@ -124,7 +124,7 @@ def test_missing_local_source_is_a_clear_error(tiny_target, tmp_path):
 
 
 def test_two_processes_give_the_same_bytes(tiny_target, tmp_path):
-    from eagle3_pipeline.data.prepare import load_tokenized
+    from eagle3_pipeline.data.tokenized import load_tokenized
 
     src = tmp_path / "a.jsonl"
     src.write_text("".join(json.dumps(_good(i)) + "\n" for i in range(30)))
@@ -140,7 +140,7 @@ def test_chat_data_as_it_comes_is_trimmed_and_counted(tiny_target, tmp_path):
     question, the chatgpt/bing/bard speakers. The row keeps what can be supervised and prepare.json
     counts every turn left out by its reason; a row with nothing left is quarantined saying why."""
     from eagle3_pipeline.data.formats import TRIM_AFTER_EMPTY, TRIM_LEADING, TRIM_TRAILING
-    from eagle3_pipeline.data.prepare import load_tokenized
+    from eagle3_pipeline.data.tokenized import load_tokenized
 
     def conv(i, *turns):
         return {"id": f"c{i}", "conversations": [{"from": f, "value": v} for f, v in turns]}

@@ -75,7 +75,7 @@ def _stage_tasks() -> dict:
 def test_every_task_states_its_policy():
     """One task per registered stage (registry.TASKS), each with its stage's policy, and no policy for a stage that
     is not registered."""
-    from eagle3_pipeline import registry
+    from eagle3_pipeline.pipeline import registry
     from tasks.stage_tasks import POLICIES_BY_STAGE
 
     found = _stage_tasks()
@@ -92,7 +92,7 @@ def test_gates_are_never_answered_from_a_cache():
     """Every gate's task (registry.GATES) runs every time: Prefect's cache is off for it."""
     from prefect.cache_policies import NO_CACHE
 
-    from eagle3_pipeline import registry
+    from eagle3_pipeline.pipeline import registry
 
     found = _stage_tasks()
     assert set(registry.GATES) == {"preflight", "gpu-gate", "verify", "evaluate"}  # DESIGN.md §1

@@ -142,7 +142,7 @@ def _malicious(kind: str, path: Path, marker: Path) -> None:
 
 @pytest.fixture(scope="module")
 def tokenized(tiny_target, tmp_path_factory) -> Path:
-    from eagle3_pipeline.data.prepare import prepare
+    from eagle3_pipeline.prepare.stage import prepare
 
     d = tmp_path_factory.mktemp("sec")
     src = d / "a.jsonl"
@@ -170,7 +170,7 @@ def test_pickle_disguised_as_a_hidden_state_shard(tokenized, tmp_path, kind):
 @pytest.mark.parametrize("which", ["d2t", "t2d"])
 @pytest.mark.parametrize("kind", ["pickle", "npy object array"])
 def test_pickle_disguised_as_a_vocab_file(tmp_path, which, kind):
-    from eagle3_pipeline.train.vocab import VocabError, load_vocab
+    from eagle3_pipeline.records.vocab import VocabError, load_vocab
 
     vocab, marker = tmp_path / "vocab", tmp_path / "pwned"
     vocab.mkdir()
@@ -189,7 +189,8 @@ def test_pickle_disguised_as_a_vocab_file(tmp_path, which, kind):
 
 
 def test_pickle_disguised_as_token_frequencies(tmp_path):
-    from eagle3_pipeline.train.vocab import VocabError, read_token_freq
+    from eagle3_pipeline.records.vocab import VocabError
+    from eagle3_pipeline.vocab.stage import read_token_freq
 
     path, marker = tmp_path / "token_freq.safetensors", tmp_path / "pwned"
     _malicious("pickle", path, marker)
@@ -323,7 +324,7 @@ def test_within_refuses_paths_that_leave_the_root(tmp_path):
 
 def test_model_and_dataset_names_cannot_climb_out(tiny_target, tmp_path):
     from eagle3_pipeline.core.store import extract_dir, slug
-    from eagle3_pipeline.data.prepare import prepare
+    from eagle3_pipeline.prepare.stage import prepare
 
     assert slug("..") == "__" and slug("/models/.") == "_" and slug("org/model-7B") == "model-7B"
     prep_dir = tmp_path / "store" / "ds" / "v1"
@@ -359,7 +360,7 @@ def test_hub_token_is_never_logged_or_written(tiny_target, tmp_path, monkeypatch
     environment: the token is in no log line, no output, no error text, no file of the store."""
     from eagle3_pipeline.core.errors import chain
     from eagle3_pipeline.data.formats import SourceError
-    from eagle3_pipeline.stages import stage_prepare
+    from eagle3_pipeline.pipeline.stages import stage_prepare
     from flows.cli import app
 
     token = f"hf_{uuid.uuid4().hex}"
@@ -391,7 +392,7 @@ def test_configured_token_variable_reaches_the_hub_call(tiny_target, tmp_path, m
 
     from eagle3_pipeline.core.config import hub_token
     from eagle3_pipeline.data.formats import SourceError
-    from eagle3_pipeline.data.prepare import prepare
+    from eagle3_pipeline.prepare.stage import prepare
 
     token = f"hf_{uuid.uuid4().hex}"
     monkeypatch.setenv("ORG_HUB_TOKEN", token)

@@ -48,7 +48,7 @@ def _store(root: Path) -> dict:
 
 
 def test_dry_run_lists_and_removes_nothing(tmp_path):
-    from eagle3_pipeline.store_gc import gc
+    from eagle3_pipeline.pipeline.store_gc import gc
 
     s = _store(tmp_path)
     before = sorted(p for p in tmp_path.rglob("*"))
@@ -65,7 +65,7 @@ def test_dry_run_lists_and_removes_nothing(tmp_path):
 
 
 def test_apply_frees_unreferenced_records_and_keeps_the_newest(tmp_path):
-    from eagle3_pipeline.store_gc import gc
+    from eagle3_pipeline.pipeline.store_gc import gc
 
     s = _store(tmp_path)
     pool, (v0, v1, v2) = s["pool"], s["versions"]

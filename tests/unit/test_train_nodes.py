@@ -99,9 +99,9 @@ def test_a_cluster_set_is_told_by_the_job_template(tmp_path):
 
 
 def test_the_train_key_names_the_global_batch_not_the_topology():
+    from eagle3_pipeline.pipeline.stages import train_key
     from eagle3_pipeline.records.contracts import ModelDims
     from eagle3_pipeline.records.layout import ExtractVersion, plan_shards
-    from eagle3_pipeline.stages import train_key
 
     version = ExtractVersion(content_key="abc", dir="/store/x/abc", prepare_version="p", tokenized_dir="/store/x/tok",
                              layer_ids=[2, 4, 5, 8], rows=8, rows_per_shard=4, shards=plan_shards(8, 4), groups=[[0, 1]],

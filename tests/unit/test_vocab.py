@@ -9,7 +9,8 @@ import pytest
 from safetensors.numpy import save_file
 
 from eagle3_pipeline.core.config import VocabConfig
-from eagle3_pipeline.train.vocab import VocabError, build_vocab, check_vocab, load_vocab
+from eagle3_pipeline.records.vocab import VocabError, check_vocab, load_vocab
+from eagle3_pipeline.vocab.stage import build_vocab
 
 V = 64
 

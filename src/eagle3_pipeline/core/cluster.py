@@ -14,7 +14,7 @@ from typing import Any, Mapping
 from eagle3_pipeline.core.config import PipelineConfig
 from eagle3_pipeline.core.gpus import GFD_MEMORY_LABEL, GPU_MEMORY_GIB, NODE_LABELS, node_gpus, same_memory
 
-# registry.JOB_STAGES (StageSpec.own_job), which the core cannot import: tests/unit/test_architecture.py checks the copy
+# pipeline/registry.py JOB_STAGES (StageSpec.own_job), which the core cannot import: the architecture test checks the copy
 GPU_STAGES = ("extract", "verify", "train", "evaluate")
 
 CPU_PER_GPU = 8                  # cores requested per GPU (vLLM workers, tokenizer, torchrun ranks, loaders)

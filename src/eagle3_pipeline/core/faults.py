@@ -5,7 +5,7 @@ With `EAGLE3_TEST_FAIL_ONCE=prepare,verify,vocab,train,evaluate` (any subset of 
 transient failure would, and leaves the marker file `<dir>/<stage>`; every later attempt (the retry)
 finds the marker and runs normally. Like the extract worker's EAGLE3_TEST_FAIL_SHARDS. Where each
 fault happens (the place a real one would):
-- prepare, verify, vocab: `fail_once` at the start of the core stage (stages.py) raises InjectedFault,
+- prepare, verify, vocab: `fail_once` at the start of the core stage (pipeline/stages.py) raises InjectedFault,
   an OSError (what a lost mount, a hub timeout or a reset connection raises);
 - train: the train worker SIGKILLs itself after the first logged step of its last epoch (an OOM kill
   or a lost node mid-training: the retry resumes from the last complete epoch checkpoint);

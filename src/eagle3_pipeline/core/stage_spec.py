@@ -1,9 +1,8 @@
 """The one interface every stage implements: `STAGE = StageSpec(...)` in `<stage>/stage.py`.
 
-A stage is a package: stage.py is its parent side (what stages.py and the tasks call) and, when the
-stage runs an engine or a trainer, worker.py is its child process. Two stages still live in a room or
-beside a sibling and declare theirs in that module: prepare (data/prepare.py) and vocab (train/vocab.py).
-`eagle3_pipeline.registry.STAGES` lists every declaration in run order; the lists that name stages (the
+A stage is a package: stage.py is its parent side (what pipeline/stages.py and the tasks call) and, when
+the stage runs an engine or a trainer, worker.py is its child process.
+`eagle3_pipeline.pipeline.registry.STAGES` lists every declaration in run order; the lists that name stages (the
 report's, the tasks' retry policies and gates, the GPU Jobs, the architecture test's) are read from it.
 tests/unit/test_architecture.py checks every declaration against its module (docs/README.md, "Adding a stage").
 """

@@ -215,7 +215,7 @@ def _ask_later_turns(cfg: EvaluateConfig, target: TargetConfig, pset, out_dir: P
     """The prompt set with every later turn of its rows added (evaluate.turns=all): round by round the target
     answers the turns before (greedy, alone, evaluate.turn_answer_max_tokens; one child each), and each next
     turn is asked after that answer (prompts.next_turns)."""
-    from eagle3_pipeline.data.prepare import load_tokenizer
+    from eagle3_pipeline.data.tokenized import load_tokenizer
     from eagle3_pipeline.evaluate.prompts import PromptSet, next_turns, prompt_token_limit
     from eagle3_pipeline.evaluate.worker import ANSWERS, EvalRunSpec
 

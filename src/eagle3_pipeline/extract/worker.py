@@ -431,7 +431,7 @@ def main(argv: list[str]) -> int:
     print(f"extract worker: VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND')}, "
           f"in-process engine core: {os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING') == '0'}", flush=True)
 
-    from eagle3_pipeline.data.prepare import load_tokenized
+    from eagle3_pipeline.data.tokenized import load_tokenized
 
     ds = load_tokenized(job.tokenized_dir)
     for s in job.shards:

@@ -1,7 +1,7 @@
 """Online training (train.mode online), the one stage that needs two: a vLLM server of the target, the verify
 gate on a sample of rows taken from it, then the trainer reading every row from the same server, each row
 judged by the checks the sample's gate learned; rows those checks flag are recomputed with the target after
-training. Above the stages, beside stages.py, whose stage_train calls `train_online`.
+training. In the pipeline room above the stages, beside stages.py, whose stage_train calls `train_online`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def train_online(cfg: PipelineConfig, version: ExtractVersion, voc, start: tuple
     states fetched from it (train/online.py); the server ends with the stage. The TrainResult carries
     the OnlineResult and its `verify` (the VerifyResult of the sample) for the report."""
     from eagle3_pipeline.core.store import write_json
-    from eagle3_pipeline.data.prepare import load_tokenized
+    from eagle3_pipeline.data.tokenized import load_tokenized
     from eagle3_pipeline.preflight.stage import disk_plans
     from eagle3_pipeline.train.job import OnlineSource
     from eagle3_pipeline.train.online import HiddenStateServer, OnlineResult, take_sample

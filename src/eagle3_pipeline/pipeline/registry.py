@@ -11,16 +11,16 @@ report.json entries in this order (the report is a stage: it imports no sibling 
 from __future__ import annotations
 
 from eagle3_pipeline.core.stage_spec import StageSpec
-from eagle3_pipeline.data.prepare import STAGE as PREPARE
 from eagle3_pipeline.evaluate.stage import STAGE as EVALUATE
 from eagle3_pipeline.extract.stage import STAGE as EXTRACT
 from eagle3_pipeline.gpu.stage import STAGE as GPU
 from eagle3_pipeline.preflight.stage import STAGE as PREFLIGHT
+from eagle3_pipeline.prepare.stage import STAGE as PREPARE
 from eagle3_pipeline.regenerate.stage import STAGE as REGENERATE
 from eagle3_pipeline.report.stage import STAGE as REPORT
 from eagle3_pipeline.train.stage import STAGE as TRAIN
-from eagle3_pipeline.train.vocab import STAGE as VOCAB
 from eagle3_pipeline.verify.stage import STAGE as VERIFY
+from eagle3_pipeline.vocab.stage import STAGE as VOCAB
 
 # DESIGN.md §1: [regenerate] -> prepare -> preflight -> gpu-gate -> extract -> verify -> vocab -> train -> evaluate -> report
 STAGES: tuple[StageSpec, ...] = (REGENERATE, PREPARE, PREFLIGHT, GPU, EXTRACT, VERIFY, VOCAB, TRAIN, EVALUATE, REPORT)

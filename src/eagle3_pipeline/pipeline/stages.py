@@ -20,7 +20,7 @@ from eagle3_pipeline.core.config import PipelineConfig, skipped_checks
 from eagle3_pipeline.core.faults import fail_once
 from eagle3_pipeline.core.store import content_key, dir_lock
 from eagle3_pipeline.core.store_check import check_store
-from eagle3_pipeline.data.prepare import PrepareResult
+from eagle3_pipeline.data.tokenized import PrepareResult
 from eagle3_pipeline.preflight.stage import PreflightResult
 from eagle3_pipeline.records.layout import ExtractVersion
 from eagle3_pipeline.records.layout import plan_extract as _plan_extract
@@ -50,7 +50,8 @@ def stage_regenerate(cfg: PipelineConfig, log=print):
 def stage_prepare(cfg: PipelineConfig, log=print, regenerated=None) -> PrepareResult:
     """Tokenize prepare.sources, or with `regenerated` (a RegenerateResult) the regenerated rows."""
     check_store(Path(cfg.store), log)
-    from eagle3_pipeline.data.prepare import loss_warnings, prepare
+    from eagle3_pipeline.data.tokenized import loss_warnings
+    from eagle3_pipeline.prepare.stage import prepare
 
     fail_once("prepare")
     prep_cfg = cfg.prepare
@@ -128,8 +129,8 @@ def stage_verify(cfg: PipelineConfig, version: ExtractVersion, log=print):
 
 
 def stage_vocab(cfg: PipelineConfig, prep: PrepareResult, version: ExtractVersion, log=print):
-    from eagle3_pipeline.data.prepare import load_tokenizer
-    from eagle3_pipeline.train.vocab import build_vocab
+    from eagle3_pipeline.data.tokenized import load_tokenizer
+    from eagle3_pipeline.vocab.stage import build_vocab
 
     fail_once("vocab")
     tok = load_tokenizer(cfg.target)
@@ -174,7 +175,7 @@ def stage_train(cfg: PipelineConfig, version: ExtractVersion, voc, log=print):
     from eagle3_pipeline.verify.stage import require_verified
 
     if cfg.train.mode == "online":
-        from eagle3_pipeline.online_training import train_online
+        from eagle3_pipeline.pipeline.online_training import train_online
 
         return train_online(cfg, version, voc, train_start(cfg, version, log), version.train_dir(train_key(cfg, version)),
                             log=log)
@@ -206,7 +207,7 @@ def evaluate_prompts(cfg: PipelineConfig, prep: PrepareResult | None, out_dir: P
     """The evaluate stage's prompts (a PromptSet): `evaluate.prompts` rendered with the target's chat
     template (skipped rows quarantined in `out_dir`), else prepare's held-out prompts (`prep`)."""
     from eagle3_pipeline.core.config import hub_token
-    from eagle3_pipeline.data.prepare import load_tokenizer
+    from eagle3_pipeline.data.tokenized import load_tokenizer
     from eagle3_pipeline.evaluate.prompts import (
         QUARANTINE_NAME,
         PromptSetError,

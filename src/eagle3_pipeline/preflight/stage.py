@@ -187,7 +187,7 @@ def _model_files_problems(cfg: PipelineConfig, model_vocab: int) -> list[str]:
         found = sorted(p.name for p in model_dir.iterdir())[:10]
         problems.append(f"model directory {model_dir}: no weight files ({', '.join(WEIGHT_PATTERNS)}); found {found}")
     try:
-        from eagle3_pipeline.data.prepare import load_tokenizer
+        from eagle3_pipeline.data.tokenized import load_tokenizer
 
         n_tok = len(load_tokenizer(cfg.target))
     except Exception as e:  # noqa: BLE001 - any loader failure is reported, with its type

@@ -1,4 +1,5 @@
-"""The prepare stage: chat rows in -> tokenized Arrow dataset, token frequencies, quarantine.
+"""The prepare stage: chat rows in -> tokenized Arrow dataset, token frequencies, quarantine (its record and
+readers, which the later stages use: data/tokenized.py).
 
 Reads the configured sources (data/formats.py) and the tokenizer with its chat template. Input is
 processed in content-keyed chunks of `chunk_rows` source rows: a chunk's key hashes its raw rows,
@@ -25,8 +26,6 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from pydantic import BaseModel
-
 from eagle3_pipeline.core.config import PrepareConfig, SourceConfig, TargetConfig, hub_token
 from eagle3_pipeline.core.digest import row_hash
 from eagle3_pipeline.core.errors import DiskFull, InputError, is_disk_full
@@ -45,8 +44,8 @@ from eagle3_pipeline.core.store import (
 from eagle3_pipeline.data.chat import MaskUnavailable, TemplateMismatch, ToolCallsNotRendered, render
 from eagle3_pipeline.data.formats import Conversation, RawRow, Rejected, parse_row, raw_rows, tail_warning
 from eagle3_pipeline.data.mask_check import MaskDisagrees, encode_checked
+from eagle3_pipeline.data.tokenized import ROW_HASHES, TOKENIZER_FILES, PrepareResult, load_tokenizer
 
-TOKENIZER_FILES = ("tokenizer*.json", "special_tokens_map.json", "*.jinja", "*.model", "vocab*", "merges.txt")
 # Bump when the same rows, tokenizer and settings give different chunk bytes or quarantine decisions:
 # 2 = tool use, history-rewriting (thinking) templates, masks without offsets; 3 = leading assistant,
 # trailing and post-empty turns trimmed, ShareGPT's chatgpt/bing/bard speakers, damaged-file tails; 5 = each row's
@@ -56,78 +55,12 @@ ROW_COLUMNS = ("sample_id", "conv_id", "input_ids", "loss_mask", "seq_len", "tru
                "source", "row")
 
 
-ROW_HASHES = "row_hashes.safetensors"
-
-
-class PrepareResult(BaseModel):
-    version: str
-    dir: str
-    tokenized: str
-    token_freq: str
-    heldout: str
-    quarantine: str
-    rows_in: int
-    rows_out: int
-    rows_out_sources: int
-    rows_heldout: int
-    rows_quarantined: int
-    rows_truncated: int
-    turns_dropped: int
-    rows_trimmed: int = 0            # kept rows that lost turns (formats.TRIM_*), and the turns by reason
-    turns_trimmed: int = 0
-    trim_reasons: dict[str, int] = {}
-    mask_checks: dict[str, int] = {}  # rows whose mask a second method (mask_check.second_opinion) confirmed or left undecided
-    damaged_sources: list[dict] = []  # JSON files cut part-way (on_damaged: keep_complete): offsets, records kept
-    source_warnings: list[str] = []
-    tokens: int
-    supervised_tokens: int
-    quarantine_reasons: dict[str, int]
-    length_histogram: dict[str, int]
-    chunks_total: int
-    chunks_computed: int
-    cached: bool = False
-    row_hashes: str | None = None  # ROW_HASHES: each row's digest.row_hash as prepare judged it
-
-
-def loss_warnings(res: PrepareResult, cfg: PrepareConfig) -> list[str]:
-    """The rows a prepare lost when they are more than `warn_loss_share` of its input (quarantined, or kept with
-    turns trimmed), or one reason is more than `warn_reason_share`: one line each, numbers and reasons first."""
-    if not res.rows_in:
-        return []
-    share = lambda n: n / res.rows_in  # noqa: E731
-    lost = res.rows_quarantined + res.rows_trimmed
-    reasons = sorted({**{f"quarantined: {k}": v for k, v in res.quarantine_reasons.items()},
-                      **{f"trimmed: {k}": v for k, v in res.trim_reasons.items()}}.items(), key=lambda kv: -kv[1])
-    loud = [(k, v) for k, v in reasons if share(v) > cfg.warn_reason_share]
-    if share(lost) <= cfg.warn_loss_share and not loud:
-        return []
-    top = ", ".join(f"{k} {v} ({share(v):.1%})" for k, v in (loud or reasons)[:6])
-    return [f"prepare lost {lost} of {res.rows_in} input rows ({share(lost):.1%}: {res.rows_quarantined} quarantined, "
-            f"{res.rows_trimmed} kept with turns trimmed; limits {cfg.warn_loss_share:.0%} in all, "
-            f"{cfg.warn_reason_share:.0%} per reason): {top}; every row is in {res.quarantine} with its reason"]
-
-
 def _summed(dicts) -> dict[str, int]:
     out: dict[str, int] = {}
     for d in dicts:
         for k, v in (d or {}).items():
             out[k] = out.get(k, 0) + v
     return out
-
-
-def load_tokenized(path):
-    """The tokenized dataset with plain Python rows. On disk it is torch-formatted, as speculators'
-    own prepare-data saves it, so that its trainer reads our directory unchanged."""
-    from datasets import load_from_disk
-
-    return load_from_disk(str(path)).with_format(None)
-
-
-def load_tokenizer(target: TargetConfig):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(target.tokenizer, revision=target.revision,
-                                         trust_remote_code=target.trust_remote_code, token=hub_token(target))
 
 
 def tokenization_key(cfg: PrepareConfig, target: TargetConfig, tokenizer) -> str:
@@ -508,5 +441,4 @@ def _judged_row_hashes(arrow):
                          dtype=np.uint8).reshape(-1, 8).copy()
 
 
-# a stage still in its room (the dataset reader beside it: load_tokenized, load_tokenizer); registry.py lists it
 STAGE = StageSpec(name="prepare", run=prepare, result=PrepareResult, failure=InputError)

@@ -145,7 +145,7 @@ def _count(shards: list[ShardInput]) -> int:
 
 def version_key(cfg: RegenerateConfig, shards: list[ShardInput], target: TargetConfig, tok, kwargs: dict) -> dict:
     """Everything that decides the rows of a version (its content key is the version)."""
-    from eagle3_pipeline.data.prepare import TOKENIZER_FILES
+    from eagle3_pipeline.data.tokenized import TOKENIZER_FILES
     from eagle3_pipeline.engine.build import cpu_build_kwargs
 
     tok_id = (dir_fingerprint(Path(target.tokenizer), TOKENIZER_FILES) if Path(target.tokenizer).exists()
@@ -234,7 +234,7 @@ def regenerate(cfg: RegenerateConfig, prep: PrepareConfig, target: TargetConfig,
                log: Callable[[str], None] = print) -> RegenerateResult:
     """Regenerate `prep.sources` with the target, or return the complete version already in the store.
     Raises RegenerateFailed naming the unpublished shards (the published ones stay for the retry)."""
-    from eagle3_pipeline.data.prepare import load_tokenizer
+    from eagle3_pipeline.data.tokenized import load_tokenizer
 
     tok = load_tokenizer(target)
     if not getattr(tok, "chat_template", None):

@@ -290,7 +290,7 @@ def main(argv: list[str]) -> int:
     print(f"regenerate worker: VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND')}, "
           f"in-process engine core: {os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING') == '0'}, "
           f"{len(job.shards)} shards", flush=True)
-    from eagle3_pipeline.data.prepare import load_tokenizer
+    from eagle3_pipeline.data.tokenized import load_tokenizer
     from eagle3_pipeline.engine.build import build_llm
 
     rows = _shard_rows(job)

@@ -87,7 +87,7 @@ class EvaluateEntry(_Entry):
 
 
 class Stages(BaseModel):
-    """One entry per stage that returned a record, in the order they run (registry.REPORTED: the architecture test
+    """One entry per stage that returned a record, in the order they run (pipeline/registry.py REPORTED: the architecture test
     checks this order against the registry's); a stage that did not is absent."""
     model_config = ConfigDict(extra="forbid")
     regenerate: RegenerateEntry | None = None

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from eagle3_pipeline.core.config import PipelineConfig, skipped_checks
 from eagle3_pipeline.core.store import write_json
-from eagle3_pipeline.data.prepare import PrepareResult, loss_warnings
+from eagle3_pipeline.data.tokenized import PrepareResult, loss_warnings
 from eagle3_pipeline.report.decision import curve_point, decide, history_path, record_run
 from eagle3_pipeline.report.record import RunReport
 from eagle3_pipeline.report.stage import build_report

@@ -22,7 +22,7 @@ from eagle3_pipeline.core.store import atomic_write, atomic_write_text, write_js
 from eagle3_pipeline.report.decision import CurvePoint, decide
 from eagle3_pipeline.report.record import Artifacts, RunReport, Stages
 
-# the reported stages in run order: Stages' fields (registry.REPORTED; tests/unit/test_architecture.py checks the two)
+# the reported stages in run order: Stages' fields (pipeline/registry.py REPORTED; tests/unit/test_architecture.py checks the two)
 STAGES = tuple(Stages.model_fields)
 # report.json fields per stage (the contract: the entry models of record.py); other keys a stage returns are
 # kept under "details"

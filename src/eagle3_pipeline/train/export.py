@@ -14,7 +14,7 @@ from pathlib import Path
 
 from eagle3_pipeline.core.errors import GateFailed
 from eagle3_pipeline.records.contracts import model_dims
-from eagle3_pipeline.train.vocab import load_vocab
+from eagle3_pipeline.records.vocab import load_vocab
 
 
 class ExportCheckError(GateFailed, ValueError):

@@ -384,7 +384,7 @@ def take_sample(srv: HiddenStateServer, cfg: PipelineConfig, version: ExtractVer
     """Take `verify.online_rows` rows from the running server (concurrently, as training will), a few of
     them again alone (`extract.invariance_rows`: batch invariance) and write them as records of a sample
     version, for the verify gate to check."""
-    from eagle3_pipeline.data.prepare import load_tokenized
+    from eagle3_pipeline.data.tokenized import load_tokenized
 
     request_timeout_s = cfg.train.online_request_timeout_s
     t0 = time.time()

@@ -40,12 +40,12 @@ from eagle3_pipeline.core.stage_spec import StageSpec
 from eagle3_pipeline.core.store import atomic_write_text, dir_lock, read_json, sha256_file, write_json
 from eagle3_pipeline.records.contracts import HS_KEY, TOKENS_KEY, ContractError, record_name
 from eagle3_pipeline.records.layout import ExtractVersion
+from eagle3_pipeline.records.vocab import load_vocab, vocab_paths
 from eagle3_pipeline.train.accumulate import recover
 from eagle3_pipeline.train.export import export_check
 from eagle3_pipeline.train.job import OnlineSource, TrainJob, TrainOutput
 from eagle3_pipeline.train.nodes import publish
 from eagle3_pipeline.train.topology import SET_DIR_ENV, Fit, TrainSet, fit, topology, train_set
-from eagle3_pipeline.train.vocab import load_vocab, vocab_paths
 
 WORKER = "eagle3_pipeline.train.worker"
 NODES = "eagle3_pipeline.train.nodes"  # a local multi-node set's launcher
@@ -92,7 +92,7 @@ def _check_inputs(version: ExtractVersion) -> int:
     """Every row has its hs file; the first and last files have [T, L, H] as expected. Returns rows."""
     from safetensors import safe_open
 
-    from eagle3_pipeline.data.prepare import load_tokenized
+    from eagle3_pipeline.data.tokenized import load_tokenized
 
     tokenized_dir, hidden_states_dir = version.tokenized_dir, version.hidden_states_dir
     num_captured, hidden_size = len(version.layer_ids), version.dims.hidden_size
@@ -361,7 +361,7 @@ def train_draft(cfg: TrainConfig, target: TargetConfig, version: ExtractVersion,
 
 def _check_tokenized(version: ExtractVersion) -> int:
     """Online: the rows the server will be asked for exist and have the columns the loader reads."""
-    from eagle3_pipeline.data.prepare import load_tokenized
+    from eagle3_pipeline.data.tokenized import load_tokenized
 
     ds = load_tokenized(version.tokenized_dir)
     missing_cols = {"input_ids", "loss_mask", "seq_len"} - set(ds.column_names)

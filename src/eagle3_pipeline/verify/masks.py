@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle3_pipeline.data.prepare import ROW_HASHES
+from eagle3_pipeline.data.tokenized import ROW_HASHES
 from eagle3_pipeline.records.contracts import record_name, row_hash
 
 

@@ -29,7 +29,7 @@ from pydantic import BaseModel
 
 from eagle3_pipeline.core.errors import EnvironmentProblem
 from eagle3_pipeline.core.progress import interval
-from eagle3_pipeline.data.prepare import load_tokenized
+from eagle3_pipeline.data.tokenized import load_tokenized
 
 # The pass/fail criteria (per record and layer); decided in `_row_problems` only.
 # Per-layer criteria over a record's tokens, not its single worst token: MoE targets route near-ties

@@ -28,7 +28,7 @@ from eagle3_pipeline.core.config import TargetConfig, VerifyConfig
 from eagle3_pipeline.core.errors import GateFailed
 from eagle3_pipeline.core.stage_spec import StageSpec
 from eagle3_pipeline.core.store import content_key, file_lock, read_json, sha256_file, write_json
-from eagle3_pipeline.data.prepare import load_tokenized
+from eagle3_pipeline.data.tokenized import load_tokenized
 from eagle3_pipeline.records.contracts import fingerprints_off_problem, record_name
 from eagle3_pipeline.records.layout import ExtractVersion
 from eagle3_pipeline.records.pool import row_keys, version_pool

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from eagle3_pipeline.data.prepare import load_tokenized
+from eagle3_pipeline.data.tokenized import load_tokenized
 from eagle3_pipeline.records.contracts import HS_KEY, SCALES_KEY, RecordSpec, fingerprint_name, record_name
 from eagle3_pipeline.verify import prediction, scan
 from eagle3_pipeline.verify.fingerprint import FingerprintSummary

@@ -1,0 +1,8 @@
+"""The pipeline room, above every stage: what puts the stages together.
+
+  registry.py         STAGES, every stage's StageSpec once in run order; the lists that name stages read it
+  stages.py           one stage_<name> function per stage: the glue the tasks (tasks/stage_tasks.py) call
+  online_training.py  train.mode online: the verify gate on rows from the server the trainer then reads
+  store_gc.py         `eagle3 gc`: what every stage keeps in the run store, swept
+Nothing below this room imports it (tests/unit/test_architecture.py).
+"""
