@@ -8,7 +8,8 @@ import pytest
 from eagle3_pipeline.core.config import EngineConfig, TargetConfig
 from eagle3_pipeline.core.errors import exit_code, is_transient
 from eagle3_pipeline.core.proc import ChildFailed
-from eagle3_pipeline.engine.start import EngineStartRefused, kv_bytes_per_token, memory_plan, start_refusal
+from eagle3_pipeline.engine.start import EngineStartRefused, memory_plan, start_refusal
+from eagle3_pipeline.records.families import kv_bytes_per_token
 
 KV = ("ValueError: To serve at least one request with the model's max seq len (513), (0.03 GiB KV cache is needed, "
       "which is larger than the available KV cache memory (0.01 GiB). Based on the available memory, the estimated "

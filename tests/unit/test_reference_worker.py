@@ -12,8 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3_pipeline.records.contracts import LayerDiff
+from eagle3_pipeline.records.families import known_model_type, layer_config, text_config
 from eagle3_pipeline.verify.reference import COS_BOUND, MAX_FRAC_BELOW, MAX_REL_ERR, MIN_MEAN_COSINE, _row_problems
-from eagle3_pipeline.verify.worker import CannotStream, Checkpoint, _known_model_type, layer_config, text_config
+from eagle3_pipeline.verify.worker import CannotStream, Checkpoint
 
 
 def test_deepseek_layer_is_dense_iff_the_full_models_layer_is():
@@ -44,8 +45,8 @@ def test_kimi_text_config_gets_a_model_type_transformers_knows():
     full = json.loads((Path(__file__).parents[1] / "data" / "model_configs" / "kimi-k2.5" / "config.json").read_text())
     text = text_config(full)
     assert text["model_type"] == "kimi_k2" and text["num_hidden_layers"] == 61
-    assert _known_model_type(layer_config(text, 1))["model_type"] == "deepseek_v3"
-    assert _known_model_type({"model_type": "llama"})["model_type"] == "llama"
+    assert known_model_type(layer_config(text, 1))["model_type"] == "deepseek_v3"
+    assert known_model_type({"model_type": "llama"})["model_type"] == "llama"
 
 
 def _write(tmp_path, tensors, name="model.safetensors"):

@@ -27,6 +27,7 @@ from pydantic import BaseModel
 from eagle3_pipeline.core.config import EngineConfig, TargetConfig
 from eagle3_pipeline.core.errors import ConfigError, ExitCode
 from eagle3_pipeline.core.gpus import GPU_MEMORY_GIB
+from eagle3_pipeline.records.families import kv_bytes_per_token, text_config
 
 GIB = 2 ** 30
 # vLLM CPU worker: what the engine process holds besides the KV cache is ~0.6 GiB of runtime (torch,
@@ -187,26 +188,12 @@ class MemoryPlan(BaseModel):
 
 
 def _text_config(model_dir: Path) -> dict:
-    from eagle3_pipeline.records.contracts import text_config
-
     return text_config(json.loads((model_dir / "config.json").read_text()))
 
 
 def _weights_bytes(model_dir: Path) -> int:
     files = list(model_dir.glob("*.safetensors")) or list(model_dir.glob("*.bin"))
     return sum(f.stat().st_size for f in files)
-
-
-def kv_bytes_per_token(c: dict, dtype_bytes: int, tp: int) -> int:
-    """KV cache bytes of one token on one TP rank: every layer's K and V (MLA: its one latent vector,
-    kv_lora_rank + qk_rope_head_dim, on every rank)."""
-    layers = int(c.get("num_hidden_layers", 0))
-    if c.get("kv_lora_rank"):
-        return layers * (int(c["kv_lora_rank"]) + int(c.get("qk_rope_head_dim", 64))) * dtype_bytes
-    heads = int(c.get("num_attention_heads", 1))
-    kv_heads = int(c.get("num_key_value_heads") or heads)
-    head_dim = int(c.get("head_dim") or int(c["hidden_size"]) // heads)
-    return layers * 2 * max(1, kv_heads // tp) * head_dim * dtype_bytes
 
 
 def memory_plan(stage: str, engine: EngineConfig, target: TargetConfig, *, max_model_len: int,

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from eagle3_pipeline.core.errors import InputError
 from eagle3_pipeline.data.chat import render
 from eagle3_pipeline.data.formats import RawRow, SourceError, parse_tools, parse_turn, raw_rows, resolve_path
-from eagle3_pipeline.records.contracts import text_config
+from eagle3_pipeline.records.families import text_config
 
 DEFAULT_CATEGORY = "default"
 PROMPT_COLUMNS = ("prompt", "turns", "messages", "conversations")

@@ -7,7 +7,7 @@ names, writes, reads, dequantises or compares one:
   (fp8 storage: hidden_states float8_e4m3fn + hidden_states_scales fp32[T, 1, 1])
 Layer id k is the residual stream after k decoder layers (HF `hidden_states[k]`); id N is the last
 layer's output before the final norm. `model_dims` is the one reader of a target's config.json
-(nested `text_config` of multimodal wrappers such as Kimi-K2.5 included); `resolve_layer_ids` the
+(what differs by model family: families.py); `resolve_layer_ids` the
 one place that turns configured (or default) aux ids into captured ids.
 """
 
@@ -22,6 +22,15 @@ from pydantic import BaseModel, ConfigDict
 
 from eagle3_pipeline.core.digest import row_hash as row_hash  # the record format's name for it
 from eagle3_pipeline.core.errors import InputError
+from eagle3_pipeline.records.families import (
+    head_dim,
+    is_latent_attention,
+    is_moe,
+    logit_transform,
+    read_text_config,
+    text_config,
+    unmodelled_output,
+)
 
 HS_KEY, TOKENS_KEY, SCALES_KEY = "hidden_states", "token_ids", "hidden_states_scales"
 STORAGE_DTYPES = {"bf16": "BF16", "fp8": "F8_E4M3"}  # safetensors dtype names
@@ -92,16 +101,6 @@ class ModelDims(BaseModel):
     norm_eps: float = 1e-6     # the final RMSNorm's epsilon
 
 
-def text_config(full: dict) -> dict:
-    """The language model's part of a model's config.json: `text_config` of a multimodal wrapper (Kimi-K2.5),
-    else the config itself; a quantisation config of the wrapper is carried into it. The one reader of that
-    nesting (contracts, engine/start, evaluate/prompts, verify/worker)."""
-    text = dict(full.get("text_config") or full)
-    if "quantization_config" in full and "quantization_config" not in text:
-        text["quantization_config"] = full["quantization_config"]
-    return text
-
-
 def model_dims(target) -> ModelDims:
     """Dims of `target` (a TargetConfig, or a model directory) from its config.json; hub names go
     through AutoConfig. Never loads weights."""
@@ -131,16 +130,12 @@ def model_dims(target) -> ModelDims:
     missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if k not in text]
     if missing:
         raise ContractError(f"{target.model}: model config has no {missing}; cannot place layer ids")
-    heads = text.get("num_attention_heads") or 1
-    mla = bool(text.get("kv_lora_rank"))
-    head_dim = (int(text["kv_lora_rank"]) + int(text.get("qk_rope_head_dim") or 0)) if mla \
-        else int(text.get("head_dim") or text["hidden_size"] // heads)
-    moe = bool(text.get("n_routed_experts") or text.get("num_experts") or text.get("num_local_experts"))
     return ModelDims(num_layers=int(text["num_hidden_layers"]), hidden_size=int(text["hidden_size"]),
-                     vocab_size=int(text["vocab_size"]), head_dim=head_dim,
+                     vocab_size=int(text["vocab_size"]), head_dim=head_dim(text),
                      model_type=str(text.get("model_type", "?")),
                      architectures=list(cfg.get("architectures") or text.get("architectures") or []),
-                     mla=mla, moe=moe, norm_eps=float(text.get("rms_norm_eps") or text.get("layer_norm_epsilon") or 1e-6))
+                     mla=is_latent_attention(text), moe=is_moe(text),
+                     norm_eps=float(text.get("rms_norm_eps") or text.get("layer_norm_epsilon") or 1e-6))
 
 
 # ---------------------------------------------------------------- the record: name, write, read, compare
@@ -385,29 +380,14 @@ def fingerprint_name(row: int) -> str:
     return f"fp_{row}.safetensors"
 
 
-LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_softcapping", "logit_scale", "logits_scaling",
-                    "output_multiplier_scale")
-
-
-def logit_transform(model_dir: Path) -> str | None:
-    """What config.json says happens to the logits after lm_head (soft-capping, scaling), if anything."""
-    try:
-        c = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    c = text_config(c)
-    found = {k: c[k] for k in LOGIT_TRANSFORMS if c.get(k) not in (None, 1, 1.0)}
-    return f"its logits are transformed after lm_head ({found})" if found else None
-
-
 def fingerprint_blocker(target, dims) -> str | None:
     """Why verify's final-layer fingerprint check (final_layer.py) cannot run for `target`, from its
     config alone (preflight asks before any engine)."""
     model_dir = Path(target.model)
     if not model_dir.is_dir():
         return f"target {target.model} is not a local directory: its lm_head cannot be read here"
-    if "gemma" in dims.model_type:
-        return f"model type {dims.model_type}: its norm and logit scaling differ from RMSNorm + lm_head"
+    if why := unmodelled_output(read_text_config(model_dir) or {"model_type": dims.model_type}):
+        return why
     scaled = logit_transform(model_dir)
     if scaled:
         return f"{model_dir}: {scaled}, which the fingerprint (RMSNorm + lm_head margins) does not model"

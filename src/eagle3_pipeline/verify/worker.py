@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict
 
 from eagle3_pipeline.core.config import TargetConfig
 from eagle3_pipeline.core.proc import emit_event
-from eagle3_pipeline.records.contracts import text_config
+from eagle3_pipeline.records.families import known_model_type, layer_config, text_config
 
 BUDGET_EXIT = 3
 HS_FILE, RESULT_FILE = "reference.safetensors", "result.json"
@@ -184,53 +184,6 @@ class Checkpoint:
         return torch.frombuffer(buf, dtype=dtypes[entry["dtype"]]).reshape(len(ids), H).clone()  # [T, H]
 
 
-# ---------------------------------------------------------------- the one-layer config
-
-def layer_config(text: dict, k: int) -> dict:
-    """`text` (the language model's config.json as a dict) turned into a one-layer model whose layer 0
-    is built like layer k of the full model."""
-    n = int(text["num_hidden_layers"])
-    cfg = dict(text)
-    for key, v in text.items():  # per-layer lists: layer_types, no_rope_layers, ...
-        if isinstance(v, list) and len(v) == n and key not in ("architectures",):
-            cfg[key] = [v[k]]
-    cfg["num_hidden_layers"] = 1
-    if "first_k_dense_replace" in text:  # DeepSeek-V2/V3, Kimi-K2: layer i is MoE iff i >= first_k_dense_replace
-        fk = int(text["first_k_dense_replace"] or 0)
-        freq = int(text.get("moe_layer_freq") or 1)
-        moe = k >= fk and k % freq == 0
-        cfg["first_k_dense_replace"] = 0 if moe else 1
-        if "moe_layer_freq" in text:
-            cfg["moe_layer_freq"] = 1
-    if "decoder_sparse_step" in text or "mlp_only_layers" in text:  # Qwen2/3-MoE
-        step = int(text.get("decoder_sparse_step") or 1)
-        sparse = k not in (text.get("mlp_only_layers") or []) and (k + 1) % step == 0
-        cfg["decoder_sparse_step"], cfg["mlp_only_layers"] = 1, ([] if sparse else [0])
-    if "max_window_layers" in text and "layer_types" not in text:  # Qwen2/3: sliding window from this layer on
-        cfg["max_window_layers"] = 0 if k >= int(text["max_window_layers"]) else 1
-    if "num_nextn_predict_layers" in text:
-        cfg["num_nextn_predict_layers"] = 0
-    cfg["vocab_size"] = 8  # the embedding and lm_head are not read: keep their random init small
-    cfg["pad_token_id"] = None
-    cfg["use_cache"] = False
-    return cfg
-
-
-def _known_model_type(cfg: dict) -> dict:
-    """A text config whose `model_type` transformers does not know (Kimi-K2's `kimi_k2`) but whose
-    architecture it does (`DeepseekV3ForCausalLM`) gets that architecture's model type."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    if cfg.get("model_type") in CONFIG_MAPPING_NAMES or "auto_map" in cfg:
-        return cfg
-    by_arch = {v: k for k, v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if isinstance(v, str)}
-    for arch in cfg.get("architectures") or []:
-        if arch in by_arch:
-            return {**cfg, "model_type": by_arch[arch]}
-    return cfg
-
-
 # ---------------------------------------------------------------- the run
 
 def _decoder_layers(model):
@@ -332,7 +285,7 @@ def _write_layer(ckpt: Checkpoint, prefix: str, k: int, text: dict, layer_dir: P
     src = f"{prefix}layers.{k}."
     ckpt.write_renamed({x: "model.layers.0." + x[len(src):] for x in ckpt.layer_names(prefix, k)},
                        layer_dir / "model.safetensors")
-    cfg = _known_model_type(layer_config(text, k))
+    cfg = known_model_type(layer_config(text, k))
     (layer_dir / "config.json").write_text(json.dumps(cfg, indent=1))
     for p in remote_code:
         shutil.copy(p, layer_dir / p.name)
