@@ -19,8 +19,9 @@ from prefect.exceptions import ObjectNotFound
 from prefect.settings import get_current_settings
 from prefect.states import Cancelling, Crashed
 
-from eagle3_pipeline.core.cluster import job_variables, start_deadline_s
+from eagle3_pipeline.core.cluster import start_deadline_s
 from eagle3_pipeline.core.config import PipelineConfig
+from eagle3_pipeline.pipeline.jobs import job_variables
 from eagle3_pipeline.records.layout import ExtractVersion
 from eagle3_pipeline.records.shardrun import ShardRun
 from flows.pods import StartWatch, pod_source
@@ -50,7 +51,7 @@ def flow_run_link(flow_run_id: UUID | str) -> str:
 
 
 def group_deadline_s(config: PipelineConfig, group: list[int]) -> float:
-    """How long a group's run may take: its Job's deadline (cluster.job_variables: the pod's start, every
+    """How long a group's run may take: its Job's deadline (jobs.job_variables: the pod's start, every
     attempt of the child's own deadline and the retry delays), so the child's deadline fires first."""
     return float(job_variables(config, "extract", len(group))["deadline_seconds"])
 

@@ -134,7 +134,7 @@ class StartWatch:
 
     def __init__(self, what: str, deadline_s: float, pods: Pods | None, log, expected: int = 1):
         self.what, self.deadline_s, self.pods, self.log = what, deadline_s, pods, log
-        self.expected = expected  # a train set's pods (cluster.job_variables "pods"): all start, or none runs
+        self.expected = expected  # a train set's pods (jobs.job_variables "pods"): all start, or none runs
         self.all_started = False
         self.pending_since: float | None = None
         self.reported: str | None = None

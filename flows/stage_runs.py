@@ -2,7 +2,7 @@
 
 With `gpu_stages: deployments` each of these stages is a flow run of `verify-stage`, `train-stage` or
 `evaluate-stage` (prefect.yaml) that the work pool places (Kubernetes: a Job asking for the GPUs,
-memory and deadline `cluster.job_variables` derives from the config), and the calling flow waits for
+memory and deadline `jobs.job_variables` derives from the config), and the calling flow waits for
 it: so the pipeline's flow itself can be a small CPU pod. The stage's record comes back as the run's
 persisted JSON result (result storage on the shared store volume). A run that crashed (a lost node or
 pod) is submitted once more; one that has not finished within its Job's deadline is cancelled.
@@ -21,10 +21,10 @@ from prefect.runtime import flow_run as this_run
 from prefect.states import Cancelling
 from pydantic import BaseModel
 
-from eagle3_pipeline.core.cluster import job_variables
 from eagle3_pipeline.core.config import PipelineConfig
 from eagle3_pipeline.data.tokenized import PrepareResult
 from eagle3_pipeline.evaluate.stage import EvaluateReport
+from eagle3_pipeline.pipeline.jobs import job_variables
 from eagle3_pipeline.records.layout import ExtractVersion
 from eagle3_pipeline.train.stage import TrainResult
 from eagle3_pipeline.verify.stage import VerifyResult

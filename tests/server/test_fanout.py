@@ -65,7 +65,7 @@ def test_gpu_stages_as_deployments(client, controller, nodes, server_config, pre
     """gpu_stages: deployments: the pipeline flow (on the controller) runs verify, train and evaluate as
     runs of their deployments on the GPU nodes, with the job variables the config implies, and gets
     their records back (the extraction is the previous test's, from the store)."""
-    from eagle3_pipeline.core.cluster import job_variables
+    from eagle3_pipeline.pipeline.jobs import job_variables
 
     cfg = server_config("fanout", "sharegpt.jsonl", "extract.parallel_groups=2", "gpu_stages=deployments")
     fr = ui_run(client, "pipeline/pipeline", {"config": cfg.model_dump(mode="json"), "output_dir": str(tmp_path)})

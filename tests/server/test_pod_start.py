@@ -121,7 +121,7 @@ def test_a_stage_run_whose_pod_never_starts_fails_with_the_pods_reason(client, d
     pod_watch_timeout_seconds, from the config) and comes back cancelled, with Kubernetes' reason."""
     from prefect.states import Pending
 
-    from eagle3_pipeline.core.cluster import job_variables
+    from eagle3_pipeline.pipeline.jobs import job_variables
     from flows.pods import StartWatch
     from flows.stage_runs import wait_final
 

@@ -109,6 +109,7 @@ PIPELINE_MODULES = {
     "stages.py": "the glue the tasks call: one stage_<name> function per stage",
     "store_gc.py": "gc sweeps what every stage keeps (versions, the record pool, the pool's verify caches)",
     "online_training.py": "online training runs the verify gate on rows from the server the trainer then reads",
+    "jobs.py": "the Kubernetes Job of each stage that runs as its own: the registry's JOB_STAGES",
 }
 # Stage packages whose glue is not yet called stage.py: the list can only shrink.
 NO_STAGE_PY: dict[str, str] = {}
@@ -556,9 +557,10 @@ def test_every_stage_declares_the_stage_interface():
 
 
 def test_the_registry_is_the_one_list_of_stages():
-    """registry.STAGES: each stage once, each task once, each with a package of its own; the two lists below the
-    registry that name stages (it cannot be read from there) are its own: report.json's typed entries in its order, and the stages core/cluster.py sizes a Job for."""
-    from eagle3_pipeline.core import cluster
+    """registry.STAGES: each stage once, each task once, each with a package of its own; the one list below the
+    registry that names stages (it cannot be read from there) is its own: report.json's typed entries in its order;
+    the Jobs' stages are read from it."""
+    from eagle3_pipeline.pipeline import jobs
     from eagle3_pipeline.report.record import Stages
 
     assert len(set(registry.NAMES)) == len(registry.NAMES) and len(set(registry.TASKS)) == len(registry.TASKS)
@@ -566,8 +568,8 @@ def test_the_registry_is_the_one_list_of_stages():
     assert unpackaged == [], f"registered stages without a package of their own (<name>/stage.py): {unpackaged}"
     assert tuple(Stages.model_fields) == registry.REPORTED, \
         f"report/record.py Stages {tuple(Stages.model_fields)}: the reported stages in run order are {registry.REPORTED}"
-    assert cluster.GPU_STAGES == registry.JOB_STAGES, \
-        f"core/cluster.py GPU_STAGES {cluster.GPU_STAGES}: the registry's own-Job stages are {registry.JOB_STAGES}"
+    assert jobs.GPU_STAGES is registry.JOB_STAGES and set(jobs.STAGE_RETRIES) == set(registry.JOB_STAGES), \
+        f"pipeline/jobs.py STAGE_RETRIES {sorted(jobs.STAGE_RETRIES)}: the registry's own-Job stages are {registry.JOB_STAGES}"
 
 
 def test_every_stage_entry_is_called_by_the_pipeline():

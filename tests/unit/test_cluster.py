@@ -1,4 +1,4 @@
-"""cluster.job_variables: each stage's Kubernetes job variables follow the config (GPUs from TP / world
+"""jobs.job_variables (pipeline/jobs.py): each stage's Kubernetes job variables follow the config (GPUs from TP / world
 size, verify a CPU pod with the reference child's memory) and the Job's deadline is later than every
 in-pod attempt of the stage's own deadline, on the production configs and the tiny default."""
 
@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from eagle3_pipeline.core import cluster
-from eagle3_pipeline.core.cluster import GPU_STAGES, job_variables, stage_deadline_s
 from eagle3_pipeline.core.config import load_config
+from eagle3_pipeline.pipeline import jobs
+from eagle3_pipeline.pipeline.jobs import GPU_STAGES, job_variables, stage_deadline_s
 
 REPO = Path(__file__).parents[2]
 KIMI, DEEPSEEK, TINY = (REPO / "configs" / f for f in ("kimi-k2.5-tp8.yaml", "deepseek-v3-tp8.yaml", "tiny-cpu.yaml"))
@@ -35,8 +36,8 @@ def test_production_configs_ask_for_a_whole_node_per_gpu_stage_and_a_cpu_pod_for
     assert _gib(ver["memory_request"]) >= cfg.verify.reference_memory_gb + 1  # the child's cap + the parent
     for stage in ("extract", "train", "evaluate"):
         v = job_variables(cfg, stage, shards)
-        assert _gib(v["memory_request"]) == 8 * cluster.HOST_MEMORY_GIB_PER_GPU
-        assert int(v["cpu_request"]) == 8 * cluster.CPU_PER_GPU
+        assert _gib(v["memory_request"]) == 8 * jobs.HOST_MEMORY_GIB_PER_GPU
+        assert int(v["cpu_request"]) == 8 * jobs.CPU_PER_GPU
         assert v["memory_limit"] == v["memory_request"]
         pulls = cfg.extract.parallel_groups if stage == "extract" else 1
         assert v["pod_watch_timeout_seconds"] == math.ceil(cluster.start_deadline_s(cfg, True, pulls))
@@ -48,10 +49,10 @@ def test_job_deadline_outlasts_every_attempt_of_the_stage_deadline(path, stage):
     cfg = load_config(path)
     v = job_variables(cfg, stage, 7)
     own = stage_deadline_s(cfg, stage, 7)
-    retries = cfg.extract.retries if stage == "extract" else cluster.STAGE_RETRIES[stage][0]
+    retries = cfg.extract.retries if stage == "extract" else jobs.STAGE_RETRIES[stage][0]
     assert isinstance(v["deadline_seconds"], int)
     assert v["deadline_seconds"] > v["pod_watch_timeout_seconds"] + (1 + retries) * own
-    assert v["deadline_seconds"] - v["pod_watch_timeout_seconds"] - (1 + retries) * own >= cluster.JOB_MARGIN_S
+    assert v["deadline_seconds"] - v["pod_watch_timeout_seconds"] - (1 + retries) * own >= jobs.JOB_MARGIN_S
 
 
 def test_kimi_stage_deadlines_come_from_the_config():
@@ -95,13 +96,13 @@ def test_unknown_stage_is_refused_naming_the_valid_ones():
 
 
 def test_retry_counts_match_the_task_policies():
-    """The Job must outlive the retries that happen inside the pod: cluster's copy of the counts is the
-    policies' (tasks/ imports Prefect, the core cannot read them)."""
+    """The Job must outlive the retries that happen inside the pod: jobs' copy of the counts is the
+    policies' (tasks/ imports Prefect, which src/ never imports)."""
     pytest.importorskip("prefect")
     from eagle3_pipeline.pipeline import registry
     from tasks.stage_tasks import RETRY_POLICIES
 
-    for stage, (retries, delay) in cluster.STAGE_RETRIES.items():
+    for stage, (retries, delay) in jobs.STAGE_RETRIES.items():
         pol = RETRY_POLICIES[registry.spec(stage).task_name]
         if retries is not None:
             assert pol.retries == retries, stage

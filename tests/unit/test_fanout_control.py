@@ -56,8 +56,8 @@ def test_api_retry_waits_out_an_outage_and_stops_at_its_budget():
 def test_group_deadline_from_the_config():
     """The fan-out waits for a group as long as its Job may run: every attempt of the child's own deadline
     (start_timeout_s + shard_timeout_s x shards, or timeout_s) plus the pod's start and the retry delays."""
-    from eagle3_pipeline.core.cluster import job_variables
     from eagle3_pipeline.core.config import load_config
+    from eagle3_pipeline.pipeline.jobs import job_variables
 
     cfg = load_config(fanout_root() / "configs" / "tiny-cpu.yaml", ["extract.shard_timeout_s=600",
                                                                     "extract.start_timeout_s=1200", "extract.retries=2"])

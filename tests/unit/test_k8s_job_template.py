@@ -153,10 +153,10 @@ def test_image_is_required_and_pinned_by_digest():
 
 
 def test_cluster_job_variables_are_variables_of_both_templates():
-    """What cluster.job_variables returns is exactly what the templates take (a misspelt key would be
+    """What jobs.job_variables returns is exactly what the templates take (a misspelt key would be
     dropped silently by the worker), in the types they declare."""
-    from eagle3_pipeline.core.cluster import GPU_STAGES, job_variables
     from eagle3_pipeline.core.config import load_config
+    from eagle3_pipeline.pipeline.jobs import GPU_STAGES, job_variables
 
     cfg = load_config(ROOT / "configs" / "kimi-k2.5-tp8.yaml")
     types = {"integer": int, "string": str, "array": list, "object": dict}
@@ -169,8 +169,8 @@ def test_cluster_job_variables_are_variables_of_both_templates():
 
 
 def test_cpu_template_renders_a_pod_without_gpus_for_verify():
-    from eagle3_pipeline.core.cluster import job_variables
     from eagle3_pipeline.core.config import load_config
+    from eagle3_pipeline.pipeline.jobs import job_variables
 
     cfg = load_config(ROOT / "configs" / "kimi-k2.5-tp8.yaml")
     jv = {"image": IMAGE, **job_variables(cfg, "verify")}

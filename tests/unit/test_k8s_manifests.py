@@ -1,7 +1,7 @@
 """Every manifest under infra/k8s/ and the Jobs of a Kimi-K2.5 run validate against the Kubernetes API schemas
 that kubernetes-validate ships (offline; strict: an unknown or misplaced field fails), for the oldest and newest
 Kubernetes versions this setup supports. The run's Jobs are rendered by prefect-kubernetes' own worker code from
-the pools' job templates with `cluster.job_variables(kimi config, stage)`: four extract groups, verify (a CPU
+the pools' job templates with `jobs.job_variables(kimi config, stage)`: four extract groups, verify (a CPU
 pod), train and evaluate, and they must request what the config implies. Also: the worker's Role is exactly
 what the worker needs, and infra/k8s/prefect.yaml's deployments name pools that infra/k8s/pools.sh creates.
 The manifests are rendered the way docs/kubernetes.md renders them: infra/k8s/render.sh with
@@ -153,7 +153,7 @@ def kimi():
 def kimi_run_jobs(cfg, given: dict | None = None) -> dict[str, tuple[dict, dict]]:
     """name -> (job variables, rendered Job) of one Kimi run: 100 shards in 4 groups, verify, train, evaluate."""
     pytest.importorskip("prefect_kubernetes")
-    from eagle3_pipeline.core.cluster import job_variables
+    from eagle3_pipeline.pipeline.jobs import job_variables
     from tests.unit.test_k8s_job_template import CPU_TEMPLATE, TEMPLATE, render
 
     assert cfg.extract.parallel_groups == 4
@@ -169,7 +169,7 @@ def kimi_run_jobs(cfg, given: dict | None = None) -> dict[str, tuple[dict, dict]
 
 
 def test_kimi_run_jobs_validate_and_request_what_the_config_implies(kimi):
-    from eagle3_pipeline.core.cluster import stage_deadline_s
+    from eagle3_pipeline.pipeline.jobs import stage_deadline_s
 
     jobs = kimi_run_jobs(kimi)
     assert len([n for n in jobs if n.startswith("extract-")]) == 4
@@ -671,7 +671,7 @@ def test_kimi_trains_on_a_set_of_four_pods(kimi):
     """configs/kimi-k2.5-tp8.yaml (train.nodes 4) renders the train stage as an Indexed Job of 4 pods of 8 GPUs in the
     headless Service's subdomain, started through the set's launcher, failed whole at its first failed pod; the
     Service selects exactly the pods the template labels. The other stages' Jobs stay one pod."""
-    from eagle3_pipeline.core.cluster import NODES_LAUNCHER, TRAIN_SERVICE, TRAIN_SET_LABEL
+    from eagle3_pipeline.pipeline.jobs import NODES_LAUNCHER, TRAIN_SERVICE, TRAIN_SET_LABEL
 
     jobs = kimi_run_jobs(kimi)
     jv, job = jobs["train"]

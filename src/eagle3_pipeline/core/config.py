@@ -499,7 +499,7 @@ class PipelineConfig(Strict):
     gpu_stages: Literal["in_flow", "deployments"] = Field(
         "in_flow", description="where verify, train and evaluate run: in the flow's own process, or as runs of "
         "their deployments (verify-stage, train-stage, evaluate-stage) that the work pool places on GPU nodes, "
-        "each with job variables derived from this config (cluster.py)")
+        "each with job variables derived from this config (pipeline/jobs.py)")
 
     @model_validator(mode="after")
     def _no_silent_off_switch(self):

@@ -23,7 +23,7 @@ class StageSpec:
     worker: str | None = None  # the child process's module (`eagle3_pipeline.<name>.worker`), if it has one
     accelerators: bool = False  # it loads a model onto accelerators: in a child, and under a GPU slot (tasks/)
     gate: bool = False  # it may fail the run and is never answered from a cache (DESIGN.md §1)
-    own_job: bool = False  # it runs as its own Kubernetes Job on a GPU node (core/cluster.py sizes the Job)
+    own_job: bool = False  # it runs as its own Kubernetes Job on a GPU node (pipeline/jobs.py sizes the Job)
     reported: bool = True  # it has an entry in report.json's `stages` (report/record.py `Stages`)
     task: str | None = None  # its Prefect task's name where that is not `name` (tasks/stage_tasks.py)
 

@@ -4,5 +4,6 @@
   stages.py           one stage_<name> function per stage: the glue the tasks (tasks/stage_tasks.py) call
   online_training.py  train.mode online: the verify gate on rows from the server the trainer then reads
   store_gc.py         `eagle3 gc`: what every stage keeps in the run store, swept
+  jobs.py             the Kubernetes Job of each stage that runs as its own (JOB_STAGES): its job variables
 Nothing below this room imports it (tests/unit/test_architecture.py).
 """

@@ -2,10 +2,10 @@
 
 The lists that name stages are read from here: the report's stage order (`REPORTED`), the Prefect tasks' retry
 policies and gates (tasks/stage_tasks.py: `TASKS`, `GATES`), the stages that run as their own Kubernetes Job
-(`JOB_STAGES`) and the stage packages the architecture test checks. It imports every stage, so it stands above
-them (tests/unit/test_architecture.py ABOVE_STAGES). Two lists sit below it and are checked against it instead
-of read from it: core/cluster.py `GPU_STAGES` (the core imports no stage) and report/record.py `Stages`, the typed
-report.json entries in this order (the report is a stage: it imports no sibling and nothing above it).
+(`JOB_STAGES`: pipeline/jobs.py sizes their Jobs) and the stage packages the architecture test checks. It imports
+every stage, so it stands above them (tests/unit/test_architecture.py ABOVE_STAGES). One list sits below it and is
+checked against it instead of read from it: report/record.py `Stages`, the typed report.json entries in this order
+(the report is a stage: it imports no sibling and nothing above it).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ NAMES = tuple(s.name for s in STAGES)
 REPORTED = tuple(s.name for s in STAGES if s.reported)  # report.json `stages`, in this order
 TASKS = tuple(s.task_name for s in STAGES)  # one Prefect task per stage, each with its retry policy
 GATES = tuple(s.task_name for s in STAGES if s.gate)  # tasks that must run every time: never a cached answer
-JOB_STAGES = tuple(s.name for s in STAGES if s.own_job)  # core/cluster.py GPU_STAGES
+JOB_STAGES = tuple(s.name for s in STAGES if s.own_job)  # pipeline/jobs.py sizes their Jobs
 ACCELERATED = tuple(s.name for s in STAGES if s.accelerators)  # their tasks hold a GPU slot
 
 

@@ -83,7 +83,7 @@ def train_set(cfg: TrainConfig, job_path: str, environ: Mapping[str, str] = os.e
     endpoint = environ.get(RDZV_ENDPOINT_ENV, "").strip()
     if set_id and index is None and not endpoint:
         raise RuntimeError(f"train.nodes={cfg.nodes} in a pod that is not an Indexed Job's ({NODE_RANK_ENV} unset): the "
-                           f"train stage's Job needs cluster.job_variables' train set variables")
+                           f"train stage's Job needs jobs.job_variables' train set variables")
     if set_id and not endpoint:
         endpoint = f"{set_id}-0.{environ.get(SERVICE_ENV) or 'eagle3-train'}:{cfg.rdzv_port}"
     if endpoint:
