@@ -20,16 +20,15 @@ Prefect-side records (docs/operations.md):
   train (metrics), evaluate (acceptance), store (links into the run store); prepare-<dataset>.
 - Events: `eagle3.dataset.published` when prepare wrote a new tokenized version and
   `eagle3.draft.exported` after train (see EVENTS below).
-- Retries: RETRY_POLICIES below, the one statement of which task retries, how often, after what
-  delay and on which errors. A retry happens only on a transient error (errors.is_transient: an
-  OSError, a child that crashed or timed out, a failed engine start) and never on a failed gate,
-  bad input, a bad config or an environment problem: those are answers, and a retry would repeat them.
+- Retries: each stage's `retry` in its StageSpec (RETRY_POLICIES below, by task), the one statement of which
+  task retries, how often, after what delay and on which errors. A retry happens only on a transient error
+  (errors.is_transient: an OSError, a child that crashed or timed out, a failed engine start) and never on a
+  failed gate, bad input, a bad config or an environment problem: those are answers, and a retry would repeat them.
 """
 
 from __future__ import annotations
 
 import contextvars
-import dataclasses
 import time
 from pathlib import Path
 
@@ -39,7 +38,7 @@ from prefect.cache_policies import NO_CACHE
 
 from eagle3_pipeline.core.config import PipelineConfig
 from eagle3_pipeline.core.errors import is_transient
-from eagle3_pipeline.core.proc import ChildFailed
+from eagle3_pipeline.core.stage_spec import RETRY_JITTER, Retry
 from eagle3_pipeline.core.store import slug
 from eagle3_pipeline.data.tokenized import PrepareResult
 from eagle3_pipeline.pipeline import registry, stages
@@ -65,62 +64,31 @@ def _log():
 # ------------------------------------------------------------------ retry policies (the one place)
 
 
-@dataclasses.dataclass(frozen=True)
-class RetryPolicy:
-    retries: int  # attempts after the first
-    delay_s: float  # before each retry (jittered by Prefect's retry_jitter_factor)
-    transient: tuple[type[BaseException], ...]  # errors that may pass on a retry (errors.is_transient)
-    why: str  # what fails transiently here, and what a retry redoes
+def _options(stage: str, policy: Retry, retries: int | None = None) -> dict:
+    """Keyword arguments of @task / Task.with_options from a stage's Retry; `retries` overrides the count
+    (extract: config.extract.retries)."""
+    transient = policy.transient
 
-    def options(self, stage: str, retries: int | None = None) -> dict:
-        """Keyword arguments of @task / Task.with_options; `retries` overrides the count (extract:
-        config.extract.retries)."""
-        transient = self.transient
+    def retry_condition_fn(task, task_run, state) -> bool:  # Prefect calls plain functions only
+        exc = state.data if isinstance(state.data, BaseException) else None
+        retry = exc is not None and is_transient(exc, transient)
+        run_logger().info(f"{stage}: {'retrying' if retry else 'not retrying'} after "
+                       f"{type(exc).__name__ if exc else state.type}: "
+                       + ("transient" if retry else "not a transient error (a gate, input, config or environment answer)"))
+        return retry
 
-        def retry_condition_fn(task, task_run, state) -> bool:  # Prefect calls plain functions only
-            exc = state.data if isinstance(state.data, BaseException) else None
-            retry = exc is not None and is_transient(exc, transient)
-            run_logger().info(f"{stage}: {'retrying' if retry else 'not retrying'} after "
-                           f"{type(exc).__name__ if exc else state.type}: "
-                           + ("transient" if retry else "not a transient error (a gate, input, config or environment answer)"))
-            return retry
-
-        n = self.retries if retries is None else retries
-        return {"retries": n, "retry_delay_seconds": self.delay_s if n else 0,
-                "retry_jitter_factor": 0.2 if n and self.delay_s else None,
-                "retry_condition_fn": retry_condition_fn if n else None}
+    n = policy.retries if retries is None else retries
+    return {"retries": n, "retry_delay_seconds": policy.delay_s if n else 0,
+            "retry_jitter_factor": RETRY_JITTER if n and policy.delay_s else None,
+            "retry_condition_fn": retry_condition_fn if n else None}
 
 
-IO = (OSError, TimeoutError)  # lost mounts, hub/network errors (requests' errors are OSErrors), timeouts
-CHILD = (ChildFailed,)  # a child that crashed, was OOM-killed or timed out (ChildTimedOut); also wrapped
-# by stage name (registry.NAMES); RETRY_POLICIES below is keyed by each stage's task name, in the registry's order
-POLICIES_BY_STAGE: dict[str, RetryPolicy] = {
-    "regenerate": RetryPolicy(2, 30, (*IO, *CHILD, RuntimeError), "engine child that answers the sources' turns "
-                              "(crash, OOM, lost node, timeout); a retry regenerates only the shards not yet "
-                              "published. Count: config regenerate.retries"),
-    "prepare": RetryPolicy(2, 30, IO, "reads sources (files, fsspec, the hub) and writes the store; a retry "
-                           "reuses every content-keyed chunk already tokenized"),
-    "preflight": RetryPolicy(0, 0, (), "a gate of seconds, no I/O worth retrying: its failure is the answer"),
-    "gpu": RetryPolicy(0, 0, (), "a gate: busy GPUs are an answer for the operator, not a transient error"),
-    "extract": RetryPolicy(2, 5, (*IO, *CHILD, RuntimeError), "engine child per shard group (crash, OOM, "
-                           "lost node); a retry extracts only the shards not yet published. Count: "
-                           "config extract.retries"),
-    "verify": RetryPolicy(1, 10, (*IO, *CHILD), "reads every record and streams the target for the reference "
-                          "check (I/O, the reference child); a retry reuses each shard an earlier complete verify "
-                          "checked (verify_rows.safetensors) and never turns a VerifyFailed into a retry"),
-    "vocab": RetryPolicy(2, 5, IO, "reads token_freq and the tokenizer, writes two small files"),
-    "train": RetryPolicy(2, 60, (*IO, *CHILD), "trainer child (crash, OOM kill, lost node, timeout); a retry "
-                         "resumes from the last complete epoch checkpoint in the same train dir, so it does only "
-                         "the unfinished epochs; never on a failed export check (a gate)"),
-    "evaluate": RetryPolicy(1, 30, (*IO, *CHILD, RuntimeError), "starts vLLM engines (a failed engine start: port, "
-                            "memory not yet freed); never when τ is below the floor (EvaluateGateFailed)"),
-    "report": RetryPolicy(1, 5, IO, "writes report.json/md and plots"),
-}
-RETRY_POLICIES: dict[str, RetryPolicy] = {s.task_name: POLICIES_BY_STAGE[s.name] for s in registry.STAGES}
+# Each stage's policy is its StageSpec's `retry` (in its stage.py), keyed here by its task's name in the registry's order
+RETRY_POLICIES: dict[str, Retry] = {s.task_name: s.retry for s in registry.STAGES}
 
 
 def retry_options(stage: str, retries: int | None = None) -> dict:
-    return RETRY_POLICIES[stage].options(stage, retries)
+    return _options(stage, RETRY_POLICIES[stage], retries)
 
 
 def stage_task(stage: str, **kw):

@@ -481,6 +481,7 @@ def stage_spec_problems(name: str, module, package_dir: Path) -> list[str]:
 
     from pydantic import BaseModel
 
+    from eagle3_pipeline.core.errors import is_transient
     from eagle3_pipeline.core.stage_spec import StageSpec
 
     spec = getattr(module, "STAGE", None)
@@ -509,6 +510,8 @@ def stage_spec_problems(name: str, module, package_dir: Path) -> list[str]:
         out.append(f"STAGE.worker {spec.worker!r} but {name}/worker.py {'exists' if has_worker else 'does not'}")
     if spec.accelerators and spec.worker is None:
         out.append("STAGE.accelerators without a worker: a model on accelerators is loaded in a child process")
+    if spec.gate and spec.failure is not None and is_transient(spec.failure("its own answer"), spec.retry.transient):
+        out.append(f"STAGE.retry retries on {spec.failure.__name__}: a gate's refusal is an answer, never transient")
     return out
 
 
@@ -568,8 +571,7 @@ def test_the_registry_is_the_one_list_of_stages():
     assert unpackaged == [], f"registered stages without a package of their own (<name>/stage.py): {unpackaged}"
     assert tuple(Stages.model_fields) == registry.REPORTED, \
         f"report/record.py Stages {tuple(Stages.model_fields)}: the reported stages in run order are {registry.REPORTED}"
-    assert jobs.GPU_STAGES is registry.JOB_STAGES and set(jobs.STAGE_RETRIES) == set(registry.JOB_STAGES), \
-        f"pipeline/jobs.py STAGE_RETRIES {sorted(jobs.STAGE_RETRIES)}: the registry's own-Job stages are {registry.JOB_STAGES}"
+    assert jobs.GPU_STAGES is registry.JOB_STAGES
 
 
 def test_every_stage_entry_is_called_by_the_pipeline():
@@ -598,7 +600,7 @@ def test_stage_interface_checkers_fail(tmp_path):
 
     from pydantic import BaseModel
 
-    from eagle3_pipeline.core.stage_spec import StageSpec
+    from eagle3_pipeline.core.stage_spec import Retry, StageSpec
 
     class Rec(BaseModel):
         x: int = 0
@@ -625,6 +627,14 @@ def test_stage_interface_checkers_fail(tmp_path):
     mod.STAGE = StageSpec(name="demo", run=run, result=Rec, failure=Refused)
     assert stage_spec_problems("demo", mod, tmp_path) == [f"STAGE.failure Refused is raised nowhere in {tmp_path.name}",
                                                           "STAGE.worker None but demo/worker.py exists"]
+    (tmp_path / "worker.py").unlink()
+    (tmp_path / "stage.py").write_text("def run():\n    raise Refused('no')\n")
+    mod.STAGE = StageSpec(name="demo", run=run, result=Rec, failure=Refused, retry=Retry(1, 5, (RuntimeError,), "demo"))
+    assert stage_spec_problems("demo", mod, tmp_path) == []  # not a gate: a refusal a retry may pass (ExtractFailed)
+    mod.STAGE = StageSpec(name="demo", run=run, result=Rec, failure=Refused, gate=True,
+                          retry=Retry(1, 5, (RuntimeError,), "demo"))
+    assert stage_spec_problems("demo", mod, tmp_path) == [
+        "STAGE.retry retries on Refused: a gate's refusal is an answer, never transient"]
     del mod.STAGE
     assert stage_spec_problems("demo", mod, tmp_path) == ["demo/stage.py: no STAGE = StageSpec(...)"]
     src = ("def a():\n    with gpu_slot():\n        stages.stage_train(c)\n"

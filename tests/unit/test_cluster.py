@@ -11,7 +11,7 @@ import pytest
 
 from eagle3_pipeline.core import cluster
 from eagle3_pipeline.core.config import load_config
-from eagle3_pipeline.pipeline import jobs
+from eagle3_pipeline.pipeline import jobs, registry
 from eagle3_pipeline.pipeline.jobs import GPU_STAGES, job_variables, stage_deadline_s
 
 REPO = Path(__file__).parents[2]
@@ -49,7 +49,7 @@ def test_job_deadline_outlasts_every_attempt_of_the_stage_deadline(path, stage):
     cfg = load_config(path)
     v = job_variables(cfg, stage, 7)
     own = stage_deadline_s(cfg, stage, 7)
-    retries = cfg.extract.retries if stage == "extract" else jobs.STAGE_RETRIES[stage][0]
+    retries = registry.spec(stage).retry.retries_in(cfg)  # config.extract.retries for extract
     assert isinstance(v["deadline_seconds"], int)
     assert v["deadline_seconds"] > v["pod_watch_timeout_seconds"] + (1 + retries) * own
     assert v["deadline_seconds"] - v["pod_watch_timeout_seconds"] - (1 + retries) * own >= jobs.JOB_MARGIN_S
@@ -95,18 +95,15 @@ def test_unknown_stage_is_refused_naming_the_valid_ones():
         job_variables(cfg, "prepare")
 
 
-def test_retry_counts_match_the_task_policies():
-    """The Job must outlive the retries that happen inside the pod: jobs' copy of the counts is the
-    policies' (tasks/ imports Prefect, which src/ never imports)."""
-    pytest.importorskip("prefect")
-    from eagle3_pipeline.pipeline import registry
-    from tasks.stage_tasks import RETRY_POLICIES
-
-    for stage, (retries, delay) in jobs.STAGE_RETRIES.items():
-        pol = RETRY_POLICIES[registry.spec(stage).task_name]
-        if retries is not None:
-            assert pol.retries == retries, stage
-        assert pol.delay_s == delay, stage
+def test_the_jobs_retries_are_the_stages_own():
+    """The Job must outlive the retries that happen inside the pod: it reads them from each stage's StageSpec, as
+    the tasks do; a count set in the config (extract.retries) lengthens the Job."""
+    cfg = load_config(KIMI)
+    more = load_config(KIMI, [f"extract.retries={cfg.extract.retries + 2}"])
+    own = stage_deadline_s(cfg, "extract", 7)
+    assert job_variables(more, "extract", 7)["deadline_seconds"] - job_variables(cfg, "extract", 7)["deadline_seconds"] \
+        >= 2 * own
+    assert registry.spec("verify").retry.retries_in(cfg) == registry.spec("verify").retry.retries == 1
 
 
 def test_the_start_deadline_comes_from_the_config():

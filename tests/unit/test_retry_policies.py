@@ -1,4 +1,4 @@
-"""Retry policies (tasks/stage_tasks.RETRY_POLICIES): which errors are retried, stated once; gates
+"""Retry policies (each stage's StageSpec.retry; tasks/stage_tasks.RETRY_POLICIES by task): which errors are retried, stated once; gates
 never retry on a gate answer. The one-shot fault hook of faults.py. A real retried pipeline run:
 tests/integration/test_pipeline.py."""
 
@@ -73,19 +73,24 @@ def _stage_tasks() -> dict:
 
 
 def test_every_task_states_its_policy():
-    """One task per registered stage (registry.TASKS), each with its stage's policy, and no policy for a stage that
-    is not registered."""
+    """One task per registered stage (registry.TASKS), each with its stage's own policy (StageSpec.retry)."""
     from eagle3_pipeline.pipeline import registry
-    from tasks.stage_tasks import POLICIES_BY_STAGE
 
     found = _stage_tasks()
-    assert list(RETRY_POLICIES) == list(registry.TASKS) and set(POLICIES_BY_STAGE) == set(registry.NAMES)
+    assert list(RETRY_POLICIES) == list(registry.TASKS)
+    assert all(RETRY_POLICIES[s.task_name] is s.retry for s in registry.STAGES)
     for name in registry.TASKS:
         task, pol = found[name], RETRY_POLICIES[name]
         assert task.retries == pol.retries, name
         assert (task.retry_condition_fn is not None) == (pol.retries > 0), name
     assert {"prepare", "verify", "vocab", "train", "evaluate"} <= {k for k, p in RETRY_POLICIES.items() if p.retries}
     assert retry_options("extract-group", 5)["retries"] == 5  # config.extract.retries overrides the count
+    from pathlib import Path
+
+    from eagle3_pipeline.core.config import load_config
+
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "tiny-cpu.yaml", ["extract.retries=4", "regenerate.retries=3"])
+    assert {s.name: s.retry.retries_in(cfg) for s in registry.STAGES if s.retry.count} == {"regenerate": 3, "extract": 4}
 
 
 def test_gates_are_never_answered_from_a_cache():

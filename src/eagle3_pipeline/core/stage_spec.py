@@ -3,7 +3,7 @@
 A stage is a package: stage.py is its parent side (what pipeline/stages.py and the tasks call) and, when
 the stage runs an engine or a trainer, worker.py is its child process.
 `eagle3_pipeline.pipeline.registry.STAGES` lists every declaration in run order; the lists that name stages (the
-report's, the tasks' retry policies and gates, the GPU Jobs, the architecture test's) are read from it.
+report's, the tasks' retry policies (each stage's `retry`) and gates, the GPU Jobs, the architecture test's) are read from it.
 tests/unit/test_architecture.py checks every declaration against its module (docs/README.md, "Adding a stage").
 """
 
@@ -12,6 +12,34 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from eagle3_pipeline.core.proc import ChildFailed
+
+IO = (OSError, TimeoutError)  # lost mounts, hub/network errors (requests' errors are OSErrors), timeouts
+CHILD = (ChildFailed,)  # a child that crashed, was OOM-killed or timed out (ChildTimedOut); also wrapped
+RETRY_JITTER = 0.2  # Prefect's retry_jitter_factor on every retry's delay
+
+
+@dataclass(frozen=True)
+class Retry:
+    """How a stage's task retries (tasks/stage_tasks.py turns it into Prefect's options; pipeline/jobs.py makes
+    a stage's Job outlive every attempt). A retry happens only on a transient error (errors.is_transient), never
+    on a failed gate, bad input, a bad config or an environment problem: those are answers."""
+    retries: int  # attempts after the first
+    delay_s: float  # before each retry (jittered by RETRY_JITTER)
+    transient: tuple[type[BaseException], ...]  # errors that may pass on a retry
+    why: str  # what fails transiently here, and what a retry redoes
+    count: str | None = None  # the config key that sets `retries` instead (`extract.retries`)
+
+    def retries_in(self, config) -> int:
+        """The count for `config` (a PipelineConfig): its `count` key where there is one, else `retries`."""
+        if self.count is None:
+            return self.retries
+        group, key = self.count.split(".")
+        return int(getattr(getattr(config, group), key))
+
+
+NO_RETRY = Retry(0, 0, (), "a gate or a check of seconds: its failure is the answer")
 
 
 @dataclass(frozen=True)
@@ -26,6 +54,7 @@ class StageSpec:
     own_job: bool = False  # it runs as its own Kubernetes Job on a GPU node (pipeline/jobs.py sizes the Job)
     reported: bool = True  # it has an entry in report.json's `stages` (report/record.py `Stages`)
     task: str | None = None  # its Prefect task's name where that is not `name` (tasks/stage_tasks.py)
+    retry: Retry = NO_RETRY  # how its task retries (tasks/stage_tasks.py), and so how long its Job may live
 
     @property
     def task_name(self) -> str:

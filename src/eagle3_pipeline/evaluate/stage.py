@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from eagle3_pipeline.core.config import EvaluateConfig, TargetConfig
 from eagle3_pipeline.core.errors import GateFailed, InputError
 from eagle3_pipeline.core.proc import EXCEPTION_LINE, ChildFailed, python_child, run_child
-from eagle3_pipeline.core.stage_spec import StageSpec
+from eagle3_pipeline.core.stage_spec import CHILD, IO, Retry, StageSpec
 from eagle3_pipeline.core.store import dir_lock, write_json
 from eagle3_pipeline.engine.build import engine_env
 from eagle3_pipeline.engine.start import refusal_of
@@ -597,5 +597,8 @@ def check_acceptance_gate(report: EvaluateReport, cfg: EvaluateConfig) -> None:
         raise EvaluateGateFailed(why)
 
 
+RETRY = Retry(1, 30, (*IO, *CHILD, RuntimeError),
+              "starts vLLM engines (a failed engine start: port, memory not yet freed); never when τ is below the "
+              "floor (EvaluateGateFailed)")
 STAGE = StageSpec(name="evaluate", run=evaluate_pair, result=EvaluateReport, failure=EvaluateGateFailed,
-                  worker="eagle3_pipeline.evaluate.worker", accelerators=True, gate=True, own_job=True)
+                  worker="eagle3_pipeline.evaluate.worker", accelerators=True, gate=True, own_job=True, retry=RETRY)

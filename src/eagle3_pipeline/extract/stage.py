@@ -34,7 +34,7 @@ from pydantic import BaseModel
 
 from eagle3_pipeline import FORMAT_VERSION
 from eagle3_pipeline.core.config import ExtractConfig, TargetConfig
-from eagle3_pipeline.core.stage_spec import StageSpec
+from eagle3_pipeline.core.stage_spec import CHILD, IO, Retry, StageSpec
 from eagle3_pipeline.core.store import file_locks, sha256_file, write_json
 from eagle3_pipeline.engine.build import engine_env
 from eagle3_pipeline.engine.start import refusal_of
@@ -390,5 +390,9 @@ def summarize(out_dir: Path, since: float | None = None) -> ExtractResult:
                          cached=since is not None and bool(pub) and not now)
 
 
+RETRY = Retry(2, 5, (*IO, *CHILD, RuntimeError),
+              "engine child per shard group (crash, OOM, lost node); a retry extracts only the shards not yet "
+              "published", count="extract.retries")
 STAGE = StageSpec(name="extract", run=extract_group, result=list[ShardRecord], failure=ExtractFailed,
-                  worker="eagle3_pipeline.extract.worker", accelerators=True, own_job=True, task="extract-group")
+                  worker="eagle3_pipeline.extract.worker", accelerators=True, own_job=True, task="extract-group",
+                  retry=RETRY)

@@ -22,7 +22,7 @@ from pydantic import BaseModel
 
 from eagle3_pipeline.core.errors import EnvironmentProblem
 from eagle3_pipeline.core.proc import CHILD_MARKER_ENV, LAUNCHER_ENV
-from eagle3_pipeline.core.stage_spec import StageSpec
+from eagle3_pipeline.core.stage_spec import Retry, StageSpec
 
 WORKER_MODULES = ("eagle3_pipeline.extract.worker", "eagle3_pipeline.train.worker", "eagle3_pipeline.evaluate.worker")
 
@@ -193,5 +193,6 @@ def gpu_gate(kill: bool = True, max_used_mib: int = 2048, wait_s: float = 30.0, 
     return GpuGateResult(leftovers_found=found, killed=killed, gpus=gpus, passed=True)
 
 
+RETRY = Retry(0, 0, (), "a gate: busy GPUs are an answer for the operator, not a transient error")
 STAGE = StageSpec(name="gpu", run=gpu_gate, result=GpuGateResult, failure=GpuGateFailed, gate=True, reported=False,
-                  task="gpu-gate")
+                  task="gpu-gate", retry=RETRY)

@@ -11,6 +11,7 @@ from typing import Any
 
 from eagle3_pipeline.core.cluster import stage_gpus, start_deadline_s
 from eagle3_pipeline.core.config import PipelineConfig
+from eagle3_pipeline.core.stage_spec import RETRY_JITTER
 from eagle3_pipeline.pipeline import registry
 
 GPU_STAGES = registry.JOB_STAGES  # the stages that run as their own Job (StageSpec.own_job)
@@ -20,11 +21,6 @@ HOST_MEMORY_GIB_PER_GPU = 64     # host memory per GPU (engine workers, pinned b
 VERIFY_PARENT_MEMORY_GIB = 8     # the verify parent (record scan threads) beside the reference child
 VERIFY_SCAN_S = 4 * 3600.0       # the record scan of a full dataset (not in the config: records x read rate)
 JOB_MARGIN_S = 900               # flow start, imports, store writes, Prefect API calls around the child
-
-# In-pod attempts of each stage's task: tasks/stage_tasks.py RETRY_POLICIES (retries, delay_s); extract's
-# count is config.extract.retries. tests/unit/test_cluster.py checks this copy against the policies.
-STAGE_RETRIES = {"verify": (1, 10.0), "train": (2, 60.0), "evaluate": (1, 30.0), "extract": (None, 5.0)}
-RETRY_JITTER = 0.2               # Prefect's retry_jitter_factor the policies use
 
 
 def _check_stage(stage: str) -> None:
@@ -73,9 +69,8 @@ def job_variables(config: PipelineConfig, stage: str, shards: int | None = None)
     _check_stage(stage)
     gpus = stage_gpus(config, stage)
     cpu, mem = _cpu_and_memory(config, stage, gpus)
-    retries, delay = STAGE_RETRIES[stage]
-    if retries is None:
-        retries = config.extract.retries
+    policy = registry.spec(stage).retry  # the in-pod attempts of the stage's task (its StageSpec's retry)
+    retries, delay = policy.retries_in(config), policy.delay_s
     pulls = config.extract.parallel_groups if stage == "extract" else 1
     watch = start_deadline_s(config, gpus > 0, pulls)
     one = stage_deadline_s(config, stage, shards)

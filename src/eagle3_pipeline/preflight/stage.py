@@ -26,7 +26,7 @@ from eagle3_pipeline.core import host
 from eagle3_pipeline.core.cluster import gpu_pool_problems
 from eagle3_pipeline.core.config import PipelineConfig
 from eagle3_pipeline.core.errors import EnvironmentProblem
-from eagle3_pipeline.core.stage_spec import StageSpec
+from eagle3_pipeline.core.stage_spec import Retry, StageSpec
 from eagle3_pipeline.engine.start import MemoryPlan, describe, memory_plan, what_fits
 from eagle3_pipeline.records.contracts import (
     ContractError,
@@ -322,4 +322,6 @@ def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=prin
                            memory=memory)
 
 
-STAGE = StageSpec(name="preflight", run=preflight, result=PreflightResult, failure=PreflightFailed, gate=True)
+RETRY = Retry(0, 0, (), "a gate of seconds, no I/O worth retrying: its failure is the answer")
+STAGE = StageSpec(name="preflight", run=preflight, result=PreflightResult, failure=PreflightFailed, gate=True,
+                  retry=RETRY)

@@ -29,7 +29,7 @@ from pathlib import Path
 from eagle3_pipeline.core.config import PrepareConfig, SourceConfig, TargetConfig, hub_token
 from eagle3_pipeline.core.digest import row_hash
 from eagle3_pipeline.core.errors import DiskFull, InputError, is_disk_full
-from eagle3_pipeline.core.stage_spec import StageSpec
+from eagle3_pipeline.core.stage_spec import IO, Retry, StageSpec
 from eagle3_pipeline.core.store import (
     atomic_write,
     atomic_write_text,
@@ -441,4 +441,7 @@ def _judged_row_hashes(arrow):
                          dtype=np.uint8).reshape(-1, 8).copy()
 
 
-STAGE = StageSpec(name="prepare", run=prepare, result=PrepareResult, failure=InputError)
+RETRY = Retry(2, 30, IO,
+              "reads sources (files, fsspec, the hub) and writes the store; a retry reuses every content-keyed "
+              "chunk already tokenized")
+STAGE = StageSpec(name="prepare", run=prepare, result=PrepareResult, failure=InputError, retry=RETRY)

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from eagle3_pipeline import FORMAT_VERSION
 from eagle3_pipeline.core.config import PrepareConfig, RegenerateConfig, SourceConfig, TargetConfig, hub_token
 from eagle3_pipeline.core.errors import InputError
-from eagle3_pipeline.core.stage_spec import StageSpec
+from eagle3_pipeline.core.stage_spec import CHILD, IO, Retry, StageSpec
 from eagle3_pipeline.core.store import (
     atomic_write_text,
     content_key,
@@ -406,5 +406,8 @@ def read_quarantine(res: RegenerateResult) -> list[dict]:
 __all__ = ["RegenerateFailed", "RegenerateResult", "prepare_config", "read_quarantine", "read_rows", "regenerate"]
 
 
+RETRY = Retry(2, 30, (*IO, *CHILD, RuntimeError),
+              "engine child that answers the sources' turns (crash, OOM, lost node, timeout); a retry regenerates "
+              "only the shards not yet published", count="regenerate.retries")
 STAGE = StageSpec(name="regenerate", run=regenerate, result=RegenerateResult, failure=RegenerateFailed,
-                  worker="eagle3_pipeline.regenerate.worker", accelerators=True)
+                  worker="eagle3_pipeline.regenerate.worker", accelerators=True, retry=RETRY)

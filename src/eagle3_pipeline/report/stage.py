@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3_pipeline.core.stage_spec import StageSpec
+from eagle3_pipeline.core.stage_spec import IO, Retry, StageSpec
 from eagle3_pipeline.core.store import atomic_write, atomic_write_text, write_json
 from eagle3_pipeline.report.decision import CurvePoint, decide
 from eagle3_pipeline.report.record import Artifacts, RunReport, Stages
@@ -637,4 +637,5 @@ def write_report(run_dir: Path, rec: RunReport, metrics_path: Path | None = None
     return {"report_json": str(run_dir / "report.json"), "report_md": str(run_dir / "report.md")}
 
 
-STAGE = StageSpec(name="report", run=build_report, result=RunReport, failure=None, reported=False)
+RETRY = Retry(1, 5, IO, "writes report.json/md and plots")
+STAGE = StageSpec(name="report", run=build_report, result=RunReport, failure=None, reported=False, retry=RETRY)

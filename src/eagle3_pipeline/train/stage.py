@@ -36,7 +36,7 @@ from pydantic import BaseModel
 from eagle3_pipeline.core.config import TargetConfig, TrainConfig
 from eagle3_pipeline.core.proc import python_child, run_child
 from eagle3_pipeline.core.progress import interval
-from eagle3_pipeline.core.stage_spec import StageSpec
+from eagle3_pipeline.core.stage_spec import CHILD, IO, Retry, StageSpec
 from eagle3_pipeline.core.store import atomic_write_text, dir_lock, read_json, sha256_file, write_json
 from eagle3_pipeline.records.contracts import HS_KEY, TOKENS_KEY, ContractError, record_name
 from eagle3_pipeline.records.layout import ExtractVersion
@@ -451,5 +451,9 @@ def make_untrained_draft(target: TargetConfig, version: ExtractVersion, vocab_di
     return out_dir
 
 
+RETRY = Retry(2, 60, (*IO, *CHILD),
+              "trainer child (crash, OOM kill, lost node, timeout); a retry resumes from the last complete epoch "
+              "checkpoint in the same train dir, so it does only the unfinished epochs; never on a failed export "
+              "check (a gate)")
 STAGE = StageSpec(name="train", run=train_draft, result=TrainResult, failure=ContractError,
-                  worker="eagle3_pipeline.train.worker", accelerators=True, own_job=True)
+                  worker="eagle3_pipeline.train.worker", accelerators=True, own_job=True, retry=RETRY)

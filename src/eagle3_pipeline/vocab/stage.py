@@ -23,7 +23,7 @@ import numpy as np
 from pydantic import BaseModel
 
 from eagle3_pipeline.core.config import VocabConfig
-from eagle3_pipeline.core.stage_spec import StageSpec
+from eagle3_pipeline.core.stage_spec import IO, Retry, StageSpec
 from eagle3_pipeline.core.store import atomic_write, dir_lock, write_json
 from eagle3_pipeline.records.vocab import META_NAME, VocabError, check_vocab, d2t_name, t2d_name
 
@@ -135,4 +135,5 @@ def build_vocab(cfg: VocabConfig, token_freq: Path, target_vocab_size: int, out_
     return result.model_copy(update={"dir": str(out_dir.resolve())})
 
 
-STAGE = StageSpec(name="vocab", run=build_vocab, result=VocabResult, failure=VocabError)
+RETRY = Retry(2, 5, IO, "reads token_freq and the tokenizer, writes two small files")
+STAGE = StageSpec(name="vocab", run=build_vocab, result=VocabResult, failure=VocabError, retry=RETRY)
