@@ -177,3 +177,15 @@ def test_a_history_of_two_implementations_is_two_curves(tmp_path):
     old = CurvePoint(run_id="legacy", train_tokens=5_000, tau=1.8)  # a history line from before the key was kept
     assert set(decide(rep["stages"]["evaluate"], curve + [old]).other_curves) == {
         "vLLM 0.32.0 V1; suffix: arctic-inference 0.3.0", "implementation not recorded"}
+
+
+def test_the_report_says_which_record_dtype_and_why(tmp_path):
+    rep = sample_report()
+    rep["stages"]["preflight"] = {"details": {
+        "storage_dtype": "fp8", "storage_reason": "extract.storage_dtype auto: fp8, the default for targets with hidden "
+        "size >= 4096 (this one: 7168): half the bytes of bf16", "bytes_per_token": 28684, "estimated_bytes": 3 * 10**12,
+        "free_bytes": 5 * 10**12, "write_bytes_per_s": 1.3e10, "read_bytes_per_s": 3.5e8}}
+    md = open(write_report(tmp_path / "run", RunReport.model_validate(rep))["report_md"]).read()
+    line = next(x for x in md.splitlines() if x.startswith("- **Records stored as fp8**"))
+    assert "hidden size >= 4096 (this one: 7168)" in line and "28,684 B per token" in line, line
+    assert "extraction writes ~13 GB/s" in line and "training reads at least 350 MB/s" in line, line

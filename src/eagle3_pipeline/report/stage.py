@@ -334,6 +334,7 @@ def _summary(stages: dict) -> list[str]:
     if isinstance(costs, dict) and any(_isnum(v) for v in costs.values()):
         out.append("- **What each number cost** (seconds of each engine's whole run): "
                    + ", ".join(f"{k} {_num(v, 3)} s" for k, v in costs.items() if _isnum(v)))
+    out += _storage_summary(stages.get("preflight") or {})
     out += _verify_summary(stages.get("verify") or {})
     out += _train_summary(stages.get("train") or {})
     rg = stages.get("regenerate")
@@ -445,6 +446,25 @@ def _verify_summary(vr: dict) -> list[str]:
         out.append("- **Unproven**: the reference did not run, so no row's computation and no aux slot's layer "
                    "was checked against the target itself")
     return out
+
+
+def _storage_summary(pre: dict) -> list[str]:
+    """The records' dtype and why (preflight: extract.storage_dtype, auto by the target's hidden size), their bytes,
+    and the bandwidth the topology asks of the store."""
+    dtype, why = _get(pre, "storage_dtype"), _get(pre, "storage_reason")
+    if not dtype:
+        return []
+    line = f"- **Records stored as {dtype}**" + (f": {_cell(str(why))}" if why else "")
+    per, total, free = _get(pre, "bytes_per_token"), _get(pre, "estimated_bytes"), _get(pre, "free_bytes")
+    if _isnum(per) and _isnum(total):
+        line += f"; {_num(per)} B per token, ~{_num(total / 1e9)} GB on the store" + (
+            f" of {_num(free / 1e9)} GB free" if _isnum(free) else "")
+    write, read = _get(pre, "write_bytes_per_s"), _get(pre, "read_bytes_per_s")
+    if _isnum(write):
+        line += f"; extraction writes ~{_num(write / 1e9)} GB/s"
+    if _isnum(read):
+        line += f"; training reads at least {_num(read / 1e6)} MB/s to meet its deadline"
+    return [line]
 
 
 def _impl(entry, sep: str = "; ") -> str:
