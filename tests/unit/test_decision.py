@@ -162,6 +162,11 @@ def test_a_history_of_two_implementations_is_two_curves(tmp_path):
     assert [p.run_id for p in d.curve] == ["r2"] and d.tau_per_doubling is None  # one run of 0.34: no slope
     assert {k: [p.run_id for p in v] for k, v in d.other_curves.items()} == {
         "vLLM 0.32.0 V1; suffix: arctic-inference 0.3.0": ["r0", "r1"]}
+    assert d.overall.best_free_method == "suffix decoding, vLLM 0.34.0"  # vLLM's own proposer, named
+    assert "(suffix decoding, vLLM 0.34.0, 1.600 tokens per target step)" in d.says
+    old_best = decide(_on(_with_baselines(sample_report(), {c: 1.2 for c in cats}, {c: 1.5 for c in cats}), "0.32.0",
+                          "v1", "0.3.0")["stages"]["evaluate"], []).overall.best_free_method
+    assert old_best == "suffix decoding, arctic-inference 0.3.0 on vLLM 0.32.0"
     assert "2 run(s) measured on another implementation (vLLM 0.32.0 V1; suffix: arctic-inference 0.3.0)" in d.says
     rep["decision"] = d.model_dump()
     series = curve_series(rep["decision"])

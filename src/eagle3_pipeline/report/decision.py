@@ -28,7 +28,7 @@ class DecisionRow(BaseModel):
     prompts: int | None = None
     trained: float | None  # τ of the trained draft, temperature 0
     best_free: float | None  # tokens per target step of the best training-free baseline
-    best_free_method: str | None  # "n-gram" or "suffix decoding"
+    best_free_method: str | None  # "n-gram" or "suffix decoding", with its implementation where recorded
     margin: float | None  # trained - best_free
     beats: bool | None  # None: one side was not measured
 
@@ -73,11 +73,11 @@ def decide(evaluate: dict | None, curve: list[CurvePoint]) -> Decision | None:
     if not isinstance(evaluate, dict):
         return None
     flat = _flat(evaluate)
-    free = {name: (flat.get(key) or {}).get("tokens_per_step") for key, name, _ in BASELINES
-            if isinstance(flat.get(key), dict)}
+    named = {key: _named(name, flat.get(key)) for key, name, _ in BASELINES if isinstance(flat.get(key), dict)}
+    free = {named[key]: flat[key].get("tokens_per_step") for key in named}
     overall = _row(flat.get("acceptance_length"), free)
-    cats = {str(c): _row(v.get("acceptance_length"), {name: v.get(col) for key, name, col in BASELINES
-                                                        if isinstance(flat.get(key), dict)}, v.get("prompts"))
+    cats = {str(c): _row(v.get("acceptance_length"), {named[key]: v.get(col) for key, _, col in BASELINES
+                                                        if key in named}, v.get("prompts"))
             for c, v in (flat.get("per_category") or {}).items() if isinstance(v, dict)}
     key = series_key(flat)
     mine, others = split_series(curve, key)
@@ -91,6 +91,16 @@ def decide(evaluate: dict | None, curve: list[CurvePoint]) -> Decision | None:
 
 
 NOT_RECORDED = "implementation not recorded"
+
+
+def _named(name: str, baseline: dict) -> str:
+    """A baseline's name with the implementation that measured it (vLLM version; the suffix decoding backend)."""
+    impl = baseline.get("implementation")
+    if not isinstance(impl, dict):
+        return name
+    backend = impl.get("backend")
+    on = f"vLLM {impl.get('vllm') or '?'}"
+    return f"{name}, {backend} on {on}" if backend and backend != "vllm" else f"{name}, {on}"
 
 
 def series_key(ev_flat: dict) -> str | None:

@@ -276,7 +276,8 @@ def _decision(d) -> list[str]:
             label = name if len(name) <= 24 else name[:23] + "…"
             margin = r.get("margin")
             tau, free = (f"{x:.3f}" if _isnum(x) else "–" for x in (r.get("trained"), r.get("best_free")))
-            out.append(f"| {_cell(label)} | {tau} | {r.get('best_free_method') or '–'} | {free} | "
+            method = (r.get("best_free_method") or "–").split(",")[0]  # the implementation: in the sentence above
+            out.append(f"| {_cell(label)} | {tau} | {method} | {free} | "
                        + (f"{margin:+.3f} {'✓' if margin > 0 else '✗'}" if _isnum(margin) else "–") + " |")
         out.append("")
     series = curve_series(d)
