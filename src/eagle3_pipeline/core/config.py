@@ -117,7 +117,14 @@ class ExtractConfig(EngineConfig):
     shards_per_group: int | None = Field(None, description="shards one engine child runs (one model load); "
                                                              "None = spread evenly over parallel_groups")
     parallel_groups: int = Field(1, ge=1, description=">1: groups fan out to the extract-group deployment (GPU pool)")
-    storage_dtype: Literal["bf16", "fp8"] = "bf16"
+    storage_dtype: Literal["auto", "bf16", "fp8"] = Field(
+        "auto", description="records' hidden states: bf16, or fp8 (float8_e4m3fn + a per-token scale, half the bytes); "
+        "auto = fp8 for targets with hidden size >= 4096, else bf16, resolved by preflight from the target's "
+        "config.json (records/contracts.storage_dtype_for)")
+    engine_tokens_per_s: float | None = Field(None, gt=0, description="prefill tokens/s of one extract engine (an "
+                                              "earlier run's report.json stages.extract tokens_per_s / parallel_groups): "
+                                              "preflight states the write bandwidth the store needs for "
+                                              "parallel_groups engines; None = not stated")
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
     timeout_s: float = Field(3600.0, description="deadline of one extract child (one group) when shard_timeout_s "

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
+from eagle3_pipeline.evaluate.implementation import Implementation
 from eagle3_pipeline.evaluate.results import (
     EvaluateError,
     SpeedResult,
@@ -32,7 +33,8 @@ from eagle3_pipeline.evaluate.results import (
 )
 
 NGRAM_LABEL = "ngram"  # label of the n-gram baseline run (worker.NGRAM)
-# Suffix decoding (`baseline_suffix`, vLLM's `method: suffix`, arctic-inference) is measured and counted the same
+# Suffix decoding (`baseline_suffix`, vLLM's `method: suffix`: arctic-inference on Model Runner V1, vLLM's own GPU
+# proposer on 0.34's V2; each baseline names its `implementation`) is measured and counted the same
 # way, with the same k; its trees also hold the earlier prompts' responses of the same pass, as in serving.
 
 
@@ -55,6 +57,7 @@ class _Baseline(NgramCategory):
     """What every training-free baseline reports beside its counters (module doc)."""
     method: str
     num_speculative_tokens: int
+    implementation: Implementation | None = None  # what proposed: arctic-inference or vLLM's own, which vLLM
     per_category: dict[str, NgramCategory] = {}
     per_position_acceptance: list[float] = []  # accepted at position k / proposed steps
     engine_start_s: float = 0.0
@@ -123,7 +126,8 @@ def ngram_baseline(run, ref=None, plain_speed: SpeedResult | None = None) -> Ngr
     common = dict(**ngram_category(total, k, run.label).model_dump(), num_speculative_tokens=k,
                   per_category={c: ngram_category(v, k, f"{run.label} ({c})") for c, v in run.per_category.items()},
                   per_position_acceptance=[a / run.drafts for a in per_pos] if run.drafts else [],
-                  engine_start_s=run.engine_start_s, generate_s=run.generate_s, run_s=run.run_s)
+                  engine_start_s=run.engine_start_s, generate_s=run.generate_s, run_s=run.run_s,
+                  implementation=getattr(run, "implementation", None))
     if getattr(run, "suffix", None) is not None:
         base = SuffixBaseline(**common, max_tree_depth=run.suffix.max_tree_depth,
                               max_spec_factor=run.suffix.max_spec_factor, min_token_prob=run.suffix.min_token_prob)
@@ -145,6 +149,8 @@ def describe_ngram(b: NgramBaseline | SuffixBaseline) -> str:
     what = (f"suffix decoding baseline (k={b.num_speculative_tokens}, tree depth {b.max_tree_depth})"
             if isinstance(b, SuffixBaseline) else
             f"n-gram baseline (k={b.num_speculative_tokens}, n {b.prompt_lookup_min}-{b.prompt_lookup_max})")
+    if b.implementation is not None:
+        what += f" [{b.implementation.name}]"
     s = (f"{what}: "
          f"{tau_text(b.tokens_per_step)} tokens per target step over all {b.steps} decode steps, a proposal on "
          f"{b.proposed_steps} (vLLM's mean acceptance length over those: {tau_text(b.acceptance_length_proposed)}), "

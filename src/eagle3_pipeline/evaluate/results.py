@@ -9,6 +9,8 @@ import statistics
 
 from pydantic import BaseModel
 
+from eagle3_pipeline.evaluate.implementation import Implementation
+
 
 class EvaluateError(RuntimeError):
     """The evaluate child failed (bad checkpoint for vLLM, engine error, deadline) or measured nothing."""
@@ -84,6 +86,7 @@ class EvalResult(BaseModel):
     speedup_detail: dict | None = None
     steps: int | None = None  # target decode steps of the greedy pass (= drafts: an EAGLE draft proposes at each)
     output_tokens_per_step: float | None = None  # (generated - prompts) / steps, as NgramBaseline's
+    implementation: Implementation | None = None  # the vLLM version and runner that ran this draft (implementation.py)
 
 
 def lossless_mismatches(plain: list[list[int]], spec: list[list[int]]) -> list[LosslessMismatch]:
@@ -168,7 +171,8 @@ def eval_result(run, ref, n_prompts: int, plain_speed: SpeedResult | None = None
         prompts=n_prompts, prompt_tokens=run.prompt_tokens, generated_tokens=run.generated_tokens,
         engine_start_s=run.engine_start_s, generate_s=run.generate_s, run_s=run.run_s,
         tokens_per_s=run.generated_tokens / max(run.generate_s, 1e-9), sample_texts=run.texts, steps=run.steps,
-        output_tokens_per_step=(run.generated_tokens - n_prompts) / run.steps if run.steps else None)
+        output_tokens_per_step=(run.generated_tokens - n_prompts) / run.steps if run.steps else None,
+        implementation=getattr(run, "implementation", None))
     if run.per_category:
         from eagle3_pipeline.evaluate.worker import SpecCounts
 

@@ -379,7 +379,7 @@ def _describe(r: EvalResult) -> str:
         s += f", speed-up {r.speedup:.3f}x"
     if r.lossless_mismatches is not None:
         s += f", lossless mismatches {len(r.lossless_mismatches)}/{r.lossless_checked} vs {r.lossless_reference}"
-    return s
+    return s + (f" [{r.implementation.name}]" if r.implementation is not None else "")
 
 
 def _evaluate(cfg: EvaluateConfig, target: TargetConfig, plan: EnginePlan, prompts, out_dir: Path,

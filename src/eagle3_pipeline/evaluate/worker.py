@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from eagle3_pipeline.core.config import EngineConfig, TargetConfig
 from eagle3_pipeline.core.proc import emit_event
+from eagle3_pipeline.evaluate.implementation import Implementation
+from eagle3_pipeline.evaluate.implementation import installed as installed_implementation
 
 PLAIN = "plain"  # label of the run without speculation (the lossless reference)
 NGRAM = "ngram"  # label of the n-gram (prompt lookup) baseline run
@@ -153,6 +155,7 @@ class RunOutput(BaseModel):
     steps: int | None = None  # target decode steps of the greedy pass (SpecCounts.steps)
     ngram: NgramLookup | None = None
     suffix: SuffixTree | None = None
+    implementation: Implementation | None = None  # what proposed: vLLM version, runner, backend (None: no proposer)
     token_ids: list[list[int]]  # generated ids per prompt, prompt order
     texts: list[str]  # generated text of the first `sample_texts` prompts
     per_category: dict[str, SpecCounts] = {}  # greedy pass, one generate call per category
@@ -294,9 +297,16 @@ def _run(job: EvalJob, run: EvalRunSpec) -> RunOutput:
         prompt_tokens=sum(len(p) for p in job.prompts), generated_tokens=total.generated_tokens,
         drafts=total.drafts, draft_tokens=total.draft_tokens, accepted_tokens=total.accepted_tokens,
         accepted_per_position=total.accepted_per_position, steps=total.steps, ngram=run.ngram, suffix=run.suffix,
-        token_ids=token_ids,
+        implementation=_implementation(run), token_ids=token_ids,
         texts=[o.outputs[0].text for o in outs[: job.sample_texts]], per_category=per_cat, sampled=sampled,
         sampled_total=sampled_total, timed=timed, run_s=round(run_s, 3))
+
+
+def _implementation(run: EvalRunSpec) -> Implementation | None:
+    """The implementation of this run's proposer on this child's vLLM (evaluate/implementation.py)."""
+    method = NGRAM if run.ngram is not None else SUFFIX if run.suffix is not None else \
+        "eagle3" if run.draft_dir is not None else None
+    return installed_implementation(method) if method else None
 
 
 def main(argv: list[str]) -> int:

@@ -139,7 +139,7 @@ def _job(g: _Group, shards: list[Shard], attempt: Attempt, subsets: dict[int, li
         max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
         tokenized_dir=str(Path(version.tokenized_dir).resolve()),
         hidden_states_dir=str(hs_dir.resolve()), scratch_dir=str(attempt.scratch.resolve()),
-        storage_dtype=cfg.storage_dtype, attempt=attempt.number,
+        storage_dtype=version.storage_dtype, attempt=attempt.number,
         connector_module=cfg.connector_module, connector_name=cfg.connector_name,
         fingerprints_dir=str((hs_dir.parent / FINGERPRINTS_DIR).resolve()) if cfg.fingerprints else None,
         invariance_rows=cfg.invariance_rows,

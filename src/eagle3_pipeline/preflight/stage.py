@@ -6,9 +6,11 @@ config.json (nested `text_config` too; and that a local model directory holds we
 model's architecture in the installed vLLM's registry (registered, supports EAGLE-3 aux hidden states),
 the tokenizer (its vocabulary must fit the model's embedding), the configured layer ids, the extract engine's
 memory (engine_start.memory_plan: weights, runtime and one max_model_len sequence's KV cache against what
-gpu_memory_utilization reserves), free disk space, and on the Kubernetes pools the GPU pool's nodes against the
-config (core/cluster.gpu_pool_problems: GPU memory and GPUs per node). Writes nothing. Raises PreflightFailed
-listing every problem at once (not the first only). Never cached: runs every time.
+gpu_memory_utilization reserves), the records' storage dtype (extract.storage_dtype; auto: fp8 for a target with
+hidden size >= 4096), the store's bytes (tokens x bytes per token) against its free space and the bandwidth the
+topology needs of it (extraction's engines writing, training reading within its deadline), and on the Kubernetes
+pools the GPU pool's nodes against the config (core/cluster.gpu_pool_problems: GPU memory and GPUs per node).
+Writes nothing. Raises PreflightFailed listing every problem at once (not the first only). Never cached: runs every time.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import inspect
 import os
 import shutil
 from pathlib import Path
+from typing import Literal, NamedTuple
 
 from pydantic import BaseModel
 
@@ -35,6 +38,7 @@ from eagle3_pipeline.records.contracts import (
     fingerprints_off_problem,
     model_dims,
     resolve_layer_ids,
+    storage_dtype_for,
 )
 
 # (vllm distribution, vllm, torch, speculators) combinations this pipeline was tested with: the two default stacks,
@@ -76,6 +80,11 @@ class PreflightResult(BaseModel):
     free_bytes: int
     disk_plans: dict[str, int] = {}  # the same estimate for "offline bf16", "offline fp8" and "online"
     memory: MemoryPlan | None = None  # the extract engine's memory per rank (engine_start.memory_plan)
+    storage_dtype: Literal["bf16", "fp8"] = "bf16"  # the records' dtype, extract.storage_dtype resolved (auto: by hidden)
+    storage_reason: str = ""  # why that dtype (records/contracts.storage_dtype_for)
+    bytes_per_token: int | None = None  # one token of the records in that dtype
+    write_bytes_per_s: float | None = None  # extraction's writes to the store (None: engine_tokens_per_s not set)
+    read_bytes_per_s: float | None = None  # training's reads to end within train.timeout_s (None: online)
     warnings: list[str]
 
 
@@ -206,8 +215,7 @@ def disk_plans(cfg: PipelineConfig, num_layers_captured: int, hidden_size: int, 
     (verify.online_rows rows of at most prepare.max_length tokens) and the rows in flight between the
     server and the trainer (up to 16 requests of a batch at once plus 8 more), each at most
     prepare.max_length tokens. 5% for file headers."""
-    per = num_layers_captured * hidden_size
-    bf16, fp8 = per * 2 + 8, per + 8 + 4
+    bf16, fp8 = (record_bytes_per_token(num_layers_captured, hidden_size, d) for d in ("bf16", "fp8"))
     in_flight = min(cfg.extract.max_num_seqs, 16) + 8  # a packed batch's rows at once (train/online_data.py)
     online_tokens = (cfg.verify.online_rows + in_flight) * cfg.prepare.max_length
     return {"offline bf16": int(tokens * bf16 * 1.05), "offline fp8": int(tokens * fp8 * 1.05),
@@ -229,6 +237,73 @@ def train_traffic(cfg: PipelineConfig, stored: int, hidden_size: int) -> str:
             f"{rate / t.nodes / 2**20:.2f} MiB/s per node over {t.nodes} node(s)"
             + (f"; each optimizer step all-reduces ~{grads / 2**30:.2f} GiB of fp32 gradients between the nodes"
                if t.nodes > 1 else ""))
+
+
+class StoreShape(NamedTuple):
+    """What the records of this run are: captured layers, hidden size, storage dtype ("bf16"/"fp8"), tokens."""
+    layers: int
+    hidden_size: int
+    storage: str
+    tokens: int
+
+
+class StorePlan(NamedTuple):
+    plans: dict[str, int]  # disk_plans
+    estimated: int  # bytes this run's mode puts on the store
+    free: int  # free bytes where the store is (or would be) created
+    bytes_per_token: int  # one token of this run's records (storage dtype x layers x hidden + token id [+ scale])
+    write_bytes_per_s: float | None  # what extraction writes: parallel_groups x engine_tokens_per_s x bytes/token
+    read_bytes_per_s: float | None  # what training must read to end within its deadline (offline only)
+    problems: list[str]
+
+
+def record_bytes_per_token(layers: int, hidden_size: int, storage: str) -> int:
+    """One token of a record: layers x hidden values of 2 B (bf16) or 1 B + a 4 B fp32 scale (fp8), + an 8 B id."""
+    return layers * hidden_size * 2 + 8 if storage == "bf16" else layers * hidden_size + 8 + 4
+
+
+def extract_write_rate(cfg: PipelineConfig, bytes_per_token: int) -> tuple[float | None, str]:
+    """(bytes/s, the sentence): the extraction topology (extract.parallel_groups engines of tensor_parallel_size GPUs,
+    all writing at once) x one engine's prefill throughput (extract.engine_tokens_per_s) x bytes per token."""
+    e = cfg.extract
+    if e.engine_tokens_per_s is None:
+        return None, (f"preflight: store write bandwidth for {e.parallel_groups} extract engine(s) (TP "
+                      f"{e.tensor_parallel_size}) not stated: set extract.engine_tokens_per_s (one engine's prefill "
+                      f"tokens/s, an earlier run's report stages.extract tokens_per_s / parallel_groups)")
+    rate = e.parallel_groups * e.engine_tokens_per_s * bytes_per_token
+    return rate, (f"preflight: extraction writes ~{rate / 1e9:.3f} GB/s to the store: {e.parallel_groups} engine(s) "
+                  f"(TP {e.tensor_parallel_size}) x {e.engine_tokens_per_s:,.0f} tokens/s x {bytes_per_token:,} B/token")
+
+
+def store_plan(cfg: PipelineConfig, shape: StoreShape, out_dir: Path, log=print) -> StorePlan:
+    """The store's bytes against its free space (every mode's, and this run's: problems when it does not fit) and the
+    bandwidth the topology needs of it: extraction's writes, training's reads (train_traffic)."""
+    plans = disk_plans(cfg, shape.layers, shape.hidden_size, shape.tokens)
+    chosen = "online" if cfg.train.mode == "online" else f"offline {shape.storage}"
+    estimated = plans[chosen]
+    probe = Path(out_dir)
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    fits = [k for k, v in plans.items() if v <= free]
+    per = record_bytes_per_token(shape.layers, shape.hidden_size, shape.storage)
+    log(f"preflight: records take {per:,} B/token ({shape.storage}: {shape.layers} layers x {shape.hidden_size} "
+        f"hidden) x ~{shape.tokens:,} tokens; hidden states on disk: "
+        + ", ".join(f"{k} ~{v / 2**30:.3f} GiB" for k, v in plans.items())
+        + f"; {free / 2**30:.1f} GiB free at {probe}; fits: {', '.join(fits) or 'none'} (this run: {chosen})")
+    write, line = extract_write_rate(cfg, per) if cfg.train.mode != "online" else (None, "")
+    if line:
+        log(line)
+    log(train_traffic(cfg, estimated, shape.hidden_size))
+    read = None if cfg.train.mode == "online" else estimated * cfg.train.epochs / cfg.train.timeout_s
+    problems = []
+    if estimated > free:
+        others = [k for k in fits if k != chosen]
+        hint = (f"; what fits: {', '.join(others)} (extract.storage_dtype fp8 / train.mode online)" if others
+                else "; neither fp8 storage nor online training fits either")
+        problems.append(f"disk: {chosen} needs about {estimated / 2**30:.2f} GiB of hidden states, "
+                        f"{free / 2**30:.2f} GiB free at {probe}{hint}")
+    return StorePlan(plans, estimated, free, per, write, read, problems)
 
 
 def _train_problems(cfg: PipelineConfig) -> list[str]:
@@ -294,32 +369,21 @@ def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=prin
         ev = memory_plan("evaluate", cfg.evaluate, cfg.target, max_model_len=cfg.prepare.max_length + 1)
         if ev is not None and ev.fits is False and ev.device == "gpu":
             problems.append(hardware_problem(ev, cfg.evaluate))
-    plans = disk_plans(cfg, len(layer_ids) or 4, dims.hidden_size, tokens_estimate)
-    chosen = "online" if cfg.train.mode == "online" else f"offline {cfg.extract.storage_dtype}"
-    estimated = plans[chosen]
-    probe = Path(out_dir)
-    while not probe.exists():
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    fits = [k for k, v in plans.items() if v <= free]
-    log("preflight: hidden states on disk: " + ", ".join(f"{k} ~{v / 2**30:.3f} GiB" for k, v in plans.items())
-        + f"; {free / 2**30:.1f} GiB free at {probe}; fits: {', '.join(fits) or 'none'} (this run: {chosen})")
-    log(train_traffic(cfg, estimated, dims.hidden_size))
-    if estimated > free:
-        others = [k for k in fits if k != chosen]
-        hint = (f"; what fits: {', '.join(others)} (extract.storage_dtype fp8 / train.mode online)" if others
-                else "; neither fp8 storage nor online training fits either")
-        problems.append(f"disk: {chosen} needs about {estimated / 2**30:.2f} GiB of hidden states, "
-                        f"{free / 2**30:.2f} GiB free at {probe}{hint}")
+    storage, why = storage_dtype_for(cfg.extract.storage_dtype, dims.hidden_size)
+    log(f"preflight: records: {why}")
+    store = store_plan(cfg, StoreShape(len(layer_ids) or 4, dims.hidden_size, storage, tokens_estimate), out_dir, log)
+    problems += store.problems
     for w in warnings:
         log(f"preflight warning: {w}")
     if problems:
         raise PreflightFailed("preflight failed:\n  " + "\n  ".join(problems))
     log(f"preflight: {flavour} stack {versions}, {dims.num_layers} layers, hidden {dims.hidden_size}, "
-        f"layer ids {layer_ids}, ~{estimated / 2**20:.1f} MiB to write")
+        f"layer ids {layer_ids}, ~{store.estimated / 2**20:.1f} MiB to write")
     return PreflightResult(versions=versions, flavour=flavour, dims=dims, layer_ids=layer_ids,
-                           estimated_bytes=estimated, free_bytes=free, warnings=warnings, disk_plans=plans,
-                           memory=memory)
+                           estimated_bytes=store.estimated, free_bytes=store.free, warnings=warnings,
+                           disk_plans=store.plans, memory=memory, storage_dtype=storage, storage_reason=why,
+                           bytes_per_token=store.bytes_per_token, write_bytes_per_s=store.write_bytes_per_s,
+                           read_bytes_per_s=store.read_bytes_per_s)
 
 
 RETRY = Retry(0, 0, (), "a gate of seconds, no I/O worth retrying: its failure is the answer")

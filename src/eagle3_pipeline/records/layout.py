@@ -132,22 +132,22 @@ def extract_location(prep, target, layer_ids: list[int], storage_dtype: str, con
 
 def plan_extract(cfg, prep, pre, engine: dict) -> ExtractVersion:
     """The ExtractVersion of `cfg` (PipelineConfig) for a prepare record (PrepareResult) and a preflight
-    record (PreflightResult: dims and layer ids come from there, computed once); `engine`: the engine
+    record (PreflightResult: dims, layer ids and the storage dtype come from there, computed once); `engine`: the engine
     settings that change a record's values (stages.plan_extract passes engine.cpu_build_kwargs())."""
     import datasets  # lazy: arrow is memory-mapped, this reads only metadata
 
     e = cfg.extract
-    key, out = extract_location(prep, cfg.target, pre.layer_ids, e.storage_dtype,
+    key, out = extract_location(prep, cfg.target, pre.layer_ids, pre.storage_dtype,
                                 f"{e.connector_module}.{e.connector_name}", engine)
     rows = datasets.load_from_disk(prep.tokenized).num_rows
     shards = plan_shards(rows, e.rows_per_shard)
     ids = [s.index for s in shards]
     per = e.shards_per_group or max(1, math.ceil(len(ids) / e.parallel_groups))  # one group per parallel slot
-    pkey = pool_key(cfg.target, pre.layer_ids, e.storage_dtype, f"{e.connector_module}.{e.connector_name}",
+    pkey = pool_key(cfg.target, pre.layer_ids, pre.storage_dtype, f"{e.connector_module}.{e.connector_name}",
                     e.tensor_parallel_size, engine)
     pool = pool_location(Path(prep.dir).parent, cfg.target.model, pkey) if e.record_pool else None
     return ExtractVersion(content_key=key, dir=str(out.resolve()), prepare_version=prep.version,
                           pool_dir=str(pool.resolve()) if pool else None,
                           tokenized_dir=str(Path(prep.tokenized).resolve()), layer_ids=list(pre.layer_ids),
-                          dims=pre.dims, storage_dtype=e.storage_dtype, rows=rows, rows_per_shard=e.rows_per_shard,
+                          dims=pre.dims, storage_dtype=pre.storage_dtype, rows=rows, rows_per_shard=e.rows_per_shard,
                           shards=shards, groups=[ids[i:i + per] for i in range(0, len(ids), per)])

@@ -2,6 +2,12 @@
 training-free option measured in the same evaluation (vLLM's n-gram and suffix decoding, tokens per target
 step counting every decode step, τ's convention), and the τ-vs-data curve of this dataset and target from
 the store's history (one row per run: store/<dataset>/history/<target>.jsonl).
+
+Each curve holds one implementation: the runs whose draft and baselines ran on the same vLLM version and runner,
+with the same suffix decoding backend (arctic-inference on vLLM 0.32/0.33, vLLM's own GPU proposer on 0.34;
+evaluate/implementation.py). Runs of another implementation (or of none recorded, before the history kept it) are
+kept on curves of their own (`Decision.other_curves`), never joined to this run's, and the slope is this run's
+curve's alone.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ class DecisionRow(BaseModel):
     prompts: int | None = None
     trained: float | None  # τ of the trained draft, temperature 0
     best_free: float | None  # tokens per target step of the best training-free baseline
-    best_free_method: str | None  # "n-gram" or "suffix decoding"
+    best_free_method: str | None  # "n-gram" or "suffix decoding", with its implementation where recorded
     margin: float | None  # trained - best_free
     beats: bool | None  # None: one side was not measured
 
@@ -37,13 +43,16 @@ class CurvePoint(BaseModel):
     k: int | None = None
     data: str = "source"  # "source": the dataset's own answers; "regenerated": the target's (one curve each)
     supervised_tokens: int | None = None  # of train_tokens, those under the loss mask (prepare's count)
+    implementation: str | None = None  # series key: vLLM version and runner, suffix backend (None: not recorded)
 
 
 class Decision(BaseModel):
     """report.json `decision`."""
     overall: DecisionRow
     per_category: dict[str, DecisionRow] = {}
-    curve: list[CurvePoint] = []  # this run and the earlier runs on the same prompts and k, by training tokens
+    curve: list[CurvePoint] = []  # this run and the earlier runs on the same prompts, k and implementation
+    implementation: str | None = None  # this run's series key (series_key)
+    other_curves: dict[str, list[CurvePoint]] = {}  # the same prompts and k on other implementations, one per key
     tau_per_doubling: float | None = None  # least-squares slope of τ against log2(training tokens); None: < 2 sizes
     says: str  # the decision in one sentence
 
@@ -64,15 +73,62 @@ def decide(evaluate: dict | None, curve: list[CurvePoint]) -> Decision | None:
     if not isinstance(evaluate, dict):
         return None
     flat = _flat(evaluate)
-    free = {name: (flat.get(key) or {}).get("tokens_per_step") for key, name, _ in BASELINES
-            if isinstance(flat.get(key), dict)}
+    named = {key: _named(name, flat.get(key)) for key, name, _ in BASELINES if isinstance(flat.get(key), dict)}
+    free = {named[key]: flat[key].get("tokens_per_step") for key in named}
     overall = _row(flat.get("acceptance_length"), free)
-    cats = {str(c): _row(v.get("acceptance_length"), {name: v.get(col) for key, name, col in BASELINES
-                                                        if isinstance(flat.get(key), dict)}, v.get("prompts"))
+    cats = {str(c): _row(v.get("acceptance_length"), {named[key]: v.get(col) for key, _, col in BASELINES
+                                                        if key in named}, v.get("prompts"))
             for c, v in (flat.get("per_category") or {}).items() if isinstance(v, dict)}
-    slope = per_doubling(curve)
-    return Decision(overall=overall, per_category=cats, curve=curve, tau_per_doubling=slope,
-                    says=_says(overall, cats, slope, len(curve)))
+    key = series_key(flat)
+    mine, others = split_series(curve, key)
+    slope = per_doubling(mine)
+    says = _says(overall, cats, slope, len(mine))
+    if others:
+        says += (f"; {sum(map(len, others.values()))} run(s) measured on another implementation "
+                 f"({'; '.join(others)}) are kept on their own curve(s), not this one")
+    return Decision(overall=overall, per_category=cats, curve=mine, tau_per_doubling=slope, says=says,
+                    implementation=key, other_curves=others)
+
+
+NOT_RECORDED = "implementation not recorded"
+
+
+def _named(name: str, baseline: dict) -> str:
+    """A baseline's name with the implementation that measured it (vLLM version; the suffix decoding backend)."""
+    impl = baseline.get("implementation")
+    if not isinstance(impl, dict):
+        return name
+    backend = impl.get("backend")
+    on = f"vLLM {impl.get('vllm') or '?'}"
+    return f"{name}, {backend} on {on}" if backend and backend != "vllm" else f"{name}, {on}"
+
+
+def series_key(ev_flat: dict) -> str | None:
+    """The implementation an evaluation's numbers come from, as one key: the vLLM version(s) and runner(s) of its
+    draft and baseline engines, and the suffix decoding backend (None: nothing recorded)."""
+    impls = {name: (ev_flat.get(key) or {}).get("implementation") for key, name in
+             (("trained", "draft"), ("baseline_ngram", "n-gram"), ("baseline_suffix", "suffix"))
+             if isinstance(ev_flat.get(key), dict)}
+    impls = {k: v for k, v in impls.items() if isinstance(v, dict)}
+    if not impls:
+        return None
+    engines = sorted({f"vLLM {v.get('vllm') or '?'}" + (f" {v['runner'].upper()}" if v.get("runner") else "")
+                      for v in impls.values()})
+    key = ", ".join(engines)
+    if "suffix" in impls:
+        backend = impls["suffix"].get("backend") or "?"
+        key += f"; suffix: {'vLLM native' if backend == 'vllm' else backend}"
+    return key
+
+
+def split_series(curve: list[CurvePoint], key: str | None) -> tuple[list[CurvePoint], dict[str, list[CurvePoint]]]:
+    """(the points of implementation `key`, {other key: its points}); a point without a key is its own series."""
+    mine = [p for p in curve if p.implementation == key]
+    others: dict[str, list[CurvePoint]] = {}
+    for p in curve:
+        if p.implementation != key:
+            others.setdefault(p.implementation or NOT_RECORDED, []).append(p)
+    return mine, others
 
 
 def per_doubling(curve: list[CurvePoint]) -> float | None:
@@ -125,8 +181,8 @@ def read_history(path: Path) -> list[CurvePoint]:
 
 
 def record_run(path: Path, point: CurvePoint) -> list[CurvePoint]:
-    """Add (or replace: a run reported again) this run's point; returns the curve of the runs comparable with it
-    (same prompt set, k and kind of answers), by training tokens."""
+    """Add (or replace: a run reported again) this run's point; returns the runs comparable with it (same prompt
+    set, k and kind of answers), by training tokens, of every implementation (`decide` splits them by it)."""
     rows = [p for p in read_history(path) if p.run_id != point.run_id] + [point]
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(Path(path), "".join(p.model_dump_json() + "\n" for p in rows))
@@ -156,4 +212,4 @@ def curve_point(run_id: str, stages: dict) -> CurvePoint | None:
                       best_free=max(free) if free else None, prompts=ps.get("source") if isinstance(ps, dict) else None,
                       k=trained.get("num_speculative_tokens") if isinstance(trained, dict) else None,
                       data="regenerated" if stages.get("regenerate") else "source",
-                      supervised_tokens=sup if isinstance(sup, int) else None)
+                      supervised_tokens=sup if isinstance(sup, int) else None, implementation=series_key(ev_flat))

@@ -19,7 +19,7 @@ from typing import Any
 
 from eagle3_pipeline.core.stage_spec import IO, Retry, StageSpec
 from eagle3_pipeline.core.store import atomic_write, atomic_write_text, write_json
-from eagle3_pipeline.report.decision import CurvePoint, decide
+from eagle3_pipeline.report.decision import NOT_RECORDED, CurvePoint, decide
 from eagle3_pipeline.report.record import Artifacts, RunReport, Stages
 
 # the reported stages in run order: Stages' fields (pipeline/registry.py REPORTED; tests/unit/test_architecture.py checks the two)
@@ -195,21 +195,32 @@ def _category_plot(plt, run_dir: Path, cats: dict[str, dict], temperature) -> Pl
     return _save(fig, run_dir, "tau_per_category", "acceptance length per prompt category")
 
 
+def curve_series(decision) -> list[tuple[str, list[dict]]]:
+    """[(implementation, points)] of report.json's decision: this run's curve first, then each other implementation's
+    (report/decision.py): one curve each, never joined."""
+    if not isinstance(decision, dict):
+        return []
+    mine = [("this run: " + (decision.get("implementation") or NOT_RECORDED), decision.get("curve") or [])]
+    return [(k, v) for k, v in mine + list((decision.get("other_curves") or {}).items()) if v]
+
+
 def _data_plot(plt, run_dir: Path, decision) -> Plot | None:
     """τ against the training data's size (log scale), one point per run of this dataset and target on the
-    same prompts, with the best training-free option of each run."""
-    curve = (decision or {}).get("curve") or [] if isinstance(decision, dict) else []
-    if len(curve) < 2:
+    same prompts, with the best training-free option of each run; one pair of lines per implementation."""
+    series = curve_series(decision)
+    if sum(len(pts) for _, pts in series) < 2:
         return None
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    xs = [p["train_tokens"] for p in curve]
-    ax.plot(xs, [p["tau"] for p in curve], "o-", label="trained draft τ")
-    free = [(x, p["best_free"]) for x, p in zip(xs, curve) if _isnum(p.get("best_free"))]
-    if free:
-        ax.plot([x for x, _ in free], [y for _, y in free], "s--", label="best training-free")
+    fig, ax = plt.subplots(figsize=(5, 3.2 + 0.3 * len(series)))
+    for i, (label, curve) in enumerate(series):
+        xs = [p["train_tokens"] for p in curve]
+        line, = ax.plot(xs, [p["tau"] for p in curve], "o-", label=f"τ, {label}")
+        free = [(x, p["best_free"]) for x, p in zip(xs, curve) if _isnum(p.get("best_free"))]
+        if free:
+            ax.plot([x for x, _ in free], [y for _, y in free], "s--", color=line.get_color(),
+                    label=f"best training-free, {label}" if len(series) > 1 else "best training-free")
     ax.set_xscale("log", base=2)
     ax.set(title="τ against training data", xlabel="training tokens (per epoch)", ylabel="tokens per target step")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=6 if len(series) > 1 else 8)
     return _save(fig, run_dir, "tau_vs_data", "acceptance length against training data")
 
 
@@ -265,14 +276,18 @@ def _decision(d) -> list[str]:
             label = name if len(name) <= 24 else name[:23] + "…"
             margin = r.get("margin")
             tau, free = (f"{x:.3f}" if _isnum(x) else "–" for x in (r.get("trained"), r.get("best_free")))
-            out.append(f"| {_cell(label)} | {tau} | {r.get('best_free_method') or '–'} | {free} | "
+            method = (r.get("best_free_method") or "–").split(",")[0]  # the implementation: in the sentence above
+            out.append(f"| {_cell(label)} | {tau} | {method} | {free} | "
                        + (f"{margin:+.3f} {'✓' if margin > 0 else '✗'}" if _isnum(margin) else "–") + " |")
         out.append("")
-    if d.get("curve") and len(d["curve"]) > 1:
-        kind = "its regenerated answers" if d["curve"][0].get("data") == "regenerated" else "its own answers"
-        out += [f"τ against training data, the runs of this dataset ({kind}) and target on these prompts: "
-                + ", ".join(f"{_num(p['train_tokens'])} tokens τ {p['tau']:.3f}" for p in d["curve"][:8])
-                + (" …" if len(d["curve"]) > 8 else "") + " (plots/tau_vs_data.png)", ""]
+    series = curve_series(d)
+    if sum(len(pts) for _, pts in series) > 1:
+        kind = "its regenerated answers" if series[0][1][0].get("data") == "regenerated" else "its own answers"
+        out += [f"τ against training data, the runs of this dataset ({kind}) and target on these prompts, one curve per "
+                f"implementation (the draft's and baselines' vLLM version and runner, the suffix decoding backend), "
+                f"never two on one curve (plots/tau_vs_data.png):", ""]
+        out += [f"- {_cell(label)}: " + ", ".join(f"{_num(p['train_tokens'])} tokens τ {p['tau']:.3f}" for p in pts[:8])
+                + (" …" if len(pts) > 8 else "") for label, pts in series] + [""]
     return out
 
 
@@ -287,7 +302,7 @@ def _summary(stages: dict) -> list[str]:
     tau, tau0 = _get(ev, "acceptance_length"), _get(ev, "acceptance_length_untrained")
     if _isnum(tau):
         out.append(f"- **Acceptance length τ** (temperature 0): **{tau:.3f}** trained"
-                   + (f" vs {tau0:.3f} untrained" if _isnum(tau0) else ""))
+                   + (f" vs {tau0:.3f} untrained" if _isnum(tau0) else "") + _impl(_get(ev, "trained"), " on "))
     turns = _get(ev, "acceptance_length_per_turn")
     if isinstance(turns, dict) and turns:
         out.append("- **τ per turn** (trained, temperature 0): " + ", ".join(
@@ -320,6 +335,7 @@ def _summary(stages: dict) -> list[str]:
     if isinstance(costs, dict) and any(_isnum(v) for v in costs.values()):
         out.append("- **What each number cost** (seconds of each engine's whole run): "
                    + ", ".join(f"{k} {_num(v, 3)} s" for k, v in costs.items() if _isnum(v)))
+    out += _storage_summary(stages.get("preflight") or {})
     out += _verify_summary(stages.get("verify") or {})
     out += _train_summary(stages.get("train") or {})
     rg = stages.get("regenerate")
@@ -433,6 +449,31 @@ def _verify_summary(vr: dict) -> list[str]:
     return out
 
 
+def _storage_summary(pre: dict) -> list[str]:
+    """The records' dtype and why (preflight: extract.storage_dtype, auto by the target's hidden size), their bytes,
+    and the bandwidth the topology asks of the store."""
+    dtype, why = _get(pre, "storage_dtype"), _get(pre, "storage_reason")
+    if not dtype:
+        return []
+    line = f"- **Records stored as {dtype}**" + (f": {_cell(str(why))}" if why else "")
+    per, total, free = _get(pre, "bytes_per_token"), _get(pre, "estimated_bytes"), _get(pre, "free_bytes")
+    if _isnum(per) and _isnum(total):
+        line += f"; {_num(per)} B per token, ~{_num(total / 1e9)} GB on the store" + (
+            f" of {_num(free / 1e9)} GB free" if _isnum(free) else "")
+    write, read = _get(pre, "write_bytes_per_s"), _get(pre, "read_bytes_per_s")
+    if _isnum(write):
+        line += f"; extraction writes ~{_num(write / 1e9)} GB/s"
+    if _isnum(read):
+        line += f"; training reads at least {_num(read / 1e6)} MB/s to meet its deadline"
+    return [line]
+
+
+def _impl(entry, sep: str = "; ") -> str:
+    """The implementation that measured a number (evaluate/implementation.py), for the text; '' when not recorded."""
+    impl = entry.get("implementation") if isinstance(entry, dict) else None
+    return f"{sep}{_cell(str(impl['name']))}" if isinstance(impl, dict) and impl.get("name") else ""
+
+
 def _ngram_summary(ev: dict, tau, key: str = "baseline_ngram") -> list[str]:
     """A training-free baseline (n-gram, or suffix decoding with `key` baseline_suffix) beside τ: tokens per
     target step over every decode step (τ's convention), how often it proposed, vLLM's own mean acceptance
@@ -447,7 +488,7 @@ def _ngram_summary(ev: dict, tau, key: str = "baseline_ngram") -> list[str]:
                               f", tree depth {depth}" if _isnum(depth) else ""))
     what = "suffix decoding baseline** (vLLM `method: suffix`" if key == "baseline_suffix" else \
         "n-gram baseline** (vLLM prompt lookup"
-    line = (f"- **{what}, no draft{how}): **{base['tokens_per_step']:.3f}** tokens "
+    line = (f"- **{what}, no draft{how}{_impl(base)}): **{base['tokens_per_step']:.3f}** tokens "
             "per target step" + (f" vs τ {tau:.3f} trained" if _isnum(tau) else ""))
     steps, proposed = base.get("steps"), base.get("proposed_steps")
     if _isnum(steps) and _isnum(proposed):

@@ -438,7 +438,7 @@ class _VerifyRun:
         man = ShardRun(version.path).read(missing_ok=True)
         engine = {"the build": man.tools or "(see the manifest)",
                   "target dtype": self.target.dtype, **{k: man.config.get("extract", {}).get(k) for k in
-                  ("tensor_parallel_size", "max_num_seqs", "storage_dtype", "enforce_eager")}}
+                  ("tensor_parallel_size", "max_num_seqs", "enforce_eager")}, "storage_dtype": version.storage_dtype}
         ev = Evidence(self.sample_rows, computed_bad, record_bad, escalated, recomputed - computed_bad)
         ext = assess(ev, len(self.ds), self.shards, version.groups, engine)
         log(f"verify: extent: {ext.says}")

