@@ -105,7 +105,8 @@ class VerifyResult(BaseModel):
     cleared: dict[int, list[str]] = {}  # rows learned checks flagged and the target itself cleared: their flags
     sketch_failed: int = 0      # records with a state that differs from the engine's sketch (state_sketch.py)
     sketch_margin: float | None = None  # the largest deviation ÷ tolerance of a record that passed it
-    prediction: dict = {}       # the prediction check (verify/prediction.py): rows, median rate, spread, max_z, flagged
+    prediction: dict = {}       # the prediction check (verify/prediction.py): rows, median rate, spread, max_z, flagged;
+                                # "surprise": the surprise signal's summary (verify/row_signal.py)
     reference_power: dict = {}  # what the reference sample could catch (reference.power_statement)
     extent: Extent | None = None  # a failed verify: how far the damage goes, and what was done (verify/extent.py)
 
