@@ -63,3 +63,21 @@ def test_rows_more_surprised_than_rows_as_predictable_are_flagged_the_strongest_
     assert not set(flagged_flat) & set(bad)
     _, s = row_signal.judge(clean[:10], 4.0)
     assert s.skipped and "needs 20" in s.skipped
+
+
+def test_the_gap_sums_survive_the_verify_cache(tmp_path):
+    """verify/cache.py keeps each good record's gap sums, so a re-run judges reused rows by the same numbers
+    (a record without a fingerprint keeps none)."""
+    from safetensors.numpy import load_file
+    from safetensors.torch import save_file
+
+    from eagle3_pipeline.verify import cache
+    from eagle3_pipeline.verify.structure import STAT_ROWS, FileResult
+
+    rs = [FileResult(row=3, tokens=40, nbytes=9, stats=np.zeros((STAT_ROWS, 2)), gaps=(-12.5, 40.25, 39),
+                     next_hits=20, next_scored=39),
+          FileResult(row=5, tokens=8, nbytes=9, stats=np.zeros((STAT_ROWS, 2)))]
+    save_file(cache._columns(rs), str(tmp_path / "c.safetensors"))  # noqa: SLF001 - the cache's own columns
+    t = load_file(str(tmp_path / "c.safetensors"))
+    a, b = (cache._result(t, i, r.row) for i, r in enumerate(rs))  # noqa: SLF001
+    assert a.gaps == (-12.5, 40.25, 39) and a.next_hits == 20 and b.gaps is None and b.next_scored is None

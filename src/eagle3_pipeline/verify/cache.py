@@ -102,8 +102,8 @@ def _result(t: dict, i: int, row: int):
 
 def _next(t: dict, i: int) -> dict:
     out = {}
-    if "gaps" in t and not bool(t["gaps"][i].isnan().any()):
-        g = t["gaps"][i].tolist()
+    if "gaps" in t and not np.isnan(np.asarray(t["gaps"][i], dtype=np.float64)).any():
+        g = np.asarray(t["gaps"][i], dtype=np.float64).tolist()
         out["gaps"] = (g[0], g[1], int(g[2]))
     if "next" not in t or int(t["next"][i][1]) < 0:
         return out
