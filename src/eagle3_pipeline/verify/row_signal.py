@@ -68,7 +68,8 @@ def bigram_difficulty(rows_ids: list) -> list[tuple[float, int]]:
         c, n = a[:-1], a[1:]
         own, own_n = np.unique(c * V + n, return_counts=True)
         pair = counts[np.searchsorted(keys, c * V + n)] - own_n[np.searchsorted(own, c * V + n)]
-        total = ctx[c] - np.bincount(c, minlength=V)[c]
+        _, inv, own_c = np.unique(c, return_inverse=True, return_counts=True)
+        total = ctx[c] - own_c[inv]  # the context's count without this row's own
         q = (pair + SMOOTH * uni[n]) / (total + SMOOTH)
         top = (np.maximum(best_c[c] - 0.0, 0.0) + SMOOTH * uni.max()) / (total + SMOOTH)  # an upper bound of max_v
         out.append((float(np.mean(np.log(q) - np.log(np.maximum(top, q)))), len(n)))
