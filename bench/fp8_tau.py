@@ -39,7 +39,7 @@ ARMS = ("bf16", "fp8")
 def arm_data(config: Path, work: Path, arm: str, sets: list[str]) -> dict:
     """The stages up to vocab with the records stored as `arm` (content-addressed in `work`: a rerun reuses them)."""
     from eagle3_pipeline.core.config import load_config
-    from eagle3_pipeline.stages import plan_extract, stage_extract, stage_preflight, stage_prepare, stage_vocab
+    from eagle3_pipeline.pipeline.stages import plan_extract, stage_extract, stage_preflight, stage_prepare, stage_vocab
 
     cfg = load_config(config, [f"store={work / 'store'}", f"extract.storage_dtype={arm}", *sets])
     quiet = lambda _: None  # noqa: E731
@@ -71,7 +71,7 @@ def train(d: dict, out: Path, seed: int) -> dict:
 
 def evaluate(d: dict, drafts: dict[str, Path], out: Path) -> dict:
     from eagle3_pipeline.evaluate.stage import compare_drafts
-    from eagle3_pipeline.stages import evaluate_prompts
+    from eagle3_pipeline.pipeline.stages import evaluate_prompts
 
     cfg = d["cfg"]
     ev = cfg.evaluate.model_copy(update={"baseline_ngram": False, "baseline_suffix": False, "speedup": False,

@@ -7,7 +7,9 @@ wraps V1's `GPUModelRunner._model_forward`: for the requests `corrupted` picks (
 by a hash of the prompt's token ids, so a test predicts the rows), the positions of their tokens in the step are
 replaced before the model runs (`EAGLE3_TEST_FORWARD_MODE`: "reversed", each request's positions in reverse
 order; "restart", positions counted again from 0 halfway through; "tokens", the request's input ids rolled by
-one). The model then computes states for the wrong positions (or inputs), and the captured states, the state
+one; "context", the first quarter of the request's input ids in reverse order, so every later token attends to a
+wrong context at the right positions (what a prefix-cache hit on another prompt's KV gives); several modes
+separated by commas: each corrupted request takes one, by the same hash). The model then computes states for the wrong positions (or inputs), and the captured states, the state
 sketch, the logits and the fingerprint all come from that one forward, so they agree with each other: the
 transport checks pass; only a check of what the target computes (the reference, a prediction signal) sees it.
 The connector itself is ours, unchanged.
@@ -25,21 +27,30 @@ from eagle3_pipeline.extract.connector import Eagle3HiddenStatesConnector
 
 EVERY_ENV = "EAGLE3_TEST_CORRUPT_EVERY"
 MODE_ENV = "EAGLE3_TEST_FORWARD_MODE"
-MODES = ("reversed", "restart", "tokens")
+MODES = ("reversed", "restart", "tokens", "context")
+
+
+def _hash(token_ids) -> int:
+    blob = torch.as_tensor(list(map(int, token_ids)), dtype=torch.int64).numpy().tobytes()
+    return int.from_bytes(hashlib.sha256(blob).digest()[:8], "little")
 
 
 def corrupted(token_ids, every: int | None = None) -> bool:
     """Whether the forward of a request with these prompt token ids is corrupted."""
     every = every or int(os.environ.get(EVERY_ENV, "20"))
-    blob = torch.as_tensor(list(map(int, token_ids)), dtype=torch.int64).numpy().tobytes()
-    return int.from_bytes(hashlib.sha256(blob).digest()[:8], "little") % every == 0
+    return _hash(token_ids) % every == 0
+
+
+def mode_of(token_ids, modes: str | None = None) -> str:
+    """The corruption mode of a corrupted request (one of MODE_ENV's comma-separated modes, by hash)."""
+    names = [m.strip() for m in (modes or os.environ.get(MODE_ENV, "reversed")).split(",") if m.strip()]
+    return names[(_hash(token_ids) >> 32) % len(names)]
 
 
 _own = GPUModelRunner._model_forward
 
 
 def _model_forward(self, input_ids=None, positions=None, *args, **kwargs):
-    mode = os.environ.get(MODE_ENV, "reversed")
     starts = self.query_start_loc.np
     for i, req_id in enumerate(self.input_batch.req_ids):
         req = self.requests.get(req_id)
@@ -48,6 +59,7 @@ def _model_forward(self, input_ids=None, positions=None, *args, **kwargs):
         a, b = int(starts[i]), int(starts[i + 1])
         if b - a < 2:
             continue
+        mode = mode_of(req.prompt_token_ids)
         if mode == "reversed" and positions is not None:
             positions[a:b] = positions[a:b].flip(0).clone()
         elif mode == "restart" and positions is not None:
@@ -55,6 +67,9 @@ def _model_forward(self, input_ids=None, positions=None, *args, **kwargs):
             positions[a + half:b] = positions[a:b - half].clone()
         elif mode == "tokens" and input_ids is not None:
             input_ids[a:b] = torch.roll(input_ids[a:b], 1).clone()
+        elif mode == "context" and input_ids is not None and int(req.num_computed_tokens) == 0:
+            q = max(2, (b - a) // 4)
+            input_ids[a:a + q] = input_ids[a:a + q].flip(0).clone()
     return _own(self, input_ids, positions, *args, **kwargs)
 
 

@@ -848,7 +848,7 @@ def test_the_planned_extraction_stores_the_dtype_preflight_resolved(tiny_config,
     """The extract version (its records' dtype, its content key, its pool) is planned from preflight's resolved
     dtype, not from the config's `auto`: the tiny target (hidden 128) stores bf16; an fp8 resolution is another
     version."""
-    from eagle3_pipeline.stages import plan_extract
+    from eagle3_pipeline.pipeline.stages import plan_extract
 
     assert tiny_config.extract.storage_dtype == "auto" and preflighted.storage_dtype == "bf16"
     bf = plan_extract(tiny_config, prepared, preflighted)

@@ -99,6 +99,25 @@ class FinalLayerCheck:
             lens.append(T)
         return self.agreement_arrays(torch.cat(hs), torch.cat(ids_), torch.cat(lps_), lens)
 
+    def next_gaps(self, h, top1, nxt, block: int = 2048):
+        """Per token, how far below its own first choice the target scores the row's actual next token:
+        logit(next) - logit(top1) (a log-probability ratio, <= 0 up to rounding; the log-softmax normaliser
+        cancels, so two lm_head rows per token), from the stored final-layer state h fp32 [N, H], the
+        fingerprint's first choice top1 int64 [N] and the next token nxt int64 [N] (-1: none). fp32 [N], NaN
+        where either id is missing. What verify/row_signal.py judges rows by."""
+        torch = self.torch
+        N, V = h.shape[0], self.head.shape[0]
+        out = torch.full((N,), float("nan"), dtype=torch.float32)
+        valid = (top1 >= 0) & (nxt >= 0) & (top1 < V) & (nxt < V)
+        for a in range(0, N, block):
+            b = min(N, a + block)
+            x = h[a:b]
+            n = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps) * self.norm  # [m, H]
+            pair = torch.stack([nxt[a:b], top1[a:b]], dim=-1).clamp(0, V - 1)  # [m, 2]
+            logits = torch.bmm(self.head[pair].float(), n.unsqueeze(-1)).squeeze(-1)  # [m, 2]
+            out[a:b] = torch.where(valid[a:b], logits[:, 0] - logits[:, 1], out[a:b])
+        return out
+
     def agreement_arrays(self, h, ids, lps, lens: list[int], block: int = 2048) -> list[tuple[float, int, list[int], float]]:
         """The same for records laid end to end: h fp32 [N, H], ids int64 [N, 2], lps fp32 [N, 2],
         record i the next lens[i] rows. Rows whose ids are -1 or logprobs not finite are not compared.

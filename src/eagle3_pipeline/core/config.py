@@ -231,7 +231,12 @@ class VerifyConfig(Strict):
     prediction_max_z: float | None = Field(3.5, gt=0, description="rows whose next tokens the target's own "
                                            "predictions (the fingerprint's top 2) match this many spreads below the "
                                            "version's median are flagged and recomputed with the target "
-                                           "(verify/prediction.py); None = no prediction check")
+                                           "(verify/prediction.py); None = no prediction check (and no surprise "
+                                           "signal)")
+    prediction_surprise_max_z: float = Field(4.0, gt=0, description="rows the target scores this many spreads more "
+                                             "surprised than rows as predictable under a bigram of the data "
+                                             "(verify/row_signal.py) are flagged and recomputed with the target; on "
+                                             "with the prediction check")
     escalate_rows: int = Field(256, ge=0, description="when the reference finds rows computed wrongly, at most this "
                                "many more rows of the shards they are in are recomputed in a second pass: more bad rows "
                                "named, and the damage's extent (verify/extent.py) judged on more than the sample")

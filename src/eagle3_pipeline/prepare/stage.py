@@ -43,14 +43,14 @@ from eagle3_pipeline.core.store import (
 )
 from eagle3_pipeline.data.chat import MaskUnavailable, TemplateMismatch, ToolCallsNotRendered, render
 from eagle3_pipeline.data.formats import Conversation, RawRow, Rejected, parse_row, raw_rows, tail_warning
-from eagle3_pipeline.data.mask_check import MaskDisagrees, encode_checked
+from eagle3_pipeline.data.mask_check import MaskDisagrees, RenderingWrong, encode_checked
 from eagle3_pipeline.data.tokenized import ROW_HASHES, TOKENIZER_FILES, PrepareResult, load_tokenizer
 
 # Bump when the same rows, tokenizer and settings give different chunk bytes or quarantine decisions:
 # 2 = tool use, history-rewriting (thinking) templates, masks without offsets; 3 = leading assistant,
 # trailing and post-empty turns trimmed, ShareGPT's chatgpt/bing/bard speakers, damaged-file tails; 5 = each row's
-# hash as prepare judged it (ROW_HASHES).
-PREPARE_FORMAT = 5
+# hash as prepare judged it (ROW_HASHES); 6 = the rendering judged against the conversation (mask_check.RenderingWrong).
+PREPARE_FORMAT = 6
 ROW_COLUMNS = ("sample_id", "conv_id", "input_ids", "loss_mask", "seq_len", "truncated", "prompt_ids", "reference",
                "source", "row")
 
@@ -102,6 +102,12 @@ def _chunk_key(tok_key: str, src: SourceConfig, rows: list[RawRow]) -> str:
     return h.hexdigest()[:16]
 
 
+# the quarantine reason of each rendering or mask refusal (first match: ToolCallsNotRendered is a TemplateMismatch)
+_REASONS = ((ToolCallsNotRendered, "template cannot render tool calls: "), (TemplateMismatch, "template: "),
+            (MaskUnavailable, "loss mask: "), (RenderingWrong, "rendering does not match the conversation: "),
+            (MaskDisagrees, "loss mask disagrees with the turns' token spans: "))
+
+
 def _encode_chunk(rows: list[RawRow], fmt: str, tok, cfg: PrepareConfig) -> tuple[dict[str, list], list[dict], dict]:
     """Tokenize one chunk: output columns, rejected rows, and the counts of turns dropped and trimmed."""
     cols: dict[str, list] = {k: [] for k in ROW_COLUMNS}
@@ -132,17 +138,8 @@ def _encode_chunk(rows: list[RawRow], fmt: str, tok, cfg: PrepareConfig) -> tupl
                 prompt_ids = tok(render(tok, item.messages[:first], add_generation_prompt=True, tools=item.tools),
                                  add_special_tokens=False)["input_ids"]
                 reference = item.messages[first]["content"]  # None for a turn that only calls tools
-            except ToolCallsNotRendered as e:
-                reject(item, f"template cannot render tool calls: {e}", raw.rec)
-                continue
-            except TemplateMismatch as e:
-                reject(item, f"template: {e}", raw.rec)
-                continue
-            except MaskUnavailable as e:
-                reject(item, f"loss mask: {e}", raw.rec)
-                continue
-            except MaskDisagrees as e:
-                reject(item, f"loss mask disagrees with the turns' token spans: {e}", raw.rec)
+            except (TemplateMismatch, MaskUnavailable, MaskDisagrees, RenderingWrong) as e:
+                reject(item, next(why for kind, why in _REASONS if isinstance(e, kind)) + str(e), raw.rec)
                 continue
             except Exception as e:  # tokenizer errors on odd input: keep the row and the reason
                 reject(item, f"tokenizer error: {type(e).__name__}: {e}", raw.rec)

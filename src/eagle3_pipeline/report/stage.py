@@ -410,6 +410,12 @@ def _train_summary(tr: dict) -> list[str]:
     return [", ".join(parts)]
 
 
+def _surprise_margin(pred: dict) -> str:
+    """The surprise signal's clean margin (verify/row_signal.py), beside the hit rate's."""
+    z = (pred.get("surprise") or {}).get("max_z") if isinstance(pred, dict) else None
+    return f", surprise largest z {_num(z, 3)}" if _isnum(z) else ""
+
+
 def _verify_summary(vr: dict) -> list[str]:
     """Which checks ran on how many records, and each learned check's clean margin (the largest deviation of
     a clean record against its limit): how near the gate came to failing clean data."""
@@ -425,7 +431,7 @@ def _verify_summary(vr: dict) -> list[str]:
     what = {"fingerprint": "largest error {} of the tolerance", "norm_bounds": "largest deviation {} of the bound",
             "identity": "largest deviation {}" + (f" of {prof['max_z']:g}" if _isnum(prof.get("max_z")) else ""),
             "reference": "max relative error {}", "invariance": "max relative error {}",
-            "prediction": "largest z {} of a kept row"}
+            "prediction": "largest z {} of a kept row" + _surprise_margin(_get(vr, "prediction") or {})}
     ran, skipped = [], []
     for name, c in checks.items():
         if not isinstance(c, dict):

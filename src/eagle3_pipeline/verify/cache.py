@@ -81,7 +81,9 @@ def _columns(rs: list) -> dict:
          "stats": torch.from_numpy(np.stack([r.stats for r in rs]).astype(np.float64)),  # [R, STAT_ROWS, L]
          "agreement": opt("agreement"), "fp_margin": opt("fp_margin"), "sketch_margin": opt("sketch_margin"),
          "next": torch.tensor([[-1, -1] if r.next_scored is None else [r.next_hits, r.next_scored] for r in rs],
-                              dtype=torch.int64)}  # [R, 2]: prediction.hits
+                              dtype=torch.int64),  # [R, 2]: prediction.hits
+         "gaps": torch.tensor([[np.nan] * 3 if r.gaps is None else list(r.gaps) for r in rs],
+                              dtype=torch.float64)}  # [R, 3]: row_signal's sums (sum, sum of squares, count)
     if all(r.sig is not None for r in rs):
         t["sig"] = torch.from_numpy(np.stack([r.sig for r in rs]).astype(np.float32))  # [R, F]
     return t
@@ -99,9 +101,13 @@ def _result(t: dict, i: int, row: int):
 
 
 def _next(t: dict, i: int) -> dict:
+    out = {}
+    if "gaps" in t and not np.isnan(np.asarray(t["gaps"][i], dtype=np.float64)).any():
+        g = np.asarray(t["gaps"][i], dtype=np.float64).tolist()
+        out["gaps"] = (g[0], g[1], int(g[2]))
     if "next" not in t or int(t["next"][i][1]) < 0:
-        return {}
-    return {"next_hits": int(t["next"][i][0]), "next_scored": int(t["next"][i][1])}
+        return out
+    return {**out, "next_hits": int(t["next"][i][0]), "next_scored": int(t["next"][i][1])}
 
 
 # ---------------------------------------------------------------- the record pool's cache

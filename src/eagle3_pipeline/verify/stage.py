@@ -51,7 +51,7 @@ from eagle3_pipeline.verify.structure import Extras, LayerStats, StructureCheck,
 CONFIG_KEY_EXCLUDE = frozenset({"workers", "move_bad_files"})
 # bump when what verify computes per record changes (identity features, fingerprint rule): cached
 # per-record results of an older verify are then read again
-VERIFY_FORMAT = 6
+VERIFY_FORMAT = 7  # 7: the next-token logit gaps (row_signal.py)
 
 
 class VerifyFailed(GateFailed):
@@ -105,7 +105,8 @@ class VerifyResult(BaseModel):
     cleared: dict[int, list[str]] = {}  # rows learned checks flagged and the target itself cleared: their flags
     sketch_failed: int = 0      # records with a state that differs from the engine's sketch (state_sketch.py)
     sketch_margin: float | None = None  # the largest deviation ÷ tolerance of a record that passed it
-    prediction: dict = {}       # the prediction check (verify/prediction.py): rows, median rate, spread, max_z, flagged
+    prediction: dict = {}       # the prediction check (verify/prediction.py): rows, median rate, spread, max_z, flagged;
+                                # "surprise": the surprise signal's summary (verify/row_signal.py)
     reference_power: dict = {}  # what the reference sample could catch (reference.power_statement)
     extent: Extent | None = None  # a failed verify: how far the damage goes, and what was done (verify/extent.py)
 
@@ -380,7 +381,8 @@ class _VerifyRun:
                                version.dims.hidden_size, version.storage_dtype, norm_samples=cfg.norm_bounds_samples,
                                norm_factor=cfg.norm_bounds_factor, norm_min_ratio=cfg.norm_bounds_min_ratio,
                                identity_max_z=cfg.identity_max_z, prediction_max_z=cfg.prediction_max_z,
-                               prediction_cap=cfg.confirm_rows, workers=cfg.workers)
+                               prediction_cap=cfg.confirm_rows, surprise_max_z=cfg.prediction_surprise_max_z,
+                               workers=cfg.workers)
         st = verify_structure(check, rows=self.todo, log=self.log, extras=extras, reused=list(self.reused.values()))
         if final_skipped:
             st.fingerprint.skipped = final_skipped

@@ -41,7 +41,7 @@ from pydantic import BaseModel, Field
 
 from eagle3_pipeline.data.tokenized import load_tokenized
 from eagle3_pipeline.records.contracts import HS_KEY, SCALES_KEY, RecordSpec, fingerprint_name, record_name
-from eagle3_pipeline.verify import prediction, scan
+from eagle3_pipeline.verify import prediction, row_signal, scan
 from eagle3_pipeline.verify.fingerprint import FingerprintSummary
 
 SMALL_RECORD_BYTES = 4 << 20  # records smaller than this on average are reduced by one compute thread
@@ -115,6 +115,7 @@ class FileResult:
     sketch_margin: float | None = None  # its largest state-sketch deviation / tolerance (None: no sketch)
     next_hits: int | None = None  # positions whose next token is among the fingerprint's top 2 (prediction.py)
     next_scored: int | None = None
+    gaps: tuple | None = None     # (sum, sum of squares, count) of the next token's logit gaps (row_signal.py)
 
 
 @dataclass
@@ -143,6 +144,7 @@ class StructureCheck:
     identity_max_z: float | None = None  # None: no layer-identity check
     prediction_max_z: float | None = None  # None: no prediction check (prediction.py)
     prediction_cap: int | None = None      # at most this many rows flagged by it (verify.confirm_rows)
+    surprise_max_z: float = 4.0            # the surprise signal's limit (row_signal.py), on with the prediction check
     workers: int | None = None  # compute threads (None: chosen from the mean record size)
 
 
@@ -234,10 +236,7 @@ def _process(batch: scan.Batch, spec: RecordSpec, layer_ids: list[int], extras: 
         from eagle3_pipeline.checks.layer_identity import features
 
         sigs = features(red.gram, red.cross, starts, lengths)  # [files, F]
-    agree = {}
-    if final:
-        with_fp = [j for j, k in enumerate(inside) if batch.files[k].fingerprint]
-        agree = _agreements(extras.final, red.final, fp_rows, starts, lengths, with_fp)
+    agree = _agreements(extras.final, red.final, fp_rows, list(zip(starts, lengths)), batch, inside) if final else {}
     for j, k in enumerate(inside):
         r, it = out[k], batch.files[k].item
         r.tokens = lengths[j]
@@ -290,15 +289,19 @@ def _batch_stats(red: scan.Reduced, starts, lengths: list[int]):
     return stats, suspect, norm
 
 
-def _agreements(check, final, fp_rows, starts, lengths: list[int], with_fp: list[int]) -> dict[int, tuple]:
-    """{j: the final-layer check's (agreement, scored tokens, bad positions, worst margin)} of the records
-    `with_fp` (indices into `starts`/`lengths`), from the batch's final-layer states `final` [N, H] and its
-    fingerprint rows: only those records' tokens are scored."""
+def _agreements(check, final, fp_rows, spans: list[tuple[int, int]], batch: scan.Batch, inside: list[int]
+                ) -> dict[int, tuple]:
+    """{j: the final-layer check's (agreement, scored tokens, bad positions, worst margin) and the next-token gap
+    sums (`_gaps`)} of the records inside[j] of `batch` that have a fingerprint, from the batch's final-layer
+    states `final` [N, H] and its fingerprint rows (`spans`: each record's first row and rows there): only those
+    records' tokens are scored."""
     import numpy as np
     import torch
 
+    with_fp = [j for j, k in enumerate(inside) if batch.files[k].fingerprint]
     if not with_fp:
         return {}
+    starts, lengths = [a for a, _ in spans], [n for _, n in spans]
     h, ids, lps = final, fp_rows[0], fp_rows[1]
     if len(with_fp) < len(starts):  # only the tokens of records that have a fingerprint
         keep = np.zeros(final.shape[0], dtype=bool)
@@ -307,13 +310,39 @@ def _agreements(check, final, fp_rows, starts, lengths: list[int], with_fp: list
         idx = torch.from_numpy(np.flatnonzero(keep))
         h, ids, lps = h[idx], ids[idx], lps[idx]
     res = check.agreement_arrays(h, ids, lps, [lengths[j] for j in with_fp])
-    return dict(zip(with_fp, res))
+    gaps = _gaps(check, final, fp_rows[0], spans, [batch.files[k].item for k in inside], with_fp)
+    return {j: (*r, gaps.get(j)) for j, r in zip(with_fp, res)}
+
+
+def _gaps(check, final, top_ids, spans: list[tuple[int, int]], items: list, with_fp: list[int]) -> dict[int, tuple]:
+    """{j: (sum, sum of squares, count) of the next-token logit gaps (FinalLayerCheck.next_gaps) of record j}
+    for the records `with_fp`, from the batch's final-layer states and the fingerprint's first choices."""
+    import numpy as np
+    import torch
+
+    if not with_fp:
+        return {}
+    idx, nxt = [], []
+    for j in with_fp:
+        ids = np.asarray(items[j].input_ids, dtype=np.int64)
+        a, n = int(spans[j][0]), min(len(ids), int(spans[j][1]))
+        idx.append(np.arange(a, a + n))
+        nxt.append(np.concatenate([ids[1:n], [-1]]))
+    at = torch.from_numpy(np.concatenate(idx))
+    gap = check.next_gaps(final[at], top_ids[at, 0], torch.from_numpy(np.concatenate(nxt))).double().numpy()
+    out, o = {}, 0
+    for j, ix in zip(with_fp, idx):
+        g = gap[o:o + len(ix)]
+        g = g[np.isfinite(g)]
+        out[j] = (float(g.sum()), float((g * g).sum()), int(len(g)))
+        o += len(ix)
+    return out
 
 
 def _fingerprint_problems(r: FileResult, it: _Item, agreement: tuple, min_agreement: float) -> None:
     """Record one file's final-layer agreement on `r`, with a problem for a sidecar that scores no token or
     only some, and for an agreement under `min_agreement`."""
-    a, n, bad, worst = agreement
+    a, n, bad, worst, r.gaps = agreement
     r.agreement, r.fp_margin = a, worst
     if not n and r.tokens:  # an empty or all-invalid sidecar: nothing was compared, nothing passed
         r.problems.append(f"{_name(it)}: its fingerprint has no usable token (top ids -1 or logprobs not "
@@ -491,7 +520,7 @@ def judge_records(ds, results: list[FileResult], check: StructureCheck, log, *,
     hard = set(problems)  # rows a check of the record alone failed; the rest below are learned judgements
     id_files, id_skipped, id_profile = _identity(ds, good, layer_ids, identity_max_z, problems, log)
     good = [r for r in good if r.row not in problems]
-    pred = _prediction(ds, good, check.prediction_max_z, problems, log, check.prediction_cap)
+    pred = _prediction(ds, good, check, problems, log)
     good = [r for r in good if r.row not in problems]
     stats = np.stack([r.stats for r in good]) if good else np.zeros((0, 5, L))  # [files, 5, L]
     tokens = np.array([r.tokens for r in good], dtype=np.float64)  # [files]
@@ -575,10 +604,13 @@ def _fingerprint_summary(results: list[FileResult], extras: Extras | None) -> Fi
                               mean_agreement=sum(agree) / len(agree) if agree else None)
 
 
-def _prediction(ds, good: list[FileResult], max_z: float | None, problems: dict, log, cap: int | None = None) -> dict:
+def _prediction(ds, good: list[FileResult], check: StructureCheck, problems: dict, log) -> dict:
     """The target's predictions against each row's next tokens (prediction.py): a problem for every row far
-    below rows like it (a learned flag, confirmed or cleared by the target). Returns the summary."""
+    below rows like it (a learned flag, confirmed or cleared by the target), then the surprise signal
+    (`_surprise`). Returns the summary."""
     from dataclasses import asdict
+
+    max_z, cap = check.prediction_max_z, check.prediction_cap
 
     if max_z is None:
         return asdict(prediction.PredictionSummary(skipped="verify.prediction_max_z is null"))
@@ -594,6 +626,31 @@ def _prediction(ds, good: list[FileResult], max_z: float | None, problems: dict,
     log(f"verify: prediction check on {summary.rows} rows: median next-token hit rate {summary.median_rate}, spread "
         f"{summary.spread}, {summary.flagged} rows flagged ({summary.above_limit} past the limit)" if summary.skipped is None
         else f"verify: prediction check skipped: {summary.skipped}")
+    left = None if cap is None else max(0, cap - len(flagged))
+    return {**asdict(summary), "surprise": _surprise(ds, good, check.surprise_max_z, problems, log, left)}
+
+
+def _surprise(ds, good: list[FileResult], max_z: float, problems: dict, log, cap: int | None) -> dict:
+    """The target's surprise at each row against the row's bigram difficulty (row_signal.py): a problem for every
+    row far more surprised than rows as predictable (a learned flag, confirmed or cleared by the target)."""
+    from dataclasses import asdict
+
+    judged = [r for r in good if r.gaps is not None]
+    if not judged:
+        return asdict(row_signal.SurpriseSummary(skipped="no final-layer states with fingerprints to score"))
+    every = ds.with_format("numpy", columns=["input_ids"])["input_ids"]  # the bigram is fitted on every row
+    difficulty = row_signal.bigram_difficulty(list(every))
+    y = {r.row: difficulty[r.row][0] for r in judged if r.row < len(difficulty)}
+    judged = [r for r in judged if r.row in y]
+    flagged, summary = row_signal.judge([(r.row, r.gaps, y[r.row]) for r in judged], max_z, cap)
+    by_row = {r.row: r for r in judged}
+    for row, z in flagged.items():
+        r = by_row[row]
+        name = f"{record_name(row)} (row {row}, sample {_sample_id(ds, row)}, {r.tokens} tokens)"
+        problems.setdefault(row, []).append(row_signal.message(name, r.gaps, y[row], z, summary, max_z))
+    log(f"verify: surprise signal on {summary.rows} rows: slope {summary.slope} on the bigram difficulty, spread "
+        f"{summary.spread}, largest clean z {summary.max_z}, {summary.flagged} rows flagged ({summary.above_limit} "
+        f"past the limit {max_z:g})" if summary.skipped is None else f"verify: surprise signal skipped: {summary.skipped}")
     return asdict(summary)
 
 
