@@ -23,9 +23,12 @@ from eagle3_pipeline.core.store import content_key
 
 
 def stage_base(stage: str, extract_key: str, params: dict[str, Any]) -> str:
-    """A stage run's base key: its stage, its extract version and a hash of all its parameters (the config, the
-    records it reads), so a changed train setting is a new run, never an attach to the old one."""
-    return f"eagle3-{stage}-{extract_key}-{content_key(params, 16)}"
+    """A stage run's base key: its stage, its extract version and a hash of its parameters (the config, the
+    records it reads), so a changed train setting is a new run, never an attach to the old one. Not the run
+    directory evaluate writes into: each execution of a pipeline run makes a new one, and a rescheduled pipeline
+    re-attaches to the evaluate run its first execution started (StageRuns reuses a completed run's record only
+    for the same directory)."""
+    return f"eagle3-{stage}-{extract_key}-{content_key({k: v for k, v in params.items() if k != 'run_dir'}, 16)}"
 
 
 def group_base(extract_key: str, version_dir: str, shards: list[int]) -> str:

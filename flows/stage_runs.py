@@ -91,7 +91,7 @@ def on_pool(config: PipelineConfig, stage: str, **inputs):
     params = {"config": config.model_dump(mode="json"),
               **{k: v.model_dump(mode="json") if isinstance(v, BaseModel) else v for k, v in inputs.items()}}
     runs = StageRuns(name, attach.stage_base(stage, inputs["version"].content_key, params), f"eagle3-{stage}", log)
-    if (done := runs.completed()) is not None:
+    if (done := runs.completed(params)) is not None:
         log.info(f"{stage}: flow run {done.name} of these inputs completed before: its record, no new run - "
                  f"{flow_run_link(done.id)}")
         return RECORD[stage].model_validate(done.state.result())
@@ -126,10 +126,11 @@ class StageRuns:
             runs = with_api_retry(lambda: attach.runs_tagged(client, dep.id, tag), f"runs of {name}", log.warning)
         self.n, self.latest = attach.latest(runs, base)
 
-    def completed(self):
-        """The newest run when it completed and its persisted result reads back, else None."""
+    def completed(self, parameters: dict):
+        """The newest run when it completed with these parameters and its persisted result reads back, else None
+        (an evaluate of another run directory is run again: its files belong to this run)."""
         fr = self.latest
-        if fr is None or fr.state is None or not fr.state.is_completed():
+        if fr is None or fr.state is None or not fr.state.is_completed() or fr.parameters != parameters:
             return None
         try:
             fr.state.result()

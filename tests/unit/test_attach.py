@@ -24,6 +24,9 @@ def test_keys_name_the_content_not_the_controller():
     changed = {**p, "config": {"train": {"lr": 2e-4}}}  # another train setting: another run, never an attach
     assert attach.stage_base("train", "abc123", changed) != attach.stage_base("train", "abc123", p)
     assert attach.stage_base("evaluate", "abc123", p) != attach.stage_base("train", "abc123", p)
+    # evaluate's run directory is new in each execution of a pipeline run: a rescheduled one re-attaches
+    assert attach.stage_base("evaluate", "k", {**p, "run_dir": "/runs/a"}) == attach.stage_base(
+        "evaluate", "k", {**p, "run_dir": "/runs/b"})
 
 
 def test_latest_attempt_per_base():
