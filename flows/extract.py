@@ -20,6 +20,7 @@ from eagle3_pipeline.core.config import PipelineConfig
 from eagle3_pipeline.extract.stage import ExtractFailed
 from eagle3_pipeline.records.layout import ExtractVersion
 from flows.fanout import run_groups_as_deployments
+from flows.lease import rescheduled_on_lost_lease
 from tasks import stage_tasks as t
 
 
@@ -28,7 +29,8 @@ def extract(config: PipelineConfig, version: ExtractVersion, force_shards: list[
     force = set(force_shards or [])
     t0 = time.time()  # the summary counts what this run did; earlier runs' shards are "from the store"
     if config.extract.parallel_groups > 1:
-        failed = run_groups_as_deployments(config, version, force)
+        with rescheduled_on_lost_lease():  # as a deployment run with a concurrency limit (flows/lease.py)
+            failed = run_groups_as_deployments(config, version, force)
     else:
         failed = []
         unpublished = set(version.unpublished([k for g in version.groups for k in g]))  # one manifest read

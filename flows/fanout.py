@@ -24,6 +24,7 @@ from eagle3_pipeline.core.config import PipelineConfig
 from eagle3_pipeline.pipeline.jobs import job_variables
 from eagle3_pipeline.records.layout import ExtractVersion
 from eagle3_pipeline.records.shardrun import ShardRun
+from flows import attach
 from flows.pods import StartWatch, pod_source
 from tasks.gpu_lease import transient_api_error
 
@@ -93,10 +94,11 @@ def with_api_retry(call: Callable[[], T], what: str, log: Callable[[str], None],
 
 
 class _Group:
-    def __init__(self, shards: list[int], deadline_s: float):
-        self.shards, self.deadline_s = shards, deadline_s
+    def __init__(self, shards: list[int], deadline_s: float, base: str):
+        self.shards, self.deadline_s, self.base = shards, deadline_s, base
         self.start: StartWatch | None = None  # this submission's start, watched (set by submit)
-        self.submissions = 0
+        self.submissions = 0  # runs this controller submitted or re-attached to (RESUBMITS counts these)
+        self.attempt = 0  # n of the newest run made for this group by any controller (flows/attach.py)
         self.flow_run_id: UUID | None = None
         self.name = ""
         self.cancel_requested: float | None = None  # time.time() we asked its worker to end it
@@ -124,17 +126,16 @@ class _FanOut:
     lines of those that failed the stage (`failed`)."""
 
     def __init__(self, config: PipelineConfig, version: ExtractVersion, force: set[int]):
-        from prefect.runtime import flow_run as this_run
-
         self.config, self.version, self.force = config, version, force
         self.log = get_run_logger()
-        self.todo = [_Group(g, group_deadline_s(config, g)) for g in groups_to_run(version, force)]
+        self.todo = [_Group(g, group_deadline_s(config, g), attach.group_base(version.content_key, version.dir, g))
+                     for g in groups_to_run(version, force)]
         self.window = config.extract.parallel_groups
         self.pods = pod_source()
         self.start_s = start_deadline_s(config, True, self.window)  # an extract group's pod: a GPU node's
         self.grace = heartbeat_grace_s()
         self.params = {"config": config.model_dump(mode="json"), "version": version.model_dump(mode="json")}
-        self.parent = this_run.get_id() or "none"
+        self.tag = f"eagle3-extract-{version.content_key}"
         self.running: dict[UUID, _Group] = {}
         self.failed: list[str] = []
 
@@ -151,7 +152,8 @@ class _FanOut:
         with get_client(sync_client=True) as client:
             try:
                 if todo:
-                    self.api(lambda: client.read_deployment_by_name(GROUP_DEPLOYMENT), "read the deployment")
+                    dep = self.api(lambda: client.read_deployment_by_name(GROUP_DEPLOYMENT), "read the deployment")
+                    self.reattach(self.api(lambda: attach.runs_tagged(client, dep.id, self.tag), "read group runs"))
             except ObjectNotFound:
                 raise RuntimeError(f"extract.parallel_groups={self.window} fans shard groups out to the deployment "
                                    f"{GROUP_DEPLOYMENT!r}, which {get_current_settings().api.url or 'this server'} "
@@ -168,21 +170,36 @@ class _FanOut:
                 raise
         return self.failed
 
+    def reattach(self, runs: list) -> None:
+        """Find each group's newest run made by any controller of this content (flows/attach.py): one still
+        going is watched instead of submitted again; after a finished one the next submission is a new attempt."""
+        for g in list(self.todo):
+            g.attempt, fr = attach.latest(runs, g.base)
+            if attach.going(fr):
+                self.todo.remove(g)
+                g.submissions += 1
+                self.watch(g, fr)
+                self.log.info(f"extract: shards {g.shards}: re-attached to {fr.name} ({fr.state.name}), which an "
+                              f"earlier run of this content submitted: {flow_run_link(fr.id)}")
+
+    def watch(self, g: _Group, fr) -> None:
+        g.flow_run_id, g.name, g.cancel_requested, g.seen_alive = fr.id, fr.name, None, time.time()
+        g.start = StartWatch(f"extract: shards {g.shards} ({fr.name})", self.start_s, self.pods, self.log.warning)
+        self.running[fr.id] = g
+
     def submit(self, g: _Group) -> None:
         g.submissions += 1
-        suffix = "" if g.submissions == 1 else f"-resubmit-{g.submissions - 1}"
-        # the idempotency key makes a submission retried after an API error, or made again by this flow run
-        # rescheduled or retried, the same flow run
+        g.attempt += 1
+        suffix = "" if g.attempt == 1 else f"-resubmit-{g.attempt - 1}"
+        # the idempotency key names the group's content and attempt (flows/attach.py): a submission retried after
+        # an API error, or made again by any controller of this content, is the same flow run
         fr = self.api(lambda: run_deployment(
             GROUP_DEPLOYMENT, parameters={**self.params, "shard_ids": g.shards,
                                           "force": bool(self.force & set(g.shards))},
             job_variables=job_variables(self.config, "extract", len(g.shards)),
             timeout=0, as_subflow=True, flow_run_name=f"extract-shards-{g.shards}{suffix}",
-            idempotency_key=f"{self.parent}-{self.version.content_key}-{g.shards}-{g.submissions}",
-            tags=[f"eagle3-extract-{self.version.content_key}"]), f"submit shards {g.shards}")
-        g.flow_run_id, g.name, g.cancel_requested, g.seen_alive = fr.id, fr.name, None, time.time()
-        g.start = StartWatch(f"extract: shards {g.shards} ({fr.name})", self.start_s, self.pods, self.log.warning)
-        self.running[fr.id] = g
+            idempotency_key=f"{g.base}-{g.attempt}", tags=[self.tag]), f"submit shards {g.shards}")
+        self.watch(g, fr)
         self.log.info(f"extract: shards {g.shards} -> {fr.name}: {flow_run_link(fr.id)}")
 
     def fail(self, g: _Group, line: str) -> None:

@@ -22,6 +22,7 @@ from flows.config_param import DEFAULT_CONFIG_PATH, resolve_config, switches
 from flows.extract import extract
 from flows.head import Prepared, prepare_run
 from flows.hub_auth import use_hub_secret
+from flows.lease import rescheduled_on_lost_lease
 from tasks import stage_tasks as t
 
 
@@ -42,36 +43,37 @@ def pipeline(config: PipelineConfig | None = None, output_dir: str = "runs", run
     recs: dict = {}  # stage name -> its typed record (report.json is built from these)
     clock = StageClock()  # `with clock.stage(name)` adds wall seconds to report.json `timings`
     error = None
-    try:
-        use_hub_secret(config)
-        if prepared is None:
-            prepared = prepare_run(config, clock)
-        recs.update((k, v) for k, v in prepared if v is not None and k != "version")
-        prep, version = prepared.prepare, prepared.version
-        online = config.train.mode == "online"  # no extract: the train stage's server makes hidden states
-        with clock.stage("gpu-gate"):
-            t.gpu_gate("before-extract" if not online else "before-train")
-        if not online:
-            with clock.stage("extract"):
-                recs["extract"] = extract(config, version)
+    with rescheduled_on_lost_lease():  # pipeline-k8s has a concurrency limit: flows/lease.py
+        try:
+            use_hub_secret(config)
+            if prepared is None:
+                prepared = prepare_run(config, clock)
+            recs.update((k, v) for k, v in prepared if v is not None and k != "version")
+            prep, version = prepared.prepare, prepared.version
+            online = config.train.mode == "online"  # no extract: the train stage's server makes hidden states
             with clock.stage("gpu-gate"):
-                t.gpu_gate("after-extract")
-            with clock.stage("verify"):
-                recs["verify"] = stage_runs.verify(config, version)
-        with clock.stage("vocab"):
-            recs["vocab"] = voc = t.vocab(config, prep, version)
-        with clock.stage("train"):
-            recs["train"] = tr = stage_runs.train(config, version, voc)
-        if online:  # the gate ran inside train, on rows taken from its server before training started
-            recs["verify"] = VerifyResult.model_validate(tr.online["verify"])
-        with clock.stage("gpu-gate"):
-            t.gpu_gate("after-train")
-        with clock.stage("evaluate"):
-            recs["evaluate"] = stage_runs.evaluate(config, prep, version, voc, tr, str(run.path))
-    except Exception as e:
-        error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
-        raise
-    finally:
-        rec = run.report_record(config, recs, installed_versions(), error, clock)
-        t.report(str(run.path), rec, str(recs["train"].metrics) if "train" in recs else None)
+                t.gpu_gate("before-extract" if not online else "before-train")
+            if not online:
+                with clock.stage("extract"):
+                    recs["extract"] = extract(config, version)
+                with clock.stage("gpu-gate"):
+                    t.gpu_gate("after-extract")
+                with clock.stage("verify"):
+                    recs["verify"] = stage_runs.verify(config, version)
+            with clock.stage("vocab"):
+                recs["vocab"] = voc = t.vocab(config, prep, version)
+            with clock.stage("train"):
+                recs["train"] = tr = stage_runs.train(config, version, voc)
+            if online:  # the gate ran inside train, on rows taken from its server before training started
+                recs["verify"] = VerifyResult.model_validate(tr.online["verify"])
+            with clock.stage("gpu-gate"):
+                t.gpu_gate("after-train")
+            with clock.stage("evaluate"):
+                recs["evaluate"] = stage_runs.evaluate(config, prep, version, voc, tr, str(run.path))
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
+            raise
+        finally:
+            rec = run.report_record(config, recs, installed_versions(), error, clock)
+            t.report(str(run.path), rec, str(recs["train"].metrics) if "train" in recs else None)
     return rec

@@ -35,6 +35,9 @@ class Pods(Protocol):
     def delete(self, flow_run_id: str) -> int:
         """Delete the flow run's Jobs with their pods now (grace 30 s); the number of Jobs deleted."""
 
+    # optional: `job_problem(flow_run_id) -> str | None`, why no pod of the run will ever start (its Job failed
+    # or is gone); a source without it is judged by its pods alone (describe)
+
 
 def pod_source() -> Pods | None:
     spec = os.environ.get(SOURCE_ENV)
@@ -65,17 +68,19 @@ def _run(coro):
 
 
 class KubernetesPods:
-    """The in-cluster Kubernetes API (kubernetes_asyncio, which prefect-kubernetes brings)."""
+    """The Kubernetes API through kubernetes_asyncio (which prefect-kubernetes brings): in-cluster (the pod's
+    ServiceAccount), or the kubeconfig file `kubeconfig` (tests: a fake API server, tests/helpers/fake_kube.py)."""
 
-    def __init__(self, namespace: str):
-        self.namespace = namespace
+    def __init__(self, namespace: str, kubeconfig: str | None = None):
+        self.namespace, self.kubeconfig = namespace, kubeconfig
 
     async def _client(self):
         from kubernetes_asyncio import config
-
-        config.load_incluster_config()
         from kubernetes_asyncio.client import ApiClient
 
+        if self.kubeconfig:
+            return await config.new_client_from_config(config_file=self.kubeconfig)
+        config.load_incluster_config()
         return ApiClient()
 
     def of(self, flow_run_id: str) -> list[dict]:
@@ -109,21 +114,41 @@ class KubernetesPods:
 
         return _run(go())
 
+    def job_problem(self, flow_run_id: str) -> str | None:
+        """Why no pod of the run will start any more, in Kubernetes' words: its Job failed (its pod deleted or
+        evicted before it ran, and backoffLimit 0 allows no second); None while it may still make one."""
+        async def go():
+            from kubernetes_asyncio.client import BatchV1Api
 
-def describe(pods: Pods | None, flow_run_id: str, expected: int = 1) -> tuple[bool, str | None]:
+            async with await self._client() as api:
+                jobs = await BatchV1Api(api).list_namespaced_job(self.namespace, label_selector=f"{LABEL}={flow_run_id}")
+                return [api.sanitize_for_serialization(j) for j in jobs.items]
+
+        for job in _run(go()):  # none yet is not final: the worker sets Pending before it creates the Job
+            for cond in (job.get("status") or {}).get("conditions") or []:
+                if cond.get("type") == "Failed" and cond.get("status") == "True":
+                    return (f"its Job {job['metadata']['name']} failed: {cond.get('reason', '?')}: "
+                            f"{cond.get('message', '')}").rstrip(": ")
+        return None
+
+
+def describe(pods: Pods | None, flow_run_id: str, expected: int = 1) -> tuple[bool, str | None, bool]:
     """(whether `expected` pods of the run started: all of a train set's, what keeps its pods from starting in
-    Kubernetes' words or None)."""
+    Kubernetes' words or None, whether that is final: its Job failed, so no pod will come)."""
     from eagle3_pipeline.core.cluster import pod_problem, pod_started
 
     if pods is None:
-        return False, None
+        return False, None, False
     found = pods.of(str(flow_run_id))
     problems = [p for p in map(pod_problem, found) if p]
-    if found and sum(map(pod_started, found)) < expected and not problems:
+    if found and 1 < expected and sum(map(pod_started, found)) < expected and not problems:  # a set, partly up
         problems = [f"{sum(map(pod_started, found))} of the set's {expected} pods started"]
+    if not found and (ended := getattr(pods, "job_problem", lambda _: None)(str(flow_run_id))):
+        return False, ended, True
     return sum(map(pod_started, found)) >= expected, ("; ".join(problems) if problems else
-                                           None if found else "no pod was created for its Job (a quota, an "
-                                           "admission webhook or the worker refused it: `kubectl describe job`)")
+                                           None if found else "no pod of its Job exists (not created yet; a quota, "
+                                           "an admission webhook or the worker refused it; or deleted: "
+                                           "`kubectl describe job`)"), False
 
 
 class StartWatch:
@@ -149,9 +174,9 @@ class StartWatch:
         if self.pending_since is None:
             self.pending_since = state.timestamp.timestamp() if state.timestamp else now
         try:
-            started, problem = describe(self.pods, flow_run_id, self.expected)
+            started, problem, final = describe(self.pods, flow_run_id, self.expected)
         except Exception as e:  # noqa: BLE001 - the Kubernetes API away or refusing: judged by the deadline alone
-            started, problem = False, f"(its pods could not be read: {type(e).__name__}: {str(e)[:200]})"
+            started, problem, final = False, f"(its pods could not be read: {type(e).__name__}: {str(e)[:200]})", False
         if started:
             self.all_started = self.expected > 1
             return None  # the container runs: the flow's own start (imports, the API) before it reports Running
@@ -161,6 +186,9 @@ class StartWatch:
             self.reported = problem
             self.log(f"{self.what}: its pod has not started: {problem}")
         waited = now - self.pending_since
+        if final:  # no pod will come: waiting out the deadline would hold the run (and a GPU slot) for nothing
+            self.never_started = f"its pod never started: {problem}"
+            return self.never_started
         if waited <= self.deadline_s:
             return None
         self.never_started = (f"its pod did not start within {self.deadline_s:.0f}s (the config's cluster start deadline: node "

@@ -24,6 +24,7 @@ from eagle3_pipeline.pipeline import stages
 from eagle3_pipeline.records.layout import ExtractVersion
 from flows.head import prepare_run
 from flows.hub_auth import use_hub_secret
+from flows.lease import rescheduled_on_lost_lease
 from flows.pipeline import pipeline
 from tasks import stage_tasks as t
 
@@ -31,29 +32,30 @@ from tasks import stage_tasks as t
 @flow(name="refresh", log_prints=True)
 def refresh(config_path: str = "configs/tiny-cpu.yaml", overrides: list[str] | None = None,
             sources: list[SourceConfig] | None = None, output_dir: str = "runs", retrain: bool = False) -> dict:
-    config = load_config(config_path, overrides or [])
-    if sources:
-        config.prepare.sources = sources
-    use_hub_secret(config)
-    config.evaluate.compare_previous = True  # tau of the new draft next to the previous version's, same prompts
-    if config.prepare.heldout_fraction is None:
-        print("refresh: prepare.heldout_fraction is not set: the held-out set is the heldout_rows lowest hashes, "
-              "which added rows can shift; set it to keep held-out conversations out of training across refreshes")
-    prepared = prepare_run(config)  # the store answers a version already done
-    prep, version = prepared.prepare, prepared.version
-    draft = trained_draft(config, version)
-    t.record_refresh(config, prep, draft, changed=retrain or draft is None)
-    if draft and not retrain:
-        print(f"refresh: {config.prepare.dataset}@{prep.version} unchanged; its draft is {draft}")
-        return {"changed": False, "version": prep.version, "draft": draft}
-    rec = pipeline(config=config, output_dir=output_dir, prepared=prepared)  # goes on from this head
-    t.record_refresh(config, prep, draft, changed=True, report=rec)
-    ex = rec.stages.extract
-    extracted, reused = (ex.rows_extracted, ex.rows_reused) if ex else (None, None)
-    print(f"refresh: {config.prepare.dataset}@{prep.version}: {extracted} rows extracted, "
-          f"{reused} linked from earlier versions (record pool)")
-    return {"changed": True, "version": prep.version, "draft": rec.artifacts.checkpoint, "run_id": rec.run_id,
-            "rows_extracted": extracted, "rows_reused": reused}
+    with rescheduled_on_lost_lease():  # the refresh deployment has a concurrency limit: flows/lease.py
+        config = load_config(config_path, overrides or [])
+        if sources:
+            config.prepare.sources = sources
+        use_hub_secret(config)
+        config.evaluate.compare_previous = True  # tau of the new draft next to the previous version's, same prompts
+        if config.prepare.heldout_fraction is None:
+            print("refresh: prepare.heldout_fraction is not set: the held-out set is the heldout_rows lowest hashes, "
+                  "which added rows can shift; set it to keep held-out conversations out of training across refreshes")
+        prepared = prepare_run(config)  # the store answers a version already done
+        prep, version = prepared.prepare, prepared.version
+        draft = trained_draft(config, version)
+        t.record_refresh(config, prep, draft, changed=retrain or draft is None)
+        if draft and not retrain:
+            print(f"refresh: {config.prepare.dataset}@{prep.version} unchanged; its draft is {draft}")
+            return {"changed": False, "version": prep.version, "draft": draft}
+        rec = pipeline(config=config, output_dir=output_dir, prepared=prepared)  # goes on from this head
+        t.record_refresh(config, prep, draft, changed=True, report=rec)
+        ex = rec.stages.extract
+        extracted, reused = (ex.rows_extracted, ex.rows_reused) if ex else (None, None)
+        print(f"refresh: {config.prepare.dataset}@{prep.version}: {extracted} rows extracted, "
+              f"{reused} linked from earlier versions (record pool)")
+        return {"changed": True, "version": prep.version, "draft": rec.artifacts.checkpoint, "run_id": rec.run_id,
+                "rows_extracted": extracted, "rows_reused": reused}
 
 
 def trained_draft(config: PipelineConfig, version: ExtractVersion) -> str | None:

@@ -17,7 +17,6 @@ import time
 from prefect import flow, get_run_logger
 from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
-from prefect.runtime import flow_run as this_run
 from prefect.states import Cancelling
 from pydantic import BaseModel
 
@@ -29,6 +28,7 @@ from eagle3_pipeline.records.layout import ExtractVersion
 from eagle3_pipeline.train.stage import TrainResult
 from eagle3_pipeline.verify.stage import VerifyResult
 from eagle3_pipeline.vocab.stage import VocabResult
+from flows import attach
 from flows.fanout import flow_run_link, with_api_retry
 from flows.hub_auth import use_hub_secret
 from flows.pods import StartWatch, pod_source
@@ -83,18 +83,23 @@ def evaluate(config: PipelineConfig, prep: PrepareResult, version: ExtractVersio
 
 
 def on_pool(config: PipelineConfig, stage: str, **inputs):
-    """Run `stage` as a run of its deployment and return its record; a crashed run is submitted once more."""
+    """Run `stage` as a run of its deployment and return its record; a crashed run is submitted once more.
+    A run of the same inputs that an earlier controller made is re-attached to while it is going, and gives
+    its record without a new Job when it completed (StageRuns)."""
     log, name = get_run_logger(), DEPLOYMENT.format(stage=stage)
     jv = job_variables(config, stage)
     params = {"config": config.model_dump(mode="json"),
               **{k: v.model_dump(mode="json") if isinstance(v, BaseModel) else v for k, v in inputs.items()}}
-    problems, parent = [], this_run.get_id() or "none"  # idempotency: a retried submission is the same run
+    runs = StageRuns(name, attach.stage_base(stage, inputs["version"].content_key, params), f"eagle3-{stage}", log)
+    if (done := runs.completed(params)) is not None:
+        log.info(f"{stage}: flow run {done.name} of these inputs completed before: its record, no new run - "
+                 f"{flow_run_link(done.id)}")
+        return RECORD[stage].model_validate(done.state.result())
+    problems = []
     for attempt in (1, 2):
-        fr = with_api_retry(lambda: run_deployment(
-            name, parameters=params, job_variables=jv, timeout=0, as_subflow=True, flow_run_name=f"{stage}-{config.name}",
-            idempotency_key=f"{parent}-{stage}-{attempt}"), f"submit {stage}", log.warning)
-        log.info(f"{stage}: flow run {fr.name} of {name} ({jv['gpu_count']} GPUs, deadline {jv['deadline_seconds']} s): "
-                 f"{flow_run_link(fr.id)}")
+        fr, reattached = runs.next(params, jv, f"{stage}-{config.name}")
+        log.info(f"{stage}: flow run {fr.name} of {name} ({jv['gpu_count']} GPUs, deadline {jv['deadline_seconds']} s)"
+                 f"{' re-attached: an earlier controller submitted it' if reattached else ''}: {flow_run_link(fr.id)}")
         start = StartWatch(f"{stage}: flow run {fr.name}", jv["pod_watch_timeout_seconds"], pod_source(), log.warning,
                            expected=jv.get("pods", 1))
         state = wait_final(fr.id, jv["deadline_seconds"], log, start)
@@ -108,6 +113,43 @@ def on_pool(config: PipelineConfig, stage: str, **inputs):
             break
         start.stop(fr.id)  # the crashed run's pod cannot run on beside the next attempt
     raise StageRunFailed(f"{stage} ran as deployment {name} and did not complete:\n  " + "\n  ".join(problems))
+
+
+class StageRuns:
+    """The runs made for one stage's inputs (`base`, flows/attach.py) on deployment `name`: the newest one,
+    re-attached to while it is going; after it, the next attempt `<base>-<n+1>`."""
+
+    def __init__(self, name: str, base: str, tag: str, log):
+        self.name, self.base, self.tag, self.log = name, base, tag, log
+        with get_client(sync_client=True) as client:
+            dep = with_api_retry(lambda: client.read_deployment_by_name(name), f"read {name}", log.warning)
+            runs = with_api_retry(lambda: attach.runs_tagged(client, dep.id, tag), f"runs of {name}", log.warning)
+        self.n, self.latest = attach.latest(runs, base)
+
+    def completed(self, parameters: dict):
+        """The newest run when it completed with these parameters and its persisted result reads back, else None
+        (an evaluate of another run directory is run again: its files belong to this run)."""
+        fr = self.latest
+        if fr is None or fr.state is None or not fr.state.is_completed() or fr.parameters != parameters:
+            return None
+        try:
+            fr.state.result()
+        except Exception as e:  # noqa: BLE001 - its persisted result is gone: the stage runs again
+            self.log.warning(f"{fr.name} completed but its result cannot be read ({type(e).__name__}: {e}): "
+                             f"running it again")
+            return None
+        return fr
+
+    def next(self, parameters: dict, jv: dict, flow_run_name: str):
+        """(the run to wait for, whether it is one an earlier controller made and still going)."""
+        if attach.going(self.latest):
+            fr, self.latest = self.latest, None
+            return fr, True
+        self.n, self.latest = self.n + 1, None
+        return with_api_retry(lambda: run_deployment(
+            self.name, parameters=parameters, job_variables=jv, timeout=0, as_subflow=True, tags=[self.tag],
+            flow_run_name=flow_run_name, idempotency_key=f"{self.base}-{self.n}"), f"submit {self.name}",
+            self.log.warning), False
 
 
 def wait_final(flow_run_id, deadline_s: float, log, start: StartWatch | None = None):

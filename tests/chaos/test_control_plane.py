@@ -14,6 +14,9 @@ Set-up (one per module, as docs/operations.md and infra/docker-compose.yml run p
   flow      the extract flow in its own process (flows/extract.py, parallel_groups=2, 6 shards of 4 rows
             in 2 groups of 3), polling every 2 s, a group lost after 2 missed heartbeats
 
+The last two run the extract flow as a deployment with a concurrency limit (the controller, as pipeline-k8s)
+and take it away mid-fan-out: SIGTERM, and its lost deployment lease.
+
 Each test waits until a shard is published (mid-group), disturbs, and then requires: the flow ends
 Completed, every shard published, the manifest equal to an undisturbed extraction's apart from its
 volatile fields (timestamps, attempts: tests/helpers/store.manifest_content), the hidden states byte
@@ -370,7 +373,8 @@ CONTROLLER = "extract/controller"
 def controller_deployment(plane):
     """The extract flow as a deployment with a concurrency limit of 1 (a lease per run, as pipeline-k8s), run
     the way a Kubernetes pod runs it: `prefect flow-run execute` with PREFECT_FLOW_RUN_EXECUTE_SIGTERM_BEHAVIOR=
-    reschedule (infra/k8s/prefect.yaml), by a process worker on queue `cpu` that plays the CPU pool."""
+    reschedule (infra/k8s/prefect.yaml), by a process worker on queue `cpu` that plays the CPU pool. Its lease
+    is renewed every 5 s (tests/helpers/lease_renewal), so a lost one is found within seconds."""
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -384,20 +388,18 @@ def controller_deployment(plane):
             work_queue_name="cpu", concurrency_limit=1,
             pull_steps=[{"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}],
             job_variables={"command": f"{BIN / 'prefect'} flow-run execute",
-                           "env": {"PREFECT_FLOW_RUN_EXECUTE_SIGTERM_BEHAVIOR": "reschedule"}})
+                           "env": {"PREFECT_FLOW_RUN_EXECUTE_SIGTERM_BEHAVIOR": "reschedule",
+                                   # the deployment lease renewed every 5 s, not 225 s (the helper says why)
+                                   "PYTHONPATH": f"{ROOT / 'tests' / 'helpers' / 'lease_renewal'}:{ROOT}",
+                                   "EAGLE3_TEST_LEASE_RENEW_S": "5"}})
     w = Proc("cpu-worker", [str(BIN / "prefect"), "worker", "start", "--pool", POOL, "--name", "cpu-worker",
                             "--work-queue", "cpu"], plane.client_env, plane.home / "cpu-worker.log")
     plane.nodes["cpu-worker"] = w
     yield w
 
 
-def test_controller_sigterm_mid_fanout_is_rescheduled_and_reattaches(plane, client, controller_deployment,
-                                                                     undisturbed, tiny_target, tmp_path):
-    """SIGTERM to the controller's pod process mid-fan-out (a node drain): its run goes back to Scheduled
-    (AwaitingRetry), its running groups are left alone (not cancelled), the worker starts it again, and
-    the second execution re-attaches to the groups by their idempotency keys: no group submitted twice,
-    nothing lost, the deployment's and the GPU limit's slots all free at the end."""
-    import psutil
+def start_controller(plane, client, tiny_target: Path, tmp_path: Path):
+    """A run of the controller deployment extracting a fresh store, and its Run (flow: the deployment's run)."""
     from prefect.deployments import run_deployment
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -410,6 +412,50 @@ def test_controller_sigterm_mid_fanout_is_rescheduled_and_reattaches(plane, clie
         fr = run_deployment(CONTROLLER, parameters={"config": run.cfg.model_dump(mode="json"),
                                                     "version": run.version.model_dump(mode="json")}, timeout=0)
     run.flow = SimpleNamespace(alive=lambda: True, tail=lambda n=80: "")
+    return run, fr
+
+
+def rescheduled_and_done(client, fr, plane) -> list[str]:
+    """Wait until the controller's run went back to AwaitingRetry, ran again and ended; its state names."""
+    t0 = time.time()
+    while True:  # rescheduled: AwaitingRetry, then Running again under a new process
+        states = [s.name for s in client.read_flow_run_states(fr.id)]
+        if "AwaitingRetry" in states and states[-1] in ("Running", "Completed"):
+            break
+        assert time.time() - t0 < 180, (states, plane.tails())
+        time.sleep(1)
+    while not (done := client.read_flow_run(fr.id)).state.is_final():
+        assert time.time() - t0 < 600, plane.tails()
+        time.sleep(2)
+    assert done.state.is_completed(), (done.state, plane.tails())
+    return [s.name for s in client.read_flow_run_states(fr.id)]
+
+
+def each_group_ran_once(run, client, undisturbed) -> list:
+    """Everything published with the undisturbed bytes, one completed run per group, all slots free."""
+    m = run.manifest()
+    assert [s["status"] for s in m["shards"]] == ["published"] * len(m["shards"]), m["shards"]
+    assert manifest_content(run.dir) == manifest_content(undisturbed.dir)
+    assert hidden_state_hashes(run.dir) == hidden_state_hashes(undisturbed.dir)
+    runs = run.group_runs()
+    assert len(runs) == len(undisturbed.groups), [(r.name, r.state.name) for r in runs]  # none submitted twice
+    assert all(r.state.is_completed() for r in runs), [(r.name, r.state.name) for r in runs]
+    slots, settled = active_slots(client, settle_s=float(LEASE_S) + 30)
+    assert slots == 0, run.plane.tails()
+    dep = client.read_deployment_by_name(CONTROLLER)
+    assert client.read_global_concurrency_limit_by_name(f"deployment:{dep.id}").active_slots == 0
+    return runs
+
+
+def test_controller_sigterm_mid_fanout_is_rescheduled_and_reattaches(plane, client, controller_deployment,
+                                                                     undisturbed, tiny_target, tmp_path):
+    """SIGTERM to the controller's pod process mid-fan-out (a node drain): its run goes back to Scheduled
+    (AwaitingRetry), its running groups are left alone (not cancelled), the worker starts it again, and
+    the second execution re-attaches to the groups (flows/attach.py): no group submitted twice,
+    nothing lost, the deployment's and the GPU limit's slots all free at the end."""
+    import psutil
+
+    run, fr = start_controller(plane, client, tiny_target, tmp_path)
     run.wait_published(1)
     groups_before = {r.id for r in run.group_runs()}
     pids = []
@@ -423,34 +469,47 @@ def test_controller_sigterm_mid_fanout_is_rescheduled_and_reattaches(plane, clie
     pids[0].send_signal(signal.SIGTERM)  # what the kubelet sends the pod's first process
     print(f"\nSIGTERM to the controller ({pids[0].pid}) with shards {run.published()} published and group runs "
           f"{len(groups_before)} submitted")
-    t0 = time.time()
-    while True:  # rescheduled: AwaitingRetry, then Running again under a new process
-        states = [s.name for s in client.read_flow_run_states(fr.id)]
-        if "AwaitingRetry" in states and states[-1] in ("Running", "Completed"):
-            break
-        assert time.time() - t0 < 180, (states, plane.tails())
-        time.sleep(1)
-    while not (done := client.read_flow_run(fr.id)).state.is_final():
-        assert time.time() - t0 < 600, plane.tails()
-        time.sleep(2)
-    assert done.state.is_completed(), (done.state, plane.tails())
-    m = run.manifest()
-    assert [s["status"] for s in m["shards"]] == ["published"] * len(m["shards"]), m["shards"]
-    assert manifest_content(run.dir) == manifest_content(undisturbed.dir)
-    assert hidden_state_hashes(run.dir) == hidden_state_hashes(undisturbed.dir)
-    runs = run.group_runs()
-    assert len(runs) == len(undisturbed.groups), [(r.name, r.state.name) for r in runs]  # none submitted twice
-    assert all(r.state.is_completed() for r in runs), [(r.name, r.state.name) for r in runs]
-    assert not any(r.state.is_cancelled() for r in runs)
-    log = "".join(p.read_text(errors="replace") for p in plane.home.glob("cpu-worker*.log"))
-    slots, settled = active_slots(client, settle_s=float(LEASE_S) + 30)
-    assert slots == 0, plane.tails()
-    dep = client.read_deployment_by_name(CONTROLLER)
-    dep_slots = client.read_global_concurrency_limit_by_name(f"deployment:{dep.id}").active_slots
-    assert dep_slots == 0
+    states = rescheduled_and_done(client, fr, plane)
+    runs = each_group_ran_once(run, client, undisturbed)
     out = {"test": "controller SIGTERM (reschedule)", "seconds": round(time.time() - run.t0),
-           "group_runs": len(runs), "groups_reattached": len(groups_before), "shards_lost": 0,
-           "slots_at_end": slots, "deployment_slots_at_end": dep_slots,
-           "controller_states": [s.name for s in client.read_flow_run_states(fr.id)]}
+           "group_runs": len(runs), "groups_reattached": len(groups_before), "controller_states": states}
     print(f"\ncontroller SIGTERM: {json.dumps(out)}")
-    assert "rescheduled" in log.lower() or "AwaitingRetry" in out["controller_states"]
+
+
+def test_controller_lost_lease_is_rescheduled_and_a_rerun_reattaches(plane, client, controller_deployment,
+                                                                     undisturbed, tiny_target, tmp_path):
+    """The controller's deployment concurrency lease revoked mid-fan-out (what an API outage longer than the
+    renewal's retries, or a server restart with the memory lease storage, does to it): its next renewal is
+    refused (410), and instead of crashing the run is rescheduled (AwaitingRetry, flows/lease.py), runs again
+    and re-attaches to its groups. Meanwhile a second extraction of the same content, run by hand as a flow of
+    its own (another flow run id), re-attached to the same group runs instead of submitting its own: each group
+    ran once. On a controller keyed by its flow-run id both fail: the run crashes, the re-run doubles the groups."""
+    run, fr = start_controller(plane, client, tiny_target, tmp_path)
+    t0 = time.time()
+    while not run.group_runs():
+        assert time.time() - t0 < 300, plane.tails()
+        time.sleep(0.5)
+    (tmp_path / "config.json").write_text(run.cfg.model_dump_json())
+    (tmp_path / "version.json").write_text(run.version.model_dump_json())
+    rerun = Proc("rerun", [sys.executable, "-c", FLOW, str(tmp_path / "config.json"), str(tmp_path / "version.json")],
+                 plane.client_env, tmp_path / "rerun.log")
+    try:
+        run.wait_published(1)
+        lease = next(s.state_details.deployment_concurrency_lease_id
+                     for s in reversed(client.read_flow_run_states(fr.id)) if s.state_details.deployment_concurrency_lease_id)
+        client.release_concurrency_slots_with_lease(lease)  # revoked: the next renewal gets 410
+        print(f"\nrevoked the controller's lease {lease} with shards {run.published()} published")
+        states = rescheduled_and_done(client, fr, plane)
+        rerun.p.wait(timeout=300)
+    finally:
+        rerun.stop()
+    log = rerun.log.read_text(errors="replace")
+    assert rerun.p.returncode == 0 and "EXTRACT-FLOW-COMPLETED" in log, rerun.tail(80)
+    runs = each_group_ran_once(run, client, undisturbed)
+    # the re-run found groups going and submitted none of its own (fanout logs "shards [..] -> <run>" per submission)
+    assert "re-attached to" in log and "] -> extract-shards" not in log, rerun.tail(80)
+    worker_log = "".join(p.read_text(errors="replace") for p in plane.home.glob("cpu-worker*.log"))
+    assert "lost its deployment concurrency lease" in worker_log
+    out = {"test": "controller lease lost (reschedule) + a re-run", "seconds": round(time.time() - run.t0),
+           "group_runs": len(runs), "controller_states": states}
+    print(f"\ncontroller lease lost: {json.dumps(out)}")
