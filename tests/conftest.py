@@ -57,7 +57,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_xdist_make_scheduler(config, log):
     """With `--dist loadscope`, xdist's scope of a test is its group, and groups go out in the collection's
     order (above): xdist would otherwise reorder them by their number of tests, which sent the 3-test,
-    10-minute real-target module out last. (Its `loadgroup` cannot be used: it renames node ids through
+    10-minute real-target module out late. (Its `loadgroup` cannot be used: it renames node ids through
     `item._nodeid`, which pytest 9 no longer reads.)"""
     if config.getvalue("dist") != "loadscope":
         return None

@@ -37,7 +37,7 @@ class _Node:
 
 def test_groups_go_out_in_the_conftest_order_not_by_number_of_tests():
     """xdist reorders loadscope groups by their number of tests unless told not to: the 3-test, 10-minute
-    real-target module went out last."""
+    real-target module went out late (at 1737 s of a 2620 s run)."""
     values = {"dist": "loadscope", "tx": ["2*popen"], "numprocesses": None, "maxworkerrestart": None}
     option = SimpleNamespace(loadscopereorder=True, **values)
     config = SimpleNamespace(option=option, getvalue=lambda name: getattr(option, name))
