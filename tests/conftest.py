@@ -27,8 +27,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 #     ends exactly theirs (the chaos suite's kill and signal tests, tests/unit/test_proc_gpu.py): one
 #     worker, one at a time, so no test sees another's leftovers. tests/chaos/test_control_plane.py is
 #     a group of its own: it leaves no leftover (a killed worker is killed with everything under it) and
-#     runs no gpu-gate (its group runs only extract), and it spends most of its 9 minutes waiting on its
-#     outages, which another worker's group fills.
+#     runs no gpu-gate (its group runs only extract), and its 9 minutes made `processes` a 22-minute group,
+#     longer alone than the suite's goal of 20.
 #   "server": tests/server/, which share one real Prefect server with its workers and deployments.
 # Groups are handed out longest first (their seconds in the last full run, docs/testing.md), so no long
 # group starts last; xdist's own reorder (most tests first) is turned off for that.
