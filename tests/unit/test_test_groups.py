@@ -1,0 +1,53 @@
+"""How `make test` splits the suite over its xdist workers (tests/conftest.py): the gpu-gate's leftover-process
+tests stay together in one group, the control-plane chaos module is a group of its own, and the groups go out
+in the order the conftest gives them (longest first), not in xdist's order by number of tests."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from tests.conftest import _GROUP_ORDER, group_of, pytest_xdist_make_scheduler
+
+
+def test_leftover_process_tests_share_a_group_and_the_control_plane_has_its_own():
+    for nodeid in ("tests/chaos/test_chaos_extract.py::test_parent_killed[0]", "tests/chaos/test_signals.py::x",
+                   "tests/chaos/test_gpu_slot_orphan.py::x", "tests/unit/test_proc_gpu.py::x"):
+        assert group_of(nodeid) == "processes", nodeid
+    assert group_of("tests/chaos/test_control_plane.py::test_worker_killed_mid_group") == \
+        "tests/chaos/test_control_plane.py"
+    assert group_of("tests/server/test_fanout.py::x") == "server"
+    assert group_of("tests/integration/test_train.py::x") == "tests/integration/test_train.py"
+    assert len(set(_GROUP_ORDER)) == len(_GROUP_ORDER)
+
+
+class _Node:
+    """What the scheduler reads of a worker: it is sent test indices to run."""
+
+    def __init__(self, name: str):
+        self.gateway = SimpleNamespace(id=name)
+        self.shutting_down = False
+        self.sent: list[int] = []
+
+    def send_runtest_some(self, indices):
+        self.sent.extend(indices)
+
+    def shutdown(self):
+        self.shutting_down = True
+
+
+def test_groups_go_out_in_the_conftest_order_not_by_number_of_tests():
+    """xdist reorders loadscope groups by their number of tests unless told not to: the 3-test, 10-minute
+    real-target module went out late (at 1737 s of a 2620 s run)."""
+    values = {"dist": "loadscope", "tx": ["2*popen"], "numprocesses": None, "maxworkerrestart": None}
+    option = SimpleNamespace(loadscopereorder=True, **values)
+    config = SimpleNamespace(option=option, getvalue=lambda name: getattr(option, name))
+    sched = pytest_xdist_make_scheduler(config, log=None)
+    assert option.loadscopereorder is False
+    collection = ["tests/chaos/test_signals.py::a", "tests/integration/test_real_pipeline.py::a",
+                  *(f"tests/unit/test_bad_input.py::t{i}" for i in range(20))]
+    nodes = [_Node("gw0"), _Node("gw1")]
+    for n in nodes:
+        sched.add_node(n)
+        sched.add_node_collection(n, collection)
+    sched.schedule()
+    assert nodes[0].sent[0] == 0 and nodes[1].sent[0] == 1  # processes first, then the real target
