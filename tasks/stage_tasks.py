@@ -88,7 +88,9 @@ RETRY_POLICIES: dict[str, Retry] = {s.task_name: s.retry for s in registry.STAGE
 
 
 def retry_options(stage: str, retries: int | None = None) -> dict:
-    return _options(stage, RETRY_POLICIES[stage], retries)
+    """Prefect's retry options of the registered stage whose task is `stage` (read from the registry at call time,
+    so a stage registered later, `registry.registered`, gets its own)."""
+    return _options(stage, registry.spec(stage).retry, retries)
 
 
 def stage_task(stage: str, **kw):

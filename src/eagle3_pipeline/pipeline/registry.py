@@ -10,6 +10,9 @@ checked against it instead of read from it: report/record.py `Stages`, the typed
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from eagle3_pipeline.core.stage_spec import StageSpec
 from eagle3_pipeline.evaluate.stage import STAGE as EVALUATE
 from eagle3_pipeline.extract.stage import STAGE as EXTRACT
@@ -39,3 +42,30 @@ def spec(name: str) -> StageSpec:
         if name in (s.name, s.task_name):
             return s
     raise KeyError(f"no stage {name!r}: the stages are {', '.join(NAMES)}")
+
+
+def _derive(stages: tuple[StageSpec, ...]) -> None:
+    global STAGES, NAMES, REPORTED, TASKS, GATES, JOB_STAGES, ACCELERATED
+    STAGES = stages
+    NAMES = tuple(s.name for s in stages)
+    REPORTED = tuple(s.name for s in stages if s.reported)
+    TASKS = tuple(s.task_name for s in stages)
+    GATES = tuple(s.task_name for s in stages if s.gate)
+    JOB_STAGES = tuple(s.name for s in stages if s.own_job)
+    ACCELERATED = tuple(s.name for s in stages if s.accelerators)
+
+
+@contextlib.contextmanager
+def registered(extra: StageSpec, before: str = "report") -> Iterator[StageSpec]:
+    """`STAGES` with `extra` in its place before stage `before`, for the body only (the lists above follow it;
+    `spec` and tasks/stage_tasks.py `stage_task` find it): how a test adds a stage without a package, and what
+    a new stage's line in `STAGES` does for good. The production order is restored on exit."""
+    if extra.name in NAMES or extra.task_name in TASKS:
+        raise ValueError(f"stage {extra.name!r} (task {extra.task_name!r}) is already registered")
+    saved = STAGES
+    at = NAMES.index(before)
+    _derive(saved[:at] + (extra,) + saved[at:])
+    try:
+        yield extra
+    finally:
+        _derive(saved)
