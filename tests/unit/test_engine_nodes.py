@@ -61,20 +61,16 @@ ENGINE = {"model": "/models/Kimi-K2.5", "dtype": "bfloat16", "trust_remote_code"
 
 
 def test_vllms_own_serve_parser_reads_the_headless_workers_command(kimi, tmp_path):
-    """`vllm serve --headless` as vLLM 0.32 parses it: node 0's engine arguments, this node's place (the set's
+    """`vllm serve --headless` as vLLM 0.32's own parser reads it (engine/nodes.py `serve` runs it as vLLM's CLI does): node 0's engine arguments, this node's place (the set's
     split wins over the one-node TP node 0 published), no API server."""
     pytest.importorskip("vllm")
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     es = nodes.engine_set(kimi, "extract", 2, "pp", master_addr="eagle3-abc-0.eagle3-engine")
     model = str(tmp_path)  # a local directory: vLLM resolves names on the hub when offline
     argv = nodes.follower_argv(es, 1, {**ENGINE, "model": model})
-    assert argv[:6] == [sys.executable, "-u", "-m", "vllm.entrypoints.cli.main", "serve", model]
-    parser = FlexibleArgumentParser()
-    ServeSubcommand().subparser_init(parser.add_subparsers(dest="cmd"))
-    args = parser.parse_args(argv[4:])
+    assert argv[:6] == [sys.executable, "-u", "-m", "eagle3_pipeline.engine.nodes", "serve", model]
+    args = nodes.serve_parser().parse_args(argv[4:])  # vLLM's own `vllm serve` options
     assert args.headless is True and args.model_tag == model
     args.model = args.model_tag  # what `vllm serve` does first (ServeSubcommand.cmd)
     e = EngineArgs.from_cli_args(args)

