@@ -726,15 +726,16 @@ ENGINE_SET_ARGS = ["--config", "configs/kimi-k2.5-tp8.yaml", "--set", "extract.g
 
 @pytest.mark.parametrize("split", ["pp", "tp"])
 def test_the_multi_node_engine_set_renders_from_the_config_and_validates(split, monkeypatch):
-    """engine/nodes.py `manifests`: the Kimi config's extract engine over two 8-GPU H100 nodes (TP 8 x PP 2, or TP 16
+    """pipeline/engine_sets.py: the Kimi config's extract engine over two 8-GPU H100 nodes (TP 8 x PP 2, or TP 16
     with RDMA): the engine sets' Service, NetworkPolicy and a two-pod Indexed Job, valid for Kubernetes 1.30 and
     1.37, failed whole at its first failed pod, its deadline and requests those of the stage's one-node Job."""
-    from eagle3_pipeline.core.cluster import job_variables
     from eagle3_pipeline.core.config import load_config
     from eagle3_pipeline.engine import nodes
+    from eagle3_pipeline.pipeline.engine_sets import render
+    from eagle3_pipeline.pipeline.jobs import job_variables
 
     monkeypatch.chdir(ROOT)
-    docs = list(yaml.safe_load_all(nodes.render([*ENGINE_SET_ARGS, "--split", split])))
+    docs = list(yaml.safe_load_all(render([*ENGINE_SET_ARGS, "--split", split])))
     kinds = {d["kind"]: d for d in docs}
     assert set(kinds) == {"Service", "NetworkPolicy", "Job"}
     for d in docs:
@@ -765,13 +766,13 @@ def test_the_multi_node_engine_set_renders_from_the_config_and_validates(split, 
 
 
 def test_the_multi_node_engine_design_is_the_rendering(monkeypatch):
-    """docs/decisions/multi-node-engine.yaml is what `python -m eagle3_pipeline.engine.nodes manifests` renders (the
+    """docs/decisions/multi-node-engine.yaml is what `python -m eagle3_pipeline.pipeline.engine_sets` renders (the
     command its header names), so the design a reader checks against Kubernetes' documentation is the code's."""
-    from eagle3_pipeline.engine import nodes
+    from eagle3_pipeline.pipeline.engine_sets import render
 
     path = ROOT / "docs" / "decisions" / "multi-node-engine.yaml"
     text = path.read_text()
-    assert "engine.nodes manifests" in text.split("---")[0]
+    assert "eagle3_pipeline.pipeline.engine_sets" in text.split("---")[0]
     monkeypatch.chdir(ROOT)
-    rendered = list(yaml.safe_load_all(nodes.render([*ENGINE_SET_ARGS, "--split", "pp"])))
+    rendered = list(yaml.safe_load_all(render([*ENGINE_SET_ARGS, "--split", "pp"])))
     assert [d for d in yaml.safe_load_all(text) if d] == rendered
