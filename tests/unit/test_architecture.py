@@ -110,6 +110,7 @@ PIPELINE_MODULES = {
     "store_gc.py": "gc sweeps what every stage keeps (versions, the record pool, the pool's verify caches)",
     "online_training.py": "online training runs the verify gate on rows from the server the trainer then reads",
     "jobs.py": "the Kubernetes Job of each stage that runs as its own: the registry's JOB_STAGES",
+    "engine_sets.py": "an engine stage's Job (jobs.py) over several nodes: the engine set's Kubernetes objects",
 }
 # Stage packages whose glue is not yet called stage.py: the list can only shrink.
 NO_STAGE_PY: dict[str, str] = {}

@@ -719,16 +719,60 @@ def test_no_account_of_the_pipeline_may_create_services():
             assert not any("services" in rule["resources"] for rule in d["rules"]), name
 
 
-def test_the_multi_node_engine_design_validates():
-    """docs/decisions/multi-node-engine.yaml: the engine set's Service, NetworkPolicy and two-pod Indexed Job."""
-    docs = [d for d in yaml.safe_load_all((ROOT / "docs" / "decisions" / "multi-node-engine.yaml").read_text()) if d]
+ENGINE_SET_ARGS = ["--config", "configs/kimi-k2.5-tp8.yaml", "--set", "extract.gpu_memory_gib=80", "--stage",
+                   "extract", "--nodes", "2", "--shards", "25", "--image", IMAGE,
+                   "--node-selector", '{"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}']
+
+
+@pytest.mark.parametrize("split", ["pp", "tp"])
+def test_the_multi_node_engine_set_renders_from_the_config_and_validates(split, monkeypatch):
+    """pipeline/engine_sets.py: the Kimi config's extract engine over two 8-GPU H100 nodes (TP 8 x PP 2, or TP 16
+    with RDMA): the engine sets' Service, NetworkPolicy and a two-pod Indexed Job, valid for Kubernetes 1.30 and
+    1.37, failed whole at its first failed pod, its deadline and requests those of the stage's one-node Job."""
+    from eagle3_pipeline.core.config import load_config
+    from eagle3_pipeline.engine import nodes
+    from eagle3_pipeline.pipeline.engine_sets import render
+    from eagle3_pipeline.pipeline.jobs import job_variables
+
+    monkeypatch.chdir(ROOT)
+    docs = list(yaml.safe_load_all(render([*ENGINE_SET_ARGS, "--split", split])))
     kinds = {d["kind"]: d for d in docs}
     assert set(kinds) == {"Service", "NetworkPolicy", "Job"}
     for d in docs:
-        validate(d, f"multi-node-engine.yaml {d['kind']}")
-    job, svc = kinds["Job"], kinds["Service"]
-    pod = job["spec"]["template"]["spec"]
-    assert (job["spec"]["parallelism"], job["spec"]["completions"], job["spec"]["completionMode"]) == (2, 2, "Indexed")
-    assert pod["subdomain"] == svc["metadata"]["name"] and svc["spec"]["clusterIP"] == "None"
-    assert svc["spec"]["selector"].items() <= job["spec"]["template"]["metadata"]["labels"].items()
-    assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
+        validate(d, f"the engine set's {d['kind']} ({split})")
+    job, svc, policy = kinds["Job"], kinds["Service"], kinds["NetworkPolicy"]
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    assert (spec["parallelism"], spec["completions"], spec["completionMode"]) == (2, 2, "Indexed")
+    assert {r["action"] for r in spec["podFailurePolicy"]["rules"]} == {"FailJob"}
+    assert pod["subdomain"] == svc["metadata"]["name"] == nodes.ENGINE_SERVICE and svc["spec"]["clusterIP"] == "None"
+    labels = job["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= labels.items()
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    assert svc["spec"]["ports"][0]["port"] == nodes.MASTER_PORT
+    (c,) = pod["containers"]
+    assert c["command"] == nodes.NODES_LAUNCHER and c["args"] == ["prefect", "flow-run", "execute"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 8 and "hostNetwork" not in pod
+    kimi = load_config(ROOT / "configs" / "kimi-k2.5-tp8.yaml", ["extract.gpu_memory_gib=80"])
+    jv = job_variables(kimi, "extract", 25)
+    assert spec["activeDeadlineSeconds"] == jv["deadline_seconds"]
+    assert c["resources"]["requests"]["memory"] == jv["memory_request"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env[nodes.MASTER_ADDR_ENV]["value"] == f"$({nodes.SET_ID_ENV})-0.{nodes.ENGINE_SERVICE}"
+    assert [e["name"] for e in c["env"]].index(nodes.SET_ID_ENV) < [e["name"] for e in c["env"]].index(
+        nodes.MASTER_ADDR_ENV)  # Kubernetes expands $(VAR) only from variables defined before
+    rdma = split == "tp"
+    assert ("rdma/ib" in c["resources"]["limits"]) == rdma == ("NCCL_IB_HCA" in env)
+    assert ("IPC_LOCK" in c["securityContext"]["capabilities"].get("add", [])) == rdma
+
+
+def test_the_multi_node_engine_design_is_the_rendering(monkeypatch):
+    """docs/decisions/multi-node-engine.yaml is what `python -m eagle3_pipeline.pipeline.engine_sets` renders (the
+    command its header names), so the design a reader checks against Kubernetes' documentation is the code's."""
+    from eagle3_pipeline.pipeline.engine_sets import render
+
+    path = ROOT / "docs" / "decisions" / "multi-node-engine.yaml"
+    text = path.read_text()
+    assert "eagle3_pipeline.pipeline.engine_sets" in text.split("---")[0]
+    monkeypatch.chdir(ROOT)
+    rendered = list(yaml.safe_load_all(render([*ENGINE_SET_ARGS, "--split", "pp"])))
+    assert [d for d in yaml.safe_load_all(text) if d] == rendered

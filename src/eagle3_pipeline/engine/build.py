@@ -251,7 +251,7 @@ def guard_load_time_log() -> None:
         log.addFilter(_ImpossibleLoadTime())
 
 
-def _flag(key: str, value) -> list[str]:
+def cli_flag(key: str, value) -> list[str]:
     """One vLLM CLI option from a keyword argument of `vllm.LLM` (its EngineArgs name)."""
     import json
 
@@ -284,7 +284,7 @@ def server_argv(engine: EngineConfig, target: TargetConfig, *, max_model_len: in
     argv = [sys.executable, "-u", "-m", "vllm.entrypoints.openai.api_server", "--model", target.model,
             "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log"]
     for k, v in kwargs.items():
-        argv += _flag(k, v)
+        argv += cli_flag(k, v)
     return argv
 
 

@@ -5,5 +5,6 @@
   online_training.py  train.mode online: the verify gate on rows from the server the trainer then reads
   store_gc.py         `eagle3 gc`: what every stage keeps in the run store, swept
   jobs.py             the Kubernetes Job of each stage that runs as its own (JOB_STAGES): its job variables
+  engine_sets.py      an engine stage over several nodes (engine/nodes.py) as Kubernetes objects, from the config
 Nothing below this room imports it (tests/unit/test_architecture.py).
 """
