@@ -11,9 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle3_pipeline.core.config import VerifyConfig
 from eagle3_pipeline.records.contracts import LayerDiff
 from eagle3_pipeline.records.families import known_model_type, layer_config, text_config
-from eagle3_pipeline.verify.reference import COS_BOUND, MAX_FRAC_BELOW, MAX_REL_ERR, MIN_MEAN_COSINE, _row_problems
+from eagle3_pipeline.verify.reference import _row_problems
+from eagle3_pipeline.verify.stage import _config_key
 from eagle3_pipeline.verify.worker import CannotStream, Checkpoint
 
 
@@ -104,13 +106,61 @@ def _diff(lid, rel, mean_cos=1.0, frac_below=0.0, worst=None):
                      mean_cosine=mean_cos, frac_below=frac_below, first_below=None if not frac_below else 3)
 
 
+CFG = VerifyConfig()
+MAX_REL_ERR, MIN_MEAN_COSINE = CFG.reference_max_rel_err, CFG.reference_min_mean_cosine
+MAX_FRAC_BELOW, COS_BOUND = CFG.reference_max_frac_below, CFG.reference_cos_bound
+
+
 def test_row_problems_is_the_one_decision():
     """Per-layer statistics decide, not the single worst token: a MoE routing flip on one token of a
     clean record passes; a wrong layer, or many tokens off, fails."""
     ok = [_diff(2, MAX_REL_ERR / 2, MIN_MEAN_COSINE + 0.001), _diff(8, 0.0),
           _diff(4, 0.03, 0.998, frac_below=MAX_FRAC_BELOW / 2, worst=0.2)]  # one token flipped, the rest right
-    assert _row_problems(ok) == []
+    assert _row_problems(ok, CFG) == []
     bad = _row_problems([_diff(2, MAX_REL_ERR * 2), _diff(4, 0.0, MIN_MEAN_COSINE - 0.01), _diff(8, 0.0),
-                         _diff(5, 0.05, 0.995, frac_below=MAX_FRAC_BELOW * 2)])
+                         _diff(5, 0.05, 0.995, frac_below=MAX_FRAC_BELOW * 2)], CFG)
     assert [b.split(" differs")[0] for b in bad] == ["layer 2", "layer 4", "layer 5"]
     assert all("from the reference" in b and f"cosine {COS_BOUND}" in b for b in bad)
+
+
+def _turned(ref, cosines: dict[int, float]):
+    """`ref` [T, 1, H] with unit rows, and a copy whose token t is turned to cosine `cosines[t]` (same norm)."""
+    got = ref.clone()
+    for t, c in cosines.items():
+        r = ref[t, 0]
+        u = torch.randn_like(r)
+        u = u - (u @ r) * r
+        got[t, 0] = c * r + (1 - c * c) ** 0.5 * u / u.norm()
+    return got
+
+
+def test_reference_thresholds_are_the_configs():
+    """The defaults are the calibrated values, and each threshold, tightened in the config, fails a record
+    that passes at the default (the same two calls as reference_check, the message naming the configured limit)."""
+    from eagle3_pipeline.records.contracts import compare_layers
+
+    assert (MAX_REL_ERR, MIN_MEAN_COSINE, COS_BOUND, MAX_FRAC_BELOW) == (0.15, 0.99, 0.95, 0.10)
+    torch.manual_seed(0)
+    ref = torch.nn.functional.normalize(torch.randn(50, 1, 16), dim=-1)
+    # 2 of 50 tokens at cosine 0.90 (a MoE routing flip), 5 at 0.96: relative error 0.126, mean cosine 0.992
+    got = _turned(ref, {3: 0.90, 9: 0.90, **{t: 0.96 for t in range(20, 25)}})
+
+    def problems(cfg):
+        return _row_problems(compare_layers(got, ref, [4], cfg.reference_cos_bound), cfg)
+
+    assert problems(CFG) == []
+    for key, value, says in [("reference_max_rel_err", 0.1, "relative error 0.126"),
+                             ("reference_min_mean_cosine", 0.995, "(min 0.995)"),
+                             ("reference_cos_bound", 0.97, "14.0% of tokens below cosine 0.97"),
+                             ("reference_max_frac_below", 0.03, "(max 3%")]:
+        tight = CFG.model_copy(update={key: value})
+        got_problems = problems(tight)
+        assert len(got_problems) == 1 and "layer 4 differs" in got_problems[0] and says in got_problems[0], key
+        assert _config_key(tight) != _config_key(CFG)  # a changed threshold is verified again, not read from cache
+
+
+@pytest.mark.parametrize("key, value", [("reference_max_rel_err", 0), ("reference_min_mean_cosine", 1.5),
+                                        ("reference_cos_bound", 0), ("reference_max_frac_below", -0.1)])
+def test_reference_thresholds_out_of_range_are_config_errors(key, value):
+    with pytest.raises(ValueError, match=key):
+        VerifyConfig(**{key: value})

@@ -200,6 +200,25 @@ class VerifyConfig(Strict):
                                        "streams the target one decoder layer at a time in its dtype; must hold "
                                        "one layer (Kimi-K2.5: ~17B parameters, ~34 GB in bf16) plus ~1 GB")
     reference_timeout_s: float = Field(7200.0, gt=0, description="deadline of the reference child")
+    # the reference's pass/fail criteria, per record and captured layer over its tokens (verify/reference.py
+    # _row_problems; the measurements: docs/verification.md, "Calibration")
+    reference_max_rel_err: float = Field(0.15, gt=0, description="relative L2 error allowed between a stored layer "
+                                         "and the bf16 reference over all its tokens. Clean records measured <= "
+                                         "0.073 (tiny MoE, the worst of five targets; dense <= 0.008); the "
+                                         "neighbouring layer instead of the asked one gave >= 0.2 and vLLM's CPU "
+                                         "rotary kernel 0.2-0.77, so 0.15 sits between, 2x above the clean worst. "
+                                         "Unmeasured on a 61-layer bf16 MoE on a GPU (bf16 rounding grows ~sqrt(N))")
+    reference_min_mean_cosine: float = Field(0.99, gt=0, le=1, description="mean token cosine a stored layer must "
+                                             "reach against the reference. Clean records measured >= 0.9999 (dense "
+                                             "and random Qwen3/DeepSeek-V3); vLLM's CPU rotary kernel gave 0.65-0.98 "
+                                             "on the trained tiny MoE")
+    reference_cos_bound: float = Field(0.95, gt=0, le=1, description="a token 'differs' below this cosine to its "
+                                       "reference (counted by reference_max_frac_below). Clean dense records "
+                                       "have no token below 0.95; the worst clean MoE token measured 0.969 (MoE "
+                                       "routing flips on near-ties move single tokens, corruption moves most)")
+    reference_max_frac_below: float = Field(0.10, ge=0, le=1, description="share of a layer's tokens allowed "
+                                            "below reference_cos_bound: room for a few MoE routing flips per record "
+                                            "while a wrong layer, offset or request, which moves most tokens, fails")
     move_bad_files: bool = Field(True, description="move failing files to hidden_states_failed/ (never deleted)")
     norm_bounds_samples: int = Field(1024, ge=0, description="per-layer median-token-norm bounds are learned from up "
                                      "to N good files spread evenly over every shard (median/MAD in log space); "

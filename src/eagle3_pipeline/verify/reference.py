@@ -31,15 +31,12 @@ from eagle3_pipeline.core.errors import EnvironmentProblem
 from eagle3_pipeline.core.progress import interval
 from eagle3_pipeline.data.tokenized import load_tokenized
 
-# The pass/fail criteria (per record and layer); decided in `_row_problems` only.
-# Per-layer criteria over a record's tokens, not its single worst token: MoE targets route near-ties
-# differently in vLLM's kernels and in transformers, which moves a few tokens a lot, while a wrong layer,
-# offset or request moves most of them (the calibration: docs/verification.md, "Calibration").
-COS_BOUND = 0.95          # a token "differs" below this cosine
-MIN_MEAN_COSINE = 0.99    # per layer, mean token cosine
-MAX_FRAC_BELOW = 0.10     # per layer, share of tokens below COS_BOUND
-MAX_REL_ERR = 0.15        # per layer, relative L2 error over all tokens
-MIN_COSINE = COS_BOUND    # (the bound reported as min_cosine's reference)
+# The pass/fail criteria (per record and layer) are settings: verify.reference_cos_bound,
+# reference_min_mean_cosine, reference_max_frac_below and reference_max_rel_err (core/config.py VerifyConfig,
+# each with its derivation); decided in `_row_problems` only. Per-layer criteria over a record's tokens, not its
+# single worst token: MoE targets route near-ties differently in vLLM's kernels and in transformers, which moves a
+# few tokens a lot, while a wrong layer, offset or request moves most of them (the calibration:
+# docs/verification.md, "Calibration").
 WORKER = "eagle3_pipeline.verify.worker"
 
 
@@ -61,7 +58,7 @@ class ReferenceResult(BaseModel):
     skipped: str | None = None
     peak_rss_bytes: int | None = None  # of the reference child (ru_maxrss)
     # per layer id over the checked rows: max_rel_err, min_cosine, mean_cosine (the lowest row mean),
-    # max_frac_below (fraction of a row's tokens with cosine < MIN_COSINE, worst row)
+    # max_frac_below (fraction of a row's tokens with cosine < verify.reference_cos_bound, worst row)
     per_layer: dict[int, dict] = {}
     seconds: float | None = None
 
@@ -149,14 +146,16 @@ def _layer_map_problems(got, every, layer_ids: list[int], at: dict[int, int]) ->
     return out
 
 
-def _row_problems(diffs) -> list[str]:
-    """The pass/fail decision for one record: a problem per layer (contracts.LayerDiff) that is off."""
-    return [f"layer {d.layer_id} differs from the reference: relative error {d.rel_err:.4f} (max {MAX_REL_ERR}), "
-            f"mean token cosine {d.mean_cosine:.4f} (min {MIN_MEAN_COSINE}), {d.frac_below:.1%} of tokens below "
-            f"cosine {COS_BOUND} (max {MAX_FRAC_BELOW:.0%}; worst token {d.min_cosine:.4f})"
+def _row_problems(diffs, cfg) -> list[str]:
+    """The pass/fail decision for one record: a problem per layer (contracts.LayerDiff) that is off, under
+    the thresholds of `cfg` (config.VerifyConfig)."""
+    max_rel, min_mean = cfg.reference_max_rel_err, cfg.reference_min_mean_cosine
+    max_frac, bound = cfg.reference_max_frac_below, cfg.reference_cos_bound
+    return [f"layer {d.layer_id} differs from the reference: relative error {d.rel_err:.4f} (max {max_rel}), "
+            f"mean token cosine {d.mean_cosine:.4f} (min {min_mean}), {d.frac_below:.1%} of tokens below "
+            f"cosine {bound} (max {max_frac:.0%}; worst token {d.min_cosine:.4f})"
             + (f", first token below at {d.first_below}" if d.first_below is not None else "")
-            for d in diffs if d.rel_err > MAX_REL_ERR or d.mean_cosine < MIN_MEAN_COSINE
-            or d.frac_below > MAX_FRAC_BELOW]
+            for d in diffs if d.rel_err > max_rel or d.mean_cosine < min_mean or d.frac_below > max_frac]
 
 
 def _skipped(note: str, log) -> ReferenceResult:
@@ -262,7 +261,7 @@ def reference_check(target, version, rows: list[int], *, log: Callable[[str], No
             problems.append(f"hs_{i} (sample {ds[i]['sample_id']}): hidden_states expected {list(ref.shape)} "
                             f"(tokens, layers {layer_ids}, hidden), found {list(got.shape)}")
             continue
-        diffs = compare_layers(got, ref, layer_ids, COS_BOUND)
+        diffs = compare_layers(got, ref, layer_ids, cfg.reference_cos_bound)
         for d in diffs:
             s = per_layer.setdefault(d.layer_id, {"max_rel_err": 0.0, "min_cosine": 1.0, "mean_cosine": 1.0,
                                                   "max_frac_below": 0.0})
@@ -270,7 +269,7 @@ def reference_check(target, version, rows: list[int], *, log: Callable[[str], No
             s["min_cosine"] = min(s["min_cosine"], d.min_cosine)
             s["mean_cosine"] = min(s["mean_cosine"], d.mean_cosine)
             s["max_frac_below"] = max(s["max_frac_below"], d.frac_below)
-        row_problems = _row_problems(diffs) + _layer_map_problems(got, every, layer_ids, at)
+        row_problems = _row_problems(diffs, cfg) + _layer_map_problems(got, every, layer_ids, at)
         if row_problems:
             bad_rows.add(i)
             problems += [f"hs_{i} (sample {ds[i]['sample_id']}): {p}" for p in row_problems]
