@@ -35,16 +35,17 @@ def _poll_worker() -> None:
 
 
 def test_a_second_controller_attaches_to_the_train_run_and_no_second_job_is_made(client, deployed, tmp_path,
-                                                                                 monkeypatch):
+                                                                                 monkeypatch, request):
     from prefect.states import Crashed
 
     from flows import attach
     from flows.stage_runs import StageRuns
 
     flow_id = client.create_flow_from_name("train-stage")
-    client.create_deployment(flow_id, "train-stage-fake-k8s", work_pool_name="eagle3-gpu",
+    dep = client.create_deployment(flow_id, "train-stage-fake-k8s", work_pool_name="eagle3-gpu",
                              entrypoint="flows/stage_runs.py:train_stage", job_variables={"image": IMAGE},
                              enforce_parameter_schema=False)  # any JSON parameters: no flow runs here
+    request.addfinalizer(lambda: client.delete_deployment(dep))  # the module's server lists only its own after
     params = {"config": {"name": "fake-k8s", "train": {"epochs": 1}}, "version": {"content_key": "abc123"}}
     jv = {"image": IMAGE, "gpu_count": 8}
     base = attach.stage_base("train", "abc123", params)

@@ -62,10 +62,11 @@ def registered(extra: StageSpec, before: str = "report") -> Iterator[StageSpec]:
     a new stage's line in `STAGES` does for good. The production order is restored on exit."""
     if extra.name in NAMES or extra.task_name in TASKS:
         raise ValueError(f"stage {extra.name!r} (task {extra.task_name!r}) is already registered")
-    saved = STAGES
+    names = ("STAGES", "NAMES", "REPORTED", "TASKS", "GATES", "JOB_STAGES", "ACCELERATED")
+    saved = {n: globals()[n] for n in names}  # the very objects: what read them at import still holds them
     at = NAMES.index(before)
-    _derive(saved[:at] + (extra,) + saved[at:])
+    _derive(STAGES[:at] + (extra,) + STAGES[at:])
     try:
         yield extra
     finally:
-        _derive(saved)
+        globals().update(saved)
