@@ -11,14 +11,23 @@ from pydantic import BaseModel, ConfigDict
 from eagle3_pipeline.report.decision import Decision
 
 
-class _Entry(BaseModel):
+class StageEntry(BaseModel):
     """A stage's entry: its contract keys (None where the stage's record had none) and the rest of its record
     under `details`."""
     model_config = ConfigDict(extra="forbid")
     details: dict[str, Any] = {}
 
+    def contract(self) -> dict[str, Any]:
+        """The contract keys and their values, in report.json's order (details left out)."""
+        return {k: getattr(self, k) for k in type(self).model_fields if k != "details"}
 
-class RegenerateEntry(_Entry):
+    def value(self, key: str) -> Any:
+        """A number of the stage's record, whether a contract key or still among its details (None: neither)."""
+        own = getattr(self, key) if key in type(self).model_fields and key != "details" else None
+        return own if own is not None else self.details.get(key)
+
+
+class RegenerateEntry(StageEntry):
     version: str | None = None
     rows_in: int | None = None
     rows_out: int | None = None
@@ -26,7 +35,7 @@ class RegenerateEntry(_Entry):
     tokens_generated: int | None = None
 
 
-class PrepareEntry(_Entry):
+class PrepareEntry(StageEntry):
     version: str | None = None
     rows_in: int | None = None
     rows_out: int | None = None
@@ -34,11 +43,11 @@ class PrepareEntry(_Entry):
     tokens: int | None = None
 
 
-class PreflightEntry(_Entry):
+class PreflightEntry(StageEntry):
     pass
 
 
-class ExtractEntry(_Entry):
+class ExtractEntry(StageEntry):
     layer_ids: list[int] | None = None
     shards_total: int | None = None
     shards_published: int | None = None
@@ -49,7 +58,7 @@ class ExtractEntry(_Entry):
     rows_reused: int | None = None
 
 
-class VerifyEntry(_Entry):
+class VerifyEntry(StageEntry):
     passed: bool | None = None
     samples_checked: int | None = None
     reference_max_rel_err: float | None = None
@@ -58,12 +67,12 @@ class VerifyEntry(_Entry):
     reference_peak_rss_bytes: int | None = None
 
 
-class VocabEntry(_Entry):
+class VocabEntry(StageEntry):
     draft_vocab_size: int | None = None
     coverage: float | None = None
 
 
-class TrainEntry(_Entry):
+class TrainEntry(StageEntry):
     mode: str | None = None
     world_size: int | None = None
     steps: int | None = None
@@ -75,7 +84,7 @@ class TrainEntry(_Entry):
     global_batch_tokens: int | None = None
 
 
-class EvaluateEntry(_Entry):
+class EvaluateEntry(StageEntry):
     acceptance_length: float | None = None
     acceptance_length_untrained: float | None = None
     per_position_acceptance: list[float] | None = None
@@ -98,6 +107,10 @@ class Stages(BaseModel):
     vocab: VocabEntry | None = None
     train: TrainEntry | None = None
     evaluate: EvaluateEntry | None = None
+
+    def entries(self) -> dict[str, StageEntry]:
+        """The stages that returned a record, in run order."""
+        return {k: getattr(self, k) for k in type(self).model_fields if getattr(self, k) is not None}
 
 
 class StageTiming(BaseModel):
