@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, create_model
 
+from eagle3_pipeline.data.tokenized import PrepareResult
+from eagle3_pipeline.records.results import ExtractResult, RegenerateResult, TrainResult, VocabResult
 from eagle3_pipeline.report.decision import Decision
 
 
@@ -27,35 +29,27 @@ class StageEntry(BaseModel):
         return own if own is not None else self.details.get(key)
 
 
-class RegenerateEntry(StageEntry):
-    version: str | None = None
-    rows_in: int | None = None
-    rows_out: int | None = None
-    rows_quarantined: int | None = None
-    tokens_generated: int | None = None
+def entry_of(record: type[BaseModel], *keys: str) -> type[StageEntry]:
+    """A stage's entry from the stage's own record model: its contract `keys`, typed as the record declares them
+    (None where the stage's record had none), and the rest of the record under `details`."""
+    missing = [k for k in keys if k not in record.model_fields]
+    if missing:
+        raise TypeError(f"{record.__name__} has no field(s) {missing} for report.json's contract")
+    fields: dict[str, Any] = {k: (record.model_fields[k].annotation | None, None) for k in keys}
+    name = record.__name__.removesuffix("Result") + "Entry"
+    return create_model(name, __base__=StageEntry, __module__=__name__, **fields)
 
 
-class PrepareEntry(StageEntry):
-    version: str | None = None
-    rows_in: int | None = None
-    rows_out: int | None = None
-    rows_quarantined: int | None = None
-    tokens: int | None = None
+RegenerateEntry = entry_of(RegenerateResult, "version", "rows_in", "rows_out", "rows_quarantined", "tokens_generated")
+PrepareEntry = entry_of(PrepareResult, "version", "rows_in", "rows_out", "rows_quarantined", "tokens")
 
 
 class PreflightEntry(StageEntry):
     pass
 
 
-class ExtractEntry(StageEntry):
-    layer_ids: list[int] | None = None
-    shards_total: int | None = None
-    shards_published: int | None = None
-    tokens: int | None = None
-    tokens_per_s: float | None = None
-    bytes_on_disk: int | None = None
-    rows_extracted: int | None = None
-    rows_reused: int | None = None
+ExtractEntry = entry_of(ExtractResult, "layer_ids", "shards_total", "shards_published", "tokens", "tokens_per_s",
+                        "bytes_on_disk", "rows_extracted", "rows_reused")
 
 
 class VerifyEntry(StageEntry):
@@ -67,21 +61,9 @@ class VerifyEntry(StageEntry):
     reference_peak_rss_bytes: int | None = None
 
 
-class VocabEntry(StageEntry):
-    draft_vocab_size: int | None = None
-    coverage: float | None = None
-
-
-class TrainEntry(StageEntry):
-    mode: str | None = None
-    world_size: int | None = None
-    steps: int | None = None
-    final_loss: float | None = None
-    tokens_per_s: float | None = None
-    nodes: int | None = None
-    ranks_per_node: int | None = None
-    accumulation_steps: int | None = None
-    global_batch_tokens: int | None = None
+VocabEntry = entry_of(VocabResult, "draft_vocab_size", "coverage")
+TrainEntry = entry_of(TrainResult, "mode", "world_size", "steps", "final_loss", "tokens_per_s", "nodes", "ranks_per_node",
+                      "accumulation_steps", "global_batch_tokens")
 
 
 class EvaluateEntry(StageEntry):
