@@ -31,8 +31,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pydantic import BaseModel
-
 from eagle3_pipeline.core.config import TargetConfig, TrainConfig
 from eagle3_pipeline.core.proc import python_child, run_child
 from eagle3_pipeline.core.progress import interval
@@ -40,6 +38,7 @@ from eagle3_pipeline.core.stage_spec import CHILD, IO, Retry, StageSpec
 from eagle3_pipeline.core.store import atomic_write_text, dir_lock, read_json, sha256_file, write_json
 from eagle3_pipeline.records.contracts import HS_KEY, TOKENS_KEY, ContractError, record_name
 from eagle3_pipeline.records.layout import ExtractVersion
+from eagle3_pipeline.records.results import TrainResult  # the stage's record (records/results.py)
 from eagle3_pipeline.records.vocab import load_vocab, vocab_paths
 from eagle3_pipeline.train.accumulate import recover
 from eagle3_pipeline.train.export import export_check
@@ -53,39 +52,6 @@ SET_NAME = "train_set.json"  # beside train_job.json: the local set's agents (to
 UNTRAINED_DIR = "untrained_draft"  # in the train dir: the random-weights baseline of the same architecture
 RECORD_NAME = "train_record.json"  # the TrainResult of the last completed train_draft (export-checked)
 CKPT_FILES = ("config.json", "model.safetensors", "optimizer_state_dict.pt", "training_state.json")
-
-
-class TrainResult(BaseModel):
-    mode: str = "offline"  # offline: stored hidden states; online: from a vLLM server started by the stage
-    world_size: int = 1  # training processes (torchrun ranks; GPUs on cuda, gloo processes on cpu)
-    steps: int
-    final_loss: float | None
-    first_loss: float | None
-    val_loss: float | None
-    final_acc: list[float | None] | None  # full-sequence accuracy per TTT step, last logged train step
-    tokens_per_s: float  # training throughput over every logged step (fetch + fwd + bwd + optimizer)
-    tokens: int
-    epochs_done: int
-    resumed_from_epoch: int  # -1: fresh start
-    checkpoint_best: Path
-    checkpoint_last: Path
-    metrics: Path
-    export_checked: bool  # export_check passed on checkpoint_best (False: target is not a local directory)
-    dir: str = ""  # the train directory (absolute): checkpoints/, metrics.jsonl, train.log, untrained_draft/
-    engine_start_s: float | None = None  # this attempt's child start-up before its first step (None: reused)
-    init: str = "scratch"  # scratch, or previous: initialised from the previous version's draft (train.init)
-    previous_draft: str | None = None    # that draft's checkpoint (lineage)
-    previous_version: str | None = None  # "<prepare version>/<extract version>" it was trained on
-    hidden_states_peak_bytes: int | None = None  # online: most bytes of hidden states on disk (train/online.py)
-    online: dict | None = None  # online: the OnlineResult (server start-up, verified sample, disk peak) + its verify
-    cached: bool = False  # every epoch was trained before this call (its checkpoints were found): nothing trained now
-    nodes: int = 1  # training nodes (torchrun agents meeting through c10d; train/topology.py)
-    ranks_per_node: int = 1
-    accumulation_steps: int = 1  # packed rows each rank trains on per optimizer step
-    global_batch_tokens: int | None = None  # tokens per optimizer step over every rank: the same on any topology
-    checkpoint_every_steps: int | None = None  # step checkpoints (None: at epoch ends only)
-    resumed_from_step: int = 0  # the optimizer step this attempt resumed at (0: a fresh start)
-    fit: dict | None = None  # topology.Fit: the duration estimated from the first steps against train.timeout_s
 
 
 def _check_inputs(version: ExtractVersion) -> int:
