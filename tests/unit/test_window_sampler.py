@@ -30,8 +30,8 @@ CAPTURE = textwrap.dedent("""
     from eagle3_pipeline.records.contracts import HS_KEY, TOKENS_KEY, record_name
     from eagle3_pipeline.train.window import ShardWindow
     root, passes, shards, rows = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    lengths = [int(x) for x in sys.argv[5].split(",")]
-    w = ShardWindow(root, max_shards=2, passes=passes)
+    lengths, window = [int(x) for x in sys.argv[5].split(",")], int(sys.argv[6])
+    w = ShardWindow(root, max_shards=window, passes=passes)
     for s in range(shards):
         key = f"shard-{s:03d}"
         w.reserve(key, 1, wait_s=600, poll_s=0.01)
@@ -48,10 +48,10 @@ CAPTURE = textwrap.dedent("""
 """)
 
 
-def _capture(root, passes: int) -> subprocess.Popen:
+def _capture(root, passes: int, window: int = 2) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     return subprocess.Popen([sys.executable, "-c", CAPTURE, str(root), str(passes), str(SHARDS), str(ROWS),
-                             ",".join(map(str, LENGTHS))], env=env)
+                             ",".join(map(str, LENGTHS)), str(window)], env=env)
 
 
 @pytest.mark.parametrize("passes", [1, 2])
@@ -154,3 +154,50 @@ def test_rows_are_packed_and_shuffled_across_the_shards_the_window_holds(tmp_pat
     first, second = batches[: ends[0]], batches[ends[0]:]
     assert sorted(r for b in first for r in b) == sorted(r for b in second for r in b) == list(range(2 * ROWS))
     assert first != second
+
+
+PLAN = [(f"shard-{i:03d}", list(_rows(f"shard-{i:03d}"))) for i in range(SHARDS)]
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_with_a_plan_blocks_are_half_the_window_and_the_length_is_known(tmp_path, passes):
+    """A window of 4: blocks of 2 shards in capture order (the trainer reads one half while capture writes the
+    other), so the sampler's length (what speculators sizes its schedule by) is the batches it then yields."""
+    cap = _capture(tmp_path, passes, window=4)
+    w = ShardWindow(tmp_path, max_shards=4, passes=passes)
+    s = WindowSampler(w, LENGTHS, MAX_LEN, seed=7, wait_s=600, plan=PLAN)
+    expected = len(s)
+    batches = []
+    try:
+        for b in s:
+            batches.append(b)
+            if s.due(len(batches)):
+                s.covered(len(batches))
+    finally:
+        assert cap.wait(600) == 0
+    assert len(batches) == expected
+    assert s.blocks_read == [["shard-000", "shard-001"], ["shard-002", "shard-003"], ["shard-004"]]
+    assert rows_per_pass(batches) == {r: passes for r in range(SHARDS * ROWS)}
+    assert w.state().peak_shards <= 4 and w.state().shards == {}
+    s.set_epoch(0)
+    with pytest.raises(WindowError, match="one epoch over the stream"):
+        s.set_epoch(1)
+
+
+def test_a_shard_against_the_plan_is_an_error(tmp_path):
+    w = ShardWindow(tmp_path, max_shards=2)
+    with pytest.raises(WindowError, match="once"):
+        WindowSampler(w, LENGTHS, MAX_LEN, plan=PLAN + PLAN[:1])
+    with pytest.raises(WindowError, match="no length"):
+        len(WindowSampler(w, LENGTHS, MAX_LEN))
+    for key in ("shard-001", "shard-000"):  # published out of the plan's order
+        w.reserve(key, 1, wait_s=0)
+        w.shard_dir(key).mkdir(parents=True)
+        for r in _rows(key):
+            (w.shard_dir(key) / f"hs_{r}.safetensors").write_bytes(b"")
+        w.publish(key, 1)
+    with pytest.raises(WindowError, match=r"published \['shard-001'\] where the plan has \['shard-000'\]"):
+        next(iter(WindowSampler(w, LENGTHS, MAX_LEN, wait_s=0.0, plan=PLAN)))
+    swapped = [("shard-001", PLAN[0][1]), ("shard-000", PLAN[1][1])] + PLAN[2:]
+    with pytest.raises(WindowError, match="shard-001 holds rows \\[7, 8"):
+        next(iter(WindowSampler(w, LENGTHS, MAX_LEN, wait_s=0.0, plan=swapped)))

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -56,14 +56,23 @@ def pack(lengths: np.ndarray, rows: Sequence[int], batch_max_length: int, seed: 
 
 class WindowSampler:
     def __init__(self, window: ShardWindow, lengths: Sequence[int], batch_max_length: int, *, seed: int = 0,
-                 wait_s: float = 600.0, rows_of: Callable[[ShardWindow, str], list[int]] = shard_rows):
+                 wait_s: float = 600.0, plan: Sequence[tuple[str, Sequence[int]]] | None = None):
         """Batches of dataset rows (`lengths[row]` tokens each) from `window`'s shards; `wait_s`: how long to
-        wait for capture to publish a shard before WindowStalled."""
+        wait for capture to publish a shard before WindowStalled. `plan`: the shards capture will publish, in
+        order, with their rows. Without it a block is every published shard not read yet (at most the window);
+        with it a block is the next `block_shards` of the plan (half the window: the trainer reads one half while
+        capture writes the other), so the batches are known before they are read: `len()` (speculators sizes its
+        LR schedule and epoch by it), and a shard that arrives out of order or with other rows is an error."""
         if batch_max_length < 1:
             raise WindowError(f"batch_max_length {batch_max_length}: a packed batch holds 1 token or more")
+        st = window.state()
+        self.block_shards = max(1, st.max_shards // 2) if plan is not None else None
+        self.plan = None if plan is None else [(k, [int(r) for r in rows]) for k, rows in plan]
+        if self.plan is not None and (not self.plan or len({k for k, _ in self.plan}) != len(self.plan)):
+            raise WindowError(f"a window plan names every shard capture will publish, once ({len(self.plan)} given)")
         self.window, self.lengths, self.max_len = window, np.asarray(lengths, dtype=np.int64), int(batch_max_length)
-        self.seed, self.wait_s, self.rows_of = int(seed), float(wait_s), rows_of
-        self.passes = window.state().passes
+        self.seed, self.wait_s = int(seed), float(wait_s)
+        self.passes = st.passes
         self.read: list[str] = []                    # shards read (every pass), in the order read
         self.ends: list[tuple[int, list[str]]] = []  # (batches yielded when a pass ended, its shards), not covered
         self.batches = 0                             # batches yielded
@@ -90,26 +99,57 @@ class WindowSampler:
             if keys is None:
                 return None
             new = [k for k in keys if k not in self.read]
-            if new:
-                return new
             st = self.window.state()
+            if new and self.plan is None:
+                return new
+            if new and (len(new) >= self.block_shards or st.closed):
+                block = new[: self.block_shards]
+                want = [k for k, _ in self.plan[len(self.read): len(self.read) + len(block)]]
+                if block != want:
+                    raise WindowError(f"the window at {self.window.dir} published {block} where the plan has {want}")
+                return block
             if st.closed and not self.ends:
                 return None  # every shard left is read and covered (released as its last pass was)
             if time.monotonic() >= end:
                 stuck = self.ends and (st.closed or len(st.shards) >= st.max_shards)
                 raise WindowStalled(
-                    f"the window at {self.window.dir} had no new shard for {self.wait_s:.0f}s ({len(st.shards)} of "
-                    f"{st.max_shards} held, every one read): " + (
+                    f"the window at {self.window.dir} had no new block for {self.wait_s:.0f}s ({len(st.shards)} of "
+                    f"{st.max_shards} shards held, {len(new)} not read yet): " + (
                         "the trainer read them and no step checkpoint covers them, so capture cannot put more in: "
                         "checkpoint where `due` says a pass ended, then `covered`" if stuck else
                         "capture published nothing"))
             time.sleep(0.2)
 
+    def _pass_batches(self, rows: list[int], block: int, p: int) -> list[np.ndarray]:
+        return pack(self.lengths, rows, self.max_len, seed=self.seed + block * self.passes + p)
+
+    def __len__(self) -> int:
+        """The batches of the whole run (every block, every pass), packed from the plan as they will be read."""
+        if self.plan is None:
+            raise WindowError("a window sampler without a plan has no length: its blocks are what capture publishes")
+        n, step = 0, self.block_shards
+        for b, i in enumerate(range(0, len(self.plan), step)):
+            rows = [r for _, rs in self.plan[i: i + step] for r in rs]
+            n += sum(len(self._pass_batches(rows, b, p)) for p in range(self.passes))
+        return n
+
+    def set_epoch(self, epoch: int) -> None:
+        """speculators calls it each epoch; a window is read once (its passes are per block): one epoch."""
+        if epoch > 0:
+            raise WindowError("train.mode window trains one epoch over the stream; its passes are per block")
+
+    def _rows(self, key: str) -> list[int]:
+        rows = shard_rows(self.window, key)
+        if self.plan is not None and rows != (want := dict(self.plan)[key]):
+            raise WindowError(f"shard {key} holds rows {rows[:5]}... ({len(rows)}); the plan has {want[:5]}... "
+                              f"({len(want)})")
+        return rows
+
     def __iter__(self) -> Iterator[np.ndarray]:
         while (block := self._next_block()) is not None:
-            rows = [r for k in block for r in self.rows_of(self.window, k)]
+            rows = [r for k in block for r in self._rows(k)]
             for p in range(self.passes):
-                batches = pack(self.lengths, rows, self.max_len, seed=self.seed + len(self.blocks_read) * self.passes + p)
+                batches = self._pass_batches(rows, len(self.blocks_read), p)
                 if not batches:
                     raise WindowError(f"shards {block}: their {len(rows)} rows packed into no batch")
                 for i, batch in enumerate(batches):
