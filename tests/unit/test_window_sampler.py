@@ -201,3 +201,91 @@ def test_a_shard_against_the_plan_is_an_error(tmp_path):
     swapped = [("shard-001", PLAN[0][1]), ("shard-000", PLAN[1][1])] + PLAN[2:]
     with pytest.raises(WindowError, match="shard-001 holds rows \\[7, 8"):
         next(iter(WindowSampler(w, LENGTHS, MAX_LEN, wait_s=0.0, plan=swapped)))
+
+
+@pytest.mark.parametrize("storage", ["bf16", "fp8"])
+def test_the_dataset_reads_a_row_from_whichever_shard_holds_it(tmp_path, storage):
+    """window_transfer: speculators' dataset reads `hs_<row>` from the window's shard dirs, fp8 dequantized like
+    offline (hs_connectors' FP8Transfer on the stored dir gives the same tensors); a released row is missing."""
+    import torch
+    from hs_connectors.transfer import FP8Transfer
+    from safetensors.torch import save_file
+
+    from eagle3_pipeline.records.contracts import HS_KEY, TOKENS_KEY, record_name, to_record
+    from eagle3_pipeline.train.window_sampler import window_transfer
+
+    w, flat = ShardWindow(tmp_path / "w", max_shards=2), tmp_path / "flat"
+    flat.mkdir()
+    for i in range(2):
+        key = f"shard-{i:03d}"
+        w.reserve(key, 1, wait_s=0)
+        w.shard_dir(key).mkdir(parents=True)
+        for r in _rows(key):
+            rec = to_record(torch.randn(LENGTHS[r], 2, 8), torch.arange(LENGTHS[r]), storage)
+            save_file(rec, str(w.shard_dir(key) / record_name(r)))
+            save_file(rec, str(flat / record_name(r)))
+        w.publish(key, 1)
+    t, offline = window_transfer(w), FP8Transfer(flat, torch.bfloat16)
+    for r in (0, 6, 7, 13):
+        got, want = t.get_cached(r), offline.get_cached(r)
+        assert set(got) == {HS_KEY, TOKENS_KEY} and got[HS_KEY].dtype == torch.bfloat16
+        assert torch.equal(got[HS_KEY], want[HS_KEY]) and torch.equal(got[TOKENS_KEY], want[TOKENS_KEY])
+    assert t.get_cached(14) is None  # no shard holds row 14
+    w.consume("shard-000")
+    assert t.get_cached(0) is None and t.get_cached(7) is not None
+
+
+def test_speculators_loader_trains_from_the_window(tmp_path):
+    """The real data path of the trainer: speculators' train loader (its ArrowDataset over a tokenized dataset, its
+    collate) with `window_transfer` and a `WindowSampler` over the train split's rows as its batch sampler. Every
+    packed batch holds the rows the sampler chose, with their tokens and no row dropped, and the window empties."""
+    import datasets
+    import torch
+    from safetensors.torch import save_file
+    from speculators.train.dataloader import create_train_val_loaders
+    from torch.utils.data import DataLoader
+
+    from eagle3_pipeline.records.contracts import record_name, to_record
+    from eagle3_pipeline.train.window_sampler import window_transfer
+
+    tokens = [list(range(100 + r, 100 + r + n)) for r, n in enumerate(LENGTHS)]
+    datasets.Dataset.from_dict({"input_ids": tokens, "loss_mask": [[1] * n for n in LENGTHS],
+                                "seq_len": LENGTHS}).with_format("torch").save_to_disk(str(tmp_path / "tok"))
+    w = ShardWindow(tmp_path / "w", max_shards=4)
+    train_plan = PLAN[:4]  # rows 0-27: speculators' train split at 0.8 (rows 28-34 validate; not in the window)
+    for key, rows in train_plan:
+        w.reserve(key, 1, wait_s=0)
+        w.shard_dir(key).mkdir(parents=True)
+        for r in rows:
+            rec = to_record(torch.randn(LENGTHS[r], 3, 8), torch.tensor(tokens[r]), "bf16")
+            save_file(rec, str(w.shard_dir(key) / record_name(r)))
+        w.publish(key, 1)
+    w.close()
+    train, _ = create_train_val_loaders(
+        data_path=str(tmp_path / "tok"), total_seq_len=MAX_LEN, hidden_states_dtype=torch.float32,
+        transfer=window_transfer(w), vllm_endpoint="", on_missing="raise", verifier_name_or_path="unused",
+        request_timeout=None, max_retries=0, generation_validation_retries=0, max_consecutive_generation_failures=1,
+        hidden_size=8, num_target_layers=2, num_workers=0, prefetch_factor=None, preprocess=None,
+        train_data_ratio=0.8)
+    assert len(train.dataset) == 28
+    class Recording(WindowSampler):  # the batch of rows the loader collated last (no workers: one at a time)
+        def __iter__(self):
+            for b in super().__iter__():
+                self.last = b.tolist()
+                yield b
+
+    sampler = Recording(w, LENGTHS[:28], MAX_LEN, seed=2, wait_s=0.0, plan=train_plan)
+    loader = DataLoader(train.dataset, batch_sampler=sampler, collate_fn=train.collate_fn, num_workers=0)
+    assert len(loader) == len(sampler)
+    seen, n = [], 0
+    for batch in loader:
+        n += 1
+        rows = sampler.last
+        used = sum(LENGTHS[r] for r in rows)  # the packed rows, then padding to MAX_LEN
+        assert batch["input_ids"].flatten().tolist()[:used] == [t for r in rows for t in tokens[r]]
+        assert batch["position_ids"].flatten().tolist()[:used] == [i for r in rows for i in range(LENGTHS[r])]
+        assert tuple(batch["hidden_states"].shape) == (1, MAX_LEN, 2 * 8) and float(batch["error_records"]) == 0
+        seen += rows
+        if sampler.due(n):
+            sampler.covered(n)
+    assert n == len(loader) and sorted(seen) == list(range(28)) and w.ready() is None

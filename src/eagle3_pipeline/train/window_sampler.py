@@ -170,3 +170,22 @@ def rows_per_pass(batches: list[np.ndarray]) -> dict[int, int]:
     return out
 
 
+
+
+def window_transfer(window: ShardWindow, dtype=None):
+    """hs_connectors' FP8Transfer for speculators' dataset, finding `hs_<row>` in whichever shard of `window` holds
+    it (at most the window's shards to look in) instead of one hidden-states dir; fp8 records are dequantized as
+    offline. A row in no shard (released, or not published yet) reads as missing: the dataset's `on_missing`."""
+    import torch
+    from hs_connectors.transfer import FP8Transfer
+
+    class WindowTransfer(FP8Transfer):
+        def get_cached(self, file_idx: int):
+            shards = window.dir / "shards"
+            for d in sorted(shards.iterdir()) if shards.is_dir() else []:
+                p = d / f"hs_{int(file_idx)}.safetensors"
+                if p.is_file():
+                    return self.get_generated({"hidden_states_path": str(p)})
+            return None
+
+    return WindowTransfer(window.dir / "shards", dtype or torch.bfloat16)
