@@ -42,7 +42,7 @@ from eagle3_pipeline.records.results import TrainResult  # the stage's record (r
 from eagle3_pipeline.records.vocab import load_vocab, vocab_paths
 from eagle3_pipeline.train.accumulate import recover
 from eagle3_pipeline.train.export import export_check
-from eagle3_pipeline.train.job import OnlineSource, TrainJob, TrainOutput
+from eagle3_pipeline.train.job import OnlineSource, TrainJob, TrainOutput, WindowSource
 from eagle3_pipeline.train.nodes import publish
 from eagle3_pipeline.train.topology import SET_DIR_ENV, Fit, TrainSet, fit, topology, train_set
 
@@ -316,11 +316,14 @@ class _Timing:
 
 
 def train_draft(cfg: TrainConfig, target: TargetConfig, version: ExtractVersion, vocab_dir: Path, out_dir: Path, *,
-                log: Callable[[str], None] = print, previous=None, online: OnlineSource | None = None) -> TrainResult:
+                log: Callable[[str], None] = print, previous=None,
+                online: OnlineSource | WindowSource | None = None) -> TrainResult:
     """Train (or resume training) the EAGLE-3 draft on `version`'s records; see the module docstring
     for files. Holds `out_dir/.lock` throughout: two trainers never write one checkpoint dir (the
     second waits, then resumes from what the first left). `online` (job.OnlineSource): take every row's
-    hidden states from that running server instead of the stored records (train/online.py)."""
+    hidden states from that running server instead of the stored records (train/online.py); a
+    job.WindowSource: the train rows from that capture window as capture publishes them (train/window_sampler.py;
+    validation rows from the stored records)."""
     with dir_lock(Path(out_dir), f"train dir {out_dir}", log):
         return _train_draft(cfg, target, version, Path(vocab_dir), Path(out_dir), log, previous, online)
 
@@ -339,8 +342,10 @@ def _check_tokenized(version: ExtractVersion) -> int:
 
 
 def _train_draft(cfg: TrainConfig, target: TargetConfig, version: ExtractVersion, vocab_dir: Path, out_dir: Path,
-                 log: Callable[[str], None], previous=None, online: OnlineSource | None = None) -> TrainResult:
+                 log: Callable[[str], None], previous=None,
+                 online: OnlineSource | WindowSource | None = None) -> TrainResult:
     """`previous` (lineage.PreviousDraft): initialise the draft from its checkpoint (a refresh)."""
+    window, online = (online, None) if isinstance(online, WindowSource) else (None, online)
     dims, aux = version.dims, version.aux_layer_ids
     if why := cfg.topology_problem():
         raise ValueError(why)
@@ -365,7 +370,7 @@ def _train_draft(cfg: TrainConfig, target: TargetConfig, version: ExtractVersion
                    init_from=previous.checkpoint if previous is not None else None,
                    # the evaluate stage's baseline, written by the same child (stages.stage_evaluate finds it there)
                    untrained_dir=str((out_dir / UNTRAINED_DIR).resolve()),
-                   online=None if online is None else online.model_copy(
+                   window=window, online=None if online is None else online.model_copy(
                        update={"cache_dir": str((out_dir / "online" / "no_stored_rows").resolve())}))
     out = _run_worker(job, out_dir / "train_job.json", log, out_dir / "train.log", cfg.timeout_s)
     fit_, res = out.pop("fit", None), TrainOutput.model_validate(out)
@@ -386,7 +391,7 @@ def _train_draft(cfg: TrainConfig, target: TargetConfig, version: ExtractVersion
         init="previous" if previous is not None else "scratch",
         previous_draft=previous.checkpoint if previous is not None else None,
         previous_version=f"{previous.prepare_version}/{previous.extract_version}" if previous is not None else None,
-        engine_start_s=res.startup_s, mode="online" if online else "offline",
+        engine_start_s=res.startup_s, mode="online" if online else "window" if window else "offline",
         cached=res.resumed_from_epoch + 1 >= res.epochs_done, resumed_from_step=res.resumed_from_step,
         checkpoint_every_steps=cfg.checkpoint_every_steps, fit=fit_,
         **topology(cfg).model_dump(include={"nodes", "ranks_per_node", "accumulation_steps", "global_batch_tokens"}))
