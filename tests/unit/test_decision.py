@@ -10,6 +10,7 @@ import pytest
 
 from eagle3_pipeline.report.decision import (
     CurvePoint,
+    Decision,
     curve_point,
     decide,
     history_path,
@@ -138,9 +139,10 @@ def test_each_baseline_and_the_draft_name_their_implementation():
     rep = _on(_with_baselines(sample_report(), {c: 1.2 for c in ("arithmetic", "units", "sorting", "strings", "dates",
                                                                   "lookup", "multi-turn")}, {c: 1.5 for c in (
         "arithmetic", "units", "sorting", "strings", "dates", "lookup", "multi-turn")}), "0.34.0", "v2", None)
+    from eagle3_pipeline.report.record import Stages
     from eagle3_pipeline.report.stage import _summary
 
-    text = "\n".join(_summary(rep["stages"]))
+    text = "\n".join(_summary(Stages.model_validate(rep["stages"])))
     assert "trained on vLLM 0.34.0 (V2) EAGLE-3 draft" in text
     assert "vLLM 0.34.0 (V2) n-gram (prompt lookup)" in text and "vLLM 0.34.0 (V2) native suffix proposer" in text
 
@@ -169,7 +171,7 @@ def test_a_history_of_two_implementations_is_two_curves(tmp_path):
     assert old_best == "suffix decoding, arctic-inference 0.3.0 on vLLM 0.32.0"
     assert "2 run(s) measured on another implementation (vLLM 0.32.0 V1; suffix: arctic-inference 0.3.0)" in d.says
     rep["decision"] = d.model_dump()
-    series = curve_series(rep["decision"])
+    series = curve_series(Decision.model_validate(rep["decision"]))
     assert [(label, len(pts)) for label, pts in series] == [
         ("this run: vLLM 0.34.0 V2; suffix: vLLM native", 1), ("vLLM 0.32.0 V1; suffix: arctic-inference 0.3.0", 2)]
     paths = write_report(tmp_path / "run", RunReport.model_validate(rep))

@@ -429,3 +429,23 @@ def test_each_baseline_states_its_share_of_evaluate(tmp_path):
     assert "| ↳ of which n-gram baseline | 6.2 | 2.5 | 3.7 |" in md
     assert "| **total** | **255.8** |" in md
     assert "**suffix decoding baseline** (vLLM `method: suffix`, no draft, k=3" in md
+
+
+def test_a_stage_entry_is_made_from_the_stage_record():
+    """An entry's contract keys take their types from the stage's own result model (one declaration): a key the
+    model lacks fails at import, and a value of the wrong type fails as the stage's model would fail it."""
+    import pytest
+    from pydantic import ValidationError
+
+    from eagle3_pipeline.extract.stage import ExtractResult
+    from eagle3_pipeline.report.record import ExtractEntry, TrainEntry, entry_of
+    from eagle3_pipeline.train.stage import TrainResult
+
+    assert TrainEntry.model_fields["steps"].annotation == (TrainResult.model_fields["steps"].annotation | None)
+    assert ExtractEntry.model_fields["layer_ids"].annotation == (list[int] | None) == \
+        (ExtractResult.model_fields["layer_ids"].annotation | None)
+    with pytest.raises(TypeError, match=r"TrainResult has no field\(s\) \['stepz'\]"):
+        entry_of(TrainResult, "steps", "stepz")
+    with pytest.raises(ValidationError):
+        TrainEntry(steps="many")
+    assert TrainEntry(steps=3, details={"tokens": 9}).value("tokens") == 9 and TrainEntry().value("steps") is None

@@ -42,6 +42,7 @@ from eagle3_pipeline.extract.worker import ExtractJob, ShardSpec
 from eagle3_pipeline.records.contracts import fingerprint_name, record_name, row_hash
 from eagle3_pipeline.records.layout import FINGERPRINTS_DIR, MANIFEST_NAME, ExtractVersion, Shard, plan_shards  # noqa: F401 (re-exported)
 from eagle3_pipeline.records.pool import RecordPool, row_keys, version_pool
+from eagle3_pipeline.records.results import ExtractResult  # the stage's record (records/results.py)
 from eagle3_pipeline.records.shardrun import (
     Attempt,
     Child,
@@ -65,23 +66,6 @@ class ExtractFailed(RuntimeError):
 class ShardRecord(ShardSummary):
     """One shard as the manifest knows it after an extract_group call (shardrun.ShardSummary's fields)."""
     reused: bool = False  # True when this call found it published and left it alone
-
-
-class ExtractResult(BaseModel):
-    content_key: str
-    dir: str
-    layer_ids: list[int]
-    shards_total: int
-    shards_published: int
-    tokens: int
-    tokens_per_s: float  # published tokens / summed shard seconds (engine start-up excluded)
-    bytes_on_disk: int
-    hidden_states_dir: str
-    manifest: str
-    rows_extracted: int = 0     # rows the engine extracted for this version (with `since`: in this run)
-    rows_reused: int = 0        # rows linked from the record pool instead (with `since`: in this run)
-    rows_from_store: int = 0    # with `since`: rows of shards published before this run (nothing done now)
-    cached: bool = False        # with `since`: every shard was published before this run
 
 
 @dataclass

@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
-
 from eagle3_pipeline import FORMAT_VERSION
 from eagle3_pipeline.core.config import PrepareConfig, RegenerateConfig, SourceConfig, TargetConfig, hub_token
 from eagle3_pipeline.core.errors import InputError
@@ -33,6 +31,7 @@ from eagle3_pipeline.core.store import (
 )
 from eagle3_pipeline.engine.build import engine_env
 from eagle3_pipeline.engine.start import refusal_of
+from eagle3_pipeline.records.results import RegenerateResult  # the stage's record (records/results.py)
 from eagle3_pipeline.records.shardrun import Child, ShardEntry, ShardRun, hashes, published_ok, tool_versions
 from eagle3_pipeline.regenerate.job import (
     QUARANTINE_DIR,
@@ -58,38 +57,6 @@ SINGLE_PASS_GAP = ("this pipeline regenerates and extracts in two passes: the ro
 
 class RegenerateFailed(RuntimeError):
     """Some shards are not published after the child; the message names them and the child's error."""
-
-
-class RegenerateResult(BaseModel):
-    version: str
-    dir: str
-    rows_dir: str  # prepare reads this directory (prepare_config)
-    quarantine: str
-    manifest: str
-    rows_in: int
-    rows_out: int
-    rows_quarantined: int
-    tokens_generated: int  # every generated token, also of answers whose conversation was quarantined
-    prompt_tokens: int
-    turns_regenerated: int
-    kept_tool_turns: int
-    quarantine_kinds: dict[str, int]
-    turns_rendered_differently: int  # answered turns whose rendering is not prompt + generated text
-    answers_cut: dict[str, int] = {}  # answers kept though cut short (on_length: keep), by the limit hit
-    conversations_ended: int = 0  # ended before a turn whose history was past max_history_tokens
-    answers_repeating: int = 0  # answers that are mostly a loop (turns.repeats_itself), kept or not (on_repetition)
-    on_repetition: str = "keep"  # what was done with them (regenerate.on_repetition)
-    shards_total: int
-    shards_computed: int  # by this call
-    single_pass: bool
-    single_pass_reason: str
-    output_token_states: bool | None  # the installed vLLM's capability (None: not checked)
-    thinking: dict
-    generate_s: float  # engine time of all shards of the version
-    rows_per_s: float
-    tokens_per_s: float
-    engine_start_s: float | None = None  # this call's engine start (None: no engine started)
-    cached: bool = False
 
 
 # ------------------------------------------------------------------------------------ planning

@@ -6,50 +6,53 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, create_model
 
+from eagle3_pipeline.data.tokenized import PrepareResult
+from eagle3_pipeline.records.results import ExtractResult, RegenerateResult, TrainResult, VocabResult
 from eagle3_pipeline.report.decision import Decision
 
 
-class _Entry(BaseModel):
+class StageEntry(BaseModel):
     """A stage's entry: its contract keys (None where the stage's record had none) and the rest of its record
     under `details`."""
     model_config = ConfigDict(extra="forbid")
     details: dict[str, Any] = {}
 
+    def contract(self) -> dict[str, Any]:
+        """The contract keys and their values, in report.json's order (details left out)."""
+        return {k: getattr(self, k) for k in type(self).model_fields if k != "details"}
 
-class RegenerateEntry(_Entry):
-    version: str | None = None
-    rows_in: int | None = None
-    rows_out: int | None = None
-    rows_quarantined: int | None = None
-    tokens_generated: int | None = None
-
-
-class PrepareEntry(_Entry):
-    version: str | None = None
-    rows_in: int | None = None
-    rows_out: int | None = None
-    rows_quarantined: int | None = None
-    tokens: int | None = None
+    def value(self, key: str) -> Any:
+        """A number of the stage's record, whether a contract key or still among its details (None: neither)."""
+        own = getattr(self, key) if key in type(self).model_fields and key != "details" else None
+        return own if own is not None else self.details.get(key)
 
 
-class PreflightEntry(_Entry):
+def entry_of(record: type[BaseModel], *keys: str) -> type[StageEntry]:
+    """A stage's entry from the stage's own record model: its contract `keys`, typed as the record declares them
+    (None where the stage's record had none), and the rest of the record under `details`."""
+    missing = [k for k in keys if k not in record.model_fields]
+    if missing:
+        raise TypeError(f"{record.__name__} has no field(s) {missing} for report.json's contract")
+    fields: dict[str, Any] = {k: (record.model_fields[k].annotation | None, None) for k in keys}
+    name = record.__name__.removesuffix("Result") + "Entry"
+    return create_model(name, __base__=StageEntry, __module__=__name__, **fields)
+
+
+RegenerateEntry = entry_of(RegenerateResult, "version", "rows_in", "rows_out", "rows_quarantined", "tokens_generated")
+PrepareEntry = entry_of(PrepareResult, "version", "rows_in", "rows_out", "rows_quarantined", "tokens")
+
+
+class PreflightEntry(StageEntry):
     pass
 
 
-class ExtractEntry(_Entry):
-    layer_ids: list[int] | None = None
-    shards_total: int | None = None
-    shards_published: int | None = None
-    tokens: int | None = None
-    tokens_per_s: float | None = None
-    bytes_on_disk: int | None = None
-    rows_extracted: int | None = None
-    rows_reused: int | None = None
+ExtractEntry = entry_of(ExtractResult, "layer_ids", "shards_total", "shards_published", "tokens", "tokens_per_s",
+                        "bytes_on_disk", "rows_extracted", "rows_reused")
 
 
-class VerifyEntry(_Entry):
+class VerifyEntry(StageEntry):
     passed: bool | None = None
     samples_checked: int | None = None
     reference_max_rel_err: float | None = None
@@ -58,24 +61,12 @@ class VerifyEntry(_Entry):
     reference_peak_rss_bytes: int | None = None
 
 
-class VocabEntry(_Entry):
-    draft_vocab_size: int | None = None
-    coverage: float | None = None
+VocabEntry = entry_of(VocabResult, "draft_vocab_size", "coverage")
+TrainEntry = entry_of(TrainResult, "mode", "world_size", "steps", "final_loss", "tokens_per_s", "nodes", "ranks_per_node",
+                      "accumulation_steps", "global_batch_tokens")
 
 
-class TrainEntry(_Entry):
-    mode: str | None = None
-    world_size: int | None = None
-    steps: int | None = None
-    final_loss: float | None = None
-    tokens_per_s: float | None = None
-    nodes: int | None = None
-    ranks_per_node: int | None = None
-    accumulation_steps: int | None = None
-    global_batch_tokens: int | None = None
-
-
-class EvaluateEntry(_Entry):
+class EvaluateEntry(StageEntry):
     acceptance_length: float | None = None
     acceptance_length_untrained: float | None = None
     per_position_acceptance: list[float] | None = None
@@ -98,6 +89,10 @@ class Stages(BaseModel):
     vocab: VocabEntry | None = None
     train: TrainEntry | None = None
     evaluate: EvaluateEntry | None = None
+
+    def entries(self) -> dict[str, StageEntry]:
+        """The stages that returned a record, in run order."""
+        return {k: getattr(self, k) for k in type(self).model_fields if getattr(self, k) is not None}
 
 
 class StageTiming(BaseModel):

@@ -1,6 +1,7 @@
 """The run report: `report.json` (a stable contract: docs/operations.md, "Reading a run"), `report.md` and PNG plots.
 
-Reads the small records each stage returned (dicts) and `metrics.jsonl` of training. Writes into the
+Builds one typed `RunReport` from the records each stage returned and renders report.md from it (attribute
+access, no dicts); reads `metrics.jsonl` of training. Writes into the
 run directory: report.json, report.md, plots/train_loss.png, plots/acceptance.png,
 plots/tau_per_category.png. report.md is self-contained (the plots embedded as data URIs): it is also
 the Prefect UI's `report-<config>` artifact. Always written, also when a stage failed: missing stages
@@ -19,8 +20,8 @@ from typing import Any
 
 from eagle3_pipeline.core.stage_spec import IO, Retry, StageSpec
 from eagle3_pipeline.core.store import atomic_write, atomic_write_text, write_json
-from eagle3_pipeline.report.decision import NOT_RECORDED, CurvePoint, decide
-from eagle3_pipeline.report.record import Artifacts, RunReport, Stages
+from eagle3_pipeline.report.decision import NOT_RECORDED, CurvePoint, Decision, decide
+from eagle3_pipeline.report.record import Artifacts, EvaluateEntry, RunReport, StageEntry, Stages, StageTiming
 
 # the reported stages in run order: Stages' fields (pipeline/registry.py REPORTED; tests/unit/test_architecture.py checks the two)
 STAGES = tuple(Stages.model_fields)
@@ -56,7 +57,7 @@ def _with_baseline_cost(timings: dict[str, dict], evaluate: dict | None) -> dict
     """timings.evaluate with what each training-free baseline's engine cost inside it (baseline_<name>_s)."""
     out = dict(timings)
     for name in ("ngram", "suffix"):
-        base = _get(evaluate, f"baseline_{name}") if isinstance(evaluate, dict) else None
+        base = evaluate.get(f"baseline_{name}") if isinstance(evaluate, dict) else None
         if "evaluate" not in out or not isinstance(base, dict) or not _isnum(base.get("run_s")):
             continue
         out["evaluate"] = {**out["evaluate"], f"baseline_{name}_s": round(base["run_s"], 2),
@@ -99,25 +100,25 @@ def _save(fig, run_dir: Path, name: str, title: str) -> Plot:
     return plot
 
 
-def _plots(run_dir: Path, report: dict, metrics_path: Path | None) -> list[Plot]:
+def _plots(run_dir: Path, report: RunReport, metrics_path: Path | None) -> list[Plot]:
     """Each plot the run has numbers for; one that fails is a warning in report.json, not a lost report."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ev = report["stages"].get("evaluate") or {}
+    ev = report.stages.evaluate or EvaluateEntry()
     made = []
     for name, draw in (("train_loss", lambda: _train_plot(plt, run_dir, metrics_path)),
                        ("acceptance", lambda: _acceptance_plot(plt, run_dir, ev)),
                        ("tau_per_category", lambda: _category_plot(plt, run_dir, _categories(ev),
-                                                                   _get(ev, "sampling_temperature"))),
-                       ("tau_vs_data", lambda: _data_plot(plt, run_dir, report.get("decision")))):
+                                                                   ev.value("sampling_temperature"))),
+                       ("tau_vs_data", lambda: _data_plot(plt, run_dir, report.decision))):
         try:
             plot = draw()
         except Exception as e:  # a plot must never hide the report itself
             plt.close("all")
-            report.setdefault("warnings", []).append(f"plot {name} failed: {type(e).__name__}: {e}")
+            report.warnings.append(f"plot {name} failed: {type(e).__name__}: {e}")
             continue
         if plot:
             made.append(plot)
@@ -149,17 +150,17 @@ def _train_plot(plt, run_dir: Path, metrics_path: Path | None) -> Plot | None:
     return _save(fig, run_dir, "train_loss", "draft training loss and accuracy per TTT step")
 
 
-def _acceptance_plot(plt, run_dir: Path, ev: dict) -> Plot | None:
-    pos = _get(ev, "per_position_acceptance")
+def _acceptance_plot(plt, run_dir: Path, ev: EvaluateEntry) -> Plot | None:
+    pos = ev.value("per_position_acceptance")
     if not pos:
         return None
-    base = _get(ev, "per_position_acceptance_untrained") or []
+    base = ev.value("per_position_acceptance_untrained") or []
     fig, ax = plt.subplots(figsize=(5, 3.2))
     xs = range(1, len(pos) + 1)
-    tau = _get(ev, "acceptance_length")
+    tau = ev.value("acceptance_length")
     ax.bar([x - 0.2 for x in xs], pos, width=0.4, label="trained" + (f" (τ={tau:.2f})" if _isnum(tau) else ""))
     if base:
-        tau0 = _get(ev, "acceptance_length_untrained")
+        tau0 = ev.value("acceptance_length_untrained")
         ax.bar([x + 0.2 for x in list(xs)[: len(base)]], base, width=0.4,
                label="untrained" + (f" (τ={tau0:.2f})" if _isnum(tau0) else ""))
     ax.set_xticks(list(xs))
@@ -195,16 +196,16 @@ def _category_plot(plt, run_dir: Path, cats: dict[str, dict], temperature) -> Pl
     return _save(fig, run_dir, "tau_per_category", "acceptance length per prompt category")
 
 
-def curve_series(decision) -> list[tuple[str, list[dict]]]:
+def curve_series(decision: Decision | None) -> list[tuple[str, list[CurvePoint]]]:
     """[(implementation, points)] of report.json's decision: this run's curve first, then each other implementation's
     (report/decision.py): one curve each, never joined."""
-    if not isinstance(decision, dict):
+    if decision is None:
         return []
-    mine = [("this run: " + (decision.get("implementation") or NOT_RECORDED), decision.get("curve") or [])]
-    return [(k, v) for k, v in mine + list((decision.get("other_curves") or {}).items()) if v]
+    mine = [("this run: " + (decision.implementation or NOT_RECORDED), decision.curve)]
+    return [(k, v) for k, v in mine + list(decision.other_curves.items()) if v]
 
 
-def _data_plot(plt, run_dir: Path, decision) -> Plot | None:
+def _data_plot(plt, run_dir: Path, decision: Decision | None) -> Plot | None:
     """τ against the training data's size (log scale), one point per run of this dataset and target on the
     same prompts, with the best training-free option of each run; one pair of lines per implementation."""
     series = curve_series(decision)
@@ -212,9 +213,9 @@ def _data_plot(plt, run_dir: Path, decision) -> Plot | None:
         return None
     fig, ax = plt.subplots(figsize=(5, 3.2 + 0.3 * len(series)))
     for i, (label, curve) in enumerate(series):
-        xs = [p["train_tokens"] for p in curve]
-        line, = ax.plot(xs, [p["tau"] for p in curve], "o-", label=f"τ, {label}")
-        free = [(x, p["best_free"]) for x, p in zip(xs, curve) if _isnum(p.get("best_free"))]
+        xs = [p.train_tokens for p in curve]
+        line, = ax.plot(xs, [p.tau for p in curve], "o-", label=f"τ, {label}")
+        free = [(x, p.best_free) for x, p in zip(xs, curve) if _isnum(p.best_free)]
         if free:
             ax.plot([x for x, _ in free], [y for _, y in free], "s--", color=line.get_color(),
                     label=f"best training-free, {label}" if len(series) > 1 else "best training-free")
@@ -229,19 +230,19 @@ def _data_plot(plt, run_dir: Path, decision) -> Plot | None:
 # Tables are narrow (stage | metric | value; one row per category): the Prefect UI renders table cells
 # without wrapping, so a long cell widens the whole table past the page.
 
-def _markdown(report: dict, plots: list[Plot], images: dict[str, str] | None = None) -> str:
+def _markdown(report: RunReport, plots: list[Plot], images: dict[str, str] | None = None) -> str:
     """report.md; `images` maps a plot name to its data URI (the reference definitions at the end)."""
-    lines = [f"# eagle3-pipeline run `{report['run_id']}`", "", f"**Status:** {report['status']}", ""]
-    lines += [f"- ⚠ warning: {_cell(w)[:600]}" for w in report.get("warnings") or []] + ([""] if report.get("warnings") else [])
-    lines += _decision(report.get("decision"))
-    if report.get("error"):
-        lines += ["```", report["error"][:4000], "```", ""]
-    stages = report.get("stages") or {}
+    lines = [f"# eagle3-pipeline run `{report.run_id}`", "", f"**Status:** {report.status}", ""]
+    lines += [f"- ⚠ warning: {_cell(w)[:600]}" for w in report.warnings] + ([""] if report.warnings else [])
+    lines += _decision(report.decision)
+    if report.error:
+        lines += ["```", report.error[:4000], "```", ""]
+    stages = report.stages
     summary = _summary(stages)
     if summary:
         lines += ["## Summary", ""] + summary + [""]
     by_name = {p.name: p for p in plots}
-    cats = _category_table(stages.get("evaluate") or {})
+    cats = _category_table(stages.evaluate or EvaluateEntry())
     if cats:
         lines += ["## Acceptance per prompt category", ""] + cats + [""]
         if "tau_per_category" in by_name:
@@ -252,9 +253,10 @@ def _markdown(report: dict, plots: list[Plot], images: dict[str, str] | None = N
     table = _stage_table(stages)
     if table:
         lines += ["## Stages", ""] + table + [""]
-    lines += _timings_table(report.get("timings") or {})
+    lines += _timings_table(report.timings)
     lines += ["", "## Artifacts", ""]
-    for k, v in (report.get("artifacts") or {}).items():
+    for k in Artifacts.model_fields:
+        v = getattr(report.artifacts, k)
         for item in (v if isinstance(v, list) else [v]):
             lines.append(f"- **{k}**: `{item}`")
     if images:
@@ -263,30 +265,30 @@ def _markdown(report: dict, plots: list[Plot], images: dict[str, str] | None = N
     return "\n".join(lines) + "\n"
 
 
-def _decision(d) -> list[str]:
+def _decision(d: Decision | None) -> list[str]:
     """Worth training? First: the decision in a sentence, then per category the trained τ against the best
     training-free option (tokens per target step over every decode step) and the margin."""
-    if not isinstance(d, dict) or not d.get("says"):
+    if d is None or not d.says:
         return []
-    out = ["## Worth training?", "", f"**{d['says'][0].upper()}{d['says'][1:]}.**", ""]
-    rows = {**(d.get("per_category") or {})}
+    out = ["## Worth training?", "", f"**{d.says[0].upper()}{d.says[1:]}.**", ""]
+    rows = d.per_category
     if rows:
         out += ["| category | τ trained | best training-free | tok/step | margin |", "|---|---:|---|---:|---:|"]
         for name, r in rows.items():
             label = name if len(name) <= 24 else name[:23] + "…"
-            margin = r.get("margin")
-            tau, free = (f"{x:.3f}" if _isnum(x) else "–" for x in (r.get("trained"), r.get("best_free")))
-            method = (r.get("best_free_method") or "–").split(",")[0]  # the implementation: in the sentence above
+            margin = r.margin
+            tau, free = (f"{x:.3f}" if _isnum(x) else "–" for x in (r.trained, r.best_free))
+            method = (r.best_free_method or "–").split(",")[0]  # the implementation: in the sentence above
             out.append(f"| {_cell(label)} | {tau} | {method} | {free} | "
                        + (f"{margin:+.3f} {'✓' if margin > 0 else '✗'}" if _isnum(margin) else "–") + " |")
         out.append("")
     series = curve_series(d)
     if sum(len(pts) for _, pts in series) > 1:
-        kind = "its regenerated answers" if series[0][1][0].get("data") == "regenerated" else "its own answers"
+        kind = "its regenerated answers" if series[0][1][0].data == "regenerated" else "its own answers"
         out += [f"τ against training data, the runs of this dataset ({kind}) and target on these prompts, one curve per "
                 f"implementation (the draft's and baselines' vLLM version and runner, the suffix decoding backend), "
                 f"never two on one curve (plots/tau_vs_data.png):", ""]
-        out += [f"- {_cell(label)}: " + ", ".join(f"{_num(p['train_tokens'])} tokens τ {p['tau']:.3f}" for p in pts[:8])
+        out += [f"- {_cell(label)}: " + ", ".join(f"{_num(p.train_tokens)} tokens τ {p.tau:.3f}" for p in pts[:8])
                 + (" …" if len(pts) > 8 else "") for label, pts in series] + [""]
     return out
 
@@ -295,23 +297,23 @@ def _image(plot: Plot, images: dict[str, str] | None) -> str:
     return f"![{plot.title}][{plot.name}]" if images and plot.name in images else f"![{plot.title}]({plot.path})"
 
 
-def _summary(stages: dict) -> list[str]:
+def _summary(stages: Stages) -> list[str]:
     """The headline numbers as a list: τ trained vs untrained, τ sampled, speed-up, train mode, regenerate."""
     out = []
-    ev = stages.get("evaluate") or {}
-    tau, tau0 = _get(ev, "acceptance_length"), _get(ev, "acceptance_length_untrained")
+    ev = stages.evaluate or EvaluateEntry()
+    tau, tau0 = ev.value("acceptance_length"), ev.value("acceptance_length_untrained")
     if _isnum(tau):
         out.append(f"- **Acceptance length τ** (temperature 0): **{tau:.3f}** trained"
-                   + (f" vs {tau0:.3f} untrained" if _isnum(tau0) else "") + _impl(_get(ev, "trained"), " on "))
-    turns = _get(ev, "acceptance_length_per_turn")
+                   + (f" vs {tau0:.3f} untrained" if _isnum(tau0) else "") + _impl(ev.value("trained"), " on "))
+    turns = ev.value("acceptance_length_per_turn")
     if isinstance(turns, dict) and turns:
         out.append("- **τ per turn** (trained, temperature 0): " + ", ".join(
             f"{k} {v:.3f}" if _isnum(v) else f"{k} –" for k, v in turns.items()))
     out += _ngram_summary(ev, tau)
     out += _ngram_summary(ev, tau, "baseline_suffix")
-    if _get(ev, "baseline_suffix_unavailable"):
-        out.append(f"- **suffix decoding baseline**: not measured: {_cell(str(_get(ev, 'baseline_suffix_unavailable')))}")
-    temp, sampled = _get(ev, "sampling_temperature"), _get(ev, "acceptance_length_sampled")
+    if ev.value("baseline_suffix_unavailable"):
+        out.append(f"- **suffix decoding baseline**: not measured: {_cell(str(ev.value('baseline_suffix_unavailable')))}")
+    temp, sampled = ev.value("sampling_temperature"), ev.value("acceptance_length_sampled")
     cats = _categories(ev)
     if not _isnum(sampled) and cats:  # the prompt-weighted mean over the categories that have it
         have = [(c.get("prompts") or 1, c["acceptance_length_sampled"]) for c in cats.values()
@@ -319,39 +321,39 @@ def _summary(stages: dict) -> list[str]:
         if have:
             sampled = sum(n * t for n, t in have) / sum(n for n, _ in have)
     if _isnum(sampled):
-        warn = _get(ev, "sampling_warning")
+        warn = ev.value("sampling_warning")
         out.append(f"- **τ at temperature {_num(temp) if _isnum(temp) else '> 0'}** (trained): {sampled:.3f}"
                    + (f" — ⚠ not a measure of the draft here: {warn}" if warn else ""))
-    speedup = _get(ev, "speedup")
+    speedup = ev.value("speedup")
     if _isnum(speedup):
-        d = _get(ev, "speedup_detail") or {}
+        d = ev.value("speedup_detail") or {}
         how = ""
         if _isnum(d.get("tokens_per_s_draft")) and _isnum(d.get("tokens_per_s_plain")):
             how = (f" ({_num(d['tokens_per_s_draft'])} vs {_num(d['tokens_per_s_plain'])} output tokens/s"
                    + (f", {d['rounds']} rounds" if d.get("rounds") else "") + ")")
         out.append(f"- **Speed-up** (output tokens/s with the draft ÷ without, temperature 0): "
                    f"**{speedup:.2f}×**{how}")
-    costs = _get(ev, "engine_run_s")
+    costs = ev.value("engine_run_s")
     if isinstance(costs, dict) and any(_isnum(v) for v in costs.values()):
         out.append("- **What each number cost** (seconds of each engine's whole run): "
                    + ", ".join(f"{k} {_num(v, 3)} s" for k, v in costs.items() if _isnum(v)))
-    out += _storage_summary(stages.get("preflight") or {})
-    out += _verify_summary(stages.get("verify") or {})
-    out += _train_summary(stages.get("train") or {})
-    rg = stages.get("regenerate")
+    out += _storage_summary(stages.preflight or StageEntry())
+    out += _verify_summary(stages.verify or StageEntry())
+    out += _train_summary(stages.train or StageEntry())
+    rg = stages.regenerate
     if rg:
-        nums = [(k, _get(rg, k)) for k in ("rows_in", "rows_out", "rows_quarantined", "tokens_generated")]
+        nums = [(k, rg.value(k)) for k in ("rows_in", "rows_out", "rows_quarantined", "tokens_generated")]
         text = ", ".join(f"{_num(v)} {k.replace('_', ' ')}" for k, v in nums if _isnum(v))
-        version = _get(rg, "version")
+        version = rg.value("version")
         out.append("- **Regenerated** answers with the target: " + (text or "no numbers")
                    + (f" (version `{version}`)" if version else "") + _cut_answers(rg) + _repeating(rg))
-    out += _data_summary(stages.get("prepare") or {})
+    out += _data_summary(stages.prepare or StageEntry())
     return out
 
 
-def _cut_answers(rg: dict) -> str:
+def _cut_answers(rg: StageEntry) -> str:
     """How many regenerated answers were kept though cut short (on_length: keep), by the limit they hit."""
-    cut, turns = _get(rg, "answers_cut"), _get(rg, "turns_regenerated")
+    cut, turns = rg.value("answers_cut"), rg.value("turns_regenerated")
     if not isinstance(cut, dict):
         return ""
     n = sum(v for v in cut.values() if _isnum(v))
@@ -362,47 +364,47 @@ def _cut_answers(rg: dict) -> str:
                                                                             cut.items()) + ")")
 
 
-def _repeating(rg: dict) -> str:
+def _repeating(rg: StageEntry) -> str:
     """How many kept answers are mostly a loop (regenerate/turns.repeats_itself)."""
-    n, turns = _get(rg, "answers_repeating"), _get(rg, "turns_regenerated")
+    n, turns = rg.value("answers_repeating"), rg.value("turns_regenerated")
     if not _isnum(n) or not n:
         return ""
-    if _get(rg, "on_repetition") == "end":  # not among the turns kept
+    if rg.value("on_repetition") == "end":  # not among the turns kept
         return (f"; {_num(n)} answers repeated themselves (fewer than half of their 8-token spans distinct): their "
                 f"conversations end before them (on_repetition: end)")
     return (f"; ⚠ **{_num(n)}{f' of {_num(turns)}' if _isnum(turns) else ''} answers repeat themselves** (fewer "
             f"than half of their 8-token spans distinct; kept: the draft learns the loops)")
 
 
-def _data_summary(pr: dict) -> list[str]:
+def _data_summary(pr: StageEntry) -> list[str]:
     """The training data's size: rows, tokens, the tokens trained on, rows cut at prepare.max_length."""
-    rows, tokens, sup = _get(pr, "rows_out"), _get(pr, "tokens"), _get(pr, "supervised_tokens")
+    rows, tokens, sup = pr.value("rows_out"), pr.value("tokens"), pr.value("supervised_tokens")
     if not _isnum(rows) or not _isnum(tokens):
         return []
     line = f"- **Training data:** {_num(rows)} rows, {_num(tokens)} tokens"
     if _isnum(sup):
         line += f", {_num(sup)} of them trained on (the loss mask)"
-    cut = _get(pr, "rows_truncated")
+    cut = pr.value("rows_truncated")
     if _isnum(cut) and cut:
         line += f"; {_num(cut)} rows cut at prepare.max_length"
     return [line]
 
 
-def _train_summary(tr: dict) -> list[str]:
+def _train_summary(tr: StageEntry) -> list[str]:
     """The training line: mode, steps, losses, hidden states on disk, how online rows were judged."""
-    mode = _get(tr, "mode")
+    mode = tr.value("mode")
     if not mode:
         return []
     parts = [f"- **Training:** {mode}"]
-    if _isnum(_get(tr, "steps")):
-        parts.append(f"{_num(_get(tr, 'steps'))} steps")
+    if _isnum(tr.value("steps")):
+        parts.append(f"{_num(tr.value('steps'))} steps")
     for key, text in (("final_loss", "final loss {} (the last step's)"), ("val_loss", "held-out loss {}")):
-        if _isnum(_get(tr, key)):
-            parts.append(text.format(_num(_get(tr, key))))
-    peak = _get(tr, "hidden_states_peak_bytes")
+        if _isnum(tr.value(key)):
+            parts.append(text.format(_num(tr.value(key))))
+    peak = tr.value("hidden_states_peak_bytes")
     if _isnum(peak):
         parts.append(f"hidden states on disk at peak {_bytes(peak)}")
-    rc = (_get(tr, "online") or {}).get("row_checks") if isinstance(_get(tr, "online"), dict) else None
+    rc = (tr.value("online") or {}).get("row_checks") if isinstance(tr.value("online"), dict) else None
     if rc:
         judged = ["structure"] + [k for k in ("fingerprint", "identity") if rc.get(k)]
         parts.append(f"every row from the server judged ({', '.join(judged)}): {len(rc.get('flagged') or [])} "
@@ -416,22 +418,22 @@ def _surprise_margin(pred: dict) -> str:
     return f", surprise largest z {_num(z, 3)}" if _isnum(z) else ""
 
 
-def _verify_summary(vr: dict) -> list[str]:
+def _verify_summary(vr: StageEntry) -> list[str]:
     """Which checks ran on how many records, and each learned check's clean margin (the largest deviation of
     a clean record against its limit): how near the gate came to failing clean data."""
-    checks = _get(vr, "checks")
+    checks = vr.value("checks")
     if not isinstance(checks, dict) or not checks:
         return []
-    fp, prof = _get(vr, "fingerprint") or {}, _get(vr, "identity_profile") or {}
-    margins = {"fingerprint": fp.get("clean_margin"), "identity": _get(vr, "identity_max_deviation"),
-               "norm_bounds": max((ls.get("norm_margin") for ls in _get(vr, "layer_stats") or []
+    fp, prof = vr.value("fingerprint") or {}, vr.value("identity_profile") or {}
+    margins = {"fingerprint": fp.get("clean_margin"), "identity": vr.value("identity_max_deviation"),
+               "norm_bounds": max((ls.get("norm_margin") for ls in vr.value("layer_stats") or []
                                    if _isnum(ls.get("norm_margin"))), default=None),
-               "reference": _get(vr, "reference_max_rel_err"), "invariance": _get(vr, "invariance_max_rel_err"),
-               "prediction": (_get(vr, "prediction") or {}).get("max_z")}
+               "reference": vr.value("reference_max_rel_err"), "invariance": vr.value("invariance_max_rel_err"),
+               "prediction": (vr.value("prediction") or {}).get("max_z")}
     what = {"fingerprint": "largest error {} of the tolerance", "norm_bounds": "largest deviation {} of the bound",
             "identity": "largest deviation {}" + (f" of {prof['max_z']:g}" if _isnum(prof.get("max_z")) else ""),
             "reference": "max relative error {}", "invariance": "max relative error {}",
-            "prediction": "largest z {} of a kept row" + _surprise_margin(_get(vr, "prediction") or {})}
+            "prediction": "largest z {} of a kept row" + _surprise_margin(vr.value("prediction") or {})}
     ran, skipped = [], []
     for name, c in checks.items():
         if not isinstance(c, dict):
@@ -442,10 +444,10 @@ def _verify_summary(vr: dict) -> list[str]:
                        + (f"; {what[name].format(_num(m, 3))}" if _isnum(m) else "") + ")")
         else:
             skipped.append(f"{name} ({c.get('skipped') or 'not run'})")
-    line = (f"- **Verify** {'passed' if _get(vr, 'passed') else 'FAILED'}: " + ", ".join(ran)
+    line = (f"- **Verify** {'passed' if vr.value('passed') else 'FAILED'}: " + ", ".join(ran)
             + (f"; skipped: {', '.join(skipped)}" if skipped else ""))
     out = [line]
-    power = _get(vr, "reference_power") or {}
+    power = vr.value("reference_power") or {}
     if isinstance(power, dict) and power.get("says") and power.get("sampled"):
         out.append(f"- **Reference sample**: {_num(power['sampled'])} of {_num(power['rows'])} rows recomputed with "
                    f"the target: {power['says']}")
@@ -455,18 +457,18 @@ def _verify_summary(vr: dict) -> list[str]:
     return out
 
 
-def _storage_summary(pre: dict) -> list[str]:
+def _storage_summary(pre: StageEntry) -> list[str]:
     """The records' dtype and why (preflight: extract.storage_dtype, auto by the target's hidden size), their bytes,
     and the bandwidth the topology asks of the store."""
-    dtype, why = _get(pre, "storage_dtype"), _get(pre, "storage_reason")
+    dtype, why = pre.value("storage_dtype"), pre.value("storage_reason")
     if not dtype:
         return []
     line = f"- **Records stored as {dtype}**" + (f": {_cell(str(why))}" if why else "")
-    per, total, free = _get(pre, "bytes_per_token"), _get(pre, "estimated_bytes"), _get(pre, "free_bytes")
+    per, total, free = pre.value("bytes_per_token"), pre.value("estimated_bytes"), pre.value("free_bytes")
     if _isnum(per) and _isnum(total):
         line += f"; {_num(per)} B per token, ~{_num(total / 1e9)} GB on the store" + (
             f" of {_num(free / 1e9)} GB free" if _isnum(free) else "")
-    write, read = _get(pre, "write_bytes_per_s"), _get(pre, "read_bytes_per_s")
+    write, read = pre.value("write_bytes_per_s"), pre.value("read_bytes_per_s")
     if _isnum(write):
         line += f"; extraction writes ~{_num(write / 1e9)} GB/s"
     if _isnum(read):
@@ -480,12 +482,12 @@ def _impl(entry, sep: str = "; ") -> str:
     return f"{sep}{_cell(str(impl['name']))}" if isinstance(impl, dict) and impl.get("name") else ""
 
 
-def _ngram_summary(ev: dict, tau, key: str = "baseline_ngram") -> list[str]:
+def _ngram_summary(ev: EvaluateEntry, tau, key: str = "baseline_ngram") -> list[str]:
     """A training-free baseline (n-gram, or suffix decoding with `key` baseline_suffix) beside τ: tokens per
     target step over every decode step (τ's convention), how often it proposed, vLLM's own mean acceptance
     length over those steps, the tokens per step that reached the answers (without those a stop token or
     max_tokens cut off), and what it cost."""
-    base = _get(ev, key)
+    base = ev.value(key)
     if not isinstance(base, dict) or not _isnum(base.get("tokens_per_step")):
         return []
     k, lo, hi = base.get("num_speculative_tokens"), base.get("prompt_lookup_min"), base.get("prompt_lookup_max")
@@ -501,7 +503,7 @@ def _ngram_summary(ev: dict, tau, key: str = "baseline_ngram") -> list[str]:
         line += f" (over all {_num(steps)} decode steps; it proposed on {_num(proposed)}"
         mal = base.get("acceptance_length_proposed")
         line += (f", vLLM's mean acceptance length over those {mal:.3f})" if _isnum(mal) else ")")
-    out_ng, tr = base.get("output_tokens_per_step"), _get(ev, "trained")
+    out_ng, tr = base.get("output_tokens_per_step"), ev.value("trained")
     out_tr = tr.get("output_tokens_per_step") if isinstance(tr, dict) else None
     if _isnum(out_ng):  # confirmed tokens a stop token or max_tokens cut off count in τ, not in the answers
         line += (f"; tokens that reached the answers per step {out_ng:.3f}"
@@ -517,16 +519,16 @@ def _ngram_summary(ev: dict, tau, key: str = "baseline_ngram") -> list[str]:
     return [line]
 
 
-def _categories(ev: dict) -> dict[str, dict]:
-    cats = _get(ev, "per_category")
+def _categories(ev: EvaluateEntry) -> dict[str, dict]:
+    cats = ev.value("per_category")
     return {str(k): v for k, v in cats.items() if isinstance(v, dict)} if isinstance(cats, dict) else {}
 
 
-def _category_table(ev: dict) -> list[str]:
+def _category_table(ev: EvaluateEntry) -> list[str]:
     cats = _categories(ev)
     if not cats:
         return []
-    temp = _get(ev, "sampling_temperature")
+    temp = ev.value("sampling_temperature")
     cols = [("prompts", "prompts"), ("acceptance_length", "τ trained"), ("acceptance_length_untrained", "τ untrained"),
             ("acceptance_length_sampled", f"τ at T={_num(temp)}" if _isnum(temp) else "τ sampled"),
             ("tokens_per_step_ngram", "n-gram tok/step"), ("tokens_per_step_suffix", "suffix tok/step"),
@@ -549,34 +551,34 @@ def _positions(rates: list) -> str:
     return shown + (" / …" if len(rates) > 5 else "")
 
 
-def _stage_table(stages: dict) -> list[str]:
+def _stage_table(stages: Stages) -> list[str]:
     """One small table per stage (its name the header, metric | value rows; details stay in report.json):
     the Prefect UI gives a table at most a screen's height and scrolls the rest inside it."""
     out = []
-    for name, st in stages.items():
-        rows = [f"| {k.replace('_', ' ')} | {_value(k, v)} |" for k, v in st.items()
-                if k != "details" and not isinstance(v, dict)]  # per_category has its own table
+    for name, st in stages.entries().items():
+        rows = [f"| {k.replace('_', ' ')} | {_value(k, v)} |" for k, v in st.contract().items()
+                if not isinstance(v, dict)]  # per_category has its own table
         if rows:
             out += [f"| {name} | |", "|---|---:|", *rows, ""]
     return out[:-1]
 
 
-def _timings_table(timings: dict[str, dict]) -> list[str]:
+def _timings_table(timings: dict[str, StageTiming]) -> list[str]:
     """Where the run's time went: wall seconds per stage, the engine start-up part of it, the rest."""
     if not timings:
         return []
     out = ["", "## Time", "", "| stage | seconds | engine start s | work s |", "|---|---:|---:|---:|"]
     total = 0.0
     for name, t in timings.items():
-        s, e = t.get("seconds") or 0.0, t.get("engine_start_s")
+        s, e = t.seconds or 0.0, t.engine_start_s
         total += s
         out.append(f"| {name} | {_secs(s)} | {'-' if e is None else _secs(e)} | {_secs(s - (e or 0.0))} |")
         for key, what in (("baseline_suffix", "suffix decoding"), ("baseline_ngram", "n-gram")):
-            b, be = t.get(f"{key}_s"), t.get(f"{key}_engine_start_s")
+            b, be = getattr(t, f"{key}_s"), getattr(t, f"{key}_engine_start_s")
             if _isnum(b):  # a part of the row above, not added to the total again
                 out.append(f"| ↳ of which {what} baseline | {_secs(b)} | {_secs(be) if _isnum(be) else '-'} | "
                            f"{_secs(b - (be if _isnum(be) else 0.0))} |")
-    starts = sum(t.get("engine_start_s") or 0.0 for t in timings.values())
+    starts = sum(t.engine_start_s or 0.0 for t in timings.values())
     out.append(f"| **total** | **{_secs(total)}** | **{_secs(starts)}** | **{_secs(total - starts)}** |")
     return out
 
@@ -592,7 +594,7 @@ def _isnum(v) -> bool:
 def _num(v, digits: int = 4) -> str:
     """A number as a reader wants it: `digits` significant digits, thousands separated, 1.235 M past a million."""
     if not _isnum(v):
-        return "–" if v is None else str(v)
+        return "–" if v is None or isinstance(v, float) else str(v)  # nan, inf: null in report.json
     if isinstance(v, int) and abs(v) < 1_000_000:
         return f"{v:,}"
     if abs(v) >= 1_000_000:
@@ -622,8 +624,8 @@ def _value(key: str, v) -> str:
         return "yes" if v else "no"
     if _isnum(v):
         return _bytes(v) if "bytes" in key else _num(v)
-    if isinstance(v, float):  # nan, inf
-        return str(v)
+    if isinstance(v, float):  # nan, inf: null in report.json
+        return "–"
     if isinstance(v, (list, tuple)):
         return _short(list(v))
     if isinstance(v, dict):
@@ -650,35 +652,24 @@ def _short(v) -> str:
     return _num(v) if _isnum(v) else str(v)
 
 
-def _get(st: dict, key: str):
-    """A stage's number whether it is a contract key or still among its details."""
-    if not isinstance(st, dict):
-        return None
-    if st.get(key) is not None:
-        return st[key]
-    return (st.get("details") or {}).get(key)
-
-
 def write_report(run_dir: Path, rec: RunReport, metrics_path: Path | None = None) -> dict[str, str]:
     """Write report.json, report.md (plots embedded) and plots/*.png; returns their paths."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     plots: list[Plot] = []
     rec = rec.model_copy(deep=True)
-    data = rec.to_json()
     try:
-        plots = _plots(run_dir, data, metrics_path)  # a plot that fails adds its warning to data
+        plots = _plots(run_dir, rec, metrics_path)  # a plot that fails adds its warning to rec
     except Exception as e:  # e.g. matplotlib missing
-        data["warnings"].append(f"plots failed: {type(e).__name__}: {e}")
-    rec.warnings = data["warnings"]
+        rec.warnings.append(f"plots failed: {type(e).__name__}: {e}")
     rec.artifacts.report_md = str((run_dir / "report.md").resolve())
     rec.artifacts.plots = [str((run_dir / p.path).resolve()) for p in plots]
     report = rec.to_json()
     write_json(run_dir / "report.json", report)
     try:
-        md = _markdown(report, plots, {p.name: p.data_uri(run_dir) for p in plots})
+        md = _markdown(rec, plots, {p.name: p.data_uri(run_dir) for p in plots})
     except Exception as e:  # neither may a rendering bug: report.json is written, report.md says what failed
-        md = (f"# eagle3-pipeline run `{report.get('run_id')}`\n\n**Status:** {report.get('status')}\n\n"
+        md = (f"# eagle3-pipeline run `{rec.run_id}`\n\n**Status:** {rec.status}\n\n"
               f"report.md could not be rendered ({type(e).__name__}: {e}); report.json beside it has everything.\n")
     atomic_write_text(run_dir / "report.md", md)
     return {"report_json": str(run_dir / "report.json"), "report_md": str(run_dir / "report.md")}

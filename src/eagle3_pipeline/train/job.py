@@ -46,6 +46,18 @@ class OnlineSource(BaseModel):
     checks: RowChecksSpec | None = None  # None: each row's structure only
 
 
+class WindowSource(BaseModel):
+    """Window training: the train rows come from a capture window (train/window.py) as capture publishes them,
+    in the order of `plan` (shard key, its train rows); validation rows from `hidden_states_dir`."""
+    model_config = ConfigDict(extra="forbid")
+    dir: str
+    max_shards: int
+    max_bytes: int | None = None
+    passes: int = 1
+    plan: list[tuple[str, list[int]]]
+    wait_s: float = 600.0
+
+
 class TrainJob(BaseModel):
     """JOB.json of one train child. mode "train" trains (and writes the untrained baseline beside);
     mode "untrained" writes only a randomly initialised draft of the same architecture to out_dir."""
@@ -65,6 +77,7 @@ class TrainJob(BaseModel):
     init_from: str | None = None  # a previous draft's checkpoint to start from (train.init: previous)
     untrained_dir: str | None = None  # the evaluate stage's baseline, written by the same child
     online: OnlineSource | None = None  # None: offline, the stored records
+    window: WindowSource | None = None  # train rows from a capture window (train/window_sampler.py)
 
 
 class TrainOutput(BaseModel):

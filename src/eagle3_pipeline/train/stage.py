@@ -31,8 +31,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pydantic import BaseModel
-
 from eagle3_pipeline.core.config import TargetConfig, TrainConfig
 from eagle3_pipeline.core.proc import python_child, run_child
 from eagle3_pipeline.core.progress import interval
@@ -40,10 +38,11 @@ from eagle3_pipeline.core.stage_spec import CHILD, IO, Retry, StageSpec
 from eagle3_pipeline.core.store import atomic_write_text, dir_lock, read_json, sha256_file, write_json
 from eagle3_pipeline.records.contracts import HS_KEY, TOKENS_KEY, ContractError, record_name
 from eagle3_pipeline.records.layout import ExtractVersion
+from eagle3_pipeline.records.results import TrainResult  # the stage's record (records/results.py)
 from eagle3_pipeline.records.vocab import load_vocab, vocab_paths
 from eagle3_pipeline.train.accumulate import recover
 from eagle3_pipeline.train.export import export_check
-from eagle3_pipeline.train.job import OnlineSource, TrainJob, TrainOutput
+from eagle3_pipeline.train.job import OnlineSource, TrainJob, TrainOutput, WindowSource
 from eagle3_pipeline.train.nodes import publish
 from eagle3_pipeline.train.topology import SET_DIR_ENV, Fit, TrainSet, fit, topology, train_set
 
@@ -53,39 +52,6 @@ SET_NAME = "train_set.json"  # beside train_job.json: the local set's agents (to
 UNTRAINED_DIR = "untrained_draft"  # in the train dir: the random-weights baseline of the same architecture
 RECORD_NAME = "train_record.json"  # the TrainResult of the last completed train_draft (export-checked)
 CKPT_FILES = ("config.json", "model.safetensors", "optimizer_state_dict.pt", "training_state.json")
-
-
-class TrainResult(BaseModel):
-    mode: str = "offline"  # offline: stored hidden states; online: from a vLLM server started by the stage
-    world_size: int = 1  # training processes (torchrun ranks; GPUs on cuda, gloo processes on cpu)
-    steps: int
-    final_loss: float | None
-    first_loss: float | None
-    val_loss: float | None
-    final_acc: list[float | None] | None  # full-sequence accuracy per TTT step, last logged train step
-    tokens_per_s: float  # training throughput over every logged step (fetch + fwd + bwd + optimizer)
-    tokens: int
-    epochs_done: int
-    resumed_from_epoch: int  # -1: fresh start
-    checkpoint_best: Path
-    checkpoint_last: Path
-    metrics: Path
-    export_checked: bool  # export_check passed on checkpoint_best (False: target is not a local directory)
-    dir: str = ""  # the train directory (absolute): checkpoints/, metrics.jsonl, train.log, untrained_draft/
-    engine_start_s: float | None = None  # this attempt's child start-up before its first step (None: reused)
-    init: str = "scratch"  # scratch, or previous: initialised from the previous version's draft (train.init)
-    previous_draft: str | None = None    # that draft's checkpoint (lineage)
-    previous_version: str | None = None  # "<prepare version>/<extract version>" it was trained on
-    hidden_states_peak_bytes: int | None = None  # online: most bytes of hidden states on disk (train/online.py)
-    online: dict | None = None  # online: the OnlineResult (server start-up, verified sample, disk peak) + its verify
-    cached: bool = False  # every epoch was trained before this call (its checkpoints were found): nothing trained now
-    nodes: int = 1  # training nodes (torchrun agents meeting through c10d; train/topology.py)
-    ranks_per_node: int = 1
-    accumulation_steps: int = 1  # packed rows each rank trains on per optimizer step
-    global_batch_tokens: int | None = None  # tokens per optimizer step over every rank: the same on any topology
-    checkpoint_every_steps: int | None = None  # step checkpoints (None: at epoch ends only)
-    resumed_from_step: int = 0  # the optimizer step this attempt resumed at (0: a fresh start)
-    fit: dict | None = None  # topology.Fit: the duration estimated from the first steps against train.timeout_s
 
 
 def _check_inputs(version: ExtractVersion) -> int:
@@ -350,11 +316,14 @@ class _Timing:
 
 
 def train_draft(cfg: TrainConfig, target: TargetConfig, version: ExtractVersion, vocab_dir: Path, out_dir: Path, *,
-                log: Callable[[str], None] = print, previous=None, online: OnlineSource | None = None) -> TrainResult:
+                log: Callable[[str], None] = print, previous=None,
+                online: OnlineSource | WindowSource | None = None) -> TrainResult:
     """Train (or resume training) the EAGLE-3 draft on `version`'s records; see the module docstring
     for files. Holds `out_dir/.lock` throughout: two trainers never write one checkpoint dir (the
     second waits, then resumes from what the first left). `online` (job.OnlineSource): take every row's
-    hidden states from that running server instead of the stored records (train/online.py)."""
+    hidden states from that running server instead of the stored records (train/online.py); a
+    job.WindowSource: the train rows from that capture window as capture publishes them (train/window_sampler.py;
+    validation rows from the stored records)."""
     with dir_lock(Path(out_dir), f"train dir {out_dir}", log):
         return _train_draft(cfg, target, version, Path(vocab_dir), Path(out_dir), log, previous, online)
 
@@ -373,8 +342,10 @@ def _check_tokenized(version: ExtractVersion) -> int:
 
 
 def _train_draft(cfg: TrainConfig, target: TargetConfig, version: ExtractVersion, vocab_dir: Path, out_dir: Path,
-                 log: Callable[[str], None], previous=None, online: OnlineSource | None = None) -> TrainResult:
+                 log: Callable[[str], None], previous=None,
+                 online: OnlineSource | WindowSource | None = None) -> TrainResult:
     """`previous` (lineage.PreviousDraft): initialise the draft from its checkpoint (a refresh)."""
+    window, online = (online, None) if isinstance(online, WindowSource) else (None, online)
     dims, aux = version.dims, version.aux_layer_ids
     if why := cfg.topology_problem():
         raise ValueError(why)
@@ -399,7 +370,7 @@ def _train_draft(cfg: TrainConfig, target: TargetConfig, version: ExtractVersion
                    init_from=previous.checkpoint if previous is not None else None,
                    # the evaluate stage's baseline, written by the same child (stages.stage_evaluate finds it there)
                    untrained_dir=str((out_dir / UNTRAINED_DIR).resolve()),
-                   online=None if online is None else online.model_copy(
+                   window=window, online=None if online is None else online.model_copy(
                        update={"cache_dir": str((out_dir / "online" / "no_stored_rows").resolve())}))
     out = _run_worker(job, out_dir / "train_job.json", log, out_dir / "train.log", cfg.timeout_s)
     fit_, res = out.pop("fit", None), TrainOutput.model_validate(out)
@@ -420,7 +391,7 @@ def _train_draft(cfg: TrainConfig, target: TargetConfig, version: ExtractVersion
         init="previous" if previous is not None else "scratch",
         previous_draft=previous.checkpoint if previous is not None else None,
         previous_version=f"{previous.prepare_version}/{previous.extract_version}" if previous is not None else None,
-        engine_start_s=res.startup_s, mode="online" if online else "offline",
+        engine_start_s=res.startup_s, mode="online" if online else "window" if window else "offline",
         cached=res.resumed_from_epoch + 1 >= res.epochs_done, resumed_from_step=res.resumed_from_step,
         checkpoint_every_steps=cfg.checkpoint_every_steps, fit=fit_,
         **topology(cfg).model_dump(include={"nodes", "ranks_per_node", "accumulation_steps", "global_batch_tokens"}))

@@ -362,6 +362,8 @@ def _loaders(job: TrainJob, hidden_size: int, num_aux: int):
         verifier_name_or_path=job.target.model, **source, hidden_size=hidden_size,
         num_target_layers=num_aux, num_workers=cfg.num_workers, prefetch_factor=4, preprocess=shift_batch,
         train_data_ratio=1 - cfg.val_ratio, seed=cfg.seed)
+    if job.window:
+        loaders = _window_loaders(job, loaders)
     if on:  # the rows of a packed batch are requested at once (train/online_data.py)
         from eagle3_pipeline.train.online_data import ConcurrentArrowDataset
 
@@ -370,6 +372,35 @@ def _loaders(job: TrainJob, hidden_size: int, num_aux: int):
             loader.dataset.max_in_flight = int(on.max_in_flight)
             loader.dataset.checks_spec = on.checks  # every row judged against the target (online_data.RowChecks)
     return loaders
+
+
+def _window_loaders(job: TrainJob, loaders):
+    """job.window: the train rows from the capture window as it fills, packed within its blocks
+    (train/window_sampler.py), through speculators' own dataset and collate; validation rows from the stored dir.
+    No loader workers: a worker's prefetch could wait on a release that needs the step it holds back."""
+    import torch
+    from hs_connectors.transfer import FP8Transfer
+    from torch.utils.data import DataLoader
+
+    from eagle3_pipeline.train.window import ShardWindow
+    from eagle3_pipeline.train.window_sampler import WindowSampler, window_transfer
+
+    win, cfg = job.window, job.train
+    if cfg.accumulation_steps != 1 or cfg.epochs != 1 or cfg.world_size != 1:
+        raise ValueError("train from a window: one process, accumulation_steps 1 and epochs 1 (the window's passes "
+                         f"are its epochs); asked world_size {cfg.world_size}, accumulation_steps "
+                         f"{cfg.accumulation_steps}, epochs {cfg.epochs}")
+    train, val = loaders
+    w = ShardWindow(Path(win.dir), win.max_shards, win.max_bytes, win.passes)
+    lengths = [int(x) for x in train.dataset.data["seq_len"]]
+    planned = sorted(r for _, rows in win.plan for r in rows)
+    if planned != list(range(len(train.dataset))):
+        raise ValueError(f"the window plan holds {len(planned)} rows; speculators' train split has "
+                         f"{len(train.dataset)} (rows 0..{len(train.dataset) - 1}): plan the train split, once each")
+    train.dataset.transfer = window_transfer(w, torch.bfloat16)
+    val.dataset.transfer = FP8Transfer(Path(job.hidden_states_dir), torch.bfloat16)
+    sampler = WindowSampler(w, lengths, cfg.max_seq_len, seed=cfg.seed, wait_s=win.wait_s, plan=win.plan)
+    return DataLoader(train.dataset, batch_sampler=sampler, collate_fn=train.collate_fn, num_workers=0), val
 
 
 def _install_save_kill(trainer, epoch: int) -> None:
@@ -493,11 +524,9 @@ def _accumulating(cfg: TrainConfig, model, train_loader):
 
 
 def trainer_class(cfg: TrainConfig):
-    """speculators' Trainer with: the CPU as its device (it moves the model to the local rank, an accelerator
-    index); no zero_grad of its own under accumulation (train/accumulate.py zeroes at a step's start); a step
-    checkpoint every train.checkpoint_every_steps steps, and then every save written beside its place and renamed
-    into it (accumulate.put_in_place): a step checkpoint rewrites its epoch's directory, which a kill must never
-    leave half-overwritten."""
+    """speculators' Trainer with: the CPU as its device; no zero_grad of its own under accumulation (accumulate.py);
+    step checkpoints (every train.checkpoint_every_steps steps; where a window pass ends: `_release`), every save then
+    written beside its place and renamed into it (accumulate.put_in_place): never an epoch dir half-overwritten."""
     import torch
     import torch.distributed as dist
     from speculators.train.trainer import Trainer
@@ -522,10 +551,13 @@ def trainer_class(cfg: TrainConfig):
             self.train_loader.batch_sampler.set_epoch(epoch)
             steps = len(self.train_loader)  # the whole epoch's (before a resume's fast-skip shortens it)
             done = [getattr(self, "_resume_local_step", 0) if epoch == self.current_epoch else 0]
+            window = _window_of(self, resumed_at=done[0])
 
             def after_step():
                 done[0] += 1
-                if every and self.global_step % every == 0 and done[0] < steps and \
+                if window is not None and window.due(done[0]):  # a pass over a block ended: checkpoint, release
+                    _release(self, window, epoch, done[0])
+                elif every and self.global_step % every == 0 and done[0] < steps and \
                         not (max_steps and self.global_step >= max_steps):
                     self.maybe_save_checkpoint(epoch, local_step=done[0])
                 if step_callback is not None:
@@ -536,7 +568,7 @@ def trainer_class(cfg: TrainConfig):
         def maybe_save_checkpoint(self, epoch, local_step: int = 0):
             # in place, as speculators writes it, where each epoch directory is written once (no step checkpoints:
             # the parent moves an incomplete one aside), and for its "interrupted" save of a stopped attempt
-            if not every or not isinstance(epoch, int):
+            if not (every or _window_of(self)) or not isinstance(epoch, int):
                 return super().maybe_save_checkpoint(epoch, local_step)
             root = self.checkpointer.path
             staging = root / f"{STAGING_PREFIX}{epoch}-{self.global_step}"
@@ -551,6 +583,24 @@ def trainer_class(cfg: TrainConfig):
                 dist.barrier()
 
     return PipelineTrainer
+
+
+def _window_of(trainer, resumed_at: int = 0):
+    """The train loader's WindowSampler (job.window), or None; a window run resumed within its epoch is refused."""
+    bs = getattr(trainer.train_loader, "batch_sampler", None)
+    if not hasattr(bs, "covered"):
+        return None
+    if resumed_at:
+        raise RuntimeError(f"resuming a window run at step {resumed_at} is not built: the shards it released are "
+                           "gone from the window (docs/decisions/capture-window.md)")
+    return bs
+
+
+def _release(trainer, window, epoch: int, batches: int) -> None:
+    """A pass over a window block ended at `batches`: a step checkpoint, then its shards consumed (rank 0)."""
+    trainer.maybe_save_checkpoint(epoch, local_step=batches)
+    if trainer.rank == 0:
+        window.covered(batches)
 
 
 def _process_started() -> float:

@@ -20,24 +20,12 @@ import json
 from pathlib import Path
 
 import numpy as np
-from pydantic import BaseModel
 
 from eagle3_pipeline.core.config import VocabConfig
 from eagle3_pipeline.core.stage_spec import IO, Retry, StageSpec
 from eagle3_pipeline.core.store import atomic_write, dir_lock, write_json
+from eagle3_pipeline.records.results import VocabResult  # the stage's record (records/results.py)
 from eagle3_pipeline.records.vocab import META_NAME, VocabError, check_vocab, d2t_name, t2d_name
-
-
-class VocabResult(BaseModel):
-    draft_vocab_size: int
-    target_vocab_size: int
-    coverage: float  # fraction of supervised (loss-masked) target tokens the draft vocab covers
-    distinct_tokens: int  # target ids seen at least once in supervised positions
-    padded: int  # ids added without any supervised occurrence (fewer than K distinct tokens)
-    forced_special: list[int]  # special ids that were below the frequency cut and were put in anyway
-    d2t_path: Path
-    t2d_path: Path
-    dir: str = ""  # the vocab directory (absolute)
 
 
 def read_token_freq(path: Path, target_vocab_size: int) -> np.ndarray:
