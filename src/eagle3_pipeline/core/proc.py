@@ -302,3 +302,19 @@ def first_exception_line(log_path: Path) -> str | None:
     except FileNotFoundError:
         return None
     return None
+
+
+def next_generation(path: Path, seen: str | None, wait_s: float, poll_s: float = 2.0) -> dict | None:
+    """A node set's record (JSON at `path`, written by node 0) once its `generation` differs from `seen` or its
+    `state` is "done"; None after `wait_s`. How the other nodes of a train set or an engine set follow node 0."""
+    end = time.monotonic() + wait_s
+    while True:
+        try:
+            rec = json.loads(path.read_text())
+            if rec.get("state") == "done" or rec.get("generation") != seen:
+                return rec
+        except (OSError, ValueError):
+            pass
+        if time.monotonic() >= end:
+            return None
+        time.sleep(poll_s)

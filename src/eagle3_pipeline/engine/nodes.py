@@ -19,7 +19,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 from typing import Any, Literal
@@ -27,6 +26,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from eagle3_pipeline.core.config import PipelineConfig
+from eagle3_pipeline.core.proc import next_generation
 from eagle3_pipeline.core.store import atomic_write_text
 
 ENGINE_STAGES = ("extract", "evaluate")
@@ -145,17 +145,7 @@ def publish(es: EngineSet, engine: dict[str, Any], set_dir: Path, set_id: str, s
 
 def next_engine(path: Path, seen: str | None, wait_s: float, poll_s: float = 2.0) -> dict | None:
     """Node 0's record once it names an engine other than `seen`, or says done; None after `wait_s`."""
-    end = time.monotonic() + wait_s
-    while True:
-        try:
-            rec = json.loads(path.read_text())
-            if rec.get("state") == "done" or rec.get("generation") != seen:
-                return rec
-        except (OSError, ValueError):
-            pass
-        if time.monotonic() >= end:
-            return None
-        time.sleep(poll_s)
+    return next_generation(path, seen, wait_s, poll_s)
 
 
 def follow(rank: int, path: Path, wait_s: float, poll_s: float = 2.0, argv_of=follower_argv) -> int:

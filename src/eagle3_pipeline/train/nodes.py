@@ -21,6 +21,7 @@ import time
 import uuid
 from pathlib import Path
 
+from eagle3_pipeline.core.proc import next_generation
 from eagle3_pipeline.core.store import atomic_write_text
 from eagle3_pipeline.train.topology import LOCAL_ADDR_ENV, NODE_RANK_ENV, RDZV_ID_ENV, SET_DIR_ENV, TrainSet
 
@@ -91,20 +92,6 @@ def publish(ts: TrainSet, set_dir: Path, state: str = "running") -> None:
         {"set": ts.model_dump(mode="json"), "state": state, "generation": uuid.uuid4().hex}))
 
 
-def _next_attempt(path: Path, seen: str | None, wait_s: float) -> dict | None:
-    """Node 0's record once it names an attempt other than `seen`, or says done; None after `wait_s`."""
-    end = time.monotonic() + wait_s
-    while time.monotonic() < end:
-        try:
-            rec = json.loads(path.read_text())
-            if rec.get("state") == "done" or rec.get("generation") != seen:
-                return rec
-        except (OSError, ValueError):
-            pass
-        time.sleep(2.0)
-    return None
-
-
 def _with_local_addr(argv: list[str], addr: str | None) -> list[str]:
     if not addr or any(a.startswith("--local-addr") for a in argv):
         return argv
@@ -116,7 +103,7 @@ def follow(rank: int, path: Path, wait_s: float) -> int:
     """Node `rank` > 0: run this node's agent for every attempt node 0 publishes, until it says done."""
     seen, rc = None, 1
     while True:
-        rec = _next_attempt(path, seen, wait_s)
+        rec = next_generation(path, seen, wait_s)  # node 0 names its next attempt, or done
         if rec is None:
             log(f"node {rank}: no attempt from node 0 in {path} within {wait_s:.0f}s ({WAIT_ENV}); giving up")
             return rc
