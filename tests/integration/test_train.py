@@ -4,7 +4,8 @@ extracted by vLLM) and the vocab stage's d2t/t2d.
 
 One module-scoped training run (2 epochs, ≈ 70 optimizer steps of 512-token packed rows, ≈ 20-40 s on
 2 cores) is shared by the checks of metrics, checkpoint, export check, resume and serving; the
-killed-training test and the untrained draft run children of their own.
+killed-training test (on the first 96 rows: ~9 steps an epoch) and the untrained draft run children of
+their own.
 """
 
 from __future__ import annotations
@@ -231,14 +232,32 @@ def _ckpt_complete(d: Path) -> bool:
     return d.is_dir() and all((d / f).exists() for f in CKPT_FILES)
 
 
+def _first_rows(inputs, rows: int, out: Path):
+    """The shared extraction cut to its first `rows` rows (a tokenized cut and links to their records), for a
+    test whose assertions do not depend on the amount of data: fewer optimizer steps per epoch."""
+    import datasets
+
+    from eagle3_pipeline.records.contracts import record_name
+    from tests.helpers.version import relocated
+
+    tok = out / "tokenized"
+    datasets.load_from_disk(str(inputs.tokenized)).select(range(rows)).save_to_disk(str(tok))
+    version = relocated(inputs.version, out / "extract", tokenized_dir=tok)
+    version.hidden_states_dir.mkdir(parents=True)
+    for i in range(rows):
+        (version.hidden_states_dir / record_name(i)).symlink_to(inputs.version.record_path(i))
+    return version
+
+
 def test_killed_training_resumes_from_last_complete_checkpoint(inputs, tmp_path, monkeypatch):
     """SIGTERM (preemption), SIGKILL mid-epoch (no chance to save anything), then SIGKILL in the middle
     of writing an epoch checkpoint; each rerun of train_draft resumes from the last *complete* epoch
     checkpoint, the metrics stay one line per step without gaps or duplicates, and the final draft
-    passes export_check."""
+    passes export_check. On the first 96 rows (~9 steps an epoch instead of ~36): the kills need 4 steps an
+    epoch, not the whole extraction."""
     out = tmp_path / "run"
     cfg = _cfg(epochs=3)
-    args = (cfg, inputs.target, inputs.version, inputs.vocab_dir, out)
+    args = (cfg, inputs.target, _first_rows(inputs, 96, tmp_path / "cut"), inputs.vocab_dir, out)
     save = out / "checkpoints"
 
     def metric_steps() -> list[int]:
