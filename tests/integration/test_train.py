@@ -2,8 +2,8 @@
 extracted data (tests/conftest.py: the tiny target, prepared with its chat template, hidden states
 extracted by vLLM) and the vocab stage's d2t/t2d.
 
-One module-scoped training run (2 epochs, ≈ 70 optimizer steps of 512-token packed rows, ≈ 20-40 s on
-2 cores) is shared by the checks of metrics, checkpoint, export check, resume and serving; the
+One module-scoped training run (2 epochs on the extraction's first 192 rows, ≈ 34 optimizer steps of
+512-token packed rows) is shared by the checks of metrics, checkpoint, export check, resume and serving; the
 killed-training test (on the first 96 rows: ~9 steps an epoch) and the untrained draft run children of
 their own.
 """
@@ -48,13 +48,32 @@ def _cfg(**kw) -> TrainConfig:
     return TrainConfig(**{**base, **kw})
 
 
+def _first_rows(inputs, rows: int, out: Path):
+    """The shared extraction cut to its first `rows` rows (a tokenized cut and links to their records), for a
+    test whose assertions do not depend on the amount of data: fewer optimizer steps per epoch."""
+    import datasets
+
+    from eagle3_pipeline.records.contracts import record_name
+    from tests.helpers.version import relocated
+
+    tok = out / "tokenized"
+    datasets.load_from_disk(str(inputs.tokenized)).select(range(rows)).save_to_disk(str(tok))
+    version = relocated(inputs.version, out / "extract", tokenized_dir=tok)
+    version.hidden_states_dir.mkdir(parents=True)
+    for i in range(rows):
+        (version.hidden_states_dir / record_name(i)).symlink_to(inputs.version.record_path(i))
+    return version
+
+
 @pytest.fixture(scope="module")
 def trained(inputs, tmp_path_factory):
+    """The shared run, on the first 192 rows of the extraction (~17 steps an epoch)."""
     out = tmp_path_factory.mktemp("train-run")
+    version = _first_rows(inputs, 192, tmp_path_factory.mktemp("cut"))
     lines: list[str] = []
     t0 = time.monotonic()
-    res = train_draft(_cfg(), inputs.target, inputs.version, inputs.vocab_dir, out, log=lines.append)
-    return SimpleNamespace(res=res, out=out, lines=lines, seconds=time.monotonic() - t0)
+    res = train_draft(_cfg(), inputs.target, version, inputs.vocab_dir, out, log=lines.append)
+    return SimpleNamespace(res=res, out=out, lines=lines, seconds=time.monotonic() - t0, version=version)
 
 
 def test_training_reduces_loss_and_writes_metrics(trained):
@@ -112,7 +131,7 @@ def test_resume_continues_from_last_epoch(trained, inputs, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(trained.out, out, symlinks=True)
     lines: list[str] = []
-    res = train_draft(_cfg(epochs=3), inputs.target, inputs.version, inputs.vocab_dir, out, log=lines.append)
+    res = train_draft(_cfg(epochs=3), inputs.target, trained.version, inputs.vocab_dir, out, log=lines.append)
     assert res.resumed_from_epoch == 1 and res.epochs_done == 3
     assert trained.res.steps < res.steps < trained.res.steps * 2
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -230,23 +249,6 @@ def test_step_lines_reach_the_log_callback(trained):
 
 def _ckpt_complete(d: Path) -> bool:
     return d.is_dir() and all((d / f).exists() for f in CKPT_FILES)
-
-
-def _first_rows(inputs, rows: int, out: Path):
-    """The shared extraction cut to its first `rows` rows (a tokenized cut and links to their records), for a
-    test whose assertions do not depend on the amount of data: fewer optimizer steps per epoch."""
-    import datasets
-
-    from eagle3_pipeline.records.contracts import record_name
-    from tests.helpers.version import relocated
-
-    tok = out / "tokenized"
-    datasets.load_from_disk(str(inputs.tokenized)).select(range(rows)).save_to_disk(str(tok))
-    version = relocated(inputs.version, out / "extract", tokenized_dir=tok)
-    version.hidden_states_dir.mkdir(parents=True)
-    for i in range(rows):
-        (version.hidden_states_dir / record_name(i)).symlink_to(inputs.version.record_path(i))
-    return version
 
 
 def test_killed_training_resumes_from_last_complete_checkpoint(inputs, tmp_path, monkeypatch):
