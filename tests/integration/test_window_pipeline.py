@@ -19,9 +19,10 @@ from eagle3_pipeline.train.window import WindowState
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(2400)
 
-# τ window - τ offline on the session's tiny config (seed 0), allowed: the spread of τ between seeds of one mode,
-# measured here (docs/decisions/capture-window.md: offline seeds 0/1, window seeds 0/1), times 2
-TAU_TOLERANCE = 0.4
+# |τ window - τ offline| allowed on the session's tiny config at seed 0: twice the largest spread of τ between
+# seeds of one mode measured on this config (docs/decisions/capture-window.md: offline 2.438 / 2.516, window 2.525 /
+# 2.438 at seeds 0 / 1: spreads 0.078 and 0.087; the means differ by 0.004), rounded up: 2 x 0.087 -> 0.2
+TAU_TOLERANCE = 0.2
 
 
 def _config(tiny_config, **train) -> PipelineConfig:
