@@ -2,6 +2,8 @@
 verify → vocab → train → gpu-gate → evaluate → report ([regenerate] with regenerate.enabled).
 With train.mode online: prepare → preflight → gpu-gate → vocab → train
 (its own vLLM server; the verify gate on rows sampled from it first) → gpu-gate → evaluate → report.
+With train.mode window: prepare → preflight → gpu-gate → vocab → train (capture: extract + verify of each shard
+before it is published to the window, beside the trainer reading it) → gpu-gate → evaluate → report.
 The report is written also when a stage fails."""
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from tasks import stage_tasks as t
 @flow(name="pipeline", log_prints=True)
 def pipeline(config: PipelineConfig | None = None, output_dir: str = "runs", run_dir: str | None = None,
              config_path: str = DEFAULT_CONFIG_PATH, regenerate: bool | None = None,
-             train_mode: Literal["offline", "online"] | None = None, evaluate_prompts: str | None = None,
+             train_mode: Literal["offline", "online", "window"] | None = None, evaluate_prompts: str | None = None,
              overrides: list[str] | None = None, prepared: Prepared | None = None) -> RunReport:
     """The whole pipeline. `run_dir` defaults to a new `<output_dir>/<run-id>/` (what a UI run gets).
     Without `config`, the config is read from `config_path` (flows/config_param.py). The switches a UI
@@ -50,7 +52,7 @@ def pipeline(config: PipelineConfig | None = None, output_dir: str = "runs", run
                 prepared = prepare_run(config, clock)
             recs.update((k, v) for k, v in prepared if v is not None and k != "version")
             prep, version = prepared.prepare, prepared.version
-            online = config.train.mode == "online"  # no extract: the train stage's server makes hidden states
+            online = config.train.mode in ("online", "window")  # no extract stage: the train stage captures
             with clock.stage("gpu-gate"):
                 t.gpu_gate("before-extract" if not online else "before-train")
             if not online:
@@ -64,8 +66,9 @@ def pipeline(config: PipelineConfig | None = None, output_dir: str = "runs", run
                 recs["vocab"] = voc = t.vocab(config, prep, version)
             with clock.stage("train"):
                 recs["train"] = tr = stage_runs.train(config, version, voc)
-            if online:  # the gate ran inside train, on rows taken from its server before training started
-                recs["verify"] = VerifyResult.model_validate(tr.online["verify"])
+            if online:  # the gate ran inside train: on rows taken from its server before training started (online),
+                # on every shard before it was published to the window (window)
+                recs["verify"] = VerifyResult.model_validate((tr.online or tr.window)["verify"])
             with clock.stage("gpu-gate"):
                 t.gpu_gate("after-train")
             with clock.stage("evaluate"):

@@ -36,6 +36,7 @@ _GROUP_RULES = (("tests/chaos/test_control_plane.py", "tests/chaos/test_control_
                 ("tests/chaos/", "processes"), ("tests/unit/test_proc_gpu.py", "processes"), ("tests/server/", "server"))
 _GROUP_ORDER = ("processes", "server", "tests/integration/test_real_pipeline.py", "tests/chaos/test_control_plane.py",
                 "tests/integration/test_pipeline.py", "tests/integration/test_online.py",
+                "tests/integration/test_window_pipeline.py",
                 "tests/integration/test_rare_corruption.py", "tests/integration/test_train.py",
                 "tests/integration/test_extract.py", "tests/integration/test_verify.py",
                 "tests/integration/test_speculators_interop.py", "tests/integration/test_extract_flow.py",

@@ -4,7 +4,7 @@ records into it shard by shard, blocking while the window is full. Checked: the 
 window, every shard was published and released after a step checkpoint covered it, the trainer took exactly the
 batches the window sampler plans for every train row (so every row was trained on once), no row was dropped, and
 the draft learned (loss down, validation on the stored rows). The τ comparison with offline through the pipeline
-(`train.mode: window`) is not built yet (docs/decisions/capture-window.md)."""
+(`train.mode: window`): tests/integration/test_window_pipeline.py."""
 
 from __future__ import annotations
 
@@ -98,8 +98,8 @@ VAL_TOLERANCE = 0.5  # measured (docs/decisions/capture-window.md): val offline 
 
 def test_window_training_learns_as_offline_does(window_run, inputs, tmp_path):
     """The same rows, seed and settings offline: the window's validation loss (the same stored validation rows) is
-    within VAL_TOLERANCE of it, a bound from the seed noise measured on this target. Not τ: that needs the
-    pipeline's evaluate on `train.mode: window`, not built yet."""
+    within VAL_TOLERANCE of it, a bound from the seed noise measured on this target. τ through the pipeline's
+    evaluate: tests/integration/test_window_pipeline.py."""
     off = train_draft(_cfg(), inputs.target, inputs.version, inputs.vocab_dir, tmp_path / "offline", log=lambda _: None)
     print(f"val loss: window {window_run.res.val_loss:.3f} ({window_run.res.steps} steps), offline {off.val_loss:.3f} "
           f"({off.steps} steps)")

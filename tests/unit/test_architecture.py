@@ -109,6 +109,7 @@ PIPELINE_MODULES = {
     "stages.py": "the glue the tasks call: one stage_<name> function per stage",
     "store_gc.py": "gc sweeps what every stage keeps (versions, the record pool, the pool's verify caches)",
     "online_training.py": "online training runs the verify gate on rows from the server the trainer then reads",
+    "window_training.py": "window training runs extract and verify per shard beside the trainer reading the window",
     "jobs.py": "the Kubernetes Job of each stage that runs as its own: the registry's JOB_STAGES",
     "engine_sets.py": "an engine stage's Job (jobs.py) over several nodes: the engine set's Kubernetes objects",
 }

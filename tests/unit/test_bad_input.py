@@ -454,6 +454,35 @@ def test_disk_plans_offline_bf16_fp8_and_online(tiny_target, tmp_path, no_api_pr
     assert res.estimated_bytes == plans["online"] and set(res.disk_plans) == {"offline bf16", "offline fp8", "online"}
 
 
+def test_window_mode_states_the_window_and_refuses_what_cannot_run(tiny_target, tmp_path, no_api_probe):
+    """train.mode window: preflight states the window's bytes against the dataset's (the store holds the window,
+    not the dataset) and refuses a window_bytes below one shard; the config refuses a window below 2 shards and a
+    topology the window's sampler cannot feed."""
+    from eagle3_pipeline.core.errors import ConfigError
+    from eagle3_pipeline.preflight.stage import PreflightFailed, preflight
+
+    base = [f"store={tmp_path / 'store'}", f"target.model={tiny_target}", "train.mode=window"]
+    per = 4 * 128 * 2 + 8
+    lines: list[str] = []
+    cfg = load_config(TINY_YAML, base + ["extract.rows_per_shard=4", "train.window_shards=3"])
+    res = preflight(cfg, 1_000_000, tmp_path / "store" / "x", log=lines.append)
+    shard = int(4 * cfg.prepare.max_length * per * 1.05)
+    val = int(1_000_000 * cfg.train.val_ratio * per * 1.05)
+    assert res.estimated_bytes == res.disk_plans["window"] == 3 * shard + val < res.disk_plans["offline bf16"]
+    said = next(m for m in lines if "train.mode window" in m)
+    assert "the store holds the window, not the dataset: at most 3 shards" in said, said
+    assert any("fits:" in m and "(this run: window)" in m for m in lines), lines
+    small = load_config(TINY_YAML, base + ["extract.rows_per_shard=4", f"train.window_bytes={shard - 1}"])
+    with pytest.raises(PreflightFailed, match=r"train.window_bytes .* is less than one shard may take"):
+        preflight(small, 1_000_000, tmp_path / "store" / "x", log=lambda m: None)
+    with pytest.raises(ConfigError, match="window_shards"):
+        load_config(TINY_YAML, base + ["train.window_shards=1"])
+    two = load_config(TINY_YAML, base + ["train.world_size=2"])
+    assert "train.mode=window trains in one process" in two.train.topology_problem()
+    with pytest.raises(PreflightFailed, match="train.mode=window trains in one process"):
+        preflight(two, 1_000_000, tmp_path / "store" / "x", log=lambda m: None)
+
+
 def test_bad_layer_ids_through_the_cli_exit_5(tiny_target, tmp_path, no_api_probe):
     src = write_jsonl(tmp_path / "a.jsonl", [good_row(i) for i in range(6)])
     cfg = write_config(tmp_path, tiny_target, src, "extract.layer_ids=[2, 9, 5]")

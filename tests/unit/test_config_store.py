@@ -76,5 +76,10 @@ def test_train_key_follows_what_shapes_the_draft_only():
     for shape in ("train.lr=0.02", "train.epochs=2", "train.seed=1", "train.ttt_steps=2"):
         assert train_key(load_config(ROOT / "configs/tiny-cpu.yaml", [shape]), version) != base, shape
     assert train_key(cfg, version.model_copy(update={"content_key": "abd"})) != base
+    # the window's keys change an offline run's key never, a window run's always (the blocks shape the order)
+    assert train_key(load_config(ROOT / "configs/tiny-cpu.yaml", ["train.window_shards=4"]), version) == base
+    win = train_key(load_config(ROOT / "configs/tiny-cpu.yaml", ["train.mode=window"]), version)
+    assert win != base != train_key(load_config(ROOT / "configs/tiny-cpu.yaml", ["train.mode=window",
+                                                                                "train.window_shards=4"]), version) != win
     other_k = cfg.vocab.draft_vocab_size // 2  # another vocab dir of the same version
     assert train_key(load_config(ROOT / "configs/tiny-cpu.yaml", [f"vocab.draft_vocab_size={other_k}"]), version) != base

@@ -94,7 +94,7 @@ def test_the_form_switches_regenerate_online_training_and_prompt_sets(monkeypatc
     flow = load_flow_from_entrypoint(_deployment("pipeline")["entrypoint"])
     props = flow.parameters.model_dump()["properties"]
     assert props["regenerate"]["anyOf"][0]["type"] == "boolean"
-    assert props["train_mode"]["anyOf"][0]["enum"] == ["offline", "online"]
+    assert props["train_mode"]["anyOf"][0]["enum"] == ["offline", "online", "window"]
     assert props["evaluate_prompts"]["anyOf"][0]["type"] == "string"
     assert props["overrides"]["anyOf"][0]["type"] == "array"
     form = {**_deployment("pipeline")["parameters"], "regenerate": True, "train_mode": "online",

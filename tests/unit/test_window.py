@@ -132,3 +132,34 @@ def test_plan_of_a_kimi_scale_run():
     assert (whole.window_bytes, whole.capture_passes) == (whole.dataset_bytes, 1)
     with pytest.raises(WindowError):
         plan(0, 1, 1, 1, 1)
+
+
+def test_a_failed_capture_stops_the_trainer_instead_of_a_wait(tmp_path):
+    """Capture marks the window failed (a shard that failed verify, an engine that died): the trainer's next look
+    raises WindowFailed with capture's reason, at once, where it would otherwise wait for a shard."""
+    from eagle3_pipeline.train.window import WindowFailed
+
+    w = ShardWindow(tmp_path, max_shards=2)
+    assert w.try_reserve("a", 10)
+    w.abandon("a")
+    w.fail("window shard a failed verify and was not published")
+    with pytest.raises(WindowFailed, match="capture failed.*shard a failed verify"):
+        w.wait_published(wait_s=600)
+    st = w.state()
+    assert st.published == 0 and st.shards == {} and "shard a" in st.failed
+
+
+def test_records_dir_of_a_shard_written_as_an_extract_version(tmp_path):
+    """A shard captured by the extract stage holds its records under hidden_states/ (beside its manifest); the
+    sampler finds them there, a flat shard (records in the shard dir) as before."""
+    from eagle3_pipeline.train.window_sampler import shard_rows
+
+    w = ShardWindow(tmp_path, max_shards=2)
+    for key, sub in (("flat", ""), ("version", "hidden_states")):
+        d = w.shard_dir(key) / sub
+        d.mkdir(parents=True)
+        for r in (3, 1):
+            (d / f"hs_{r}.safetensors").write_bytes(b"x")
+        (w.shard_dir(key) / "manifest.json").write_text("{}")
+        assert shard_rows(w, key) == [1, 3]
+    assert w.records_dir("version") == w.shard_dir("version") / "hidden_states"

@@ -312,11 +312,20 @@ class TrainConfig(Strict):
                                                  "continue from the previous version's draft (same dataset, model and "
                                                  "layers) for refresh_epochs epochs; scratch when there is none")
     refresh_epochs: int = Field(1, ge=1, description="epochs when continuing from the previous draft (init: previous)")
-    mode: Literal["offline", "online"] = Field("offline", description="offline: train on the stored hidden states "
-                                               "(extract + verify first); online: the train stage starts a vLLM "
-                                               "server of the target (extract's engine settings, layers and connector) "
-                                               "and the trainer asks it for each row's hidden states, which are "
-                                               "deleted once read (bounded disk; nothing stored for the dataset)")
+    mode: Literal["offline", "online", "window"] = Field(
+        "offline", description="offline: train on the stored hidden states (extract + verify first); online: the "
+        "train stage starts a vLLM server of the target (extract's engine settings, layers and connector) and the "
+        "trainer asks it for each row's hidden states, which are deleted once read (bounded disk; nothing stored "
+        "for the dataset); window: capture (extract's shards, each verified before it is published) and training "
+        "run apart through a window of train.window_shards shards on the store, released once trained on "
+        "(pipeline/window_training.py; the store holds the window, not the dataset)")
+    window_shards: int = Field(2, ge=2, description="window: extract shards the window holds at most (written, "
+                               "verified or being trained on); the trainer reads blocks of half of them while "
+                               "capture writes the other half. The store holds about window_shards x "
+                               "extract.rows_per_shard x tokens per row x bytes per token (preflight says it)")
+    window_bytes: int | None = Field(None, ge=1, description="window: also at most this many bytes of shards; "
+                                     "unset: bounded by window_shards only. A shard larger than it can never be "
+                                     "captured (preflight refuses the run)")
     online_start_timeout_s: float = Field(1800.0, gt=0, description="online: deadline of the server's start-up "
                                           "(a 1T model loads for ~18 minutes)")
     online_request_timeout_s: float = Field(600.0, gt=0, description="online: deadline of one hidden-state request")
@@ -365,6 +374,11 @@ class TrainConfig(Strict):
             a = self.accumulation_steps
         except ValueError as e:
             return str(e)
+        if self.mode == "window" and (self.ranks > 1 or a > 1):
+            return (f"train.mode=window trains in one process without gradient accumulation (its sampler packs "
+                    f"the blocks the window holds for one rank); asked nodes {self.nodes} x world_size "
+                    f"{self.world_size}, {a} accumulation step(s): set train.nodes=1, train.world_size=1 and leave "
+                    f"train.global_batch_tokens unset, or train offline")
         if self.mode == "online" and self.nodes > 1:
             return ("train.mode=online with train.nodes > 1 is not built: the stage's vLLM server serves its own "
                     "node; train offline on several nodes, or online on one")

@@ -153,7 +153,8 @@ def train_key(cfg: PipelineConfig, version: ExtractVersion) -> str:
     vocab_dir = version.vocab_dir(cfg.vocab.draft_vocab_size).resolve()
     prev = previous_for(cfg, version)
     train = cfg.train.model_dump(exclude=set(TRAIN_KEY_EXCLUDE) | ({"init", "refresh_epochs"} if prev is None else set())
-                                 | ({"mode"} if cfg.train.mode == "offline" else set()))  # offline keys as before
+                                 | ({"mode"} if cfg.train.mode == "offline" else set())  # offline keys as before
+                                 | ({"window_shards", "window_bytes"} if cfg.train.mode != "window" else set()))
     t = cfg.train
     if t.batch_tokens != t.world_size * t.max_seq_len:  # one node's one row per rank: the keys from before nodes
         train["global_batch_tokens"] = t.batch_tokens
@@ -169,11 +170,17 @@ def previous_for(cfg: PipelineConfig, version: ExtractVersion):
 
 
 def stage_train(cfg: PipelineConfig, version: ExtractVersion, voc, log=print):
-    """offline: the verified stored records; online: a vLLM server started here (online_training.train_online)."""
+    """offline: the verified stored records; online: a vLLM server started here (online_training.train_online);
+    window: capture and the trainer through a window of shards (window_training.train_window)."""
     check_store(Path(cfg.store), log)
     from eagle3_pipeline.train.stage import train_draft
     from eagle3_pipeline.verify.stage import require_verified
 
+    if cfg.train.mode == "window":  # capture (extract + verify per shard) beside the trainer, through a window
+        from eagle3_pipeline.pipeline.window_training import train_window
+
+        return train_window(cfg, version, voc, train_start(cfg, version, log), version.train_dir(train_key(cfg, version)),
+                            log=log)
     if cfg.train.mode == "online":
         from eagle3_pipeline.pipeline.online_training import train_online
 

@@ -230,7 +230,7 @@ def train_traffic(cfg: PipelineConfig, stored: int, hidden_size: int) -> str:
     t = cfg.train
     if t.mode == "online":
         return "preflight: training (online) reads its rows from the stage's vLLM server, not the store"
-    rate = stored * t.epochs / t.timeout_s
+    rate = stored * t.epochs / t.timeout_s  # window: the dataset's records pass by, each read epochs times while held
     grads = 4 * (t.draft_layers * 12 * hidden_size ** 2 + 3 * hidden_size ** 2 + cfg.vocab.draft_vocab_size * hidden_size)
     return (f"preflight: training reads the store's ~{stored / 2**30:.3f} GiB of hidden states {t.epochs} time(s): at "
             f"least {rate / 2**20:.2f} MiB/s to end within train.timeout_s ({t.timeout_s:.0f} s), "
@@ -275,11 +275,37 @@ def extract_write_rate(cfg: PipelineConfig, bytes_per_token: int) -> tuple[float
                   f"(TP {e.tensor_parallel_size}) x {e.engine_tokens_per_s:,.0f} tokens/s x {bytes_per_token:,} B/token")
 
 
+def window_plan(cfg: PipelineConfig, per_token: int, tokens: int) -> tuple[int, int, str]:
+    """train.mode window: (bytes the store holds at most, bytes of one shard at most, the sentence). A shard holds
+    at most extract.rows_per_shard rows of prepare.max_length tokens; the window at most train.window_shards of
+    them (or train.window_bytes), never more than the dataset; plus the validation rows (train.val_ratio of the
+    tokens), held for the run. 5% for file headers, as disk_plans."""
+    t, e = cfg.train, cfg.extract
+    shard = int(e.rows_per_shard * cfg.prepare.max_length * per_token * 1.05)
+    held = min(t.window_shards * shard, t.window_bytes or t.window_shards * shard, int(tokens * per_token * 1.05))
+    val = int(tokens * t.val_ratio * per_token * 1.05)
+    return held + val, shard, (
+        f"preflight: train.mode window: the store holds the window, not the dataset: at most {t.window_shards} shards "
+        f"of <= {e.rows_per_shard} rows x {cfg.prepare.max_length} tokens x {per_token:,} B (~{held / 2**30:.3f} GiB"
+        + (f", train.window_bytes {t.window_bytes:,}" if t.window_bytes else "") + f") + the validation rows held "
+        f"for the run (~{val / 2**30:.3f} GiB), against the dataset's ~{tokens * per_token * 1.05 / 2**30:.3f} GiB")
+
+
 def store_plan(cfg: PipelineConfig, shape: StoreShape, out_dir: Path, log=print) -> StorePlan:
     """The store's bytes against its free space (every mode's, and this run's: problems when it does not fit) and the
     bandwidth the topology needs of it: extraction's writes, training's reads (train_traffic)."""
     plans = disk_plans(cfg, shape.layers, shape.hidden_size, shape.tokens)
-    chosen = "online" if cfg.train.mode == "online" else f"offline {shape.storage}"
+    window_problems = []
+    if cfg.train.mode == "window":
+        per_token = record_bytes_per_token(shape.layers, shape.hidden_size, shape.storage)
+        plans["window"], shard, said = window_plan(cfg, per_token, shape.tokens)
+        log(said)
+        if cfg.train.window_bytes is not None and cfg.train.window_bytes < shard:
+            window_problems.append(
+                f"train.window_bytes {cfg.train.window_bytes:,} is less than one shard may take ({shard:,} B: "
+                f"extract.rows_per_shard {cfg.extract.rows_per_shard} x prepare.max_length {cfg.prepare.max_length} "
+                f"tokens x {per_token:,} B/token): raise it, or lower extract.rows_per_shard")
+    chosen = {"online": "online", "window": "window"}.get(cfg.train.mode, f"offline {shape.storage}")
     estimated = plans[chosen]
     probe = Path(out_dir)
     while not probe.exists():
@@ -294,9 +320,10 @@ def store_plan(cfg: PipelineConfig, shape: StoreShape, out_dir: Path, log=print)
     write, line = extract_write_rate(cfg, per) if cfg.train.mode != "online" else (None, "")
     if line:
         log(line)
-    log(train_traffic(cfg, estimated, shape.hidden_size))
-    read = None if cfg.train.mode == "online" else estimated * cfg.train.epochs / cfg.train.timeout_s
-    problems = []
+    passing = plans[f"offline {shape.storage}"] if cfg.train.mode == "window" else estimated  # every record passes by
+    log(train_traffic(cfg, passing, shape.hidden_size))
+    read = None if cfg.train.mode == "online" else passing * cfg.train.epochs / cfg.train.timeout_s
+    problems = window_problems
     if estimated > free:
         others = [k for k in fits if k != chosen]
         hint = (f"; what fits: {', '.join(others)} (extract.storage_dtype fp8 / train.mode online)" if others

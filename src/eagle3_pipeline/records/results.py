@@ -95,6 +95,7 @@ class TrainResult(BaseModel):
     previous_version: str | None = None  # "<prepare version>/<extract version>" it was trained on
     hidden_states_peak_bytes: int | None = None  # online: most bytes of hidden states on disk (train/online.py)
     online: dict | None = None  # online: the OnlineResult (server start-up, verified sample, disk peak) + its verify
+    window: dict | None = None  # window: the window's peak against the dataset's bytes, its shards, merged verify
     cached: bool = False  # every epoch was trained before this call (its checkpoints were found): nothing trained now
     nodes: int = 1  # training nodes (torchrun agents meeting through c10d; train/topology.py)
     ranks_per_node: int = 1

@@ -409,6 +409,12 @@ def _train_summary(tr: StageEntry) -> list[str]:
         judged = ["structure"] + [k for k in ("fingerprint", "identity") if rc.get(k)]
         parts.append(f"every row from the server judged ({', '.join(judged)}): {len(rc.get('flagged') or [])} "
                      f"flagged and cleared by the target, {len(rc.get('unavailable') or [])} not delivered")
+    win = tr.value("window")
+    if isinstance(win, dict) and _isnum(win.get("peak_bytes")) and _isnum(win.get("dataset_bytes")):
+        parts.append(f"the window held at most {_num(win.get('peak_shards'))} of {_num(win.get('max_shards'))} shards "
+                     f"({_bytes(win['peak_bytes'])}) against the dataset's {_bytes(win['dataset_bytes'])} over "
+                     f"{_num(win.get('shards'))} shards, each verified before it was published; "
+                     f"{_bytes(win.get('validation_bytes') or 0)} of validation rows held for the run")
     return [", ".join(parts)]
 
 

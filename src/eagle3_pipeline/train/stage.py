@@ -351,7 +351,7 @@ def _train_draft(cfg: TrainConfig, target: TargetConfig, version: ExtractVersion
         raise ValueError(why)
     load_vocab(vocab_dir, dims.vocab_size)  # raises on an inconsistent vocab before any work
     d2t_path, t2d_path = vocab_paths(vocab_dir)
-    rows = _check_tokenized(version) if online else _check_inputs(version)
+    rows = _check_tokenized(version) if online or window else _check_inputs(version)  # window: rows not stored
     save_path = out_dir / "checkpoints"
     _move_incomplete_checkpoints(save_path, log)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -37,6 +37,10 @@ class WindowError(ValueError):
     """The window used in a way that cannot work (a shard that can never fit, a key published twice, ...)."""
 
 
+class WindowFailed(WindowError):
+    """Capture marked the window failed (`ShardWindow.fail`): the trainer stops instead of waiting for shards."""
+
+
 class WindowStalled(EnvironmentProblem):
     """One side waited `wait_s` for the other: capture for room (the trainer released nothing), or the trainer for a
     shard (capture published nothing)."""
@@ -61,6 +65,7 @@ class WindowState(BaseModel):
     published: int = 0
     released: int = 0
     released_bytes: int = 0
+    failed: str | None = None  # capture failed (a shard that failed verify, an engine that died): the trainer stops
 
     @property
     def held_bytes(self) -> int:
@@ -107,6 +112,13 @@ class ShardWindow:
 
     def shard_dir(self, key: str) -> Path:
         return self.dir / SHARDS / key
+
+    def records_dir(self, key: str) -> Path:
+        """Where shard `key`'s row records are: `shard_dir(key)/hidden_states` when capture wrote the shard as an
+        extract version dir (pipeline/window_training.py: manifest, fingerprints, verify record beside), else the
+        shard dir itself."""
+        d = self.shard_dir(key)
+        return d / "hidden_states" if (d / "hidden_states").is_dir() else d
 
     # -------------------------------------------------------------------------------- capture
 
@@ -161,12 +173,21 @@ class ShardWindow:
             st.closed = True
             self._save(st)
 
+    def fail(self, why: str) -> None:
+        """Capture cannot go on (`why` names the shard and the reason): nothing more will be published, and the
+        trainer's next look at the window raises WindowFailed with `why` instead of waiting."""
+        with self._locked() as st:
+            st.failed = why
+            self._save(st)
+
     # -------------------------------------------------------------------------------- trainer
 
     def ready(self) -> list[str] | None:
         """The published shards the trainer may read, oldest first; None once capture is closed and nothing is
         left to read."""
         with self._locked() as st:
+            if st.failed:
+                raise WindowFailed(f"capture failed, the window at {self.dir} gets no more shards: {st.failed}")
             out = sorted((h.seq, k) for k, h in st.shards.items() if h.state == "published")
             if not out and st.closed and not st.shards:
                 return None

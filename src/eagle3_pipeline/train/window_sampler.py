@@ -34,7 +34,7 @@ ROW_FILE = re.compile(r"^hs_(\d+)\.safetensors$")  # records/contracts.py record
 
 def shard_rows(window: ShardWindow, key: str) -> list[int]:
     """The dataset rows whose records (`hs_<row>.safetensors`) shard `key` holds, in row order."""
-    d = window.shard_dir(key)
+    d = window.records_dir(key)
     if not d.is_dir():
         raise WindowError(f"shard {key} is published but {d} is not a directory")
     rows = sorted(int(m.group(1)) for p in d.iterdir() if (m := ROW_FILE.match(p.name)))
@@ -184,6 +184,8 @@ def window_transfer(window: ShardWindow, dtype=None):
             shards = window.dir / "shards"
             for d in sorted(shards.iterdir()) if shards.is_dir() else []:
                 p = d / f"hs_{int(file_idx)}.safetensors"
+                if not p.is_file():
+                    p = d / "hidden_states" / p.name  # a shard captured as an extract version dir
                 if p.is_file():
                     return self.get_generated({"hidden_states_path": str(p)})
             return None

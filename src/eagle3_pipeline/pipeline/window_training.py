@@ -1,0 +1,253 @@
+"""Window training (train.mode window): capture and training apart, the store holding a window of shards
+(train/window.py), not the dataset (docs/decisions/capture-window.md). In the pipeline room above the stages,
+beside online_training.py; stages.stage_train calls `train_window`.
+
+  capture   a thread here, one extract shard at a time in the plan's order: reserve room in the window (blocks
+            while it is full), extract the shard with the extract stage's own engine child into the window's shard
+            dir (written as an extract version dir of that one shard: records, fingerprints, manifest), verify it
+            with the verify stage's checks on its rows (structure, fingerprints, state sketch, masks, reference
+            sample, batch invariance), and only then publish it. A shard that fails is never published: it is moved
+            aside (`<train dir>/window-failed/<key>`), the window is marked failed (the trainer stops at once) and
+            the stage raises VerifyFailed naming it. The validation rows (the last train.val_ratio of the rows,
+            speculators' split) are moved out of their shards into `<train dir>/window-validation/`, held for the run;
+            their shards are captured first.
+  trainer   train_draft's child with a job.WindowSource: speculators' trainer over WindowSampler's blocks, a step
+            checkpoint where a pass over a block ends, then the block's shards are released (their files deleted).
+On one node the two run side by side (capture waits on `reserve` while the trainer reads); on a cluster the capture
+side is the extract fan-out on capture nodes and the trainer set on others, sharing the window's directory on the
+store (docs/training.md).
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+
+from eagle3_pipeline.core.config import PipelineConfig
+from eagle3_pipeline.records.layout import ExtractVersion, Shard
+
+VALIDATION_DIR, FAILED_DIR, WINDOW_DIR = "window-validation", "window-failed", "window"
+
+
+def shard_key(shard: Shard) -> str:
+    return f"shard-{shard.index:05d}"
+
+
+def n_train_rows(rows: int, val_ratio: float) -> int:
+    """speculators' train split, as the train worker computes it: the first int(rows x (1 - val_ratio)) rows."""
+    return int(rows * (1 - val_ratio))
+
+
+def window_layout(version: ExtractVersion, val_ratio: float) -> list[tuple[Shard, list[int]]]:
+    """Every shard of the extraction with its train rows (those of the validation split are held apart), in
+    capture order: the shards that hold validation rows first (the trainer validates at its epoch's end, and its
+    rows are then all there), then the others in the extraction's order."""
+    n = n_train_rows(version.rows, val_ratio)
+    shards = [s for s in version.shards if s.row_end > n] + [s for s in version.shards if s.row_end <= n]
+    return [(s, [r for r in range(s.row_start, s.row_end) if r < n]) for s in shards]
+
+
+def dir_bytes(d: Path) -> int:
+    return sum(p.stat().st_size for p in Path(d).rglob("*") if p.is_file())
+
+
+def shard_version(version: ExtractVersion, d: Path) -> ExtractVersion:
+    """`version` relocated to `d`: the extract stage writes one shard there, verify reads it there; no record pool
+    (the pool would keep every record: the dataset, not a window)."""
+    return version.model_copy(update={"dir": str(Path(d).resolve()), "pool_dir": None})
+
+
+class Capture(threading.Thread):
+    """The capture side, in its own thread: its result (per-shard verify results, bytes) or its error."""
+
+    def __init__(self, cfg: PipelineConfig, version: ExtractVersion, window, out_dir: Path, log):
+        super().__init__(name="window-capture", daemon=True)
+        self.cfg, self.version, self.window, self.out_dir, self.log = cfg, version, window, out_dir, log
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.verified: list = []      # VerifyResult per shard, in order
+        self.dataset_bytes = 0        # every shard's records and fingerprints as captured (what offline would store)
+        self.validation_bytes = 0
+        self.seconds = 0.0
+
+    def run(self) -> None:
+        t0 = time.monotonic()
+        try:
+            for shard, rows in window_layout(self.version, self.cfg.train.val_ratio):
+                if self.stop.is_set():
+                    return
+                self._capture(shard, rows)
+            self.window.close()
+        except BaseException as e:  # noqa: BLE001 - handed to the stage, which raises it
+            self.error = e
+            self.window.fail(f"{type(e).__name__}: {str(e)[:2000]}")
+        finally:
+            self.seconds = time.monotonic() - t0
+
+    def _reserve(self, key: str, nbytes: int) -> None:
+        """Room for `key`, waiting while the trainer holds the window (at most train.timeout_s, or until stopped)."""
+        from eagle3_pipeline.train.window import WindowStalled
+
+        end = time.monotonic() + self.cfg.train.timeout_s
+        while True:
+            try:
+                return self.window.reserve(key, nbytes, wait_s=5.0, poll_s=0.2)
+            except WindowStalled:
+                if self.stop.is_set() or time.monotonic() > end:
+                    raise
+
+    def _capture(self, shard: Shard, rows: list[int]) -> None:
+        from eagle3_pipeline.extract.stage import extract_group
+        from eagle3_pipeline.preflight.stage import record_bytes_per_token
+        from eagle3_pipeline.verify.stage import VerifyFailed, check_verify_gate, verify
+
+        cfg, w, key = self.cfg, self.window, shard_key(shard)
+        per = record_bytes_per_token(len(self.version.layer_ids), self.version.dims.hidden_size,
+                                     self.version.storage_dtype)
+        self._reserve(key, int(shard_tokens(self.version, shard) * per * 1.05))
+        sv = shard_version(self.version, w.shard_dir(key))
+        span = list(range(shard.row_start, shard.row_end))
+        try:
+            extract_group(cfg.extract, cfg.target, sv, [shard.index], log=self.log)
+            self.dataset_bytes += dir_bytes(sv.hidden_states_dir) + dir_bytes(sv.fingerprints_dir)
+            ver = verify(cfg.verify, cfg.target, sv, log=self.log, rows=span)
+            self.verified.append(ver.model_copy(update={"mode": "window"}))
+            try:
+                check_verify_gate(ver)
+            except VerifyFailed as e:
+                aside = self.out_dir / FAILED_DIR / key
+                shutil.rmtree(aside, ignore_errors=True)
+                aside.parent.mkdir(parents=True, exist_ok=True)
+                w.shard_dir(key).rename(aside)
+                raise VerifyFailed(f"window shard {key} (extract shard {shard.index}, rows {shard.row_start}.."
+                                   f"{shard.row_end - 1}) failed verify and was not published (moved to {aside}; "
+                                   f"the trainer read nothing of it): {e}") from e
+            self.validation_bytes += self._hold_validation(sv, [r for r in span if r not in set(rows)])
+        except BaseException:
+            w.abandon(key)
+            raise
+        if rows:
+            w.publish(key, dir_bytes(w.shard_dir(key)))
+            self.log(f"window: shard {key} verified and published ({len(rows)} train rows)")
+        else:
+            w.abandon(key)  # validation rows only: nothing for the trainer
+
+    def _hold_validation(self, sv: ExtractVersion, val_rows: list[int]) -> int:
+        """Move the verified records of the validation rows out of the shard, to the run's validation dir."""
+        dest = self.out_dir / VALIDATION_DIR / "hidden_states"
+        dest.mkdir(parents=True, exist_ok=True)
+        moved = 0
+        for r in val_rows:
+            src = sv.record_path(r)
+            moved += src.stat().st_size
+            src.rename(dest / src.name)
+        return moved
+
+
+def shard_tokens(version: ExtractVersion, shard: Shard) -> int:
+    from eagle3_pipeline.data.tokenized import load_tokenized
+
+    lens = load_tokenized(version.tokenized_dir)["seq_len"]
+    return int(sum(int(x) for x in lens[shard.row_start: shard.row_end]))
+
+
+def trainer_wait_s(cfg: PipelineConfig) -> float:
+    """How long the trainer waits for capture to publish a block (half the window): per shard one extract child's
+    deadline and verify's two reference children."""
+    from eagle3_pipeline.extract.stage import group_deadline
+
+    per_shard = group_deadline(cfg.extract, 1) + 2 * cfg.verify.reference_timeout_s
+    return per_shard * max(1, cfg.train.window_shards // 2)
+
+
+def train_window(cfg: PipelineConfig, version: ExtractVersion, voc, start: tuple, out_dir: Path, log=print):
+    """train.mode window: capture (extract + verify per shard, publish) beside the trainer reading the window.
+    The TrainResult carries `window` (the window's peak against the dataset's bytes, the shards) and its
+    `verify` (every shard's gate, merged) for the report."""
+    from eagle3_pipeline.core.store import dir_lock
+    from eagle3_pipeline.train.job import WindowSource
+    from eagle3_pipeline.train.stage import train_draft
+    from eagle3_pipeline.train.window import ShardWindow
+
+    prev, tcfg = start
+    t = cfg.train
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with dir_lock(out_dir / WINDOW_DIR, f"window training dir {out_dir}", log):
+        # a window run does not resume (train/worker.py refuses it): a fresh window and validation dir
+        shutil.rmtree(out_dir / VALIDATION_DIR, ignore_errors=True)
+        shutil.rmtree(out_dir / WINDOW_DIR / "shards", ignore_errors=True)
+        (out_dir / WINDOW_DIR / "window.json").unlink(missing_ok=True)
+        w = ShardWindow(out_dir / WINDOW_DIR, t.window_shards, t.window_bytes, passes=tcfg.epochs)
+        plan = [(shard_key(s), rows) for s, rows in window_layout(version, t.val_ratio) if rows]
+        cap = Capture(cfg, version, w, out_dir, log)
+        log(f"window: {len(version.shards)} shards captured in turn into a window of {t.window_shards} "
+            f"({t.window_bytes or 'no'} byte limit), {len(plan)} with train rows, {tcfg.epochs} pass(es) over each "
+            f"block of {max(1, t.window_shards // 2)}")
+        cap.start()
+        source = WindowSource(dir=str(w.dir), max_shards=t.window_shards, max_bytes=t.window_bytes,
+                              passes=tcfg.epochs, plan=plan, wait_s=trainer_wait_s(cfg))
+        val = version.model_copy(update={"dir": str((out_dir / VALIDATION_DIR).resolve()), "pool_dir": None})
+        try:
+            tr = train_draft(tcfg.model_copy(update={"epochs": 1}), cfg.target, val, Path(voc.dir), out_dir,
+                             log=log, previous=prev, online=source)
+        except BaseException:
+            cap.stop.set()
+            cap.join()
+            if cap.error is not None:
+                raise cap.error from None  # the cause (a shard that failed verify), not the trainer it stopped
+            raise
+        cap.join()
+        if cap.error is not None:
+            raise cap.error
+    return _with_window(tr, cap, w.state(), version)
+
+
+def _with_window(tr, cap: Capture, st, version: ExtractVersion):
+    """The TrainResult with the window's record: its peak against the dataset's bytes, and the merged verify."""
+    from eagle3_pipeline.core.store import write_json
+
+    ver = merge_verify(cap.verified, version.content_key)
+    window = {"dir": str(Path(tr.dir) / WINDOW_DIR), "max_shards": st.max_shards, "max_bytes": st.max_bytes,
+              "passes": st.passes, "shards": len(version.shards), "published": st.published,
+              "released": st.released, "peak_shards": st.peak_shards, "peak_bytes": st.peak_bytes,
+              "dataset_bytes": cap.dataset_bytes, "validation_bytes": cap.validation_bytes,
+              "capture_seconds": round(cap.seconds, 2), "verify": ver.model_dump(mode="json")}
+    write_json(Path(tr.dir) / WINDOW_DIR / "window_result.json", window)
+    return tr.model_copy(update={"window": window, "hidden_states_peak_bytes": st.peak_bytes + cap.validation_bytes})
+
+
+def merge_verify(results: list, content_key: str):
+    """One VerifyResult for the report from every shard's (each passed, or the stage raised): counts summed,
+    worst errors kept, samples and checks joined."""
+    from eagle3_pipeline.verify.stage import CheckRun
+
+    if not results:
+        raise ValueError("window: no shard was verified")
+    base = results[0]
+
+    def worst(name: str, pick):
+        vals = [getattr(r, name) for r in results if getattr(r, name) is not None]
+        return pick(vals) if vals else None
+
+    fps = [r.fingerprint for r in results]
+    fp = base.fingerprint.model_copy(update={
+        "rows_checked": sum(f.rows_checked for f in fps), "rows_failed": sum(f.rows_failed for f in fps),
+        "rows_without": sum(f.rows_without for f in fps),
+        "min_agreement": min((f.min_agreement for f in fps if f.min_agreement is not None), default=None)})
+    checks = {name: CheckRun(ran=any(r.checks[name].ran for r in results if name in r.checks),
+                             records=sum(r.checks[name].records for r in results if name in r.checks),
+                             skipped=base.checks[name].skipped) for name in base.checks}
+    return base.model_copy(update={
+        "content_key": content_key, "mode": "window", "passed": all(r.passed for r in results),
+        "samples_checked": sum(r.samples_checked for r in results), "tokens_checked": sum(r.tokens_checked for r in results),
+        "reference_samples": [s for r in results for s in r.reference_samples],
+        "reference_max_rel_err": worst("reference_max_rel_err", max),
+        "reference_min_cosine": worst("reference_min_cosine", min),
+        "invariance_samples": [s for r in results for s in r.invariance_samples],
+        "invariance_max_rel_err": worst("invariance_max_rel_err", max),
+        "problems": [p for r in results for p in r.problems], "bad_rows": [b for r in results for b in r.bad_rows],
+        "bytes_read": sum(r.bytes_read for r in results), "rows_rechecked": sum(r.rows_rechecked for r in results),
+        "seconds": round(sum(r.seconds or 0.0 for r in results), 2), "fingerprint": fp, "checks": checks})
