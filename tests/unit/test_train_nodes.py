@@ -39,14 +39,15 @@ def test_the_global_batch_is_held_by_accumulation():
     assert [c.accumulation_steps for c in (one, two, four)] == [4, 2, 1]
     assert {c.batch_tokens for c in (one, two, four)} == {4096}
     assert topology(two).model_dump() == {"nodes": 2, "ranks_per_node": 1, "accumulation_steps": 2,
-                                          "global_batch_tokens": 4096, "rows_per_step": 4}
+                                          "global_batch_tokens": 4096, "rows_per_step": 4,
+                                          "sharding": "ddp"}
     assert TrainConfig(nodes=2, world_size=4).batch_tokens == 8 * 1024  # unset: one row per rank
     odd = TrainConfig(global_batch_tokens=4096, max_seq_len=1024, nodes=3)
     assert "not a multiple of nodes x world_size x max_seq_len = 3 x 1 x 1024 = 3072: node counts that divide it " \
            "at this world_size: [1, 2, 4]" in odd.topology_problem()
     with pytest.raises(ValueError, match="not a multiple"):
         odd.accumulation_steps
-    fsdp = TrainConfig(device="cuda", world_size=2, fsdp=True, global_batch_tokens=4 * 1024, max_seq_len=1024)
+    fsdp = TrainConfig(device="cuda", world_size=2, sharding="fsdp", global_batch_tokens=4 * 1024, max_seq_len=1024)
     assert "accumulation" in fsdp.topology_problem() and one.topology_problem() is None
     with pytest.raises(ConfigError, match="nodes"):
         load_config(TINY, ["train.nodes=0"])

@@ -41,3 +41,25 @@ def test_torchrun_starts_world_size_ranks(device, tmp_path):
     one = _argv(TrainConfig(device=device, world_size=2), job, distributed=False)  # the untrained draft
     assert "torch.distributed.run" not in one
     assert "torch.distributed.run" not in _argv(TrainConfig(device=device), job)
+
+
+def test_the_sharding_choice_and_what_it_needs():
+    """train.sharding: ddp by default; fsdp on 2+ ranks (one node's or several nodes'), cpu (gloo) or cuda;
+    `fsdp: true/false` is the older spelling; one process has nothing to shard over."""
+    assert TrainConfig().sharding == "ddp"
+    assert TrainConfig(world_size=2, sharding="fsdp").sharding == "fsdp"  # cpu: gloo ranks
+    assert TrainConfig(nodes=2, world_size=1, sharding="fsdp").ranks == 2  # one rank on each of two nodes
+    assert TrainConfig(device="cuda", world_size=8, fsdp=True).sharding == "fsdp"
+    assert TrainConfig(world_size=2, fsdp=False).sharding == "ddp"
+    with pytest.raises(ValueError, match=r"needs 2 or more \(train.nodes x train.world_size = 1 x 1\)"):
+        TrainConfig(sharding="fsdp")
+    with pytest.raises(ValueError, match="fsdp .*deprecated.* says ddp, train.sharding says fsdp"):
+        TrainConfig(world_size=2, fsdp=False, sharding="fsdp")
+    with pytest.raises(ValueError, match="sharding"):
+        TrainConfig(world_size=2, sharding="zero3")
+    cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml", ["train.world_size=2", "train.sharding=fsdp"])
+    assert cfg.train.sharding == "fsdp" and cfg.train.topology_problem() is None
+    with pytest.raises(ConfigError, match="2 or more"):
+        load_config(ROOT / "configs" / "tiny-cpu.yaml", ["train.sharding=fsdp"])
+    assert load_config(ROOT / "configs" / "kimi-k2.5-tp8.yaml").train.sharding == "ddp"
+

@@ -301,8 +301,12 @@ class TrainConfig(Strict):
     num_workers: int = Field(0, ge=0, description="data-loader worker processes (0 on CPU)")
     world_size: int = Field(1, ge=1, description="training processes (torchrun ranks, DDP or FSDP): one per GPU on "
                             "cuda, gloo processes on cpu (each on its own cores); 1 = one plain process")
-    fsdp: bool = Field(False, description="world_size >= 2 on cuda: shard parameters with FSDP (speculators' "
-                       "--fsdp-shard) instead of replicating them (DDP); for drafts too large for one GPU")
+    sharding: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="how the ranks hold the draft, through speculators' distributed trainer: ddp = every rank "
+        "a full copy, gradients all-reduced; fsdp = parameters, gradients and optimizer state sharded over the ranks "
+        "(its fully_shard, --fsdp-shard), for a draft whose training state does not fit one GPU. fsdp needs 2+ "
+        "ranks (nodes x world_size) and one packed row per rank per step (no accumulation). (`train.fsdp: true`, "
+        "the older spelling, is read as fsdp)")
     gradient_checkpointing: bool = Field(False, description="recompute draft-layer activations in backward "
                                          "(less memory for long rows, ~30-50% slower backward)")
     log_freq: int = Field(1, ge=1, description="log metrics every N optimizer steps; each logged step synchronizes "
@@ -348,14 +352,21 @@ class TrainConfig(Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _num_gpus_alias(cls, data):
-        """`num_gpus` (before world_size counted CPU processes too) is read as `world_size`."""
+    def _older_spellings(cls, data):
+        """`num_gpus` (before world_size counted CPU processes too) is read as `world_size`; `fsdp: true/false`
+        (before the sharding choice) as `sharding: fsdp/ddp`."""
         if isinstance(data, dict) and "num_gpus" in data:
             data = dict(data)
             n = data.pop("num_gpus")
             if "world_size" in data and data["world_size"] != n:
                 raise ValueError(f"train.num_gpus={n} (deprecated alias) contradicts train.world_size={data['world_size']}")
             data["world_size"] = n
+        if isinstance(data, dict) and "fsdp" in data:
+            data = dict(data)
+            sharding = "fsdp" if data.pop("fsdp") else "ddp"
+            if data.get("sharding", sharding) != sharding:
+                raise ValueError(f"train.fsdp (deprecated spelling) says {sharding}, train.sharding says {data['sharding']}")
+            data["sharding"] = sharding
         return data
 
     @model_validator(mode="after")
@@ -363,9 +374,10 @@ class TrainConfig(Strict):
         if self.device == "cpu" and self.attention == "flex_attention":
             raise ValueError("train.attention=flex_attention needs train.device=cuda (flex attention has no CPU backward); "
                              "use sdpa or eager on CPU")
-        if self.fsdp and (self.device != "cuda" or self.world_size < 2):
-            raise ValueError(f"train.fsdp=true needs train.device=cuda and train.world_size >= 2 (torchrun); found "
-                             f"device={self.device}, world_size={self.world_size}")
+        if self.sharding == "fsdp" and self.ranks < 2:
+            raise ValueError(f"train.sharding=fsdp shards the draft over the training ranks and needs 2 or more "
+                             f"(train.nodes x train.world_size = {self.nodes} x {self.world_size}); one process holds "
+                             f"the whole draft: use ddp, or world_size >= 2")
         return self
 
     def topology_problem(self) -> str | None:
@@ -382,8 +394,8 @@ class TrainConfig(Strict):
         if self.mode == "online" and self.nodes > 1:
             return ("train.mode=online with train.nodes > 1 is not built: the stage's vLLM server serves its own "
                     "node; train offline on several nodes, or online on one")
-        if self.fsdp and a > 1:
-            return (f"train.fsdp=true with gradient accumulation ({a} steps for train.global_batch_tokens "
+        if self.sharding == "fsdp" and a > 1:
+            return (f"train.sharding=fsdp with gradient accumulation ({a} steps for train.global_batch_tokens "
                     f"{self.global_batch_tokens}) is not built: use DDP, or more nodes")
         return None
 

@@ -155,6 +155,7 @@ def train_key(cfg: PipelineConfig, version: ExtractVersion) -> str:
     train = cfg.train.model_dump(exclude=set(TRAIN_KEY_EXCLUDE) | ({"init", "refresh_epochs"} if prev is None else set())
                                  | ({"mode"} if cfg.train.mode == "offline" else set())  # offline keys as before
                                  | ({"window_shards", "window_bytes"} if cfg.train.mode != "window" else set()))
+    train["fsdp"] = train.pop("sharding") == "fsdp"  # its spelling before the choice: the keys from before
     t = cfg.train
     if t.batch_tokens != t.world_size * t.max_seq_len:  # one node's one row per rank: the keys from before nodes
         train["global_batch_tokens"] = t.batch_tokens

@@ -99,6 +99,7 @@ class TrainResult(BaseModel):
     cached: bool = False  # every epoch was trained before this call (its checkpoints were found): nothing trained now
     nodes: int = 1  # training nodes (torchrun agents meeting through c10d; train/topology.py)
     ranks_per_node: int = 1
+    sharding: str = "ddp"  # ddp: a copy of the draft per rank; fsdp: sharded over the ranks (train.sharding)
     accumulation_steps: int = 1  # packed rows each rank trains on per optimizer step
     global_batch_tokens: int | None = None  # tokens per optimizer step over every rank: the same on any topology
     checkpoint_every_steps: int | None = None  # step checkpoints (None: at epoch ends only)

@@ -63,7 +63,7 @@ class VerifyEntry(StageEntry):
 
 VocabEntry = entry_of(VocabResult, "draft_vocab_size", "coverage")
 TrainEntry = entry_of(TrainResult, "mode", "world_size", "steps", "final_loss", "tokens_per_s", "nodes", "ranks_per_node",
-                      "accumulation_steps", "global_batch_tokens")
+                      "accumulation_steps", "global_batch_tokens", "sharding")
 
 
 class EvaluateEntry(StageEntry):

@@ -241,6 +241,8 @@ def _run_worker(job: TrainJob, job_path: Path, log: Callable[[str], None], log_p
             log(line)
 
     tset = _start_set(cfg, job_path, log) if distributed else None
+    if distributed and tset is None and cfg.world_size > 1:
+        log(f"train: {cfg.world_size} ranks on this node ({cfg.sharding})")
     timing = _Timing(cfg, log)
     run_child(_argv(cfg, job_path, distributed, tset), name="train", timeout_s=timeout_s, log_path=log_path,
               on_line=log, on_event=lambda ev: (timing.on_event(ev), on_event(ev)),
@@ -267,7 +269,7 @@ def _start_set(cfg: TrainConfig, job_path: Path, log: Callable[[str], None]) -> 
     if tset is None:
         return None
     topo = topology(cfg)
-    log(f"train: {topo.nodes} nodes x {topo.ranks_per_node} ranks, {topo.accumulation_steps} accumulation "
+    log(f"train: {topo.nodes} nodes x {topo.ranks_per_node} ranks ({topo.sharding}), {topo.accumulation_steps} accumulation "
         f"step(s), {topo.global_batch_tokens} tokens per optimizer step; rendezvous {tset.endpoint} ({tset.id}, "
         + ("agents on this machine)" if tset.local else f"this pod is node {tset.node_rank})"))
     if tset.local:
@@ -394,7 +396,8 @@ def _train_draft(cfg: TrainConfig, target: TargetConfig, version: ExtractVersion
         engine_start_s=res.startup_s, mode="online" if online else "window" if window else "offline",
         cached=res.resumed_from_epoch + 1 >= res.epochs_done, resumed_from_step=res.resumed_from_step,
         checkpoint_every_steps=cfg.checkpoint_every_steps, fit=fit_,
-        **topology(cfg).model_dump(include={"nodes", "ranks_per_node", "accumulation_steps", "global_batch_tokens"}))
+        **topology(cfg).model_dump(include={"nodes", "ranks_per_node", "accumulation_steps", "global_batch_tokens",
+                                                  "sharding"}))
     write_json(out_dir / RECORD_NAME, result.model_dump(mode="json"))
     return result
 

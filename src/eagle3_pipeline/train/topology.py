@@ -37,12 +37,13 @@ class Topology(BaseModel):
     accumulation_steps: int  # packed rows each rank trains on per optimizer step
     global_batch_tokens: int  # tokens (packed rows of max_seq_len) per optimizer step over every rank
     rows_per_step: int  # ranks x accumulation_steps
+    sharding: str = "ddp"  # how the ranks hold the draft: ddp (a copy each) or fsdp (sharded; train.sharding)
 
 
 def topology(cfg: TrainConfig) -> Topology:
     a = cfg.accumulation_steps
     return Topology(nodes=cfg.nodes, ranks_per_node=cfg.world_size, accumulation_steps=a,
-                    global_batch_tokens=cfg.batch_tokens, rows_per_step=cfg.ranks * a)
+                    global_batch_tokens=cfg.batch_tokens, rows_per_step=cfg.ranks * a, sharding=cfg.sharding)
 
 
 class TrainSet(BaseModel):

@@ -488,7 +488,7 @@ def _trainer(job: TrainJob, model, train_loader, val_loader):
         lr=cfg.lr, num_epochs=cfg.epochs, save_path=str(Path(job.save_path)), resume_from_checkpoint=True,
         train_call_kwargs=train_kwargs, val_call_kwargs=val_kwargs, optimizer=cfg.optimizer,
         muon_lr=cfg.lr, checkpoint_freq=1, save_best=False, hidden_states_dtype=dtype,
-        log_freq=cfg.log_freq, fsdp_shard=cfg.fsdp, gradient_checkpointing=cfg.gradient_checkpointing,
+        log_freq=cfg.log_freq, fsdp_shard=cfg.sharding == "fsdp", gradient_checkpointing=cfg.gradient_checkpointing,
         max_steps=cfg.max_steps), train_loader, val_loader)
     return trainer, dtype
 
