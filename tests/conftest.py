@@ -18,8 +18,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-# `make test` runs the suite on pytest-xdist workers (`-n 3 --dist loadscope`, two of them for everything but
-# _WAIT_GROUPS, below): the serial suite kept
+# `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadscope`; with a third, see
+# _WAIT_GROUPS below): the serial suite kept
 # one of two cores idle half the time (engine start-ups are single-threaded imports, server tests wait on
 # workers). A worker takes whole groups, never part of one: a test module each (its module fixtures
 # built once), except two groups of several modules. The session fixtures (the tiny prepare + extraction,
@@ -34,9 +34,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # Groups are handed out longest first (their seconds in the last full run, docs/testing.md), so no long
 # group starts last; xdist's own reorder (most tests first) is turned off for that.
 # _WAIT_GROUPS: groups that mostly wait (outages, heartbeats, paced records: their process tree's CPU
-# seconds about half their wall seconds, docs/testing.md "Suite time"). With a third worker (`make test`'s
-# default) they run on it alone, beside the two that run everything else, so their waiting overlaps the
-# others' work; on two workers they are groups like the rest (docs/decisions/two-test-workers.md).
+# seconds about half their wall seconds, docs/testing.md "Suite time"). With a third worker (`make test
+# TEST_WORKERS=3`) they run on it alone, beside the two that run everything else, so their waiting overlaps
+# the others' work; on two workers they are groups like the rest (docs/decisions/two-test-workers.md).
 _GROUP_RULES = (("tests/chaos/test_control_plane.py", "tests/chaos/test_control_plane.py"),
                 ("tests/chaos/", "processes"), ("tests/unit/test_proc_gpu.py", "processes"), ("tests/server/", "server"))
 _GROUP_ORDER = ("processes", "server", "tests/integration/test_real_pipeline.py", "tests/chaos/test_control_plane.py",
