@@ -156,7 +156,9 @@ postgres:
 	  $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends postgresql; }
 
 # Two pytest-xdist workers, each taking whole test modules (and the chaos and server groups whole: see
-# tests/conftest.py); TEST_WORKERS=0 runs the suite in this one process.
+# tests/conftest.py); TEST_WORKERS=3 adds a third that runs only the groups that mostly wait (the control-plane
+# chaos tests; docs/decisions/two-test-workers.md says why it is not the default); TEST_WORKERS=0 runs the
+# suite in this one process.
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope)
 # The linter first, right after the install (a second, before the targets are built): ruff from the `test` extra,

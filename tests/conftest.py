@@ -18,7 +18,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-# `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadscope`): the serial suite kept
+# `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadscope`; with a third, see
+# _WAIT_GROUPS below): the serial suite kept
 # one of two cores idle half the time (engine start-ups are single-threaded imports, server tests wait on
 # workers). A worker takes whole groups, never part of one: a test module each (its module fixtures
 # built once), except two groups of several modules. The session fixtures (the tiny prepare + extraction,
@@ -32,6 +33,10 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 #   "server": tests/server/, which share one real Prefect server with its workers and deployments.
 # Groups are handed out longest first (their seconds in the last full run, docs/testing.md), so no long
 # group starts last; xdist's own reorder (most tests first) is turned off for that.
+# _WAIT_GROUPS: groups that mostly wait (outages, heartbeats, paced records: their process tree's CPU
+# seconds about half their wall seconds, docs/testing.md "Suite time"). With a third worker (`make test
+# TEST_WORKERS=3`) they run on it alone, beside the two that run everything else, so their waiting overlaps
+# the others' work; on two workers they are groups like the rest (docs/decisions/two-test-workers.md).
 _GROUP_RULES = (("tests/chaos/test_control_plane.py", "tests/chaos/test_control_plane.py"),
                 ("tests/chaos/", "processes"), ("tests/unit/test_proc_gpu.py", "processes"), ("tests/server/", "server"))
 _GROUP_ORDER = ("processes", "server", "tests/integration/test_real_pipeline.py", "tests/chaos/test_control_plane.py",
@@ -41,6 +46,7 @@ _GROUP_ORDER = ("processes", "server", "tests/integration/test_real_pipeline.py"
                 "tests/integration/test_extract.py", "tests/integration/test_verify.py",
                 "tests/integration/test_speculators_interop.py", "tests/integration/test_extract_flow.py",
                 "tests/integration/test_evaluate_sets.py", "tests/integration/test_poison.py")
+_WAIT_GROUPS = ("tests/chaos/test_control_plane.py",)
 
 
 def group_of(nodeid: str) -> str:
@@ -59,7 +65,8 @@ def pytest_xdist_make_scheduler(config, log):
     """With `--dist loadscope`, xdist's scope of a test is its group, and groups go out in the collection's
     order (above): xdist would otherwise reorder them by their number of tests, which sent the 3-test,
     10-minute real-target module out late. (Its `loadgroup` cannot be used: it renames node ids through
-    `item._nodeid`, which pytest 9 no longer reads.)"""
+    `item._nodeid`, which pytest 9 no longer reads.) With three workers or more, the last one (the highest
+    gw number) runs only the groups of _WAIT_GROUPS and the others never do: its waits overlap their work."""
     if config.getvalue("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -69,6 +76,21 @@ def pytest_xdist_make_scheduler(config, log):
     class ByGroup(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return group_of(nodeid)
+
+        def _mine(self, node, scope: str) -> bool:
+            if len(self.nodes) < 3:
+                return True
+            waiter = max(self.nodes, key=lambda n: int(n.gateway.id.removeprefix("gw")))
+            return (node is waiter) == (scope in _WAIT_GROUPS)
+
+        def _assign_work_unit(self, node) -> None:
+            scope = next((s for s in self.workqueue if self._mine(node, s)), None)
+            if scope is None:  # nothing left for this worker's kind; the others take the rest
+                if not self._pending_of(self.assigned_work[node]):
+                    node.shutdown()
+                return
+            self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
 
     return ByGroup(config, log)
 

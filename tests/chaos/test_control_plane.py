@@ -37,7 +37,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.helpers.postgres import PostgresCluster, pg_bin
-from tests.helpers.server import BIN, GPU_LIMIT, POOL, ROOT, Proc, free_port, run_cmd
+from tests.helpers.server import BIN, GPU_LIMIT, POOL, ROOT, Proc, free_port, run_cmd, stop_all
 from tests.helpers.store import hidden_state_hashes, manifest_content, small_overrides
 
 pytestmark = [pytest.mark.timeout(900),
@@ -138,8 +138,7 @@ def plane(tmp_path_factory, tiny_target):
             cp.start_node(name)
         yield cp
     finally:
-        for p in reversed(cp.procs()):
-            p.stop()
+        stop_all(cp.procs())
         pg.destroy()
 
 

@@ -77,6 +77,16 @@ class Proc:
         self._f.close()
 
 
+def stop_all(procs: list[Proc], grace: float = 15.0) -> None:
+    """Proc.stop for several at once, in one grace period rather than one each: a `prefect worker` told to
+    stop outlives its SIGTERM and is killed at the end of the grace (a fixture that stopped three in turn
+    waited 45 s)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max(len(procs), 1)) as pool:
+        list(pool.map(lambda p: p.stop(grace), procs))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

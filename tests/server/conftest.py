@@ -11,6 +11,7 @@ end of the session (whole process groups, descendants included):
   nodes           two process workers on queue `gpu`, one flow run each (--limit 1): the two GPU
                   nodes the extract flow fans `extract-group` runs out to. They run with
                   EAGLE3_TEST_FAIL_SHARDS=2: each node loses shard 2 of a new extract version once.
+The workers are stopped with the server, all at once (tests/helpers/server.stop_all).
 Workers poll every 2 s. Every run uses a tiny config (40 rows, 4 shards of 10) on a temporary store.
 """
 
@@ -24,7 +25,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.helpers.prefect_events import events_to
-from tests.helpers.server import BIN, GPU_LIMIT, POOL, ROOT, Proc, free_port, run_cmd
+from tests.helpers.server import BIN, GPU_LIMIT, POOL, ROOT, Proc, free_port, run_cmd, stop_all
 
 # ------------------------------------------------------------------------------- fixtures
 
@@ -47,6 +48,7 @@ def prefect_server(tmp_path_factory):
                   "PREFECT_WORKER_QUERY_SECONDS": "2", "EAGLE3_PIPELINE_HOME": str(ROOT),
                   "EAGLE3_FANOUT_POLL_S": "2", "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
     t0 = time.time()
+    workers: list[Proc] = []  # started by _workers, stopped with the server
     server = Proc("server", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                   server_env, home / "server.log")
     try:
@@ -62,9 +64,10 @@ def prefect_server(tmp_path_factory):
         print(f"\nprefect server up at {api} in {time.time() - t0:.1f}s")
         # events emitted from this process (task runs among them) must reach this server too
         with temporary_settings({PREFECT_API_URL: api}), events_to(api):
-            yield SimpleNamespace(api=api, ui=api.removesuffix("/api"), env=client_env, home=home, proc=server)
+            yield SimpleNamespace(api=api, ui=api.removesuffix("/api"), env=client_env, home=home, proc=server,
+                                  workers=workers)
     finally:
-        server.stop()
+        stop_all([*workers, server])  # at once: a worker outlives its SIGTERM by the whole grace
 
 
 @pytest.fixture(scope="session")
@@ -94,23 +97,21 @@ def _workers(prefect_server, specs: list[tuple[str, list[str], dict]]) -> list[P
     for name, args, extra in specs:
         procs.append(Proc(name, [str(BIN / "prefect"), "worker", "start", "--pool", POOL, "--name", name, *args],
                           {**prefect_server.env, **extra}, prefect_server.home / f"{name}.log"))
+    prefect_server.workers.extend(procs)  # the server's fixture stops them, all at once
     return procs
 
 
 @pytest.fixture(scope="session")
 def controller(prefect_server, deployed):
     (w,) = _workers(prefect_server, [("controller", ["--work-queue", "default"], {})])
-    yield w
-    w.stop()
+    return w
 
 
 @pytest.fixture(scope="session")
 def nodes(prefect_server, deployed):
     ws = _workers(prefect_server, [(f"node-{n}", ["--work-queue", "gpu", "--limit", "1"],
                                     {"EAGLE3_TEST_FAIL_SHARDS": "2"}) for n in ("a", "b")])
-    yield ws
-    for w in ws:
-        w.stop()
+    return ws
 
 
 @pytest.fixture(scope="session")

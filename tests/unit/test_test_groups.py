@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from tests.conftest import _GROUP_ORDER, group_of, pytest_xdist_make_scheduler
+from tests.conftest import _GROUP_ORDER, _WAIT_GROUPS, group_of, pytest_xdist_make_scheduler
 
 
 def test_leftover_process_tests_share_a_group_and_the_control_plane_has_its_own():
@@ -51,3 +51,39 @@ def test_groups_go_out_in_the_conftest_order_not_by_number_of_tests():
         sched.add_node_collection(n, collection)
     sched.schedule()
     assert nodes[0].sent[0] == 0 and nodes[1].sent[0] == 1  # processes first, then the real target
+
+
+def _scheduled(names: list[str], collection: list[str]) -> list[_Node]:
+    values = {"dist": "loadscope", "tx": [f"{len(names)}*popen"], "numprocesses": None, "maxworkerrestart": None}
+    option = SimpleNamespace(loadscopereorder=True, **values)
+    config = SimpleNamespace(option=option, getvalue=lambda name: getattr(option, name))
+    sched = pytest_xdist_make_scheduler(config, log=None)
+    nodes = [_Node(n) for n in names]
+    for n in nodes:
+        sched.add_node(n)
+        sched.add_node_collection(n, collection)
+    sched.schedule()
+    for n in nodes:  # each worker finishes what it was sent, one test at a time, and asks for more
+        done = 0
+        while done < len(n.sent):
+            sched.mark_test_complete(n, n.sent[done])
+            done += 1
+    assert sched.tests_finished
+    return nodes
+
+
+def test_a_third_worker_runs_the_waiting_groups_alone():
+    """With three workers the highest one (gw2, whichever registered first) runs _WAIT_GROUPS and nothing
+    else, and the other two never run them; with two, a waiting group is a group like the rest."""
+    cp = [f"tests/chaos/test_control_plane.py::t{i}" for i in range(6)]
+    rest = ["tests/chaos/test_signals.py::a", "tests/server/test_fanout.py::a",
+            "tests/integration/test_real_pipeline.py::a", *(f"tests/unit/test_bad_input.py::t{i}" for i in range(5))]
+    collection = rest[:3] + cp + rest[3:]
+    waiting = {collection.index(x) for x in cp}
+    assert set(_WAIT_GROUPS) == {group_of(cp[0])}
+    gw2, gw0, gw1 = _scheduled(["gw2", "gw0", "gw1"], collection)
+    assert set(gw2.sent) == waiting and gw2.shutting_down
+    assert sorted(gw0.sent + gw1.sent) == sorted(set(range(len(collection))) - waiting)
+    two = _scheduled(["gw0", "gw1"], collection)
+    assert sorted(two[0].sent + two[1].sent) == list(range(len(collection)))
+    assert any(waiting <= set(n.sent) for n in two)  # whole, on one worker
