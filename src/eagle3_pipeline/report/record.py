@@ -4,11 +4,6 @@ keys are added, never renamed or removed; tests/unit/test_report.py holds the sc
 
 from __future__ import annotations
 
-import functools
-import operator
-import types
-import typing
-from functools import cache
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, create_model
@@ -18,6 +13,7 @@ from eagle3_pipeline.records.evaluation import EvaluateReport
 from eagle3_pipeline.records.results import ExtractResult, RegenerateResult, TrainResult, VocabResult
 from eagle3_pipeline.records.verification import VerifyResult
 from eagle3_pipeline.report.decision import Decision
+from eagle3_pipeline.report.loose import loose, loose_annotation
 
 
 class StageEntry(BaseModel):
@@ -45,28 +41,6 @@ class StageEntry(BaseModel):
         return model.model_validate({**self.details, **{k: v for k, v in self.contract().items() if v is not None}})
 
 
-@cache
-def loose(model: type[BaseModel]) -> type[BaseModel]:
-    """`model` with every field optional (None when the record lacks it) and every nested model loose too, its
-    computed fields among them: the report is written for a failed or partial stage too. Unknown keys are kept."""
-    fields: dict[str, Any] = {k: (_loose(f.annotation) | None, None) for k, f in model.model_fields.items()}
-    fields |= {k: (_loose(f.return_type) | None, None) for k, f in model.model_computed_fields.items()}
-    return create_model(f"Loose{model.__name__}", __config__=ConfigDict(extra="allow"), __module__=__name__, **fields)
-
-
-def _loose(annotation: Any) -> Any:
-    """An annotation with each model in it made `loose` (X | None, list[X], dict[str, X])."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return loose(annotation)
-    args = typing.get_args(annotation)
-    if not args:
-        return annotation
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        return functools.reduce(operator.or_, [_loose(a) for a in args])
-    return origin[tuple(_loose(a) for a in args)] if origin in (list, dict) else annotation
-
-
 def entry_of(record: type[BaseModel], *keys: str) -> type[StageEntry]:
     """A stage's entry from the stage's own record model: its contract `keys` (fields or computed fields), typed as
     the record declares them (None where the stage's record had none; a nested model `loose`), and the rest of the
@@ -76,7 +50,7 @@ def entry_of(record: type[BaseModel], *keys: str) -> type[StageEntry]:
     missing = [k for k in keys if k not in declared]
     if missing:
         raise TypeError(f"{record.__name__} has no field(s) {missing} for report.json's contract")
-    fields: dict[str, Any] = {k: (_loose(declared[k]) | None, None) for k in keys}
+    fields: dict[str, Any] = {k: (loose_annotation(declared[k]) | None, None) for k in keys}
     name = record.__name__.removesuffix("Result").removesuffix("Report") + "Entry"
     entry = create_model(name, __base__=StageEntry, __module__=__name__, **fields)
     entry.source = record
