@@ -53,7 +53,7 @@ __all__ = ["VerifyFailed", "VerifyResult", "check_verify_gate", "require_verifie
 CONFIG_KEY_EXCLUDE = frozenset({"workers", "move_bad_files"})
 # bump when what verify computes per record changes (identity features, fingerprint rule): cached
 # per-record results of an older verify are then read again
-VERIFY_FORMAT = 8  # 7: the next-token logit gaps (row_signal.py); 8: verify.json nested by check
+VERIFY_FORMAT = 7  # 7: the next-token logit gaps (row_signal.py)
 
 
 class VerifyFailed(GateFailed):
@@ -447,9 +447,13 @@ def _reference_result(ref: ReferenceResult, power: dict) -> ReferenceCheckResult
 
 
 def _previous_reference(version: ExtractVersion) -> ReferenceCheckResult:
-    """The reference of the last verify of this version (empty: none)."""
-    prev = read_json(version.verify_path)
-    return VerifyResult.model_validate(prev).checks.reference if prev else ReferenceCheckResult()
+    """The reference of the last verify of this version (empty: none; a verify.json written before the record was
+    nested by check: from its flat keys, which every verify.json still has)."""
+    prev = read_json(version.verify_path) or {}
+    if "samples" in ((prev.get("checks") or {}).get("reference") or {}):
+        return VerifyResult.model_validate(prev).checks.reference
+    return ReferenceCheckResult(samples=prev.get("reference_samples") or [], max_rel_err=prev.get("reference_max_rel_err"),
+                                min_cosine=prev.get("reference_min_cosine"))
 
 
 def _sample_part(full: ReferenceResult | None, rows: list[int], why_not: str | None) -> ReferenceResult:
