@@ -47,8 +47,6 @@ from eagle3_pipeline.verify.reference import (
 )
 from eagle3_pipeline.verify.structure import Extras, StructureCheck, verify_structure
 
-__all__ = ["VerifyFailed", "VerifyResult", "check_verify_gate", "require_verified", "verify"]  # VerifyResult: records/
-
 # verify settings that change no verdict: a new value keeps the verified shards
 CONFIG_KEY_EXCLUDE = frozenset({"workers", "move_bad_files"})
 # bump when what verify computes per record changes (identity features, fingerprint rule): cached
