@@ -73,17 +73,18 @@ def measure(name: str, work: Path, rows: int) -> dict:
     version = plan_extract(cfg, prep, pre)
     stage_extract(cfg, version, log=quiet)
     res = verify(cfg.verify, cfg.target, version, log=quiet)
-    norm = [ls.norm_margin for ls in res.layer_stats if ls.norm_margin is not None]
+    c = res.checks
+    norm = [ls.norm_margin for ls in c.structure.layer_stats if ls.norm_margin is not None]
     return {"target": name, "model": cfg.target.model, "layer_ids": version.layer_ids, "passed": res.passed,
-            "problems": res.problems[:5], "records": res.samples_checked, "tokens": res.tokens_checked,
-            "fingerprint": res.fingerprint.clean_margin, "state_sketch": res.sketch_margin,
-            "identity": None if res.identity_max_deviation is None else res.identity_max_deviation / cfg.verify.identity_max_z,
-            "identity_deviation": res.identity_max_deviation, "identity_max_z": cfg.verify.identity_max_z,
+            "problems": res.problems[:5], "records": res.samples_checked, "tokens": c.structure.tokens_checked,
+            "fingerprint": c.fingerprint.clean_margin, "state_sketch": c.state_sketch.margin,
+            "identity": None if c.identity.max_deviation is None else c.identity.max_deviation / cfg.verify.identity_max_z,
+            "identity_deviation": c.identity.max_deviation, "identity_max_z": cfg.verify.identity_max_z,
             "norm_bounds": max(norm) if norm else None, "reference_max_rel_err": res.reference_max_rel_err,
-            "reference_min_cosine": res.reference_min_cosine, "invariance_max_rel_err": res.invariance_max_rel_err,
-            "prediction_max_z": (res.prediction or {}).get("max_z"), "prediction_limit": cfg.verify.prediction_max_z,
-            "reference_power": res.reference_power,
-            "checks": {k: (c.records if c.ran else f"skipped: {c.skipped}") for k, c in res.checks.items()},
+            "reference_min_cosine": c.reference.min_cosine, "invariance_max_rel_err": c.invariance.max_rel_err,
+            "prediction_max_z": c.prediction.max_z, "prediction_limit": cfg.verify.prediction_max_z,
+            "reference_power": c.reference.power,
+            "checks": {k: (x.records if x.ran else f"skipped: {x.skipped}") for k, x in res.checks.items()},
             "cleared": sorted(res.cleared), "seconds": round(time.time() - t0, 1)}
 
 

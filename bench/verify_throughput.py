@@ -154,7 +154,7 @@ def bench(name: str, data: dict, repeats: int, workers: list[int], cold: bool = 
         res = verify_structure(check, log=lambda m: None, extras=extras)
         dt = time.perf_counter() - t0
         assert res.passed, res.problems[:3]
-        assert data.get("final") is None or res.fingerprint.rows_checked == res.files_checked, res.fingerprint
+        assert data.get("final") is None or res.checks.fingerprint.records == res.files_checked, res.checks.fingerprint
         return dt
 
     loaded = None if cold else in_memory(data, files)

@@ -234,9 +234,10 @@ class _Progress:
 def verify(cfg: PipelineConfig, version: ExtractVersion):
     with gpu_slot():  # the reference check loads the target
         rec = stages.stage_verify(cfg, version, log=_log())
-    create_table_artifact(key=_record_key("verify", cfg), table=[s.model_dump() for s in rec.layer_stats],
+    structure = rec.checks.structure
+    create_table_artifact(key=_record_key("verify", cfg), table=[s.model_dump() for s in structure.layer_stats],
                           description=(
-        f"per-layer statistics of {rec.tokens_checked} tokens of extract version {version.content_key}; "
+        f"per-layer statistics of {structure.tokens_checked} tokens of extract version {version.content_key}; "
         f"{rec.samples_checked} records checked, reference max rel err {rec.reference_max_rel_err}"))
     return rec
 

@@ -46,12 +46,13 @@ def test_clean_extraction_passes_verify_with_defaults(clean_run, tmp_path):
     assert cfg.verify == VerifyConfig(**cfg.verify.model_dump())  # the config's own (default) settings
     res = verify(cfg.verify, cfg.target, version, log=print)
     assert res.passed, (name, res.problems[:5])
-    assert res.fingerprint.rows_checked == version.rows and res.fingerprint.min_agreement >= 0.95, res.fingerprint
-    assert res.identity_files == version.rows and res.reference_samples and res.reference_peak_rss_bytes
-    assert res.invariance_samples and res.invariance_skipped is None
-    print(f"{name}: reference max rel err {res.reference_max_rel_err}, worst reference min cosine "
-          f"{res.reference_min_cosine}, invariance max rel err {res.invariance_max_rel_err}, worst mean cosine "
-          f"{res.invariance_min_cosine}, fingerprint min agreement {res.fingerprint.min_agreement}")
+    c = res.checks
+    assert c.fingerprint.records == version.rows and c.fingerprint.min_agreement >= 0.95, c.fingerprint
+    assert c.identity.records == version.rows and c.reference.samples and c.reference.peak_rss_bytes
+    assert c.invariance.samples and c.invariance.skipped is None
+    print(f"{name}: reference max rel err {c.reference.max_rel_err}, worst reference min cosine "
+          f"{c.reference.min_cosine}, invariance max rel err {c.invariance.max_rel_err}, worst mean cosine "
+          f"{c.invariance.min_cosine}, fingerprint min agreement {c.fingerprint.min_agreement}")
 
 
 def test_one_permuted_record_is_named(clean_run, tmp_path):

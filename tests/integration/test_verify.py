@@ -15,9 +15,10 @@ from safetensors.torch import load_file, save_file
 
 from eagle3_pipeline.core.config import VerifyConfig
 from eagle3_pipeline.records.contracts import invariance_rows, to_record
+from eagle3_pipeline.verify.learned import learn_norm_bounds
 from eagle3_pipeline.verify.reference import choose_rows, reference_check
 from eagle3_pipeline.verify.stage import verify
-from eagle3_pipeline.verify.structure import StructureCheck, learn_norm_bounds, verify_structure
+from eagle3_pipeline.verify.structure import StructureCheck, verify_structure
 from tests.helpers.version import extract_all, make_version, relocated
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,7 +67,8 @@ def test_clean_extraction_passes(extracted):
     assert [s.layer_id for s in res.layer_stats] == extracted.layer_ids
     assert all(s.std > 0 for s in res.layer_stats)
     n = len(list(extracted.hidden_states.glob("hs_*.safetensors")))
-    assert res.files_checked == n and res.norm_bounds_files == min(64, n) and res.norm_bounds_skipped is None
+    nb = res.checks.norm_bounds
+    assert res.files_checked == n and nb.learned_from == min(64, n) and nb.ran and nb.skipped is None
     for s in res.layer_stats:
         assert s.files == n and s.tokens == res.tokens_checked == extracted.record.tokens
         assert s.min < s.mean < s.max and s.norm_lo < s.norm_median < s.norm_hi and s.norm_outliers == 0
@@ -190,7 +192,7 @@ def test_norm_outlier_is_caught(extracted, tmp_path):
                                                norm_samples=32), rows=list(range(NORM_FILES)), log=lambda m: None)
 
     clean = check()
-    assert clean.passed and clean.norm_bounds_files == 32, clean.problems
+    assert clean.passed and clean.checks.norm_bounds.learned_from == 32, clean.problems
     def scale(li):
         def fn(rec):
             hs = rec["hidden_states"].clone()
@@ -275,18 +277,20 @@ def test_gate_passes_clean_data_and_records_stats(extracted, tiny_config, tmp_pa
     res = verify(cfg, tiny_config.target, version, log=lambda m: None)
     assert res.passed, res.problems
     n = extracted.version.rows
-    assert res.fingerprint.rows_checked == n and res.fingerprint.min_agreement >= 0.99
-    assert res.identity_files == n and res.identity_skipped is None
+    c = res.checks
+    assert c.fingerprint.records == n and c.fingerprint.flagged == 0 and c.fingerprint.min_agreement >= 0.99
+    assert c.identity.records == n and c.identity.skipped is None and c.identity.seconds is not None
     # every learned check says how near clean data came to its limit (issue 30: a known false-failure rate)
-    assert 0 < res.fingerprint.clean_margin < 1, res.fingerprint
-    assert 0 < res.identity_max_deviation < cfg.identity_max_z == res.identity_profile["max_z"]
-    assert len(res.identity_profile["median"]) == len(res.identity_profile["scale"]) > 0
-    assert all(0 <= ls.norm_margin < 1 for ls in res.layer_stats)
+    assert 0 < c.fingerprint.clean_margin < 1, c.fingerprint
+    assert 0 < c.identity.max_deviation < cfg.identity_max_z == c.identity.profile["max_z"]
+    assert len(c.identity.profile["median"]) == len(c.identity.profile["scale"]) > 0
+    assert all(0 <= ls.norm_margin < 1 for ls in c.structure.layer_stats)
+    assert c.norm_bounds.margin == max(ls.norm_margin for ls in c.structure.layer_stats)
     # the engine re-ran invariance_rows rows alone; a shard re-published since (another test repairs one of
     # this session extraction's records) drops its rows' entries, which were measured on the old records
-    assert 0 < len(res.invariance_samples) <= tiny_config.extract.invariance_rows or res.invariance_skipped, res
-    if res.invariance_samples:
-        assert res.invariance_max_rel_err < 0.01 and res.invariance_min_cosine > 0.999  # dense bf16: near-exact
+    assert 0 < len(c.invariance.samples) <= tiny_config.extract.invariance_rows or c.invariance.skipped, res
+    if c.invariance.samples:
+        assert c.invariance.max_rel_err < 0.01 and c.invariance.min_cosine > 0.999  # dense bf16: near-exact
     assert res.reference_peak_rss_bytes and res.shards_rechecked == len(version.shards) and res.shards_reused == 0
     rec = json.loads((out / "verify.json").read_text())
     assert [s["layer_id"] for s in rec["layer_stats"]] == extracted.layer_ids
@@ -294,9 +298,12 @@ def test_gate_passes_clean_data_and_records_stats(extracted, tiny_config, tmp_pa
     report = build_report("r", {}, {}, {"verify": res.model_dump()}, {}, "ok").to_json()
     assert report["stages"]["verify"]["passed"] is True
     assert report["stages"]["verify"]["details"]["layer_stats"] == rec["layer_stats"]
+    # the keys verify.json had before it was nested by check are still there, derived from the checks
+    assert rec["identity_profile"] == c.identity.profile and rec["fingerprint"]["rows_checked"] == n
+    assert rec["checks"]["identity"]["records"] == n and rec["norm_bounds_files"] == c.norm_bounds.learned_from
     again = verify(cfg, tiny_config.target, version, log=lambda m: None)
     assert again.passed and again.shards_reused == len(version.shards) and again.shards_rechecked == 0
-    assert again.bytes_read == 0 and again.reference_samples == res.reference_samples
+    assert again.checks.structure.bytes_read == 0 and again.checks.reference.samples == c.reference.samples
 
 
 @pytest.mark.parametrize("kind", ["permuted aux layers", "zeroed tail", "another request's final layer",
@@ -361,8 +368,9 @@ def test_broken_connector_is_caught_by_batch_invariance_and_fingerprints(extract
     assert structure.passed, structure.problems[:3]  # nothing structural to see
     res = verify(VerifyConfig(reference_samples=0), tiny_config.target, version, log=lambda m: None)
     assert not res.passed and res.bad_rows, res.problems
-    assert len(res.invariance_samples) == 3
-    inv_bad = [r for r in res.invariance_samples if r in res.bad_rows]
+    assert len(res.checks.invariance.samples) == 3
+    inv_bad = [r for r in res.checks.invariance.samples if r in res.bad_rows]
+    assert res.checks.invariance.flagged == len(inv_bad)
     assert inv_bad, res.problems  # the first request of each step is written right: not every sample is late
     for r in inv_bad:
         msgs = [p for p in res.problems if p.startswith(f"hs_{r}.safetensors (row {r}, sample ") and "extracted alone" in p]
@@ -503,8 +511,8 @@ def test_every_token_s_aux_layers_are_checked_against_the_engine(extracted, tiny
     res = verify(cfg, tiny_config.target, version, log=lambda m: None)
     assert res.passed, res.problems[:5]
     sk = res.checks["state_sketch"]
-    assert sk.ran and sk.records == version.rows and res.sketch_failed == 0
-    assert res.sketch_margin is not None and 0 <= res.sketch_margin < 0.1, res.sketch_margin  # ÷ the tolerance
+    assert sk.ran and sk.records == version.rows and sk.flagged == 0
+    assert sk.margin is not None and 0 <= sk.margin < 0.1, sk.margin  # ÷ the tolerance
 
     a, b = load_file(str(version.record_path(2))), load_file(str(version.record_path(7)))
     ids_a, ids_b = a["token_ids"], b["token_ids"]
@@ -524,7 +532,7 @@ def test_every_token_s_aux_layers_are_checked_against_the_engine(extracted, tiny
     assert f"layer {extracted.layer_ids[0]} at 1 positions [{p}]" in line and "state sketch" in line, line
     assert not any("does not reproduce the target's logits" in x for x in res.problems), res.problems
     assert any(x.startswith("hs_4.safetensors (row 4,") and "has no state_sketch" in x for x in res.problems)
-    assert res.sketch_failed == 1
+    assert res.checks.state_sketch.flagged == 1
 
     version = relocated(extracted.version, _copy_extract(extracted, tmp_path / "again"))  # (bad files were moved)
     _resketch(version, 4, drop=True)

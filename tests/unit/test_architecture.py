@@ -150,7 +150,6 @@ LONG_FUNCTIONS = {
     "targets/smollm2.py:build_smollm2": (66, "GGUF tensors to HF names, tokenizer and template, written in the build's order"),
     "train/export.py:export_check": (79, "one check per property of an exported draft, each with its own message"),
     "verify/scan.py:_read_record": (71, "one record's read with a problem message for every way a file can be wrong"),
-    "verify/structure.py:judge_records": (80, "the checks that need every record at once, sharing one pass over the statistics"),
 }
 
 

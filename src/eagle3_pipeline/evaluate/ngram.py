@@ -19,9 +19,6 @@ much that matters on the tiny target, and how the step count was checked: docs/e
 
 from __future__ import annotations
 
-from pydantic import BaseModel
-
-from eagle3_pipeline.evaluate.implementation import Implementation
 from eagle3_pipeline.evaluate.results import (
     EvaluateError,
     SpeedResult,
@@ -31,58 +28,12 @@ from eagle3_pipeline.evaluate.results import (
     speedup_of,
     tau_text,
 )
+from eagle3_pipeline.records.evaluation import NgramBaseline, NgramCategory, SuffixBaseline  # the models
 
 NGRAM_LABEL = "ngram"  # label of the n-gram baseline run (worker.NGRAM)
 # Suffix decoding (`baseline_suffix`, vLLM's `method: suffix`: arctic-inference on Model Runner V1, vLLM's own GPU
 # proposer on 0.34's V2; each baseline names its `implementation`) is measured and counted the same
 # way, with the same k; its trees also hold the earlier prompts' responses of the same pass, as in serving.
-
-
-class NgramCategory(BaseModel):
-    """The n-gram baseline's counters over some prompts and the rates made from them (module doc)."""
-    prompts: int
-    tokens_per_step: float | None  # 1 + accepted / steps: τ's convention over every decode step (None: no steps)
-    steps: int  # target decode steps, with or without a proposal
-    proposed_steps: int  # steps where the lookup proposed tokens (vLLM's spec_decode_num_drafts)
-    draft_tokens: int
-    accepted_tokens: int
-    generated_tokens: int
-    acceptance_length_proposed: float | None  # vLLM's mean acceptance length: 1 + accepted / proposed_steps
-    output_tokens_per_step: float | None  # (generated - prompts) / steps: what reached the answers per step
-    tokens_past_end: int  # prompts + steps + accepted - generated: confirmed tokens a stop or max_tokens cut off
-    steps_source: str = "inter_token_latency"  # or "generated_minus_accepted" (a lower bound; no histogram)
-
-
-class _Baseline(NgramCategory):
-    """What every training-free baseline reports beside its counters (module doc)."""
-    method: str
-    num_speculative_tokens: int
-    implementation: Implementation | None = None  # what proposed: arctic-inference or vLLM's own, which vLLM
-    per_category: dict[str, NgramCategory] = {}
-    per_position_acceptance: list[float] = []  # accepted at position k / proposed steps
-    engine_start_s: float = 0.0
-    generate_s: float = 0.0  # the greedy pass
-    run_s: float | None = None  # what the baseline costs the evaluation: engine start, passes, shutdown
-    tokens_per_s: float | None = None  # median of the timed rounds (cfg.speedup)
-    speedup: float | None = None  # median tokens/s with the baseline ÷ the target alone's
-    lossless_checked: int | None = None
-    lossless_mismatches: int | None = None  # prompts whose tokens differ from the reference decoding
-    lossless_reference: str | None = None
-
-
-class NgramBaseline(_Baseline):
-    """report.json stages.evaluate.baseline_ngram: vLLM's n-gram speculation on the evaluation prompts."""
-    method: str = "ngram"
-    prompt_lookup_min: int
-    prompt_lookup_max: int
-
-
-class SuffixBaseline(_Baseline):
-    """report.json stages.evaluate.baseline_suffix: vLLM's suffix decoding on the evaluation prompts."""
-    method: str = "suffix"
-    max_tree_depth: int
-    max_spec_factor: float
-    min_token_prob: float
 
 
 def ngram_category(c, k: int, label: str = NGRAM_LABEL) -> NgramCategory:

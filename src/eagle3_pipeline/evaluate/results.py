@@ -7,86 +7,17 @@ from __future__ import annotations
 
 import statistics
 
-from pydantic import BaseModel
-
-from eagle3_pipeline.evaluate.implementation import Implementation
+from eagle3_pipeline.records.evaluation import (  # the models: records/evaluation.py (the report reads them)
+    CategoryResult,
+    EvalResult,
+    LosslessMismatch,
+    SampledResult,
+    SpeedResult,
+)
 
 
 class EvaluateError(RuntimeError):
     """The evaluate child failed (bad checkpoint for vLLM, engine error, deadline) or measured nothing."""
-
-
-class LosslessMismatch(BaseModel):
-    prompt: int  # index into the prompts
-    position: int  # first generated position where the two disagree
-    expected: int | None  # plain greedy token (None: plain output ended here)
-    found: int | None  # speculative token (None: speculative output ended here)
-
-
-class CategoryResult(BaseModel):
-    """Counters of one category (or a whole pass) and the rates made from them."""
-    prompts: int
-    generated_tokens: int
-    drafts: int
-    draft_tokens: int
-    accepted_tokens: int
-    accepted_per_position: list[int]
-    acceptance_length: float | None  # None: no drafts were made (every answer ended at once)
-    per_position_acceptance: list[float]  # [] when acceptance_length is None
-    steps: int | None = None  # target decode steps, proposing or not (None: vLLM gave no step count)
-    tokens_per_step: float | None = None  # 1 + accepted / steps (= acceptance_length when every step drafts)
-    output_tokens_per_step: float | None = None  # (generated - prompts) / steps: without tokens past an answer's end
-
-
-class SampledResult(BaseModel):
-    """The pass at temperature > 0 (same engine, request i seeded with seed + i)."""
-    temperature: float
-    seed: int
-    total: CategoryResult
-    per_category: dict[str, CategoryResult]
-
-
-class SpeedResult(BaseModel):
-    """Timed greedy generate calls over all prompts (engine start-up not included)."""
-    rounds: int
-    generate_s: list[float]
-    generated_tokens: list[int]
-    tokens_per_s: list[float]
-    tokens_per_s_median: float
-    tokens_per_s_min: float
-    tokens_per_s_max: float
-
-
-class EvalResult(BaseModel):
-    label: str
-    draft_dir: str
-    num_speculative_tokens: int
-    acceptance_length: float  # τ = 1 + accepted_tokens / drafts
-    per_position_acceptance: list[float]  # accepted at position k / drafts, k = 1..num_speculative_tokens
-    drafts: int
-    draft_tokens: int
-    accepted_tokens: int
-    accepted_per_position: list[int]
-    prompts: int
-    prompt_tokens: int
-    generated_tokens: int
-    engine_start_s: float
-    generate_s: float
-    tokens_per_s: float  # generated tokens / generate_s (with speculation)
-    run_s: float | None = None  # what this number cost: the engine's whole run in the child (start, passes, shutdown)
-    sample_texts: list[str]
-    lossless_checked: int | None = None  # prompts compared with the reference decoding (None: not checked)
-    lossless_mismatches: list[LosslessMismatch] | None = None
-    lossless_reference: str | None = None  # label of the reference run: "untrained" or "plain"
-    plain_tokens_per_s: float | None = None  # the target alone, same prompts (reference "plain" only)
-    per_category: dict[str, CategoryResult] = {}  # temperature 0; the totals above are their sums
-    sampled: SampledResult | None = None
-    speed: SpeedResult | None = None  # timed rounds with this draft (cfg.speedup)
-    speedup: float | None = None  # median tokens/s with this draft ÷ the target alone's
-    speedup_detail: dict | None = None
-    steps: int | None = None  # target decode steps of the greedy pass (= drafts: an EAGLE draft proposes at each)
-    output_tokens_per_step: float | None = None  # (generated - prompts) / steps, as NgramBaseline's
-    implementation: Implementation | None = None  # the vLLM version and runner that ran this draft (implementation.py)
 
 
 def lossless_mismatches(plain: list[list[int]], spec: list[list[int]]) -> list[LosslessMismatch]:

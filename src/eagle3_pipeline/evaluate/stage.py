@@ -23,6 +23,7 @@ from eagle3_pipeline.engine.start import refusal_of
 from eagle3_pipeline.evaluate.ngram import NgramBaseline, SuffixBaseline, describe_ngram, ngram_baseline
 from eagle3_pipeline.evaluate.results import EvalResult, EvaluateError, SpeedResult, eval_result, speed_result, tau_text
 from eagle3_pipeline.records.contracts import model_dims
+from eagle3_pipeline.records.evaluation import CategoryReport, EvaluateReport  # the models (the report reads them)
 
 WORKER = "eagle3_pipeline.evaluate.worker"
 UNTRAINED = "untrained"  # label of the baseline run (evaluate_pair)
@@ -59,52 +60,6 @@ class InvalidDraftError(InputError):
 class EvaluateGateFailed(GateFailed):
     """The trained draft's acceptance length is below `evaluate.min_acceptance_length` (or, with
     `evaluate.lossless_gate`, speculation changed the greedy output)."""
-
-
-class CategoryReport(BaseModel):
-    """report.json stages.evaluate.per_category[<category>]."""
-    prompts: int
-    acceptance_length: float | None  # temperature 0, this draft
-    per_position_acceptance: list[float]
-    acceptance_length_untrained: float | None = None
-    acceptance_length_sampled: float | None = None  # at evaluate.temperature
-    per_position_acceptance_sampled: list[float] | None = None
-    drafts: int = 0
-    accepted_tokens: int = 0
-    generated_tokens: int = 0
-    tokens_per_step_ngram: float | None = None  # the n-gram baseline, same prompts (NgramCategory.tokens_per_step)
-    tokens_per_step_suffix: float | None = None  # the suffix decoding baseline, same prompts
-
-
-class EvaluateReport(BaseModel):
-    acceptance_length: float
-    acceptance_length_untrained: float | None
-    per_position_acceptance: list[float]
-    per_position_acceptance_untrained: list[float] | None
-    min_acceptance_length: float
-    passed: bool
-    lossless_ok: bool | None  # None: not checked
-    trained: EvalResult
-    untrained: EvalResult | None
-    wall_s: float
-    engine_start_s: float = 0.0  # every engine start of the child (each run loads the target)
-    out_dir: str
-    acceptance_length_previous: float | None = None  # the previous version's draft on the same prompts (refresh)
-    previous: EvalResult | None = None
-    per_category: dict[str, CategoryReport] = {}
-    speedup: float | None = None  # output tokens/s with the trained draft ÷ without any draft (temperature 0)
-    speedup_detail: dict | None = None  # tokens_per_s_draft, tokens_per_s_plain, rounds, min-max, seconds
-    sampling_temperature: float | None = None
-    acceptance_length_sampled: float | None = None  # the trained draft at sampling_temperature, all prompts
-    acceptance_length_per_turn: dict[str, float | None] = {}  # "turn 1", "turn 2": τ over each turn's prompts
-    per_position_acceptance_sampled: list[float] | None = None
-    prompt_set: dict | None = None  # PromptSet.summary(): source, categories, skipped rows, quarantine file
-    sampling_warning: str | None = None  # why acceptance_length_sampled is not to be trusted on this build
-    baseline_ngram: NgramBaseline | None = None  # vLLM's n-gram speculation, same prompts and settings
-    baseline_suffix: SuffixBaseline | None = None  # vLLM's suffix decoding, same prompts and settings
-    baseline_suffix_unavailable: str | None = None  # why there is no suffix baseline where one was asked for
-    engine_run_s: dict[str, float | None] = {}  # what each number cost: seconds of each engine's whole run
-    # (start, passes, shutdown) by label: trained, untrained, previous, ngram, suffix (engine_costs)
 
 
 class DraftComparison(BaseModel):

@@ -81,9 +81,9 @@ def online_row_checks(cfg: PipelineConfig, target, version: ExtractVersion, ver,
     from eagle3_pipeline.checks.final_layer import FP8_SLACK
     from eagle3_pipeline.train.job import RowChecksSpec
 
-    fp, sk = ver.checks.get("fingerprint"), ver.checks.get("state_sketch")
-    fingerprint, sketch = bool(fp and fp.ran), "state_sketch" not in cfg.verify.allow_skip or bool(sk and sk.ran)
-    if not (fingerprint or sketch or ver.identity_profile):
+    fp, sk, profile = ver.checks.fingerprint, ver.checks.state_sketch, ver.checks.identity.profile
+    fingerprint, sketch = fp.ran, "state_sketch" not in cfg.verify.allow_skip or sk.ran
+    if not (fingerprint or sketch or profile):
         return None  # every per-row check is skipped by name (verify.allow_skip); the sample's gate said so
     d = work / "row_checks"
     shutil.rmtree(d, ignore_errors=True)
@@ -92,7 +92,7 @@ def online_row_checks(cfg: PipelineConfig, target, version: ExtractVersion, ver,
         model_dir=str(Path(target.model).resolve()), norm_eps=version.dims.norm_eps, atol=cfg.verify.fingerprint_atol,
         rtol=cfg.verify.fingerprint_rtol, stol=cfg.verify.fingerprint_stol,
         slack=FP8_SLACK if version.storage_dtype == "fp8" else 1.0, layer_ids=list(version.layer_ids),
-        storage_dtype=version.storage_dtype, identity=ver.identity_profile, fingerprint=fingerprint, sketch=sketch,
+        storage_dtype=version.storage_dtype, identity=profile, fingerprint=fingerprint, sketch=sketch,
         rejected_path=str(d / "rejected.jsonl"),
         flagged_path=str(d / "flagged.jsonl"), flagged_dir=str(d / "flagged" / "hidden_states"))
 

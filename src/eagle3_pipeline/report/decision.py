@@ -18,6 +18,8 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from eagle3_pipeline.core.store import atomic_write_text, slug
+from eagle3_pipeline.records.evaluation import EvaluateReport
+from eagle3_pipeline.report.loose import loose
 
 BASELINES = (("baseline_ngram", "n-gram", "tokens_per_step_ngram"),
              ("baseline_suffix", "suffix decoding", "tokens_per_step_suffix"))
@@ -72,14 +74,14 @@ def decide(evaluate: dict | None, curve: list[CurvePoint]) -> Decision | None:
     """The decision from report.json's evaluate entry (contract keys and details alike) and the curve."""
     if not isinstance(evaluate, dict):
         return None
-    flat = _flat(evaluate)
-    named = {key: _named(name, flat.get(key)) for key, name, _ in BASELINES if isinstance(flat.get(key), dict)}
-    free = {named[key]: flat[key].get("tokens_per_step") for key in named}
-    overall = _row(flat.get("acceptance_length"), free)
-    cats = {str(c): _row(v.get("acceptance_length"), {named[key]: v.get(col) for key, _, col in BASELINES
-                                                        if key in named}, v.get("prompts"))
-            for c, v in (flat.get("per_category") or {}).items() if isinstance(v, dict)}
-    key = series_key(flat)
+    ev = _record(evaluate)
+    named = {key: _named(name, getattr(ev, key)) for key, name, _ in BASELINES if getattr(ev, key) is not None}
+    free = {named[key]: getattr(ev, key).tokens_per_step for key in named}
+    overall = _row(ev.acceptance_length, free)
+    cats = {str(c): _row(v.acceptance_length, {named[key]: getattr(v, col) for key, _, col in BASELINES
+                                               if key in named}, v.prompts)
+            for c, v in (ev.per_category or {}).items() if v is not None}
+    key = series_key(ev)
     mine, others = split_series(curve, key)
     slope = per_doubling(mine)
     says = _says(overall, cats, slope, len(mine))
@@ -93,30 +95,31 @@ def decide(evaluate: dict | None, curve: list[CurvePoint]) -> Decision | None:
 NOT_RECORDED = "implementation not recorded"
 
 
-def _named(name: str, baseline: dict) -> str:
+def _named(name: str, baseline) -> str:
     """A baseline's name with the implementation that measured it (vLLM version; the suffix decoding backend)."""
-    impl = baseline.get("implementation")
-    if not isinstance(impl, dict):
+    impl = baseline.implementation
+    if impl is None:
         return name
-    backend = impl.get("backend")
-    on = f"vLLM {impl.get('vllm') or '?'}"
+    backend = impl.backend
+    on = f"vLLM {impl.vllm or '?'}"
     return f"{name}, {backend} on {on}" if backend and backend != "vllm" else f"{name}, {on}"
 
 
-def series_key(ev_flat: dict) -> str | None:
+def series_key(ev) -> str | None:
     """The implementation an evaluation's numbers come from, as one key: the vLLM version(s) and runner(s) of its
-    draft and baseline engines, and the suffix decoding backend (None: nothing recorded)."""
-    impls = {name: (ev_flat.get(key) or {}).get("implementation") for key, name in
+    draft and baseline engines, and the suffix decoding backend (None: nothing recorded). `ev`: evaluate's record
+    (EvaluateReport, loose)."""
+    impls = {name: getattr(ev, key).implementation for key, name in
              (("trained", "draft"), ("baseline_ngram", "n-gram"), ("baseline_suffix", "suffix"))
-             if isinstance(ev_flat.get(key), dict)}
-    impls = {k: v for k, v in impls.items() if isinstance(v, dict)}
+             if getattr(ev, key) is not None}
+    impls = {k: v for k, v in impls.items() if v is not None}
     if not impls:
         return None
-    engines = sorted({f"vLLM {v.get('vllm') or '?'}" + (f" {v['runner'].upper()}" if v.get("runner") else "")
+    engines = sorted({f"vLLM {v.vllm or '?'}" + (f" {v.runner.upper()}" if v.runner else "")
                       for v in impls.values()})
     key = ", ".join(engines)
     if "suffix" in impls:
-        backend = impls["suffix"].get("backend") or "?"
+        backend = impls["suffix"].backend or "?"
         key += f"; suffix: {'vLLM native' if backend == 'vllm' else backend}"
     return key
 
@@ -193,23 +196,27 @@ def record_run(path: Path, point: CurvePoint) -> list[CurvePoint]:
 def _flat(entry: dict | None) -> dict:
     """A report entry's contract keys and details in one mapping (a contract key's value wins unless None)."""
     entry = entry or {}
-    return {**(entry.get("details") or {}), **{k: v for k, v in entry.items() if v is not None}}
+    return {**(entry.get("details") or {}), **{k: v for k, v in entry.items() if v is not None and k != "details"}}
+
+
+def _record(evaluate: dict | None):
+    """report.json's evaluate entry as evaluate's own record (EvaluateReport, loose: every field optional)."""
+    return loose(EvaluateReport).model_validate(_flat(evaluate))
 
 
 def curve_point(run_id: str, stages: dict) -> CurvePoint | None:
     """This run's point from its report entries (None: no trained draft was evaluated)."""
-    ev_flat, tr_flat, pr_flat = (_flat(stages.get(name)) for name in ("evaluate", "train", "prepare"))
-    tau, tokens, epochs = ev_flat.get("acceptance_length"), tr_flat.get("tokens"), tr_flat.get("epochs_done") or 1
+    ev = _record(stages.get("evaluate"))
+    tr_flat, pr_flat = (_flat(stages.get(name)) for name in ("train", "prepare"))
+    tau, tokens, epochs = ev.acceptance_length, tr_flat.get("tokens"), tr_flat.get("epochs_done") or 1
     if not isinstance(tau, (int, float)) or not isinstance(tokens, int) or tokens <= 0:
         return None
-    free = [(ev_flat.get(key) or {}).get("tokens_per_step") for key, _, _ in BASELINES
-            if isinstance(ev_flat.get(key), dict)]
+    free = [getattr(ev, key).tokens_per_step for key, _, _ in BASELINES if getattr(ev, key) is not None]
     free = [f for f in free if isinstance(f, (int, float))]
-    ps = ev_flat.get("prompt_set") or {}
-    trained = ev_flat.get("trained") or {}
+    ps = ev.prompt_set or {}
     sup = pr_flat.get("supervised_tokens")
     return CurvePoint(run_id=run_id, train_tokens=int(tokens // max(int(epochs), 1)), tau=float(tau),
-                      best_free=max(free) if free else None, prompts=ps.get("source") if isinstance(ps, dict) else None,
-                      k=trained.get("num_speculative_tokens") if isinstance(trained, dict) else None,
+                      best_free=max(free) if free else None, prompts=ps.get("source"),
+                      k=ev.trained.num_speculative_tokens if ev.trained else None,
                       data="regenerated" if stages.get("regenerate") else "source",
-                      supervised_tokens=sup if isinstance(sup, int) else None, implementation=series_key(ev_flat))
+                      supervised_tokens=sup if isinstance(sup, int) else None, implementation=series_key(ev))

@@ -4,19 +4,23 @@ keys are added, never renamed or removed; tests/unit/test_report.py holds the sc
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, create_model
 
 from eagle3_pipeline.data.tokenized import PrepareResult
+from eagle3_pipeline.records.evaluation import EvaluateReport
 from eagle3_pipeline.records.results import ExtractResult, RegenerateResult, TrainResult, VocabResult
+from eagle3_pipeline.records.verification import VerifyResult
 from eagle3_pipeline.report.decision import Decision
+from eagle3_pipeline.report.loose import loose, loose_annotation
 
 
 class StageEntry(BaseModel):
     """A stage's entry: its contract keys (None where the stage's record had none) and the rest of its record
     under `details`."""
     model_config = ConfigDict(extra="forbid")
+    source: ClassVar[type[BaseModel] | None] = None  # the stage's own record model (entry_of)
     details: dict[str, Any] = {}
 
     def contract(self) -> dict[str, Any]:
@@ -28,16 +32,29 @@ class StageEntry(BaseModel):
         own = getattr(self, key) if key in type(self).model_fields and key != "details" else None
         return own if own is not None else self.details.get(key)
 
+    def record(self) -> BaseModel:
+        """The stage's record as its own model reads it, every field optional (`loose`): the contract keys and the
+        details, typed, for report.md to read by attribute. A stage without a model: its details as they are."""
+        model = loose(self.source) if self.source else None
+        if model is None:
+            raise TypeError(f"{type(self).__name__} has no record model")
+        return model.model_validate({**self.details, **{k: v for k, v in self.contract().items() if v is not None}})
+
 
 def entry_of(record: type[BaseModel], *keys: str) -> type[StageEntry]:
-    """A stage's entry from the stage's own record model: its contract `keys`, typed as the record declares them
-    (None where the stage's record had none), and the rest of the record under `details`."""
-    missing = [k for k in keys if k not in record.model_fields]
+    """A stage's entry from the stage's own record model: its contract `keys` (fields or computed fields), typed as
+    the record declares them (None where the stage's record had none; a nested model `loose`), and the rest of the
+    record under `details`."""
+    declared = {k: f.annotation for k, f in record.model_fields.items()}
+    declared |= {k: f.return_type for k, f in record.model_computed_fields.items()}
+    missing = [k for k in keys if k not in declared]
     if missing:
         raise TypeError(f"{record.__name__} has no field(s) {missing} for report.json's contract")
-    fields: dict[str, Any] = {k: (record.model_fields[k].annotation | None, None) for k in keys}
-    name = record.__name__.removesuffix("Result") + "Entry"
-    return create_model(name, __base__=StageEntry, __module__=__name__, **fields)
+    fields: dict[str, Any] = {k: (loose_annotation(declared[k]) | None, None) for k in keys}
+    name = record.__name__.removesuffix("Result").removesuffix("Report") + "Entry"
+    entry = create_model(name, __base__=StageEntry, __module__=__name__, **fields)
+    entry.source = record
+    return entry
 
 
 RegenerateEntry = entry_of(RegenerateResult, "version", "rows_in", "rows_out", "rows_quarantined", "tokens_generated")
@@ -52,29 +69,15 @@ ExtractEntry = entry_of(ExtractResult, "layer_ids", "shards_total", "shards_publ
                         "bytes_on_disk", "rows_extracted", "rows_reused")
 
 
-class VerifyEntry(StageEntry):
-    passed: bool | None = None
-    samples_checked: int | None = None
-    reference_max_rel_err: float | None = None
-    shards_rechecked: int | None = None
-    shards_reused: int | None = None
-    reference_peak_rss_bytes: int | None = None
-
-
+VerifyEntry = entry_of(VerifyResult, "passed", "samples_checked", "reference_max_rel_err", "shards_rechecked",
+                       "shards_reused", "reference_peak_rss_bytes")
 VocabEntry = entry_of(VocabResult, "draft_vocab_size", "coverage")
 TrainEntry = entry_of(TrainResult, "mode", "world_size", "steps", "final_loss", "tokens_per_s", "nodes", "ranks_per_node",
                       "accumulation_steps", "global_batch_tokens", "sharding")
 
 
-class EvaluateEntry(StageEntry):
-    acceptance_length: float | None = None
-    acceptance_length_untrained: float | None = None
-    per_position_acceptance: list[float] | None = None
-    per_category: dict[str, dict[str, Any]] | None = None
-    speedup: float | None = None
-    baseline_ngram: dict[str, Any] | None = None
-    baseline_suffix: dict[str, Any] | None = None
-    baseline_suffix_unavailable: str | None = None
+EvaluateEntry = entry_of(EvaluateReport, "acceptance_length", "acceptance_length_untrained", "per_position_acceptance",
+                         "per_category", "speedup", "baseline_ngram", "baseline_suffix", "baseline_suffix_unavailable")
 
 
 class Stages(BaseModel):

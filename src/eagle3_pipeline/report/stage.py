@@ -18,10 +18,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
 from eagle3_pipeline.core.stage_spec import IO, Retry, StageSpec
 from eagle3_pipeline.core.store import atomic_write, atomic_write_text, write_json
 from eagle3_pipeline.report.decision import NOT_RECORDED, CurvePoint, Decision, decide
-from eagle3_pipeline.report.record import Artifacts, EvaluateEntry, RunReport, StageEntry, Stages, StageTiming
+from eagle3_pipeline.report.record import (
+    Artifacts,
+    EvaluateEntry,
+    RunReport,
+    StageEntry,
+    Stages,
+    StageTiming,
+    VerifyEntry,
+)
 
 # the reported stages in run order: Stages' fields (pipeline/registry.py REPORTED; tests/unit/test_architecture.py checks the two)
 STAGES = tuple(Stages.model_fields)
@@ -107,12 +117,12 @@ def _plots(run_dir: Path, report: RunReport, metrics_path: Path | None) -> list[
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ev = report.stages.evaluate or EvaluateEntry()
+    ev = (report.stages.evaluate or EvaluateEntry()).record()
     made = []
     for name, draw in (("train_loss", lambda: _train_plot(plt, run_dir, metrics_path)),
                        ("acceptance", lambda: _acceptance_plot(plt, run_dir, ev)),
                        ("tau_per_category", lambda: _category_plot(plt, run_dir, _categories(ev),
-                                                                   ev.value("sampling_temperature"))),
+                                                                   ev.sampling_temperature)),
                        ("tau_vs_data", lambda: _data_plot(plt, run_dir, report.decision))):
         try:
             plot = draw()
@@ -150,17 +160,18 @@ def _train_plot(plt, run_dir: Path, metrics_path: Path | None) -> Plot | None:
     return _save(fig, run_dir, "train_loss", "draft training loss and accuracy per TTT step")
 
 
-def _acceptance_plot(plt, run_dir: Path, ev: EvaluateEntry) -> Plot | None:
-    pos = ev.value("per_position_acceptance")
+def _acceptance_plot(plt, run_dir: Path, ev) -> Plot | None:
+    """`ev`: evaluate's record (EvaluateReport, loose: StageEntry.record)."""
+    pos = ev.per_position_acceptance
     if not pos:
         return None
-    base = ev.value("per_position_acceptance_untrained") or []
+    base = ev.per_position_acceptance_untrained or []
     fig, ax = plt.subplots(figsize=(5, 3.2))
     xs = range(1, len(pos) + 1)
-    tau = ev.value("acceptance_length")
+    tau = ev.acceptance_length
     ax.bar([x - 0.2 for x in xs], pos, width=0.4, label="trained" + (f" (τ={tau:.2f})" if _isnum(tau) else ""))
     if base:
-        tau0 = ev.value("acceptance_length_untrained")
+        tau0 = ev.acceptance_length_untrained
         ax.bar([x + 0.2 for x in list(xs)[: len(base)]], base, width=0.4,
                label="untrained" + (f" (τ={tau0:.2f})" if _isnum(tau0) else ""))
     ax.set_xticks(list(xs))
@@ -169,14 +180,14 @@ def _acceptance_plot(plt, run_dir: Path, ev: EvaluateEntry) -> Plot | None:
     return _save(fig, run_dir, "acceptance", "acceptance rate per draft position")
 
 
-def _category_plot(plt, run_dir: Path, cats: dict[str, dict], temperature) -> Plot | None:
+def _category_plot(plt, run_dir: Path, cats: dict[str, BaseModel], temperature) -> Plot | None:
     """τ per prompt category: the trained draft at temperature 0, the untrained one, the trained one at
     the sampling temperature, and vLLM's n-gram speculation (tokens per target step, τ's convention over
     every step); the bars a category has no number for are left out."""
     series = [("acceptance_length", "trained, T=0"), ("acceptance_length_untrained", "untrained, T=0"),
               ("acceptance_length_sampled", f"trained, T={_num(temperature)}" if temperature else "trained, sampled"),
               ("tokens_per_step_ngram", "n-gram, T=0"), ("tokens_per_step_suffix", "suffix, T=0")]
-    series = [(k, label) for k, label in series if any(_isnum(c.get(k)) for c in cats.values())]
+    series = [(k, label) for k, label in series if any(_isnum(getattr(c, k, None)) for c in cats.values())]
     if not series:
         return None
     names = list(cats)
@@ -184,7 +195,7 @@ def _category_plot(plt, run_dir: Path, cats: dict[str, dict], temperature) -> Pl
     width, top = 0.8 / max(1, len(series)), 1.0
     for j, (key, label) in enumerate(series):
         xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(names))]
-        ys = [cats[n].get(key) if _isnum(cats[n].get(key)) else 0.0 for n in names]
+        ys = [getattr(cats[n], key, None) if _isnum(getattr(cats[n], key, None)) else 0.0 for n in names]
         ax.bar(xs, ys, width=width, label=label)
         top = max(top, *ys)
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")  # τ = 1: no draft token accepted
@@ -242,7 +253,7 @@ def _markdown(report: RunReport, plots: list[Plot], images: dict[str, str] | Non
     if summary:
         lines += ["## Summary", ""] + summary + [""]
     by_name = {p.name: p for p in plots}
-    cats = _category_table(stages.evaluate or EvaluateEntry())
+    cats = _category_table((stages.evaluate or EvaluateEntry()).record())
     if cats:
         lines += ["## Acceptance per prompt category", ""] + cats + [""]
         if "tau_per_category" in by_name:
@@ -300,45 +311,45 @@ def _image(plot: Plot, images: dict[str, str] | None) -> str:
 def _summary(stages: Stages) -> list[str]:
     """The headline numbers as a list: τ trained vs untrained, τ sampled, speed-up, train mode, regenerate."""
     out = []
-    ev = stages.evaluate or EvaluateEntry()
-    tau, tau0 = ev.value("acceptance_length"), ev.value("acceptance_length_untrained")
+    ev = (stages.evaluate or EvaluateEntry()).record()
+    tau, tau0 = ev.acceptance_length, ev.acceptance_length_untrained
     if _isnum(tau):
         out.append(f"- **Acceptance length τ** (temperature 0): **{tau:.3f}** trained"
-                   + (f" vs {tau0:.3f} untrained" if _isnum(tau0) else "") + _impl(ev.value("trained"), " on "))
-    turns = ev.value("acceptance_length_per_turn")
-    if isinstance(turns, dict) and turns:
+                   + (f" vs {tau0:.3f} untrained" if _isnum(tau0) else "") + _impl(ev.trained, " on "))
+    turns = ev.acceptance_length_per_turn
+    if turns:
         out.append("- **τ per turn** (trained, temperature 0): " + ", ".join(
             f"{k} {v:.3f}" if _isnum(v) else f"{k} –" for k, v in turns.items()))
     out += _ngram_summary(ev, tau)
     out += _ngram_summary(ev, tau, "baseline_suffix")
-    if ev.value("baseline_suffix_unavailable"):
-        out.append(f"- **suffix decoding baseline**: not measured: {_cell(str(ev.value('baseline_suffix_unavailable')))}")
-    temp, sampled = ev.value("sampling_temperature"), ev.value("acceptance_length_sampled")
+    if ev.baseline_suffix_unavailable:
+        out.append(f"- **suffix decoding baseline**: not measured: {_cell(str(ev.baseline_suffix_unavailable))}")
+    temp, sampled = ev.sampling_temperature, ev.acceptance_length_sampled
     cats = _categories(ev)
     if not _isnum(sampled) and cats:  # the prompt-weighted mean over the categories that have it
-        have = [(c.get("prompts") or 1, c["acceptance_length_sampled"]) for c in cats.values()
-                if _isnum(c.get("acceptance_length_sampled"))]
+        have = [(c.prompts or 1, c.acceptance_length_sampled) for c in cats.values()
+                if _isnum(c.acceptance_length_sampled)]
         if have:
             sampled = sum(n * t for n, t in have) / sum(n for n, _ in have)
     if _isnum(sampled):
-        warn = ev.value("sampling_warning")
+        warn = ev.sampling_warning
         out.append(f"- **τ at temperature {_num(temp) if _isnum(temp) else '> 0'}** (trained): {sampled:.3f}"
                    + (f" — ⚠ not a measure of the draft here: {warn}" if warn else ""))
-    speedup = ev.value("speedup")
+    speedup = ev.speedup
     if _isnum(speedup):
-        d = ev.value("speedup_detail") or {}
+        d = ev.speedup_detail or {}
         how = ""
         if _isnum(d.get("tokens_per_s_draft")) and _isnum(d.get("tokens_per_s_plain")):
             how = (f" ({_num(d['tokens_per_s_draft'])} vs {_num(d['tokens_per_s_plain'])} output tokens/s"
                    + (f", {d['rounds']} rounds" if d.get("rounds") else "") + ")")
         out.append(f"- **Speed-up** (output tokens/s with the draft ÷ without, temperature 0): "
                    f"**{speedup:.2f}×**{how}")
-    costs = ev.value("engine_run_s")
-    if isinstance(costs, dict) and any(_isnum(v) for v in costs.values()):
+    costs = ev.engine_run_s or {}
+    if any(_isnum(v) for v in costs.values()):
         out.append("- **What each number cost** (seconds of each engine's whole run): "
                    + ", ".join(f"{k} {_num(v, 3)} s" for k, v in costs.items() if _isnum(v)))
     out += _storage_summary(stages.preflight or StageEntry())
-    out += _verify_summary(stages.verify or StageEntry())
+    out += _verify_summary((stages.verify or VerifyEntry()).record())
     out += _train_summary(stages.train or StageEntry())
     rg = stages.regenerate
     if rg:
@@ -418,46 +429,42 @@ def _train_summary(tr: StageEntry) -> list[str]:
     return [", ".join(parts)]
 
 
-def _surprise_margin(pred: dict) -> str:
-    """The surprise signal's clean margin (verify/row_signal.py), beside the hit rate's."""
-    z = (pred.get("surprise") or {}).get("max_z") if isinstance(pred, dict) else None
-    return f", surprise largest z {_num(z, 3)}" if _isnum(z) else ""
-
-
-def _verify_summary(vr: StageEntry) -> list[str]:
+def _verify_summary(rec) -> list[str]:
     """Which checks ran on how many records, and each learned check's clean margin (the largest deviation of
-    a clean record against its limit): how near the gate came to failing clean data."""
-    checks = vr.value("checks")
-    if not isinstance(checks, dict) or not checks:
+    a clean record against its limit): how near the gate came to failing clean data. `rec`: verify's record
+    (VerifyResult, loose: StageEntry.record)."""
+    c = rec.checks
+    if c is None:
         return []
-    fp, prof = vr.value("fingerprint") or {}, vr.value("identity_profile") or {}
-    margins = {"fingerprint": fp.get("clean_margin"), "identity": vr.value("identity_max_deviation"),
-               "norm_bounds": max((ls.get("norm_margin") for ls in vr.value("layer_stats") or []
-                                   if _isnum(ls.get("norm_margin"))), default=None),
-               "reference": vr.value("reference_max_rel_err"), "invariance": vr.value("invariance_max_rel_err"),
-               "prediction": (vr.value("prediction") or {}).get("max_z")}
+    fp, ident, pred = c.fingerprint, c.identity, c.prediction
+    max_z = (ident.profile or {}).get("max_z") if ident else None
+    surprise = (pred.surprise or {}).get("max_z") if pred else None
+    margins = {"fingerprint": fp and fp.clean_margin, "identity": ident and ident.max_deviation,
+               "norm_bounds": c.norm_bounds and c.norm_bounds.margin, "reference": c.reference and c.reference.max_rel_err,
+               "invariance": c.invariance and c.invariance.max_rel_err, "prediction": pred and pred.max_z}
     what = {"fingerprint": "largest error {} of the tolerance", "norm_bounds": "largest deviation {} of the bound",
-            "identity": "largest deviation {}" + (f" of {prof['max_z']:g}" if _isnum(prof.get("max_z")) else ""),
+            "identity": "largest deviation {}" + (f" of {max_z:g}" if _isnum(max_z) else ""),
             "reference": "max relative error {}", "invariance": "max relative error {}",
-            "prediction": "largest z {} of a kept row" + _surprise_margin(vr.value("prediction") or {})}
+            "prediction": "largest z {} of a kept row" + (f", surprise largest z {_num(surprise, 3)}"
+                                                          if _isnum(surprise) else "")}
     ran, skipped = [], []
-    for name, c in checks.items():
-        if not isinstance(c, dict):
+    for name in type(c).model_fields:
+        check = getattr(c, name)
+        if check is None:  # a record written before this check existed
             continue
-        if c.get("ran"):
+        if check.ran:
             m = margins.get(name)
-            ran.append(f"{name} ({_num(c.get('records'))} records"
+            ran.append(f"{name} ({_num(check.records)} records"
                        + (f"; {what[name].format(_num(m, 3))}" if _isnum(m) else "") + ")")
         else:
-            skipped.append(f"{name} ({c.get('skipped') or 'not run'})")
-    line = (f"- **Verify** {'passed' if vr.value('passed') else 'FAILED'}: " + ", ".join(ran)
-            + (f"; skipped: {', '.join(skipped)}" if skipped else ""))
-    out = [line]
-    power = vr.value("reference_power") or {}
-    if isinstance(power, dict) and power.get("says") and power.get("sampled"):
+            skipped.append(f"{name} ({check.skipped or 'not run'})")
+    out = [f"- **Verify** {'passed' if rec.passed else 'FAILED'}: " + ", ".join(ran)
+           + (f"; skipped: {', '.join(skipped)}" if skipped else "")]
+    power = (c.reference.power if c.reference else None) or {}
+    if power.get("says") and power.get("sampled"):
         out.append(f"- **Reference sample**: {_num(power['sampled'])} of {_num(power['rows'])} rows recomputed with "
                    f"the target: {power['says']}")
-    if any("reference" in s for s in skipped):
+    if any(s.startswith("reference ") for s in skipped):
         out.append("- **Unproven**: the reference did not run, so no row's computation and no aux slot's layer "
                    "was checked against the target itself")
     return out
@@ -484,68 +491,67 @@ def _storage_summary(pre: StageEntry) -> list[str]:
 
 def _impl(entry, sep: str = "; ") -> str:
     """The implementation that measured a number (evaluate/implementation.py), for the text; '' when not recorded."""
-    impl = entry.get("implementation") if isinstance(entry, dict) else None
-    return f"{sep}{_cell(str(impl['name']))}" if isinstance(impl, dict) and impl.get("name") else ""
+    impl = getattr(entry, "implementation", None)
+    return f"{sep}{_cell(str(impl.name))}" if impl is not None and impl.name else ""
 
 
-def _ngram_summary(ev: EvaluateEntry, tau, key: str = "baseline_ngram") -> list[str]:
+def _ngram_summary(ev, tau, key: str = "baseline_ngram") -> list[str]:
     """A training-free baseline (n-gram, or suffix decoding with `key` baseline_suffix) beside τ: tokens per
     target step over every decode step (τ's convention), how often it proposed, vLLM's own mean acceptance
     length over those steps, the tokens per step that reached the answers (without those a stop token or
     max_tokens cut off), and what it cost."""
-    base = ev.value(key)
-    if not isinstance(base, dict) or not _isnum(base.get("tokens_per_step")):
+    base = getattr(ev, key)
+    if base is None or not _isnum(base.tokens_per_step):
         return []
-    k, lo, hi = base.get("num_speculative_tokens"), base.get("prompt_lookup_min"), base.get("prompt_lookup_max")
-    depth = base.get("max_tree_depth")
+    k, depth = base.num_speculative_tokens, getattr(base, "max_tree_depth", None)
+    lo, hi = getattr(base, "prompt_lookup_min", None), getattr(base, "prompt_lookup_max", None)
     how = "".join(x for x in (f", k={k}" if _isnum(k) else "", f", n {lo}–{hi}" if _isnum(lo) and _isnum(hi) else "",
                               f", tree depth {depth}" if _isnum(depth) else ""))
     what = "suffix decoding baseline** (vLLM `method: suffix`" if key == "baseline_suffix" else \
         "n-gram baseline** (vLLM prompt lookup"
-    line = (f"- **{what}, no draft{how}{_impl(base)}): **{base['tokens_per_step']:.3f}** tokens "
+    line = (f"- **{what}, no draft{how}{_impl(base)}): **{base.tokens_per_step:.3f}** tokens "
             "per target step" + (f" vs τ {tau:.3f} trained" if _isnum(tau) else ""))
-    steps, proposed = base.get("steps"), base.get("proposed_steps")
+    steps, proposed = base.steps, base.proposed_steps
     if _isnum(steps) and _isnum(proposed):
         line += f" (over all {_num(steps)} decode steps; it proposed on {_num(proposed)}"
-        mal = base.get("acceptance_length_proposed")
+        mal = base.acceptance_length_proposed
         line += (f", vLLM's mean acceptance length over those {mal:.3f})" if _isnum(mal) else ")")
-    out_ng, tr = base.get("output_tokens_per_step"), ev.value("trained")
-    out_tr = tr.get("output_tokens_per_step") if isinstance(tr, dict) else None
+    out_ng, out_tr = base.output_tokens_per_step, ev.trained.output_tokens_per_step if ev.trained else None
     if _isnum(out_ng):  # confirmed tokens a stop token or max_tokens cut off count in τ, not in the answers
         line += (f"; tokens that reached the answers per step {out_ng:.3f}"
                  + (f" vs {out_tr:.3f} trained" if _isnum(out_tr) else ""))
-    if _isnum(base.get("speedup")):
-        line += f"; speed-up {base['speedup']:.2f}×"
-    if _isnum(base.get("run_s")):
-        start = base.get("engine_start_s")
-        line += f"; cost {_secs(base['run_s'])} s" + (f" (engine start {_secs(start)} s)" if _isnum(start) else "")
-    if base.get("lossless_mismatches"):
-        line += (f" — ⚠ {_num(base['lossless_mismatches'])}/{_num(base.get('lossless_checked'))} prompts differ "
-                 f"from the {_cell(str(base.get('lossless_reference')))} decoding")
+    if _isnum(base.speedup):
+        line += f"; speed-up {base.speedup:.2f}×"
+    if _isnum(base.run_s):
+        start = base.engine_start_s
+        line += f"; cost {_secs(base.run_s)} s" + (f" (engine start {_secs(start)} s)" if _isnum(start) else "")
+    if base.lossless_mismatches:
+        line += (f" — ⚠ {_num(base.lossless_mismatches)}/{_num(base.lossless_checked)} prompts differ "
+                 f"from the {_cell(str(base.lossless_reference))} decoding")
     return [line]
 
 
-def _categories(ev: EvaluateEntry) -> dict[str, dict]:
-    cats = ev.value("per_category")
-    return {str(k): v for k, v in cats.items() if isinstance(v, dict)} if isinstance(cats, dict) else {}
+def _categories(ev) -> dict[str, BaseModel]:
+    return {str(k): v for k, v in (ev.per_category or {}).items() if v is not None}
 
 
-def _category_table(ev: EvaluateEntry) -> list[str]:
+def _category_table(ev) -> list[str]:
     cats = _categories(ev)
     if not cats:
         return []
-    temp = ev.value("sampling_temperature")
+    temp = ev.sampling_temperature
     cols = [("prompts", "prompts"), ("acceptance_length", "τ trained"), ("acceptance_length_untrained", "τ untrained"),
             ("acceptance_length_sampled", f"τ at T={_num(temp)}" if _isnum(temp) else "τ sampled"),
             ("tokens_per_step_ngram", "n-gram tok/step"), ("tokens_per_step_suffix", "suffix tok/step"),
             ("per_position_acceptance", "accepted per position")]
-    cols = [(k, h) for k, h in cols if any(c.get(k) is not None for c in cats.values())]
+    cols = [(k, h) for k, h in cols if any(getattr(c, k, None) is not None for c in cats.values())]
     out = ["| category | " + " | ".join(h for _, h in cols) + " |",
            "|---|" + "|".join("---" if k == "per_position_acceptance" else "---:" for k, _ in cols) + "|"]
     for name, c in cats.items():
-        cells = [_positions(c[k]) if k == "per_position_acceptance" and isinstance(c.get(k), list)
-                 else f"{c[k]:.3f}" if k.startswith(("acceptance_length", "tokens_per_step")) and _isnum(c.get(k))
-                 else _value(k, c.get(k)) for k, _ in cols]
+        vals = {k: getattr(c, k, None) for k, _ in cols}
+        cells = [_positions(v) if k == "per_position_acceptance" and isinstance(v, list)
+                 else f"{v:.3f}" if k.startswith(("acceptance_length", "tokens_per_step")) and _isnum(v)
+                 else _value(k, v) for k, v in vals.items()]
         label = name if len(name) <= 24 else name[:23] + "…"  # the table must fit the page: cells never wrap
         out.append(f"| {_cell(label)} | " + " | ".join(cells) + " |")
     return out
@@ -563,7 +569,7 @@ def _stage_table(stages: Stages) -> list[str]:
     out = []
     for name, st in stages.entries().items():
         rows = [f"| {k.replace('_', ' ')} | {_value(k, v)} |" for k, v in st.contract().items()
-                if not isinstance(v, dict)]  # per_category has its own table
+                if not isinstance(v, (dict, BaseModel))]  # per_category has its own table, a baseline its line
         if rows:
             out += [f"| {name} | |", "|---|---:|", *rows, ""]
     return out[:-1]

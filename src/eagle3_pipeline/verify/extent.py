@@ -12,28 +12,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
 
-from pydantic import BaseModel
+from eagle3_pipeline.records.verification import Extent  # the model (verify.json, the report)
 
 LOCAL_SHARD_SHARE = 0.1  # damage in at most this share of the sampled shards (or one shard) is local
-
-
-class Extent(BaseModel):
-    verdict: Literal["records", "local", "spread"]
-    says: str
-    sampled: int = 0               # rows of the random reference sample
-    bad_in_sample: int = 0
-    bad_fraction: float | None = None
-    ci95: list[float] | None = None  # exact 95% interval of the bad fraction
-    escalated: int = 0             # rows of the hit shards recomputed after the sample found damage
-    escalated_bad: int = 0
-    named: int = 0                 # bad rows named (per-record checks and recomputation)
-    cleared: int = 0               # rows recomputed and found right
-    hit_shards: list[int] = []
-    hit_groups: list[int] = []
-    reextract_rows: int = 0        # rows condemned: their records leave the pool and their shards are extracted again
-    unjudged: int = 0              # rows kept whose computation no check recomputed (local: the sample vouches for them)
 
 
 def _log_binom_pmf(k: int, n: int, p: float) -> float:

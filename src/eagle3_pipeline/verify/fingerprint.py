@@ -1,25 +1,13 @@
 """The verify gate's final-layer fingerprint check: `final_layer_check` builds the shared check
 (eagle3_pipeline/checks/final_layer.py, also used per row by online training) for a target, or says why it
-cannot run; `FingerprintSummary` is what verify.json keeps of it."""
+cannot run; its verdict on each record is verify/learned.py `FingerprintAgreement`."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel
-
 from eagle3_pipeline.checks.final_layer import FP8_SLACK, FinalLayerCheck
 from eagle3_pipeline.records.contracts import fingerprint_blocker
-
-
-class FingerprintSummary(BaseModel):
-    rows_checked: int = 0
-    rows_failed: int = 0
-    rows_without: int = 0          # records with no fingerprint sidecar (extracted without one)
-    min_agreement: float | None = None
-    mean_agreement: float | None = None
-    clean_margin: float | None = None  # the largest |margin error| / tolerance of a passing record (1.0: at the limit)
-    skipped: str | None = None
 
 
 def final_layer_check(target, dims, cfg, storage_dtype: str) -> tuple[FinalLayerCheck | None, str | None]:

@@ -22,8 +22,6 @@ import math
 import shutil
 import time
 
-from pydantic import BaseModel
-
 from eagle3_pipeline.core.config import TargetConfig, VerifyConfig
 from eagle3_pipeline.core.errors import GateFailed
 from eagle3_pipeline.core.stage_spec import CHILD, IO, Retry, StageSpec
@@ -33,11 +31,13 @@ from eagle3_pipeline.records.contracts import fingerprints_off_problem, record_n
 from eagle3_pipeline.records.layout import ExtractVersion
 from eagle3_pipeline.records.pool import row_keys, version_pool
 from eagle3_pipeline.records.shardrun import ShardEntry, ShardManifest, ShardRun, mark_rows_failed
+from eagle3_pipeline.records.verification import Extent, ReferenceCheckResult, VerifyResult
 from eagle3_pipeline.verify import cache
-from eagle3_pipeline.verify.extent import Evidence, Extent, assess
-from eagle3_pipeline.verify.fingerprint import FingerprintSummary, final_layer_check
-from eagle3_pipeline.verify.invariance import InvarianceResult, judge
-from eagle3_pipeline.verify.masks import mask_problems, prepared_hashes
+from eagle3_pipeline.verify.check import Outcome
+from eagle3_pipeline.verify.extent import Evidence, assess
+from eagle3_pipeline.verify.fingerprint import final_layer_check
+from eagle3_pipeline.verify.invariance import Invariance
+from eagle3_pipeline.verify.masks import RowMasks, prepared_hashes
 from eagle3_pipeline.verify.reference import (
     ReferenceResult,
     choose_rows,
@@ -45,7 +45,7 @@ from eagle3_pipeline.verify.reference import (
     reference_check,
     reference_size,
 )
-from eagle3_pipeline.verify.structure import Extras, LayerStats, StructureCheck, verify_structure
+from eagle3_pipeline.verify.structure import Extras, StructureCheck, verify_structure
 
 # verify settings that change no verdict: a new value keeps the verified shards
 CONFIG_KEY_EXCLUDE = frozenset({"workers", "move_bad_files"})
@@ -56,81 +56,6 @@ VERIFY_FORMAT = 7  # 7: the next-token logit gaps (row_signal.py)
 
 class VerifyFailed(GateFailed):
     """The gate found bad data; the message lists the problems (file, sample, layer, shapes)."""
-
-
-class CheckRun(BaseModel):
-    ran: bool
-    records: int = 0
-    skipped: str | None = None
-
-
-class VerifyResult(BaseModel):
-    content_key: str
-    passed: bool
-    mode: str = "offline"  # offline: the stored records; online: rows sampled from the training server (train/online.py)
-    samples_checked: int
-    tokens_checked: int
-    reference_max_rel_err: float | None
-    reference_min_cosine: float | None
-    reference_samples: list[int]
-    reference_skipped: str | None
-    problems: list[str]
-    bad_rows: list[int]
-    moved_files: list[str]
-    layer_stats: list[LayerStats]
-    # (defaults: verify.json files written before these fields existed still load)
-    bytes_read: int = 0
-    structure_seconds: float | None = None
-    norm_bounds_files: int = 0
-    norm_bounds_skipped: str | None = None
-    invariance_samples: list[int] = []
-    invariance_max_rel_err: float | None = None
-    invariance_min_cosine: float | None = None
-    invariance_skipped: str | None = None
-    fingerprint: FingerprintSummary = FingerprintSummary()
-    identity_files: int = 0
-    identity_skipped: str | None = None
-    identity_max_deviation: float | None = None  # clean margin: the largest robust deviation vs identity_max_z
-    identity_profile: dict | None = None  # the learned layer profiles (online training judges every row with them)
-    reference_peak_rss_bytes: int | None = None
-    shards_rechecked: int = 0
-    shards_reused: int = 0
-    rows_rechecked: int = 0     # records read by this verify
-    rows_reused: int = 0        # records whose results came from a cache (this version's or the record pool's)
-    rows_reused_pool: int = 0   # of those, records linked from the pool and verified in another version
-    config_key: str | None = None
-    shard_hashes: dict[str, str] = {}  # verified-good shard -> cache.shard_hash of its manifest entry
-    seconds: float | None = None
-    checks: dict[str, CheckRun] = {}   # every check: ran (on how many records) or skipped, and why
-    cleared: dict[int, list[str]] = {}  # rows learned checks flagged and the target itself cleared: their flags
-    sketch_failed: int = 0      # records with a state that differs from the engine's sketch (state_sketch.py)
-    sketch_margin: float | None = None  # the largest deviation ÷ tolerance of a record that passed it
-    prediction: dict = {}       # the prediction check (verify/prediction.py): rows, median rate, spread, max_z, flagged;
-                                # "surprise": the surprise signal's summary (verify/row_signal.py)
-    reference_power: dict = {}  # what the reference sample could catch (reference.power_statement)
-    extent: Extent | None = None  # a failed verify: how far the damage goes, and what was done (verify/extent.py)
-
-
-def _checks(st, ref, inv, fp_required: bool, sketch_skipped: str | None) -> dict[str, CheckRun]:
-    """What ran on this verify's records, and what did not (and why)."""
-    fp = st.fingerprint
-    return {
-        "state_sketch": CheckRun(ran=st.sketch_rows > 0, records=st.sketch_rows,
-                                 skipped=sketch_skipped or (None if st.sketch_rows else "no records to check")),
-        "structure": CheckRun(ran=True, records=st.files_checked),
-        "fingerprint": CheckRun(ran=fp.skipped is None and fp.rows_checked > 0, records=fp.rows_checked,
-                                skipped=fp.skipped or (None if fp.rows_checked else
-                                                       "no fingerprints (extract.fingerprints false)" if not fp_required
-                                                       else "no records to check")),
-        "identity": CheckRun(ran=st.identity_skipped is None, records=st.identity_files, skipped=st.identity_skipped),
-        "prediction": CheckRun(ran=not st.prediction.get("skipped"), records=st.prediction.get("rows", 0),
-                               skipped=st.prediction.get("skipped")),
-        "norm_bounds": CheckRun(ran=st.norm_bounds_skipped is None, records=st.norm_bounds_files,
-                                skipped=st.norm_bounds_skipped),
-        "reference": CheckRun(ran=bool(ref.samples_checked) and ref.skipped is None, records=len(ref.samples_checked),
-                              skipped=ref.skipped),
-        "invariance": CheckRun(ran=inv.skipped is None, records=len(inv.samples_checked), skipped=inv.skipped),
-    }
 
 
 def unrunnable(cfg: VerifyConfig, final_skipped: str | None, ref_skipped: str | None, ref_wanted: bool) -> list[str]:
@@ -305,26 +230,23 @@ class _VerifyRun:
         cfg, version, ds, log = self.cfg, self.version, self.ds, self.log
         self.rows_to_read()
         st, final_skipped = self.structure()
-        ref, ran_here, power = self.reference(st)
+        ref, ran_here, self.power = self.reference(st)
         bad_st = set(st.bad_rows)  # without the rows the target cleared
         inv = _invariance(cfg, version, self.man, ds, log, self.sample)
         # every row's tokens and mask, reused records' too (hashing the rows is cheap; a dataset can change under them)
-        mask_found, mask_bad, mask_rows = mask_problems(ds, self.shards, self.todo if self.sample is not None
-                                                        else list(range(len(ds))), prepared_hashes(version.tokenized_dir))
+        masks = RowMasks(ds, self.shards, prepared_hashes(version.tokenized_dir)).run(
+            self.todo if self.sample is not None else list(range(len(ds))))
         off = fingerprints_off_problem(self.fp_required, cfg.allow_skip)
-        problems = st.problems + [p for p in ref.problems if p not in st.problems] + inv.problems + mask_found + (
-            [off] if off else []) + unrunnable(
+        problems = st.problems + [p for p in ref.problems if p not in st.problems] + _problems(inv) + _problems(
+            masks) + ([off] if off else []) + unrunnable(
             cfg, final_skipped if self.fp_required else None, ref.skipped if ran_here else None, ran_here)
-        bad_rows = sorted(bad_st | set(ref.bad_rows) | set(inv.bad_rows) | set(mask_bad))
+        bad_rows = sorted(bad_st | set(ref.bad_rows) | set(inv.flags) | set(masks.flags))
         extent, condemned = self.extent(st, inv, bad_rows, problems) if problems and bad_rows else (None, set())
         bad_rows = sorted(set(bad_rows) | getattr(self, "escalated_bad", set()))
         moved = self.quarantine(bad_rows) if problems and cfg.move_bad_files else []
         self.condemn(condemned, extent)
-        self.power = power
-        res = self.record(st, ref, inv, problems, bad_rows, moved)
+        res = self.record(st, ref, {"invariance": inv, "masks": masks}, problems, bad_rows, moved)
         res.extent = extent
-        res.checks["masks"] = CheckRun(ran=bool(mask_rows), records=mask_rows, skipped=None if mask_rows else
-                                       "no row hashes in the manifest (extracted before they were kept)")
         ran = ", ".join(f"{name} {c.records}" for name, c in res.checks.items() if c.ran)
         log(f"verify: checks run (records): {ran or 'none'}")
         for name, c in res.checks.items():
@@ -385,7 +307,9 @@ class _VerifyRun:
                                workers=cfg.workers)
         st = verify_structure(check, rows=self.todo, log=self.log, extras=extras, reused=list(self.reused.values()))
         if final_skipped:
-            st.fingerprint.skipped = final_skipped
+            st.checks.fingerprint.skipped = final_skipped
+        if self.sketch_skipped:  # records that carry a sketch are still checked
+            st.checks.state_sketch.skipped = self.sketch_skipped
         return st, final_skipped
 
     def reference(self, st):
@@ -395,7 +319,7 @@ class _VerifyRun:
         cfg, version, log = self.cfg, self.version, self.log
         bad_st = set(st.bad_rows)
         good_new = [r for r in self.todo if r not in bad_st and r < len(self.ds)]
-        prev = read_json(version.verify_path) or {}
+        prev = _previous_reference(version)
         rows, power = _reference_rows(cfg, version, self.ds, good_new)
         if rows:
             log(f"verify: reference sample: {power['sampled']} of {power['rows']} rows; {power['says']}")
@@ -409,11 +333,10 @@ class _VerifyRun:
             ref = _sample_part(full, rows, why_not)
         elif cfg.reference_samples != 0 and self.reused:
             ref.skipped = ("every record was verified before, unchanged since: in this version"
-                           if prev.get("reference_samples") else
+                           if prev.samples else
                            "every record was verified before, unchanged since: in the version the record pool took "
                            "it from")
-            ref.samples_checked, ref.max_rel_err = prev.get("reference_samples", []), prev.get("reference_max_rel_err")
-            ref.min_cosine = prev.get("reference_min_cosine")
+            ref.samples_checked, ref.max_rel_err, ref.min_cosine = prev.samples, prev.max_rel_err, prev.min_cosine
         return ref, bool(rows), power
 
     def extent(self, st, inv, bad_rows: list[int], problems: list[str]) -> tuple[Extent, set[int]]:
@@ -422,7 +345,7 @@ class _VerifyRun:
         extent, the rows condemned: their records leave the pool and their shards are extracted again)"""
         cfg, version, log, full = self.cfg, self.version, self.log, getattr(self, "full_ref", None)
         recomputed = set(full.samples_checked) if full and not full.skipped else set()
-        computed_bad = set(full.bad_rows if full else []) | set(inv.bad_rows)
+        computed_bad = set(full.bad_rows if full else []) | set(inv.flags)
         escalated, self.escalated_bad = [], set()
         hit = [s for s in self.shards if any(s.row_start <= r < s.row_end for r in computed_bad)]
         named = set(bad_rows)
@@ -490,30 +413,45 @@ class _VerifyRun:
         log(f"verify: moved {len(moved)} files to {failed_dir}; shards {hit} marked failed for re-extraction")
         return moved
 
-    def record(self, st, ref, inv, problems, bad_rows, moved) -> VerifyResult:
+    def record(self, st, ref: ReferenceResult, judged: dict[str, Outcome], problems, bad_rows, moved) -> VerifyResult:
+        """The verify record: the pass's checks (`st`), the reference and the checks `judged` after it."""
         cfg, version = self.cfg, self.version
         bad = set(bad_rows)
         man = ShardRun(version.path).read(missing_ok=True)  # mark_rows_failed may have changed it
         hashes = {str(e.index): cache.shard_hash(e, version) for e in man.published()
                   if not any(e.row_start <= r < e.row_end for r in bad)}
         n_rechecked = len({e.index for e in self.shards if str(e.index) not in self.reused_hashes})
+        checks = st.checks.model_copy(update={"reference": _reference_result(ref, self.power),
+                                              **{name: out.result for name, out in judged.items()}})
         return VerifyResult(
-            content_key=version.content_key, passed=not problems and st.files_checked > 0,
-            samples_checked=st.files_checked, tokens_checked=st.tokens_checked, reference_max_rel_err=ref.max_rel_err,
-            reference_min_cosine=ref.min_cosine, reference_samples=ref.samples_checked, reference_skipped=ref.skipped,
-            problems=problems, bad_rows=bad_rows, moved_files=moved, layer_stats=st.layer_stats,
-            bytes_read=st.bytes_read, structure_seconds=st.seconds, norm_bounds_files=st.norm_bounds_files,
-            norm_bounds_skipped=st.norm_bounds_skipped, invariance_samples=inv.samples_checked,
-            invariance_max_rel_err=inv.max_rel_err, invariance_min_cosine=inv.min_cosine,
-            invariance_skipped=inv.skipped, fingerprint=st.fingerprint, identity_files=st.identity_files,
-            identity_skipped=st.identity_skipped, identity_max_deviation=st.identity_max_deviation,
-            identity_profile=st.identity_profile, reference_peak_rss_bytes=getattr(ref, "peak_rss_bytes", None),
-            shards_rechecked=n_rechecked, shards_reused=len(self.reused_hashes), config_key=_config_key(cfg),
-            shard_hashes=hashes, rows_rechecked=len(self.todo), rows_reused=len(self.reused),
-            rows_reused_pool=len(self.from_pool), seconds=round(time.time() - self.t0, 2),
-            checks=_checks(st, ref, inv, self.fp_required, self.sketch_skipped), cleared=st.cleared,
-            sketch_failed=st.sketch_failed, sketch_margin=st.sketch_margin, prediction=st.prediction,
-            reference_power=self.power)
+            content_key=version.content_key, passed=not problems and st.files_checked > 0, problems=problems,
+            bad_rows=bad_rows, moved_files=moved, checks=checks, cleared=st.cleared, shards_rechecked=n_rechecked,
+            shards_reused=len(self.reused_hashes), config_key=_config_key(cfg), shard_hashes=hashes,
+            rows_rechecked=len(self.todo), rows_reused=len(self.reused), rows_reused_pool=len(self.from_pool),
+            seconds=round(time.time() - self.t0, 2))
+
+
+def _problems(out: Outcome) -> list[str]:
+    return [p for row in out.flags for p in out.flags[row]]
+
+
+def _reference_result(ref: ReferenceResult, power: dict) -> ReferenceCheckResult:
+    """The reference's entry among the checks: its verdict ran in the reference child (verify/worker.py), over the
+    sample this verify chose."""
+    return ReferenceCheckResult(ran=bool(ref.samples_checked) and ref.skipped is None, records=len(ref.samples_checked),
+                                flagged=len(ref.bad_rows), seconds=ref.seconds, skipped=ref.skipped,
+                                samples=ref.samples_checked, max_rel_err=ref.max_rel_err, min_cosine=ref.min_cosine,
+                                peak_rss_bytes=ref.peak_rss_bytes, power=power)
+
+
+def _previous_reference(version: ExtractVersion) -> ReferenceCheckResult:
+    """The reference of the last verify of this version (empty: none; a verify.json written before the record was
+    nested by check: from its flat keys, which every verify.json still has)."""
+    prev = read_json(version.verify_path) or {}
+    if "samples" in ((prev.get("checks") or {}).get("reference") or {}):
+        return VerifyResult.model_validate(prev).checks.reference
+    return ReferenceCheckResult(samples=prev.get("reference_samples") or [], max_rel_err=prev.get("reference_max_rel_err"),
+                                min_cosine=prev.get("reference_min_cosine"))
 
 
 def _sample_part(full: ReferenceResult | None, rows: list[int], why_not: str | None) -> ReferenceResult:
@@ -544,27 +482,31 @@ def _reference_rows(cfg: VerifyConfig, version: ExtractVersion, ds, good: list[i
 
 
 def _invariance(cfg: VerifyConfig, version: ExtractVersion, man: ShardManifest, ds, log,
-                sample: list[int] | None = None) -> InvarianceResult:
+                sample: list[int] | None = None) -> Outcome:
     """Judge the batch-invariance entries the extract engine (or the online server's sampler) wrote into
     the manifest: those of published shards, or with `sample`, of those rows."""
     published = set(sample) if sample is not None else {
         r for e in man.published() for r in range(e.row_start, e.row_end)}
     entries = {int(k): v for k, v in man.invariance.items() if int(k) in published}
-    if not entries:
-        pooled = all(e.extracted_rows == 0 for e in man.published() if published & set(range(e.row_start, e.row_end)))
-        why = ("extract.invariance_rows is 0" if not man.config.get("extract", {}).get("invariance_rows")
-               else "no engine ran for these rows: every one was linked from the record pool (judged when "
-                    "it was extracted)" if pooled
-               else "the extract manifest holds no invariance entries (extracted before they existed?)")
-        log(f"verify: invariance check skipped: {why}")
-        return InvarianceResult(samples_checked=[], max_rel_err=None, min_cosine=None, per_layer_max_rel_err={},
-                                problems=[], skipped=why)
-    sid = ds["sample_id"] if "sample_id" in ds.column_names else None
+    why = "" if entries else _no_invariance(man, published)
+    sid = ds["sample_id"] if "sample_id" in ds.column_names and entries else None
     names = {r: f"{record_name(r)} (row {r}, sample {sid[r] if sid else None})" for r in entries}
-    res = judge(entries, cfg, version.storage_dtype, names)
-    log(f"verify invariance: {len(entries)} rows re-run alone by the extract engine, max relative error "
-        f"{res.max_rel_err}, worst mean token cosine {res.min_cosine}")
-    return res
+    out = Invariance(cfg, version.storage_dtype, names, why).run(sorted(entries.items()))
+    if not out.result.ran:
+        log(f"verify: invariance check skipped: {why}")
+    else:
+        log(f"verify invariance: {len(entries)} rows re-run alone by the extract engine, max relative error "
+            f"{out.result.max_rel_err}, worst mean token cosine {out.result.min_cosine}")
+    return out
+
+
+def _no_invariance(man: ShardManifest, published: set[int]) -> str:
+    """Why the manifest holds no invariance entry for the `published` rows."""
+    if not man.config.get("extract", {}).get("invariance_rows"):
+        return "extract.invariance_rows is 0"
+    if all(e.extracted_rows == 0 for e in man.published() if published & set(range(e.row_start, e.row_end))):
+        return "no engine ran for these rows: every one was linked from the record pool (judged when it was extracted)"
+    return "the extract manifest holds no invariance entries (extracted before they existed?)"
 
 
 def check_verify_gate(res: VerifyResult, max_listed: int = 20) -> None:

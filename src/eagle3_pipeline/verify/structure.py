@@ -27,7 +27,6 @@ first bad token.
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 import time
@@ -41,32 +40,24 @@ from pydantic import BaseModel, Field
 
 from eagle3_pipeline.data.tokenized import load_tokenized
 from eagle3_pipeline.records.contracts import HS_KEY, SCALES_KEY, RecordSpec, fingerprint_name, record_name
-from eagle3_pipeline.verify import prediction, row_signal, scan
-from eagle3_pipeline.verify.fingerprint import FingerprintSummary
+from eagle3_pipeline.records.verification import LayerStats, VerifyChecks
+from eagle3_pipeline.verify import prediction, scan
+from eagle3_pipeline.verify.check import merge
+from eagle3_pipeline.verify.learned import (
+    FingerprintAgreement,
+    LayerIdentity,
+    NormBounds,
+    Predictions,
+    StateSketch,
+    StructureRecords,
+)
 
 SMALL_RECORD_BYTES = 4 << 20  # records smaller than this on average are reduced by one compute thread
-MIN_NORM_FILES = 8      # fewer good files than this: no norm bounds (noted in the result)
-MAD_TO_SIGMA = 1.4826   # MAD of a normal distribution x this = its standard deviation
 STAT_ROWS = 6           # rows of a file's stats (FileResult.stats)
 
 
-class LayerStats(BaseModel):
-    layer_id: int
-    files: int             # good files the statistics cover
-    tokens: int
-    mean: float
-    std: float
-    min: float
-    max: float
-    mean_token_norm: float
-    norm_lo: float | None = None   # bounds of a file's median token norm (None: not checked)
-    norm_hi: float | None = None
-    norm_median: float | None = None
-    norm_outliers: int = 0         # files outside [norm_lo, norm_hi]
-    norm_margin: float | None = None  # the largest |log(norm / median)| of a kept file ÷ the bound's half-width
-
-
 class StructureResult(BaseModel):
+    """The records' pass: what every record read showed, and the result of each check of the pass."""
     files_checked: int
     tokens_checked: int   # tokens of the good files
     bytes_read: int
@@ -74,18 +65,8 @@ class StructureResult(BaseModel):
     problems: list[str]
     bad_rows: list[int]
     layer_stats: list[LayerStats]
-    norm_bounds_files: int = 0            # good files (spread over every shard) the norm bounds were learned from
-    norm_bounds_skipped: str | None = None
-    fingerprint: FingerprintSummary = FingerprintSummary()
-    identity_files: int = 0               # good records the layer profiles were learned from
-    identity_skipped: str | None = None
-    identity_max_deviation: float | None = None  # the largest robust deviation of any record (limit identity_max_z)
-    identity_profile: dict | None = None  # the learned profiles: median, scale, layer_ids, max_z (online rows use them)
+    checks: VerifyChecks = VerifyChecks()  # structure, fingerprint, state_sketch, identity, prediction, norm_bounds
     learned_rows: list[int] = []          # rows flagged only by learned checks (identity, norm bounds, prediction)
-    prediction: dict = {}                 # the prediction check's summary (prediction.PredictionSummary)
-    sketch_rows: int = 0                  # records whose every state was checked against the engine's sketch
-    sketch_failed: int = 0                # of those, records with a state beyond the tolerance
-    sketch_margin: float | None = None    # the largest deviation ÷ tolerance of a record that passed
     cleared: dict[int, list[str]] = {}    # of those, rows the target itself cleared (verify/stage.py) and their flags
     results: list = Field(default_factory=list, exclude=True)  # per-file results of the records read (verify cache)
 
@@ -424,26 +405,6 @@ def _row_items(ds, rows: list[int], hidden_states_dir: Path, fingerprints_dir: s
                         sids[j], os.path.join(fingerprints_dir, fingerprint_name(r)) if fingerprints_dir else None)
 
 
-def spread_sample(n: int, k: int):
-    """Indices of at most `k` of `n` files (in row order, so over every shard), evenly spaced."""
-    import numpy as np
-
-    return np.arange(n) if n <= k else np.unique(np.linspace(0, n - 1, k).round().astype(np.int64))
-
-
-def learn_norm_bounds(norms, n_samples: int, factor: float, min_ratio: float):
-    """Per-layer bounds of a file's median token norm from up to `n_samples` rows of `norms` (numpy
-    [files, L], files in row order) spread evenly over all of them: median x/÷ exp(max(factor * 1.4826 *
-    MAD, log(min_ratio))) of the log norms. Returns (median [L], lo [L], hi [L], files used)."""
-    import numpy as np
-
-    sample = np.log(np.maximum(norms[spread_sample(len(norms), n_samples)], 1e-30))
-    med = np.median(sample, axis=0)
-    mad = np.median(np.abs(sample - med), axis=0)
-    half = np.maximum(factor * MAD_TO_SIGMA * mad, math.log(min_ratio))
-    return np.exp(med), np.exp(med - half), np.exp(med + half), len(sample)
-
-
 def scan_records(ds, check: StructureCheck, rows: list[int], *, extras: Extras | None = None) -> list[FileResult]:
     """Read and check the records of `rows` once each (verify/scan.py: a reader thread, `check.workers`
     compute threads over batches of files): per-file problems, statistics and, with `extras`, identity
@@ -499,190 +460,60 @@ def verify_structure(check: StructureCheck, rows: list[int] | None = None, log=p
     nbytes = sum(r.nbytes for r in results)
     log(f"verify: {len(rows)} files read ({len(reused)} reused), {res.tokens_checked} tokens, {nbytes / 1e6:.1f} MB "
         f"in {dt:.2f}s ({nbytes / 1e6 / max(dt, 1e-9):.0f} MB/s), {len(res.problems)} problems")
+    res.checks.structure.bytes_read, res.checks.structure.scan_seconds = nbytes, round(dt, 4)
     return res.model_copy(update={"bytes_read": nbytes, "seconds": round(dt, 4), "results": results})
 
 
 def judge_records(ds, results: list[FileResult], check: StructureCheck, log, *,
                   extras: Extras | None, extra_problems: list[str] = ()) -> StructureResult:
-    """Everything that needs all records at once: norm bounds, layer identity, per-layer statistics."""
-    import numpy as np
+    """The checks of the records' pass (verify/learned.py), in order: those on each record alone (structure,
+    fingerprint, state sketch), then those learned from the records still good (layer identity, predictions,
+    norm bounds); then the per-layer statistics over the files every check kept."""
+    final = extras.final if extras is not None else None
+    min_agreement = extras.min_agreement if extras is not None else 1.0
+    problems: dict[int, list[str]] = {}
+    checks = VerifyChecks()
+    for c in (StructureRecords(), StateSketch(),
+              FingerprintAgreement(final, bool(extras and extras.fingerprints_required), min_agreement)):
+        out = c.run(results)
+        setattr(checks, c.name, out.result)
+        merge(problems, out.flags)
+    hard = set(problems)  # rows a check of the record alone failed; the rest below are learned judgements
+    good = [r for r in results if r.row not in problems]
+    norm = NormBounds(ds, check.layer_ids, check.norm_samples, check.norm_factor, check.norm_min_ratio, log)
+    for c in (LayerIdentity(ds, check.layer_ids, check.identity_max_z, log),
+              Predictions(ds, check.prediction_max_z, check.prediction_cap, check.surprise_max_z, log), norm):
+        out = c.run(good)
+        setattr(checks, c.name, out.result)
+        merge(problems, out.flags)
+        good = [r for r in good if r.row not in problems]
+    layer_stats = _layer_stats(good, check.layer_ids, check.hidden_size, norm.bounds)
+    checks.structure.tokens_checked = layer_stats[0].tokens if layer_stats else 0
+    checks.structure.layer_stats = layer_stats
+    all_problems = list(extra_problems) + [p for r in sorted(problems) for p in problems[r]]
+    return StructureResult(files_checked=len(results), tokens_checked=checks.structure.tokens_checked, bytes_read=0,
+                           seconds=0.0, problems=all_problems, bad_rows=sorted(problems), layer_stats=layer_stats,
+                           checks=checks, learned_rows=sorted(set(problems) - hard))
 
-    layer_ids, hidden_size, identity_max_z = check.layer_ids, check.hidden_size, check.identity_max_z
-    norm_samples, norm_factor, norm_min_ratio = check.norm_samples, check.norm_factor, check.norm_min_ratio
+
+def _layer_stats(kept: list[FileResult], layer_ids: list[int], hidden_size: int, bounds) -> list[LayerStats]:
+    """Per-layer statistics over the files every check kept, with the norm bounds (None: not learned)."""
+    import numpy as np
 
     L = len(layer_ids)
-    problems: dict[int, list[str]] = {}
-    good = [r for r in results if not r.problems]
-    for r in results:
-        if r.problems:
-            problems[r.row] = list(r.problems)
-    fp_summary = _fingerprint_summary(results, extras)
-    hard = set(problems)  # rows a check of the record alone failed; the rest below are learned judgements
-    id_files, id_skipped, id_profile = _identity(ds, good, layer_ids, identity_max_z, problems, log)
-    good = [r for r in good if r.row not in problems]
-    pred = _prediction(ds, good, check, problems, log)
-    good = [r for r in good if r.row not in problems]
-    stats = np.stack([r.stats for r in good]) if good else np.zeros((0, 5, L))  # [files, 5, L]
-    tokens = np.array([r.tokens for r in good], dtype=np.float64)  # [files]
-
-    # norm bounds from good files spread over the whole extraction, then every good file against them
-    lo = hi = med = margin = None
-    n_learn, skipped = 0, None
-    keep = np.ones(len(good), dtype=bool)
-    outliers = np.zeros(L, dtype=int)
-    if norm_samples <= 0:
-        skipped = "norm_bounds_samples is 0"
-    elif len(good) < MIN_NORM_FILES:
-        skipped = f"only {len(good)} good files; norm bounds need at least {MIN_NORM_FILES}"
-    else:
-        med_norm = stats[:, 5, :]  # [files, L]
-        med, lo, hi, n_learn = learn_norm_bounds(med_norm, norm_samples, norm_factor, norm_min_ratio)
-        out = (med_norm < lo) | (med_norm > hi)  # [files, L]
-        outliers = out.sum(axis=0)
-        dev = np.abs(np.log(np.maximum(med_norm, 1e-30)) - np.log(med)) / np.log(hi / med)  # 1.0 = at a bound
-        if (~out.any(axis=1)).any():
-            margin = dev[~out.any(axis=1)].max(axis=0)
-        for j in np.nonzero(out.any(axis=1))[0]:
-            r = good[j]
-            keep[j] = False
-            it_name = f"{record_name(r.row)} (row {r.row}, sample {_sample_id(ds, r.row)}, {r.tokens} tokens)"
-            problems[r.row] = [
-                f"{it_name}: layer {layer_ids[li]}: median token norm {med_norm[j, li]:.4g} outside the bounds "
-                f"[{lo[li]:.4g}, {hi[li]:.4g}] learned from {n_learn} good files spread over every shard "
-                f"(median {med[li]:.4g}, factor {norm_factor:g})"
-                for li in np.nonzero(out[j])[0]]
-        log(f"verify: norm bounds from {n_learn} files; clean margin (largest deviation of a kept file ÷ bound) "
-            f"{'n/a' if margin is None else f'{margin.max():.2f}'}, {int(out.any(axis=1).sum())} files outside")
-    if skipped and norm_samples > 0:
-        log(f"verify: norm bounds skipped: {skipped}")
-
-    layer_stats = []
-    ks, kt = stats[keep], tokens[keep]
-    n_tok = int(kt.sum())
-    if n_tok:
-        n_val = n_tok * hidden_size
-        s1, s2 = ks[:, 0].sum(axis=0), ks[:, 1].sum(axis=0)
-        mean = s1 / n_val
-        std = np.sqrt(np.maximum(s2 / n_val - mean ** 2, 0))
-        mn, mx, nsum = ks[:, 2].min(axis=0), ks[:, 3].max(axis=0), ks[:, 4].sum(axis=0)
-        layer_stats = [LayerStats(layer_id=lid, files=int(keep.sum()), tokens=n_tok, mean=float(mean[k]),
-                                  std=float(std[k]), min=float(mn[k]), max=float(mx[k]),
-                                  mean_token_norm=float(nsum[k] / n_tok),
-                                  norm_lo=None if lo is None else float(lo[k]),
-                                  norm_hi=None if hi is None else float(hi[k]),
-                                  norm_median=None if med is None else float(med[k]),
-                                  norm_outliers=int(outliers[k]),
-                                  norm_margin=None if margin is None else round(float(margin[k]), 4))
-                       for k, lid in enumerate(layer_ids)]
-    all_problems = list(extra_problems) + [p for r in sorted(problems) for p in problems[r]]
-    return StructureResult(files_checked=len(results), tokens_checked=n_tok, bytes_read=0, seconds=0.0,
-                           problems=all_problems, bad_rows=sorted(problems), layer_stats=layer_stats,
-                           norm_bounds_files=n_learn, norm_bounds_skipped=skipped, fingerprint=fp_summary,
-                           identity_files=id_files, identity_skipped=id_skipped,
-                           identity_max_deviation=None if id_profile is None else id_profile["max_deviation"],
-                           identity_profile=id_profile,
-                           learned_rows=sorted(set(problems) - hard), prediction=pred, **_sketch_summary(results))
-
-
-def _sketch_summary(results: list[FileResult]) -> dict:
-    m = [r.sketch_margin for r in results if r.sketch_margin is not None]
-    clean = [x for x in m if x <= 1.0]
-    return {"sketch_rows": len(m), "sketch_failed": len(m) - len(clean),
-            "sketch_margin": round(max(clean), 4) if clean else None}
-
-
-def _fingerprint_summary(results: list[FileResult], extras: Extras | None) -> FingerprintSummary:
-    if extras is None or extras.final is None:
-        return FingerprintSummary(skipped="no final-layer check (no fingerprints or no readable lm_head)")
-    agree = [r.agreement for r in results if r.agreement is not None]
-    clean = [r.fp_margin for r in results if r.fp_margin is not None and r.agreement is not None
-             and r.agreement >= extras.min_agreement]
-    return FingerprintSummary(rows_checked=len(agree), rows_failed=sum(a < extras.min_agreement for a in agree),
-                              clean_margin=round(max(clean), 4) if clean else None,
-                              rows_without=sum(r.agreement is None and r.sig is not None for r in results),
-                              min_agreement=min(agree) if agree else None,
-                              mean_agreement=sum(agree) / len(agree) if agree else None)
-
-
-def _prediction(ds, good: list[FileResult], check: StructureCheck, problems: dict, log) -> dict:
-    """The target's predictions against each row's next tokens (prediction.py): a problem for every row far
-    below rows like it (a learned flag, confirmed or cleared by the target), then the surprise signal
-    (`_surprise`). Returns the summary."""
-    from dataclasses import asdict
-
-    max_z, cap = check.prediction_max_z, check.prediction_cap
-
-    if max_z is None:
-        return asdict(prediction.PredictionSummary(skipped="verify.prediction_max_z is null"))
-    rows = [(r.row, r.next_hits, r.next_scored) for r in good if r.next_scored is not None]
-    if not rows:
-        return asdict(prediction.PredictionSummary(skipped="no fingerprints to take the target's predictions from"))
-    flagged, summary = prediction.judge(rows, max_z, cap)
-    by_row = {r.row: r for r in good}
-    for row, z in flagged.items():
-        r = by_row[row]
-        name = f"{record_name(row)} (row {row}, sample {_sample_id(ds, row)}, {r.tokens} tokens)"
-        problems[row] = [prediction.message(name, r.next_hits, r.next_scored, z, summary, max_z)]
-    log(f"verify: prediction check on {summary.rows} rows: median next-token hit rate {summary.median_rate}, spread "
-        f"{summary.spread}, {summary.flagged} rows flagged ({summary.above_limit} past the limit)" if summary.skipped is None
-        else f"verify: prediction check skipped: {summary.skipped}")
-    left = None if cap is None else max(0, cap - len(flagged))
-    return {**asdict(summary), "surprise": _surprise(ds, good, check.surprise_max_z, problems, log, left)}
-
-
-def _surprise(ds, good: list[FileResult], max_z: float, problems: dict, log, cap: int | None) -> dict:
-    """The target's surprise at each row against the row's bigram difficulty (row_signal.py): a problem for every
-    row far more surprised than rows as predictable (a learned flag, confirmed or cleared by the target)."""
-    from dataclasses import asdict
-
-    judged = [r for r in good if r.gaps is not None]
-    if not judged:
-        return asdict(row_signal.SurpriseSummary(skipped="no final-layer states with fingerprints to score"))
-    every = ds.with_format("numpy", columns=["input_ids"])["input_ids"]  # the bigram is fitted on every row
-    difficulty = row_signal.bigram_difficulty(list(every))
-    y = {r.row: difficulty[r.row][0] for r in judged if r.row < len(difficulty)}
-    judged = [r for r in judged if r.row in y]
-    flagged, summary = row_signal.judge([(r.row, r.gaps, y[r.row]) for r in judged], max_z, cap)
-    by_row = {r.row: r for r in judged}
-    for row, z in flagged.items():
-        r = by_row[row]
-        name = f"{record_name(row)} (row {row}, sample {_sample_id(ds, row)}, {r.tokens} tokens)"
-        problems.setdefault(row, []).append(row_signal.message(name, r.gaps, y[row], z, summary, max_z))
-    log(f"verify: surprise signal on {summary.rows} rows: slope {summary.slope} on the bigram difficulty, spread "
-        f"{summary.spread}, largest clean z {summary.max_z}, {summary.flagged} rows flagged ({summary.above_limit} "
-        f"past the limit {max_z:g})" if summary.skipped is None else f"verify: surprise signal skipped: {summary.skipped}")
-    return asdict(summary)
-
-
-def _identity(ds, good: list[FileResult], layer_ids: list[int], max_z: float | None, problems: dict,
-              log) -> tuple[int, str | None, dict | None]:
-    """Learn layer profiles over the good records and add a problem for every slot that does not look
-    like its own layer (layer_identity.py). Returns (records learned from, why skipped, the profiles with
-    the largest deviation of any record: what online training judges each row against)."""
-    import numpy as np
-
-    from eagle3_pipeline.checks import layer_identity as identity
-
-    sigs = [r for r in good if r.sig is not None]
-    if max_z is None:
-        return 0, "identity check off", None
-    if len(layer_ids) < 2:
-        return 0, "one captured layer: nothing to tell apart", None
-    if len(sigs) < identity.MIN_FILES:
-        log(f"verify: layer identity check skipped: {len(sigs)} good records, it needs {identity.MIN_FILES}")
-        return 0, f"only {len(sigs)} good records; layer profiles need at least {identity.MIN_FILES}", None
-    arr = np.stack([r.sig for r in sigs])  # [files, F]
-    med, scale = identity.learn(arr)
-    found, worst = identity.problems_of(arr, med, scale, layer_ids, max_z)
-    for f, msg in found:
-        r = sigs[f]
-        problems.setdefault(r.row, []).append(f"{record_name(r.row)} (row {r.row}, sample {_sample_id(ds, r.row)}): {msg}")
-    log(f"verify: layer identity: profiles from {len(sigs)} records, largest deviation {worst:.1f} "
-        f"(max {max_z:g}), {len(found)} records flagged")
-    profile = {"median": [float(v) for v in med], "scale": [float(v) for v in scale], "layer_ids": list(layer_ids),
-               "max_z": float(max_z), "max_deviation": round(worst, 2)}
-    return len(sigs), None, profile
-
-
-def _sample_id(ds, row: int):
-    return ds[row].get("sample_id") if "sample_id" in ds.column_names else None
+    ks = np.stack([r.stats for r in kept]) if kept else np.zeros((0, STAT_ROWS, L))  # [files, STAT_ROWS, L]
+    n_tok = int(sum(r.tokens for r in kept))
+    if not n_tok:
+        return []
+    med, lo, hi, margin, outliers = bounds or (None, None, None, None, np.zeros(L, dtype=int))
+    n_val = n_tok * hidden_size
+    s1, s2 = ks[:, 0].sum(axis=0), ks[:, 1].sum(axis=0)
+    mean = s1 / n_val
+    std = np.sqrt(np.maximum(s2 / n_val - mean ** 2, 0))
+    mn, mx, nsum = ks[:, 2].min(axis=0), ks[:, 3].max(axis=0), ks[:, 4].sum(axis=0)
+    return [LayerStats(layer_id=lid, files=len(kept), tokens=n_tok, mean=float(mean[k]), std=float(std[k]),
+                       min=float(mn[k]), max=float(mx[k]), mean_token_norm=float(nsum[k] / n_tok),
+                       norm_lo=None if lo is None else float(lo[k]), norm_hi=None if hi is None else float(hi[k]),
+                       norm_median=None if med is None else float(med[k]), norm_outliers=int(outliers[k]),
+                       norm_margin=None if margin is None else round(float(margin[k]), 4))
+            for k, lid in enumerate(layer_ids)]
