@@ -163,3 +163,25 @@ def test_records_dir_of_a_shard_written_as_an_extract_version(tmp_path):
         (w.shard_dir(key) / "manifest.json").write_text("{}")
         assert shard_rows(w, key) == [1, 3]
     assert w.records_dir("version") == w.shard_dir("version") / "hidden_states"
+
+
+def test_merge_verify_sums_counts_joins_samples_and_keeps_the_worst():
+    from eagle3_pipeline.pipeline.window_training import merge_verify
+    from eagle3_pipeline.records.verification import VerifyResult
+
+    def shard(records, err, cos, samples, seconds):
+        return VerifyResult.model_validate({
+            "content_key": "shard", "passed": True, "problems": [], "bad_rows": [], "seconds": seconds,
+            "rows_rechecked": records,
+            "checks": {"structure": {"ran": True, "records": records, "tokens_checked": 10 * records},
+                       "reference": {"ran": True, "records": len(samples), "samples": samples,
+                                     "max_rel_err": err, "min_cosine": cos},
+                       "masks": {"ran": False, "skipped": "not asked"}}})
+
+    ver = merge_verify([shard(3, 0.01, 0.99, [1, 2], 1.0), shard(5, 0.02, 0.98, [7], 2.5)], "version")
+    assert ver.passed and ver.mode == "window" and ver.content_key == "version"
+    assert ver.samples_checked == 8 and ver.checks.structure.tokens_checked == 80
+    assert ver.checks.reference.samples == [1, 2, 7] and ver.reference_max_rel_err == 0.02
+    assert ver.checks.reference.min_cosine == 0.98 and ver.rows_rechecked == 8 and ver.seconds == 3.5
+    assert not ver.checks.masks.ran and ver.checks.masks.skipped == "not asked"
+    assert not merge_verify([shard(1, 0.0, 1.0, [], 0.1).model_copy(update={"passed": False})], "v").passed

@@ -220,34 +220,42 @@ def _with_window(tr, cap: Capture, st, version: ExtractVersion):
 
 
 def merge_verify(results: list, content_key: str):
-    """One VerifyResult for the report from every shard's (each passed, or the stage raised): counts summed,
-    worst errors kept, samples and checks joined."""
-    from eagle3_pipeline.verify.stage import CheckRun
-
+    """One VerifyResult for the report from every shard's (each passed, or the stage raised): per check, counts
+    and seconds summed, samples joined, the worst error or margin kept (min_* the least), a mean the shards'
+    mean; the run's problems, bad rows and counts summed."""
     if not results:
         raise ValueError("window: no shard was verified")
     base = results[0]
-
-    def worst(name: str, pick):
-        vals = [getattr(r, name) for r in results if getattr(r, name) is not None]
-        return pick(vals) if vals else None
-
-    fps = [r.fingerprint for r in results]
-    fp = base.fingerprint.model_copy(update={
-        "rows_checked": sum(f.rows_checked for f in fps), "rows_failed": sum(f.rows_failed for f in fps),
-        "rows_without": sum(f.rows_without for f in fps),
-        "min_agreement": min((f.min_agreement for f in fps if f.min_agreement is not None), default=None)})
-    checks = {name: CheckRun(ran=any(r.checks[name].ran for r in results if name in r.checks),
-                             records=sum(r.checks[name].records for r in results if name in r.checks),
-                             skipped=base.checks[name].skipped) for name in base.checks}
+    checks = {name: _merge_check([r.checks[name] for r in results]) for name, _ in base.checks.items()}
     return base.model_copy(update={
         "content_key": content_key, "mode": "window", "passed": all(r.passed for r in results),
-        "samples_checked": sum(r.samples_checked for r in results), "tokens_checked": sum(r.tokens_checked for r in results),
-        "reference_samples": [s for r in results for s in r.reference_samples],
-        "reference_max_rel_err": worst("reference_max_rel_err", max),
-        "reference_min_cosine": worst("reference_min_cosine", min),
-        "invariance_samples": [s for r in results for s in r.invariance_samples],
-        "invariance_max_rel_err": worst("invariance_max_rel_err", max),
+        "checks": base.checks.model_copy(update=checks),
         "problems": [p for r in results for p in r.problems], "bad_rows": [b for r in results for b in r.bad_rows],
-        "bytes_read": sum(r.bytes_read for r in results), "rows_rechecked": sum(r.rows_rechecked for r in results),
-        "seconds": round(sum(r.seconds or 0.0 for r in results), 2), "fingerprint": fp, "checks": checks})
+        "rows_rechecked": sum(r.rows_rechecked for r in results),
+        "shards_rechecked": sum(r.shards_rechecked for r in results),
+        "seconds": round(sum(r.seconds or 0.0 for r in results), 2)})
+
+
+def _merge_check(parts: list):
+    """One check's results over the shards, field by field (see merge_verify)."""
+    first, merged = parts[0], {}
+    for name in type(first).model_fields:
+        vals = [getattr(p, name) for p in parts]
+        known = [v for v in vals if v is not None]
+        if name == "ran":
+            merged[name] = any(vals)
+        elif name == "layer_stats":  # per layer, learned from the shard's files: the first shard's stand
+            merged[name] = vals[0]
+        elif isinstance(vals[0], bool) or isinstance(vals[0], (dict, str)) or not known:
+            merged[name] = vals[0]
+        elif isinstance(known[0], list):
+            merged[name] = [x for v in known for x in v]
+        elif isinstance(known[0], int) or name.endswith("seconds"):
+            merged[name] = sum(known) if name != "peak_rss_bytes" else max(known)
+        elif name.startswith("min_"):
+            merged[name] = min(known)
+        elif name.startswith(("mean_", "median_")):
+            merged[name] = sum(known) / len(known)
+        else:  # max_*, margins, spreads, deviations: the worst
+            merged[name] = max(known)
+    return first.model_copy(update=merged)
