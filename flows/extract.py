@@ -17,7 +17,7 @@ from prefect import flow
 from prefect.utilities.annotations import quote
 
 from eagle3_pipeline.core.config import PipelineConfig
-from eagle3_pipeline.extract.stage import ExtractFailed
+from eagle3_pipeline.extract.stage import ExtractFailed, ExtractInputs
 from eagle3_pipeline.records.layout import ExtractVersion
 from flows.fanout import run_groups_as_deployments
 from flows.lease import rescheduled_on_lost_lease
@@ -41,7 +41,7 @@ def extract(config: PipelineConfig, version: ExtractVersion, force_shards: list[
                 forced = bool(force & set(group))
                 # quote: Prefect need not walk the config and the plan for futures (~10 ms per task)
                 state = run[forced or bool(unpublished & set(group))](
-                    quote(config), quote(version), group, forced, return_state=True)
+                    quote(config), quote(ExtractInputs(version=version, shard_ids=group, force=forced)), return_state=True)
                 if state.is_failed():
                     failed.append(f"shards {group}: {state.message}")
     if failed:

@@ -22,11 +22,12 @@ from pydantic import BaseModel
 
 from eagle3_pipeline.core.config import PipelineConfig
 from eagle3_pipeline.data.tokenized import PrepareResult
-from eagle3_pipeline.evaluate.stage import EvaluateReport
+from eagle3_pipeline.evaluate.stage import EvaluateInputs, EvaluateReport
+from eagle3_pipeline.pipeline import registry
 from eagle3_pipeline.pipeline.jobs import job_variables
 from eagle3_pipeline.records.layout import ExtractVersion
-from eagle3_pipeline.train.stage import TrainResult
-from eagle3_pipeline.verify.stage import VerifyResult
+from eagle3_pipeline.train.stage import TrainInputs, TrainResult
+from eagle3_pipeline.verify.stage import VerifyInputs, VerifyResult
 from eagle3_pipeline.vocab.stage import VocabResult
 from flows import attach
 from flows.fanout import flow_run_link, with_api_retry
@@ -38,6 +39,7 @@ DEPLOYMENT = os.environ.get("EAGLE3_STAGE_DEPLOYMENT", "{stage}-stage/{stage}-st
 POLL_S = float(os.environ.get("EAGLE3_FANOUT_POLL_S", "5"))
 RESULT = {"persist_result": True, "result_serializer": "json", "log_prints": True}
 RECORD = {"verify": VerifyResult, "train": TrainResult, "evaluate": EvaluateReport}  # what a run's JSON result is
+TASKS = {"verify": t.verify, "train": t.train, "evaluate": t.evaluate}  # the stages with a deployment (prefect.yaml)
 
 
 class StageRunFailed(RuntimeError):
@@ -47,39 +49,28 @@ class StageRunFailed(RuntimeError):
 @flow(name="verify-stage", **RESULT)
 def verify_stage(config: PipelineConfig, version: ExtractVersion) -> VerifyResult:
     use_hub_secret(config)
-    return t.verify(config, version)
+    return t.verify(config, VerifyInputs(version=version))
 
 
 @flow(name="train-stage", **RESULT)
 def train_stage(config: PipelineConfig, version: ExtractVersion, voc: VocabResult) -> TrainResult:
     use_hub_secret(config)
-    return t.train(config, version, voc)
+    return t.train(config, TrainInputs(version=version, voc=voc))
 
 
 @flow(name="evaluate-stage", **RESULT)
 def evaluate_stage(config: PipelineConfig, prep: PrepareResult, version: ExtractVersion, voc: VocabResult,
                    tr: TrainResult, run_dir: str) -> EvaluateReport:
     use_hub_secret(config)
-    return t.evaluate(config, prep, version, voc, tr, run_dir)
+    return t.evaluate(config, EvaluateInputs(prep=prep, version=version, voc=voc, tr=tr, run_dir=run_dir))
 
 
-def verify(config: PipelineConfig, version: ExtractVersion):
-    if config.gpu_stages == "deployments":
-        return on_pool(config, "verify", version=version)
-    return t.verify(config, version)
-
-
-def train(config: PipelineConfig, version: ExtractVersion, voc: VocabResult):
-    if config.gpu_stages == "deployments":
-        return on_pool(config, "train", version=version, voc=voc)
-    return t.train(config, version, voc)
-
-
-def evaluate(config: PipelineConfig, prep: PrepareResult, version: ExtractVersion, voc: VocabResult, tr: TrainResult,
-             run_dir: str):
-    if config.gpu_stages == "deployments":
-        return on_pool(config, "evaluate", prep=prep, version=version, voc=voc, tr=tr, run_dir=run_dir)
-    return t.evaluate(config, prep, version, voc, tr, run_dir)
+def run_stage(config: PipelineConfig, stage: str, inputs: BaseModel):
+    """A stage that may run as its own Job (registry.JOB_STAGES): with `gpu_stages: deployments` as a run of its
+    deployment, whose parameters are the config and the inputs record's fields; else its task in this flow."""
+    if config.gpu_stages == "deployments" and stage in registry.JOB_STAGES:
+        return on_pool(config, stage, **dict(inputs))
+    return TASKS[stage](config, inputs)
 
 
 def on_pool(config: PipelineConfig, stage: str, **inputs):

@@ -13,16 +13,28 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from eagle3_pipeline.core.config import EvaluateConfig, TargetConfig
+from eagle3_pipeline.core.config import EvaluateConfig, PipelineConfig, TargetConfig, hub_token
 from eagle3_pipeline.core.errors import GateFailed, InputError
 from eagle3_pipeline.core.proc import EXCEPTION_LINE, ChildFailed, python_child, run_child
-from eagle3_pipeline.core.stage_spec import CHILD, IO, Retry, StageSpec
+from eagle3_pipeline.core.stage_spec import CHILD, IO, Log, Retry, StageSpec
 from eagle3_pipeline.core.store import dir_lock, write_json
+from eagle3_pipeline.data.tokenized import PrepareResult, load_tokenizer
 from eagle3_pipeline.engine.build import engine_env
 from eagle3_pipeline.engine.start import refusal_of
 from eagle3_pipeline.evaluate.ngram import NgramBaseline, SuffixBaseline, describe_ngram, ngram_baseline
+from eagle3_pipeline.evaluate.prompts import (
+    QUARANTINE_NAME,
+    PromptSet,
+    PromptSetError,
+    heldout_prompt_set,
+    load_prompt_set,
+    prompt_token_limit,
+)
 from eagle3_pipeline.evaluate.results import EvalResult, EvaluateError, SpeedResult, eval_result, speed_result, tau_text
 from eagle3_pipeline.records.contracts import model_dims
+from eagle3_pipeline.records.layout import ExtractVersion
+from eagle3_pipeline.records.lineage import previous_draft
+from eagle3_pipeline.records.results import TrainResult, VocabResult
 
 WORKER = "eagle3_pipeline.evaluate.worker"
 UNTRAINED = "untrained"  # label of the baseline run (evaluate_pair)
@@ -597,8 +609,48 @@ def check_acceptance_gate(report: EvaluateReport, cfg: EvaluateConfig) -> None:
         raise EvaluateGateFailed(why)
 
 
+def evaluate_prompts(cfg: PipelineConfig, prep: PrepareResult | None, out_dir: Path, log: Log = print) -> PromptSet:
+    """The evaluate stage's prompts: `evaluate.prompts` rendered with the target's chat template (skipped rows
+    quarantined in `out_dir`), else prepare's held-out prompts (`prep`)."""
+    ev = cfg.evaluate
+    if ev.prompts is None:
+        if prep is None:
+            raise PromptSetError("evaluate: no evaluate.prompts and no prepared data to take held-out prompts from")
+        pset = heldout_prompt_set(prep.heldout, ev.num_prompts)
+        if not pset.prompts:
+            raise RuntimeError(f"evaluate: no held-out prompts in {prep.heldout} (prepare.heldout_rows is 0?)")
+        return pset
+    limit = prompt_token_limit(ev.max_model_len, cfg.target.model, ev.max_tokens, ev.num_speculative_tokens)
+    return load_prompt_set(ev.prompts, load_tokenizer(cfg.target), num_prompts=ev.num_prompts, max_prompt_tokens=limit,
+                           split=ev.prompts_split, token=hub_token(cfg.target),
+                           quarantine_path=Path(out_dir) / QUARANTINE_NAME, log=log, all_turns=ev.turns == "all")
+
+
+class EvaluateInputs(BaseModel):
+    prep: PrepareResult | None  # its held-out prompts, where evaluate.prompts names none
+    version: ExtractVersion  # the data the draft was trained on: the previous version's draft is found beside it
+    voc: VocabResult  # the draft vocabulary (the untrained baseline's too)
+    tr: TrainResult  # the trained draft, and the untrained one in its directory
+    run_dir: str  # the run's directory: evaluate writes in its `evaluate/`
+
+
+def run(cfg: PipelineConfig, inputs: EvaluateInputs, log: Log) -> EvaluateReport:
+    """The stage's entry (StageSpec.run): the trained draft against the untrained one (evaluate.baseline) and the
+    previous version's (evaluate.compare_previous) on the same prompts; the acceptance gate on the result."""
+    out = Path(inputs.run_dir) / "evaluate"
+    prompts = evaluate_prompts(cfg, inputs.prep, out, log=log)
+    untrained = inputs.tr.untrained_dir() if cfg.evaluate.baseline else None
+    prev = previous_draft(inputs.version) if cfg.evaluate.compare_previous or cfg.train.init == "previous" else None
+    if prev is not None:
+        log(f"evaluate: also the previous version's draft {prev.checkpoint} on the same held-out prompts")
+    rep = evaluate_pair(cfg.evaluate, cfg.target, Path(inputs.tr.checkpoint_best), untrained, prompts, out, log=log,
+                        previous_dir=Path(prev.checkpoint) if prev else None)
+    check_acceptance_gate(rep, cfg.evaluate)
+    return rep
+
+
 RETRY = Retry(1, 30, (*IO, *CHILD, RuntimeError),
               "starts vLLM engines (a failed engine start: port, memory not yet freed); never when τ is below the "
               "floor (EvaluateGateFailed)")
-STAGE = StageSpec(name="evaluate", run=evaluate_pair, result=EvaluateReport, failure=EvaluateGateFailed,
+STAGE = StageSpec(name="evaluate", run=run, result=EvaluateReport, failure=EvaluateGateFailed,
                   worker="eagle3_pipeline.evaluate.worker", accelerators=True, gate=True, own_job=True, retry=RETRY)

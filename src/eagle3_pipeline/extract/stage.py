@@ -30,11 +30,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
+from pydantic.json_schema import SkipJsonSchema
 
 from eagle3_pipeline import FORMAT_VERSION
-from eagle3_pipeline.core.config import ExtractConfig, TargetConfig
-from eagle3_pipeline.core.stage_spec import CHILD, IO, Retry, StageSpec
+from eagle3_pipeline.core.config import ExtractConfig, PipelineConfig, TargetConfig
+from eagle3_pipeline.core.stage_spec import CHILD, IO, Log, Retry, StageSpec
 from eagle3_pipeline.core.store import file_locks, sha256_file, write_json
 from eagle3_pipeline.engine.build import engine_env
 from eagle3_pipeline.engine.start import refusal_of
@@ -374,9 +375,22 @@ def summarize(out_dir: Path, since: float | None = None) -> ExtractResult:
                          cached=since is not None and bool(pub) and not now)
 
 
+class ExtractInputs(BaseModel):
+    version: ExtractVersion
+    shard_ids: list[int]  # one group: one engine child publishes these shards
+    force: bool = False  # extract again even the published shards
+    on_shard: SkipJsonSchema[Callable[[dict], None] | None] = Field(None, exclude=True)  # each shard's event, as it lands
+
+
+def run(cfg: PipelineConfig, inputs: ExtractInputs, log: Log) -> list[ShardRecord]:
+    """The stage's entry (StageSpec.run): one group of shards."""
+    return extract_group(cfg.extract, cfg.target, inputs.version, inputs.shard_ids, log=log, force=inputs.force,
+                         on_shard=inputs.on_shard)
+
+
 RETRY = Retry(2, 5, (*IO, *CHILD, RuntimeError),
               "engine child per shard group (crash, OOM, lost node); a retry extracts only the shards not yet "
               "published", count="extract.retries")
-STAGE = StageSpec(name="extract", run=extract_group, result=list[ShardRecord], failure=ExtractFailed,
+STAGE = StageSpec(name="extract", run=run, result=list[ShardRecord], failure=ExtractFailed,
                   worker="eagle3_pipeline.extract.worker", accelerators=True, own_job=True, task="extract-group",
                   retry=RETRY)

@@ -20,9 +20,10 @@ import time
 
 from pydantic import BaseModel
 
+from eagle3_pipeline.core.config import PipelineConfig
 from eagle3_pipeline.core.errors import EnvironmentProblem
 from eagle3_pipeline.core.proc import CHILD_MARKER_ENV, LAUNCHER_ENV
-from eagle3_pipeline.core.stage_spec import Retry, StageSpec
+from eagle3_pipeline.core.stage_spec import Log, Retry, StageSpec
 
 WORKER_MODULES = ("eagle3_pipeline.extract.worker", "eagle3_pipeline.train.worker", "eagle3_pipeline.evaluate.worker")
 
@@ -193,6 +194,16 @@ def gpu_gate(kill: bool = True, max_used_mib: int = 2048, wait_s: float = 30.0, 
     return GpuGateResult(leftovers_found=found, killed=killed, gpus=gpus, passed=True)
 
 
+class GpuGateInputs(BaseModel):
+    where: str  # which point of the run the gate guards (`before-extract`, `after-train`): in its lines and record
+
+
+def run(cfg: PipelineConfig, inputs: GpuGateInputs, log: Log) -> GpuGateResult:
+    """The stage's entry (StageSpec.run)."""
+    rec = gpu_gate(log=lambda m: log(f"[{inputs.where}] {m}"))
+    return rec.model_copy(update={"where": inputs.where})
+
+
 RETRY = Retry(0, 0, (), "a gate: busy GPUs are an answer for the operator, not a transient error")
-STAGE = StageSpec(name="gpu", run=gpu_gate, result=GpuGateResult, failure=GpuGateFailed, gate=True, reported=False,
+STAGE = StageSpec(name="gpu", run=run, result=GpuGateResult, failure=GpuGateFailed, gate=True, reported=False,
                   task="gpu-gate", retry=RETRY)

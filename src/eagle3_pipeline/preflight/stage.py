@@ -29,7 +29,8 @@ from eagle3_pipeline.core import host
 from eagle3_pipeline.core.cluster import gpu_pool_problems
 from eagle3_pipeline.core.config import PipelineConfig
 from eagle3_pipeline.core.errors import EnvironmentProblem
-from eagle3_pipeline.core.stage_spec import Retry, StageSpec
+from eagle3_pipeline.core.stage_spec import Log, Retry, StageSpec
+from eagle3_pipeline.data.tokenized import PrepareResult
 from eagle3_pipeline.engine.start import MemoryPlan, describe, memory_plan, what_fits
 from eagle3_pipeline.records.contracts import (
     ContractError,
@@ -386,6 +387,15 @@ def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=prin
                            read_bytes_per_s=store.read_bytes_per_s)
 
 
+class PreflightInputs(BaseModel):
+    prep: PrepareResult  # its token count sizes the disk plans; its directory holds the preflight record
+
+
+def run(cfg: PipelineConfig, inputs: PreflightInputs, log: Log) -> PreflightResult:
+    """The stage's entry (StageSpec.run)."""
+    return preflight(cfg, inputs.prep.tokens, Path(inputs.prep.dir), log=log)
+
+
 RETRY = Retry(0, 0, (), "a gate of seconds, no I/O worth retrying: its failure is the answer")
-STAGE = StageSpec(name="preflight", run=preflight, result=PreflightResult, failure=PreflightFailed, gate=True,
+STAGE = StageSpec(name="preflight", run=run, result=PreflightResult, failure=PreflightFailed, gate=True,
                   retry=RETRY)

@@ -26,10 +26,12 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from eagle3_pipeline.core.config import PrepareConfig, SourceConfig, TargetConfig, hub_token
+from pydantic import BaseModel
+
+from eagle3_pipeline.core.config import PipelineConfig, PrepareConfig, SourceConfig, TargetConfig, hub_token
 from eagle3_pipeline.core.digest import row_hash
 from eagle3_pipeline.core.errors import DiskFull, InputError, is_disk_full
-from eagle3_pipeline.core.stage_spec import IO, Retry, StageSpec
+from eagle3_pipeline.core.stage_spec import IO, Log, Retry, StageSpec
 from eagle3_pipeline.core.store import (
     atomic_write,
     atomic_write_text,
@@ -44,7 +46,8 @@ from eagle3_pipeline.core.store import (
 from eagle3_pipeline.data.chat import MaskUnavailable, TemplateMismatch, ToolCallsNotRendered, render
 from eagle3_pipeline.data.formats import Conversation, RawRow, Rejected, parse_row, raw_rows, tail_warning
 from eagle3_pipeline.data.mask_check import MaskDisagrees, RenderingWrong, encode_checked
-from eagle3_pipeline.data.tokenized import ROW_HASHES, TOKENIZER_FILES, PrepareResult, load_tokenizer
+from eagle3_pipeline.data.tokenized import ROW_HASHES, TOKENIZER_FILES, PrepareResult, load_tokenizer, loss_warnings
+from eagle3_pipeline.records.results import RegenerateResult
 
 # Bump when the same rows, tokenizer and settings give different chunk bytes or quarantine decisions:
 # 2 = tool use, history-rewriting (thinking) templates, masks without offsets; 3 = leading assistant,
@@ -438,7 +441,23 @@ def _judged_row_hashes(arrow):
                          dtype=np.uint8).reshape(-1, 8).copy()
 
 
+class PrepareInputs(BaseModel):
+    regenerated: RegenerateResult | None = None  # the regenerate stage's rows, read instead of prepare.sources
+
+
+def run(cfg: PipelineConfig, inputs: PrepareInputs, log: Log) -> PrepareResult:
+    """The stage's entry (StageSpec.run): tokenize prepare.sources, or the regenerated rows."""
+    prep_cfg = cfg.prepare
+    if (regen := inputs.regenerated) is not None:
+        prep_cfg = cfg.prepare.model_copy(update={"sources": regen.sources()})
+        log(f"prepare: reading the regenerated rows of version {regen.version} ({regen.rows_dir})")
+    res = prepare(prep_cfg, cfg.target, Path(cfg.store), log=log)
+    for w in loss_warnings(res, cfg.prepare):
+        log(f"prepare warning: {w}")
+    return res
+
+
 RETRY = Retry(2, 30, IO,
               "reads sources (files, fsspec, the hub) and writes the store; a retry reuses every content-keyed "
               "chunk already tokenized")
-STAGE = StageSpec(name="prepare", run=prepare, result=PrepareResult, failure=InputError, retry=RETRY)
+STAGE = StageSpec(name="prepare", run=run, result=PrepareResult, failure=InputError, retry=RETRY)

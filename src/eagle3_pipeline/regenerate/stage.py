@@ -14,10 +14,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
 from eagle3_pipeline import FORMAT_VERSION
-from eagle3_pipeline.core.config import PrepareConfig, RegenerateConfig, SourceConfig, TargetConfig, hub_token
+from eagle3_pipeline.core.config import (
+    PipelineConfig,
+    PrepareConfig,
+    RegenerateConfig,
+    SourceConfig,
+    TargetConfig,
+    hub_token,
+)
 from eagle3_pipeline.core.errors import InputError
-from eagle3_pipeline.core.stage_spec import CHILD, IO, Retry, StageSpec
+from eagle3_pipeline.core.stage_spec import CHILD, IO, Log, Retry, StageSpec
 from eagle3_pipeline.core.store import (
     atomic_write_text,
     content_key,
@@ -130,7 +139,7 @@ def version_key(cfg: RegenerateConfig, shards: list[ShardInput], target: TargetC
 
 def prepare_config(prep: PrepareConfig, res: RegenerateResult) -> PrepareConfig:
     """`prep` reading the regenerated rows (OpenAI format) instead of its configured sources."""
-    return prep.model_copy(update={"sources": [SourceConfig(path=res.rows_dir, format="openai")]})
+    return prep.model_copy(update={"sources": res.sources()})
 
 
 # ------------------------------------------------------------------------------------ manifest
@@ -373,8 +382,17 @@ def read_quarantine(res: RegenerateResult) -> list[dict]:
 __all__ = ["RegenerateFailed", "RegenerateResult", "prepare_config", "read_quarantine", "read_rows", "regenerate"]
 
 
+class RegenerateInputs(BaseModel):
+    """Nothing from an earlier stage: regenerate reads prepare.sources from the config."""
+
+
+def run(cfg: PipelineConfig, inputs: RegenerateInputs, log: Log) -> RegenerateResult:
+    """The stage's entry (StageSpec.run): the target answers the sources' turns."""
+    return regenerate(cfg.regenerate, cfg.prepare, cfg.target, Path(cfg.store), log=log)
+
+
 RETRY = Retry(2, 30, (*IO, *CHILD, RuntimeError),
               "engine child that answers the sources' turns (crash, OOM, lost node, timeout); a retry regenerates "
               "only the shards not yet published", count="regenerate.retries")
-STAGE = StageSpec(name="regenerate", run=regenerate, result=RegenerateResult, failure=RegenerateFailed,
+STAGE = StageSpec(name="regenerate", run=run, result=RegenerateResult, failure=RegenerateFailed,
                   worker="eagle3_pipeline.regenerate.worker", accelerators=True, retry=RETRY)

@@ -20,10 +20,13 @@ import json
 from pathlib import Path
 
 import numpy as np
+from pydantic import BaseModel
 
-from eagle3_pipeline.core.config import VocabConfig
-from eagle3_pipeline.core.stage_spec import IO, Retry, StageSpec
+from eagle3_pipeline.core.config import PipelineConfig, VocabConfig
+from eagle3_pipeline.core.stage_spec import IO, Log, Retry, StageSpec
 from eagle3_pipeline.core.store import atomic_write, dir_lock, write_json
+from eagle3_pipeline.data.tokenized import PrepareResult, load_tokenizer
+from eagle3_pipeline.records.layout import ExtractVersion
 from eagle3_pipeline.records.results import VocabResult  # the stage's record (records/results.py)
 from eagle3_pipeline.records.vocab import META_NAME, VocabError, check_vocab, d2t_name, t2d_name
 
@@ -123,5 +126,19 @@ def build_vocab(cfg: VocabConfig, token_freq: Path, target_vocab_size: int, out_
     return result.model_copy(update={"dir": str(out_dir.resolve())})
 
 
+class VocabInputs(BaseModel):
+    prep: PrepareResult  # its token frequencies
+    version: ExtractVersion  # the target's vocabulary size; the vocab lives in its directory
+
+
+def run(cfg: PipelineConfig, inputs: VocabInputs, log: Log) -> VocabResult:
+    """The stage's entry (StageSpec.run): the draft vocabulary of `vocab.draft_vocab_size` tokens."""
+    tok = load_tokenizer(cfg.target)
+    version = inputs.version
+    return build_vocab(cfg.vocab, Path(inputs.prep.token_freq), version.dims.vocab_size,
+                       version.vocab_dir(cfg.vocab.draft_vocab_size),
+                       special_token_ids=[t for t in (tok.eos_token_id,) if t is not None])
+
+
 RETRY = Retry(2, 5, IO, "reads token_freq and the tokenizer, writes two small files")
-STAGE = StageSpec(name="vocab", run=build_vocab, result=VocabResult, failure=VocabError, retry=RETRY)
+STAGE = StageSpec(name="vocab", run=run, result=VocabResult, failure=VocabError, retry=RETRY)
