@@ -17,6 +17,7 @@ is killed with SIGKILL (`_die_with`: a parent-death signal).
 from __future__ import annotations
 
 import atexit
+import ctypes
 import logging
 import os
 import random
@@ -34,8 +35,6 @@ def _die_with(parent: int):
     killer, a closed terminal), so no temporary server outlives its command (Linux PR_SET_PDEATHSIG)."""
     def preexec() -> None:
         try:
-            import ctypes
-
             ctypes.CDLL(None, use_errno=True).prctl(1, 15)  # PR_SET_PDEATHSIG, SIGTERM
         except (OSError, AttributeError):
             return
@@ -67,8 +66,8 @@ class EarlyServer:
         """Start the temporary server's process now; None when an API URL is configured (or temporary
         servers are not allowed: Prefect raises its own error then)."""
         try:
-            import prefect
-            from prefect.settings import get_current_settings
+            import prefect  # noqa: PLC0415  heavy: prefect (the CLI imports this module)
+            from prefect.settings import get_current_settings  # noqa: PLC0415  heavy: prefect (the CLI imports this module)
 
             settings = get_current_settings()
             if settings.api.url or not settings.server.ephemeral.enabled:
@@ -96,9 +95,9 @@ class EarlyServer:
         """Wait until the server answers, then make it Prefect's temporary server of this process.
         Returns whether it did; otherwise the server is ended and Prefect will start its own."""
         try:
-            import httpx
-            from prefect.server.api.server import SubprocessASGIServer, subprocess_server_logger
-            from prefect.settings import get_current_settings
+            import httpx  # noqa: PLC0415  heavy: prefect (the CLI imports this module)
+            from prefect.server.api.server import SubprocessASGIServer, subprocess_server_logger  # noqa: PLC0415  heavy: prefect (the CLI imports this module)
+            from prefect.settings import get_current_settings  # noqa: PLC0415  heavy: prefect (the CLI imports this module)
 
             limit = time.monotonic() + get_current_settings().server.ephemeral.startup_timeout_seconds
             with httpx.Client() as client:

@@ -23,6 +23,8 @@ import threading
 from pathlib import Path
 from typing import Protocol
 
+from eagle3_pipeline.core.cluster import pod_problem, pod_started
+
 LABEL = "prefect.io/flow-run-id"
 SOURCE_ENV = "EAGLE3_POD_SOURCE"
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -135,8 +137,6 @@ class KubernetesPods:
 def describe(pods: Pods | None, flow_run_id: str, expected: int = 1) -> tuple[bool, str | None, bool]:
     """(whether `expected` pods of the run started: all of a train set's, what keeps its pods from starting in
     Kubernetes' words or None, whether that is final: its Job failed, so no pod will come)."""
-    from eagle3_pipeline.core.cluster import pod_problem, pod_started
-
     if pods is None:
         return False, None, False
     found = pods.of(str(flow_run_id))

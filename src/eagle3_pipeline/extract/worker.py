@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -37,14 +38,30 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from eagle3_pipeline.core.config import EngineConfig, TargetConfig
+from eagle3_pipeline.core.errors import EnvironmentProblem
 from eagle3_pipeline.core.proc import child_main, emit_event
 from eagle3_pipeline.core.progress import LineProgress
+from eagle3_pipeline.core.store import durable_files
+from eagle3_pipeline.data.tokenized import load_tokenized
+from eagle3_pipeline.engine import runner, state_sketch
+from eagle3_pipeline.engine.build import (
+    FINGERPRINT_ENGINE_KWARGS,
+    build_llm,
+    extract_hidden_states_config,
+    hidden_states_kv_config,
+    vllm_is_cpu_build,
+)
+from eagle3_pipeline.engine.prompt_scores import ENV, install, wanted
 from eagle3_pipeline.engine.state_sketch import KEY as SKETCH_KEY
 from eagle3_pipeline.records.contracts import (
     FP_TOP,
+    RECORD_META_KEY,
     ContractError,
+    dequantise,
     fingerprint_from_flat,
     fingerprint_name,
+    invariance_entry,
+    invariance_rows,
     read_record,
     record_file_problem,
     record_name,
@@ -218,8 +235,6 @@ class _Durable:
         self.pending.append((Path(tmp), Path(final)))
 
     def wait(self) -> None:
-        from eagle3_pipeline.core.store import durable_files
-
         pending, self.pending = self.pending, []
         durable_files(pending)
 
@@ -311,7 +326,6 @@ def _load_record(path: str, storage_dtype: str) -> dict:
     """The record of a connector's file in either layout (ours as written, vLLM's converted)."""
     from safetensors import safe_open
 
-    from eagle3_pipeline.records.contracts import RECORD_META_KEY
 
     with safe_open(path, framework="pt") as f:
         ours = RECORD_META_KEY in (f.metadata() or {})
@@ -328,9 +342,6 @@ def _sketch_dir(job: ExtractJob) -> Path:
 def _sketches_on(job: ExtractJob) -> bool:
     """The engine's processes (a vLLM plugin) and this one write the state sketch of every request
     (state_sketch.py) into the scratch dir; the fingerprint sidecar carries it. Returns whether it is in place."""
-    import shutil
-
-    from eagle3_pipeline.engine import state_sketch
 
     shutil.rmtree(_sketch_dir(job), ignore_errors=True)
     _sketch_dir(job).mkdir(parents=True)
@@ -342,12 +353,9 @@ def _sketches_on(job: ExtractJob) -> bool:
 def _take_sketch(job: ExtractJob, requested: str, who: str):
     """fp32 [T, L, DIM]: the engine's state sketch of the request that was asked to write `requested`
     (removed once read). Raises when the engine wrote none: the check it feeds could not run."""
-    from eagle3_pipeline.engine import state_sketch
-
     path = _sketch_dir(job) / os.path.basename(requested)
     got = state_sketch.read(str(path))
     if got is None:
-        from eagle3_pipeline.core.errors import EnvironmentProblem
 
         raise EnvironmentProblem(
             f"{who}: the engine wrote no state sketch ({path}): the hook state_sketch.install is not in place in "
@@ -363,8 +371,6 @@ def _invariance(engine: _Engine, ds, job: ExtractJob) -> None:
     on a request's place in a batch (offsets that drift between requests, one request's states under
     another's name, stale cache slots) without a second model load. Prints one `invariance` event per
     row with per-layer differences; the verify gate judges them (thresholds live in its config)."""
-    from eagle3_pipeline.records.contracts import dequantise, invariance_entry, invariance_rows
-
     rows = [r for s in job.shards for r in s.row_ids()]  # only rows this engine extracted
     seq_lens = [int(x) for x in ds.select(rows)["seq_len"]]
     first_of_shard = {s.row_ids()[0] for s in job.shards if s.row_ids()}
@@ -385,15 +391,6 @@ def _invariance(engine: _Engine, ds, job: ExtractJob) -> None:
 
 def _start_engine(job: ExtractJob, ds, max_len: int) -> _Engine:
     """The extract engine, warmed up, with its hooks proven live in the runner it built (engine/runner.py)."""
-    from eagle3_pipeline.engine import runner
-    from eagle3_pipeline.engine.build import (
-        FINGERPRINT_ENGINE_KWARGS,
-        build_llm,
-        extract_hidden_states_config,
-        hidden_states_kv_config,
-        vllm_is_cpu_build,
-    )
-
     # one request = one whole prompt and one file: no chunked prefill, no prefix cache
     batched = {} if job.max_num_batched_tokens is None else {"max_num_batched_tokens": job.max_num_batched_tokens}
     kv = hidden_states_kv_config(job.connector_module, job.connector_name, job.scratch_dir,
@@ -403,7 +400,6 @@ def _start_engine(job: ExtractJob, ds, max_len: int) -> _Engine:
     hooks: tuple[str, ...] = ()
     records = runner.watch(Path(job.scratch_dir) / "engine-runner")
     if job.fingerprints_dir:  # the engine's processes (vLLM plugin) and this one score prompts without a float32 copy
-        from eagle3_pipeline.engine.prompt_scores import ENV, install, wanted
 
         os.environ.setdefault(ENV, "1")
         lean = install()
@@ -431,7 +427,6 @@ def main(argv: list[str]) -> int:
     print(f"extract worker: VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND')}, "
           f"in-process engine core: {os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING') == '0'}", flush=True)
 
-    from eagle3_pipeline.data.tokenized import load_tokenized
 
     ds = load_tokenized(job.tokenized_dir)
     for s in job.shards:

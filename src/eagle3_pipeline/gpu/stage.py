@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import time
 
+import psutil
 from pydantic import BaseModel
 
 from eagle3_pipeline.core.config import PipelineConfig
@@ -42,8 +43,6 @@ class GpuGateResult(BaseModel):
 
 def _ours(p, protected: set[int], dead_launchers: set[int]) -> str | None:
     """A description if `p` is a leftover engine process of ours, else None."""
-    import psutil
-
     try:
         if p.pid in protected:
             return None
@@ -61,16 +60,12 @@ def _ours(p, protected: set[int], dead_launchers: set[int]) -> str | None:
 
 def _protected() -> set[int]:
     """This process, its ancestors and its live descendants (engines this run is using right now)."""
-    import psutil
-
     me = psutil.Process()
     return {me.pid} | {a.pid for a in me.parents()} | {c.pid for c in me.children(recursive=True)}
 
 
 def find_leftovers() -> list[tuple[object, str]]:
     """(process, description) of every leftover engine process of ours."""
-    import psutil
-
     protected = _protected()
     zombies = {p.pid for p in psutil.process_iter(["status"]) if p.info["status"] == psutil.STATUS_ZOMBIE}
     found = ((p, _ours(p, protected, zombies)) for p in psutil.process_iter())
@@ -124,8 +119,6 @@ def gpu_holders(gpus: list[dict]) -> dict[int, list[str]]:
     """{GPU index: ["pid 123 (python -m vllm...): 30000 MiB", ...]}: the processes nvidia-smi lists
     as holding memory on `gpus` (compute apps, matched by GPU UUID); a pid from another PID namespace
     (a container) is named by nvidia-smi's process name only."""
-    import psutil
-
     by_uuid = {g["uuid"]: g["index"] for g in gpus if g.get("uuid")}
     out: dict[int, list[str]] = {}
     try:
@@ -157,8 +150,6 @@ def describe_busy(busy: list[dict]) -> str:
 
 def gpu_gate(kill: bool = True, max_used_mib: int = 2048, wait_s: float = 30.0, log=print) -> GpuGateResult:
     """End our leftover engines, then check GPU memory; raise GpuGateFailed if the machine stays busy."""
-    import psutil
-
     pairs = find_leftovers()
     leftovers = [p for p, _ in pairs]
     found = [d for _, d in pairs]

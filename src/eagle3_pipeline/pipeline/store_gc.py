@@ -24,7 +24,9 @@ from pydantic import BaseModel
 
 from eagle3_pipeline.core.store import LOCK_NAME, file_locks, within
 from eagle3_pipeline.records.lineage import prepare_versions
+from eagle3_pipeline.records.pool import RecordPool
 from eagle3_pipeline.records.shardrun import MANIFEST_NAME, ShardRun
+from eagle3_pipeline.verify import cache
 
 
 class GcPlan(BaseModel):
@@ -77,9 +79,6 @@ def _version_locks(prep_dir: Path) -> list[Path]:
 
 def gc(store_root: Path, keep: int, apply: bool = False, log: Callable[[str], None] = print) -> GcPlan:
     """Plan (and with `apply`, do) the removal of all but the `keep` newest versions per dataset."""
-    from eagle3_pipeline.records.pool import RecordPool
-    from eagle3_pipeline.verify import cache
-
     if keep < 1:
         raise ValueError(f"gc: --keep must be >= 1, got {keep}")
     store_root = Path(store_root)

@@ -30,7 +30,10 @@ from eagle3_pipeline.core.cluster import gpu_pool_problems
 from eagle3_pipeline.core.config import PipelineConfig
 from eagle3_pipeline.core.errors import EnvironmentProblem
 from eagle3_pipeline.core.stage_spec import Log, Retry, StageSpec
-from eagle3_pipeline.data.tokenized import PrepareResult
+from eagle3_pipeline.data.tokenized import PrepareResult, load_tokenizer
+from eagle3_pipeline.engine import runner as engine_runner
+from eagle3_pipeline.engine import surface
+from eagle3_pipeline.engine.build import engine_env
 from eagle3_pipeline.engine.start import MemoryPlan, describe, memory_plan, what_fits
 from eagle3_pipeline.records.contracts import (
     ContractError,
@@ -149,15 +152,11 @@ def engine_surface_problems(cfg: PipelineConfig, flavour: str) -> list[str]:
     """The installed vLLM and speculators against engine/surface.py (every internal we touch, read from the
     sources without importing, for the runner our engines run on: V1 where this vLLM has it, else V2), and the
     model runner this vLLM would build for our engines' environment (engine_env: the V1 pin) on this stack."""
-    from eagle3_pipeline.engine import surface
-    from eagle3_pipeline.engine.build import engine_env
-    from eagle3_pipeline.engine.runner import expected
-
     try:
         tree = surface.installed_tree()
     except ModuleNotFoundError as e:
         return [f"vLLM's sources: {e}"]
-    kind = expected()
+    kind = engine_runner.expected()
     problems = [f"vLLM/speculators internal this project uses is missing: {p}"
                 for p in surface.check(tree, flavour, runner=kind)]
     env = dict(os.environ) | engine_env(cfg.extract)
@@ -197,7 +196,6 @@ def _model_files_problems(cfg: PipelineConfig, model_vocab: int) -> list[str]:
         found = sorted(p.name for p in model_dir.iterdir())[:10]
         problems.append(f"model directory {model_dir}: no weight files ({', '.join(WEIGHT_PATTERNS)}); found {found}")
     try:
-        from eagle3_pipeline.data.tokenized import load_tokenizer
 
         n_tok = len(load_tokenizer(cfg.target))
     except Exception as e:  # noqa: BLE001 - any loader failure is reported, with its type

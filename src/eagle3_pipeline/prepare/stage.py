@@ -22,10 +22,12 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata as md
 import json
+import multiprocessing as mp
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 from pydantic import BaseModel
 
 from eagle3_pipeline.core.config import PipelineConfig, PrepareConfig, SourceConfig, TargetConfig, hub_token
@@ -239,7 +241,6 @@ def prepare(cfg: PrepareConfig, target: TargetConfig, store_root: Path, log=prin
     jobs = ((store, _chunk_key(tok_key, src, rows), rows, src.format, cfg)
             for src in cfg.sources for rows in _chunks(src, cfg.chunk_rows, hub_token(target)))
     if cfg.num_proc > 1:
-        import multiprocessing as mp
 
         with mp.get_context("spawn").Pool(cfg.num_proc, _worker_init, (target,)) as pool:
             done = list(pool.imap(_worker_chunk, jobs))
@@ -283,7 +284,6 @@ def _assemble(cfg: PrepareConfig, chunk_dirs: list[Path], computed: int, out: Pa
               vocab: int) -> PrepareResult:
     """Concatenate chunks; drop duplicate ids (later ones quarantined); pick the held-out conversations."""
     import datasets
-    import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
@@ -430,8 +430,6 @@ def _publish(out: Path, res: PrepareResult, arrow) -> PrepareResult:
 def _judged_row_hashes(arrow):
     """digest.row_hash of every row as prepare judged it (its mask checked twice), as uint8 [N, 8]: verify
     compares the rows train will read with these, so a row changed after prepare is named."""
-    import numpy as np
-
     if not arrow.num_rows:
         return np.zeros((0, 8), dtype=np.uint8)
     ids, masks = (arrow[c].combine_chunks() for c in ("input_ids", "loss_mask"))

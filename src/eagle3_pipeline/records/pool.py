@@ -27,6 +27,8 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+import numpy as np
+
 from eagle3_pipeline.core.store import content_key, file_lock, model_fingerprint, slug, within
 
 POOL_DIR = "pool"
@@ -57,7 +59,6 @@ def row_keys(tokenized_dir: str | Path, rows: Iterable[int], key: str,
     """{row: row key} for rows of a tokenized dataset: sha256 of the pool key and the row's token ids
     as int64 bytes (read from the memory-mapped Arrow column; no Python lists). `lengths`, when
     given, is filled with each row's token count."""
-    import numpy as np
     from datasets import load_from_disk
 
     ds = load_from_disk(str(tokenized_dir))

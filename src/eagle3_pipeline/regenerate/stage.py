@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jinja2
+import jinja2.meta
 from pydantic import BaseModel
 
 from eagle3_pipeline import FORMAT_VERSION
@@ -38,7 +40,8 @@ from eagle3_pipeline.core.store import (
     within,
     write_json,
 )
-from eagle3_pipeline.engine.build import engine_env
+from eagle3_pipeline.data.tokenized import TOKENIZER_FILES, load_tokenizer
+from eagle3_pipeline.engine.build import cpu_build_kwargs, engine_env
 from eagle3_pipeline.engine.start import refusal_of
 from eagle3_pipeline.records.results import RegenerateResult  # the stage's record (records/results.py)
 from eagle3_pipeline.records.shardrun import Child, ShardEntry, ShardRun, hashes, published_ok, tool_versions
@@ -90,9 +93,6 @@ def thinking_kwargs(cfg: RegenerateConfig, template: str) -> tuple[dict, dict]:
 def template_variables(template: str) -> set[str]:
     """Variables a chat template reads from its context (jinja2's own analysis; a word search when
     the template uses tags plain jinja2 does not know)."""
-    import jinja2
-    import jinja2.meta
-
     try:
         env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
         return set(jinja2.meta.find_undeclared_variables(env.parse(template)))
@@ -121,9 +121,6 @@ def _count(shards: list[ShardInput]) -> int:
 
 def version_key(cfg: RegenerateConfig, shards: list[ShardInput], target: TargetConfig, tok, kwargs: dict) -> dict:
     """Everything that decides the rows of a version (its content key is the version)."""
-    from eagle3_pipeline.data.tokenized import TOKENIZER_FILES
-    from eagle3_pipeline.engine.build import cpu_build_kwargs
-
     tok_id = (dir_fingerprint(Path(target.tokenizer), TOKENIZER_FILES) if Path(target.tokenizer).exists()
               else f"{target.tokenizer}@{target.revision}")
     return {"inputs": [s.input_sha for s in shards], "rows_per_shard": cfg.rows_per_shard,
@@ -210,8 +207,6 @@ def regenerate(cfg: RegenerateConfig, prep: PrepareConfig, target: TargetConfig,
                log: Callable[[str], None] = print) -> RegenerateResult:
     """Regenerate `prep.sources` with the target, or return the complete version already in the store.
     Raises RegenerateFailed naming the unpublished shards (the published ones stay for the retry)."""
-    from eagle3_pipeline.data.tokenized import load_tokenizer
-
     tok = load_tokenizer(target)
     if not getattr(tok, "chat_template", None):
         raise InputError(f"tokenizer {target.tokenizer}: no chat template, so the target cannot be asked to answer "

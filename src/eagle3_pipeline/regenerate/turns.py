@@ -32,6 +32,8 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from eagle3_pipeline.data.formats import Conversation, Pretokenized, Rejected, parse_row
+
 # Quarantine kinds (the `kind` of an entry in quarantine.jsonl; counted in the stage record).
 MALFORMED = "malformed row"             # the source row could not be read as a conversation (formats.py reason)
 PRETOKENIZED = "pretokenized row"       # input_ids + loss_mask only: no messages to answer
@@ -187,8 +189,6 @@ STRUCTURE_KEYS = frozenset({"id", "sample_id", "messages", "conversations", "too
 def begin(rows: list[tuple[str, object]], max_turns: int | None) -> tuple[list[ConversationRun], list[tuple[int, dict]]]:
     """Parse a shard's raw rows ((format, formats.RawRow) pairs): a ConversationRun per conversation, and
     (position, quarantine entry) for every row that is none (unreadable, pre-tokenized)."""
-    from eagle3_pipeline.data.formats import Conversation, Pretokenized, Rejected, parse_row
-
     runs: list[ConversationRun] = []
     quarantined: list[tuple[int, dict]] = []
     for pos, (fmt, raw) in enumerate(rows):

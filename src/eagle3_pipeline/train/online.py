@@ -43,7 +43,17 @@ from eagle3_pipeline.core.config import ExtractConfig, PipelineConfig, TargetCon
 from eagle3_pipeline.core.errors import EnvironmentProblem
 from eagle3_pipeline.core.proc import BackgroundChild
 from eagle3_pipeline.core.store import write_json
+from eagle3_pipeline.data.tokenized import load_tokenized
 from eagle3_pipeline.engine import runner, state_sketch
+from eagle3_pipeline.engine.build import (
+    FINGERPRINT_ENGINE_KWARGS,
+    extract_hidden_states_config,
+    hidden_states_kv_config,
+    server_argv,
+    server_env,
+)
+from eagle3_pipeline.engine.prompt_scores import ENV as LEAN
+from eagle3_pipeline.engine.prompt_scores import wanted as lean_wanted
 from eagle3_pipeline.records.contracts import (
     FP_TOP,
     ContractError,
@@ -155,14 +165,6 @@ class HiddenStateServer:
         return self.target.model  # the served model name (engine.server_argv)
 
     def __enter__(self) -> HiddenStateServer:
-        from eagle3_pipeline.engine.build import (
-            FINGERPRINT_ENGINE_KWARGS,
-            extract_hidden_states_config,
-            hidden_states_kv_config,
-            server_argv,
-            server_env,
-        )
-
         shutil.rmtree(self.scratch, ignore_errors=True)
         self.scratch.mkdir(parents=True)
         cfg = self.cfg
@@ -178,8 +180,6 @@ class HiddenStateServer:
         self.log(f"online: starting a vLLM server of {self.target.model} on 127.0.0.1:{self.port} (layers "
                  f"{self.version.layer_ids}, max_num_seqs {cfg.max_num_seqs}, log {log_path})")
         t0 = time.time()
-        from eagle3_pipeline.engine.prompt_scores import ENV as LEAN
-        from eagle3_pipeline.engine.prompt_scores import wanted as lean_wanted
 
         # every row's fingerprint scores: the lean path in the server's engine (prompt_scores.py, a vLLM plugin)
         # and every row's state sketch (state_sketch.py, a vLLM plugin): files beside the connector's, which
@@ -384,8 +384,6 @@ def take_sample(srv: HiddenStateServer, cfg: PipelineConfig, version: ExtractVer
     """Take `verify.online_rows` rows from the running server (concurrently, as training will), a few of
     them again alone (`extract.invariance_rows`: batch invariance) and write them as records of a sample
     version, for the verify gate to check."""
-    from eagle3_pipeline.data.tokenized import load_tokenized
-
     request_timeout_s = cfg.train.online_request_timeout_s
     t0 = time.time()
     sv = sample_version(version, work_dir)

@@ -38,6 +38,7 @@ from eagle3_pipeline.core.proc import python_child, run_child
 from eagle3_pipeline.core.progress import interval
 from eagle3_pipeline.core.stage_spec import CHILD, IO, Log, Retry, StageSpec
 from eagle3_pipeline.core.store import atomic_write_text, content_key, dir_lock, read_json, sha256_file, write_json
+from eagle3_pipeline.data.tokenized import load_tokenized
 from eagle3_pipeline.records.contracts import HS_KEY, TOKENS_KEY, ContractError, record_name
 from eagle3_pipeline.records.layout import ExtractVersion
 from eagle3_pipeline.records.lineage import PreviousDraft, previous_draft
@@ -64,7 +65,6 @@ def _check_inputs(version: ExtractVersion) -> int:
     """Every row has its hs file; the first and last files have [T, L, H] as expected. Returns rows."""
     from safetensors import safe_open
 
-    from eagle3_pipeline.data.tokenized import load_tokenized
 
     tokenized_dir, hidden_states_dir = version.tokenized_dir, version.hidden_states_dir
     num_captured, hidden_size = len(version.layer_ids), version.dims.hidden_size
@@ -336,8 +336,6 @@ def train_draft(cfg: TrainConfig, target: TargetConfig, version: ExtractVersion,
 
 def _check_tokenized(version: ExtractVersion) -> int:
     """Online: the rows the server will be asked for exist and have the columns the loader reads."""
-    from eagle3_pipeline.data.tokenized import load_tokenized
-
     ds = load_tokenized(version.tokenized_dir)
     missing_cols = {"input_ids", "loss_mask", "seq_len"} - set(ds.column_names)
     if missing_cols:
