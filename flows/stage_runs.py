@@ -1,12 +1,5 @@
-"""verify, train and evaluate: in the flow's process, or as runs of their own deployments.
-
-With `gpu_stages: deployments` each of these stages is a flow run of `verify-stage`, `train-stage` or
-`evaluate-stage` (prefect.yaml) that the work pool places (Kubernetes: a Job asking for the GPUs,
-memory and deadline `jobs.job_variables` derives from the config), and the calling flow waits for
-it: so the pipeline's flow itself can be a small CPU pod. The stage's record comes back as the run's
-persisted JSON result (result storage on the shared store volume). A run that crashed (a lost node or
-pod) is submitted once more; one that has not finished within its Job's deadline is cancelled.
-With `gpu_stages: in_flow` (the default) the same tasks run in the calling flow.
+"""The stages that may run as their own Kubernetes Job (verify, train, evaluate): in the flow's process, or with
+`gpu_stages: deployments` as runs of their own deployments (docs/internals.md, "flows/stage_runs.py").
 """
 
 from __future__ import annotations
@@ -39,7 +32,6 @@ DEPLOYMENT = os.environ.get("EAGLE3_STAGE_DEPLOYMENT", "{stage}-stage/{stage}-st
 POLL_S = float(os.environ.get("EAGLE3_FANOUT_POLL_S", "5"))
 RESULT = {"persist_result": True, "result_serializer": "json", "log_prints": True}
 RECORD = {"verify": VerifyResult, "train": TrainResult, "evaluate": EvaluateReport}  # what a run's JSON result is
-TASKS = {"verify": t.verify, "train": t.train, "evaluate": t.evaluate}  # the stages with a deployment (prefect.yaml)
 
 
 class StageRunFailed(RuntimeError):
@@ -70,7 +62,7 @@ def run_stage(config: PipelineConfig, stage: str, inputs: BaseModel):
     deployment, whose parameters are the config and the inputs record's fields; else its task in this flow."""
     if config.gpu_stages == "deployments" and stage in registry.JOB_STAGES:
         return on_pool(config, stage, **dict(inputs))
-    return TASKS[stage](config, inputs)
+    return t.TASKS[stage](config, inputs)
 
 
 def on_pool(config: PipelineConfig, stage: str, **inputs):

@@ -1,29 +1,7 @@
-"""Thin Prefect tasks around the stage functions of `eagle3_pipeline.pipeline.stages`.
+"""The Prefect tasks of the stages, one per registered stage, built from its StageSpec (`stage_task`, `TASKS`).
 
-Each task is one core call plus what Prefect adds: logging through the run logger, retries, tags, timeouts and
-artifacts. A stage's task is named, retried and kept out of Prefect's cache from the registry (`stage_task`): gates
-(registry.GATES: preflight, gpu-gate, verify, evaluate) must run every time. Stages whose bytes are content-addressed
-(prepare, extract, vocab, train) answer repeated work from the run store itself, which checks hashes; Prefect's cache
-is not trusted with that.
-
-Prefect-side records (docs/operations.md):
-- GPU ownership: every task that loads the target or the draft (extract-group, verify, train,
-  evaluate) holds one slot of the global concurrency limit `gpu-node` (env EAGLE3_GPU_LIMIT), taken
-  strictly: a missing limit fails the task instead of silently running unguarded; its lease is kept by
-  `tasks/gpu_lease.py` (a failed renewal never cancels the task; a dead holder's slot is freed when its lease
-  expires, EAGLE3_GPU_LEASE_S, on a server whose lease storage survives restarts). Create it
-  once per server with one slot per GPU node (`prefect gcl create gpu-node --limit <nodes>`). A run
-  started outside a worker (the `eagle3` CLI, in-process tests) is its own single node: it creates
-  the limit with 1 slot when it is missing; runs of deployments never create it.
-- Keyed artifacts, one key per dataset and target model (`<what>-<dataset>-<model>`), so every run
-  adds a version under the same key: extract (manifest summary), verify (per-layer statistics),
-  train (metrics), evaluate (acceptance), store (links into the run store); prepare-<dataset>.
-- Events: `eagle3.dataset.published` when prepare wrote a new tokenized version and
-  `eagle3.draft.exported` after train (see EVENTS below).
-- Retries: each stage's `retry` in its StageSpec (RETRY_POLICIES below, by task), the one statement of which
-  task retries, how often, after what delay and on which errors. A retry happens only on a transient error
-  (errors.is_transient: an OSError, a child that crashed or timed out, a failed engine start) and never on a
-  failed gate, bad input, a bad config or an environment problem: those are answers, and a retry would repeat them.
+A task runs its stage through pipeline/stages.run_stage and adds what Prefect adds: the run logger, retries, a GPU
+slot, artifacts and events. Why no Prefect cache, how GPU slots and retries work: docs/internals.md, "tasks/".
 """
 
 from __future__ import annotations
@@ -164,12 +142,6 @@ def _prepare_table(cfg: PipelineConfig, inputs, rec: PrepareResult) -> None:
         publish_dataset_event(cfg, rec)
 
 
-regenerate = stage_task("regenerate", _regenerate_table, tags=["gpu"])  # the store answers a repeat (content key)
-prepare = stage_task("prepare", _prepare_table, tags=["cpu"])
-preflight = stage_task("preflight")
-gpu_gate = stage_task("gpu", task_run_name="gpu-gate-{inputs.where}")
-
-
 @task(name="plan-extract", cache_policy=NO_CACHE)
 def plan_extract(cfg: PipelineConfig, prep: PrepareResult, pre: PreflightResult) -> ExtractVersion:
     return stages.plan_extract(cfg, prep, pre)
@@ -185,12 +157,6 @@ def _with_progress(inputs: ExtractInputs) -> ExtractInputs:
     return inputs.model_copy(update={"on_shard": _Progress(inputs.version, inputs.shard_ids).shard_done})
 
 
-# One engine child for a group's shards. Not a gate: Prefect's cache answers a repeated group, keyed by content +
-# directory + shard ids; the flow refreshes the cache of any group with unpublished shards (ExtractVersion.unpublished).
-# No tags: a tagged task run takes a slot of Prefect's tag concurrency limits (one more API round trip per group,
-# ~50-200 ms on SQLite, cached or not); the GPU is guarded by the slot (slot_for).
-extract_group = stage_task("extract", before=_with_progress, cache_key_fn=_group_key, persist_result=True,
-                           result_serializer="json", task_run_name="extract-shards-{inputs.shard_ids}")
 
 
 @task(name="extract-summary", cache_policy=NO_CACHE)
@@ -285,10 +251,25 @@ def _evaluate_table(cfg: PipelineConfig, inputs, rec) -> None:
                      + (cfg.evaluate.prompts or f"{cfg.prepare.dataset} (held out)")))
 
 
-verify = stage_task("verify", _verify_table)  # the reference check loads the target: under a GPU slot
-vocab = stage_task("vocab")
-train = stage_task("train", _train_table, tags=["gpu"])
-evaluate = stage_task("evaluate", _evaluate_table, tags=["gpu"])
+# What a stage's task adds to the registry's (stage_task): Prefect artifacts and events, and task options. A new stage
+# needs no line here: its task is built from its StageSpec alone.
+ARTIFACTS: dict[str, Callable] = {"regenerate": _regenerate_table, "prepare": _prepare_table, "verify": _verify_table,
+                                  "train": _train_table, "evaluate": _evaluate_table}
+OPTIONS: dict[str, dict] = {
+    "regenerate": {"tags": ["gpu"]}, "prepare": {"tags": ["cpu"]}, "train": {"tags": ["gpu"]}, "evaluate": {"tags": ["gpu"]},
+    "gpu": {"task_run_name": "gpu-gate-{inputs.where}"},
+    # One engine child for a group's shards. Not a gate: Prefect's cache answers a repeated group, keyed by content
+    # + directory + shard ids; the flow refreshes the cache of any group with unpublished shards
+    # (ExtractVersion.unpublished). No tags: a tagged task run takes a slot of Prefect's tag concurrency limits (one
+    # more API round trip per group, ~50-200 ms on SQLite, cached or not); the GPU is guarded by the slot (slot_for).
+    "extract": {"before": _with_progress, "cache_key_fn": _group_key, "persist_result": True,
+                "result_serializer": "json", "task_run_name": "extract-shards-{inputs.shard_ids}"},
+}
+# One task per registered stage, built from its spec; the report's task writes the record the flow built (below)
+TASKS = {s.name: stage_task(s.name, ARTIFACTS.get(s.name), **OPTIONS.get(s.name, {}))
+         for s in registry.STAGES if s.name != "report"}
+regenerate, prepare, preflight, gpu_gate, extract_group, verify, vocab, train, evaluate = (TASKS[n] for n in (
+    "regenerate", "prepare", "preflight", "gpu", "extract", "verify", "vocab", "train", "evaluate"))
 
 
 @task(**stage_task_options("report"))

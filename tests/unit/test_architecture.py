@@ -543,13 +543,6 @@ def entry_signature_problems(run, result) -> list[str]:
     return out
 
 
-def stage_names_built(source: str, builders: tuple[str, ...] = ("stage_task", "stage_task_options")) -> set[str]:
-    """The stage names (first string argument) of every call of one of `builders` in `source` (tasks/stage_tasks.py)."""
-    return {n.args[0].value for n in ast.walk(ast.parse(source))
-            if isinstance(n, ast.Call) and (getattr(n.func, "id", None) or getattr(n.func, "attr", None)) in builders
-            and n.args and isinstance(n.args[0], ast.Constant) and isinstance(n.args[0].value, str)}
-
-
 def _home(stage: str) -> Path:
     """Where a registered stage's STAGE is declared: its package's stage.py."""
     return CORE / stage / "stage.py"
@@ -595,7 +588,7 @@ def test_every_stage_entry_has_the_one_signature():
 
 def test_every_stage_runs_through_its_spec():
     """pipeline/stages.py runs each stage by its spec (entry: STAGE.run, online train aside), and tasks/ builds
-    one task per registered stage from the registry (stage_task / stage_task_options), none by hand."""
+    one task per registered stage from the registry (stage_task), none by hand."""
     from eagle3_pipeline.core.config import load_config
     from eagle3_pipeline.pipeline import stages
     from eagle3_pipeline.pipeline.online_training import train_online
@@ -605,8 +598,11 @@ def test_every_stage_runs_through_its_spec():
     assert all(stages.entry(spec, cfg) is spec.run for spec in registry.STAGES)
     assert stages.entry(registry.spec("train"), online) is train_online
     assert set(stages.NEEDS) <= set(registry.NAMES)
-    built = stage_names_built((ROOT / "tasks" / "stage_tasks.py").read_text())
-    assert built == set(registry.NAMES), f"tasks built from the registry: {sorted(built)}; stages: {registry.NAMES}"
+    import tasks.stage_tasks as t
+
+    assert list(t.TASKS) == [n for n in registry.NAMES if n != "report"]  # every stage's task, from its spec alone
+    assert [t.TASKS[n].name for n in t.TASKS] == [registry.spec(n).task_name for n in t.TASKS]
+    assert set(t.ARTIFACTS) | set(t.OPTIONS) <= set(t.TASKS) and t.report.name == registry.spec("report").task_name
 
 
 def test_stages_on_accelerators_run_under_a_gpu_slot(monkeypatch):
@@ -674,5 +670,30 @@ def test_stage_interface_checkers_fail(tmp_path):
         f"STAGE.run {run.__qualname__}: inputs is {int}, not a pydantic record"]
     del mod.STAGE
     assert stage_spec_problems("demo", mod, tmp_path) == ["demo/stage.py: no STAGE = StageSpec(...)"]
-    src = 'x = stage_task("train", tags=["gpu"])\n@task(**stage_task_options("report"))\ndef r(): pass\ny = task(name="v")\n'
-    assert stage_names_built(src) == {"train", "report"}
+
+
+# ---------------------------------------------------------------- imports: at module top, the heavy ones lazy
+
+HEAVY = ("torch", "vllm", "speculators", "transformers", "prefect")  # pyproject [tool.ruff] banned-module-level-imports
+
+
+def heavy_loaded(*modules: str) -> list[str]:
+    """The HEAVY libraries a fresh interpreter holds after importing `modules` (the project's, from this checkout)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import importlib, json, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n"
+            f"print(json.dumps([h for h in {HEAVY!r} if h in sys.modules]))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(CORE.parent), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code, *modules], capture_output=True, text=True, env=env, check=True)
+    return json.loads(out.stdout)
+
+
+def test_the_cli_and_every_stage_module_import_no_heavy_library():
+    """`eagle3 --help` and the parent side of every stage (the registry imports each stage.py, pipeline/stages.py the
+    rest) load none of the heavy libraries: those are imported in the function that needs them (docs/internals.md,
+    "Imports"). The check sees a load: a flow module imports Prefect."""
+    assert heavy_loaded("flows.cli", "eagle3_pipeline.pipeline.stages", "eagle3_pipeline.pipeline.store_gc") == []
+    assert heavy_loaded("flows.pipeline") == ["prefect"]

@@ -1,11 +1,5 @@
-"""The one interface every stage implements: `STAGE = StageSpec(...)` in `<stage>/stage.py`.
-
-A stage is a package: stage.py is its parent side (what pipeline/stages.py and the tasks call) and, when
-the stage runs an engine or a trainer, worker.py is its child process.
-`eagle3_pipeline.pipeline.registry.STAGES` lists every declaration in run order; the lists that name stages (the
-tasks' retry policies, from each stage's `retry`, and gates, the GPU Jobs, the architecture test's) are read from
-it, and the report's typed entries are checked against it.
-tests/unit/test_architecture.py checks every declaration against its module (docs/README.md, "Adding a stage").
+"""The one interface every stage implements: `STAGE = StageSpec(...)` in `<stage>/stage.py`, whose `run` is
+`run(cfg, inputs, log) -> record` (docs/internals.md, "Adding a stage"; checked by tests/unit/test_architecture.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Online training (train.mode online), the one stage that needs two: a vLLM server of the target, the verify
-gate on a sample of rows taken from it, then the trainer reading every row from the same server, each row
-judged by the checks the sample's gate learned; rows those checks flag are recomputed with the target after
-training. In the pipeline room above the stages, beside stages.py, whose stage_train calls `train_online`.
+"""Online training (train.mode online): the verify gate on rows from a vLLM server of the target, then the trainer
+reading every row from the same server (docs/internals.md, "pipeline/online_training.py").
 """
 
 from __future__ import annotations
