@@ -1,13 +1,8 @@
 """The extract flow: for an ExtractVersion (layout.py: the planned shard groups), extract each group (one engine
 child per group, published shard by shard), then summarise the manifest.
 
-parallel_groups == 1: one cached `extract-group` task per group in this process, all under one GPU
-slot (taken by the first group that runs, released when the flow ends). A group that
-completed in an earlier run of the same content is answered from Prefect's cache (unless the
-manifest says one of its shards is not published), so a retried flow run, `eagle3 rerun-failed` or
-the `rerun-failed` flow executes exactly the groups with unpublished shards.
-parallel_groups > 1: the groups with unpublished shards fan out as runs of the `extract-group`
-deployment (one node each; flows/fanout.py), at most parallel_groups at a time."""
+More: docs/internals.md, "flows/extract.py".
+"""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
 """Prefect's temporary server, started when a flow command starts instead of when its flow does.
 
-A command run without PREFECT_API_URL gets a temporary Prefect server at its flow's first API call:
-Prefect imports its server package in the command's process (4-5 s on 2 cores), then starts the
-server process, which imports that package again and migrates PREFECT_HOME's database (6.5 s more on
-a fresh one), and the command waits for all of it after its own imports. `EarlyServer.start()` starts
-the same server process (Prefect's command line and environment) before the command's imports, so that
-its start-up overlaps them; `adopt()`, right before the flow, waits until it answers and hands it to
-Prefect as its temporary server (`SubprocessASGIServer`, the one every Prefect client of this process
-asks for), and Prefect starts none. The server is stopped at exit as Prefect stops its own.
-With an API URL configured (env, profile) nothing is started. Whatever goes wrong on the way (a port
-taken meanwhile, the process exiting, a Prefect without that class) ends ours and leaves the start to
-Prefect, as it was; the command never fails for it. The server ends with the command even when the command
-is killed with SIGKILL (`_die_with`: a parent-death signal).
+More: docs/internals.md, "flows/local_server.py".
 """
 
 from __future__ import annotations

@@ -153,7 +153,13 @@ LONG_FUNCTIONS = {
 }
 
 
-MAX_DOC_LINES = 28  # a module's docstring: what and why in a few lines; the rest in docs/ (docs/internals.md)
+MAX_DOC_LINES = 12  # a module's docstring: what it is in a few lines; how and why in docs/ (docs/internals.md)
+# Where a longer docstring stays for now, by path prefix -> why; the list can only shrink
+DOC_EXEMPT = {
+    "src/eagle3_pipeline/data/chat.py": "in the kept tiny builds' key (tiny/build_cache.py SOURCES): moves with a rebuild",
+    "src/eagle3_pipeline/tiny/": "in the kept tiny builds' key (tiny/build_cache.py SOURCES): moves with a rebuild",
+    "src/eagle3_pipeline/verify/": "verify's checks are being reshaped (issue 53 item 4): its docstrings move with them",
+}
 
 
 def long_docstring(source: str, limit: int = MAX_DOC_LINES) -> int | None:
@@ -303,9 +309,12 @@ def test_the_ground_floor_is_rooms_and_each_stands_on_the_floors_below():
 
 
 def test_module_docstrings_are_short():
-    bad = {str(p.relative_to(ROOT)): n for p, s in _sources(CORE, ROOT / "flows", ROOT / "tasks").items()
-           if (n := long_docstring(s))}
+    found = {str(p.relative_to(ROOT)): n for p, s in _sources(CORE, ROOT / "flows", ROOT / "tasks").items()
+             if (n := long_docstring(s))}
+    bad = {f: n for f, n in found.items() if not f.startswith(tuple(DOC_EXEMPT))}
     assert bad == {}, f"module docstrings over {MAX_DOC_LINES} lines (move the how and why to docs/internals.md): {bad}"
+    stale = [e for e in DOC_EXEMPT if not any(f.startswith(e) for f in found)]
+    assert stale == [], f"{stale} hold no docstring over {MAX_DOC_LINES} lines now: drop them from DOC_EXEMPT"
 
 
 def test_no_private_name_crosses_a_module_line():

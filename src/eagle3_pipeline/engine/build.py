@@ -6,16 +6,7 @@ connector's KV-transfer config (`hidden_states_kv_config`) and an engine child's
 decided in the parent before the child imports torch; values already in the environment win). Knows no
 stage: callers pass what differs. vLLM is imported only inside `build_llm`, so the parent may import this.
 
-vLLM CPU-build workarounds, one line each; the stories and measurements are in docs/vllm-cpu.md:
-- `engine_env`: the engine core inside the child (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) with passive OpenMP waits.
-- `engine_env`: `VLLM_CPU_OMP_THREADS_BIND` over every core this process may use, one group per TP rank.
-- `engine_env`: `TORCHDYNAMO_DISABLE=1` with `enforce_eager` (no inductor build of the prompt-logprob rank op).
-- `cpu_build_kwargs` (`CPU_COMPILATION_CONFIG`): PyTorch rotary; the CPU kernel mis-rotates MLA's 3-D queries.
-- `cpu_attention_accepts_block_16`: CPU_ATTN declares its 16-token kernel path (an MLA target without AMX).
-- `cpu_mla_kwargs`: an MLA target in float32 gets CPU_MLA; vLLM's AMX MLA backend refuses float32 weights.
-- `build_llm` calls `cpu_isa.allow_amx` (AMX tile permission) before vLLM's first kernel.
-- `server_argv` runs the server's module: vllm-cpu has no working `vllm serve` console script.
-- `_ImpossibleLoadTime`: vLLM's "Loading weights took ..." for a model without weight files.
+More: docs/internals.md, "engine/build.py".
 """
 
 from __future__ import annotations

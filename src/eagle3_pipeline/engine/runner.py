@@ -1,13 +1,6 @@
 """The model runner every engine runs, chosen here, and the proof that our hooks live in it.
 
-vLLM 0.32 and 0.33 on CUDA build Model Runner V2 unless `VLLM_USE_V2_MODEL_RUNNER=0`; their CPU build has only V1;
-0.34 has only V2 (and refuses the switch). `pin()` is in every engine's environment (build.engine_env,
-build.build_llm): V1 wherever vLLM has it, the runner the CPU tests run (one program on every stack). Each engine
-hook has one adapter per runner (state_sketch.py; prompt_scores.py hooks V1 only: V2's own path is the lean one),
-chosen by `expected()`, the runner the installed vLLM builds for our engines. `install` (a vLLM general
-plugin, where RECORD_ENV names a directory) records the runner class each worker built; the hooks call
-`mark_live` the first time they run. `prove` reads both after an engine's first request: a runner other than
-`expected()`'s, or a hook that never ran, stops the stage before its first shard, naming the runner class.
+More: docs/internals.md, "engine/runner.py".
 """
 
 from __future__ import annotations

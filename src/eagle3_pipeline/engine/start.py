@@ -1,17 +1,6 @@
 """vLLM's deterministic start-up refusals, told apart from accidents, and the memory an engine needs.
 
-Owns `start_refusal(text, stage, engine, max_len_key)`: reads an engine child's output for the
-errors vLLM raises at start-up from the settings alone (a KV cache that does not fit, more memory
-reserved than is free, max_model_len beyond the model, an architecture the build does not have,
-weights larger than the device) and returns an `EngineStartRefused`: a ConfigError (exit code 2),
-so no retry pays another model load to meet the same refusal, whose message names the config key
-to change and, where vLLM's numbers allow, a value that fits. A crash, a kill or a timeout is not
-matched and stays a transient ChildFailed.
-
-Owns `memory_plan(...)` too: preflight's estimate, from config.json and the weight files' sizes,
-of what one engine rank needs (weights, the KV cache of one max_model_len sequence, the hidden-state
-capture's cache) against what the stage reserves (`gpu_memory_utilization` of the device's memory;
-on vLLM's CPU build, of the machine's memory, from which the process's own footprint is taken first).
+More: docs/internals.md, "engine/start.py".
 """
 
 from __future__ import annotations

@@ -1,28 +1,7 @@
 """State sketches: every captured state of every token, projected on a few fixed directions by the extract
 engine from the states its model computed, before they enter the hidden-states KV cache and the connector.
 
-The fingerprint (contracts.py, the sidecar) judges every token's final layer by the target's logits; the
-sketch judges every token's aux layers too. The engine's model hands its captured states (vLLM's
-`aux_hidden_states`, one [n, H] tensor per captured layer, the final one included) to the drafter that writes
-them into the KV cache, where the connector reads them after the request finishes: a stale block, a slot
-mapping off by one, another request's states after a shared prefix, a permuted or missing layer all happen
-on that way. `install` puts the adapter of the engine's runner (runner.expected) in place: on V1 it wraps the
-runner's `propose_draft_token_ids`, on V2 the `ExtractHiddenStatesSpeculator.propose` (rows from its InputBatch;
-names from the runner's `add_requests`). Before the drafter runs, it takes the step's states of every request
-that names a file (`kv_transfer_params.hidden_states_path`, or the
-connector's default `<request id>.safetensors`), rounds them as the KV cache (its dtype, where one is set)
-and the record store them (`stored`: bf16, or fp8 with the per-token scale of contracts.to_record), projects each on
-DIM fixed unit directions (`directions`, from a seeded generator) and, when the request's prompt is complete, writes
-`<EAGLE3_STATE_SKETCH_DIR>/<that file's name>` (fp32 [T, L, DIM], atomically). The extract worker puts it into the
-record's fingerprint sidecar under KEY; verify projects the stored states on the same directions (verify/scan.py) and
-compares, every token and every layer (`deviation`).
-
-Tolerance: the stored values and the engine's rounded values are the same numbers; the two projections
-differ only by float32 summation order (relative ~1e-6 of the state's norm; TF32 on a GPU ~1e-5). A
-state taken from another token or request moves each projection by about |x - y| / sqrt(H) (a few
-thousandths of |x| at H = 7168, far more at small H): TOLERANCE = 2^-12 of the state's norm sits between.
-Cost in the engine: DIM multiply-adds per stored value (lm_head costs the vocabulary's size per final one).
-Only tensor-parallel rank 0 writes (the connector's rule); every rank runs the same code.
+More: docs/internals.md, "engine/state_sketch.py".
 """
 
 from __future__ import annotations

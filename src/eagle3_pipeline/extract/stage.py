@@ -1,25 +1,7 @@
 """What the extract manifest holds, and running groups of shards of an `ExtractVersion` in one engine child
 (the attempts, publishing and recovery are the shard run's: shardrun.py; here the job, files and events)
 
-Owns, inside one extract version dir (layout.ExtractVersion.dir: <store>/.../<model>/<extract-version>/):
-  manifest.json          format version, content key, config, tool versions, layer ids, the child
-                         attempts, and per shard: row range, status, attempts, tokens, bytes,
-                         sha256 of each file, seconds, last error text
-  manifest.json.lock     flock (shardrun.ShardRun.edit) around every read-modify-write of the
-                         manifest, so parents running different shard groups of one version share it
-  locks/extract-shard-<k>.lock
-                         flock (store.file_lock) held by the parent that extracts shard k, from
-                         before it decides what to extract until its child is gone: a second run
-                         of the same shards waits, then finds them published and starts no engine;
-                         a parent that died released it, and the next holder cleans up after it
-  hidden_states/         hs_{row}.safetensors, written by the child (extract/worker.py)
-  jobs/extract-<a>.json  the job file of child attempt a;  logs/extract-<a>.log its output
-  .scratch/extract-<a>/  vLLM's per-request files while child a runs (removed when it exits, as are
-                         records it left half-written: hidden_states/*.tmp-<a>-*; when the parent
-                         itself was killed, by the next parent that takes those shards' locks)
-Reads nothing but the version record (layer ids, dims, shard plan: layout.py) and the manifest.
-A shard is `published` only after the child reported it done and all its files are hashed into
-the manifest; a later call skips a published shard whose files still hash to the manifest.
+More: docs/internals.md, "extract/stage.py".
 """
 
 from __future__ import annotations

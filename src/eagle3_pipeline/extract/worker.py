@@ -1,28 +1,6 @@
 """The extract child process: `python -m eagle3_pipeline.extract.worker JOB.json`.
 
-Owns the engine side of the extract stage. Reads the job file (`ExtractJob`, written by
-`extract/stage.py`), the tokenized dataset and the target model; builds ONE `vllm.LLM`
-(`engine.build_llm`) with the native `extract_hidden_states` speculative method and the job's
-connector (default ours, `extract/connector.py`; `ExtractConfig.connector_*`), then
-for each shard of the job, in order:
-  1. prefills the shard's rows (token ids in, `max_tokens=1`), each request naming where its file goes
-     (`hidden_states_path`: `hs_{row}.safetensors.tmp-<attempt>-engine` beside the final record),
-  2. takes each request's file from `kv_transfer_params["hidden_states_path"]`: when it already is the
-     record (our connector writes the record format: `contracts.record_file_problem` reads only its
-     header and token ids), it is fsynced and renamed into place; anything else (another connector's
-     vLLM layout, a file in `scratch_dir`) is read, checked against the row (token ids, [T, L, H]) and
-     written as our record `hidden_states_dir/hs_{row}.safetensors` (bf16, or fp8 + per-token scales),
-  3. writes the row's fingerprint sidecar from vLLM's flat prompt logprobs (raw logits; no Python object per token)
-     and the engine's sketch of the row's captured states (state_sketch.py: a file the engine wrote in
-     `scratch_dir/state-sketches/`, named after the requested path),
-  4. prints one `shard_done` event (proc.emit_event) for the parent once every file of the shard is
-     fsynced and under its final name. fsync + rename run on a small thread pool (`_Durable`) while this
-     thread checks the next files: the waits for the disk overlap the work.
-Also prints an `engine_ready` event with the engine start-up time. Any exception prints the full
-traceback and exits non-zero. Test hooks: env EAGLE3_TEST_KILL_AFTER_SHARDS=n makes the process
-SIGKILL itself right after its n-th `shard_done` event; EAGLE3_TEST_RECORD_DELAY_S=x makes it sleep
-x seconds after writing each record (the chaos tests' kills then land mid-shard on any machine).
-Nothing heavy is imported at module level: the parent imports `ExtractJob` from here.
+More: docs/internals.md, "extract/worker.py".
 """
 
 from __future__ import annotations

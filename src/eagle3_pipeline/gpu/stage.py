@@ -1,14 +1,6 @@
 """The gpu-gate: no leftover engine of ours holds the machine, and the visible GPUs are free.
 
-Reads the process table (psutil) and, where `nvidia-smi` exists, per-GPU used memory of the GPUs
-this process may use (CUDA_VISIBLE_DEVICES, by index or UUID) and, when one stays busy, the processes
-holding its memory (named in the failure). Finds our
-leftover engine processes by the marker that proc.run_child puts in every child's environment
-(CHILD_MARKER_ENV, inherited by vLLM's engine cores and workers) and by command line: a marked
-process is a leftover when the process that launched it (LAUNCHER_ENV) is gone. Engines whose
-launcher is alive belong to a running pipeline (e.g. a sibling shard group) and are reported, not
-touched. Leftovers are ended (SIGTERM, then SIGKILL); the gate fails loud when it cannot free them or
-when GPU memory stays above the threshold. Never cached: it runs every time.
+More: docs/internals.md, "gpu/stage.py".
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
 """The preflight gate: everything that can be known before an 18-minute model load, in seconds.
 
-Reads installed package versions, the vLLM/speculators APIs our code relies on (every internal listed in
-engine/surface.py, and the model runner this vLLM would build for our engines: V1, pinned, where it has V1), the model's
-config.json (nested `text_config` too; and that a local model directory holds weight files), the
-model's architecture in the installed vLLM's registry (registered, supports EAGLE-3 aux hidden states),
-the tokenizer (its vocabulary must fit the model's embedding), the configured layer ids, the extract engine's
-memory (engine_start.memory_plan: weights, runtime and one max_model_len sequence's KV cache against what
-gpu_memory_utilization reserves), the records' storage dtype (extract.storage_dtype; auto: fp8 for a target with
-hidden size >= 4096), the store's bytes (tokens x bytes per token) against its free space and the bandwidth the
-topology needs of it (extraction's engines writing, training reading within its deadline), and on the Kubernetes
-pools the GPU pool's nodes against the config (core/cluster.gpu_pool_problems: GPU memory and GPUs per node).
-Writes nothing. Raises PreflightFailed listing every problem at once (not the first only). Never cached: runs every time.
+More: docs/internals.md, "preflight/stage.py".
 """
 
 from __future__ import annotations

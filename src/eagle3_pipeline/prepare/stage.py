@@ -1,20 +1,7 @@
 """The prepare stage: chat rows in -> tokenized Arrow dataset, token frequencies, quarantine (its record and
 readers, which the later stages use: data/tokenized.py).
 
-Reads the configured sources (data/formats.py) and the tokenizer with its chat template. Input is
-processed in content-keyed chunks of `chunk_rows` source rows: a chunk's key hashes its raw rows,
-its source and position, and every tokenization parameter, and its output is kept under
-`<store>/<dataset>/_chunks/<key>/`, so a refresh that appends rows re-tokenizes only the new chunks.
-The version (a content key over all chunk keys and the held-out count) then gets, under
-<store>/<dataset>/<tokenized-version>/:
-  tokenized/             datasets.save_to_disk: input_ids int64[T], loss_mask int64[T], seq_len, sample_id
-  token_freq.safetensors counts int64[V]: how often each token id is supervised (loss_mask == 1)
-  heldout.jsonl          conversations kept out of training (first prompt's ids + reference answer)
-  quarantine.jsonl       every rejected row: source file, row, reason (and the raw row)
-  prepare.json           counts and the chunk keys; its presence marks the version complete
-  .lock                  store.dir_lock, held while the version is assembled: a concurrent run of the
-                         same version waits, then finds prepare.json (each chunk dir has one too)
-Invariant: rows_in == rows_out_sources + rows_heldout + rows_quarantined (counted in source rows).
+More: docs/internals.md, "prepare/stage.py".
 """
 
 from __future__ import annotations

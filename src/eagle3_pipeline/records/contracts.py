@@ -1,14 +1,6 @@
 """Data contracts written once: layer ids, model dims, and the hidden-state record format.
 
-Owns the meaning of a hidden-state record `hs_{i}.safetensors` (docs/store.md, "Layout") and every function that
-names, writes, reads, dequantises or compares one:
-  token_ids      int64[T]        == row i's input_ids
-  hidden_states  bf16[T, L, H]   L = len(aux_layer_ids) + 1, ascending ids, last = final layer N
-  (fp8 storage: hidden_states float8_e4m3fn + hidden_states_scales fp32[T, 1, 1])
-Layer id k is the residual stream after k decoder layers (HF `hidden_states[k]`); id N is the last
-layer's output before the final norm. `model_dims` is the one reader of a target's config.json
-(what differs by model family: families.py); `resolve_layer_ids` the
-one place that turns configured (or default) aux ids into captured ids.
+More: docs/internals.md, "records/contracts.py".
 """
 
 from __future__ import annotations

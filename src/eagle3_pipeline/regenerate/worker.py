@@ -1,21 +1,6 @@
 """The regenerate child process: `python -m eagle3_pipeline.regenerate.worker JOB.json`.
 
-Owns the engine side of the regenerate stage. Reads the job file (`RegenerateJob`, written by
-regenerate/stage.py), the source rows of its shards (the configured sources, read again and
-checked against the sha256 the parent planned with), the target's tokenizer and chat template.
-Builds ONE `vllm.LLM` (engine.build_llm) and, shard after shard, answers the conversations' turns
-(regenerate/turns.py: which turns, in which order, what is kept, what is quarantined): a batch
-holds the next turn of every conversation of the shard still going, rendered by the target's own
-chat template (tools and `chat_template_kwargs` passed through) and tokenized as prepare tokenizes,
-sampled with the job's settings and one seed per request. Writes per shard, atomically:
-  rows/shard-<k>.jsonl        the regenerated conversations (OpenAI format, input order)
-  quarantine/shard-<k>.jsonl  every row of the shard that is not in rows/, with kind and reason
-then prints one `shard_done` event with the counts (proc.emit_event); the parent publishes it.
-Also prints `capability` (can the installed vLLM save hidden states of generated tokens in the same
-request; a feature check of its hidden-states connector, not a version check) and `engine_ready`.
-Test hook: env EAGLE3_TEST_REGENERATE_KILL_AFTER_SHARDS=n: SIGKILL itself right after the n-th
-`shard_done` (an OOM kill mid-run). Any exception prints the traceback and exits non-zero.
-Nothing heavy is imported at module level (vLLM only inside main); the job models are in job.py.
+More: docs/internals.md, "regenerate/worker.py".
 """
 
 from __future__ import annotations

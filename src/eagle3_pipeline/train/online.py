@@ -1,24 +1,7 @@
 """Online training: the target's hidden states come from a vLLM server while the draft trains, and are
 never stored for the whole dataset (at Kimi scale a stored record is 56 KiB per token).
 
-Owns `HiddenStateServer` (a context manager: an OpenAI-compatible vLLM server of the target with the
-native `extract_hidden_states` method and our hidden-states connector, the same engine settings, layer
-ids and connector as the extract stage, started in its own process group and ended with it),
-`take_sample` (rows spread over the dataset taken from that server, which the stage glue checks with the
-verify gate before training starts) and `OnlineResult` (what the train record keeps of it).
-
-How a row reaches the trainer: speculators' own data loader (`ArrowDataset` with `on_missing:
-generate`, what `speculators train --on-missing generate` uses) finds no stored file for the row, sends
-the row's token ids to the server (`/v1/completions`, one token), reads the file the server's connector
-wrote (`kv_transfer_params.hidden_states_path`, through hs_connectors' file transfer) and deletes it.
-The server's scratch directory therefore holds only the rows in flight; `HiddenStateServer` samples
-its size while it runs and reports the peak (`hidden_states_peak_bytes`, with the verified sample's
-records, which stay on disk next to the draft as the evidence of the gate).
-
-Reads  the tokenized dataset of `version`, the target model; writes into `work_dir`: server.log (the
-server's whole output), server_hidden_states/ (in-flight files; removed at exit), sample/ (an
-extraction-shaped directory: hidden_states/hs_{i}.safetensors, fingerprints/fp_{i}.safetensors,
-manifest.json with the invariance entries, verify.json) and online.json (the OnlineResult).
+More: docs/internals.md, "train/online.py".
 """
 
 from __future__ import annotations

@@ -2,12 +2,7 @@
 `on_missing: generate`) that fetches the rows of one packed batch concurrently, and the file transfer
 that reads the server's files (`ServerFileTransfer`).
 
-speculators fetches a batch's rows one after another (PyTorch calls `dataset[i]` per index), so online every
-row waited for its own server round trip, and the server never saw more than one request (docs/training.md,
-"Online training"). PyTorch's map-style fetcher calls `__getitems__(indices)`
-when a dataset has it; here it sends the batch's rows at once (up to `max_in_flight`), so the server
-batches them like an extraction. Imported in the train child only (it imports speculators); a module of
-its own so that DataLoader worker processes (spawned) can unpickle the dataset.
+More: docs/internals.md, "train/online_data.py".
 """
 
 from __future__ import annotations

@@ -1,23 +1,6 @@
 """The train stage: offline data + draft vocab -> an EAGLE-3 draft checkpoint that vLLM serves.
 
-Owns `train_draft` (trains in a child process, `eagle3_pipeline.train.worker`, under a deadline),
-`make_untrained_draft` (same architecture, random weights: the evaluate stage's baseline); the
-export check (is a checkpoint the draft we meant) is export.py's.
-
-Reads  tokenized_dir (datasets.save_to_disk; input_ids, loss_mask, seq_len, sample_id; row i <-> hs_{i}),
-       hidden_states_dir/hs_{i}.safetensors (token_ids int64[T], hidden_states bf16[T, L, H]),
-       vocab_dir (d2t-K.npy offsets int64[K], t2d-K.npy bool[V]), the target model dir.
-Writes out_dir/checkpoints/<epoch>/{config.json, model.safetensors (with d2t, t2d), ...},
-       out_dir/checkpoints/checkpoint_best -> <epoch>, out_dir/metrics.jsonl (a line per optimizer
-       step: loss, per-TTT-step accuracy, tokens/s; a line per validation pass),
-       out_dir/train.log (the child's full output), out_dir/train_job.json, out_dir/train_result.json
-       (the child's result), out_dir/train_record.json (the TrainResult, written after the export check),
-       out_dir/.lock (store.dir_lock, held by the one trainer of this dir).
-A rerun with the same out_dir resumes from the last complete epoch checkpoint; an epoch directory
-left incomplete by a killed attempt is moved aside first (renamed `<epoch>.incomplete-<time>`), and so
-is speculators' `interrupted/` save of a stopped attempt (never resumed from; the worker fails an
-attempt that ends with one). Before returning, `train_draft` runs `export_check` on checkpoint_best,
-so a draft with a wrong d2t/t2d or verifier weights never reaches evaluate or a server.
+More: docs/internals.md, "train/stage.py".
 """
 
 from __future__ import annotations

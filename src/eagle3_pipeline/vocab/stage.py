@@ -1,17 +1,6 @@
 """The vocab stage: token frequencies of supervised tokens -> the draft vocabulary (d2t / t2d).
 
-Reads `token_freq.safetensors` (written by prepare: one tensor `counts` int64[V'], the number of
-times each target id occurs where `loss_mask` is 1; V' <= V, a shorter vector means the tokenizer is
-smaller than the embedding matrix; `.json` with `{"counts": [...]}` or `{id: count}` is read too).
-Writes to `out_dir`, in speculators' own conventions (its trainer and vLLM read them unchanged):
-  d2t-{K}.npy  int64[K]  OFFSETS: draft index i stands for target id i + d2t[i]; ids ascending
-  t2d-{K}.npy  bool[V]   True for the K target ids in the draft vocabulary
-  vocab.json             what was built (sizes, coverage, special ids, file names)
-  .lock                  store.dir_lock, held while these three are written (two runs never interleave them)
-The top-K selection itself is speculators' `build_vocab_mappings_from_distribution` (ties broken by
-lower id; fewer than K distinct tokens are padded with the lowest unused ids). Special token ids
-(eos / end-of-turn) are ranked first so that the draft can always propose them. The files' readers and their
-check, which train uses: records/vocab.py.
+More: docs/internals.md, "vocab/stage.py".
 """
 
 from __future__ import annotations
