@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from prefect.events.worker import EventsWorker
+
 from eagle3_pipeline.core.config import PipelineConfig, load_config
 from eagle3_pipeline.data.tokenized import PrepareResult
 from eagle3_pipeline.pipeline.stages import stage_prepare
@@ -22,8 +24,6 @@ from tasks.stage_tasks import publish_dataset_event
 
 def publish(config: PipelineConfig, log=print) -> PrepareResult:
     """Prepare `config`'s dataset and announce the version; returns the prepare record."""
-    from prefect.events.worker import EventsWorker
-
     prep = stage_prepare(config, log=log)
     publish_dataset_event(config, prep, training="wanted")
     EventsWorker.drain_all()  # the event leaves before this process does

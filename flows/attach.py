@@ -1,15 +1,6 @@
 """Stage and group runs keyed by what they compute, so that any controller run re-attaches to them.
 
-A submission's idempotency key is `<base>-<n>`: `base` names the work by content (the extract version's
-content key with the stage, and the group's shards and the version's directory, or a hash of all the stage's
-inputs), `n` counts the runs made for it. Before submitting, the controller reads the runs already made for
-`base` (by their tag, on the deployment): the newest one still going (Scheduled, Pending, Running) is
-re-attached to instead of submitted again; a finished one that failed, crashed or was cancelled is followed by
-`<base>-<n+1>`. So a controller rescheduled (SIGTERM, a lost deployment lease), run again by hand after it
-crashed, or a second pipeline run of the same content waits for the runs already going and starts no second
-extract group or train Job; a submission retried after an API error reuses its key and is the same run. Two
-controllers that submit the same next attempt at once get one run (the server keeps one run per deployment
-and key).
+More: docs/internals.md, "flows/attach.py".
 """
 
 from __future__ import annotations

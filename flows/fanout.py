@@ -15,7 +15,9 @@ from uuid import UUID
 from prefect import get_run_logger
 from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
+from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventResourceFilter
 from prefect.exceptions import ObjectNotFound
+from prefect.runtime import flow_run as this_run
 from prefect.settings import get_current_settings
 from prefect.states import Cancelling, Crashed
 
@@ -106,7 +108,6 @@ class _Group:
 
 
 def _last_heartbeat(client, flow_run_id: UUID, since: datetime) -> float | None:
-    from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventResourceFilter
 
     page = client.read_events(filter=EventFilter(
         event=EventNameFilter(name=["prefect.flow-run.heartbeat"]),
@@ -301,7 +302,6 @@ def leave_or_cancel(client, running: dict, exc: BaseException, log) -> None:
     with it. Anything else (SIGTERM for a reschedule, an eviction, a lost concurrency lease, an API outage,
     an error of its own) leaves them alone: each has its own deadline, and the controller run again
     re-attaches to them (idempotency keys) instead of resubmitting them."""
-    from prefect.runtime import flow_run as this_run
 
     if not running:
         return

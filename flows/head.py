@@ -13,8 +13,11 @@ from pydantic import BaseModel
 
 from eagle3_pipeline.core.config import PipelineConfig, check_target
 from eagle3_pipeline.data.tokenized import PrepareResult
-from eagle3_pipeline.preflight.stage import PreflightResult
+from eagle3_pipeline.gpu.stage import GpuGateInputs
+from eagle3_pipeline.preflight.stage import PreflightInputs, PreflightResult
+from eagle3_pipeline.prepare.stage import PrepareInputs
 from eagle3_pipeline.records.layout import ExtractVersion
+from eagle3_pipeline.regenerate.stage import RegenerateInputs
 from tasks import stage_tasks as t
 
 
@@ -32,12 +35,13 @@ def prepare_run(config: PipelineConfig, clock=None) -> Prepared:
     regen = None
     if config.regenerate.enabled:  # the target answers the sources' turns; prepare reads its rows
         with timed("regenerate"):
-            regen = t.regenerate.with_options(**t.retry_options("regenerate", config.regenerate.retries))(config)
+            regen = t.regenerate.with_options(**t.retry_options("regenerate", config.regenerate.retries))(
+                config, RegenerateInputs())
         with timed("gpu-gate"):
-            t.gpu_gate("after-regenerate")
+            t.gpu_gate(config, GpuGateInputs(where="after-regenerate"))
     with timed("prepare"):
-        prep = t.prepare(config, regen)
+        prep = t.prepare(config, PrepareInputs(regenerated=regen))
     with timed("preflight"):
-        pre = t.preflight(config, prep)
+        pre = t.preflight(config, PreflightInputs(prep=prep))
         version = t.plan_extract(config, prep, pre)
     return Prepared(regenerate=regen, prepare=prep, preflight=pre, version=version)

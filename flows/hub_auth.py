@@ -19,7 +19,7 @@ def use_hub_secret(config: PipelineConfig, log=print) -> bool:
     target = config.target
     if not target.hub_token_secret or os.environ.get(target.hub_token_env):
         return False
-    from prefect.blocks.system import Secret
+    from prefect.blocks.system import Secret  # noqa: PLC0415  heavy: prefect (the CLI imports this module)
 
     value = Secret.load(target.hub_token_secret).get()
     if not isinstance(value, str) or not value:

@@ -1,18 +1,6 @@
 """A controller that loses its deployment's concurrency lease is rescheduled, as on SIGTERM.
 
-A deployment with a concurrency limit (pipeline-k8s: 1) holds a lease for each running flow run, and Prefect
-3.7.7 renews it from a thread with `raise_on_lease_renewal_failure=True` (flow_engine.py): when a renewal
-fails (the API away longer than its 3 tries, the lease revoked, a 410 after a server restart with the memory
-lease storage) that thread injects prefect's CancelledError into the flow's main thread. Left alone the
-engine marks the run Crashed and the controller is over for good.
-
-`rescheduled_on_lost_lease()` wraps a controller flow's body. When that CancelledError reaches the body of
-a flow run that holds a deployment lease (the top-level run, no flow timeout of its own), it proposes
-AwaitingRetry for the run RESCHEDULE_AFTER_S from now, as `prefect flow-run execute` does on SIGTERM (waiting out an API outage,
-fanout.with_api_retry), and ends this execution with Prefect's Abort, which leaves the run's state as it is
-and exits 0. The worker starts the run again (a new pod, a new lease), and it re-attaches to its stage and
-group runs (flows/attach.py). Its groups and stage runs were left running (fanout.leave_or_cancel).
-A proposal the server refuses (the run is being cancelled) lets the run crash as before.
+More: docs/internals.md, "flows/lease.py".
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """Prefect's temporary server, started when a flow command starts instead of when its flow does.
 
-A command run without PREFECT_API_URL gets a temporary Prefect server at its flow's first API call:
-Prefect imports its server package in the command's process (4-5 s on 2 cores), then starts the
-server process, which imports that package again and migrates PREFECT_HOME's database (6.5 s more on
-a fresh one), and the command waits for all of it after its own imports. `EarlyServer.start()` starts
-the same server process (Prefect's command line and environment) before the command's imports, so that
-its start-up overlaps them; `adopt()`, right before the flow, waits until it answers and hands it to
-Prefect as its temporary server (`SubprocessASGIServer`, the one every Prefect client of this process
-asks for), and Prefect starts none. The server is stopped at exit as Prefect stops its own.
-With an API URL configured (env, profile) nothing is started. Whatever goes wrong on the way (a port
-taken meanwhile, the process exiting, a Prefect without that class) ends ours and leaves the start to
-Prefect, as it was; the command never fails for it. The server ends with the command even when the command
-is killed with SIGKILL (`_die_with`: a parent-death signal).
+More: docs/internals.md, "flows/local_server.py".
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import logging
 import os
 import random
@@ -34,8 +24,6 @@ def _die_with(parent: int):
     killer, a closed terminal), so no temporary server outlives its command (Linux PR_SET_PDEATHSIG)."""
     def preexec() -> None:
         try:
-            import ctypes
-
             ctypes.CDLL(None, use_errno=True).prctl(1, 15)  # PR_SET_PDEATHSIG, SIGTERM
         except (OSError, AttributeError):
             return
@@ -67,8 +55,8 @@ class EarlyServer:
         """Start the temporary server's process now; None when an API URL is configured (or temporary
         servers are not allowed: Prefect raises its own error then)."""
         try:
-            import prefect
-            from prefect.settings import get_current_settings
+            import prefect  # noqa: PLC0415  heavy: prefect (the CLI imports this module)
+            from prefect.settings import get_current_settings  # noqa: PLC0415  heavy: prefect (the CLI imports this module)
 
             settings = get_current_settings()
             if settings.api.url or not settings.server.ephemeral.enabled:
@@ -96,9 +84,9 @@ class EarlyServer:
         """Wait until the server answers, then make it Prefect's temporary server of this process.
         Returns whether it did; otherwise the server is ended and Prefect will start its own."""
         try:
-            import httpx
-            from prefect.server.api.server import SubprocessASGIServer, subprocess_server_logger
-            from prefect.settings import get_current_settings
+            import httpx  # noqa: PLC0415  heavy: prefect (the CLI imports this module)
+            from prefect.server.api.server import SubprocessASGIServer, subprocess_server_logger  # noqa: PLC0415  heavy: prefect (the CLI imports this module)
+            from prefect.settings import get_current_settings  # noqa: PLC0415  heavy: prefect (the CLI imports this module)
 
             limit = time.monotonic() + get_current_settings().server.ephemeral.startup_timeout_seconds
             with httpx.Client() as client:

@@ -15,10 +15,14 @@ from typing import Literal
 from prefect import flow
 
 from eagle3_pipeline.core.config import PipelineConfig
+from eagle3_pipeline.evaluate.stage import EvaluateInputs
+from eagle3_pipeline.gpu.stage import GpuGateInputs
 from eagle3_pipeline.preflight.stage import installed_versions
 from eagle3_pipeline.report.record import RunReport
 from eagle3_pipeline.report.runs import RunDir, StageClock, create_run_dir
-from eagle3_pipeline.verify.stage import VerifyResult
+from eagle3_pipeline.train.stage import TrainInputs
+from eagle3_pipeline.verify.stage import VerifyInputs, VerifyResult
+from eagle3_pipeline.vocab.stage import VocabInputs
 from flows import stage_runs
 from flows.config_param import DEFAULT_CONFIG_PATH, resolve_config, switches
 from flows.extract import extract
@@ -54,25 +58,26 @@ def pipeline(config: PipelineConfig | None = None, output_dir: str = "runs", run
             prep, version = prepared.prepare, prepared.version
             online = config.train.mode in ("online", "window")  # no extract stage: the train stage captures
             with clock.stage("gpu-gate"):
-                t.gpu_gate("before-extract" if not online else "before-train")
+                t.gpu_gate(config, GpuGateInputs(where="before-extract" if not online else "before-train"))
             if not online:
                 with clock.stage("extract"):
                     recs["extract"] = extract(config, version)
                 with clock.stage("gpu-gate"):
-                    t.gpu_gate("after-extract")
+                    t.gpu_gate(config, GpuGateInputs(where="after-extract"))
                 with clock.stage("verify"):
-                    recs["verify"] = stage_runs.verify(config, version)
+                    recs["verify"] = stage_runs.run_stage(config, "verify", VerifyInputs(version=version))
             with clock.stage("vocab"):
-                recs["vocab"] = voc = t.vocab(config, prep, version)
+                recs["vocab"] = voc = t.vocab(config, VocabInputs(prep=prep, version=version))
             with clock.stage("train"):
-                recs["train"] = tr = stage_runs.train(config, version, voc)
+                recs["train"] = tr = stage_runs.run_stage(config, "train", TrainInputs(version=version, voc=voc))
             if online:  # the gate ran inside train: on rows taken from its server before training started (online),
                 # on every shard before it was published to the window (window)
                 recs["verify"] = VerifyResult.model_validate((tr.online or tr.window)["verify"])
             with clock.stage("gpu-gate"):
-                t.gpu_gate("after-train")
+                t.gpu_gate(config, GpuGateInputs(where="after-train"))
             with clock.stage("evaluate"):
-                recs["evaluate"] = stage_runs.evaluate(config, prep, version, voc, tr, str(run.path))
+                recs["evaluate"] = stage_runs.run_stage(config, "evaluate", EvaluateInputs(
+                    prep=prep, version=version, voc=voc, tr=tr, run_dir=str(run.path)))
         except Exception as e:
             error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
             raise

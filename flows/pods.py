@@ -1,17 +1,6 @@
 """The pods of a stage's flow run on Kubernetes, as the flow that submitted the run sees them.
 
-A run submitted to the Kubernetes pool is a Job whose pod carries the label `prefect.io/flow-run-id`
-(prefect-kubernetes puts it there). The fan-out (flows/fanout.py) and the stage runs (flows/stage_runs.py)
-use this to tell a pod that has not started (waiting: Unschedulable, ImagePullBackOff, a node scaling up)
-from a run that started and went silent, and to delete a lost run's Job before its resubmission, so its
-pod never runs beside the new one.
-
-`pod_source()` is, in order:
-  - EAGLE3_POD_SOURCE=`module:attribute`: an object with the same two methods (tests: fake pods that never
-    start or start late, tests/helpers/fake_pods.py);
-  - the Kubernetes API, when this process runs in a pod whose ServiceAccount token is mounted
-    (infra/k8s/rbac.yaml `eagle3-controller`: get/list pods, get/list/delete jobs, in its namespace only);
-  - None: no pods to read (process pools, a laptop): runs are judged by their Prefect state and heartbeats.
+More: docs/internals.md, "flows/pods.py".
 """
 
 from __future__ import annotations
@@ -22,6 +11,8 @@ import os
 import threading
 from pathlib import Path
 from typing import Protocol
+
+from eagle3_pipeline.core.cluster import pod_problem, pod_started
 
 LABEL = "prefect.io/flow-run-id"
 SOURCE_ENV = "EAGLE3_POD_SOURCE"
@@ -135,8 +126,6 @@ class KubernetesPods:
 def describe(pods: Pods | None, flow_run_id: str, expected: int = 1) -> tuple[bool, str | None, bool]:
     """(whether `expected` pods of the run started: all of a train set's, what keeps its pods from starting in
     Kubernetes' words or None, whether that is final: its Job failed, so no pod will come)."""
-    from eagle3_pipeline.core.cluster import pod_problem, pod_started
-
     if pods is None:
         return False, None, False
     found = pods.of(str(flow_run_id))

@@ -2,15 +2,8 @@
 already have a trained draft, stop there; otherwise run the pipeline on it, which extracts only the
 shards not yet published, verifies, trains and evaluates.
 
-Every parameter is top-level because a schedule replaces whole parameters: a schedule sets
-`config_path`, `overrides` (`key.sub=value`, as `eagle3 --set`) and/or `sources` (replaces
-prepare.sources). Prepare is content-addressed, so unchanged sources reproduce the same version
-(seconds, nothing published); changed sources publish a new version (event
-`eagle3.dataset.published`) and train a new draft. Extraction links every row an earlier version
-already has from the record pool (pool.py) and extracts only the new ones; verify reuses
-those records' results; `train.init: previous` continues from the previous version's draft, which
-is also evaluated on the same held-out prompts. The `refresh-<dataset>-<model>` artifact gets a
-second version after the run saying what was reused and what was new."""
+More: docs/internals.md, "flows/refresh.py".
+"""
 
 from __future__ import annotations
 

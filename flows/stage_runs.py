@@ -1,12 +1,5 @@
-"""verify, train and evaluate: in the flow's process, or as runs of their own deployments.
-
-With `gpu_stages: deployments` each of these stages is a flow run of `verify-stage`, `train-stage` or
-`evaluate-stage` (prefect.yaml) that the work pool places (Kubernetes: a Job asking for the GPUs,
-memory and deadline `jobs.job_variables` derives from the config), and the calling flow waits for
-it: so the pipeline's flow itself can be a small CPU pod. The stage's record comes back as the run's
-persisted JSON result (result storage on the shared store volume). A run that crashed (a lost node or
-pod) is submitted once more; one that has not finished within its Job's deadline is cancelled.
-With `gpu_stages: in_flow` (the default) the same tasks run in the calling flow.
+"""The stages that may run as their own Kubernetes Job (verify, train, evaluate): in the flow's process, or with
+`gpu_stages: deployments` as runs of their own deployments (docs/internals.md, "flows/stage_runs.py").
 """
 
 from __future__ import annotations
@@ -22,11 +15,12 @@ from pydantic import BaseModel
 
 from eagle3_pipeline.core.config import PipelineConfig
 from eagle3_pipeline.data.tokenized import PrepareResult
-from eagle3_pipeline.evaluate.stage import EvaluateReport
+from eagle3_pipeline.evaluate.stage import EvaluateInputs, EvaluateReport
+from eagle3_pipeline.pipeline import registry
 from eagle3_pipeline.pipeline.jobs import job_variables
 from eagle3_pipeline.records.layout import ExtractVersion
-from eagle3_pipeline.train.stage import TrainResult
-from eagle3_pipeline.verify.stage import VerifyResult
+from eagle3_pipeline.train.stage import TrainInputs, TrainResult
+from eagle3_pipeline.verify.stage import VerifyInputs, VerifyResult
 from eagle3_pipeline.vocab.stage import VocabResult
 from flows import attach
 from flows.fanout import flow_run_link, with_api_retry
@@ -47,39 +41,28 @@ class StageRunFailed(RuntimeError):
 @flow(name="verify-stage", **RESULT)
 def verify_stage(config: PipelineConfig, version: ExtractVersion) -> VerifyResult:
     use_hub_secret(config)
-    return t.verify(config, version)
+    return t.verify(config, VerifyInputs(version=version))
 
 
 @flow(name="train-stage", **RESULT)
 def train_stage(config: PipelineConfig, version: ExtractVersion, voc: VocabResult) -> TrainResult:
     use_hub_secret(config)
-    return t.train(config, version, voc)
+    return t.train(config, TrainInputs(version=version, voc=voc))
 
 
 @flow(name="evaluate-stage", **RESULT)
 def evaluate_stage(config: PipelineConfig, prep: PrepareResult, version: ExtractVersion, voc: VocabResult,
                    tr: TrainResult, run_dir: str) -> EvaluateReport:
     use_hub_secret(config)
-    return t.evaluate(config, prep, version, voc, tr, run_dir)
+    return t.evaluate(config, EvaluateInputs(prep=prep, version=version, voc=voc, tr=tr, run_dir=run_dir))
 
 
-def verify(config: PipelineConfig, version: ExtractVersion):
-    if config.gpu_stages == "deployments":
-        return on_pool(config, "verify", version=version)
-    return t.verify(config, version)
-
-
-def train(config: PipelineConfig, version: ExtractVersion, voc: VocabResult):
-    if config.gpu_stages == "deployments":
-        return on_pool(config, "train", version=version, voc=voc)
-    return t.train(config, version, voc)
-
-
-def evaluate(config: PipelineConfig, prep: PrepareResult, version: ExtractVersion, voc: VocabResult, tr: TrainResult,
-             run_dir: str):
-    if config.gpu_stages == "deployments":
-        return on_pool(config, "evaluate", prep=prep, version=version, voc=voc, tr=tr, run_dir=run_dir)
-    return t.evaluate(config, prep, version, voc, tr, run_dir)
+def run_stage(config: PipelineConfig, stage: str, inputs: BaseModel):
+    """A stage that may run as its own Job (registry.JOB_STAGES): with `gpu_stages: deployments` as a run of its
+    deployment, whose parameters are the config and the inputs record's fields; else its task in this flow."""
+    if config.gpu_stages == "deployments" and stage in registry.JOB_STAGES:
+        return on_pool(config, stage, **dict(inputs))
+    return t.TASKS[stage](config, inputs)
 
 
 def on_pool(config: PipelineConfig, stage: str, **inputs):

@@ -14,16 +14,26 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 from prefect import get_run_logger
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate
+from prefect.client.schemas.objects import ConcurrencyLeaseHolder
+from prefect.concurrency._asyncio import ConcurrencySlotAcquisitionError
+from prefect.concurrency._events import emit_concurrency_acquisition_events, emit_concurrency_release_events
+from prefect.concurrency._sync import acquire_concurrency_slots_with_lease
+from prefect.context import FlowRunContext, TaskRunContext
+from prefect.exceptions import MissingContextError, ObjectAlreadyExists, ObjectNotFound
+from prefect.logging import get_logger
+from prefect.settings import get_current_settings
+
+from eagle3_pipeline.core.store import file_lock
 
 GPU_LIMIT = os.environ.get("EAGLE3_GPU_LIMIT", "gpu-node")
 
 
 def ensure_gpu_limit(slots: int = 1, name: str | None = None) -> int:
     """Create the GPU global concurrency limit if it is missing; returns its slot count."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
     name = name or GPU_LIMIT
     with get_client(sync_client=True) as client:
@@ -39,8 +49,6 @@ def ensure_gpu_limit(slots: int = 1, name: str | None = None) -> int:
 
 
 def run_logger():
-    from prefect.exceptions import MissingContextError
-    from prefect.logging import get_logger
 
     try:
         return get_run_logger()
@@ -98,7 +106,6 @@ NODE_LOCK = "gpu-node.lock"  # in PREFECT_HOME: runs on a temporary server hold 
 
 @contextlib.contextmanager
 def acquire_gpu_slot() -> Iterator[None]:
-    from prefect.settings import get_current_settings
 
     if os.environ.get("EAGLE3_GPU_GATE") == "pool":  # a Kubernetes pod: the work pool's limit gated it before it existed
         yield
@@ -134,7 +141,6 @@ API_OUTAGE_S = float(os.environ.get("EAGLE3_API_OUTAGE_S", "900"))  # acquisitio
 def transient_api_error(exc: BaseException) -> bool:
     """An error of the API being away (connection refused/reset, a timeout, a 5xx, 408/429), in `exc`
     or its causes; a 4xx answer (not found, conflict, gone) is not. (Also flows/fanout.py's.)"""
-    import httpx
 
     seen: set[int] = set()
     e: BaseException | None = exc
@@ -150,7 +156,6 @@ def transient_api_error(exc: BaseException) -> bool:
 
 
 def http_status(exc: BaseException) -> int | None:
-    import httpx
 
     e: BaseException | None = exc
     while e is not None:
@@ -178,8 +183,6 @@ class GpuLease:
 
     @staticmethod
     def _current_holder():
-        from prefect.client.schemas.objects import ConcurrencyLeaseHolder
-        from prefect.context import FlowRunContext, TaskRunContext
 
         if (t := TaskRunContext.get()) is not None:
             return ConcurrencyLeaseHolder(type="task_run", id=t.task_run.id)
@@ -189,8 +192,6 @@ class GpuLease:
 
     def _acquire(self):
         """A new lease on one slot (waits while the limit is full, retries while the API is away)."""
-        from prefect.concurrency._asyncio import ConcurrencySlotAcquisitionError
-        from prefect.concurrency._sync import acquire_concurrency_slots_with_lease
 
         t0, n = time.monotonic(), 0
         while True:
@@ -215,7 +216,6 @@ class GpuLease:
     def _keep(self) -> None:
         """Renew the lease every RENEW_FRACTION of it; while renewals fail, retry with backoff (never
         cancels the holder); a lease the server lost is taken again."""
-        from prefect.client.orchestration import get_client
 
         every = self.lease_s * self.RENEW_FRACTION
         wait, failing_since, warned, n = every, None, 0.0, 0
@@ -254,7 +254,6 @@ class GpuLease:
                     wait = min(2.0 ** min(n, 4), every)  # 2, 4, 8, 16 s
 
     def _release(self) -> None:
-        from prefect.client.orchestration import get_client
 
         t0, n = time.monotonic(), 0
         budget = min(self.outage_s, self.lease_s)  # after that the lease expires and the server frees it
@@ -276,7 +275,6 @@ class GpuLease:
         self.lease_id = self._acquire()
         events = None
         with contextlib.suppress(Exception):
-            from prefect.concurrency._events import emit_concurrency_acquisition_events
 
             events = emit_concurrency_acquisition_events(self.limits, 1)
         self._events = events
@@ -291,7 +289,6 @@ class GpuLease:
             self._thread.join(timeout=5)
         self._release()
         with contextlib.suppress(Exception):
-            from prefect.concurrency._events import emit_concurrency_release_events
 
             if self._events is not None:
                 emit_concurrency_release_events(self.limits, 1, self._events)
@@ -306,8 +303,6 @@ def node_lock(prefect_home: Path) -> Iterator[None]:
     forever at its first GPU stage, saying nothing. So such runs also hold an flock in PREFECT_HOME
     (released by the kernel however the holder dies; a waiter logs who holds it): whoever has the lock
     is the only live holder, and slots the database still counts are nobody's and are released."""
-    from eagle3_pipeline.core.store import file_lock
-
     with file_lock(prefect_home / NODE_LOCK, "the GPU node (local runs' slot)", log=run_logger().info):
         release_orphaned_slots()
         yield
@@ -315,8 +310,6 @@ def node_lock(prefect_home: Path) -> Iterator[None]:
 
 def release_orphaned_slots(name: str = GPU_LIMIT) -> int:
     """Set the limit's active slots to 0 (caller: the node lock's holder); returns how many were held."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
 
     with get_client(sync_client=True) as client:
         held = client.read_global_concurrency_limit_by_name(name).active_slots

@@ -1,50 +1,42 @@
-"""Thin Prefect tasks around the stage functions of `eagle3_pipeline.pipeline.stages`.
+"""The Prefect tasks of the stages, one per registered stage, built from its StageSpec (`stage_task`, `TASKS`).
 
-Each task is one core call plus what Prefect adds: logging through the run logger, retries, tags, timeouts and
-artifacts. A stage's task is named, retried and kept out of Prefect's cache from the registry (`stage_task`): gates
-(registry.GATES: preflight, gpu-gate, verify, evaluate) must run every time. Stages whose bytes are content-addressed
-(prepare, extract, vocab, train) answer repeated work from the run store itself, which checks hashes; Prefect's cache
-is not trusted with that.
-
-Prefect-side records (docs/operations.md):
-- GPU ownership: every task that loads the target or the draft (extract-group, verify, train,
-  evaluate) holds one slot of the global concurrency limit `gpu-node` (env EAGLE3_GPU_LIMIT), taken
-  strictly: a missing limit fails the task instead of silently running unguarded; its lease is kept by
-  `tasks/gpu_lease.py` (a failed renewal never cancels the task; a dead holder's slot is freed when its lease
-  expires, EAGLE3_GPU_LEASE_S, on a server whose lease storage survives restarts). Create it
-  once per server with one slot per GPU node (`prefect gcl create gpu-node --limit <nodes>`). A run
-  started outside a worker (the `eagle3` CLI, in-process tests) is its own single node: it creates
-  the limit with 1 slot when it is missing; runs of deployments never create it.
-- Keyed artifacts, one key per dataset and target model (`<what>-<dataset>-<model>`), so every run
-  adds a version under the same key: extract (manifest summary), verify (per-layer statistics),
-  train (metrics), evaluate (acceptance), store (links into the run store); prepare-<dataset>.
-- Events: `eagle3.dataset.published` when prepare wrote a new tokenized version and
-  `eagle3.draft.exported` after train (see EVENTS below).
-- Retries: each stage's `retry` in its StageSpec (RETRY_POLICIES below, by task), the one statement of which
-  task retries, how often, after what delay and on which errors. A retry happens only on a transient error
-  (errors.is_transient: an OSError, a child that crashed or timed out, a failed engine start) and never on a
-  failed gate, bad input, a bad config or an environment problem: those are answers, and a retry would repeat them.
+A task runs its stage through pipeline/stages.run_stage and adds what Prefect adds: the run logger, retries, a GPU
+slot, artifacts and events. Why no Prefect cache, how GPU slots and retries work: docs/internals.md, "tasks/".
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from prefect import get_run_logger, task
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect import Task, get_run_logger, task
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 from prefect.cache_policies import NO_CACHE
+from prefect.events import emit_event
+from prefect.runtime import flow_run
+from pydantic import BaseModel
 
 from eagle3_pipeline.core.config import PipelineConfig
 from eagle3_pipeline.core.errors import is_transient
-from eagle3_pipeline.core.stage_spec import RETRY_JITTER, Retry
+from eagle3_pipeline.core.stage_spec import RETRY_JITTER, Retry, StageSpec
 from eagle3_pipeline.core.store import slug
 from eagle3_pipeline.data.tokenized import PrepareResult
+from eagle3_pipeline.extract.stage import ExtractInputs
 from eagle3_pipeline.pipeline import registry, stages
 from eagle3_pipeline.preflight.stage import PreflightResult
 from eagle3_pipeline.records.layout import ExtractVersion
+from eagle3_pipeline.records.shardrun import ShardRun
 from eagle3_pipeline.report.record import RunReport
+from eagle3_pipeline.report.stage import write_report
 from tasks.gpu_lease import gpu_slot, run_logger
 from tasks.gpu_lease import gpu_slot_scope as gpu_slot_scope  # re-exported: the flows call it as t.gpu_slot_scope
 
@@ -93,32 +85,47 @@ def retry_options(stage: str, retries: int | None = None) -> dict:
     return _options(stage, registry.spec(stage).retry, retries)
 
 
-def stage_task(stage: str, **kw):
-    """@task of a registered stage: its task's name and retry policy, and Prefect's cache off: a gate
-    (registry.GATES) must run every time, and the content-addressed stages answer a repeat from the run store,
-    which checks hashes."""
+def stage_task_options(stage: str, **kw) -> dict:
+    """@task options of a registered stage: its task's name and retry policy, and Prefect's cache off unless `kw`
+    gives a cache key: a gate (registry.GATES) must run every time, and the content-addressed stages answer a
+    repeat from the run store, which checks hashes."""
     name = registry.spec(stage).task_name
-    return task(name=name, cache_policy=NO_CACHE, **retry_options(name), **kw)
+    return {"name": name, **({} if "cache_key_fn" in kw else {"cache_policy": NO_CACHE}), **retry_options(name), **kw}
 
 
-@stage_task("regenerate", tags=["gpu"])
-def regenerate(cfg: PipelineConfig):
-    """The target answers the sources' turns (one engine child for the unpublished shards); the store
-    answers a repeated call (content-keyed version), so Prefect's cache is not used."""
-    with gpu_slot():
-        rec = stages.stage_regenerate(cfg, log=_log())
+def slot_for(spec: StageSpec) -> contextlib.AbstractContextManager:
+    """What a stage's task holds while its entry runs: a GPU slot when it loads a model onto accelerators."""
+    return gpu_slot() if spec.accelerators else contextlib.nullcontext()
+
+
+def stage_task(stage: str, artifacts: Callable | None = None, before: Callable | None = None, **kw) -> Task:
+    """The Prefect task of the registered stage `stage`, built from its StageSpec: `task(cfg, inputs)` runs
+    `before(inputs)` (what the task adds to the inputs), the stage's entry through stages.run_stage under
+    `slot_for(spec)`, then `artifacts(cfg, inputs, record)` (Prefect's tables and events), and returns the record."""
+    spec = registry.spec(stage)
+
+    def run(cfg: PipelineConfig, inputs: BaseModel):
+        inputs = before(inputs) if before is not None else inputs
+        with slot_for(spec):
+            rec = stages.run_stage(spec.name, cfg, inputs, log=_log())
+        if artifacts is not None:
+            artifacts(cfg, inputs, rec)
+        return rec
+
+    run.__name__ = run.__qualname__ = spec.task_name.replace("-", "_")
+    return task(**stage_task_options(stage, **kw))(run)
+
+
+def _regenerate_table(cfg: PipelineConfig, inputs, rec) -> None:
     create_table_artifact(key=_record_key("regenerate", cfg), table=[{
         "regenerate_version": rec.version, **rec.model_dump(include={
             "rows_in", "rows_out", "rows_quarantined", "tokens_generated", "turns_regenerated", "rows_per_s",
             "tokens_per_s", "single_pass", "cached"}), "quarantine_kinds": str(rec.quarantine_kinds),
         "rows_dir": rec.rows_dir}],
         description=f"regenerated answers of {cfg.prepare.dataset} by {cfg.target.model}: {rec.single_pass_reason}")
-    return rec
 
 
-@stage_task("prepare", tags=["cpu"])
-def prepare(cfg: PipelineConfig, regenerated=None) -> PrepareResult:
-    rec = stages.stage_prepare(cfg, log=_log(), regenerated=regenerated)
+def _prepare_table(cfg: PipelineConfig, inputs, rec: PrepareResult) -> None:
     counts = [{"what": k, "value": getattr(rec, k)}
               for k in ("version", "rows_in", "rows_out", "rows_heldout", "rows_quarantined", "rows_truncated",
                         "turns_dropped", "rows_trimmed", "turns_trimmed", "tokens", "chunks_computed")]
@@ -133,17 +140,6 @@ def prepare(cfg: PipelineConfig, regenerated=None) -> PrepareResult:
                           description=f"prepare of dataset {cfg.prepare.dataset}: counts, lengths, first quarantine reasons")
     if not rec.cached:
         publish_dataset_event(cfg, rec)
-    return rec
-
-
-@stage_task("preflight")
-def preflight(cfg: PipelineConfig, prep: PrepareResult) -> PreflightResult:
-    return stages.stage_preflight(cfg, prep, log=_log())
-
-
-@stage_task("gpu", task_run_name="gpu-gate-{where}")
-def gpu_gate(where: str):
-    return stages.stage_gpu_gate(where, log=_log())
 
 
 @task(name="plan-extract", cache_policy=NO_CACHE)
@@ -152,27 +148,19 @@ def plan_extract(cfg: PipelineConfig, prep: PrepareResult, pre: PreflightResult)
 
 
 def _group_key(ctx, params) -> str:
-    return "extract-group-" + ExtractVersion.model_validate(params["version"]).group_cache_key(params["shard_ids"])
+    inputs = ExtractInputs.model_validate(params["inputs"])
+    return "extract-group-" + inputs.version.group_cache_key(inputs.shard_ids)
 
 
-# No tags: a tagged task run takes a slot of Prefect's tag concurrency limits (one more API round trip
-# per group, ~50-200 ms on SQLite, cached or not); the GPU is guarded by gpu_slot().
-# Not a gate: Prefect's cache answers a repeated group, keyed by content (registry.spec("extract"))
-@task(name=registry.spec("extract").task_name, cache_key_fn=_group_key, persist_result=True, result_serializer="json",
-      task_run_name="extract-shards-{shard_ids}", **retry_options(registry.spec("extract").task_name))
-def extract_group(cfg: PipelineConfig, version: ExtractVersion, shard_ids: list[int], force: bool = False) -> list:
-    """One engine child for these shards; each shard is published (and counted in the progress
-    artifact) the moment it is complete. Cached by content key + directory + shard ids; the flow
-    refreshes the cache of any group with unpublished shards (ExtractVersion.unpublished)."""
-    progress = _Progress(version, shard_ids)
-    with gpu_slot():
-        return stages.stage_extract_group(cfg, version, shard_ids, force, log=_log(), on_shard=progress.shard_done)
+def _with_progress(inputs: ExtractInputs) -> ExtractInputs:
+    """Each shard is counted in the group's progress artifact the moment it is published."""
+    return inputs.model_copy(update={"on_shard": _Progress(inputs.version, inputs.shard_ids).shard_done})
+
+
 
 
 @task(name="extract-summary", cache_policy=NO_CACHE)
 def extract_summary(cfg: PipelineConfig, version: ExtractVersion, since: float | None = None):
-    from eagle3_pipeline.records.shardrun import ShardRun
-
     rec = stages.stage_extract_summary(version, since)
     shards = ShardRun(version.path).read().shards
     status = {st: sum(s.status == st for s in shards) for st in sorted({s.status for s in shards})}
@@ -201,8 +189,6 @@ class _Progress:
         self._pool, self._sending = None, None
 
     def shard_done(self, ev: dict) -> None:
-        from prefect.artifacts import create_progress_artifact, update_progress_artifact
-
         self.done += 1
         self.tokens += ev["tokens"]
         now = time.monotonic()
@@ -224,34 +210,20 @@ class _Progress:
         if self._sending is not None and not self._sending.done() and self.done < self.total:
             return  # the previous update is still on its way: this one is skipped, the last one is not
         if self._pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eagle3-progress")
         self._sending = self._pool.submit(send)
 
 
-@stage_task("verify")
-def verify(cfg: PipelineConfig, version: ExtractVersion):
-    with gpu_slot():  # the reference check loads the target
-        rec = stages.stage_verify(cfg, version, log=_log())
+def _verify_table(cfg: PipelineConfig, inputs, rec) -> None:
     structure = rec.checks.structure
     create_table_artifact(key=_record_key("verify", cfg), table=[s.model_dump() for s in structure.layer_stats],
                           description=(
-        f"per-layer statistics of {structure.tokens_checked} tokens of extract version {version.content_key}; "
+        f"per-layer statistics of {structure.tokens_checked} tokens of extract version {inputs.version.content_key}; "
         f"{rec.samples_checked} records checked, reference max rel err {rec.reference_max_rel_err}"))
-    return rec
 
 
-@stage_task("vocab")
-def vocab(cfg: PipelineConfig, prep: PrepareResult, version: ExtractVersion):
-    return stages.stage_vocab(cfg, prep, version, log=_log())
-
-
-@stage_task("train", tags=["gpu"])
-def train(cfg: PipelineConfig, version: ExtractVersion, voc):
-    with gpu_slot():
-        rec = stages.stage_train(cfg, version, voc, log=_log())
-    key = Path(rec.dir).name
+def _train_table(cfg: PipelineConfig, inputs, rec) -> None:
+    key, version = Path(rec.dir).name, inputs.version
     create_table_artifact(key=_record_key("train", cfg), table=[{
         "train_key": key, "extract_version": version.content_key,
         **{k: (str(v) if isinstance(v, Path) else v) for k, v in rec.model_dump(include={
@@ -263,15 +235,11 @@ def train(cfg: PipelineConfig, version: ExtractVersion, voc):
                                 "eagle3.extract-version": version.content_key},
           {"checkpoint": str(rec.checkpoint_best), "steps": rec.steps, "final_loss": rec.final_loss,
            "val_loss": rec.val_loss, "dir": rec.dir})
-    return rec
 
 
-@stage_task("evaluate", tags=["gpu"])
-def evaluate(cfg: PipelineConfig, prep: PrepareResult, version: ExtractVersion, voc, tr, run_dir: str):
-    with gpu_slot():
-        rec = stages.stage_evaluate(cfg, prep, version, voc, tr, run_dir, log=_log())
+def _evaluate_table(cfg: PipelineConfig, inputs, rec) -> None:
     create_table_artifact(key=_record_key("evaluate", cfg), table=[{
-        "run_dir": run_dir, "checkpoint": str(tr.checkpoint_best),
+        "run_dir": inputs.run_dir, "checkpoint": str(inputs.tr.checkpoint_best),
         **rec.model_dump(mode="json", include={"acceptance_length", "acceptance_length_untrained",
                                                "per_position_acceptance", "min_acceptance_length", "passed",
                                                "lossless_ok", "speedup", "acceptance_length_sampled",
@@ -282,15 +250,32 @@ def evaluate(cfg: PipelineConfig, prep: PrepareResult, version: ExtractVersion, 
                      + (f", speed-up {rec.speedup:.2f}x" if rec.speedup is not None else "")
                      + f" on {rec.trained.prompts} prompts of "
                      + (cfg.evaluate.prompts or f"{cfg.prepare.dataset} (held out)")))
-    return rec
 
 
-@stage_task("report")
+# What a stage's task adds to the registry's (stage_task): Prefect artifacts and events, and task options. A new stage
+# needs no line here: its task is built from its StageSpec alone.
+ARTIFACTS: dict[str, Callable] = {"regenerate": _regenerate_table, "prepare": _prepare_table, "verify": _verify_table,
+                                  "train": _train_table, "evaluate": _evaluate_table}
+OPTIONS: dict[str, dict] = {
+    "regenerate": {"tags": ["gpu"]}, "prepare": {"tags": ["cpu"]}, "train": {"tags": ["gpu"]}, "evaluate": {"tags": ["gpu"]},
+    "gpu": {"task_run_name": "gpu-gate-{inputs.where}"},
+    # One engine child for a group's shards. Not a gate: Prefect's cache answers a repeated group, keyed by content
+    # + directory + shard ids; the flow refreshes the cache of any group with unpublished shards
+    # (ExtractVersion.unpublished). No tags: a tagged task run takes a slot of Prefect's tag concurrency limits (one
+    # more API round trip per group, ~50-200 ms on SQLite, cached or not); the GPU is guarded by the slot (slot_for).
+    "extract": {"before": _with_progress, "cache_key_fn": _group_key, "persist_result": True,
+                "result_serializer": "json", "task_run_name": "extract-shards-{inputs.shard_ids}"},
+}
+# One task per registered stage, built from its spec; the report's task writes the record the flow built (below)
+TASKS = {s.name: stage_task(s.name, ARTIFACTS.get(s.name), **OPTIONS.get(s.name, {}))
+         for s in registry.STAGES if s.name != "report"}
+regenerate, prepare, preflight, gpu_gate, extract_group, verify, vocab, train, evaluate = (TASKS[n] for n in (
+    "regenerate", "prepare", "preflight", "gpu", "extract", "verify", "vocab", "train", "evaluate"))
+
+
+@task(**stage_task_options("report"))
 def report(run_dir: str, rec: RunReport, metrics_path: str | None) -> dict:
-    from pathlib import Path
-
-    from eagle3_pipeline.report.stage import write_report
-
+    """report.json, report.md and the plots of the record the flow built (report/runs.py RunDir.report_record)."""
     paths = write_report(Path(run_dir), rec, Path(metrics_path) if metrics_path else None)
     create_markdown_artifact(key=f"report-{_k(rec.config['name'])}",
                              markdown=Path(paths["report_md"]).read_text(), description=f"run {rec.run_id}")
@@ -333,8 +318,6 @@ def publish_dataset_event(cfg: PipelineConfig, prep: PrepareResult, training: st
     """Emit `eagle3.dataset.published` for a prepared version; `training` (see TRAINING_FLOWS)
     defaults to `in-run` or `no` by the name of the running flow."""
     if training is None:
-        from prefect.runtime import flow_run
-
         training = "in-run" if flow_run.get_flow_name() in TRAINING_FLOWS else "no"
     _emit(DATASET_PUBLISHED, cfg, {
         "prefect.resource.id": f"eagle3.dataset.{_k(cfg.prepare.dataset)}.{prep.version}",
@@ -345,8 +328,6 @@ def publish_dataset_event(cfg: PipelineConfig, prep: PrepareResult, training: st
 
 
 def _emit(event: str, cfg: PipelineConfig, resource: dict[str, str], payload: dict) -> None:
-    from prefect.events import emit_event
-
     emit_event(event=event, resource={**resource, "eagle3.dataset": cfg.prepare.dataset,
                                       "eagle3.model": cfg.target.model, "eagle3.config": cfg.name},
                payload=payload)

@@ -21,10 +21,14 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from pydantic import BaseModel
 
 from eagle3_pipeline.core.config import PipelineConfig
-from eagle3_pipeline.core.stage_spec import Retry, StageSpec
+from eagle3_pipeline.core.stage_spec import Log, Retry, StageSpec
 from eagle3_pipeline.pipeline import registry
 from eagle3_pipeline.report.runs import RunDir, StageClock, create_run_dir
 from tasks import stage_tasks as t
+
+
+class ToyInputs(BaseModel):
+    rows: int  # an earlier stage's output
 
 
 class ToyResult(BaseModel):
@@ -40,35 +44,33 @@ CALLS: list[str] = []  # one entry per call of the run function: what the retry 
 FAULTS: list[BaseException] = []  # raised, in order, by the next calls
 
 
-def run_toy(cfg: PipelineConfig, rows: int, log=print) -> ToyResult:
-    """The toy stage's entry: config and an earlier stage's output in, a small typed record out."""
+def run(cfg: PipelineConfig, inputs: ToyInputs, log: Log) -> ToyResult:
+    """The toy stage's entry, of the one signature: config and its inputs record in, a small typed record out."""
     CALLS.append(cfg.name)
     if FAULTS:
         raise FAULTS.pop(0)
-    log(f"toy: doubling {rows} rows")
-    return ToyResult(rows=rows, doubled=2 * rows)
+    log(f"toy: doubling {inputs.rows} rows")
+    return ToyResult(rows=inputs.rows, doubled=2 * inputs.rows)
 
 
-TOY = StageSpec(name="toy", run=run_toy, result=ToyResult, failure=ToyRefused, reported=False,
+TOY = StageSpec(name="toy", run=run, result=ToyResult, failure=ToyRefused, reported=False,
                 retry=Retry(2, 0.0, (OSError,), "toy: a lost mount passes on a retry"))
 
 
 def toy_flow():
-    """The toy stage's task (as in tasks/stage_tasks.py) and a flow that runs it (as in flows/pipeline.py);
-    built inside `registered`, where `stage_task` finds the spec."""
-
-    @t.stage_task("toy", tags=["cpu"])
-    def toy(cfg: PipelineConfig, rows: int) -> ToyResult:
-        return registry.spec("toy").run(cfg, rows, log=t._log())
+    """The toy stage's task, built from its spec as tasks/stage_tasks.py builds every stage's (it runs the entry
+    through pipeline/stages.py run_stage), and a flow that runs it (as in flows/pipeline.py); built inside
+    `registered`, where `stage_task` finds the spec."""
+    toy = t.stage_task("toy", tags=["cpu"])
 
     @flow(name="toy-pipeline")
     def toy_pipeline(config: PipelineConfig, output_dir: str, rows: int) -> dict:
         run = RunDir(create_run_dir(Path(output_dir), config))
         clock, recs = StageClock(), {}
         with clock.stage("toy"):
-            recs["toy"] = toy(config, rows)
+            recs["toy"] = toy(config, ToyInputs(rows=rows))
         with clock.stage("toy"):
-            again = toy(config, rows)  # the same inputs: no cached answer, the stage runs again
+            again = toy(config, ToyInputs(rows=rows))  # the same inputs: no cached answer, the stage runs again
         rec = run.report_record(config, recs, {}, None, clock)
         t.report(str(run.path), rec, None)
         return {"toy": recs["toy"], "again": again, "run_dir": str(run.path)}
@@ -121,6 +123,6 @@ def test_registered_stage_refusal_is_not_retried(tiny_config, prefect_harness, t
 
 def test_registering_a_taken_name_is_refused():
     with pytest.raises(ValueError, match="already registered"):
-        with registry.registered(StageSpec(name="verify", run=run_toy, result=ToyResult, failure=None)):
+        with registry.registered(StageSpec(name="verify", run=run, result=ToyResult, failure=None)):
             pass
     assert "verify" in registry.NAMES and len(registry.NAMES) == len(set(registry.NAMES))

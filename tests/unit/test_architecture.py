@@ -106,7 +106,7 @@ ABOVE_STAGES = "pipeline"
 PIPELINE_MODULES = {
     "__init__.py": "the room's map",
     "registry.py": "the one ordered list of the stages' StageSpecs: it reads every stage's STAGE",
-    "stages.py": "the glue the tasks call: one stage_<name> function per stage",
+    "stages.py": "every stage's one way in (run_stage) and what a stage needs from a sibling (NEEDS)",
     "store_gc.py": "gc sweeps what every stage keeps (versions, the record pool, the pool's verify caches)",
     "online_training.py": "online training runs the verify gate on rows from the server the trainer then reads",
     "window_training.py": "window training runs extract and verify per shard beside the trainer reading the window",
@@ -153,7 +153,13 @@ LONG_FUNCTIONS = {
 }
 
 
-MAX_DOC_LINES = 28  # a module's docstring: what and why in a few lines; the rest in docs/ (docs/internals.md)
+MAX_DOC_LINES = 12  # a module's docstring: what it is in a few lines; how and why in docs/ (docs/internals.md)
+# Where a longer docstring stays for now, by path prefix -> why; the list can only shrink
+DOC_EXEMPT = {
+    "src/eagle3_pipeline/data/chat.py": "in the kept tiny builds' key (tiny/build_cache.py SOURCES): moves with a rebuild",
+    "src/eagle3_pipeline/tiny/": "in the kept tiny builds' key (tiny/build_cache.py SOURCES): moves with a rebuild",
+    "src/eagle3_pipeline/verify/": "verify's checks are being reshaped (issue 53 item 4): its docstrings move with them",
+}
 
 
 def long_docstring(source: str, limit: int = MAX_DOC_LINES) -> int | None:
@@ -303,9 +309,12 @@ def test_the_ground_floor_is_rooms_and_each_stands_on_the_floors_below():
 
 
 def test_module_docstrings_are_short():
-    bad = {str(p.relative_to(ROOT)): n for p, s in _sources(CORE, ROOT / "flows", ROOT / "tasks").items()
-           if (n := long_docstring(s))}
+    found = {str(p.relative_to(ROOT)): n for p, s in _sources(CORE, ROOT / "flows", ROOT / "tasks").items()
+             if (n := long_docstring(s))}
+    bad = {f: n for f, n in found.items() if not f.startswith(tuple(DOC_EXEMPT))}
     assert bad == {}, f"module docstrings over {MAX_DOC_LINES} lines (move the how and why to docs/internals.md): {bad}"
+    stale = [e for e in DOC_EXEMPT if not any(f.startswith(e) for f in found)]
+    assert stale == [], f"{stale} hold no docstring over {MAX_DOC_LINES} lines now: drop them from DOC_EXEMPT"
 
 
 def test_no_private_name_crosses_a_module_line():
@@ -493,8 +502,8 @@ def stage_spec_problems(name: str, module, package_dir: Path) -> list[str]:
         out.append(f"STAGE.name {spec.name!r} is not the package's name {name!r}")
     if getattr(spec.run, "__module__", None) != module.__name__:
         out.append(f"STAGE.run {getattr(spec.run, '__qualname__', spec.run)} is not defined in {module.__name__}")
-    elif typing.get_type_hints(spec.run).get("return") != spec.result:
-        out.append(f"STAGE.run returns {typing.get_type_hints(spec.run).get('return')}, STAGE.result is {spec.result}")
+    else:
+        out += entry_signature_problems(spec.run, spec.result)
     inner = typing.get_args(spec.result)[0] if typing.get_origin(spec.result) is list else spec.result
     if not (isinstance(inner, type) and issubclass(inner, BaseModel)):
         out.append(f"STAGE.result {spec.result} is not a pydantic record (or a list of them)")
@@ -516,30 +525,31 @@ def stage_spec_problems(name: str, module, package_dir: Path) -> list[str]:
     return out
 
 
-def glue_calling(source: str, names: set[str]) -> set[str]:
-    """The top-level functions of stages.py (`source`) that call one of `names`, directly or through another."""
-    calls = {f.name: {getattr(n.func, "id", None) or getattr(n.func, "attr", None)
-                      for n in ast.walk(f) if isinstance(n, ast.Call)}
-             for f in ast.parse(source).body if isinstance(f, ast.FunctionDef)}
-    found: set[str] = set()
-    while True:
-        more = {f for f, called in calls.items() if called & (names | found)} - found
-        if not more:
-            return found
-        found |= more
+def entry_signature_problems(run, result) -> list[str]:
+    """What keeps `run` from the one entry signature `run(cfg: PipelineConfig, inputs: <a pydantic record>,
+    log: Log) -> result` (core/stage_spec.py)."""
+    import inspect
+    import typing
 
+    from pydantic import BaseModel
 
-def calls_outside_gpu_slot(source: str, glue: set[str]) -> list[str]:
-    """`line N: stages.stage_x` for each call of one of the stages.py functions `glue` that is not inside a
-    `with gpu_slot():` block."""
-    tree = ast.parse(source)
-    inside: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.With) and any(ast.unparse(i.context_expr) == "gpu_slot()" for i in node.items):
-            inside |= {id(n) for n in ast.walk(node)}
-    return [f"line {n.lineno}: {ast.unparse(n.func)}" for n in ast.walk(tree)
-            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and ast.unparse(n.func.value) == "stages"
-            and n.func.attr in glue and id(n) not in inside]
+    from eagle3_pipeline.core.config import PipelineConfig
+    from eagle3_pipeline.core.stage_spec import Log
+
+    name = getattr(run, "__qualname__", run)
+    params = list(inspect.signature(run).parameters.values())
+    if [p.name for p in params] != ["cfg", "inputs", "log"] or any(p.kind != p.POSITIONAL_OR_KEYWORD for p in params):
+        return [f"STAGE.run {name}{inspect.signature(run)} is not run(cfg, inputs, log)"]
+    hints, out = typing.get_type_hints(run), []
+    if hints.get("cfg") is not PipelineConfig:
+        out.append(f"STAGE.run {name}: cfg is {hints.get('cfg')}, not PipelineConfig")
+    if not (isinstance(hints.get("inputs"), type) and issubclass(hints["inputs"], BaseModel)):
+        out.append(f"STAGE.run {name}: inputs is {hints.get('inputs')}, not a pydantic record")
+    if hints.get("log") != Log:
+        out.append(f"STAGE.run {name}: log is {hints.get('log')}, not core.stage_spec.Log")
+    if hints.get("return") != result:
+        out.append(f"STAGE.run returns {hints.get('return')}, STAGE.result is {result}")
+    return out
 
 
 def _home(stage: str) -> Path:
@@ -575,25 +585,48 @@ def test_the_registry_is_the_one_list_of_stages():
     assert jobs.GPU_STAGES is registry.JOB_STAGES
 
 
-def test_every_stage_entry_is_called_by_the_pipeline():
-    """Each STAGE.run is called somewhere outside its own module (stages.py, report/runs.py, flows/, tasks/)."""
-    callers = {p: s for p, s in _sources(CORE, ROOT / "flows", ROOT / "tasks").items()}
-    for stage, spec in REGISTERED.items():
-        name = spec.run.__name__
-        own = _home(stage)
-        called = [p for p, s in callers.items() if p != own and any(
-            isinstance(n, ast.Call) and (getattr(n.func, "id", None) == name or getattr(n.func, "attr", None) == name)
-            for n in ast.walk(ast.parse(s)))]
-        assert called, f"{stage}: STAGE.run {name} is called nowhere outside {own.name}: not the stage's entry"
+def test_every_stage_entry_has_the_one_signature():
+    """Every registered StageSpec's run is `run(cfg: PipelineConfig, inputs: <its record>, log: Log) -> result`, and
+    so is what runs train in online and window mode instead (pipeline/stages.py `entry`, TRAIN_MODES)."""
+    from eagle3_pipeline.pipeline.online_training import train_online
+
+    bad = {s: p for s, spec in REGISTERED.items() if (p := entry_signature_problems(spec.run, spec.result))}
+    assert bad == {}, f"stage entries off the one signature: {bad}"
+    from eagle3_pipeline.pipeline.stages import TRAIN_MODES
+
+    assert {m: entry_signature_problems(f, REGISTERED["train"].result) for m, f in TRAIN_MODES.items()} == \
+        {"online": [], "window": []}
+    assert TRAIN_MODES["online"] is train_online
 
 
-def test_stages_on_accelerators_run_under_a_gpu_slot():
-    runs = {spec.run.__name__ for spec in registry.STAGES if spec.accelerators}
-    gpu = glue_calling((CORE / ABOVE_STAGES / "stages.py").read_text(), runs)
-    assert {"stage_extract_group", "stage_verify", "stage_train", "stage_evaluate", "stage_regenerate"} <= gpu, gpu
-    assert "stage_extract_summary" not in gpu and "stage_vocab" not in gpu
-    src = (ROOT / "tasks" / "stage_tasks.py").read_text()
-    assert calls_outside_gpu_slot(src, gpu) == [], "a task runs a stage on accelerators without tasks.gpu_lease.gpu_slot()"
+def test_every_stage_runs_through_its_spec():
+    """pipeline/stages.py runs each stage by its spec (entry: STAGE.run, online train aside), and tasks/ builds
+    one task per registered stage from the registry (stage_task), none by hand."""
+    from eagle3_pipeline.core.config import load_config
+    from eagle3_pipeline.pipeline import stages
+    from eagle3_pipeline.pipeline.online_training import train_online
+
+    cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml")
+    online = load_config(ROOT / "configs" / "tiny-cpu.yaml", ["train.mode=online"])
+    assert all(stages.entry(spec, cfg) is spec.run for spec in registry.STAGES)
+    assert stages.entry(registry.spec("train"), online) is train_online
+    window = load_config(ROOT / "configs" / "tiny-cpu.yaml", ["train.mode=window"])
+    assert stages.entry(registry.spec("train"), window) is stages.TRAIN_MODES["window"]
+    assert set(stages.NEEDS) <= set(registry.NAMES)
+    import tasks.stage_tasks as t
+
+    assert list(t.TASKS) == [n for n in registry.NAMES if n != "report"]  # every stage's task, from its spec alone
+    assert [t.TASKS[n].name for n in t.TASKS] == [registry.spec(n).task_name for n in t.TASKS]
+    assert set(t.ARTIFACTS) | set(t.OPTIONS) <= set(t.TASKS) and t.report.name == registry.spec("report").task_name
+
+
+def test_stages_on_accelerators_run_under_a_gpu_slot(monkeypatch):
+    import tasks.stage_tasks as t
+
+    monkeypatch.setattr(t, "gpu_slot", lambda: "gpu slot")
+    held = {spec.name: t.slot_for(spec) == "gpu slot" for spec in registry.STAGES}
+    assert held == {spec.name: spec.accelerators for spec in registry.STAGES}
+    assert {"extract", "verify", "train", "evaluate", "regenerate"} <= {s for s, h in held.items() if h}
 
 
 def test_stage_interface_checkers_fail(tmp_path):
@@ -601,7 +634,8 @@ def test_stage_interface_checkers_fail(tmp_path):
 
     from pydantic import BaseModel
 
-    from eagle3_pipeline.core.stage_spec import Retry, StageSpec
+    from eagle3_pipeline.core.config import PipelineConfig
+    from eagle3_pipeline.core.stage_spec import Log, Retry, StageSpec
 
     class Rec(BaseModel):
         x: int = 0
@@ -611,10 +645,11 @@ def test_stage_interface_checkers_fail(tmp_path):
 
     mod = types.ModuleType("eagle3_pipeline.demo.stage")
 
-    def run():
+    def run(cfg, inputs, log):
         return Rec()
 
-    run.__module__, run.__annotations__ = mod.__name__, {"return": Rec}
+    run.__module__ = mod.__name__
+    run.__annotations__ = {"cfg": PipelineConfig, "inputs": Rec, "log": Log, "return": Rec}
     (tmp_path / "stage.py").write_text("def run():\n    raise Refused('no')\n")
     mod.STAGE = StageSpec(name="demo", run=run, result=Rec, failure=Refused)
     assert stage_spec_problems("demo", mod, tmp_path) == []
@@ -636,10 +671,44 @@ def test_stage_interface_checkers_fail(tmp_path):
                           retry=Retry(1, 5, (RuntimeError,), "demo"))
     assert stage_spec_problems("demo", mod, tmp_path) == [
         "STAGE.retry retries on Refused: a gate's refusal is an answer, never transient"]
+    def old_entry(cfg, target, version, *, log):
+        return Rec()
+
+    old_entry.__module__ = mod.__name__
+    mod.STAGE = StageSpec(name="demo", run=old_entry, result=Rec, failure=Refused)
+    assert stage_spec_problems("demo", mod, tmp_path) == [
+        "STAGE.run test_stage_interface_checkers_fail.<locals>.old_entry(cfg, target, version, *, log) is not "
+        "run(cfg, inputs, log)"]
+    run.__annotations__ = {"cfg": dict, "inputs": int, "log": Log, "return": Rec}
+    assert entry_signature_problems(run, Rec) == [
+        f"STAGE.run {run.__qualname__}: cfg is {dict}, not PipelineConfig",
+        f"STAGE.run {run.__qualname__}: inputs is {int}, not a pydantic record"]
     del mod.STAGE
     assert stage_spec_problems("demo", mod, tmp_path) == ["demo/stage.py: no STAGE = StageSpec(...)"]
-    src = ("def a():\n    with gpu_slot():\n        stages.stage_train(c)\n"
-           "def b():\n    stages.stage_train_online(c)\n    stages.stage_vocab(c)\n")
-    assert calls_outside_gpu_slot(src, {"stage_train", "stage_train_online"}) == ["line 5: stages.stage_train_online"]
-    glue = "def a():\n    return train_draft(x)\ndef b():\n    return a()\ndef c():\n    return vocab(x)\n"
-    assert glue_calling(glue, {"train_draft"}) == {"a", "b"}
+
+
+# ---------------------------------------------------------------- imports: at module top, the heavy ones lazy
+
+HEAVY = ("torch", "vllm", "speculators", "transformers", "prefect")  # pyproject [tool.ruff] banned-module-level-imports
+
+
+def heavy_loaded(*modules: str) -> list[str]:
+    """The HEAVY libraries a fresh interpreter holds after importing `modules` (the project's, from this checkout)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import importlib, json, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n"
+            f"print(json.dumps([h for h in {HEAVY!r} if h in sys.modules]))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(CORE.parent), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code, *modules], capture_output=True, text=True, env=env, check=True)
+    return json.loads(out.stdout)
+
+
+def test_the_cli_and_every_stage_module_import_no_heavy_library():
+    """`eagle3 --help` and the parent side of every stage (the registry imports each stage.py, pipeline/stages.py the
+    rest) load none of the heavy libraries: those are imported in the function that needs them (docs/internals.md,
+    "Imports"). The check sees a load: a flow module imports Prefect."""
+    assert heavy_loaded("flows.cli", "eagle3_pipeline.pipeline.stages", "eagle3_pipeline.pipeline.store_gc") == []
+    assert heavy_loaded("flows.pipeline") == ["prefect"]

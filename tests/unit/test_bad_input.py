@@ -778,12 +778,12 @@ def test_cli_error_line_names_the_culprit_and_the_wrapper(capsys):
 
 
 def test_interrupt_in_a_command_exits_130(monkeypatch):
-    import eagle3_pipeline.core.config as config_mod
+    import flows.cli as cli
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(config_mod, "load_config", interrupted)
+    monkeypatch.setattr(cli, "load_config", interrupted)  # the command's first call
     res = cli_in_process("prepare", "-c", str(TINY_YAML))
     assert res.returncode == 130 and error_line(res.stderr) == "eagle3 prepare: error 130 (interrupted): KeyboardInterrupt"
 

@@ -1,29 +1,17 @@
 """The final-layer fingerprint check, shared by verify (every record) and online training (every row the
 server sends). Every row, final layer: the stored final hidden state must reproduce the target's own logits.
 
-Reads the target's final norm and `lm_head` weights only (from the checkpoint's safetensors shard(s)
-that hold them, located through `model.safetensors.index.json`; tied embeddings fall back to
-`embed_tokens`), never the rest of the model. For each record the extract pass stored a fingerprint
-sidecar (contracts: `top_ids` [T, 2], `top_logprobs` [T, 2] from vLLM's own logits). The check
-recomputes, per token, the logit margin between the two stored candidates from the stored final-layer
-state: margin = <rmsnorm(h_N), W[top1] - W[top2]>, which equals logprob[top1] - logprob[top2] (the
-log-softmax normaliser cancels), so it needs two rows of lm_head per token, not the vocabulary.
-A token agrees when |margin - stored margin| <= atol + rtol * (|logit1| + |logit2|) + stol * ||(W[top1] -
-W[top2]) * rmsnorm(h_N)||: vLLM's logits are bf16, so each is off by up to ~2^-8 of its magnitude, and the
-stored state is rounded to bf16 element by element, which moves the margin by up to ~2^-8 of that
-norm; a real model's logits are often small next to it (near-orthogonal rows), so a tolerance in the
-logits alone failed clean tokens (a tolerance relative to the margin would let a random model, whose
-margins are tiny, agree with anything). A row fails when any of its tokens
-disagrees (`verify.fingerprint_min_agreement` 1.0; clean rows agree on every token): another request's
-states, a final layer from the wrong depth, a zeroed or shuffled record disagree on most tokens, and a
-few tokens' states replaced (a stale last KV block, another request's states after a shared prefix)
-on those tokens, which the problem names. The defaults' calibration: docs/verification.md, "Calibration".
+More: docs/internals.md, "checks/final_layer.py".
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import numpy as np
+
+from eagle3_pipeline.records.contracts import FP_IDS_KEY, FP_LOGPROBS_KEY
 
 NORM_SUFFIXES = ("model.norm.weight", "norm.weight")  # the final norm (never a layer's: those have "layers.")
 HEAD_SUFFIXES = ("lm_head.weight", "output.weight")
@@ -86,8 +74,6 @@ class FinalLayerCheck:
         tensors): (fraction of tokens that agree, tokens compared, the first MAX_NAMED disagreeing
         token positions, the largest |margin error| / tolerance over the compared tokens: the clean margin,
         1.0 = at the tolerance)."""
-        from eagle3_pipeline.records.contracts import FP_IDS_KEY, FP_LOGPROBS_KEY
-
         torch = self.torch
         hs, ids_, lps_, lens = [], [], [], []
         for h_final, fingerprint in records:
@@ -124,8 +110,6 @@ class FinalLayerCheck:
         Done `block` tokens at a time (the gathered lm_head rows stay in cache), in one set of tensor
         operations per block for all the records: per record they cost more in call overhead than in
         arithmetic on small records."""
-        import numpy as np
-
         torch = self.torch
         N, V = h.shape[0], self.head.shape[0]
         valid = (ids >= 0).all(dim=-1) & torch.isfinite(lps).all(dim=-1) & (ids < V).all(dim=-1)  # [N]

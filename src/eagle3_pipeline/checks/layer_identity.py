@@ -2,23 +2,7 @@
 Every row, aux layers: each stored layer slot must stand in the relation to the other slots that
 its layer has — the same order, the same neighbours — in every record.
 
-A record's content varies too much for absolute per-slot statistics to tell adjacent layers apart
-(tried: per-slot mean direction and norm; clean records overlapped permuted ones). Relations between
-the slots of one record do not: per token, the residual stream's norm grows with depth and a deeper
-layer's state is closer to the final one, so "fraction of tokens where slot b's norm exceeds slot
-a's" and "fraction of tokens where slot b is closer (cosine) to the last slot than slot a" sit near
-0 or 1 for every record and flip when two slots are swapped; and adjacent slots of the same token are
-similar (mean cosine; fraction of tokens below cosine 0.5) and each token's state is nearer its own
-token's state in the next slot than the neighbouring tokens' (a slot shifted by a token flips this),
-which states of another request or of a shifted span break. `features` computes these per record from the products the
-structure pass takes of every token (verify/scan.py: one read); `learn` takes the median and MAD of each feature over
-the records (robust: a few percent of bad records do not move them); a record fails when a feature is more than
-`max_z` robust deviations from the median. A whole extraction with a wrong layer id is consistent with itself: that is
-the reference check's job (verify/reference.py); the final slot is also checked against the
-target's logits (final_layer.py).
-
-The calibration: docs/verification.md, "Calibration". Default max_z (VerifyConfig.identity_max_z) 20; feature
-scale floor 0.03 (fractions of short rows).
+More: docs/internals.md, "checks/layer_identity.py".
 """
 
 from __future__ import annotations

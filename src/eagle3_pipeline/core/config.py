@@ -1,13 +1,6 @@
 """Pipeline configuration: one pydantic group per stage, `extra="forbid"` everywhere.
 
-Owns `PipelineConfig` and `load_config(path, overrides)`. Reads one YAML file per target model
-(configs/*.yaml); `overrides` are `dotted.key=value` strings parsed as YAML scalars, applied before
-validation, so a typo in a key fails loudly. Paths in the YAML are relative to the current directory.
-Every problem (missing file, YAML syntax, unknown key, wrong type, a dataset name that is a path) is
-raised as one `ConfigError` naming the file and the dotted key.
-Secrets never live in the config: `target.hub_token_env` names the environment variable that holds
-a Hugging Face hub token, and `target.hub_token_secret` names a Prefect Secret block that the flow
-layer resolves into that variable (the core only reads the environment).
+More: docs/internals.md, "core/config.py".
 """
 
 from __future__ import annotations

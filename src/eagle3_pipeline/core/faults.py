@@ -1,17 +1,6 @@
 """Test hook: one transient fault per named stage, so tests can watch a stage's retry succeed.
 
-With `EAGLE3_TEST_FAIL_ONCE=prepare,verify,vocab,train,evaluate` (any subset of FAULT_POINTS) and
-`EAGLE3_TEST_FAIL_ONCE_DIR=<dir>`, the first attempt of each named stage fails the way a real
-transient failure would, and leaves the marker file `<dir>/<stage>`; every later attempt (the retry)
-finds the marker and runs normally. Like the extract worker's EAGLE3_TEST_FAIL_SHARDS. Where each
-fault happens (the place a real one would):
-- prepare, verify, vocab: `fail_once` at the start of the core stage (pipeline/stages.py) raises InjectedFault,
-  an OSError (what a lost mount, a hub timeout or a reset connection raises);
-- train: the train worker SIGKILLs itself after the first logged step of its last epoch (an OOM kill
-  or a lost node mid-training: the retry resumes from the last complete epoch checkpoint);
-- evaluate: the evaluate child exits before building its engines (a failed engine start), which the
-  parent sees as ChildFailed.
-Unset, nothing happens and nothing is read. Reads and writes only `<dir>`.
+More: docs/internals.md, "core/faults.py".
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ Lines starting with EVENT_PREFIX are parsed as JSON and passed to `on_event` as 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -18,10 +19,13 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import psutil
 
 from eagle3_pipeline.core.errors import StageTimeout
 
@@ -85,8 +89,6 @@ def child_main(main: Callable[[list[str]], int]) -> None:
     """The whole `if __name__ == "__main__":` of an engine child: run `main(sys.argv[1:])`; on any failure
     print the whole traceback (the parent needs the whole story, whatever it was) and exit 1, otherwise
     exit with main's code through `exit_child` (no interpreter teardown)."""
-    import traceback
-
     try:
         rc = main(sys.argv[1:])
     except BaseException:  # noqa: BLE001
@@ -124,15 +126,12 @@ def kill_group(pgid: int, grace_s: float = 10.0, leader: subprocess.Popen | None
     while (live := _live_members(pgid, leader)) and time.time() < deadline:
         time.sleep(0.1)
     if live:
-        import logging
 
         logging.getLogger("eagle3_pipeline").warning("process group %d: %s still running 10 s after SIGKILL", pgid, live)
 
 
 def _live_members(pgid: int, leader: subprocess.Popen | None) -> list[int]:
     """Pids of the group's members that are not zombies (reaping the leader when it is our child)."""
-    import psutil
-
     if leader is not None:
         leader.poll()
     live = []

@@ -1,11 +1,5 @@
-"""The one interface every stage implements: `STAGE = StageSpec(...)` in `<stage>/stage.py`.
-
-A stage is a package: stage.py is its parent side (what pipeline/stages.py and the tasks call) and, when
-the stage runs an engine or a trainer, worker.py is its child process.
-`eagle3_pipeline.pipeline.registry.STAGES` lists every declaration in run order; the lists that name stages (the
-tasks' retry policies, from each stage's `retry`, and gates, the GPU Jobs, the architecture test's) are read from
-it, and the report's typed entries are checked against it.
-tests/unit/test_architecture.py checks every declaration against its module (docs/README.md, "Adding a stage").
+"""The one interface every stage implements: `STAGE = StageSpec(...)` in `<stage>/stage.py`, whose `run` is
+`run(cfg, inputs, log) -> record` (docs/internals.md, "Adding a stage"; checked by tests/unit/test_architecture.py).
 """
 
 from __future__ import annotations
@@ -19,6 +13,7 @@ from eagle3_pipeline.core.proc import ChildFailed
 IO = (OSError, TimeoutError)  # lost mounts, hub/network errors (requests' errors are OSErrors), timeouts
 CHILD = (ChildFailed,)  # a child that crashed, was OOM-killed or timed out (ChildTimedOut); also wrapped
 RETRY_JITTER = 0.2  # Prefect's retry_jitter_factor on every retry's delay
+Log = Callable[[str], None]  # every stage entry's third parameter: where its lines go
 
 
 @dataclass(frozen=True)
@@ -46,7 +41,7 @@ NO_RETRY = Retry(0, 0, (), "a gate or a check of seconds: its failure is the ans
 @dataclass(frozen=True)
 class StageSpec:
     name: str  # the package's name: also the stage's name in report.json, the run store and the flows
-    run: Callable[..., Any]  # the one entry the pipeline calls; its return annotation is `result`
+    run: Callable[..., Any]  # the one entry: `run(cfg: PipelineConfig, inputs: <its inputs record>, log: Log) -> result`
     result: Any  # the typed record `run` returns (a pydantic model, or a list of them)
     failure: type[Exception] | None  # what `run` raises when its own check says no (None: it never refuses)
     worker: str | None = None  # the child process's module (`eagle3_pipeline.<name>.worker`), if it has one
@@ -56,6 +51,7 @@ class StageSpec:
     reported: bool = True  # it has an entry in report.json's `stages` (report/record.py `Stages`)
     task: str | None = None  # its Prefect task's name where that is not `name` (tasks/stage_tasks.py)
     retry: Retry = NO_RETRY  # how its task retries (tasks/stage_tasks.py), and so how long its Job may live
+    store: bool = True  # it reads or writes the run store: pipeline/stages.py proves the store's contract first
 
     @property
     def task_name(self) -> str:

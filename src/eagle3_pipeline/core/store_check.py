@@ -1,12 +1,6 @@
 """The run store's contract, proved on the store path before a stage writes to it.
 
-Every stage, on every host, relies on four properties of the filesystem under `store`: `flock`
-excludes another process (shard and group locks), hard links (published records and the record
-pool share files), `os.replace` is atomic (manifests, results), and the same path everywhere (one
-RWX volume mounted at one path). Object storage behind FUSE (S3, GCS, Azure Blob) and NFS mounted
-without network locking pass a casual write test and then lose locks or renames silently, so they
-are refused by name from the mount table; the other properties are tried on the path itself.
-`check_store` runs once per process and path (a few ms; one short child process for the lock).
+More: docs/internals.md, "core/store_check.py".
 """
 
 from __future__ import annotations

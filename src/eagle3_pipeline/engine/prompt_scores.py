@@ -5,7 +5,11 @@ How it works, what it reads and writes, its test hooks: docs/internals.md, `engi
 
 from __future__ import annotations
 
+import logging
 import os
+
+from eagle3_pipeline.engine import runner as engine_runner
+from eagle3_pipeline.engine.surface import V1
 
 ENV = "EAGLE3_LEAN_PROMPT_SCORES"
 RANKS_ENV = "EAGLE3_PROMPT_SCORE_RANKS"  # =1: the lean path counts the prompt token's rank too
@@ -38,10 +42,7 @@ def wanted(value: str | None = None) -> bool:
     """Whether the lean path is a hook of this engine: asked for (`value`, default EAGLE3_LEAN_PROMPT_SCORES, is
     "1") on Model Runner V1. V2's own path (PromptLogprobsWorker) already scores every request's rows together,
     1,024 rows per lm_head call, on raw logits without a float32 copy of the vocabulary: nothing to replace."""
-    from eagle3_pipeline.engine.runner import expected
-    from eagle3_pipeline.engine.surface import V1
-
-    return (os.environ.get(ENV) if value is None else value) == "1" and expected() == V1
+    return (os.environ.get(ENV) if value is None else value) == "1" and engine_runner.expected() == V1
 
 
 def install() -> bool:
@@ -53,7 +54,6 @@ def install() -> bool:
         return True
     lacks = missing()
     if lacks:
-        import logging
 
         logging.getLogger("eagle3_pipeline").warning(
             "prompt scores: vLLM's own path (%s=1, but this vLLM lacks %s)", ENV, ", ".join(lacks))
@@ -63,10 +63,9 @@ def install() -> bool:
     own = GPUModelRunner._get_prompt_logprobs_dict
     _STATE["own"] = own
 
-    from eagle3_pipeline.engine.runner import mark_live
 
     def prompt_scores(self, hidden_states, num_scheduled_tokens):
-        mark_live("prompt_scores", self)
+        engine_runner.mark_live("prompt_scores", self)
         if self.model_config.logprobs_mode not in RAW_MODES:
             return own(self, hidden_states, num_scheduled_tokens)
         return lean_prompt_scores(self, hidden_states, num_scheduled_tokens)

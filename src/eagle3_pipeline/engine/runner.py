@@ -1,22 +1,18 @@
 """The model runner every engine runs, chosen here, and the proof that our hooks live in it.
 
-vLLM 0.32 and 0.33 on CUDA build Model Runner V2 unless `VLLM_USE_V2_MODEL_RUNNER=0`; their CPU build has only V1;
-0.34 has only V2 (and refuses the switch). `pin()` is in every engine's environment (build.engine_env,
-build.build_llm): V1 wherever vLLM has it, the runner the CPU tests run (one program on every stack). Each engine
-hook has one adapter per runner (state_sketch.py; prompt_scores.py hooks V1 only: V2's own path is the lean one),
-chosen by `expected()`, the runner the installed vLLM builds for our engines. `install` (a vLLM general
-plugin, where RECORD_ENV names a directory) records the runner class each worker built; the hooks call
-`mark_live` the first time they run. `prove` reads both after an engine's first request: a runner other than
-`expected()`'s, or a hook that never ran, stops the stage before its first shard, naming the runner class.
+More: docs/internals.md, "engine/runner.py".
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import sys
 from pathlib import Path
 
 from eagle3_pipeline.core.errors import EnvironmentProblem
+from eagle3_pipeline.engine import surface
 from eagle3_pipeline.engine.surface import PIN, RUNNER_ENV, V1, V1_RUNNER, V2, V2_RUNNER
 
 RECORD_ENV = "EAGLE3_RUNNER_RECORD_DIR"
@@ -46,8 +42,6 @@ def pin_environment() -> None:
 def watch(record_dir: Path | str) -> Path:
     """An empty `record_dir` for this process's engines to record into (RECORD_ENV, inherited by them) and
     this process's own hooks, installed now where vLLM already loaded its plugins."""
-    import shutil
-
     shutil.rmtree(record_dir, ignore_errors=True)
     Path(record_dir).mkdir(parents=True)
     os.environ[RECORD_ENV] = str(record_dir)
@@ -58,8 +52,6 @@ def watch(record_dir: Path | str) -> Path:
 
 def install_if_loaded() -> None:
     """`install` in this process when vLLM is already imported (its plugins loaded before RECORD_ENV was set)."""
-    import sys
-
     if "vllm" in sys.modules:
         install()
 
@@ -81,9 +73,7 @@ def kind_of(cls: type) -> str | None:
 def expected() -> str:
     """The runner kind our engines run on with the installed vLLM: V1 where it has V1 (pinned), else V2 (its
     files, read without importing vLLM)."""
-    from eagle3_pipeline.engine.surface import installed_tree
-
-    return V1 if installed_tree().has_module(V1_RUNNER.split(":")[0]) else V2
+    return V1 if surface.installed_tree().has_module(V1_RUNNER.split(":")[0]) else V2
 
 
 def _write(name: str, data: dict) -> None:

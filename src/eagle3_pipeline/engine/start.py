@@ -1,17 +1,6 @@
 """vLLM's deterministic start-up refusals, told apart from accidents, and the memory an engine needs.
 
-Owns `start_refusal(text, stage, engine, max_len_key)`: reads an engine child's output for the
-errors vLLM raises at start-up from the settings alone (a KV cache that does not fit, more memory
-reserved than is free, max_model_len beyond the model, an architecture the build does not have,
-weights larger than the device) and returns an `EngineStartRefused`: a ConfigError (exit code 2),
-so no retry pays another model load to meet the same refusal, whose message names the config key
-to change and, where vLLM's numbers allow, a value that fits. A crash, a kill or a timeout is not
-matched and stays a transient ChildFailed.
-
-Owns `memory_plan(...)` too: preflight's estimate, from config.json and the weight files' sizes,
-of what one engine rank needs (weights, the KV cache of one max_model_len sequence, the hidden-state
-capture's cache) against what the stage reserves (`gpu_memory_utilization` of the device's memory;
-on vLLM's CPU build, of the machine's memory, from which the process's own footprint is taken first).
+More: docs/internals.md, "engine/start.py".
 """
 
 from __future__ import annotations
@@ -20,13 +9,17 @@ import json
 import math
 import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
+import psutil
 from pydantic import BaseModel
 
 from eagle3_pipeline.core.config import EngineConfig, TargetConfig
 from eagle3_pipeline.core.errors import ConfigError, ExitCode
 from eagle3_pipeline.core.gpus import GPU_MEMORY_GIB
+from eagle3_pipeline.engine import build as builds
 from eagle3_pipeline.records.families import kv_bytes_per_token, text_config
 
 GIB = 2 ** 30
@@ -61,7 +54,6 @@ def _machine_gib(node: int = 0) -> float:
                     return int(parts[3]) * 1024 / GIB
     except (OSError, IndexError, ValueError):
         pass
-    import psutil
 
     return psutil.virtual_memory().total / GIB
 
@@ -163,9 +155,7 @@ def refusal_of(err: Exception, log_path: Path | None, stage: str, engine: Engine
 
 
 def _cpu() -> bool:
-    from eagle3_pipeline.engine.build import vllm_is_cpu_build
-
-    return vllm_is_cpu_build()
+    return builds.vllm_is_cpu_build()
 
 
 # ---------------------------------------------------------------- preflight's memory estimate
@@ -236,8 +226,6 @@ def gpu_bytes(engine: EngineConfig) -> int | None:
     """One GPU's memory for `engine`: its `gpu_memory_gib`, else the smallest GPU nvidia-smi lists here, else None."""
     if engine.gpu_memory_gib:
         return int(engine.gpu_memory_gib * GIB)
-    import shutil
-    import subprocess
 
     if not shutil.which("nvidia-smi"):
         return None

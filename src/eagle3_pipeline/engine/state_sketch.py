@@ -1,38 +1,21 @@
 """State sketches: every captured state of every token, projected on a few fixed directions by the extract
 engine from the states its model computed, before they enter the hidden-states KV cache and the connector.
 
-The fingerprint (contracts.py, the sidecar) judges every token's final layer by the target's logits; the
-sketch judges every token's aux layers too. The engine's model hands its captured states (vLLM's
-`aux_hidden_states`, one [n, H] tensor per captured layer, the final one included) to the drafter that writes
-them into the KV cache, where the connector reads them after the request finishes: a stale block, a slot
-mapping off by one, another request's states after a shared prefix, a permuted or missing layer all happen
-on that way. `install` puts the adapter of the engine's runner (runner.expected) in place: on V1 it wraps the
-runner's `propose_draft_token_ids`, on V2 the `ExtractHiddenStatesSpeculator.propose` (rows from its InputBatch;
-names from the runner's `add_requests`). Before the drafter runs, it takes the step's states of every request
-that names a file (`kv_transfer_params.hidden_states_path`, or the
-connector's default `<request id>.safetensors`), rounds them as the KV cache (its dtype, where one is set)
-and the record store them (`stored`: bf16, or fp8 with the per-token scale of contracts.to_record), projects each on
-DIM fixed unit directions (`directions`, from a seeded generator) and, when the request's prompt is complete, writes
-`<EAGLE3_STATE_SKETCH_DIR>/<that file's name>` (fp32 [T, L, DIM], atomically). The extract worker puts it into the
-record's fingerprint sidecar under KEY; verify projects the stored states on the same directions (verify/scan.py) and
-compares, every token and every layer (`deviation`).
-
-Tolerance: the stored values and the engine's rounded values are the same numbers; the two projections
-differ only by float32 summation order (relative ~1e-6 of the state's norm; TF32 on a GPU ~1e-5). A
-state taken from another token or request moves each projection by about |x - y| / sqrt(H) (a few
-thousandths of |x| at H = 7168, far more at small H): TOLERANCE = 2^-12 of the state's norm sits between.
-Cost in the engine: DIM multiply-adds per stored value (lm_head costs the vocabulary's size per final one).
-Only tensor-parallel rank 0 writes (the connector's rule); every rank runs the same code.
+More: docs/internals.md, "engine/state_sketch.py".
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
 import os
 from functools import lru_cache
 
 import numpy as np
 
+from eagle3_pipeline.engine import runner as engine_runner
 from eagle3_pipeline.engine.surface import V1, V2
+from eagle3_pipeline.records.contracts import dequantise, save_safetensors, to_record
 
 ENV = "EAGLE3_STATE_SKETCH_DIR"  # set: the engine's processes write sketches into this directory
 STORAGE_ENV = "EAGLE3_STATE_SKETCH_STORAGE"  # the records' storage dtype (bf16, fp8): how the states are rounded
@@ -58,7 +41,6 @@ def stored(states, storage_dtype: str):
     them: bf16 widened, or fp8 e4m3 times its per-token scale (contracts.to_record, contracts.dequantise)."""
     import torch
 
-    from eagle3_pipeline.records.contracts import dequantise, to_record
 
     rec = to_record(states, torch.zeros(states.shape[0], dtype=torch.int64, device=states.device), storage_dtype)
     return dequantise(rec)
@@ -95,12 +77,9 @@ def file_name(req) -> str:
 def missing(kind: str | None = None) -> list[str]:
     """What the installed vLLM lacks of what the hook of runner `kind` reads (default: the engine's; empty: it
     can run)."""
-    import inspect
-
-    from eagle3_pipeline.engine.runner import expected
 
     try:
-        if (kind or expected()) == V1:
+        if (kind or engine_runner.expected()) == V1:
             from vllm.v1.worker.gpu_model_runner import GPUModelRunner as Hooked
             method, wants = "propose_draft_token_ids", ("aux_hidden_states",)
         else:
@@ -123,12 +102,10 @@ def install() -> bool:
         return False
     if _STATE["installed"]:
         return True
-    from eagle3_pipeline.engine.runner import expected
 
-    kind = expected()
+    kind = engine_runner.expected()
     lacks = missing(kind)
     if lacks:
-        import logging
 
         logging.getLogger("eagle3_pipeline").warning("state sketches: not written (this vLLM lacks %s)", ", ".join(lacks))
         return False
@@ -141,17 +118,14 @@ def install() -> bool:
 
 def _install_v1(out_dir: str) -> None:
     """Wrap V1's `GPUModelRunner.propose_draft_token_ids`: the step's states before the drafter caches them."""
-    import inspect
-
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from eagle3_pipeline.engine.runner import mark_live
 
     own = GPUModelRunner.propose_draft_token_ids
     sig = inspect.signature(own)
 
     def propose_draft_token_ids(self, *args, **kwargs):
-        mark_live("state_sketch", self)
+        engine_runner.mark_live("state_sketch", self)
         got = sig.bind(self, *args, **kwargs).arguments
         aux = got.get("aux_hidden_states")
         if aux is not None:
@@ -168,12 +142,9 @@ def _install_v2(out_dir: str) -> None:
     """Wrap V2's `GPUModelRunner.add_requests` (each new request's file name and prompt length: V2's request
     state keeps no sampling parameters) and `ExtractHiddenStatesSpeculator.propose` (the step's states before it
     writes them into the capture's KV cache)."""
-    import inspect
-
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
     from vllm.v1.worker.gpu.spec_decode.extract_hidden_states import ExtractHiddenStatesSpeculator
 
-    from eagle3_pipeline.engine.runner import mark_live
 
     own_add = GPUModelRunner.add_requests
 
@@ -187,7 +158,7 @@ def _install_v2(out_dir: str) -> None:
     sig = inspect.signature(own)
 
     def propose(self, *args, **kwargs):
-        mark_live("state_sketch", self)
+        engine_runner.mark_live("state_sketch", self)
         got = sig.bind(self, *args, **kwargs).arguments
         aux = got.get("aux_hidden_states")
         if aux is not None and not got.get("dummy_run") and not got.get("skip_attn_for_dummy_run"):
@@ -283,7 +254,6 @@ _ADAPTERS = {V1: _install_v1, V2: _install_v2}  # runner kind -> its adapter
 def _write(path: str, sketch: np.ndarray) -> None:
     import torch
 
-    from eagle3_pipeline.records.contracts import save_safetensors
 
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"

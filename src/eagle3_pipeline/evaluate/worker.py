@@ -6,16 +6,23 @@ How it works, what it reads and writes, its test hooks: docs/internals.md, `eval
 from __future__ import annotations
 
 import gc
+import importlib
 import os
 import sys
 import time
 import traceback
 from pathlib import Path
 
+import psutil
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from eagle3_pipeline.core.config import EngineConfig, TargetConfig
+from eagle3_pipeline.core.faults import take_fault
 from eagle3_pipeline.core.proc import emit_event
+from eagle3_pipeline.core.progress import LineProgress
+from eagle3_pipeline.core.store import write_json
+from eagle3_pipeline.engine import surface
+from eagle3_pipeline.engine.build import build_llm, eagle3_config
 from eagle3_pipeline.evaluate.implementation import Implementation
 from eagle3_pipeline.evaluate.implementation import installed as installed_implementation
 
@@ -66,15 +73,12 @@ def suffix_unavailable() -> str | None:
     """Why vLLM's suffix decoding cannot run in this environment (its backend on Model Runner V1, arctic-inference,
     is a source build: `make install` builds it), or None when it can. A vLLM without V1 (0.34) decodes suffixes
     with its own GPU proposer: nothing to load (another implementation: docs/vllm-versions.md)."""
-    from eagle3_pipeline.engine import surface
-
     try:
         if surface.engine_runner(surface.installed_tree(), "gpu") == surface.V2:
             return None
     except (ModuleNotFoundError, LookupError):
         pass
     try:
-        import importlib
 
         importlib.import_module("arctic_inference.suffix_decoding")
     except Exception as e:  # noqa: BLE001 - not installed, or its compiled part does not load here
@@ -232,7 +236,6 @@ def _pass(llm, job: EvalJob, k: int, params_for, what: str) -> tuple[dict[str, S
     in prompt order). A long call prints a progress line every 30 s (progress.py), `what` naming the pass."""
     from vllm.inputs import TokensPrompt
 
-    from eagle3_pipeline.core.progress import LineProgress
 
     outs: list = [None] * len(job.prompts)
     per_cat: dict[str, SpecCounts] = {}
@@ -256,7 +259,6 @@ def _run(job: EvalJob, run: EvalRunSpec) -> RunOutput:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from eagle3_pipeline.engine.build import build_llm, eagle3_config
 
     t0 = time.time()
     if run.ngram is not None:
@@ -313,10 +315,7 @@ def main(argv: list[str]) -> int:
     job = EvalJob.model_validate_json(Path(argv[0]).read_text())
     print(f"evaluate worker: VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND')}, "
           f"in-process engine core: {os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING') == '0'}", flush=True)
-    import psutil
 
-    from eagle3_pipeline.core.faults import take_fault
-    from eagle3_pipeline.core.store import write_json
 
     if take_fault("evaluate"):  # test hook (faults.py): an engine start that fails once
         print("evaluate worker: injected engine start failure (EAGLE3_TEST_FAIL_ONCE)", file=sys.stderr, flush=True)

@@ -1,31 +1,6 @@
 """Our vLLM KV connector for the native `extract_hidden_states` speculative method.
 
-Owns `Eagle3HiddenStatesConnector`, loaded by vLLM inside its worker processes through
-`kv_transfer_config={"kv_connector": "Eagle3HiddenStatesConnector",
-"kv_connector_module_path": "eagle3_pipeline.extract.connector", ...}` (engine.hidden_states_kv_config).
-Writes one file per finished request: at the path the request names (`kv_transfer_params`
-`hidden_states_path`, with `allow_custom_save_path`; the extract worker names a temporary name beside
-the row's final record), else `<shared_storage_path>/<request id>.safetensors`. Reads the
-hidden-states KV cache.
-
-What it writes: with `kv_connector_extra_config["eagle3_record"] = {"layer_ids", "storage_dtype"}`
-(the extract worker) the record itself, byte for byte what `contracts.write_record` writes (bf16, or
-fp8 + per-token scales; our metadata), so the worker only checks its header and token ids and renames
-it into place instead of reading, converting and writing every byte again; without it (the online
-training server, whose reader expects vLLM's layout) `hidden_states` [T, L, H] in the model dtype and
-`token_ids` int64[T].
-
-Why a subclass: vLLM's `ExampleHiddenStatesConnector` copies device -> pinned host memory on a CUDA
-stream and writes from a thread pool, finishing when a CUDA event completes. On CPU that path fails
-inside the writer, the request's `.lock` file is never released and no data is written, so a
-reader waits forever. Here, when the cache lives on the CPU, the tensors are sliced out of the
-cache and written synchronously (write to a temporary name, then rename: a reader never sees a
-partial file, so no `.lock` file is needed: the worker turns `use_synchronization_lock` off on the CPU
-build), and an already-completed stand-in event is recorded so that vLLM's `get_finished` reports the
-request done (and frees its blocks) on the same step. On CUDA the parent's asynchronous path is used
-unchanged (vLLM's layout, a lock file; the worker converts).
-Only TP rank 0 writes (the parent's rule); the other ranks return at once, so TP>1 runs this
-same code.
+More: docs/internals.md, "extract/connector.py".
 """
 
 from __future__ import annotations
@@ -33,6 +8,7 @@ from __future__ import annotations
 import os
 
 import torch
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
     PendingSave,
@@ -61,8 +37,6 @@ class Eagle3HiddenStatesConnector(ExampleHiddenStatesConnector):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         super().register_kv_caches(kv_caches)  # decides `_is_tp_rank_zero` after distributed init
-        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-
         rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         role = "writes hidden states" if self._is_tp_rank_zero else "does not write (rank 0 writes)"
         logger.info("%s: TP rank %d of %d %s", CONNECTOR_LOG, rank, size, role)

@@ -1,25 +1,7 @@
 """What the extract manifest holds, and running groups of shards of an `ExtractVersion` in one engine child
 (the attempts, publishing and recovery are the shard run's: shardrun.py; here the job, files and events)
 
-Owns, inside one extract version dir (layout.ExtractVersion.dir: <store>/.../<model>/<extract-version>/):
-  manifest.json          format version, content key, config, tool versions, layer ids, the child
-                         attempts, and per shard: row range, status, attempts, tokens, bytes,
-                         sha256 of each file, seconds, last error text
-  manifest.json.lock     flock (shardrun.ShardRun.edit) around every read-modify-write of the
-                         manifest, so parents running different shard groups of one version share it
-  locks/extract-shard-<k>.lock
-                         flock (store.file_lock) held by the parent that extracts shard k, from
-                         before it decides what to extract until its child is gone: a second run
-                         of the same shards waits, then finds them published and starts no engine;
-                         a parent that died released it, and the next holder cleans up after it
-  hidden_states/         hs_{row}.safetensors, written by the child (extract/worker.py)
-  jobs/extract-<a>.json  the job file of child attempt a;  logs/extract-<a>.log its output
-  .scratch/extract-<a>/  vLLM's per-request files while child a runs (removed when it exits, as are
-                         records it left half-written: hidden_states/*.tmp-<a>-*; when the parent
-                         itself was killed, by the next parent that takes those shards' locks)
-Reads nothing but the version record (layer ids, dims, shard plan: layout.py) and the manifest.
-A shard is `published` only after the child reported it done and all its files are hashed into
-the manifest; a later call skips a published shard whose files still hash to the manifest.
+More: docs/internals.md, "extract/stage.py".
 """
 
 from __future__ import annotations
@@ -30,11 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
+from pydantic.json_schema import SkipJsonSchema
 
 from eagle3_pipeline import FORMAT_VERSION
-from eagle3_pipeline.core.config import ExtractConfig, TargetConfig
-from eagle3_pipeline.core.stage_spec import CHILD, IO, Retry, StageSpec
+from eagle3_pipeline.core.config import ExtractConfig, PipelineConfig, TargetConfig
+from eagle3_pipeline.core.stage_spec import CHILD, IO, Log, Retry, StageSpec
 from eagle3_pipeline.core.store import file_locks, sha256_file, write_json
 from eagle3_pipeline.engine.build import engine_env
 from eagle3_pipeline.engine.start import refusal_of
@@ -374,9 +357,22 @@ def summarize(out_dir: Path, since: float | None = None) -> ExtractResult:
                          cached=since is not None and bool(pub) and not now)
 
 
+class ExtractInputs(BaseModel):
+    version: ExtractVersion
+    shard_ids: list[int]  # one group: one engine child publishes these shards
+    force: bool = False  # extract again even the published shards
+    on_shard: SkipJsonSchema[Callable[[dict], None] | None] = Field(None, exclude=True)  # each shard's event, as it lands
+
+
+def run(cfg: PipelineConfig, inputs: ExtractInputs, log: Log) -> list[ShardRecord]:
+    """The stage's entry (StageSpec.run): one group of shards."""
+    return extract_group(cfg.extract, cfg.target, inputs.version, inputs.shard_ids, log=log, force=inputs.force,
+                         on_shard=inputs.on_shard)
+
+
 RETRY = Retry(2, 5, (*IO, *CHILD, RuntimeError),
               "engine child per shard group (crash, OOM, lost node); a retry extracts only the shards not yet "
               "published", count="extract.retries")
-STAGE = StageSpec(name="extract", run=extract_group, result=list[ShardRecord], failure=ExtractFailed,
+STAGE = StageSpec(name="extract", run=run, result=list[ShardRecord], failure=ExtractFailed,
                   worker="eagle3_pipeline.extract.worker", accelerators=True, own_job=True, task="extract-group",
                   retry=RETRY)

@@ -1,34 +1,13 @@
 """The extract child process: `python -m eagle3_pipeline.extract.worker JOB.json`.
 
-Owns the engine side of the extract stage. Reads the job file (`ExtractJob`, written by
-`extract/stage.py`), the tokenized dataset and the target model; builds ONE `vllm.LLM`
-(`engine.build_llm`) with the native `extract_hidden_states` speculative method and the job's
-connector (default ours, `extract/connector.py`; `ExtractConfig.connector_*`), then
-for each shard of the job, in order:
-  1. prefills the shard's rows (token ids in, `max_tokens=1`), each request naming where its file goes
-     (`hidden_states_path`: `hs_{row}.safetensors.tmp-<attempt>-engine` beside the final record),
-  2. takes each request's file from `kv_transfer_params["hidden_states_path"]`: when it already is the
-     record (our connector writes the record format: `contracts.record_file_problem` reads only its
-     header and token ids), it is fsynced and renamed into place; anything else (another connector's
-     vLLM layout, a file in `scratch_dir`) is read, checked against the row (token ids, [T, L, H]) and
-     written as our record `hidden_states_dir/hs_{row}.safetensors` (bf16, or fp8 + per-token scales),
-  3. writes the row's fingerprint sidecar from vLLM's flat prompt logprobs (raw logits; no Python object per token)
-     and the engine's sketch of the row's captured states (state_sketch.py: a file the engine wrote in
-     `scratch_dir/state-sketches/`, named after the requested path),
-  4. prints one `shard_done` event (proc.emit_event) for the parent once every file of the shard is
-     fsynced and under its final name. fsync + rename run on a small thread pool (`_Durable`) while this
-     thread checks the next files: the waits for the disk overlap the work.
-Also prints an `engine_ready` event with the engine start-up time. Any exception prints the full
-traceback and exits non-zero. Test hooks: env EAGLE3_TEST_KILL_AFTER_SHARDS=n makes the process
-SIGKILL itself right after its n-th `shard_done` event; EAGLE3_TEST_RECORD_DELAY_S=x makes it sleep
-x seconds after writing each record (the chaos tests' kills then land mid-shard on any machine).
-Nothing heavy is imported at module level: the parent imports `ExtractJob` from here.
+More: docs/internals.md, "extract/worker.py".
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -37,14 +16,30 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from eagle3_pipeline.core.config import EngineConfig, TargetConfig
+from eagle3_pipeline.core.errors import EnvironmentProblem
 from eagle3_pipeline.core.proc import child_main, emit_event
 from eagle3_pipeline.core.progress import LineProgress
+from eagle3_pipeline.core.store import durable_files
+from eagle3_pipeline.data.tokenized import load_tokenized
+from eagle3_pipeline.engine import runner, state_sketch
+from eagle3_pipeline.engine.build import (
+    FINGERPRINT_ENGINE_KWARGS,
+    build_llm,
+    extract_hidden_states_config,
+    hidden_states_kv_config,
+    vllm_is_cpu_build,
+)
+from eagle3_pipeline.engine.prompt_scores import ENV, install, wanted
 from eagle3_pipeline.engine.state_sketch import KEY as SKETCH_KEY
 from eagle3_pipeline.records.contracts import (
     FP_TOP,
+    RECORD_META_KEY,
     ContractError,
+    dequantise,
     fingerprint_from_flat,
     fingerprint_name,
+    invariance_entry,
+    invariance_rows,
     read_record,
     record_file_problem,
     record_name,
@@ -218,8 +213,6 @@ class _Durable:
         self.pending.append((Path(tmp), Path(final)))
 
     def wait(self) -> None:
-        from eagle3_pipeline.core.store import durable_files
-
         pending, self.pending = self.pending, []
         durable_files(pending)
 
@@ -311,7 +304,6 @@ def _load_record(path: str, storage_dtype: str) -> dict:
     """The record of a connector's file in either layout (ours as written, vLLM's converted)."""
     from safetensors import safe_open
 
-    from eagle3_pipeline.records.contracts import RECORD_META_KEY
 
     with safe_open(path, framework="pt") as f:
         ours = RECORD_META_KEY in (f.metadata() or {})
@@ -328,9 +320,6 @@ def _sketch_dir(job: ExtractJob) -> Path:
 def _sketches_on(job: ExtractJob) -> bool:
     """The engine's processes (a vLLM plugin) and this one write the state sketch of every request
     (state_sketch.py) into the scratch dir; the fingerprint sidecar carries it. Returns whether it is in place."""
-    import shutil
-
-    from eagle3_pipeline.engine import state_sketch
 
     shutil.rmtree(_sketch_dir(job), ignore_errors=True)
     _sketch_dir(job).mkdir(parents=True)
@@ -342,12 +331,9 @@ def _sketches_on(job: ExtractJob) -> bool:
 def _take_sketch(job: ExtractJob, requested: str, who: str):
     """fp32 [T, L, DIM]: the engine's state sketch of the request that was asked to write `requested`
     (removed once read). Raises when the engine wrote none: the check it feeds could not run."""
-    from eagle3_pipeline.engine import state_sketch
-
     path = _sketch_dir(job) / os.path.basename(requested)
     got = state_sketch.read(str(path))
     if got is None:
-        from eagle3_pipeline.core.errors import EnvironmentProblem
 
         raise EnvironmentProblem(
             f"{who}: the engine wrote no state sketch ({path}): the hook state_sketch.install is not in place in "
@@ -363,8 +349,6 @@ def _invariance(engine: _Engine, ds, job: ExtractJob) -> None:
     on a request's place in a batch (offsets that drift between requests, one request's states under
     another's name, stale cache slots) without a second model load. Prints one `invariance` event per
     row with per-layer differences; the verify gate judges them (thresholds live in its config)."""
-    from eagle3_pipeline.records.contracts import dequantise, invariance_entry, invariance_rows
-
     rows = [r for s in job.shards for r in s.row_ids()]  # only rows this engine extracted
     seq_lens = [int(x) for x in ds.select(rows)["seq_len"]]
     first_of_shard = {s.row_ids()[0] for s in job.shards if s.row_ids()}
@@ -385,15 +369,6 @@ def _invariance(engine: _Engine, ds, job: ExtractJob) -> None:
 
 def _start_engine(job: ExtractJob, ds, max_len: int) -> _Engine:
     """The extract engine, warmed up, with its hooks proven live in the runner it built (engine/runner.py)."""
-    from eagle3_pipeline.engine import runner
-    from eagle3_pipeline.engine.build import (
-        FINGERPRINT_ENGINE_KWARGS,
-        build_llm,
-        extract_hidden_states_config,
-        hidden_states_kv_config,
-        vllm_is_cpu_build,
-    )
-
     # one request = one whole prompt and one file: no chunked prefill, no prefix cache
     batched = {} if job.max_num_batched_tokens is None else {"max_num_batched_tokens": job.max_num_batched_tokens}
     kv = hidden_states_kv_config(job.connector_module, job.connector_name, job.scratch_dir,
@@ -403,7 +378,6 @@ def _start_engine(job: ExtractJob, ds, max_len: int) -> _Engine:
     hooks: tuple[str, ...] = ()
     records = runner.watch(Path(job.scratch_dir) / "engine-runner")
     if job.fingerprints_dir:  # the engine's processes (vLLM plugin) and this one score prompts without a float32 copy
-        from eagle3_pipeline.engine.prompt_scores import ENV, install, wanted
 
         os.environ.setdefault(ENV, "1")
         lean = install()
@@ -431,7 +405,6 @@ def main(argv: list[str]) -> int:
     print(f"extract worker: VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND')}, "
           f"in-process engine core: {os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING') == '0'}", flush=True)
 
-    from eagle3_pipeline.data.tokenized import load_tokenized
 
     ds = load_tokenized(job.tokenized_dir)
     for s in job.shards:

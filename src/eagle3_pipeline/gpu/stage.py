@@ -1,14 +1,6 @@
 """The gpu-gate: no leftover engine of ours holds the machine, and the visible GPUs are free.
 
-Reads the process table (psutil) and, where `nvidia-smi` exists, per-GPU used memory of the GPUs
-this process may use (CUDA_VISIBLE_DEVICES, by index or UUID) and, when one stays busy, the processes
-holding its memory (named in the failure). Finds our
-leftover engine processes by the marker that proc.run_child puts in every child's environment
-(CHILD_MARKER_ENV, inherited by vLLM's engine cores and workers) and by command line: a marked
-process is a leftover when the process that launched it (LAUNCHER_ENV) is gone. Engines whose
-launcher is alive belong to a running pipeline (e.g. a sibling shard group) and are reported, not
-touched. Leftovers are ended (SIGTERM, then SIGKILL); the gate fails loud when it cannot free them or
-when GPU memory stays above the threshold. Never cached: it runs every time.
+More: docs/internals.md, "gpu/stage.py".
 """
 
 from __future__ import annotations
@@ -18,11 +10,13 @@ import shutil
 import subprocess
 import time
 
+import psutil
 from pydantic import BaseModel
 
+from eagle3_pipeline.core.config import PipelineConfig
 from eagle3_pipeline.core.errors import EnvironmentProblem
 from eagle3_pipeline.core.proc import CHILD_MARKER_ENV, LAUNCHER_ENV
-from eagle3_pipeline.core.stage_spec import Retry, StageSpec
+from eagle3_pipeline.core.stage_spec import Log, Retry, StageSpec
 
 WORKER_MODULES = ("eagle3_pipeline.extract.worker", "eagle3_pipeline.train.worker", "eagle3_pipeline.evaluate.worker")
 
@@ -41,8 +35,6 @@ class GpuGateResult(BaseModel):
 
 def _ours(p, protected: set[int], dead_launchers: set[int]) -> str | None:
     """A description if `p` is a leftover engine process of ours, else None."""
-    import psutil
-
     try:
         if p.pid in protected:
             return None
@@ -60,16 +52,12 @@ def _ours(p, protected: set[int], dead_launchers: set[int]) -> str | None:
 
 def _protected() -> set[int]:
     """This process, its ancestors and its live descendants (engines this run is using right now)."""
-    import psutil
-
     me = psutil.Process()
     return {me.pid} | {a.pid for a in me.parents()} | {c.pid for c in me.children(recursive=True)}
 
 
 def find_leftovers() -> list[tuple[object, str]]:
     """(process, description) of every leftover engine process of ours."""
-    import psutil
-
     protected = _protected()
     zombies = {p.pid for p in psutil.process_iter(["status"]) if p.info["status"] == psutil.STATUS_ZOMBIE}
     found = ((p, _ours(p, protected, zombies)) for p in psutil.process_iter())
@@ -123,8 +111,6 @@ def gpu_holders(gpus: list[dict]) -> dict[int, list[str]]:
     """{GPU index: ["pid 123 (python -m vllm...): 30000 MiB", ...]}: the processes nvidia-smi lists
     as holding memory on `gpus` (compute apps, matched by GPU UUID); a pid from another PID namespace
     (a container) is named by nvidia-smi's process name only."""
-    import psutil
-
     by_uuid = {g["uuid"]: g["index"] for g in gpus if g.get("uuid")}
     out: dict[int, list[str]] = {}
     try:
@@ -156,8 +142,6 @@ def describe_busy(busy: list[dict]) -> str:
 
 def gpu_gate(kill: bool = True, max_used_mib: int = 2048, wait_s: float = 30.0, log=print) -> GpuGateResult:
     """End our leftover engines, then check GPU memory; raise GpuGateFailed if the machine stays busy."""
-    import psutil
-
     pairs = find_leftovers()
     leftovers = [p for p, _ in pairs]
     found = [d for _, d in pairs]
@@ -193,6 +177,16 @@ def gpu_gate(kill: bool = True, max_used_mib: int = 2048, wait_s: float = 30.0, 
     return GpuGateResult(leftovers_found=found, killed=killed, gpus=gpus, passed=True)
 
 
+class GpuGateInputs(BaseModel):
+    where: str  # which point of the run the gate guards (`before-extract`, `after-train`): in its lines and record
+
+
+def run(cfg: PipelineConfig, inputs: GpuGateInputs, log: Log) -> GpuGateResult:
+    """The stage's entry (StageSpec.run)."""
+    rec = gpu_gate(log=lambda m: log(f"[{inputs.where}] {m}"))
+    return rec.model_copy(update={"where": inputs.where})
+
+
 RETRY = Retry(0, 0, (), "a gate: busy GPUs are an answer for the operator, not a transient error")
-STAGE = StageSpec(name="gpu", run=gpu_gate, result=GpuGateResult, failure=GpuGateFailed, gate=True, reported=False,
+STAGE = StageSpec(name="gpu", run=run, result=GpuGateResult, failure=GpuGateFailed, gate=True, reported=False,
                   task="gpu-gate", retry=RETRY)

@@ -13,9 +13,10 @@ import json
 import sys
 from pathlib import Path
 
+import yaml
 from pydantic import BaseModel
 
-from eagle3_pipeline.core.config import PipelineConfig
+from eagle3_pipeline.core.config import PipelineConfig, load_config
 from eagle3_pipeline.engine.nodes import (
     ENGINE_SERVICE,
     ENGINE_SET_LABEL,
@@ -141,9 +142,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def render(argv: list[str]) -> str:
-    import yaml
-
-    from eagle3_pipeline.core.config import load_config
 
     a = _parse(argv)
     config = load_config(Path(a.config), a.overrides)

@@ -1,7 +1,5 @@
-"""Online training (train.mode online), the one stage that needs two: a vLLM server of the target, the verify
-gate on a sample of rows taken from it, then the trainer reading every row from the same server, each row
-judged by the checks the sample's gate learned; rows those checks flag are recomputed with the target after
-training. In the pipeline room above the stages, beside stages.py, whose stage_train calls `train_online`.
+"""Online training (train.mode online): the verify gate on rows from a vLLM server of the target, then the trainer
+reading every row from the same server (docs/internals.md, "pipeline/online_training.py").
 """
 
 from __future__ import annotations
@@ -10,25 +8,30 @@ import json
 import shutil
 from pathlib import Path
 
+from eagle3_pipeline.checks.final_layer import FP8_SLACK
 from eagle3_pipeline.core.config import PipelineConfig
-from eagle3_pipeline.core.store import dir_lock
+from eagle3_pipeline.core.stage_spec import Log
+from eagle3_pipeline.core.store import dir_lock, write_json
+from eagle3_pipeline.data.tokenized import load_tokenized
+from eagle3_pipeline.preflight.stage import disk_plans
 from eagle3_pipeline.records.layout import ExtractVersion
+from eagle3_pipeline.records.results import TrainResult
+from eagle3_pipeline.train.job import OnlineSource, RowChecksSpec
+from eagle3_pipeline.train.online import HiddenStateServer, OnlineResult, take_sample
+from eagle3_pipeline.train.stage import TrainInputs, train_draft, train_key, train_start
+from eagle3_pipeline.verify.reference import reference_check
+from eagle3_pipeline.verify.stage import VerifyFailed, check_verify_gate, verify
 
 
-def train_online(cfg: PipelineConfig, version: ExtractVersion, voc, start: tuple, out_dir: Path, log=print):
-    """train.mode online: start a vLLM server of the target (extract's engine settings, layers and connector),
-    run the verify gate on `verify.online_rows` rows taken from it, then train with every row's hidden
-    states fetched from it (train/online.py); the server ends with the stage. The TrainResult carries
-    the OnlineResult and its `verify` (the VerifyResult of the sample) for the report."""
-    from eagle3_pipeline.core.store import write_json
-    from eagle3_pipeline.data.tokenized import load_tokenized
-    from eagle3_pipeline.preflight.stage import disk_plans
-    from eagle3_pipeline.train.job import OnlineSource
-    from eagle3_pipeline.train.online import HiddenStateServer, OnlineResult, take_sample
-    from eagle3_pipeline.train.stage import train_draft
-    from eagle3_pipeline.verify.stage import VerifyFailed, check_verify_gate, verify
-
-    prev, tcfg = start  # stages.train_start: the previous draft to continue from (or None) and the settings for it
+def train_online(cfg: PipelineConfig, inputs: TrainInputs, log: Log = print) -> TrainResult:
+    """train.mode online, the train stage's entry in that mode (pipeline/stages.py `entry`): start a vLLM server
+    of the target (extract's engine settings, layers and connector), run the verify gate on `verify.online_rows`
+    rows taken from it, then train with every row's hidden states fetched from it (train/online.py); the server
+    ends with the stage. The TrainResult carries the OnlineResult and its `verify` (the VerifyResult of the
+    sample) for the report."""
+    version, voc = inputs.version, inputs.voc
+    prev, tcfg = train_start(cfg, version, log)  # the previous draft to continue from (or None), the settings for it
+    out_dir = version.train_dir(train_key(cfg, version))
     work = out_dir / "online"
     seq_lens = load_tokenized(version.tokenized_dir)["seq_len"]
     max_len = int(max(seq_lens)) + 1
@@ -78,9 +81,6 @@ def online_row_checks(cfg: PipelineConfig, target, version: ExtractVersion, ver,
     state sketch unless verify.allow_skip names it. None only when every one is skipped by name: then rows get
     their structure checked only, as the report's checks say. Clears the files of an
     earlier attempt (every epoch asks the server for every row again)."""
-    from eagle3_pipeline.checks.final_layer import FP8_SLACK
-    from eagle3_pipeline.train.job import RowChecksSpec
-
     fp, sk, profile = ver.checks.fingerprint, ver.checks.state_sketch, ver.checks.identity.profile
     fingerprint, sketch = fp.ran, "state_sketch" not in cfg.verify.allow_skip or sk.ran
     if not (fingerprint or sketch or profile):
@@ -113,9 +113,6 @@ def confirm_online_flags(cfg: PipelineConfig, target, version: ExtractVersion, c
     target itself (the streamed reference, verify.confirm_rows of them); a row the model disagrees with, or
     one left unconfirmed, fails the gate (exit 4), one it agrees with is cleared. Returns what the train
     record keeps: how every row was judged."""
-    from eagle3_pipeline.verify.reference import reference_check
-    from eagle3_pipeline.verify.stage import VerifyFailed
-
     if checks is None:
         return {"fingerprint": False, "state_sketch": False, "identity": False, "flagged": [], "cleared": [],
                 "unavailable": []}

@@ -1,11 +1,7 @@
 """The stages, in the order a pipeline run meets them: `STAGES`, every stage's `StageSpec` once.
 
-The lists that name stages are read from here: the report's stage order (`REPORTED`), the Prefect tasks' retry
-policies and gates (tasks/stage_tasks.py: `TASKS`, `GATES`), the stages that run as their own Kubernetes Job
-(`JOB_STAGES`: pipeline/jobs.py sizes their Jobs) and the stage packages the architecture test checks. It imports
-every stage, so it stands above them (tests/unit/test_architecture.py ABOVE_STAGES). One list sits below it and is
-checked against it instead of read from it: report/record.py `Stages`, the typed report.json entries in this order
-(the report is a stage: it imports no sibling and nothing above it).
+Every list that names stages is read from here (REPORTED, TASKS, GATES, JOB_STAGES, ACCELERATED); report/record.py
+`Stages`, below it, is checked against it (docs/internals.md, "The pipeline room").
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
 """Garbage collection of the run store (`eagle3 gc --keep N [--apply]`).
 
-Keeps the N newest prepare versions of every dataset (lineage.prepare_versions: by prepare.json
-time) and everything under them; removes the other version dirs (tokenized data, every extract
-version with its records, vocab, trained drafts), then the record-pool files no kept version links
-any more (pool.py: a pool file with one link left, its own), and prunes the pool's verify
-caches. A dry run (the default) only computes and returns what would go: files and bytes, counted per
-inode, so a record shared with a kept version is never counted as freed.
-Locks, the same as the writers': a version dir is removed holding its prepare lock (`.lock`), and of
-each extract version inside it the shard, verify and train-dir locks (store.file_locks, sorted), so
-it is never removed under a running extraction, verify or training of it; the pool sweep holds the
-pool's lock (RecordPool.lock), under which every link into or out of the pool is made.
-Never touches `_chunks/` (prepare's tokenized chunks, small) or anything outside `<store>/<dataset>/`.
+More: docs/internals.md, "pipeline/store_gc.py".
 """
 
 from __future__ import annotations
@@ -24,7 +14,9 @@ from pydantic import BaseModel
 
 from eagle3_pipeline.core.store import LOCK_NAME, file_locks, within
 from eagle3_pipeline.records.lineage import prepare_versions
+from eagle3_pipeline.records.pool import RecordPool
 from eagle3_pipeline.records.shardrun import MANIFEST_NAME, ShardRun
+from eagle3_pipeline.verify import cache
 
 
 class GcPlan(BaseModel):
@@ -77,9 +69,6 @@ def _version_locks(prep_dir: Path) -> list[Path]:
 
 def gc(store_root: Path, keep: int, apply: bool = False, log: Callable[[str], None] = print) -> GcPlan:
     """Plan (and with `apply`, do) the removal of all but the `keep` newest versions per dataset."""
-    from eagle3_pipeline.records.pool import RecordPool
-    from eagle3_pipeline.verify import cache
-
     if keep < 1:
         raise ValueError(f"gc: --keep must be >= 1, got {keep}")
     store_root = Path(store_root)

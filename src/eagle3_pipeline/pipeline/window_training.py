@@ -1,21 +1,7 @@
 """Window training (train.mode window): capture and training apart, the store holding a window of shards
-(train/window.py), not the dataset (docs/decisions/capture-window.md). In the pipeline room above the stages,
-beside online_training.py; stages.stage_train calls `train_window`.
-
-  capture   a thread here, one extract shard at a time in the plan's order: reserve room in the window (blocks
-            while it is full), extract the shard with the extract stage's own engine child into the window's shard
-            dir (written as an extract version dir of that one shard: records, fingerprints, manifest), verify it
-            with the verify stage's checks on its rows (structure, fingerprints, state sketch, masks, reference
-            sample, batch invariance), and only then publish it. A shard that fails is never published: it is moved
-            aside (`<train dir>/window-failed/<key>`), the window is marked failed (the trainer stops at once) and
-            the stage raises VerifyFailed naming it. The validation rows (the last train.val_ratio of the rows,
-            speculators' split) are moved out of their shards into `<train dir>/window-validation/`, held for the run;
-            their shards are captured first.
-  trainer   train_draft's child with a job.WindowSource: speculators' trainer over WindowSampler's blocks, a step
-            checkpoint where a pass over a block ends, then the block's shards are released (their files deleted).
-On one node the two run side by side (capture waits on `reserve` while the trainer reads); on a cluster the capture
-side is the extract fan-out on capture nodes and the trainer set on others, sharing the window's directory on the
-store (docs/training.md).
+(train/window.py), not the dataset (docs/decisions/capture-window.md). The train stage's entry in that mode
+(pipeline/stages.py `entry`): capture (extract + verify per shard, published only when it passed) in a thread,
+the trainer reading the window. More: docs/internals.md, "pipeline/window_training.py".
 """
 
 from __future__ import annotations
@@ -26,7 +12,17 @@ import time
 from pathlib import Path
 
 from eagle3_pipeline.core.config import PipelineConfig
+from eagle3_pipeline.core.stage_spec import Log
+from eagle3_pipeline.core.store import dir_lock, write_json
+from eagle3_pipeline.data.tokenized import load_tokenized
+from eagle3_pipeline.extract.stage import extract_group, group_deadline
+from eagle3_pipeline.preflight.stage import record_bytes_per_token
 from eagle3_pipeline.records.layout import ExtractVersion, Shard
+from eagle3_pipeline.records.results import TrainResult
+from eagle3_pipeline.train.job import WindowSource
+from eagle3_pipeline.train.stage import TrainInputs, train_draft, train_key, train_start
+from eagle3_pipeline.train.window import ShardWindow, WindowStalled
+from eagle3_pipeline.verify.stage import VerifyFailed, check_verify_gate, verify
 
 VALIDATION_DIR, FAILED_DIR, WINDOW_DIR = "window-validation", "window-failed", "window"
 
@@ -88,7 +84,6 @@ class Capture(threading.Thread):
 
     def _reserve(self, key: str, nbytes: int) -> None:
         """Room for `key`, waiting while the trainer holds the window (at most train.timeout_s, or until stopped)."""
-        from eagle3_pipeline.train.window import WindowStalled
 
         end = time.monotonic() + self.cfg.train.timeout_s
         while True:
@@ -99,9 +94,6 @@ class Capture(threading.Thread):
                     raise
 
     def _capture(self, shard: Shard, rows: list[int]) -> None:
-        from eagle3_pipeline.extract.stage import extract_group
-        from eagle3_pipeline.preflight.stage import record_bytes_per_token
-        from eagle3_pipeline.verify.stage import VerifyFailed, check_verify_gate, verify
 
         cfg, w, key = self.cfg, self.window, shard_key(shard)
         per = record_bytes_per_token(len(self.version.layer_ids), self.version.dims.hidden_size,
@@ -147,7 +139,6 @@ class Capture(threading.Thread):
 
 
 def shard_tokens(version: ExtractVersion, shard: Shard) -> int:
-    from eagle3_pipeline.data.tokenized import load_tokenized
 
     lens = load_tokenized(version.tokenized_dir)["seq_len"]
     return int(sum(int(x) for x in lens[shard.row_start: shard.row_end]))
@@ -156,20 +147,17 @@ def shard_tokens(version: ExtractVersion, shard: Shard) -> int:
 def trainer_wait_s(cfg: PipelineConfig) -> float:
     """How long the trainer waits for capture to publish a block (half the window): per shard one extract child's
     deadline and verify's two reference children."""
-    from eagle3_pipeline.extract.stage import group_deadline
 
     per_shard = group_deadline(cfg.extract, 1) + 2 * cfg.verify.reference_timeout_s
     return per_shard * max(1, cfg.train.window_shards // 2)
 
 
-def train_window(cfg: PipelineConfig, version: ExtractVersion, voc, start: tuple, out_dir: Path, log=print):
-    """train.mode window: capture (extract + verify per shard, publish) beside the trainer reading the window.
-    The TrainResult carries `window` (the window's peak against the dataset's bytes, the shards) and its
-    `verify` (every shard's gate, merged) for the report."""
-    from eagle3_pipeline.core.store import dir_lock
-    from eagle3_pipeline.train.job import WindowSource
-    from eagle3_pipeline.train.stage import train_draft
-    from eagle3_pipeline.train.window import ShardWindow
+def train_window(cfg: PipelineConfig, inputs: TrainInputs, log: Log = print) -> TrainResult:
+    """train.mode window, the train stage's entry in that mode (pipeline/stages.py `entry`): capture (extract +
+    verify per shard, publish) beside the trainer reading the window. The TrainResult carries `window` (the
+    window's peak against the dataset's bytes, the shards) and its `verify` (every shard's gate, merged)."""
+    version, voc = inputs.version, inputs.voc
+    start, out_dir = train_start(cfg, version, log), version.train_dir(train_key(cfg, version))
 
     prev, tcfg = start
     t = cfg.train
@@ -207,7 +195,6 @@ def train_window(cfg: PipelineConfig, version: ExtractVersion, voc, start: tuple
 
 def _with_window(tr, cap: Capture, st, version: ExtractVersion):
     """The TrainResult with the window's record: its peak against the dataset's bytes, and the merged verify."""
-    from eagle3_pipeline.core.store import write_json
 
     ver = merge_verify(cap.verified, version.content_key)
     window = {"dir": str(Path(tr.dir) / WINDOW_DIR), "max_shards": st.max_shards, "max_bytes": st.max_bytes,

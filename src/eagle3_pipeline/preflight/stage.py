@@ -1,16 +1,6 @@
 """The preflight gate: everything that can be known before an 18-minute model load, in seconds.
 
-Reads installed package versions, the vLLM/speculators APIs our code relies on (every internal listed in
-engine/surface.py, and the model runner this vLLM would build for our engines: V1, pinned, where it has V1), the model's
-config.json (nested `text_config` too; and that a local model directory holds weight files), the
-model's architecture in the installed vLLM's registry (registered, supports EAGLE-3 aux hidden states),
-the tokenizer (its vocabulary must fit the model's embedding), the configured layer ids, the extract engine's
-memory (engine_start.memory_plan: weights, runtime and one max_model_len sequence's KV cache against what
-gpu_memory_utilization reserves), the records' storage dtype (extract.storage_dtype; auto: fp8 for a target with
-hidden size >= 4096), the store's bytes (tokens x bytes per token) against its free space and the bandwidth the
-topology needs of it (extraction's engines writing, training reading within its deadline), and on the Kubernetes
-pools the GPU pool's nodes against the config (core/cluster.gpu_pool_problems: GPU memory and GPUs per node).
-Writes nothing. Raises PreflightFailed listing every problem at once (not the first only). Never cached: runs every time.
+More: docs/internals.md, "preflight/stage.py".
 """
 
 from __future__ import annotations
@@ -29,7 +19,11 @@ from eagle3_pipeline.core import host
 from eagle3_pipeline.core.cluster import gpu_pool_problems
 from eagle3_pipeline.core.config import PipelineConfig
 from eagle3_pipeline.core.errors import EnvironmentProblem
-from eagle3_pipeline.core.stage_spec import Retry, StageSpec
+from eagle3_pipeline.core.stage_spec import Log, Retry, StageSpec
+from eagle3_pipeline.data.tokenized import PrepareResult, load_tokenizer
+from eagle3_pipeline.engine import runner as engine_runner
+from eagle3_pipeline.engine import surface
+from eagle3_pipeline.engine.build import engine_env
 from eagle3_pipeline.engine.start import MemoryPlan, describe, memory_plan, what_fits
 from eagle3_pipeline.records.contracts import (
     ContractError,
@@ -148,15 +142,11 @@ def engine_surface_problems(cfg: PipelineConfig, flavour: str) -> list[str]:
     """The installed vLLM and speculators against engine/surface.py (every internal we touch, read from the
     sources without importing, for the runner our engines run on: V1 where this vLLM has it, else V2), and the
     model runner this vLLM would build for our engines' environment (engine_env: the V1 pin) on this stack."""
-    from eagle3_pipeline.engine import surface
-    from eagle3_pipeline.engine.build import engine_env
-    from eagle3_pipeline.engine.runner import expected
-
     try:
         tree = surface.installed_tree()
     except ModuleNotFoundError as e:
         return [f"vLLM's sources: {e}"]
-    kind = expected()
+    kind = engine_runner.expected()
     problems = [f"vLLM/speculators internal this project uses is missing: {p}"
                 for p in surface.check(tree, flavour, runner=kind)]
     env = dict(os.environ) | engine_env(cfg.extract)
@@ -196,7 +186,6 @@ def _model_files_problems(cfg: PipelineConfig, model_vocab: int) -> list[str]:
         found = sorted(p.name for p in model_dir.iterdir())[:10]
         problems.append(f"model directory {model_dir}: no weight files ({', '.join(WEIGHT_PATTERNS)}); found {found}")
     try:
-        from eagle3_pipeline.data.tokenized import load_tokenizer
 
         n_tok = len(load_tokenizer(cfg.target))
     except Exception as e:  # noqa: BLE001 - any loader failure is reported, with its type
@@ -413,6 +402,15 @@ def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=prin
                            read_bytes_per_s=store.read_bytes_per_s)
 
 
+class PreflightInputs(BaseModel):
+    prep: PrepareResult  # its token count sizes the disk plans; its directory holds the preflight record
+
+
+def run(cfg: PipelineConfig, inputs: PreflightInputs, log: Log) -> PreflightResult:
+    """The stage's entry (StageSpec.run)."""
+    return preflight(cfg, inputs.prep.tokens, Path(inputs.prep.dir), log=log)
+
+
 RETRY = Retry(0, 0, (), "a gate of seconds, no I/O worth retrying: its failure is the answer")
-STAGE = StageSpec(name="preflight", run=preflight, result=PreflightResult, failure=PreflightFailed, gate=True,
+STAGE = StageSpec(name="preflight", run=run, result=PreflightResult, failure=PreflightFailed, gate=True,
                   retry=RETRY)

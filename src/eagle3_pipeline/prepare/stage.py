@@ -1,20 +1,7 @@
 """The prepare stage: chat rows in -> tokenized Arrow dataset, token frequencies, quarantine (its record and
 readers, which the later stages use: data/tokenized.py).
 
-Reads the configured sources (data/formats.py) and the tokenizer with its chat template. Input is
-processed in content-keyed chunks of `chunk_rows` source rows: a chunk's key hashes its raw rows,
-its source and position, and every tokenization parameter, and its output is kept under
-`<store>/<dataset>/_chunks/<key>/`, so a refresh that appends rows re-tokenizes only the new chunks.
-The version (a content key over all chunk keys and the held-out count) then gets, under
-<store>/<dataset>/<tokenized-version>/:
-  tokenized/             datasets.save_to_disk: input_ids int64[T], loss_mask int64[T], seq_len, sample_id
-  token_freq.safetensors counts int64[V]: how often each token id is supervised (loss_mask == 1)
-  heldout.jsonl          conversations kept out of training (first prompt's ids + reference answer)
-  quarantine.jsonl       every rejected row: source file, row, reason (and the raw row)
-  prepare.json           counts and the chunk keys; its presence marks the version complete
-  .lock                  store.dir_lock, held while the version is assembled: a concurrent run of the
-                         same version waits, then finds prepare.json (each chunk dir has one too)
-Invariant: rows_in == rows_out_sources + rows_heldout + rows_quarantined (counted in source rows).
+More: docs/internals.md, "prepare/stage.py".
 """
 
 from __future__ import annotations
@@ -22,14 +9,18 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata as md
 import json
+import multiprocessing as mp
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from eagle3_pipeline.core.config import PrepareConfig, SourceConfig, TargetConfig, hub_token
+import numpy as np
+from pydantic import BaseModel
+
+from eagle3_pipeline.core.config import PipelineConfig, PrepareConfig, SourceConfig, TargetConfig, hub_token
 from eagle3_pipeline.core.digest import row_hash
 from eagle3_pipeline.core.errors import DiskFull, InputError, is_disk_full
-from eagle3_pipeline.core.stage_spec import IO, Retry, StageSpec
+from eagle3_pipeline.core.stage_spec import IO, Log, Retry, StageSpec
 from eagle3_pipeline.core.store import (
     atomic_write,
     atomic_write_text,
@@ -44,7 +35,8 @@ from eagle3_pipeline.core.store import (
 from eagle3_pipeline.data.chat import MaskUnavailable, TemplateMismatch, ToolCallsNotRendered, render
 from eagle3_pipeline.data.formats import Conversation, RawRow, Rejected, parse_row, raw_rows, tail_warning
 from eagle3_pipeline.data.mask_check import MaskDisagrees, RenderingWrong, encode_checked
-from eagle3_pipeline.data.tokenized import ROW_HASHES, TOKENIZER_FILES, PrepareResult, load_tokenizer
+from eagle3_pipeline.data.tokenized import ROW_HASHES, TOKENIZER_FILES, PrepareResult, load_tokenizer, loss_warnings
+from eagle3_pipeline.records.results import RegenerateResult
 
 # Bump when the same rows, tokenizer and settings give different chunk bytes or quarantine decisions:
 # 2 = tool use, history-rewriting (thinking) templates, masks without offsets; 3 = leading assistant,
@@ -236,7 +228,6 @@ def prepare(cfg: PrepareConfig, target: TargetConfig, store_root: Path, log=prin
     jobs = ((store, _chunk_key(tok_key, src, rows), rows, src.format, cfg)
             for src in cfg.sources for rows in _chunks(src, cfg.chunk_rows, hub_token(target)))
     if cfg.num_proc > 1:
-        import multiprocessing as mp
 
         with mp.get_context("spawn").Pool(cfg.num_proc, _worker_init, (target,)) as pool:
             done = list(pool.imap(_worker_chunk, jobs))
@@ -280,7 +271,6 @@ def _assemble(cfg: PrepareConfig, chunk_dirs: list[Path], computed: int, out: Pa
               vocab: int) -> PrepareResult:
     """Concatenate chunks; drop duplicate ids (later ones quarantined); pick the held-out conversations."""
     import datasets
-    import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
@@ -427,8 +417,6 @@ def _publish(out: Path, res: PrepareResult, arrow) -> PrepareResult:
 def _judged_row_hashes(arrow):
     """digest.row_hash of every row as prepare judged it (its mask checked twice), as uint8 [N, 8]: verify
     compares the rows train will read with these, so a row changed after prepare is named."""
-    import numpy as np
-
     if not arrow.num_rows:
         return np.zeros((0, 8), dtype=np.uint8)
     ids, masks = (arrow[c].combine_chunks() for c in ("input_ids", "loss_mask"))
@@ -438,7 +426,23 @@ def _judged_row_hashes(arrow):
                          dtype=np.uint8).reshape(-1, 8).copy()
 
 
+class PrepareInputs(BaseModel):
+    regenerated: RegenerateResult | None = None  # the regenerate stage's rows, read instead of prepare.sources
+
+
+def run(cfg: PipelineConfig, inputs: PrepareInputs, log: Log) -> PrepareResult:
+    """The stage's entry (StageSpec.run): tokenize prepare.sources, or the regenerated rows."""
+    prep_cfg = cfg.prepare
+    if (regen := inputs.regenerated) is not None:
+        prep_cfg = cfg.prepare.model_copy(update={"sources": regen.sources()})
+        log(f"prepare: reading the regenerated rows of version {regen.version} ({regen.rows_dir})")
+    res = prepare(prep_cfg, cfg.target, Path(cfg.store), log=log)
+    for w in loss_warnings(res, cfg.prepare):
+        log(f"prepare warning: {w}")
+    return res
+
+
 RETRY = Retry(2, 30, IO,
               "reads sources (files, fsspec, the hub) and writes the store; a retry reuses every content-keyed "
               "chunk already tokenized")
-STAGE = StageSpec(name="prepare", run=prepare, result=PrepareResult, failure=InputError, retry=RETRY)
+STAGE = StageSpec(name="prepare", run=run, result=PrepareResult, failure=InputError, retry=RETRY)

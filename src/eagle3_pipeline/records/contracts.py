@@ -1,14 +1,6 @@
 """Data contracts written once: layer ids, model dims, and the hidden-state record format.
 
-Owns the meaning of a hidden-state record `hs_{i}.safetensors` (docs/store.md, "Layout") and every function that
-names, writes, reads, dequantises or compares one:
-  token_ids      int64[T]        == row i's input_ids
-  hidden_states  bf16[T, L, H]   L = len(aux_layer_ids) + 1, ascending ids, last = final layer N
-  (fp8 storage: hidden_states float8_e4m3fn + hidden_states_scales fp32[T, 1, 1])
-Layer id k is the residual stream after k decoder layers (HF `hidden_states[k]`); id N is the last
-layer's output before the final norm. `model_dims` is the one reader of a target's config.json
-(what differs by model family: families.py); `resolve_layer_ids` the
-one place that turns configured (or default) aux ids into captured ids.
+More: docs/internals.md, "records/contracts.py".
 """
 
 from __future__ import annotations
@@ -18,10 +10,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict
 
+from eagle3_pipeline.core.config import TargetConfig, hub_token
 from eagle3_pipeline.core.digest import row_hash as row_hash  # the record format's name for it
 from eagle3_pipeline.core.errors import InputError
+from eagle3_pipeline.core.store import atomic_write
 from eagle3_pipeline.records.families import (
     head_dim,
     is_latent_attention,
@@ -123,7 +118,6 @@ def model_dims(target) -> ModelDims:
     """Dims of `target` (a TargetConfig, or a model directory) from its config.json; hub names go
     through AutoConfig. Never loads weights."""
     if isinstance(target, (str, Path)):
-        from eagle3_pipeline.core.config import TargetConfig
 
         target = TargetConfig(model=str(target))
     local = Path(target.model) / "config.json"
@@ -140,7 +134,6 @@ def model_dims(target) -> ModelDims:
     else:
         from transformers import AutoConfig  # lazy: hub names only
 
-        from eagle3_pipeline.core.config import hub_token
 
         cfg = AutoConfig.from_pretrained(target.model, revision=target.revision,
                                          trust_remote_code=target.trust_remote_code, token=hub_token(target)).to_dict()
@@ -232,8 +225,6 @@ def write_record(path: Path, record: dict, layer_ids: list[int], storage_dtype: 
                  durable: bool = True) -> Path:
     """Write a `to_record` dict atomically (store.atomic_write; `durable=False`: written to the returned
     temporary name, the caller fsyncs and renames it with store.durable_replace)."""
-    from eagle3_pipeline.core.store import atomic_write
-
     meta = record_metadata(layer_ids, storage_dtype)
     return atomic_write(Path(path), lambda p: save_safetensors(p, record, meta), tag=tag, durable=durable)
 
@@ -246,8 +237,6 @@ def record_file_problem(path: str | Path, token_ids, layer_ids: list[int], hidde
     section exactly its tensors; else what differs. Reads the header and the token ids only (two
     preads: no memory map, whose unmapping interrupts every other thread of the process), not the
     hidden states."""
-    import numpy as np
-
     T, L = len(token_ids), len(layer_ids)
     fd = os.open(str(path), os.O_RDONLY)
     try:
@@ -451,7 +440,6 @@ def fingerprint_from_flat(prompt_logprobs, last_logprobs, num_tokens: int) -> di
     `start_indices` / `end_indices`; position 0 of the prompt's is empty) of the prompt and of the
     generated token: the same tensors as `fingerprint_from_logprobs`, without a Python object per
     position. vLLM gives each position (the scored token, its rank) and then ranks 1..k in order."""
-    import numpy as np
     import torch
 
     k = FP_TOP + 1
@@ -482,6 +470,4 @@ def fingerprint_from_flat(prompt_logprobs, last_logprobs, num_tokens: int) -> di
 
 
 def write_fingerprint(path: Path, fingerprint: dict, tag: str = "0", durable: bool = True) -> Path:
-    from eagle3_pipeline.core.store import atomic_write
-
     return atomic_write(Path(path), lambda p: save_safetensors(p, fingerprint), tag=tag, durable=durable)

@@ -1,18 +1,6 @@
 """The one typed record of an extraction: `ExtractVersion`.
 
-Owns where an extract version lives and what it holds: its content key and directory, the captured
-layer ids (aux ids ascending, then the final layer N), the target's dims, the storage dtype, the shard
-plan (row ranges and the groups one engine child runs) and every path derived from them (records,
-manifest, verify record, vocab and train dirs). `plan_extract` builds it once per run from the config
-and the prepare and preflight records; flows, tasks and stages pass it typed, and nothing else
-re-derives a layer id, a dim or a store path of the extraction. Reads only the tokenized dataset's
-row count; writes nothing.
-
-  <prepare dir>/<model slug>/<extract key>/
-      hidden_states/hs_{i}.safetensors   fingerprints/fp_{i}.safetensors   manifest.json   verify.json
-      vocab/K<k>/                        train/<train key>/
-  <store>/<dataset>/pool/<model slug>/<pool key>/   the record pool (pool.py): the version's
-      records and fingerprints are hard links to pool files addressed by row content
+More: docs/internals.md, "records/layout.py".
 """
 
 from __future__ import annotations

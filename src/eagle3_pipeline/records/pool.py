@@ -1,21 +1,6 @@
 """The record pool: hidden-state records addressed by row content, shared by every extract version.
 
-Owns, per dataset and target model (docs/store.md, "Refreshes and the record pool"):
-  <store>/<dataset>/pool/<model slug>/<pool key>/
-      <aa>/<row key>.safetensors      one record (the bytes extract/worker.py wrote for that row)
-      <aa>/<row key>.fp.safetensors   its fingerprint sidecar (extract.fingerprints)
-      verify/<verify config key>.safetensors   per-record verify results (verify/cache.py pool cache)
-      locks/pool.lock                 held while records are linked in or out and by gc's sweep
-      tmp/                            temporary links (link, then os.replace onto the final name)
-The pool key hashes what determines a record's bytes besides the row: the target model's identity
-(store.model_fingerprint), the captured layer ids, the storage dtype, the connector, the target dtype
-and tensor_parallel_size. A row key hashes the pool key and the row's token ids (int64 bytes), so a
-row that appears in two tokenized versions (at any index) has one record. A version's
-`hidden_states/hs_{i}.safetensors` and `fingerprints/fp_{i}.safetensors` are hard links to pool
-files: the speculators layout (row index = file index, per version) stays, nothing is copied, and a
-pool file whose link count is 1 is referenced by no version (gc removes it).
-Links are made atomically (link to a temporary name, os.replace), so a reader sees the old file or
-the new one; two versions linking the same pool record concurrently is fine.
+More: docs/internals.md, "records/pool.py".
 """
 
 from __future__ import annotations
@@ -26,6 +11,8 @@ import itertools
 import os
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+
+import numpy as np
 
 from eagle3_pipeline.core.store import content_key, file_lock, model_fingerprint, slug, within
 
@@ -57,7 +44,6 @@ def row_keys(tokenized_dir: str | Path, rows: Iterable[int], key: str,
     """{row: row key} for rows of a tokenized dataset: sha256 of the pool key and the row's token ids
     as int64 bytes (read from the memory-mapped Arrow column; no Python lists). `lengths`, when
     given, is filled with each row's token count."""
-    import numpy as np
     from datasets import load_from_disk
 
     ds = load_from_disk(str(tokenized_dir))

@@ -10,6 +10,10 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from eagle3_pipeline.core.config import SourceConfig
+
+UNTRAINED_DIR = "untrained_draft"  # in the train dir: the random-weights baseline of the same architecture
+
 
 class VocabResult(BaseModel):
     draft_vocab_size: int
@@ -53,6 +57,10 @@ class RegenerateResult(BaseModel):
     tokens_per_s: float
     engine_start_s: float | None = None  # this call's engine start (None: no engine started)
     cached: bool = False
+
+    def sources(self) -> list[SourceConfig]:
+        """What prepare reads instead of prepare.sources: the regenerated rows (OpenAI format)."""
+        return [SourceConfig(path=self.rows_dir, format="openai")]
 
 
 class ExtractResult(BaseModel):
@@ -105,3 +113,7 @@ class TrainResult(BaseModel):
     checkpoint_every_steps: int | None = None  # step checkpoints (None: at epoch ends only)
     resumed_from_step: int = 0  # the optimizer step this attempt resumed at (0: a fresh start)
     fit: dict | None = None  # topology.Fit: the duration estimated from the first steps against train.timeout_s
+
+    def untrained_dir(self) -> Path:
+        """The random-weights draft of the same architecture and vocab: evaluate's baseline."""
+        return Path(self.dir) / UNTRAINED_DIR

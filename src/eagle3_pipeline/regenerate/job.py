@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pydantic import BaseModel, ConfigDict
 
 from eagle3_pipeline.core.config import EngineConfig, RegenerateConfig, SourceConfig, TargetConfig
+from eagle3_pipeline.data.formats import raw_rows
 
 ROWS_DIR = "rows"
 QUARANTINE_DIR = "quarantine"
@@ -41,8 +42,6 @@ def shard_file(index: int) -> str:
 def source_rows(sources: list[SourceConfig], token: str | None = None) -> Iterator[tuple[int, str, object]]:
     """(global row index, source format, RawRow) of every input row, sources in config order, each at
     most its `limit` rows: the numbering the shard plan uses."""
-    from eagle3_pipeline.data.formats import raw_rows
-
     n = 0
     for src in sources:
         for raw in raw_rows(src.path, src.limit, src.split, src.revision, token, src.on_damaged):

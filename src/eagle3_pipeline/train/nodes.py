@@ -1,13 +1,6 @@
 """The agents of a multi-node train set (train/topology.py `TrainSet`), started two ways:
 
-  `python -m eagle3_pipeline.train.nodes local SET.json`: every node's torchrun agent on this machine, each on its
-      own share of the cores; when one fails the others are ended and the set exits non-zero (the train stage's
-      child: its attempt fails as a whole and the next one resumes from the last checkpoint);
-  `python -m eagle3_pipeline.train.nodes pod -- CMD...`: the entry of a train set's pod on Kubernetes. Node 0 runs
-      CMD (the stage's flow run, which starts node 0's agent); any other node waits for node 0's record of the set
-      (`publish`, on the store) and runs its own agent, again for each attempt node 0 publishes, until node 0
-      says the set is done.
-Reads SET.json / the published record; writes nothing but its log lines. No Prefect, no torch imports.
+More: docs/internals.md, "train/nodes.py".
 """
 
 from __future__ import annotations

@@ -1,24 +1,7 @@
 """Online training: the target's hidden states come from a vLLM server while the draft trains, and are
 never stored for the whole dataset (at Kimi scale a stored record is 56 KiB per token).
 
-Owns `HiddenStateServer` (a context manager: an OpenAI-compatible vLLM server of the target with the
-native `extract_hidden_states` method and our hidden-states connector, the same engine settings, layer
-ids and connector as the extract stage, started in its own process group and ended with it),
-`take_sample` (rows spread over the dataset taken from that server, which the stage glue checks with the
-verify gate before training starts) and `OnlineResult` (what the train record keeps of it).
-
-How a row reaches the trainer: speculators' own data loader (`ArrowDataset` with `on_missing:
-generate`, what `speculators train --on-missing generate` uses) finds no stored file for the row, sends
-the row's token ids to the server (`/v1/completions`, one token), reads the file the server's connector
-wrote (`kv_transfer_params.hidden_states_path`, through hs_connectors' file transfer) and deletes it.
-The server's scratch directory therefore holds only the rows in flight; `HiddenStateServer` samples
-its size while it runs and reports the peak (`hidden_states_peak_bytes`, with the verified sample's
-records, which stay on disk next to the draft as the evidence of the gate).
-
-Reads  the tokenized dataset of `version`, the target model; writes into `work_dir`: server.log (the
-server's whole output), server_hidden_states/ (in-flight files; removed at exit), sample/ (an
-extraction-shaped directory: hidden_states/hs_{i}.safetensors, fingerprints/fp_{i}.safetensors,
-manifest.json with the invariance entries, verify.json) and online.json (the OnlineResult).
+More: docs/internals.md, "train/online.py".
 """
 
 from __future__ import annotations
@@ -43,7 +26,17 @@ from eagle3_pipeline.core.config import ExtractConfig, PipelineConfig, TargetCon
 from eagle3_pipeline.core.errors import EnvironmentProblem
 from eagle3_pipeline.core.proc import BackgroundChild
 from eagle3_pipeline.core.store import write_json
+from eagle3_pipeline.data.tokenized import load_tokenized
 from eagle3_pipeline.engine import runner, state_sketch
+from eagle3_pipeline.engine.build import (
+    FINGERPRINT_ENGINE_KWARGS,
+    extract_hidden_states_config,
+    hidden_states_kv_config,
+    server_argv,
+    server_env,
+)
+from eagle3_pipeline.engine.prompt_scores import ENV as LEAN
+from eagle3_pipeline.engine.prompt_scores import wanted as lean_wanted
 from eagle3_pipeline.records.contracts import (
     FP_TOP,
     ContractError,
@@ -155,14 +148,6 @@ class HiddenStateServer:
         return self.target.model  # the served model name (engine.server_argv)
 
     def __enter__(self) -> HiddenStateServer:
-        from eagle3_pipeline.engine.build import (
-            FINGERPRINT_ENGINE_KWARGS,
-            extract_hidden_states_config,
-            hidden_states_kv_config,
-            server_argv,
-            server_env,
-        )
-
         shutil.rmtree(self.scratch, ignore_errors=True)
         self.scratch.mkdir(parents=True)
         cfg = self.cfg
@@ -178,8 +163,6 @@ class HiddenStateServer:
         self.log(f"online: starting a vLLM server of {self.target.model} on 127.0.0.1:{self.port} (layers "
                  f"{self.version.layer_ids}, max_num_seqs {cfg.max_num_seqs}, log {log_path})")
         t0 = time.time()
-        from eagle3_pipeline.engine.prompt_scores import ENV as LEAN
-        from eagle3_pipeline.engine.prompt_scores import wanted as lean_wanted
 
         # every row's fingerprint scores: the lean path in the server's engine (prompt_scores.py, a vLLM plugin)
         # and every row's state sketch (state_sketch.py, a vLLM plugin): files beside the connector's, which
@@ -384,8 +367,6 @@ def take_sample(srv: HiddenStateServer, cfg: PipelineConfig, version: ExtractVer
     """Take `verify.online_rows` rows from the running server (concurrently, as training will), a few of
     them again alone (`extract.invariance_rows`: batch invariance) and write them as records of a sample
     version, for the verify gate to check."""
-    from eagle3_pipeline.data.tokenized import load_tokenized
-
     request_timeout_s = cfg.train.online_request_timeout_s
     t0 = time.time()
     sv = sample_version(version, work_dir)

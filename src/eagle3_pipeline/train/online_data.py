@@ -2,12 +2,7 @@
 `on_missing: generate`) that fetches the rows of one packed batch concurrently, and the file transfer
 that reads the server's files (`ServerFileTransfer`).
 
-speculators fetches a batch's rows one after another (PyTorch calls `dataset[i]` per index), so online every
-row waited for its own server round trip, and the server never saw more than one request (docs/training.md,
-"Online training"). PyTorch's map-style fetcher calls `__getitems__(indices)`
-when a dataset has it; here it sends the batch's rows at once (up to `max_in_flight`), so the server
-batches them like an extraction. Imported in the train child only (it imports speculators); a module of
-its own so that DataLoader worker processes (spawned) can unpickle the dataset.
+More: docs/internals.md, "train/online_data.py".
 """
 
 from __future__ import annotations
@@ -18,13 +13,19 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 from hs_connectors.transfer import FP8Transfer
 from safetensors.torch import load_file
 from speculators.train.data import ArrowDataset
 from speculators.train.recovery import SampleUnavailable
 
+from eagle3_pipeline.checks.final_layer import FinalLayerCheck
+from eagle3_pipeline.checks.layer_identity import problems_of, row_features
+from eagle3_pipeline.engine import state_sketch as sk
+from eagle3_pipeline.records.contracts import record_name, to_record, write_record
 from eagle3_pipeline.train.job import RowChecksSpec
+from eagle3_pipeline.train.online import await_hidden_states_file, request_row, sketch_path
 
 FLAGGED = "flagged by the layer profiles, held for confirmation: "
 _current = threading.local()  # the dataset index whose row this thread is asking for
@@ -68,7 +69,6 @@ class ConcurrentArrowDataset(ArrowDataset):
         (RowChecks); a row only the learned profiles flag is kept out of training (SampleUnavailable)."""
         if self.row_checks is None:
             return super()._generate_hidden_states_once(dataset_item, client_item)
-        from eagle3_pipeline.train.online import request_row
 
         if not self.client:
             self._setup_client()
@@ -117,8 +117,6 @@ class ServerFileTransfer(FP8Transfer):
         self.wait_s, self.layers, self.hidden_size = wait_s, layers, hidden_size
 
     def get_generated(self, hs_transfer_params: dict) -> dict | None:
-        from eagle3_pipeline.train.online import await_hidden_states_file
-
         path = Path(hs_transfer_params.get("hidden_states_path") or hs_transfer_params.get("handle"))
         await_hidden_states_file(path, self.wait_s)
         row = self._dequantize(load_file(path))
@@ -128,8 +126,6 @@ class ServerFileTransfer(FP8Transfer):
         return row
 
     def delete(self, handle: str) -> None:
-        from eagle3_pipeline.train.online import sketch_path
-
         Path(handle).unlink(missing_ok=True)
         Path(f"{handle}.lock").unlink(missing_ok=True)
         sketch_path(handle).unlink(missing_ok=True)  # its state sketch, if unread
@@ -163,8 +159,6 @@ def row_problems(row: dict, layers: int | None, hidden_size: int | None) -> list
 def _sketch_problem(name: str, hs, fp: dict) -> str | None:
     """Every state of the row (bf16, as the trainer reads it) against the server engine's sketch of the states
     it computed (state_sketch.py): where they differ, or that the response had no sketch."""
-    from eagle3_pipeline.engine import state_sketch as sk
-
     got = fp.get(sk.KEY)
     if got is None:
         return f"{name}: the server wrote no state sketch for it (is the state_sketch plugin in its vLLM?)"
@@ -188,9 +182,6 @@ class RowChecks:
     stage to confirm with the target (online_training.train_online) and kept out of training."""
 
     def __init__(self, spec: RowChecksSpec):
-        import numpy as np
-
-        from eagle3_pipeline.checks.final_layer import FinalLayerCheck
 
         self.spec = spec
         self.final = FinalLayerCheck(spec.model_dir, spec.norm_eps, spec.atol, spec.rtol, spec.slack, spec.stol) \
@@ -224,9 +215,6 @@ class RowChecks:
         self.note(index, "rejected", why)
 
     def judge(self, index: int, row: dict, fp: dict | None) -> dict:
-        from eagle3_pipeline.checks.layer_identity import problems_of, row_features
-        from eagle3_pipeline.records.contracts import record_name, to_record, write_record
-
         hs = row["hidden_states"]  # [T, L, H]
         name = f"online row {index} ({len(row['token_ids'])} tokens)"
         if fp is None and self.final is not None:

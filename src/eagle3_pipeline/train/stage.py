@@ -1,23 +1,6 @@
 """The train stage: offline data + draft vocab -> an EAGLE-3 draft checkpoint that vLLM serves.
 
-Owns `train_draft` (trains in a child process, `eagle3_pipeline.train.worker`, under a deadline),
-`make_untrained_draft` (same architecture, random weights: the evaluate stage's baseline); the
-export check (is a checkpoint the draft we meant) is export.py's.
-
-Reads  tokenized_dir (datasets.save_to_disk; input_ids, loss_mask, seq_len, sample_id; row i <-> hs_{i}),
-       hidden_states_dir/hs_{i}.safetensors (token_ids int64[T], hidden_states bf16[T, L, H]),
-       vocab_dir (d2t-K.npy offsets int64[K], t2d-K.npy bool[V]), the target model dir.
-Writes out_dir/checkpoints/<epoch>/{config.json, model.safetensors (with d2t, t2d), ...},
-       out_dir/checkpoints/checkpoint_best -> <epoch>, out_dir/metrics.jsonl (a line per optimizer
-       step: loss, per-TTT-step accuracy, tokens/s; a line per validation pass),
-       out_dir/train.log (the child's full output), out_dir/train_job.json, out_dir/train_result.json
-       (the child's result), out_dir/train_record.json (the TrainResult, written after the export check),
-       out_dir/.lock (store.dir_lock, held by the one trainer of this dir).
-A rerun with the same out_dir resumes from the last complete epoch checkpoint; an epoch directory
-left incomplete by a killed attempt is moved aside first (renamed `<epoch>.incomplete-<time>`), and so
-is speculators' `interrupted/` save of a stopped attempt (never resumed from; the worker fails an
-attempt that ends with one). Before returning, `train_draft` runs `export_check` on checkpoint_best,
-so a draft with a wrong d2t/t2d or verifier weights never reaches evaluate or a server.
+More: docs/internals.md, "train/stage.py".
 """
 
 from __future__ import annotations
@@ -31,14 +14,22 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from eagle3_pipeline.core.config import TargetConfig, TrainConfig
+from pydantic import BaseModel
+
+from eagle3_pipeline.core.config import PipelineConfig, TargetConfig, TrainConfig
 from eagle3_pipeline.core.proc import python_child, run_child
 from eagle3_pipeline.core.progress import interval
-from eagle3_pipeline.core.stage_spec import CHILD, IO, Retry, StageSpec
-from eagle3_pipeline.core.store import atomic_write_text, dir_lock, read_json, sha256_file, write_json
+from eagle3_pipeline.core.stage_spec import CHILD, IO, Log, Retry, StageSpec
+from eagle3_pipeline.core.store import atomic_write_text, content_key, dir_lock, read_json, sha256_file, write_json
+from eagle3_pipeline.data.tokenized import load_tokenized
 from eagle3_pipeline.records.contracts import HS_KEY, TOKENS_KEY, ContractError, record_name
 from eagle3_pipeline.records.layout import ExtractVersion
-from eagle3_pipeline.records.results import TrainResult  # the stage's record (records/results.py)
+from eagle3_pipeline.records.lineage import PreviousDraft, previous_draft
+from eagle3_pipeline.records.results import (  # the stage's record (records/results.py)
+    UNTRAINED_DIR,
+    TrainResult,
+    VocabResult,
+)
 from eagle3_pipeline.records.vocab import load_vocab, vocab_paths
 from eagle3_pipeline.train.accumulate import recover
 from eagle3_pipeline.train.export import export_check
@@ -49,7 +40,6 @@ from eagle3_pipeline.train.topology import SET_DIR_ENV, Fit, TrainSet, fit, topo
 WORKER = "eagle3_pipeline.train.worker"
 NODES = "eagle3_pipeline.train.nodes"  # a local multi-node set's launcher
 SET_NAME = "train_set.json"  # beside train_job.json: the local set's agents (topology.TrainSet)
-UNTRAINED_DIR = "untrained_draft"  # in the train dir: the random-weights baseline of the same architecture
 RECORD_NAME = "train_record.json"  # the TrainResult of the last completed train_draft (export-checked)
 CKPT_FILES = ("config.json", "model.safetensors", "optimizer_state_dict.pt", "training_state.json")
 
@@ -58,7 +48,6 @@ def _check_inputs(version: ExtractVersion) -> int:
     """Every row has its hs file; the first and last files have [T, L, H] as expected. Returns rows."""
     from safetensors import safe_open
 
-    from eagle3_pipeline.data.tokenized import load_tokenized
 
     tokenized_dir, hidden_states_dir = version.tokenized_dir, version.hidden_states_dir
     num_captured, hidden_size = len(version.layer_ids), version.dims.hidden_size
@@ -332,8 +321,6 @@ def train_draft(cfg: TrainConfig, target: TargetConfig, version: ExtractVersion,
 
 def _check_tokenized(version: ExtractVersion) -> int:
     """Online: the rows the server will be asked for exist and have the columns the loader reads."""
-    from eagle3_pipeline.data.tokenized import load_tokenized
-
     ds = load_tokenized(version.tokenized_dir)
     missing_cols = {"input_ids", "loss_mask", "seq_len"} - set(ds.column_names)
     if missing_cols:
@@ -425,9 +412,66 @@ def make_untrained_draft(target: TargetConfig, version: ExtractVersion, vocab_di
     return out_dir
 
 
+# Train settings that change how a run is watched, not the draft it produces: a new value resumes
+# the same checkpoint dir instead of training from scratch.
+TRAIN_KEY_EXCLUDE = frozenset({"log_freq", "timeout_s", "num_workers", "online_start_timeout_s", "online_request_timeout_s",
+                               "checkpoint_every_steps", "rdzv_port", "rdzv_timeout_s", "estimate_after_steps",
+                               # the topology: the key names the global batch it gives instead (train_key)
+                               "nodes", "global_batch_tokens"})
+
+
+def train_key(cfg: PipelineConfig, version: ExtractVersion) -> str:
+    """Keyed by the data, the vocab and the train settings; with `train.init: previous` (and a previous
+    draft to continue from) also by that draft (lineage.previous_draft)."""
+    vocab_dir = version.vocab_dir(cfg.vocab.draft_vocab_size).resolve()
+    prev = previous_for(cfg, version)
+    train = cfg.train.model_dump(exclude=set(TRAIN_KEY_EXCLUDE) | ({"init", "refresh_epochs"} if prev is None else set())
+                                 | ({"mode"} if cfg.train.mode == "offline" else set())  # offline keys as before
+                                 | ({"window_shards", "window_bytes"} if cfg.train.mode != "window" else set()))
+    train["fsdp"] = train.pop("sharding") == "fsdp"  # its spelling before the choice: the keys from before
+    t = cfg.train
+    if t.batch_tokens != t.world_size * t.max_seq_len:  # one node's one row per rank: the keys from before nodes
+        train["global_batch_tokens"] = t.batch_tokens
+    return content_key({"extract": version.content_key, "vocab": str(vocab_dir), "train": train,
+                        **({"previous": prev.checkpoint} if prev else {})})
+
+
+def previous_for(cfg: PipelineConfig, version: ExtractVersion) -> PreviousDraft | None:
+    """The previous version's draft this training continues from (train.init: previous), or None."""
+    return previous_draft(version) if cfg.train.init == "previous" else None
+
+
+def train_start(cfg: PipelineConfig, version: ExtractVersion, log: Log) -> tuple[PreviousDraft | None, TrainConfig]:
+    """(the previous draft to continue from or None, the train settings for it), said in the log."""
+    prev = previous_for(cfg, version)
+    if cfg.train.init == "previous" and prev is None:
+        log("train: train.init=previous but no other version of this dataset/model/layers has a trained draft; "
+            "training from scratch")
+    tcfg = cfg.train if prev is None else cfg.train.model_copy(update={"epochs": cfg.train.refresh_epochs})
+    if prev is not None:
+        log(f"train: continuing from the draft of version {prev.prepare_version}/{prev.extract_version} "
+            f"({prev.checkpoint}) for {tcfg.epochs} epoch(s)")
+    return prev, tcfg
+
+
+class TrainInputs(BaseModel):
+    version: ExtractVersion  # the verified records (offline) or the data a server makes them from (online)
+    voc: VocabResult  # the draft vocabulary
+
+
+def run(cfg: PipelineConfig, inputs: TrainInputs, log: Log) -> TrainResult:
+    """The stage's entry (StageSpec.run), offline: the stored records, into `version.train_dir(train_key)` (keyed by
+    all that shapes the draft: the same inputs reuse the checkpoint, an interrupted run resumes). Online training
+    is pipeline/online_training.py (a verify gate on the server's rows first)."""
+    version = inputs.version
+    prev, tcfg = train_start(cfg, version, log)
+    return train_draft(tcfg, cfg.target, version, Path(inputs.voc.dir), version.train_dir(train_key(cfg, version)),
+                       log=log, previous=prev)
+
+
 RETRY = Retry(2, 60, (*IO, *CHILD),
               "trainer child (crash, OOM kill, lost node, timeout); a retry resumes from the last complete epoch "
               "checkpoint in the same train dir, so it does only the unfinished epochs; never on a failed export "
               "check (a gate)")
-STAGE = StageSpec(name="train", run=train_draft, result=TrainResult, failure=ContractError,
+STAGE = StageSpec(name="train", run=run, result=TrainResult, failure=ContractError,
                   worker="eagle3_pipeline.train.worker", accelerators=True, own_job=True, retry=RETRY)

@@ -1,18 +1,6 @@
 """A bounded window of captured shards between capture and training (docs/decisions/capture-window.md).
 
-Capture (extract engines on capture nodes) and training (a train set on other nodes) share one directory on the
-store; the window holds at most `max_shards` shards and `max_bytes` bytes of them, not the dataset:
-  capture   `reserve(key, nbytes)` before writing a shard (blocks while the window is full), writes it into
-            `shard_dir(key)` (its own temporary name first), `publish(key, nbytes)`; `abandon(key)` on failure;
-            `close()` when every shard of every epoch it will capture is published;
-  trainer   `wait_published()` (the shards it may read, oldest first; [] once capture is closed and the window
-            is empty), `consume(key)` once a step checkpoint covers the shard's rows: after `passes` of those
-            the shard is released (its files deleted, its bytes given back to capture).
-Epochs: `passes` 1 with capture publishing every shard once per epoch (keys `epoch_key`: epochs over a stream,
-capture runs once per epoch); `passes` = epochs with capture publishing once (the trainer runs its passes over each
-block of the window before releasing it). `plan` is the arithmetic of both.
-State: `<dir>/window.json`, changed only under `<dir>/.window.lock` (core/store.py file_lock: flock, across hosts on
-NFS). Reads and writes only `<dir>`. No torch.
+More: docs/internals.md, "train/window.py".
 """
 
 from __future__ import annotations

@@ -1,22 +1,7 @@
 """The trainer's side of the capture window (train/window.py, docs/decisions/capture-window.md): a batch sampler
 that packs and shuffles rows within the shards the window holds now, instead of over the whole dataset.
 
-speculators' `MultipackDistributedBatchSamplerV2` packs a permutation of every row of the dataset into batches of
-at most `batch_max_length` tokens per rank. With a window the dataset is never on the store at once, so
-`WindowSampler` takes a *block* (the published shards it has not read yet, oldest first: at most the window),
-runs speculators' sampler over the rows of that block only (the adapter: a length array of the block's rows, the
-batches mapped back to dataset rows) and yields those batches; `passes` times per block (a new shuffle each pass),
-then the next block, until capture has closed the window and every shard is read.
-
-Release: a shard's files may go only once a step checkpoint covers the steps that read it (a crash before that
-checkpoint resumes from it and reads the shard again). The sampler records where each pass of a block ended
-(`due(batches)`: a pass ended at or before that many batches and waits for a checkpoint); the trainer calls
-`covered(batches)` after a step checkpoint that holds `batches` batches, and each covered pass counts one
-`ShardWindow.consume` of its shards (released after `passes`). A block whose passes are all read but not yet
-covered keeps its shards in the window: the trainer must checkpoint at pass ends (`due`), or capture waits for
-room while the sampler waits for shards; after `wait_s` that is a WindowStalled that says so.
-
-One process reads the window (world size 1); torch and speculators only through the packing sampler.
+More: docs/internals.md, "train/window_sampler.py".
 """
 
 from __future__ import annotations

@@ -9,17 +9,24 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import sys
 import time
 import warnings
 from pathlib import Path
 
+import numpy as np
+import psutil
+
 from eagle3_pipeline.core.config import TrainConfig
 from eagle3_pipeline.core.faults import take_fault
 from eagle3_pipeline.core.proc import emit_event
 from eagle3_pipeline.core.store import write_json
+from eagle3_pipeline.train.accumulate import STAGING_PREFIX, Accumulator, GroupedLoader, put_in_place
 from eagle3_pipeline.train.job import TrainJob, TrainOutput, UntrainedOutput
+from eagle3_pipeline.train.window import ShardWindow
+from eagle3_pipeline.train.window_sampler import WindowSampler, window_transfer
 
 ATTN_IMPL = {"sdpa": "sdpa", "eager": "eager", "flex_attention": "simple_flex_attention"}
 KILL_ENV = "EAGLE3_TRAIN_KILL_AT"
@@ -262,7 +269,6 @@ def build_draft(job: TrainJob):
     """speculators' Eagle3DraftModel for the target, as `speculators train` builds it by default
     (llama decoder, norm_before_fc, norm_output, norm_before_residual), except that every draft layer
     uses full attention (classic EAGLE-3; vLLM then serves it without sliding-window layers)."""
-    import numpy as np
     import torch
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.train.cli import create_transformer_layer_config
@@ -346,7 +352,7 @@ def _loaders(job: TrainJob, hidden_size: int, num_aux: int):
     on = job.online
     if on:  # every row from the server: an empty directory of stored rows, so each one is generated
         Path(on.cache_dir).mkdir(parents=True, exist_ok=True)
-        from eagle3_pipeline.train.online_data import ServerFileTransfer
+        from eagle3_pipeline.train.online_data import ServerFileTransfer  # noqa: PLC0415  heavy: torch, speculators (train/online_data.py)
 
         transfer = ServerFileTransfer(Path(on.cache_dir), on.request_timeout_s, len(job.aux_layer_ids) + 1,
                                       on.hidden_size)
@@ -365,7 +371,7 @@ def _loaders(job: TrainJob, hidden_size: int, num_aux: int):
     if job.window:
         loaders = _window_loaders(job, loaders)
     if on:  # the rows of a packed batch are requested at once (train/online_data.py)
-        from eagle3_pipeline.train.online_data import ConcurrentArrowDataset
+        from eagle3_pipeline.train.online_data import ConcurrentArrowDataset  # noqa: PLC0415  heavy: torch, speculators (train/online_data.py)
 
         for loader in loaders:
             loader.dataset.__class__ = ConcurrentArrowDataset
@@ -382,8 +388,6 @@ def _window_loaders(job: TrainJob, loaders):
     from hs_connectors.transfer import FP8Transfer
     from torch.utils.data import DataLoader
 
-    from eagle3_pipeline.train.window import ShardWindow
-    from eagle3_pipeline.train.window_sampler import WindowSampler, window_transfer
 
     win, cfg = job.window, job.train
     if cfg.accumulation_steps != 1 or cfg.epochs != 1 or cfg.world_size != 1:
@@ -517,7 +521,6 @@ def _accumulating(cfg: TrainConfig, model, train_loader):
         return train_loader
     from speculators.train.distributed import get_dp_rank, get_dp_size
 
-    from eagle3_pipeline.train.accumulate import Accumulator, GroupedLoader
 
     Accumulator(model, cfg.accumulation_steps)
     return GroupedLoader(train_loader, get_dp_rank(), get_dp_size(), cfg.accumulation_steps)
@@ -531,7 +534,6 @@ def trainer_class(cfg: TrainConfig):
     import torch.distributed as dist
     from speculators.train.trainer import Trainer
 
-    from eagle3_pipeline.train.accumulate import STAGING_PREFIX, put_in_place
 
     cpu, accumulation, every, max_steps = cfg.device == "cpu", cfg.accumulation_steps, cfg.checkpoint_every_steps, \
         cfg.max_steps
@@ -604,8 +606,6 @@ def _release(trainer, window, epoch: int, batches: int) -> None:
 
 
 def _process_started() -> float:
-    import psutil
-
     return psutil.Process().create_time()
 
 
@@ -613,8 +613,6 @@ def _write_untrained_once(job: TrainJob) -> None:
     """The evaluate stage's baseline (`run_untrained`) into job.untrained_dir unless it is there,
     written by this child, whose imports are paid already (a child of its own would pay them again).
     The parent holds the train dir's lock, which evaluate takes before it looks for the baseline."""
-    import shutil
-
     out = Path(job.untrained_dir)
     if (out / "config.json").exists():
         return

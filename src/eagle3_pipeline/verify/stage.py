@@ -22,9 +22,11 @@ import math
 import shutil
 import time
 
-from eagle3_pipeline.core.config import TargetConfig, VerifyConfig
+from pydantic import BaseModel
+
+from eagle3_pipeline.core.config import PipelineConfig, TargetConfig, VerifyConfig, skipped_checks
 from eagle3_pipeline.core.errors import GateFailed
-from eagle3_pipeline.core.stage_spec import CHILD, IO, Retry, StageSpec
+from eagle3_pipeline.core.stage_spec import CHILD, IO, Log, Retry, StageSpec
 from eagle3_pipeline.core.store import content_key, file_lock, read_json, sha256_file, write_json
 from eagle3_pipeline.data.tokenized import load_tokenized
 from eagle3_pipeline.records.contracts import fingerprints_off_problem, record_name
@@ -571,9 +573,22 @@ def files_changed_since_verify(version: ExtractVersion, res: VerifyResult) -> li
     return out
 
 
+class VerifyInputs(BaseModel):
+    version: ExtractVersion  # the stored records to check
+
+
+def run(cfg: PipelineConfig, inputs: VerifyInputs, log: Log) -> VerifyResult:
+    """The stage's entry (StageSpec.run): the verify gate; raises VerifyFailed naming every bad record."""
+    for w in skipped_checks(cfg):
+        log(f"verify warning: {w}")
+    res = verify(cfg.verify, cfg.target, inputs.version, log=log)
+    check_verify_gate(res)
+    return res
+
+
 RETRY = Retry(1, 10, (*IO, *CHILD),
               "reads every record and streams the target for the reference check (I/O, the reference child); a "
               "retry reuses each shard an earlier complete verify checked (verify_rows.safetensors) and never turns "
               "a VerifyFailed into a retry")
-STAGE = StageSpec(name="verify", run=verify, result=VerifyResult, failure=VerifyFailed,
+STAGE = StageSpec(name="verify", run=run, result=VerifyResult, failure=VerifyFailed,
                   worker="eagle3_pipeline.verify.worker", accelerators=True, gate=True, own_job=True, retry=RETRY)

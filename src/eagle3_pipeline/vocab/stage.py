@@ -1,17 +1,6 @@
 """The vocab stage: token frequencies of supervised tokens -> the draft vocabulary (d2t / t2d).
 
-Reads `token_freq.safetensors` (written by prepare: one tensor `counts` int64[V'], the number of
-times each target id occurs where `loss_mask` is 1; V' <= V, a shorter vector means the tokenizer is
-smaller than the embedding matrix; `.json` with `{"counts": [...]}` or `{id: count}` is read too).
-Writes to `out_dir`, in speculators' own conventions (its trainer and vLLM read them unchanged):
-  d2t-{K}.npy  int64[K]  OFFSETS: draft index i stands for target id i + d2t[i]; ids ascending
-  t2d-{K}.npy  bool[V]   True for the K target ids in the draft vocabulary
-  vocab.json             what was built (sizes, coverage, special ids, file names)
-  .lock                  store.dir_lock, held while these three are written (two runs never interleave them)
-The top-K selection itself is speculators' `build_vocab_mappings_from_distribution` (ties broken by
-lower id; fewer than K distinct tokens are padded with the lowest unused ids). Special token ids
-(eos / end-of-turn) are ranked first so that the draft can always propose them. The files' readers and their
-check, which train uses: records/vocab.py.
+More: docs/internals.md, "vocab/stage.py".
 """
 
 from __future__ import annotations
@@ -20,10 +9,13 @@ import json
 from pathlib import Path
 
 import numpy as np
+from pydantic import BaseModel
 
-from eagle3_pipeline.core.config import VocabConfig
-from eagle3_pipeline.core.stage_spec import IO, Retry, StageSpec
+from eagle3_pipeline.core.config import PipelineConfig, VocabConfig
+from eagle3_pipeline.core.stage_spec import IO, Log, Retry, StageSpec
 from eagle3_pipeline.core.store import atomic_write, dir_lock, write_json
+from eagle3_pipeline.data.tokenized import PrepareResult, load_tokenizer
+from eagle3_pipeline.records.layout import ExtractVersion
 from eagle3_pipeline.records.results import VocabResult  # the stage's record (records/results.py)
 from eagle3_pipeline.records.vocab import META_NAME, VocabError, check_vocab, d2t_name, t2d_name
 
@@ -123,5 +115,19 @@ def build_vocab(cfg: VocabConfig, token_freq: Path, target_vocab_size: int, out_
     return result.model_copy(update={"dir": str(out_dir.resolve())})
 
 
+class VocabInputs(BaseModel):
+    prep: PrepareResult  # its token frequencies
+    version: ExtractVersion  # the target's vocabulary size; the vocab lives in its directory
+
+
+def run(cfg: PipelineConfig, inputs: VocabInputs, log: Log) -> VocabResult:
+    """The stage's entry (StageSpec.run): the draft vocabulary of `vocab.draft_vocab_size` tokens."""
+    tok = load_tokenizer(cfg.target)
+    version = inputs.version
+    return build_vocab(cfg.vocab, Path(inputs.prep.token_freq), version.dims.vocab_size,
+                       version.vocab_dir(cfg.vocab.draft_vocab_size),
+                       special_token_ids=[t for t in (tok.eos_token_id,) if t is not None])
+
+
 RETRY = Retry(2, 5, IO, "reads token_freq and the tokenizer, writes two small files")
-STAGE = StageSpec(name="vocab", run=build_vocab, result=VocabResult, failure=VocabError, retry=RETRY)
+STAGE = StageSpec(name="vocab", run=run, result=VocabResult, failure=VocabError, retry=RETRY)
