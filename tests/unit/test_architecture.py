@@ -158,7 +158,6 @@ MAX_DOC_LINES = 12  # a module's docstring: what it is in a few lines; how and w
 DOC_EXEMPT = {
     "src/eagle3_pipeline/data/chat.py": "in the kept tiny builds' key (tiny/build_cache.py SOURCES): moves with a rebuild",
     "src/eagle3_pipeline/tiny/": "in the kept tiny builds' key (tiny/build_cache.py SOURCES): moves with a rebuild",
-    "src/eagle3_pipeline/verify/": "verify's checks are being reshaped (issue 53 item 4): its docstrings move with them",
 }
 
 

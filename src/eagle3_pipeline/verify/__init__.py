@@ -8,7 +8,6 @@
   fingerprint.py  the final layer against the target's own logits (lm_head margins)
   invariance.py   the verdict on the batch-invariance numbers the extract engine measured
   masks.py        token ids and loss masks against the prepared rows they came from
-  reference.py    a few samples against the target streamed layer by layer (in worker.py's child)
+  reference.py    a few samples against the target streamed layer by layer (worker.py: the reference child)
   cache.py        per-record results kept for unchanged records and the record pool
-  worker.py       the reference child process
 """

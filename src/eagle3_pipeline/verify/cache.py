@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import numpy as np
+
+from eagle3_pipeline.core.store import atomic_write
+from eagle3_pipeline.verify.structure import STAT_ROWS, FileResult
 
 CACHE_NAME = "verify_rows.safetensors"
 
@@ -44,8 +48,6 @@ def save(path: Path, results: list) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from eagle3_pipeline.core.store import atomic_write
-
     good = [r for r in results if not r.problems and r.stats is not None]
     if not good:
         Path(path).unlink(missing_ok=True)
@@ -62,8 +64,6 @@ def load(path: Path) -> dict:
         t = load_file(str(path))
     except Exception:  # noqa: BLE001 - no cache (or a damaged one): everything is read again
         return {}
-    from eagle3_pipeline.verify.structure import STAT_ROWS
-
     if t["stats"].ndim != 3 or t["stats"].shape[1] != STAT_ROWS:  # written by an older verify: read again
         return {}
     return {row: _result(t, i, row) for i, row in enumerate(t["row"].tolist())}
@@ -91,8 +91,6 @@ def _columns(rs: list) -> dict:
 
 def _result(t: dict, i: int, row: int):
     """Row i of cached columns as a structure.FileResult."""
-    from eagle3_pipeline.verify.structure import FileResult
-
     a = float(t["agreement"][i])
     return FileResult(row=row, tokens=int(t["tokens"][i]), nbytes=int(t["nbytes"][i]), stats=t["stats"][i],
                        sig=t["sig"][i] if "sig" in t else None, agreement=None if np.isnan(a) else a,
@@ -124,8 +122,6 @@ def pool_cache_path(pool, config_key: str) -> Path:
 
 def file_identity(record: Path, fingerprint: Path | None) -> list[int] | None:
     """[dev, inode, size, mtime_ns, fingerprint inode or -1] of a record (None when it is missing)."""
-    import os
-
     try:
         st = os.stat(record)
         fp = os.stat(fingerprint).st_ino if fingerprint is not None and os.path.exists(fingerprint) else -1
@@ -144,8 +140,6 @@ def load_pool(path: Path) -> dict[str, tuple[list[int], object]]:
             t = {k: f.get_tensor(k) for k in f.keys()}
     except Exception:  # noqa: BLE001 - no cache (or a damaged one): those records are read again
         return {}
-    from eagle3_pipeline.verify.structure import STAT_ROWS
-
     if t["stats"].ndim != 3 or t["stats"].shape[1] != STAT_ROWS:  # written by an older verify: read again
         return {}
     return {rk: (t["ident"][i].tolist(), _result(t, i, -1)) for i, rk in enumerate(keys)}
@@ -156,8 +150,6 @@ def save_pool(pool, config_key: str, new: dict[str, tuple[list[int], object]]) -
     lock, dropping entries whose pooled record is gone or changed (gc, a record verify rejected)."""
     import torch
     from safetensors.torch import save_file
-
-    from eagle3_pipeline.core.store import atomic_write
 
     path = pool_cache_path(pool, config_key)
     with pool.lock(None):

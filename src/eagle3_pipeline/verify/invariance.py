@@ -1,21 +1,7 @@
 """Batch invariance: samples extracted alone (a batch of one) must match the stored records, which the
 extract stage wrote from inside large batches.
 
-The comparison runs inside the extract engine (extract/worker.py `_invariance`): at the end of each
-shard group a few of its rows (`invariance_rows`: the longest, then rows spread over the group, none
-the first of its batch, which an offset bug spares) are prefilled again alone with the engine already
-loaded, and per-layer differences (contracts.compare_layers: relative error, min / mean token cosine,
-fraction of tokens below cosine 0.9) go into the extract manifest (`invariance`, by row). No second
-model load anywhere: verify only judges those numbers (`Invariance`, a check.RecordCheck) against VerifyConfig thresholds.
-
-What it catches that structure checks cannot: token offsets that drift between the requests of a
-batch, one request's rows written into another request's file, padding or stale cache slots read as
-data. When the stored record equals the alone record shifted by a few tokens, the message says so.
-
-The kernels see other batch shapes, so bits differ, and on MoE targets routing flips on near-ties move
-single tokens a lot (the calibration: docs/verification.md, "Calibration"). Defaults (VerifyConfig):
-rel err <= 0.1, mean cosine >= 0.99, fraction below 0.9 <= 0.05 — a wrong request's states, shifted
-offsets or stale slots give mean cosines far below 0.9.
+More: docs/internals.md, "verify/invariance.py".
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
 """The target's own predictions as a per-row agreement signal: a learned check, confirmed by recomputation.
 
-The fingerprint holds the target's top-2 next-token ids at every position, from the extract engine's own
-forward. A row whose forward went wrong upstream of every engine-side record (wrong positions, a wrong KV
-context, other input ids, a kernel bug on some rows) has states, sketch and logits that agree with each other,
-but the target's predictions then stop matching the row's actual next tokens: its hit rate (the share of
-positions whose next token is among the top-2) falls below what rows like it reach. Per row i with n_i scored
-positions and rate r_i, against the version's median rate m and its spread between rows s (robust, from the
-rows themselves, with the binomial noise of short rows taken out):
-    z_i = (m - r_i) / sqrt(s^2 + m (1 - m) / n_i)
-Rows with z_i > verify.prediction_max_z are flagged; like the other learned checks they are recomputed with
-the target (verify/stage.py `_confirm_learned`) and cleared where the model agrees. The signal needs a target
-whose predictions carry information (an untrained model's hit rate is noise); it never passes a row on its own.
+More: docs/internals.md, "verify/prediction.py".
 """
 
 from __future__ import annotations

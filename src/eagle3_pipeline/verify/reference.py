@@ -1,18 +1,7 @@
 """Numeric reference: recompute hidden states of a few samples with Hugging Face transformers, one
 decoder layer at a time in a child process, and compare them per layer with the stored records.
 
-Owns `reference_check` (the parent side), `choose_rows` and the pass/fail decision `_row_problems`.
-Reads the tokenized rows, the records `hs_{i}.safetensors` and (in the child, `verify.worker`) the
-target's config and safetensors. Writes `<extract-dir>/.scratch/verify-reference-<pid>/` (the job,
-the child's result and hidden states, the one-layer checkpoint; removed afterwards) and
-`<extract-dir>/logs/verify-reference.log` (the child's output, also forwarded to `log`).
-
-The child streams the target layer by layer in the model's dtype (`target.dtype`, as vLLM runs it),
-only up to the deepest captured id, under `verify.reference_memory_gb` of peak RSS: the whole model is
-never loaded, so a 1T-parameter target needs one layer's memory. Layer id k < N is HF's
-`hidden_states[k]` (residual stream after k decoder layers); id N is the last decoder layer's output
-*before* the final norm, as vLLM captures it. Tolerances are bf16-appropriate: vLLM's and HF's
-kernels differ in accumulation order, so we compare relative L2 error and per-token cosine per layer.
+More: docs/internals.md, "verify/reference.py".
 """
 
 from __future__ import annotations
@@ -27,9 +16,14 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from eagle3_pipeline.core.config import VerifyConfig
 from eagle3_pipeline.core.errors import EnvironmentProblem
+from eagle3_pipeline.core.proc import ChildFailed, exit_code, python_child, run_child
 from eagle3_pipeline.core.progress import interval
+from eagle3_pipeline.core.store import read_json, write_json
 from eagle3_pipeline.data.tokenized import load_tokenized
+from eagle3_pipeline.records.contracts import compare_layers, dequantise, read_record
+from eagle3_pipeline.verify.worker import BUDGET_EXIT, RESULT_FILE, ReferenceJob, ReferenceOutput, ReferenceSample
 
 # The pass/fail criteria (per record and layer) are settings: verify.reference_cos_bound,
 # reference_min_mean_cosine, reference_max_frac_below and reference_max_rel_err (core/config.py VerifyConfig,
@@ -194,10 +188,6 @@ def stream_reference(target, samples: dict[int, list[int]], layer_ids: list[int]
     ReferenceFailed (non-zero exit, deadline)."""
     from safetensors.torch import load_file
 
-    from eagle3_pipeline.core.proc import ChildFailed, exit_code, python_child, run_child
-    from eagle3_pipeline.core.store import read_json, write_json
-    from eagle3_pipeline.verify.worker import BUDGET_EXIT, RESULT_FILE, ReferenceJob, ReferenceOutput, ReferenceSample
-
     work = Path(work_dir)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -232,9 +222,6 @@ def reference_check(target, version, rows: list[int], *, log: Callable[[str], No
     child that streams it layer by layer under `cfg.reference_memory_gb` (config.VerifyConfig; default
     VerifyConfig()), and compare them with the stored records. Raises ReferenceBudgetExceeded when the
     child went past its memory budget, ReferenceFailed when it failed otherwise."""
-    from eagle3_pipeline.core.config import VerifyConfig
-    from eagle3_pipeline.records.contracts import compare_layers, dequantise, read_record
-
     cfg = cfg or VerifyConfig()
     t0 = time.time()
     layer_ids = list(version.layer_ids)

@@ -1,22 +1,7 @@
 """How surprised the target is by each row, against how hard the row is: a per-row signal from the prompt scores,
 a learned check confirmed by recomputation.
 
-Per token the stored final-layer state gives, with two lm_head rows (checks/final_layer.py `next_gaps`), the
-target's score of the row's actual next token below its own first choice: g_t = logit(next) - logit(top1) =
-log p(next) - log p(top1) (<= 0; the normaliser cancels). A forward computed wrongly (wrong positions, a wrong
-context or KV, other inputs) scores the row's real continuation lower: the row's mean gap x_i falls. Rows differ
-in how predictable they are, and that difference swamps a weak corruption (verify/prediction.py's hit rate had
-it); so each row's mean gap is compared with what an independent cheap model says of the same tokens: a bigram
-model fitted on the version's own rows (each row scored with its own pairs left out), whose same quantity per
-token, log q(next | cur) - max_v log q(v | cur), averages to y_i. Over the judged rows x is fitted on y by least
-squares with the rows far off the fit dropped (twice, 3 spreads: robust to a minority of bad rows), and each
-row's residual e_i is judged by a robust z:
-    z_i = (median(e) - e_i) / sqrt(s^2 + v_i / n_i)
-s: the residuals' spread between rows (1.4826 MAD, the token noise of short rows taken out, never under 2% of
-|median x|); v_i / n_i: the row's own token noise (n_i scored tokens, variance v_i). Rows with z_i above
-verify.prediction_surprise_max_z are flagged, at most verify.confirm_rows of them, the strongest first; like the
-other learned checks each is recomputed with the target (verify/stage.py `_confirm_learned`): a row the model
-agrees with is cleared, not condemned. Measured power and false flags: docs/verification.md.
+More: docs/internals.md, "verify/row_signal.py".
 """
 
 from __future__ import annotations

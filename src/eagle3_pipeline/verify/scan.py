@@ -1,29 +1,6 @@
 """The one pass over the records that the verify gate makes: read every byte once, check it, reduce it.
 
-Owns how records are read and reduced; verify/structure.py owns what the results mean.
-Reads `hidden_states/hs_{i}.safetensors` and, where the extraction wrote them,
-`fingerprints/fp_{i}.safetensors`; writes nothing.
-
-Two stages overlap (bench/verify_throughput.py, profile-driven):
-- **a reader thread** opens the files of a batch in row order, reads each one's safetensors header with
-  the first bytes, validates it like the safetensors library (header length, JSON, known dtypes,
-  byte sizes, data offsets contiguous and covering the data section) and the contract (keys, token
-  ids int64 [T] equal to the row, hidden states [T, L, H] of the storage dtype, fp8 scales fp32
-  [T, 1, 1]), and scatters the tensors with `preadv` straight into the batch's arenas: all hidden
-  states of the batch one contiguous [sum T, L, H] array, token ids, fp8 scales, fingerprint rows and state sketches
-  ([T, L, 4], state_sketch.py) beside it. No tensor object per file, no copy through a temporary buffer. It asks the
-  kernel for the next files ahead of time (`posix_fadvise(WILLNEED)`, a window of a few MB), so disk reads of small
-  files overlap, and large files are read in 1 MB pieces, which the kernel's readahead pipelines (the timings:
-  docs/benchmarks.md);
-- **compute threads** (one per batch in flight) convert the arena to fp32 in cache-sized blocks of
-  tokens and take, per token, the sum, minimum and maximum over H, the Gram matrix of its L slots
-  (x_a . x_b: squared norms on the diagonal) and the cross Gram with the previous token
-  (x_t,a . x_t-1,b), each one BLAS call per block; the final slot is kept for the fingerprint check,
-  and where records carry a state sketch, every state's projections on its directions (one more call).
-  Everything else is arithmetic on those [sum T, L, L] arrays and per-file segment reductions:
-  statistics, suspects (non-finite, zero layers or tokens, identical layers), the layer-identity
-  features (layer_identity.py) and the final-layer agreement (final_layer.py).
-A suspect file is read again with the safetensors library by the caller, for the exact diagnosis.
+More: docs/internals.md, "verify/scan.py".
 """
 
 from __future__ import annotations
@@ -40,6 +17,7 @@ import numpy as np
 
 from eagle3_pipeline.engine.state_sketch import DIM as SKETCH_DIM
 from eagle3_pipeline.engine.state_sketch import KEY as SKETCH_KEY
+from eagle3_pipeline.engine.state_sketch import directions
 from eagle3_pipeline.records.contracts import (
     FP_IDS_KEY,
     FP_LOGPROBS_KEY,
@@ -48,6 +26,7 @@ from eagle3_pipeline.records.contracts import (
     SCALES_KEY,
     TOKENS_KEY,
     RecordSpec,
+    fingerprint_name,
 )
 
 BATCH_BYTES = 32 << 20  # a batch: files of up to this many hidden-state bytes ...
@@ -347,8 +326,6 @@ class _Reader:
 
     def _read_fingerprint(self, entry: FileEntry, arenas: Arenas) -> None:
         """The record's fingerprint rows into the arenas (rows it lacks stay invalid: id -1)."""
-        from eagle3_pipeline.records.contracts import fingerprint_name
-
         it, at, T = entry.item, entry.offset, entry.tokens
         ids, lps = arenas.fp_ids[at:at + T], arenas.fp_lps[at:at + T]
         ids.fill(-1)
@@ -383,8 +360,6 @@ class _Reader:
     def _read_sketch(self, entry: FileEntry, arenas: Arenas, fd: int, header: dict, data: int) -> None:
         """The record's state sketch (fp32 [T, L, DIM], state_sketch.py) from its fingerprint sidecar into the
         arenas; a missing one is a problem where the extraction wrote them."""
-        from eagle3_pipeline.records.contracts import fingerprint_name
-
         it, at, T = entry.item, entry.offset, entry.tokens
         info = header.get(SKETCH_KEY)
         if info is None:
@@ -435,8 +410,6 @@ def reduce_batch(batch: Batch, spec: RecordSpec, keep_final: bool, buffers: dict
     """The per-token reductions of every token in the batch's arenas, block by block in cache; with
     `sketch`, every state's projections on the state sketch's directions too."""
     import torch
-
-    from eagle3_pipeline.engine.state_sketch import directions
 
     L, H, N = spec.num_layers_captured, spec.hidden_size, batch.tokens
     ar = batch.arenas

@@ -2,17 +2,7 @@
 the aux layers and the final layer against the target's own logits — plus a numeric reference on a
 few samples and the batch-invariance numbers the extract engine measured; recorded per version.
 
-Reads `tokenized/`, `hidden_states/`, `fingerprints/`, the extract manifest (record hashes and the
-engine's invariance entries), the target's final norm and lm_head weights (verify/fingerprint.py)
-and, for the reference samples, the target streamed layer by layer (verify/reference.py). No verify
-step loads the whole target, and none starts an engine. Writes `<extract-dir>/verify.json` (the
-result, per-layer statistics, learned bounds, and the hash of every verified shard) and
-`verify_rows.safetensors` (verify/cache.py): a re-run reads only shards that are new or changed.
-`require_verified` (called by train) refuses data whose current content key has no passing record.
-Failing files are moved to `hidden_states_failed/` (never deleted) and their shards marked failed, so
-a re-run of the failed shards re-extracts exactly them. Never answered from Prefect's cache.
-Two verifies of one extract dir never overlap: each holds `<extract-dir>/locks/verify.lock`
-(store.file_lock) from its first read to verify.json, so a second one waits and then checks again.
+More: docs/internals.md, "verify/stage.py".
 """
 
 from __future__ import annotations

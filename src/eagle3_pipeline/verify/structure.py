@@ -1,28 +1,7 @@
 """Structural verification of every hidden-state record against the contract (contracts.py), plus
 per-layer statistics and per-layer norm bounds learned over the whole extraction.
 
-Reads `tokenized/` (the rows) and `hidden_states/hs_{i}.safetensors`. Checks per file: readable,
-keys present, `token_ids` equal the row's input_ids, `hidden_states` rank 3 with [T, L, H] matching
-the row length, configured layer count and model hidden size, storage dtype, all values finite, no
-layer identically zero and no token whose hidden state is all zeros, no two layers identical, and
-each layer's median token norm inside bounds learned (median/MAD of log norms) from up to
-`norm_samples` good files spread evenly over every shard (median and MAD: robust to a bad shard,
-wherever it lies). The median, not the mean: a real model's first tokens carry norms tens of times the
-rest (attention sinks), so a short row's mean token norm sits far above a long row's while its median
-does not. Returns a record with every problem (file, sample, layer, expected vs found) and per-layer
-statistics over the good files (tokens, mean, std, min, max, mean token norm, the learned norm bounds
-and the clean margin); it never raises for bad data (the gate decides).
-
-Speed (bench/verify_throughput.py; profile-driven): the records are read once, by verify/scan.py (a
-reader thread that validates each header and scatters the tensors of a batch of files straight into
-contiguous arenas, asking the kernel for the next files ahead; compute threads that reduce every
-token in cache-sized fp32 blocks: sum, min, max over H and the Gram / cross Gram matrices of its
-slots). Everything here is arithmetic on those per-token arrays: finiteness (sums and extrema
-propagate NaN/Inf), all-zero layers and tokens (zero norms), candidate identical layers (equal
-extrema and sums, then confirmed or cleared by an exact comparison), the statistics (per file by
-segment reductions, in float64), the identity features and the final-layer agreement. Only a suspect
-file is read again with the safetensors library for the exact diagnosis that names the layer and the
-first bad token.
+More: docs/internals.md, "verify/structure.py".
 """
 
 from __future__ import annotations
@@ -36,9 +15,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 from pydantic import BaseModel, Field
 
+from eagle3_pipeline.checks import layer_identity as identity
 from eagle3_pipeline.data.tokenized import load_tokenized
+from eagle3_pipeline.engine import state_sketch
 from eagle3_pipeline.records.contracts import HS_KEY, SCALES_KEY, RecordSpec, fingerprint_name, record_name
 from eagle3_pipeline.records.verification import LayerStats, VerifyChecks
 from eagle3_pipeline.verify import prediction, scan
@@ -184,7 +166,6 @@ _local = threading.local()
 def _process(batch: scan.Batch, spec: RecordSpec, layer_ids: list[int], extras: Extras | None,
              release) -> list[FileResult]:
     """Per-file results of one batch the reader filled (then hands its arenas back with `release`)."""
-    import numpy as np
     import torch
 
     L = spec.num_layers_captured
@@ -208,15 +189,12 @@ def _process(batch: scan.Batch, spec: RecordSpec, layer_ids: list[int], extras: 
 
     stats, suspect, norm = _batch_stats(red, starts, lengths)
     if sketched:
-        from eagle3_pipeline.engine.state_sketch import TOLERANCE, deviation
-
-        dev = (deviation(red.proj, engine_sketch, norm.float()) / TOLERANCE).numpy()  # [N, L]: 1.0 = at the tolerance
+        dev = state_sketch.deviation(red.proj, engine_sketch, norm.float()) / state_sketch.TOLERANCE
+        dev = dev.numpy()  # [N, L]: 1.0 = at the tolerance
         _sketch_check([(batch.files[inside[j]], out[inside[j]]) for j in sketched], dev, layer_ids)
     sigs = None
     if extras is not None and extras.identity and L >= 2:
-        from eagle3_pipeline.checks.layer_identity import features
-
-        sigs = features(red.gram, red.cross, starts, lengths)  # [files, F]
+        sigs = identity.features(red.gram, red.cross, starts, lengths)  # [files, F]
     agree = _agreements(extras.final, red.final, fp_rows, list(zip(starts, lengths)), batch, inside) if final else {}
     for j, k in enumerate(inside):
         r, it = out[k], batch.files[k].item
@@ -243,7 +221,6 @@ def _process(batch: scan.Batch, spec: RecordSpec, layer_ids: list[int], extras: 
 def _batch_stats(red: scan.Reduced, starts, lengths: list[int]):
     """(stats float64 [files, STAT_ROWS, L], suspect bool [files], token norms [N, L]) of the records of a
     batch at `starts` with `lengths`, from the scan's per-token reductions."""
-    import numpy as np
     import torch
 
     L = red.sum.shape[1]
@@ -276,7 +253,6 @@ def _agreements(check, final, fp_rows, spans: list[tuple[int, int]], batch: scan
     sums (`_gaps`)} of the records inside[j] of `batch` that have a fingerprint, from the batch's final-layer
     states `final` [N, H] and its fingerprint rows (`spans`: each record's first row and rows there): only those
     records' tokens are scored."""
-    import numpy as np
     import torch
 
     with_fp = [j for j, k in enumerate(inside) if batch.files[k].fingerprint]
@@ -298,7 +274,6 @@ def _agreements(check, final, fp_rows, spans: list[tuple[int, int]], batch: scan
 def _gaps(check, final, top_ids, spans: list[tuple[int, int]], items: list, with_fp: list[int]) -> dict[int, tuple]:
     """{j: (sum, sum of squares, count) of the next-token logit gaps (FinalLayerCheck.next_gaps) of record j}
     for the records `with_fp`, from the batch's final-layer states and the fingerprint's first choices."""
-    import numpy as np
     import torch
 
     if not with_fp:
@@ -345,7 +320,6 @@ def _sketch_check(files: list[tuple[scan.FileEntry, FileResult]], dev, layer_ids
     """Every token's every stored state against the engine's sketch of the state it computed
     (state_sketch.py; `dev` [batch tokens, L]: deviation ÷ tolerance): each record's clean margin, and a
     problem naming the layers and positions where they differ."""
-    import numpy as np
 
     for e, r in files:
         d = dev[e.offset:e.offset + e.tokens]  # [T, L]
@@ -389,7 +363,6 @@ def _mean_tokens(ds, rows: list[int], sample: int = 256) -> float:
 
 def _row_items(ds, rows: list[int], hidden_states_dir: Path, fingerprints_dir: str | None = None):
     """Items for `rows` in batches of consecutive dataset rows (token ids straight from Arrow)."""
-    import numpy as np
 
     tbl = ds.with_format("arrow")
     has_sid = "sample_id" in ds.column_names
@@ -498,7 +471,6 @@ def judge_records(ds, results: list[FileResult], check: StructureCheck, log, *,
 
 def _layer_stats(kept: list[FileResult], layer_ids: list[int], hidden_size: int, bounds) -> list[LayerStats]:
     """Per-layer statistics over the files every check kept, with the norm bounds (None: not learned)."""
-    import numpy as np
 
     L = len(layer_ids)
     ks = np.stack([r.stats for r in kept]) if kept else np.zeros((0, STAT_ROWS, L))  # [files, STAT_ROWS, L]

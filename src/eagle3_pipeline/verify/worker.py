@@ -9,6 +9,7 @@ import gc
 import json
 import os
 import re
+import resource
 import shutil
 import struct
 import sys
@@ -20,6 +21,7 @@ from pydantic import BaseModel, ConfigDict
 
 from eagle3_pipeline.core.config import TargetConfig
 from eagle3_pipeline.core.proc import emit_event
+from eagle3_pipeline.core.store import write_json
 from eagle3_pipeline.records.families import known_model_type, layer_config, text_config
 
 BUDGET_EXIT = 3
@@ -69,8 +71,6 @@ class CannotStream(RuntimeError):
 
 
 def peak_rss_bytes() -> int:
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
@@ -355,8 +355,6 @@ def _check(budget: int, k: int, what: str) -> None:
 
 
 def _write(out_dir: Path, res: ReferenceOutput) -> None:
-    from eagle3_pipeline.core.store import write_json
-
     write_json(Path(out_dir) / RESULT_FILE, res.model_dump(mode="json"))
 
 
