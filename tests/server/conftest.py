@@ -1,7 +1,8 @@
 """A real Prefect server with the project's deployments, for the tests in this directory.
 
-Session fixtures, each started by the documented commands (docs/operations.md) and stopped at the
-end of the session (whole process groups, descendants included):
+Package fixtures, each started by the documented commands (docs/operations.md) and stopped when this
+directory's tests end (whole process groups, descendants included), not at the end of the session: the idle
+server and its workers poll, and the rest of the suite would share its 2 cores with them:
   prefect_server  `prefect server start` on 127.0.0.1, a free port, a temporary PREFECT_HOME (SQLite),
                   with its UI (at `prefect_server.ui`)
   deployed        `prefect work-pool create eagle3-process --type process`, the Kubernetes pool
@@ -29,7 +30,7 @@ from tests.helpers.server import BIN, GPU_LIMIT, POOL, ROOT, Proc, free_port, ru
 
 # ------------------------------------------------------------------------------- fixtures
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def prefect_server(tmp_path_factory):
     import httpx
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -70,7 +71,7 @@ def prefect_server(tmp_path_factory):
         stop_all([*workers, server])  # at once: a worker outlives its SIGTERM by the whole grace
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def client(prefect_server):
     from prefect.client.orchestration import get_client
 
@@ -78,7 +79,7 @@ def client(prefect_server):
         yield c
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def deployed(prefect_server, tiny_target):
     """Pool, GPU limit and every deployment of prefect.yaml, by the commands README documents."""
     env, prefect = prefect_server.env, str(BIN / "prefect")
@@ -101,25 +102,25 @@ def _workers(prefect_server, specs: list[tuple[str, list[str], dict]]) -> list[P
     return procs
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def controller(prefect_server, deployed):
     (w,) = _workers(prefect_server, [("controller", ["--work-queue", "default"], {})])
     return w
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def nodes(prefect_server, deployed):
     ws = _workers(prefect_server, [(f"node-{n}", ["--work-queue", "gpu", "--limit", "1"],
                                     {"EAGLE3_TEST_FAIL_SHARDS": "2"}) for n in ("a", "b")])
     return ws
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def server_store(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("server-store")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def server_overrides(tiny_target, server_store):
     """Overrides of configs/tiny-cpu.yaml for a 40-row dataset `dataset` from corpus file `source`:
     4 shards of 10 rows in groups of 2, one epoch, 4 held-out prompts; what a whole pipeline run
@@ -140,7 +141,7 @@ def server_overrides(tiny_target, server_store):
     return make
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def server_config_path(tmp_path_factory) -> Path:
     """configs/tiny-cpu.yaml as it was when the session started (runs later in the session, e.g.
     the refresh deployment's, read this copy, not a file that may be edited meanwhile)."""
@@ -149,7 +150,7 @@ def server_config_path(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def server_config(server_overrides, server_config_path):
     from eagle3_pipeline.core.config import load_config
 

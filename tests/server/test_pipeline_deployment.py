@@ -29,7 +29,7 @@ from tests.helpers.server import (
 MODEL = "tiny-target"  # artifact keys: <what>-<dataset>-<model>
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def pipeline_run(client, controller, server_config, tmp_path_factory):
     """One pipeline run through the worker: attempt 1 with EAGLE3_TEST_FAIL_SHARDS=2 (shard 2 fails
     once), attempt 2 by the UI's Retry."""
