@@ -37,12 +37,12 @@ def test_the_base_counts_times_and_fills_the_result():
     assert skipped.flags == {}
 
 
-def test_a_check_without_a_verdict_refuses_to_run():
+def test_a_check_without_a_verdict_cannot_be_made():
     class NoVerdict(Check):
         name = "none"
 
-    with pytest.raises(NotImplementedError):
-        NoVerdict().run([1])
+    with pytest.raises(TypeError, match="verdict"):
+        NoVerdict()
 
 
 def test_merge_adds_each_problem_once_and_no_row_without_one():

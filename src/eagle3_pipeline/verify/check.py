@@ -7,6 +7,7 @@ entry in verify.json and in the report. How to add one: docs/verification.md, "A
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -29,7 +30,7 @@ class Outcome:
     flags: dict[int, list[str]]
 
 
-class Check(Generic[Item]):
+class Check(ABC, Generic[Item]):
     """One check: `name` (its key in VerifyResult.checks), `result` (its result model), one `verdict`."""
     name: ClassVar[str]
     result: ClassVar[type[CheckResult]] = CheckResult
@@ -42,8 +43,9 @@ class Check(Generic[Item]):
         """Why the check cannot judge these items (None: it can)."""
         return None
 
+    @abstractmethod
     def verdict(self, items: list[Item]) -> Verdict:
-        raise NotImplementedError
+        """The check's flags and numbers on the items it admits (each concrete check says how)."""
 
     def run(self, batch: list[Item]) -> Outcome:
         t0 = time.perf_counter()
@@ -60,8 +62,9 @@ class Check(Generic[Item]):
 class RecordCheck(Check[Item]):
     """A check whose verdict is on each item alone: `problems_of` one item (a non-empty list, or True: flagged)."""
 
+    @abstractmethod
     def problems_of(self, item: Item) -> list[str] | bool:
-        raise NotImplementedError
+        """One item's problems (each concrete record check says which)."""
 
     def row_of(self, item: Item) -> int:
         return item.row
