@@ -7,5 +7,6 @@
   draft            a random speculators EAGLE-3 draft (evaluate tests)
   speculators_cpu  speculators' own trainer on CPU (a script: `python tests/helpers/speculators_cpu.py`)
   broken_connector a deliberately wrong hidden-states connector, loaded by vLLM in the engine child
+  training         the real trainer on the session's tiny extraction (topology comparisons)
   cputime          a pytest plugin (`-p tests.helpers.cputime`): each test phase's wall, CPU and demand seconds
 """

@@ -12,15 +12,13 @@ docs/decisions/fsdp-sharding.md."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from eagle3_pipeline.core.config import TargetConfig, TrainConfig
-from eagle3_pipeline.train.stage import train_draft
+from eagle3_pipeline.core.config import TrainConfig
+from tests.helpers.training import train_inputs, train_run
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -29,21 +27,14 @@ STEPS = 12
 
 @pytest.fixture(scope="module")
 def inputs(tiny_config, tiny_target, prepared, extracted):
-    from eagle3_pipeline.pipeline.stages import stage_vocab
-
-    voc = stage_vocab(tiny_config, prepared, extracted.version, log=lambda _: None)
-    return SimpleNamespace(version=extracted.version, vocab_dir=Path(voc.dir), target=TargetConfig(model=str(tiny_target)))
+    return train_inputs(tiny_config, tiny_target, prepared, extracted)
 
 
 def _train(inputs, sharding: str, out: Path):
     cfg = TrainConfig(epochs=1, lr=1e-2, max_seq_len=512, draft_layers=1, ttt_steps=3, attention="sdpa", device="cpu",
                       val_ratio=0.15, timeout_s=900, max_steps=STEPS, world_size=2, sharding=sharding,
                       estimate_after_steps=3)
-    lines: list[str] = []
-    res = train_draft(cfg, inputs.target, inputs.version, inputs.vocab_dir, out, log=lines.append)
-    steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return SimpleNamespace(res=res, lines=lines, steps=[s for s in steps if s["kind"] == "train_step"],
-                           val=[s for s in steps if s["kind"] == "val"])
+    return train_run(inputs, cfg, out)
 
 
 @pytest.fixture(scope="module")

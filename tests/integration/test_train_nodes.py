@@ -5,15 +5,13 @@ float noise (gloo's all-reduce against a local sum); the record and report.json 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from eagle3_pipeline.core.config import TargetConfig, TrainConfig
-from eagle3_pipeline.train.stage import train_draft
+from eagle3_pipeline.core.config import TrainConfig
+from tests.helpers.training import train_inputs, train_run
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -22,10 +20,7 @@ GLOBAL_BATCH = 1024  # tokens per optimizer step: 2 packed rows of 512
 
 @pytest.fixture(scope="module")
 def inputs(tiny_config, tiny_target, prepared, extracted):
-    from eagle3_pipeline.pipeline.stages import stage_vocab
-
-    voc = stage_vocab(tiny_config, prepared, extracted.version, log=lambda _: None)
-    return SimpleNamespace(version=extracted.version, vocab_dir=Path(voc.dir), target=TargetConfig(model=str(tiny_target)))
+    return train_inputs(tiny_config, tiny_target, prepared, extracted)
 
 
 def _cfg(**kw) -> TrainConfig:
@@ -35,11 +30,7 @@ def _cfg(**kw) -> TrainConfig:
 
 
 def _train(inputs, cfg: TrainConfig, out: Path):
-    lines: list[str] = []
-    res = train_draft(cfg, inputs.target, inputs.version, inputs.vocab_dir, out, log=lines.append)
-    steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return SimpleNamespace(res=res, lines=lines, steps=[s for s in steps if s["kind"] == "train_step"],
-                           val=[s for s in steps if s["kind"] == "val"])
+    return train_run(inputs, cfg, out)
 
 
 @pytest.fixture(scope="module")
