@@ -386,7 +386,11 @@ def controller_deployment(plane):
             c.create_flow(extract), "controller", entrypoint="flows/extract.py:extract", work_pool_name=POOL,
             work_queue_name="cpu", concurrency_limit=1,
             pull_steps=[{"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}],
-            job_variables={"command": f"{BIN / 'prefect'} flow-run execute",
+            # working_dir: the pod's (the image's code dir). Without it the process worker starts each run in a
+            # temporary directory it deletes when its process ends; a run rescheduled by SIGTERM was started again
+            # while the old process ended, and the new one crashed in Prefect's workspace resolver on a cwd that
+            # no longer existed (FileNotFoundError from Path.cwd(), in a full suite run: the test then waited out its 180 s)
+            job_variables={"command": f"{BIN / 'prefect'} flow-run execute", "working_dir": str(ROOT),
                            "env": {"PREFECT_FLOW_RUN_EXECUTE_SIGTERM_BEHAVIOR": "reschedule",
                                    # the deployment lease renewed every 5 s, not 225 s (the helper says why)
                                    "PYTHONPATH": f"{ROOT / 'tests' / 'helpers' / 'lease_renewal'}:{ROOT}",
