@@ -25,10 +25,30 @@ pytestmark = pytest.mark.timeout(2400)
 TAU_TOLERANCE = 0.2
 
 
-def _config(tiny_config, **train) -> PipelineConfig:
-    """The session's tiny config (as `--set train.mode=window ...` would make it), validated again."""
+# What this module's assertions never read, off in its runs (issue 53 item 8: ~1 min of CPU): evaluate's n-gram and
+# suffix-decoding baselines, its sampled pass and its speed-up rounds (each one more engine or more generate passes).
+# They stay covered by tests/integration/test_pipeline.py (the tiny default end to end: sampled τ, speed-up),
+# test_evaluate.py and test_evaluate_sets.py (the n-gram and suffix baselines). τ at temperature 0, the number this
+# module compares, is the trained draft's own greedy run in its own engine: the same with or without them.
+_EVALUATE_UNREAD = {"baseline_ngram": False, "baseline_suffix": False, "temperature": None, "speedup": False}
+# The offline run of the τ comparison reads only τ: no untrained baseline either, and so no lossless check (with the
+# untrained run gone its reference would be one more plain engine). The window run keeps both (it asserts
+# τ > untrained τ; its lossless check reads the untrained run's tokens, no extra engine).
+_EVALUATE_TAU_ONLY = {**_EVALUATE_UNREAD, "baseline": False, "check_lossless": False}
+# The window run's per-shard reference: a few rows per shard, not verify.reference_power's sizing (43 of each shard's
+# 96 rows, 12-20 s of a 2-core machine per shard, 4 shards). This module asserts that the reference ran on every
+# shard before it was published; the sample sized for a stated power is checked by tests/integration/
+# test_rare_corruption.py, and the tiny default's sizing runs in test_pipeline.py and in this module's offline run.
+WINDOW_REFERENCE_SAMPLES = 4
+
+
+def _config(tiny_config, evaluate: dict, verify: dict | None = None, **train) -> PipelineConfig:
+    """The session's tiny config (as `--set train.mode=window ...` would make it) with `evaluate` and `verify`
+    overrides, validated again."""
     d = tiny_config.model_dump(mode="json")
-    return PipelineConfig.model_validate({**d, "train": {**d["train"], **train}})
+    return PipelineConfig.model_validate({**d, "train": {**d["train"], **train},
+                                          "evaluate": {**d["evaluate"], **evaluate},
+                                          "verify": {**d["verify"], **(verify or {})}})
 
 
 def _run(cfg: PipelineConfig, run_dir: Path):
@@ -47,7 +67,8 @@ def _run(cfg: PipelineConfig, run_dir: Path):
 def window_run(tiny_config, prefect_harness, tmp_path_factory):
     from eagle3_pipeline.report.runs import create_run_dir
 
-    cfg = _config(tiny_config, mode="window", window_shards=2)
+    cfg = _config(tiny_config, _EVALUATE_UNREAD, {"reference_samples": WINDOW_REFERENCE_SAMPLES},
+                  mode="window", window_shards=2)
     run_dir = create_run_dir(tmp_path_factory.mktemp("window-runs"), cfg)
     rep, err = _run(cfg, run_dir)
     assert err is None, rep.get("error")
@@ -65,6 +86,9 @@ def test_window_run_passes_every_gate_and_holds_only_the_window(window_run):
     assert tr["mode"] == "window" and ver["passed"] and ver["details"]["mode"] == "window"  # verify ran in train
     assert ver["samples_checked"] == st["prepare"]["rows_out"]  # every row of every shard was read by verify
     assert win["verify"]["checks"]["reference"]["ran"] and win["verify"]["checks"]["fingerprint"]["ran"]
+    ref_rows = win["verify"]["checks"]["reference"]["samples"]  # the reference recomputed rows of every shard
+    assert len(ref_rows) == WINDOW_REFERENCE_SAMPLES * win["shards"], ref_rows
+    assert {r // cfg.extract.rows_per_shard for r in ref_rows} == set(range(win["shards"])), ref_rows
     # the store never held more than the window: its own record of what it held at its fullest
     state = json.loads((Path(win["dir"]) / "window.json").read_text())
     assert state["peak_shards"] <= cfg.train.window_shards == win["max_shards"] == 2
@@ -87,7 +111,7 @@ def test_window_tau_is_the_offline_tau(window_run, tiny_config, tmp_path):
     from eagle3_pipeline.report.runs import create_run_dir
 
     _, _, rep = window_run
-    cfg = _config(tiny_config)  # offline, one process: the same global batch as the window run
+    cfg = _config(tiny_config, _EVALUATE_TAU_ONLY)  # offline, one process: the same global batch as the window run
     off, err = _run(cfg, create_run_dir(tmp_path, cfg))
     assert err is None, off.get("error")
     tau_w, tau_o = rep["stages"]["evaluate"]["acceptance_length"], off["stages"]["evaluate"]["acceptance_length"]
