@@ -12,6 +12,7 @@ child's PYTHONPATH (tests/integration/test_verify.py sets it; the child's cwd is
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -123,16 +124,35 @@ class RareCorruptionConnector(Eagle3HiddenStatesConnector):
 
 CORRUPT_AFTER_ENV = "EAGLE3_TEST_CORRUPT_AFTER"  # requests written clean before any is corrupted
 CORRUPT_MODE_ENV = "EAGLE3_TEST_CORRUPT_MODE"    # the one mode of MODES applied
+# a JSON file {"mode": one of MODES or null, "clean": [ids_key of rows always written clean]}, read at every
+# request instead of the two above: one running server, its corruption changed between runs (a test's cases)
+CORRUPT_CONTROL_ENV = "EAGLE3_TEST_CORRUPT_CONTROL"
+
+
+def ids_key(token_ids) -> str:
+    """A row's key in a control file's "clean" list: the sha256 of its token ids (int64 bytes)."""
+    import hashlib
+
+    return hashlib.sha256(torch.as_tensor(list(map(int, token_ids)), dtype=torch.int64).numpy().tobytes()).hexdigest()
 
 
 class LateCorruptionConnector(RareCorruptionConnector):
     """The rows `corruption_of` picks, corrupted in the one mode `EAGLE3_TEST_CORRUPT_MODE` names, but only
     after the first `EAGLE3_TEST_CORRUPT_AFTER` requests: an online-training server whose verified sample
-    is clean and whose later rows are not (the same rows again when asked again: keyed by token ids)."""
+    is clean and whose later rows are not (the same rows again when asked again: keyed by token ids).
+    With `EAGLE3_TEST_CORRUPT_CONTROL`: the mode that file names, every row but its "clean" ones (the
+    sample's, by token ids: no count, so a request left over from an earlier run cannot shift it)."""
 
     _seen = 0
 
     def _mode_of(self, pending) -> str | None:
+        control = os.environ.get(CORRUPT_CONTROL_ENV)
+        if control:
+            with open(control) as f:
+                c = json.load(f)
+            if c["mode"] is None or corruption_of(pending.token_ids) is None:
+                return None
+            return None if ids_key(pending.token_ids) in set(c["clean"]) else c["mode"]
         type(self)._seen += 1
         if type(self)._seen <= int(os.environ.get(CORRUPT_AFTER_ENV, "0")) or corruption_of(pending.token_ids) is None:
             return None

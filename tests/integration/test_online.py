@@ -2,15 +2,18 @@
 `extract_hidden_states` + our connector), the verify gate checks rows sampled from that server, and
 speculators' trainer asks the server for every row's hidden states (nothing stored for the dataset).
 
-Three server starts in all: the tiny Llama clean (sample verified, a few training steps, the draft
+Five server starts in all: the tiny Llama clean (sample verified, a few training steps, the draft
 exported and checked), the tiny Llama with a connector that shifts batched requests by one token (the
-gate stops the stage before training), and the tiny MoE target (MLA + MoE) clean.
+gate stops the stage before training), the tiny MoE target (MLA + MoE) clean and with rows corrupted after
+its sample (training stops), and one tiny Llama server with rows corrupted after the sample that serves
+three corruptions in turn (each its own run of the gate and the trainer, each stopped by its own check).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -147,10 +150,23 @@ def test_online_on_the_moe_target(tiny_moe_target, tmp_path):
     assert _servers_left() == []
 
 
-def _late_corruption(cfg, mode: str, monkeypatch) -> tuple[str, list[str]]:
-    """Run online training with LateCorruptionConnector corrupting a third of the rows in `mode` after the
-    sample's requests; the stage must fail the gate (exit 4). Returns (its message, the log lines)."""
+def _judged(run: Callable[[list[str]], object]) -> tuple[str, list[str]]:
+    """`run(log_lines)` must fail the gate on a row the trainer read after a clean sample (exit 4).
+    Returns (its message, the log lines)."""
     from eagle3_pipeline.core.errors import exit_code
+
+    lines: list[str] = []
+    with pytest.raises(VerifyFailed) as ei:
+        run(lines)
+    msg = str(ei.value)
+    assert exit_code(ei.value) == 4 and "online row" in msg, msg
+    assert any(ln.startswith("online:") and "taken from the server" in ln for ln in lines)  # the sample passed
+    return msg, lines
+
+
+def _late_corruption(cfg, mode: str, monkeypatch) -> tuple[str, list[str]]:
+    """Run the online train stage with LateCorruptionConnector corrupting a third of the rows in `mode` after the
+    sample's requests; the stage must fail the gate (exit 4) and end its server. Returns (its message, the log lines)."""
     from tests.helpers.broken_connector import CORRUPT_AFTER_ENV, CORRUPT_EVERY_ENV, CORRUPT_MODE_ENV
 
     monkeypatch.setenv("PYTHONPATH", f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
@@ -159,47 +175,92 @@ def _late_corruption(cfg, mode: str, monkeypatch) -> tuple[str, list[str]]:
     monkeypatch.setenv(CORRUPT_AFTER_ENV, str(1 + cfg.verify.online_rows + cfg.extract.invariance_rows))
     monkeypatch.setenv(CORRUPT_EVERY_ENV, "3")
     monkeypatch.setenv(CORRUPT_MODE_ENV, mode)
-    lines: list[str] = []
-    with pytest.raises(VerifyFailed) as ei:
-        _run_online(cfg, lines)
-    msg = str(ei.value)
-    assert exit_code(ei.value) == 4 and "online row" in msg, msg
-    assert any(ln.startswith("online:") and "taken from the server" in ln for ln in lines)  # the sample passed
+    msg, lines = _judged(lambda log_lines: _run_online(cfg, log_lines))
     assert _servers_left() == []
     return msg, lines
 
 
-LATE = ["extract.connector_module=tests.helpers.broken_connector", "extract.connector_name=LateCorruptionConnector"]
-
-
-@pytest.mark.parametrize("mode, caught_by", [("a single token (the last)", "final layer disagrees"),
-                                             ("permuted aux layers", "states differ from the ones the target computed"),
-                                             ("one aux layer of a single token",
-                                              "states differ from the ones the target computed at 1 token-layer")])
-def test_rows_the_sample_never_saw_are_judged_before_training(mode, caught_by, tiny_config, tmp_path, monkeypatch):
-    """Issue 30, online mode: the verified sample is clean, the rows training asks for afterwards are not
-    (tests/helpers/broken_connector.LateCorruptionConnector: a third of the rows, keyed by token ids, after
-    the sample's requests). Every row the trainer reads is judged against the target: a row whose final
-    layer disagrees with the target's logits on one token stops training (asked again, wrong again).
-    The stage fails the gate (exit 4) and names the rows. Aux layers permuted, or one aux layer of one token from another request (the final
-    layer right), differ from the server engine's state sketch of the states it computed: the row is
-    rejected on every attempt, naming the position and layer slot."""
-    overrides = {**_flat(tiny_config), "store": str(tmp_path / "store")}
-    cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml", [f"{k}={v}" for k, v in overrides.items()] + ONLINE + LATE)
-    msg, lines = _late_corruption(cfg, mode, monkeypatch)
-    assert caught_by in msg, msg
-    if mode.startswith("a single"):  # the disagreeing token is named: the row's last position
-        assert "positions [" in msg and "at 1 of" in msg, msg
-    else:  # the engine's sketch: every state of every token
-        assert "layer slot 0" in msg and "failed the per-row checks against the target on every attempt" in msg, msg
+# the late-corruption runs skip the streamed reference on their (clean) sample: it reads no row from the server
+# and cannot see a later row; the clean runs above prove it on both targets
+LATE = ["extract.connector_module=tests.helpers.broken_connector", "extract.connector_name=LateCorruptionConnector",
+        "verify.reference_samples=0", "verify.allow_skip=[reference]"]
 
 
 def test_a_stale_last_block_from_the_moe_server_stops_online_training(tiny_moe_target, tmp_path, monkeypatch):
-    """The same on the tiny MoE (MLA + MoE): a row whose last KV block holds another request's states,
-    after a clean sample, fails its fingerprint on those tokens and stops training."""
+    """The same on the tiny MoE (MLA + MoE), through the whole train stage (its server started and ended with
+    it): a row whose last KV block holds another request's states, after a clean sample, fails its fingerprint
+    on those tokens and stops training."""
     cfg = load_config(ROOT / "configs" / "tiny-moe.yaml", [
         f"store={tmp_path / 'store'}", f"target.model={tiny_moe_target}",
         f"prepare.sources=[{{path: {tiny_moe_target / 'corpus' / 'openai.jsonl'}, limit: 80}}]",
         "prepare.heldout_rows=8", *ONLINE, "train.max_steps=2", *LATE])
     msg, _ = _late_corruption(cfg, "a stale last KV block", monkeypatch)
     assert "final layer disagrees" in msg and "positions [" in msg, msg
+
+
+@pytest.fixture(scope="module")
+def late_server(tiny_config, tmp_path_factory):
+    """One server of the tiny Llama with LateCorruptionConnector for the three cases below (a server start each
+    was ~20 s of their ~35 s): its corruption is set per case in a control file (broken_connector
+    CORRUPT_CONTROL_ENV): nothing for the server's runner proof, then the case's mode on a third of the rows,
+    every row of the verified sample clean. Each case runs the train stage's online work on it
+    (online_training.train_on_server: sample, gate, training); the stage's own start and end of its server
+    are the MoE case's and the other tests' (the MoE case runs before these: this server lives to the module's
+    end, and that test counts the online servers left). Yields (cfg, TrainInputs, the server, the control file)."""
+    from eagle3_pipeline.pipeline.online_training import online_server, online_work_dir
+    from eagle3_pipeline.pipeline.stages import plan_extract, stage_preflight, stage_prepare, stage_vocab
+    from eagle3_pipeline.train.stage import TrainInputs
+    from tests.helpers.broken_connector import CORRUPT_CONTROL_ENV, CORRUPT_EVERY_ENV
+
+    store = tmp_path_factory.mktemp("late-store")
+    overrides = {**_flat(tiny_config), "store": str(store)}
+    cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml", [f"{k}={v}" for k, v in overrides.items()] + ONLINE + LATE)
+    control = store / "corruption.json"
+    control.write_text(json.dumps({"mode": None, "clean": []}))
+    lines: list[str] = []
+    prep = stage_prepare(cfg, log=lines.append)
+    version = plan_extract(cfg, prep, stage_preflight(cfg, prep, log=lines.append))
+    inputs = TrainInputs(version=version, voc=stage_vocab(cfg, prep, version, log=lines.append))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        mp.setenv(CORRUPT_CONTROL_ENV, str(control))
+        mp.setenv(CORRUPT_EVERY_ENV, "3")
+        with online_server(cfg, version, online_work_dir(cfg, version), lines.append) as srv:
+            yield cfg, inputs, srv, control
+    assert _servers_left() == []
+
+
+def _sample_clean(control: Path, cfg, version, mode: str) -> None:
+    """Set the late server's corruption: `mode`, every row of the verify gate's sample (and so its invariance
+    rows) written clean."""
+    from eagle3_pipeline.data.tokenized import load_tokenized
+    from eagle3_pipeline.train.online import sample_rows
+    from tests.helpers.broken_connector import ids_key
+
+    ds = load_tokenized(version.tokenized_dir)
+    rows = sample_rows(len(ds), cfg.verify.online_rows)
+    control.write_text(json.dumps({"mode": mode, "clean": [ids_key(ids) for ids in ds.select(rows)["input_ids"]]}))
+
+
+@pytest.mark.parametrize("mode, caught_by", [("a single token (the last)", "final layer disagrees"),
+                                             ("permuted aux layers", "states differ from the ones the target computed"),
+                                             ("one aux layer of a single token",
+                                              "states differ from the ones the target computed at 1 token-layer")])
+def test_rows_the_sample_never_saw_are_judged_before_training(mode, caught_by, late_server):
+    """Issue 30, online mode: the verified sample is clean, the rows training asks for afterwards are not
+    (tests/helpers/broken_connector.LateCorruptionConnector: a third of the rows, keyed by token ids, none of
+    the sample's). Every row the trainer reads is judged against the target: a row whose final
+    layer disagrees with the target's logits on one token stops training (asked again, wrong again).
+    The stage fails the gate (exit 4) and names the rows. Aux layers permuted, or one aux layer of one token from another request (the final
+    layer right), differ from the server engine's state sketch of the states it computed: the row is
+    rejected on every attempt, naming the position and layer slot."""
+    from eagle3_pipeline.pipeline.online_training import train_on_server
+
+    cfg, inputs, srv, control = late_server
+    _sample_clean(control, cfg, inputs.version, mode)
+    msg, _ = _judged(lambda log_lines: train_on_server(cfg, inputs, srv, log_lines.append))
+    assert caught_by in msg, msg
+    if mode.startswith("a single"):  # the disagreeing token is named: the row's last position
+        assert "positions [" in msg and "at 1 of" in msg, msg
+    else:  # the engine's sketch: every state of every token
+        assert "layer slot 0" in msg and "failed the per-row checks against the target on every attempt" in msg, msg

@@ -29,37 +29,56 @@ def train_online(cfg: PipelineConfig, inputs: TrainInputs, log: Log = print) -> 
     rows taken from it, then train with every row's hidden states fetched from it (train/online.py); the server
     ends with the stage. The TrainResult carries the OnlineResult and its `verify` (the VerifyResult of the
     sample) for the report."""
+    version = inputs.version
+    work = online_work_dir(cfg, version)
+    with dir_lock(work, f"online training dir {work}", log), online_server(cfg, version, work, log) as srv:
+        return train_on_server(cfg, inputs, srv, log)
+
+
+def online_work_dir(cfg: PipelineConfig, version: ExtractVersion) -> Path:
+    """The online run's own dir (its server's scratch and log, the sample, the row checks): in the train dir."""
+    return version.train_dir(train_key(cfg, version)) / "online"
+
+
+def online_server(cfg: PipelineConfig, version: ExtractVersion, work: Path, log: Log = print) -> HiddenStateServer:
+    """The server `train_online` starts (a context manager: `with online_server(...) as srv`): the target with
+    extract's engine settings, connector and layers, rows up to the longest tokenized row."""
+    max_len = int(max(load_tokenized(version.tokenized_dir)["seq_len"])) + 1
+    return HiddenStateServer(cfg.extract, cfg.target, version, work, max_model_len=max_len,
+                             start_timeout_s=cfg.train.online_start_timeout_s, log=log)
+
+
+def train_on_server(cfg: PipelineConfig, inputs: TrainInputs, srv: HiddenStateServer, log: Log = print) -> TrainResult:
+    """Everything `train_online` does with its running server `srv` (one `online_server(cfg, ...)` of the same
+    version, in `online_work_dir`): the verify gate on its sample, then training from it. A server stays usable
+    after a failed run (tests ask one server again with another corruption)."""
     version, voc = inputs.version, inputs.voc
     prev, tcfg = train_start(cfg, version, log)  # the previous draft to continue from (or None), the settings for it
     out_dir = version.train_dir(train_key(cfg, version))
-    work = out_dir / "online"
+    work = srv.work_dir
     seq_lens = load_tokenized(version.tokenized_dir)["seq_len"]
-    max_len = int(max(seq_lens)) + 1
     offline_bytes = disk_plans(cfg, len(version.layer_ids), version.dims.hidden_size, int(sum(seq_lens)))["offline bf16"]
-    with dir_lock(work, f"online training dir {work}", log), HiddenStateServer(
-            cfg.extract, cfg.target, version, work, max_model_len=max_len,
-            start_timeout_s=cfg.train.online_start_timeout_s, log=log) as srv:
-        sample = take_sample(srv, cfg, version, work, log=log)
-        ver = verify(cfg.verify, srv.target, sample.version, log=log, rows=sample.rows, fingerprints=True)
-        ver = ver.model_copy(update={"mode": "online"})
-        write_json(sample.version.verify_path, ver.model_dump(mode="json"))
-        check_verify_gate(ver)
-        rows, tokens, seconds, nbytes = sample.rows, sample.tokens, sample.seconds, sample.bytes
-        checks = online_row_checks(cfg, srv.target, version, ver, work)
-        try:
-            source = OnlineSource(endpoint=srv.endpoint, model=srv.model,
-                                  request_timeout_s=cfg.train.online_request_timeout_s,
-                                  max_in_flight=max(1, min(cfg.extract.max_num_seqs, 16)),
-                                  hidden_size=version.dims.hidden_size, checks=checks)
-            tr = train_draft(tcfg, cfg.target, version, Path(voc.dir), out_dir, log=log, previous=prev, online=source)
-        except Exception as e:
-            rejected = _jsonl_rows(checks and checks.rejected_path, "rejected")
-            if rejected:
-                raise VerifyFailed(f"online training stopped: {len(rejected)} rows from the server failed the "
-                                   "per-row checks against the target on every attempt:\n  "
-                                   + "\n  ".join(rejected[r] for r in sorted(rejected)[:20])) from e
-            raise
-        row_checks = confirm_online_flags(cfg, srv.target, version, checks, log)
+    sample = take_sample(srv, cfg, version, work, log=log)
+    ver = verify(cfg.verify, srv.target, sample.version, log=log, rows=sample.rows, fingerprints=True)
+    ver = ver.model_copy(update={"mode": "online"})
+    write_json(sample.version.verify_path, ver.model_dump(mode="json"))
+    check_verify_gate(ver)
+    rows, tokens, seconds, nbytes = sample.rows, sample.tokens, sample.seconds, sample.bytes
+    checks = online_row_checks(cfg, srv.target, version, ver, work)
+    try:
+        source = OnlineSource(endpoint=srv.endpoint, model=srv.model,
+                              request_timeout_s=cfg.train.online_request_timeout_s,
+                              max_in_flight=max(1, min(cfg.extract.max_num_seqs, 16)),
+                              hidden_size=version.dims.hidden_size, checks=checks)
+        tr = train_draft(tcfg, cfg.target, version, Path(voc.dir), out_dir, log=log, previous=prev, online=source)
+    except Exception as e:
+        rejected = _jsonl_rows(checks and checks.rejected_path, "rejected")
+        if rejected:
+            raise VerifyFailed(f"online training stopped: {len(rejected)} rows from the server failed the "
+                               "per-row checks against the target on every attempt:\n  "
+                               + "\n  ".join(rejected[r] for r in sorted(rejected)[:20])) from e
+        raise
+    row_checks = confirm_online_flags(cfg, srv.target, version, checks, log)
     peak = srv.scratch_peak()
     res = OnlineResult(endpoint=srv.endpoint, server_start_s=srv.start_s, sample_rows=rows, sample_tokens=tokens,
                        sample_seconds=seconds, sample_bytes=nbytes, scratch_peak_bytes=peak,
