@@ -167,3 +167,24 @@ def test_chat_data_as_it_comes_is_trimmed_and_counted(tiny_target, tmp_path):
     ds = load_tokenized(res.tokenized)
     assert sorted(ds["sample_id"]) == ["c0", "c1", "c2", "c3", "c6"]
     assert json.loads((Path(res.dir) / "prepare.json").read_text())["trim_reasons"] == res.trim_reasons
+
+
+def test_a_copied_store_reads_its_own_files(tiny_target, tmp_path):
+    """A store copied or moved (another machine, another mount point) whose prepare version is complete: the reused
+    record names the files of the copy, not of the store it was copied from (which may be gone, or be another's)."""
+    import shutil
+
+    src = tmp_path / "a.jsonl"
+    src.write_text("".join(json.dumps(_good(i)) + "\n" for i in range(10)))
+    cfg = PrepareConfig(sources=[SourceConfig(path=str(src))], heldout_rows=2)
+    tgt = TargetConfig(model=str(tiny_target))
+    first = prepare(cfg, tgt, tmp_path / "store")
+    shutil.copytree(tmp_path / "store", tmp_path / "copy")
+    shutil.rmtree(tmp_path / "store")
+    lines: list[str] = []
+    again = prepare(cfg, tgt, tmp_path / "copy", log=lines.append)
+    assert again.cached and again.version == first.version
+    copy = (tmp_path / "copy").resolve()
+    for name in ("dir", "tokenized", "token_freq", "heldout", "quarantine"):
+        assert Path(getattr(again, name)).is_relative_to(copy) and Path(getattr(again, name)).exists(), name
+    assert any("was written at" in x for x in lines), lines  # the move is said, not silent

@@ -220,6 +220,21 @@ def _worker_chunk(args) -> tuple[Path, bool]:
     return _chunk(store, key, rows, fmt, _WORKER["tok"], cfg)
 
 
+PATH_FIELDS = ("dir", "tokenized", "token_freq", "heldout", "quarantine")  # PrepareResult's files, in its version dir
+
+
+def _complete(done: dict, out: Path, log) -> PrepareResult:
+    """The complete version's record (prepare.json), its files named where the version is now: a store copied or
+    moved (another machine, another mount point) reads its own files, not those of the store it was copied from."""
+    log(f"prepare: version {done['version']} already complete at {out}")
+    written, here = Path(done["dir"]), out.resolve()
+    if written != here:
+        log(f"prepare: the version was written at {written}; its files are read from {here}")
+        done = {**done, **{k: str(here / Path(done[k]).relative_to(written)) for k in PATH_FIELDS
+                           if Path(done[k]).is_relative_to(written)}}
+    return PrepareResult(**{**done, "cached": True})
+
+
 def prepare(cfg: PrepareConfig, target: TargetConfig, store_root: Path, log=print) -> PrepareResult:
     """Run the prepare stage, or return the complete version already in the store."""
     tok = load_tokenizer(target)
@@ -240,13 +255,11 @@ def prepare(cfg: PrepareConfig, target: TargetConfig, store_root: Path, log=prin
     out = store / version
     done = read_json(out / "prepare.json")
     if done is not None:
-        log(f"prepare: version {version} already complete at {out}")
-        return PrepareResult(**{**done, "cached": True})
+        return _complete(done, out, log)
     with dir_lock(out, f"prepare version {version}", log):
         done = read_json(out / "prepare.json")  # a concurrent run may have finished it while we waited
         if done is not None:
-            log(f"prepare: version {version} already complete at {out}")
-            return PrepareResult(**{**done, "cached": True})
+            return _complete(done, out, log)
         log(f"prepare: {len(chunk_dirs)} chunks, {computed} tokenized now, {len(chunk_dirs) - computed} reused")
         res = _assemble(cfg, chunk_dirs, computed, out, version, len(tok))
     log(f"prepare: {res.rows_in} rows in, {res.rows_out} out, {res.rows_heldout} held out, "

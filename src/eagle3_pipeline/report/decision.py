@@ -14,7 +14,9 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from eagle3_pipeline.core.store import atomic_write_text, slug
+from eagle3_pipeline.data.tokenized import PrepareResult
 from eagle3_pipeline.records.evaluation import EvaluateReport
+from eagle3_pipeline.records.results import TrainResult
 from eagle3_pipeline.report.loose import loose
 
 BASELINES = (("baseline_ngram", "n-gram", "tokens_per_step_ngram"),
@@ -70,7 +72,7 @@ def decide(evaluate: dict | None, curve: list[CurvePoint]) -> Decision | None:
     """The decision from report.json's evaluate entry (contract keys and details alike) and the curve."""
     if not isinstance(evaluate, dict):
         return None
-    ev = _record(evaluate)
+    ev = _record(EvaluateReport, evaluate)
     named = {key: _named(name, getattr(ev, key)) for key, name, _ in BASELINES if getattr(ev, key) is not None}
     free = {named[key]: getattr(ev, key).tokens_per_step for key in named}
     overall = _row(ev.acceptance_length, free)
@@ -195,22 +197,22 @@ def _flat(entry: dict | None) -> dict:
     return {**(entry.get("details") or {}), **{k: v for k, v in entry.items() if v is not None and k != "details"}}
 
 
-def _record(evaluate: dict | None):
-    """report.json's evaluate entry as evaluate's own record (EvaluateReport, loose: every field optional)."""
-    return loose(EvaluateReport).model_validate(_flat(evaluate))
+def _record(record: type[BaseModel], entry: dict | None):
+    """A report.json entry as its stage's own record (e.g. EvaluateReport), loose: every field optional."""
+    return loose(record).model_validate(_flat(entry))
 
 
 def curve_point(run_id: str, stages: dict) -> CurvePoint | None:
     """This run's point from its report entries (None: no trained draft was evaluated)."""
-    ev = _record(stages.get("evaluate"))
-    tr_flat, pr_flat = (_flat(stages.get(name)) for name in ("train", "prepare"))
-    tau, tokens, epochs = ev.acceptance_length, tr_flat.get("tokens"), tr_flat.get("epochs_done") or 1
+    ev = _record(EvaluateReport, stages.get("evaluate"))
+    tr, pr = _record(TrainResult, stages.get("train")), _record(PrepareResult, stages.get("prepare"))
+    tau, tokens, epochs = ev.acceptance_length, tr.tokens, tr.epochs_done or 1
     if not isinstance(tau, (int, float)) or not isinstance(tokens, int) or tokens <= 0:
         return None
     free = [getattr(ev, key).tokens_per_step for key, _, _ in BASELINES if getattr(ev, key) is not None]
     free = [f for f in free if isinstance(f, (int, float))]
     ps = ev.prompt_set or {}
-    sup = pr_flat.get("supervised_tokens")
+    sup = pr.supervised_tokens
     return CurvePoint(run_id=run_id, train_tokens=int(tokens // max(int(epochs), 1)), tau=float(tau),
                       best_free=max(free) if free else None, prompts=ps.get("source"),
                       k=ev.trained.num_speculative_tokens if ev.trained else None,
