@@ -132,7 +132,10 @@ def server_overrides(tiny_target, server_store):
                f"prepare.dataset={dataset}",
                f"prepare.sources=[{{path: {tiny_target / 'corpus' / source}, limit: 44}}]", "prepare.heldout_rows=4",
                "extract.rows_per_shard=10", "extract.shards_per_group=2", "extract.retries=0",
-               "verify.reference_samples=2", "train.epochs=1", "evaluate.num_prompts=4", "evaluate.max_tokens=16",
+               "verify.reference_samples=2", "train.epochs=1",
+               # one optimizer step of the epoch (the group asserts that training ran, steps > 0, and that its
+               # records agree); whole epochs stay covered in tests/integration/test_train.py, test_pipeline.py
+               "train.max_steps=1", "evaluate.num_prompts=4", "evaluate.max_tokens=16",
                "evaluate.baseline=false", "evaluate.check_lossless=false", "evaluate.min_acceptance_length=1.0",
                # evaluate's other engines and passes, which no assertion here reads (each engine a load of
                # its own in the evaluate child: 4 loads became 1). They stay covered where they are asserted:
