@@ -123,8 +123,8 @@ def server_store(tmp_path_factory) -> Path:
 @pytest.fixture(scope="package")
 def server_overrides(tiny_target, server_store):
     """Overrides of configs/tiny-cpu.yaml for a 40-row dataset `dataset` from corpus file `source`:
-    4 shards of 10 rows in groups of 2, one epoch, 4 held-out prompts; what a whole pipeline run
-    through a worker needs to take a few minutes on 2 cores."""
+    4 shards of 10 rows in groups of 2, one epoch, 4 held-out prompts, evaluate with one engine (the
+    trained draft's, greedy); what a whole pipeline run through a worker needs to take a few minutes on 2 cores."""
     from eagle3_pipeline.core.config import VerifyConfig
 
     def make(dataset: str, source: str, *extra: str) -> list[str]:
@@ -132,8 +132,18 @@ def server_overrides(tiny_target, server_store):
                f"prepare.dataset={dataset}",
                f"prepare.sources=[{{path: {tiny_target / 'corpus' / source}, limit: 44}}]", "prepare.heldout_rows=4",
                "extract.rows_per_shard=10", "extract.shards_per_group=2", "extract.retries=0",
-               "verify.reference_samples=2", "train.epochs=1", "evaluate.num_prompts=4", "evaluate.max_tokens=16",
-               "evaluate.baseline=false", "evaluate.check_lossless=false", "evaluate.min_acceptance_length=1.0"]
+               "verify.reference_samples=2", "train.epochs=1",
+               # one optimizer step of the epoch (the group asserts that training ran, steps > 0, and that its
+               # records agree); whole epochs stay covered in tests/integration/test_train.py, test_pipeline.py
+               "train.max_steps=1", "evaluate.num_prompts=4", "evaluate.max_tokens=16",
+               "evaluate.baseline=false", "evaluate.check_lossless=false", "evaluate.min_acceptance_length=1.0",
+               # evaluate's other engines and passes, which no assertion here reads (each engine a load of
+               # its own in the evaluate child: 4 loads became 1). They stay covered where they are asserted:
+               # the speed-up (the target alone's engine, timed rounds) and the sampled pass in
+               # tests/integration/test_pipeline.py, the n-gram and suffix decoding baselines in
+               # tests/integration/test_evaluate.py
+               "evaluate.speedup=false", "evaluate.temperature=null", "evaluate.baseline_ngram=false",
+               "evaluate.baseline_suffix=false"]
         if "invariance_samples" in VerifyConfig.model_fields:
             ovs.append("verify.invariance_samples=0")
         return ovs + list(extra)
