@@ -72,7 +72,7 @@ def pipeline(config: PipelineConfig | None = None, output_dir: str = "runs", run
                 recs["train"] = tr = stage_runs.run_stage(config, "train", TrainInputs(version=version, voc=voc))
             if online:  # the gate ran inside train: on rows taken from its server before training started (online),
                 # on every shard before it was published to the window (window)
-                recs["verify"] = VerifyResult.model_validate((tr.online or tr.window)["verify"])
+                recs["verify"] = VerifyResult.model_validate((tr.online or tr.window).verify)
             with clock.stage("gpu-gate"):
                 t.gpu_gate(config, GpuGateInputs(where="after-train"))
             with clock.stage("evaluate"):

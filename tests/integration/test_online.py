@@ -70,10 +70,10 @@ def _flat(cfg) -> dict:
 def test_online_training_takes_every_row_from_the_server(llama_online):
     cfg, version, tr, lines = llama_online
     assert tr.mode == "online" and tr.steps == 4 and tr.export_checked
-    on = tr.online
+    on = tr.online  # the OnlineRecord (records/results.py); its verify is the VerifyResult as written
     # the gate ran on rows from the server before training: every check, nothing failed
-    ver = on["verify"]
-    assert ver["mode"] == "online" and ver["passed"] and ver["samples_checked"] == len(on["sample_rows"]) == 24
+    ver = on.verify
+    assert ver["mode"] == "online" and ver["passed"] and ver["samples_checked"] == len(on.sample_rows) == 24
     fp = ver["fingerprint"]
     assert fp["rows_checked"] == 24 and fp["rows_failed"] == fp["rows_without"] == 0 and fp["skipped"] is None
     assert fp["min_agreement"] >= 0.9
@@ -81,15 +81,15 @@ def test_online_training_takes_every_row_from_the_server(llama_online):
     assert ver["invariance_samples"] and ver["invariance_max_rel_err"] < 0.05
     # nothing stored for the dataset: the version has no records, the server's scratch dir is gone
     assert not version.hidden_states_dir.exists() or not any(version.hidden_states_dir.iterdir())
-    assert not (Path(on["work_dir"]) / "server_hidden_states").exists()
-    assert on["scratch_peak_bytes"] > 0  # files really passed through the scratch dir while training
-    assert tr.hidden_states_peak_bytes == on["sample_bytes"] + on["scratch_peak_bytes"]
+    assert not (Path(on.work_dir) / "server_hidden_states").exists()
+    assert on.scratch_peak_bytes > 0  # files really passed through the scratch dir while training
+    assert tr.hidden_states_peak_bytes == on.sample_bytes + on.scratch_peak_bytes
     dumped = tr.model_dump(mode="json")  # what report.json and Prefect get: the online fields are real fields
     assert dumped["hidden_states_peak_bytes"] == tr.hidden_states_peak_bytes and dumped["online"]["verify"]["passed"]
-    assert tr.hidden_states_peak_bytes < on["offline_bytes_estimate"] / 2
+    assert tr.hidden_states_peak_bytes < on.offline_bytes_estimate / 2
     # the server is gone with the stage, and its log is kept
     assert _servers_left() == []
-    server_log = (Path(on["work_dir"]) / "server.log").read_text()
+    server_log = (Path(on.work_dir) / "server.log").read_text()
     assert "Application startup complete" in server_log
     assert "lean prompt scores in place" in server_log  # the server's engine scores rows as extraction does
     assert any(ln.startswith("online: server ready in") for ln in lines)
@@ -142,11 +142,11 @@ def test_online_on_the_moe_target(tiny_moe_target, tmp_path):
     lines: list[str] = []
     version, tr = _run_online(cfg, lines)
     assert version.dims.mla and tr.mode == "online" and tr.steps == 2 and tr.export_checked
-    ver = tr.online["verify"]
+    ver = tr.online.verify
     assert ver["passed"] and ver["samples_checked"] == 24 and ver["fingerprint"]["rows_checked"] == 24
     assert ver["identity_files"] == 24 and ver["invariance_samples"]
     assert ver["reference_samples"] and ver["reference_skipped"] is None and ver["reference_min_cosine"] > 0.9
-    assert tr.hidden_states_peak_bytes < tr.online["offline_bytes_estimate"]
+    assert tr.hidden_states_peak_bytes < tr.online.offline_bytes_estimate
     assert _servers_left() == []
 
 

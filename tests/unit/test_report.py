@@ -137,7 +137,9 @@ def test_report_md_rounds_numbers_and_keeps_tables_small(tmp_path):
     assert "**2.175** trained vs 1.003 untrained" in md
     assert "**τ at temperature 0.7** (trained): 1.813" in md
     assert "**0.62×** (143.4 vs 230 output tokens/s, 3 rounds)" in md
-    assert "**Training:** online, 128 steps, final loss 0.2856 (the last step's), held-out loss 0.3123, hidden states on disk at peak 2.1 MB" in md
+    assert ("**Training:** online, 128 steps, final loss 0.2856 (the last step's), held-out loss 0.3123, hidden states "
+            "on disk at peak 2.1 MB, every row from the server judged (structure, fingerprint, identity): 2 flagged and "
+            "cleared by the target, 1 not delivered") in md
     assert ("300 rows in, 297 rows out, 3 rows quarantined, 48,213 tokens generated (version `0c1d2e3f4a5b`); "
             "⚠ **37 of 412 answers cut short** and kept (at max_tokens 256: 37); ⚠ **21 of 412 answers repeat "
             "themselves** (fewer than half of their 8-token spans distinct; kept: the draft learns the loops)") in md

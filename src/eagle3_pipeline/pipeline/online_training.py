@@ -15,9 +15,9 @@ from eagle3_pipeline.core.store import dir_lock, write_json
 from eagle3_pipeline.data.tokenized import load_tokenized
 from eagle3_pipeline.preflight.stage import disk_plans
 from eagle3_pipeline.records.layout import ExtractVersion
-from eagle3_pipeline.records.results import TrainResult
+from eagle3_pipeline.records.results import OnlineRecord, OnlineResult, TrainResult
 from eagle3_pipeline.train.job import OnlineSource, RowChecksSpec
-from eagle3_pipeline.train.online import HiddenStateServer, OnlineResult, take_sample
+from eagle3_pipeline.train.online import HiddenStateServer, take_sample
 from eagle3_pipeline.train.stage import TrainInputs, train_draft, train_key, train_start
 from eagle3_pipeline.verify.reference import reference_check
 from eagle3_pipeline.verify.stage import VerifyFailed, check_verify_gate, verify
@@ -87,9 +87,8 @@ def train_on_server(cfg: PipelineConfig, inputs: TrainInputs, srv: HiddenStateSe
     write_json(work / "online.json", res.model_dump(mode="json"))
     log(f"online: hidden states on disk peaked at {res.hidden_states_peak_bytes / 1e6:.1f} MB ({nbytes / 1e6:.1f} MB "
         f"verified sample + {peak / 1e6:.2f} MB in flight); the stored dataset would take {offline_bytes / 1e6:.0f} MB")
-    return tr.model_copy(update={"hidden_states_peak_bytes": res.hidden_states_peak_bytes,
-                                 "online": {**res.model_dump(mode="json"), "verify": ver.model_dump(mode="json"),
-                                            "row_checks": row_checks},
+    online = OnlineRecord(**res.model_dump(), verify=ver.model_dump(mode="json"), row_checks=row_checks)
+    return tr.model_copy(update={"hidden_states_peak_bytes": res.hidden_states_peak_bytes, "online": online,
                                  "engine_start_s": round((tr.engine_start_s or 0.0) + srv.start_s, 2)})
 
 

@@ -18,7 +18,7 @@ from eagle3_pipeline.data.tokenized import load_tokenized
 from eagle3_pipeline.extract.stage import extract_group, group_deadline
 from eagle3_pipeline.preflight.stage import record_bytes_per_token
 from eagle3_pipeline.records.layout import ExtractVersion, Shard
-from eagle3_pipeline.records.results import TrainResult
+from eagle3_pipeline.records.results import TrainResult, WindowRecord
 from eagle3_pipeline.train.job import WindowSource
 from eagle3_pipeline.train.stage import TrainInputs, train_draft, train_key, train_start
 from eagle3_pipeline.train.window import ShardWindow, WindowStalled
@@ -197,12 +197,12 @@ def _with_window(tr, cap: Capture, st, version: ExtractVersion):
     """The TrainResult with the window's record: its peak against the dataset's bytes, and the merged verify."""
 
     ver = merge_verify(cap.verified, version.content_key)
-    window = {"dir": str(Path(tr.dir) / WINDOW_DIR), "max_shards": st.max_shards, "max_bytes": st.max_bytes,
-              "passes": st.passes, "shards": len(version.shards), "published": st.published,
-              "released": st.released, "peak_shards": st.peak_shards, "peak_bytes": st.peak_bytes,
-              "dataset_bytes": cap.dataset_bytes, "validation_bytes": cap.validation_bytes,
-              "capture_seconds": round(cap.seconds, 2), "verify": ver.model_dump(mode="json")}
-    write_json(Path(tr.dir) / WINDOW_DIR / "window_result.json", window)
+    window = WindowRecord(dir=str(Path(tr.dir) / WINDOW_DIR), max_shards=st.max_shards, max_bytes=st.max_bytes,
+                          passes=st.passes, shards=len(version.shards), published=st.published,
+                          released=st.released, peak_shards=st.peak_shards, peak_bytes=st.peak_bytes,
+                          dataset_bytes=cap.dataset_bytes, validation_bytes=cap.validation_bytes,
+                          capture_seconds=round(cap.seconds, 2), verify=ver.model_dump(mode="json"))
+    write_json(Path(tr.dir) / WINDOW_DIR / "window_result.json", window.model_dump(mode="json"))
     return tr.model_copy(update={"window": window, "hidden_states_peak_bytes": st.peak_bytes + cap.validation_bytes})
 
 

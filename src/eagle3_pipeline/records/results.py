@@ -80,6 +80,54 @@ class ExtractResult(BaseModel):
     cached: bool = False        # with `since`: every shard was published before this run
 
 
+class OnlineResult(BaseModel):
+    """An online run's server and its verified sample (train/online.py)."""
+    endpoint: str
+    server_start_s: float
+    sample_rows: list[int]
+    sample_tokens: int
+    sample_seconds: float
+    sample_bytes: int             # the verified sample's records + fingerprints (kept)
+    scratch_peak_bytes: int       # most bytes of in-flight hidden-state files seen in the server's scratch dir
+    hidden_states_peak_bytes: int  # sample_bytes + scratch_peak_bytes: hidden states on disk at the worst moment
+    offline_bytes_estimate: int   # what the stored dataset would take (bf16 records of every row)
+    work_dir: str
+
+
+class OnlineRowChecks(BaseModel):
+    """How every row the trainer read from the server was judged (pipeline/online_training.confirm_online_flags)."""
+    fingerprint: bool
+    state_sketch: bool
+    identity: bool
+    flagged: list[int] = []       # rows the layer profiles flagged, kept out of training
+    cleared: list[int] = []       # of those, the rows the target recomputed and agreed with
+    unavailable: list[int] = []   # rows the server could not deliver (not trained on)
+
+
+class OnlineRecord(OnlineResult):
+    """What train's record keeps of an online run: the server and sample, the sample's verify, the row checks."""
+    verify: dict = {}             # the sample's VerifyResult (report.json keeps it as written)
+    row_checks: OnlineRowChecks | None = None
+
+
+class WindowRecord(BaseModel):
+    """What train's record keeps of a window run (pipeline/window_training.py): the window's peak against the
+    dataset's bytes, its shards, and every shard's verify merged."""
+    dir: str
+    max_shards: int
+    max_bytes: int | None = None
+    passes: int
+    shards: int
+    published: int
+    released: int
+    peak_shards: int
+    peak_bytes: int
+    dataset_bytes: int
+    validation_bytes: int
+    capture_seconds: float
+    verify: dict = {}             # the merged VerifyResult (report.json keeps it as written)
+
+
 class TrainResult(BaseModel):
     mode: str = "offline"  # offline: stored hidden states; online: from a vLLM server started by the stage
     world_size: int = 1  # training processes (torchrun ranks; GPUs on cuda, gloo processes on cpu)
@@ -102,8 +150,8 @@ class TrainResult(BaseModel):
     previous_draft: str | None = None    # that draft's checkpoint (lineage)
     previous_version: str | None = None  # "<prepare version>/<extract version>" it was trained on
     hidden_states_peak_bytes: int | None = None  # online: most bytes of hidden states on disk (train/online.py)
-    online: dict | None = None  # online: the OnlineResult (server start-up, verified sample, disk peak) + its verify
-    window: dict | None = None  # window: the window's peak against the dataset's bytes, its shards, merged verify
+    online: OnlineRecord | None = None  # online: server start-up, verified sample, disk peak, its verify, row checks
+    window: WindowRecord | None = None  # window: the window's peak against the dataset's bytes, its shards, its verify
     cached: bool = False  # every epoch was trained before this call (its checkpoints were found): nothing trained now
     nodes: int = 1  # training nodes (torchrun agents meeting through c10d; train/topology.py)
     ranks_per_node: int = 1

@@ -416,17 +416,18 @@ def _train_summary(tr: StageEntry) -> list[str]:
     peak = tr.value("hidden_states_peak_bytes")
     if _isnum(peak):
         parts.append(f"hidden states on disk at peak {_bytes(peak)}")
-    rc = (tr.value("online") or {}).get("row_checks") if isinstance(tr.value("online"), dict) else None
-    if rc:
-        judged = ["structure"] + [k for k in ("fingerprint", "identity") if rc.get(k)]
-        parts.append(f"every row from the server judged ({', '.join(judged)}): {len(rc.get('flagged') or [])} "
-                     f"flagged and cleared by the target, {len(rc.get('unavailable') or [])} not delivered")
-    win = tr.value("window")
-    if isinstance(win, dict) and _isnum(win.get("peak_bytes")) and _isnum(win.get("dataset_bytes")):
-        parts.append(f"the window held at most {_num(win.get('peak_shards'))} of {_num(win.get('max_shards'))} shards "
-                     f"({_bytes(win['peak_bytes'])}) against the dataset's {_bytes(win['dataset_bytes'])} over "
-                     f"{_num(win.get('shards'))} shards, each verified before it was published; "
-                     f"{_bytes(win.get('validation_bytes') or 0)} of validation rows held for the run")
+    rec = tr.record()  # the train record, typed (TrainResult, every field optional)
+    rc = rec.online.row_checks if rec.online is not None else None
+    if rc is not None:
+        judged = ["structure"] + [k for k in ("fingerprint", "identity") if getattr(rc, k)]
+        parts.append(f"every row from the server judged ({', '.join(judged)}): {len(rc.flagged or [])} "
+                     f"flagged and cleared by the target, {len(rc.unavailable or [])} not delivered")
+    win = rec.window
+    if win is not None and _isnum(win.peak_bytes) and _isnum(win.dataset_bytes):
+        parts.append(f"the window held at most {_num(win.peak_shards)} of {_num(win.max_shards)} shards "
+                     f"({_bytes(win.peak_bytes)}) against the dataset's {_bytes(win.dataset_bytes)} over "
+                     f"{_num(win.shards)} shards, each verified before it was published; "
+                     f"{_bytes(win.validation_bytes or 0)} of validation rows held for the run")
     return [", ".join(parts)]
 
 

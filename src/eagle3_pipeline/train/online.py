@@ -51,6 +51,7 @@ from eagle3_pipeline.records.contracts import (
     write_record,
 )
 from eagle3_pipeline.records.layout import ExtractVersion
+from eagle3_pipeline.records.results import OnlineResult  # noqa: F401 - the record lives in records/, re-exported
 
 SKETCHES = "state-sketches"  # the server scratch dir's folder of state sketches (state_sketch.py)
 RUNNER = "engine-runner"  # the server scratch dir's folder of runner records (engine/runner.py)
@@ -69,19 +70,6 @@ class OnlineServerFailed(EnvironmentProblem):
 class OnlineRequestFailed(EnvironmentProblem):
     """The server answered a row's request with an HTTP error (its engine failed on the request, or
     died): the message names the row's length, the status and the server's own error text."""
-
-
-class OnlineResult(BaseModel):
-    endpoint: str
-    server_start_s: float
-    sample_rows: list[int]
-    sample_tokens: int
-    sample_seconds: float
-    sample_bytes: int             # the verified sample's records + fingerprints (kept)
-    scratch_peak_bytes: int       # most bytes of in-flight hidden-state files seen in the server's scratch dir
-    hidden_states_peak_bytes: int  # sample_bytes + scratch_peak_bytes: hidden states on disk at the worst moment
-    offline_bytes_estimate: int   # what the stored dataset would take (bf16 records of every row)
-    work_dir: str
 
 
 def free_port() -> int:
