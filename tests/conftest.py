@@ -18,7 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-# `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadscope`; with a third, see
+# `make test` runs the suite on three pytest-xdist workers (`-n 3 --dist loadscope`; the third, see
 # _WAIT_GROUPS below): the serial suite kept
 # one of two cores idle half the time (engine start-ups are single-threaded imports, server tests wait on
 # workers). A worker takes whole groups, never part of one: a test module each (its module fixtures
@@ -35,8 +35,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # group starts last; xdist's own reorder (most tests first) is turned off for that.
 # _WAIT_GROUPS: groups that mostly wait (outages, heartbeats, paced records: their process tree's CPU
 # seconds about half their wall seconds, docs/testing.md "Suite time"). With a third worker (`make test
-# TEST_WORKERS=3`) they run on it alone, beside the two that run everything else, so their waiting overlaps
-# the others' work; on two workers they are groups like the rest (docs/decisions/two-test-workers.md).
+# TEST_WORKERS=3`, the default) they run on it alone, beside the two that run everything else on one core each
+# (pytest_configure), so their waiting overlaps the others' work; on two workers they are groups like the rest.
 _GROUP_RULES = (("tests/chaos/test_control_plane.py", "tests/chaos/test_control_plane.py"),
                 ("tests/chaos/", "processes"), ("tests/unit/test_proc_gpu.py", "processes"), ("tests/server/", "server"))
 _GROUP_ORDER = ("processes", "server", "tests/integration/test_real_pipeline.py", "tests/chaos/test_control_plane.py",
@@ -53,6 +53,18 @@ def group_of(nodeid: str) -> str:
     """The group (see above) of a test id: the worker that runs one of its tests runs all of them."""
     module = nodeid.split("::", 1)[0]
     return next((g for prefix, g in _GROUP_RULES if module.startswith(prefix)), module)
+
+
+def pytest_configure(config):
+    """With three workers or more, each worker but the waiter (the highest gw number) runs on one core of its own:
+    every process it starts inherits the affinity, and the product sizes its threads from it (engine/build.py
+    cpu_bind_spec, train/worker.py), so engines and trainers run one thread each instead of two that wait on each
+    other across two busy workers (docs/decisions/one-core-per-worker.md). The waiter stays on every core."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if worker is None or count < 3 or int(worker.removeprefix("gw")) == count - 1:
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[int(worker.removeprefix("gw")) % len(cores)]})
 
 
 def pytest_collection_modifyitems(config, items):
