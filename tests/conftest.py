@@ -18,7 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-# `make test` runs the suite on three pytest-xdist workers (`-n 3 --dist loadscope`; the third, see
+# `make test` runs the suite on four pytest-xdist workers (`-n 4 --dist loadscope`; the last two, see
 # _WAIT_GROUPS below): the serial suite kept
 # one of two cores idle half the time (engine start-ups are single-threaded imports, server tests wait on
 # workers). A worker takes whole groups, never part of one: a test module each (its module fixtures
@@ -34,8 +34,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # Groups are handed out longest first (their seconds in the last full run, docs/testing.md), so no long
 # group starts last; xdist's own reorder (most tests first) is turned off for that.
 # _WAIT_GROUPS: groups that mostly wait (outages, heartbeats, paced records: their process tree's CPU
-# seconds about half their wall seconds, docs/testing.md "Suite time"). With a third worker (`make test
-# TEST_WORKERS=3`, the default) they run on it alone, beside the two that run everything else on one core each
+# seconds about half their wall seconds, docs/testing.md "Suite time"). With more than two workers (`make test`
+# runs four) the workers past gw1 run only them, beside the two that run everything else on one core each
 # (pytest_configure), so their waiting overlaps the others' work; on two workers they are groups like the rest.
 _GROUP_RULES = (("tests/chaos/test_control_plane.py", "tests/chaos/test_control_plane.py"),
                 ("tests/chaos/", "processes"), ("tests/unit/test_proc_gpu.py", "processes"), ("tests/server/", "server"))
@@ -45,9 +45,10 @@ _GROUP_ORDER = ("tests/chaos/test_control_plane.py", "processes", "server", "tes
                 "tests/integration/test_extract.py", "tests/integration/test_verify.py", "tests/integration/test_train.py",
                 "tests/integration/test_speculators_interop.py", "tests/integration/test_extract_flow.py",
                 "tests/integration/test_evaluate_sets.py", "tests/integration/test_poison.py")
-# the control plane, and the tensor-parallel and two-node engine tests: two ranks held to one core wait on each
-# other (27 s of 33 s wall with 7 CPU s in the pinned run), on the waiter they get both cores
-_WAIT_GROUPS = ("tests/chaos/test_control_plane.py", "tests/integration/test_extract.py",
+# the control plane and the chaos suite's kill and signal tests (waits for outages, heartbeats, processes to
+# end), and the tensor-parallel and two-node engine tests: two ranks held to one core wait on each other (27 s
+# of 33 s wall with 7 CPU s in the pinned run), on a waiter they get both cores
+_WAIT_GROUPS = ("tests/chaos/test_control_plane.py", "processes", "tests/integration/test_extract.py",
                 "tests/integration/test_tiny_moe_engine.py", "tests/integration/test_engine_set.py")
 
 
@@ -57,13 +58,18 @@ def group_of(nodeid: str) -> str:
     return next((g for prefix, g in _GROUP_RULES if module.startswith(prefix)), module)
 
 
+def is_waiter(worker: str, count: int) -> bool:
+    """With three workers or more, gw0 and gw1 compute and every later worker is a waiter (_WAIT_GROUPS only)."""
+    return count >= 3 and int(worker.removeprefix("gw")) >= 2
+
+
 def pytest_configure(config):
-    """With three workers or more, each worker but the waiter (the highest gw number) runs on one core of its own:
-    every process it starts inherits the affinity, and the product sizes its threads from it (engine/build.py
-    cpu_bind_spec, train/worker.py), so engines and trainers run one thread each instead of two that wait on each
-    other across two busy workers (docs/decisions/one-core-per-worker.md). The waiter stays on every core."""
+    """With three workers or more, gw0 and gw1 each run on one core of their own: every process they start
+    inherits the affinity, and the product sizes its threads from it (engine/build.py cpu_bind_spec,
+    train/worker.py), so engines and trainers run one thread each instead of two that wait on each other across
+    two busy workers (docs/decisions/one-core-per-worker.md). The waiters stay on every core."""
     worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
-    if worker is None or count < 3 or int(worker.removeprefix("gw")) == count - 1:
+    if worker is None or count < 3 or is_waiter(worker, count):
         return
     cores = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cores[int(worker.removeprefix("gw")) % len(cores)]})
@@ -79,8 +85,8 @@ def pytest_xdist_make_scheduler(config, log):
     """With `--dist loadscope`, xdist's scope of a test is its group, and groups go out in the collection's
     order (above): xdist would otherwise reorder them by their number of tests, which sent the 3-test,
     10-minute real-target module out late. (Its `loadgroup` cannot be used: it renames node ids through
-    `item._nodeid`, which pytest 9 no longer reads.) With three workers or more, the last one (the highest
-    gw number) runs only the groups of _WAIT_GROUPS and the others never do: its waits overlap their work."""
+    `item._nodeid`, which pytest 9 no longer reads.) With three workers or more, the waiters (is_waiter) run
+    only the groups of _WAIT_GROUPS and the others never do: their waits overlap the others' work."""
     if config.getvalue("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -94,8 +100,7 @@ def pytest_xdist_make_scheduler(config, log):
         def _mine(self, node, scope: str) -> bool:
             if len(self.nodes) < 3:
                 return True
-            waiter = max(self.nodes, key=lambda n: int(n.gateway.id.removeprefix("gw")))
-            return (node is waiter) == (scope in _WAIT_GROUPS)
+            return is_waiter(node.gateway.id, len(self.nodes)) == (scope in _WAIT_GROUPS)
 
         def _assign_work_unit(self, node) -> None:
             scope = next((s for s in self.workqueue if self._mine(node, s)), None)
