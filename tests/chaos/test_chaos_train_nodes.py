@@ -34,8 +34,10 @@ def inputs(tiny_config, tiny_target, prepared, extracted):
     from eagle3_pipeline.pipeline.stages import stage_vocab
 
     voc = stage_vocab(tiny_config, prepared, extracted.version, log=lambda _: None)
+    # packed rows of 256 tokens (the small run's, tests/helpers/store.small_overrides): half the step compute of
+    # 512 (two ranks share one core here); 1 epoch of the tiny data still holds far more than max_steps
     cfg = tiny_config.train.model_copy(update={"nodes": 2, "world_size": 1, "epochs": 1, "max_steps": 14,
-                                               "max_seq_len": 512, "checkpoint_every_steps": CHECKPOINT_EVERY})
+                                               "max_seq_len": 256, "checkpoint_every_steps": CHECKPOINT_EVERY})
     return SimpleNamespace(cfg=cfg, target=TargetConfig(model=str(tiny_target)), version=extracted.version,
                            vocab_dir=Path(voc.dir))
 

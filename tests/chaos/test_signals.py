@@ -190,17 +190,18 @@ def test_sigterm_to_eagle3_extract_then_resume(signal_store, tag):
     assert processes_with_env(TAG_ENV, tag) == []
 
 
-def test_kill_9_of_eagle3_run_leaves_no_process(tiny_target, tmp_path, tag):
+def test_kill_9_of_eagle3_run_leaves_no_process(signal_store, tiny_target, tmp_path, tag):
     """`kill -9` of `eagle3 run` mid-extraction (the OOM killer, a hard-closed terminal): nothing it started
     outlives it: Prefect's temporary server ends by its parent-death signal, the engine child and its workers
     by theirs, within seconds; the next command resumes as after any crash (test_sigterm_* above). A store of
-    its own: the module's store is fully extracted by the tests before it."""
+    its own: the module's store is fully extracted by the tests before it. The module's PREFECT_HOME: its
+    database is migrated already (the first run of test_sigterm_then_sigint_to_eagle3_run started on a fresh one)."""
     root, overrides = tmp_path, small_overrides(tiny_target, tmp_path / "store")
     store = root / "store"
     before = _published(_manifest(store))
     log = root / "run-KILL.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(_command("run", root, overrides), cwd=ROOT, env=_env(root, tag), stdout=out,
+        proc = subprocess.Popen(_command("run", root, overrides), cwd=ROOT, env=_env(signal_store[0], tag), stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
         while True:
