@@ -19,7 +19,8 @@ and take it away mid-fan-out: SIGTERM, and its lost deployment lease.
 
 Each test waits until a shard is published (mid-group), disturbs, and then requires: the flow ends
 Completed, every shard published, the manifest equal to an undisturbed extraction's apart from its
-volatile fields (timestamps, attempts: tests/helpers/store.manifest_content), the hidden states byte
+volatile fields (timestamps, attempts: tests/helpers/store.manifest_content) and its grouping (the reference
+runs its 6 shards in one engine child), the hidden states byte
 for byte the same, at most the affected group run again, and 0 active slots on `gpu-node`.
 """
 
@@ -123,6 +124,21 @@ class ControlPlane:
         return "\n".join(p.tail(60) for p in self.procs()) + "\n" + self.pg.tail()
 
 
+def _pool_and_limit(api: str) -> None:
+    """The work pool and the GPU limit, made through the API from this process: what `prefect work-pool create
+    eagle3-process --type process` and `prefect gcl create gpu-node --limit 2` make (those commands, as
+    docs/operations.md gives them, run in tests/server/conftest.py), without a CLI process each (~3 CPU s)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, WorkPoolCreate
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.workers.process import ProcessWorker
+
+    with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as c:
+        c.create_work_pool(WorkPoolCreate(name=POOL, type="process",
+                                          base_job_template=ProcessWorker.get_default_base_job_template()))
+        c.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=GPU_LIMIT, limit=2))
+
+
 @pytest.fixture(scope="module")
 def plane(tmp_path_factory, tiny_target):
     pg = PostgresCluster(pg_bin()).init()
@@ -131,8 +147,7 @@ def plane(tmp_path_factory, tiny_target):
     try:
         print(f"\nprefect server on postgres up in {cp.start_server():.1f}s")
         env, prefect = cp.client_env, str(BIN / "prefect")
-        run_cmd([prefect, "work-pool", "create", POOL, "--type", "process"], env)
-        run_cmd([prefect, "gcl", "create", GPU_LIMIT, "--limit", "2"], env)
+        _pool_and_limit(cp.api)
         run_cmd([prefect, "--no-prompt", "deploy", "--name", "extract-group"], env, timeout=300)
         for name in ("node-a", "node-b"):
             cp.start_node(name)
@@ -167,14 +182,24 @@ def _plan(cfg):
 
 @pytest.fixture(scope="module")
 def undisturbed(tiny_target, tmp_path_factory):
-    """The same extraction, undisturbed and without Prefect (the stage function): what every run must equal."""
+    """The same extraction, undisturbed and without Prefect (the stage function): what every run must equal.
+    Its 6 shards run as one group, in one engine child (the stage runs groups one after another, an engine start
+    each; the bytes do not depend on the grouping, tests/integration/test_concurrency.py compares them the same
+    way): `groups` are the disturbed runs' two, planned from the same prepare."""
+    from eagle3_pipeline.core.config import load_config
     from eagle3_pipeline.pipeline.stages import stage_extract
 
-    cfg = _config(tiny_target, tmp_path_factory.mktemp("cp-reference"))
+    store = tmp_path_factory.mktemp("cp-reference")
+    groups = _plan(_config(tiny_target, store)).groups
+    assert len(groups) == 2, groups
+    cfg = load_config(ROOT / "configs" / "tiny-cpu.yaml", small_overrides(tiny_target, store))
     version = _plan(cfg)
-    assert len(version.groups) == 2, version.groups
+    assert len(version.groups) == 1, version.groups
     stage_extract(cfg, version, log=lambda _: None)
-    return SimpleNamespace(dir=Path(version.path), groups=version.groups)
+    return SimpleNamespace(dir=Path(version.path), groups=groups)
+
+
+GROUPING = ("shards_per_group", "parallel_groups")  # config.extract keys the reference differs in (one group)
 
 
 # ------------------------------------------------------------------------------- one disturbed run
@@ -253,7 +278,7 @@ def check_outcome(run: Run, undisturbed, what: str, max_reruns: int) -> dict:
     took = run.finish()
     m = run.manifest()
     assert [s["status"] for s in m["shards"]] == ["published"] * len(m["shards"]), m["shards"]
-    assert manifest_content(run.dir) == manifest_content(undisturbed.dir)
+    assert manifest_content(run.dir, GROUPING) == manifest_content(undisturbed.dir, GROUPING)
     assert hidden_state_hashes(run.dir) == hidden_state_hashes(undisturbed.dir)
     runs = run.group_runs()
     by_group: dict[tuple, list] = {}
@@ -438,7 +463,7 @@ def each_group_ran_once(run, client, undisturbed) -> list:
     """Everything published with the undisturbed bytes, one completed run per group, all slots free."""
     m = run.manifest()
     assert [s["status"] for s in m["shards"]] == ["published"] * len(m["shards"]), m["shards"]
-    assert manifest_content(run.dir) == manifest_content(undisturbed.dir)
+    assert manifest_content(run.dir, GROUPING) == manifest_content(undisturbed.dir, GROUPING)
     assert hidden_state_hashes(run.dir) == hidden_state_hashes(undisturbed.dir)
     runs = run.group_runs()
     assert len(runs) == len(undisturbed.groups), [(r.name, r.state.name) for r in runs]  # none submitted twice
