@@ -155,11 +155,11 @@ postgres:
 	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null 2>&1 || { \
 	  $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends postgresql; }
 
-# Four pytest-xdist workers, each taking whole test modules (and the chaos and server groups whole: see
+# Three pytest-xdist workers, each taking whole test modules (and the chaos and server groups whole: see
 # tests/conftest.py): two run everything but the groups that mostly wait, each held to one core of its own, and
-# two run only those (control-plane outages, kill and signal tests) on every core
-# (docs/decisions/one-core-per-worker.md); TEST_WORKERS=2 runs two free workers; TEST_WORKERS=0 one process.
-TEST_WORKERS ?= 4
+# the third runs only those (the control-plane chaos tests) on every core (docs/decisions/one-core-per-worker.md);
+# TEST_WORKERS=2 runs two free workers; TEST_WORKERS=0 runs the suite in this one process.
+TEST_WORKERS ?= 3
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope)
 # The linter first, right after the install (a second, before the targets are built): ruff from the `test` extra,
 # its rules in pyproject.toml [tool.ruff] (docs/testing.md, "The linter").

@@ -18,7 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-# `make test` runs the suite on four pytest-xdist workers (`-n 4 --dist loadscope`; the last two, see
+# `make test` runs the suite on three pytest-xdist workers (`-n 3 --dist loadscope`; the third, see
 # _WAIT_GROUPS below): the serial suite kept
 # one of two cores idle half the time (engine start-ups are single-threaded imports, server tests wait on
 # workers). A worker takes whole groups, never part of one: a test module each (its module fixtures
@@ -35,7 +35,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # group starts last; xdist's own reorder (most tests first) is turned off for that.
 # _WAIT_GROUPS: groups that mostly wait (outages, heartbeats, paced records: their process tree's CPU
 # seconds about half their wall seconds, docs/testing.md "Suite time"). With more than two workers (`make test`
-# runs four) the workers past gw1 run only them, beside the two that run everything else on one core each
+# runs three) the workers past gw1 run only them, beside the two that run everything else on one core each
 # (pytest_configure), so their waiting overlaps the others' work; on two workers they are groups like the rest.
 _GROUP_RULES = (("tests/chaos/test_control_plane.py", "tests/chaos/test_control_plane.py"),
                 ("tests/chaos/", "processes"), ("tests/unit/test_proc_gpu.py", "processes"), ("tests/server/", "server"))
@@ -45,11 +45,10 @@ _GROUP_ORDER = ("tests/chaos/test_control_plane.py", "processes", "server", "tes
                 "tests/integration/test_extract.py", "tests/integration/test_verify.py", "tests/integration/test_train.py",
                 "tests/integration/test_speculators_interop.py", "tests/integration/test_extract_flow.py",
                 "tests/integration/test_evaluate_sets.py", "tests/integration/test_poison.py")
-# the control plane and the chaos suite's kill and signal tests (waits for outages, heartbeats, processes to
-# end), and the tensor-parallel and two-node engine tests: two ranks held to one core wait on each other (27 s
-# of 33 s wall with 7 CPU s in the pinned run), on a waiter they get both cores
-_WAIT_GROUPS = ("tests/chaos/test_control_plane.py", "processes", "tests/integration/test_extract.py",
-                "tests/integration/test_tiny_moe_engine.py", "tests/integration/test_engine_set.py")
+# the control plane only: a waiter is not pinned, and a computing group there ran its two-thread engines against
+# the pinned workers' (four workers, the chaos `processes` group and the engine modules on two waiters: 1,680 s
+# and 3,085 CPU s against 1,597 s and 2,683; docs/decisions/one-core-per-worker.md)
+_WAIT_GROUPS = ("tests/chaos/test_control_plane.py",)
 
 
 def group_of(nodeid: str) -> str:
