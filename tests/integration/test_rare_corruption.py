@@ -31,16 +31,6 @@ def _why(out: str) -> str:
     return "error lines:\n" + "\n".join(lines[:40]) + "\n--- tail:\n" + out[-2500:]
 
 
-def _api_url() -> str:
-    """The session's Prefect server (the `prefect_harness` fixture) for this module's `eagle3 run`s: one server
-    for the three runs instead of a temporary server started by each (~10 CPU s apiece, issue 53 item 8). A user's
-    `eagle3 run` without PREFECT_API_URL, starting its own temporary server, stays covered by
-    tests/integration/test_real_pipeline.py."""
-    from prefect.settings import PREFECT_API_URL
-
-    return PREFECT_API_URL.value()
-
-
 def _targets():
     out = [("tiny-cpu", ROOT / ".cache" / "tiny-target")]
     moe = Path(os.environ.get("EAGLE3_TINY_MOE", ROOT / ".cache" / "tiny-moe"))
@@ -49,7 +39,7 @@ def _targets():
 
 
 @pytest.mark.parametrize("config, model", _targets(), ids=[t[0] for t in _targets()])
-def test_rare_corruption_stops_the_run_at_verify(config, model, tiny_target, prefect_harness, tmp_path):
+def test_rare_corruption_stops_the_run_at_verify(config, model, tiny_target, tmp_path):
     if config == "tiny-moe" and not (model / "tiny_target.json").exists():
         pytest.skip(f"tiny-moe target not built at {model} (make tiny builds it)")
     cfg_path = ROOT / "configs" / f"{config}.yaml"
@@ -64,7 +54,7 @@ def test_rare_corruption_stops_the_run_at_verify(config, model, tiny_target, pre
             "extract.connector_name=RareCorruptionConnector"]
     env = {**os.environ, CORRUPT_EVERY_ENV: str(EVERY),
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    env["PREFECT_API_URL"] = _api_url()
+    env.pop("PREFECT_API_URL", None)  # `eagle3 run` starts its own temporary server, as a user's would
     cmd = [str(Path(sys.executable).parent / "eagle3"), "run", "--config", str(cfg_path),
            "--output-dir", str(tmp_path / "runs"), *[a for s in sets for a in ("--set", s)]]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
@@ -105,7 +95,7 @@ def test_rare_corruption_stops_the_run_at_verify(config, model, tiny_target, pre
 FORWARD_EVERY = 20  # one request in 20: the rate the reference sample is sized for
 
 
-def test_a_forward_that_computes_rows_wrong_stops_at_verify(tiny_target, prefect_harness, tmp_path):
+def test_a_forward_that_computes_rows_wrong_stops_at_verify(tiny_target, tmp_path):
     """Upstream of every engine-side record: the target's forward runs one request in 20 on other input ids
     (tests/helpers/forward_corruption.py). The captured states, the state sketch, the logits and the fingerprint
     all come from that forward, so they agree; structure, fingerprint and sketch pass every row. The target's own
@@ -126,7 +116,7 @@ def test_a_forward_that_computes_rows_wrong_stops_at_verify(tiny_target, prefect
             "extract.connector_name=ForwardCorruptionConnector"]
     env = {**os.environ, EVERY_ENV: str(FORWARD_EVERY), MODE_ENV: "tokens",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    env["PREFECT_API_URL"] = _api_url()
+    env.pop("PREFECT_API_URL", None)
     cmd = [str(Path(sys.executable).parent / "eagle3"), "run", "--config", str(cfg_path),
            "--output-dir", str(tmp_path / "runs"), *[a for s in sets for a in ("--set", s)]]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
