@@ -218,7 +218,7 @@ def prefect_harness(tmp_path_factory):
 @pytest.fixture(scope="session")
 def small_reference(tiny_target, tmp_path_factory) -> SimpleNamespace:
     """One clean prepare + extract of the small run (one engine start), the reference that crash and
-    concurrency tests compare their stores with byte for byte: the config, the stage records (prep,
+    concurrency tests compare their stores with (tests/helpers/store.same_records): the config, the stage records (prep,
     pre, ext) and the ExtractVersion (`version`; relocate it with `version.model_copy(update={"dir": ..., "pool_dir": None})`)."""
     from eagle3_pipeline.core.config import load_config
     from eagle3_pipeline.pipeline.stages import plan_extract, stage_extract, stage_preflight, stage_prepare
