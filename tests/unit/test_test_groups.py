@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from tests.conftest import _GROUP_ORDER, _WAIT_GROUPS, group_of, pytest_xdist_make_scheduler
+import pytest
+
+from tests.conftest import _GROUP_ORDER, _LATE_GROUPS, _WAIT_GROUPS, group_of, pytest_xdist_make_scheduler
 
 
 def test_leftover_process_tests_share_a_group_and_the_control_plane_has_its_own():
@@ -72,18 +74,43 @@ def _scheduled(names: list[str], collection: list[str]) -> list[_Node]:
     return nodes
 
 
-def test_a_third_worker_runs_the_waiting_groups_alone():
-    """With three workers the highest one (gw2, whichever registered first) runs _WAIT_GROUPS and nothing
-    else, and the other two never run them; with two, a waiting group is a group like the rest."""
+def test_a_third_worker_runs_the_waiting_groups_then_the_late_ones():
+    """With three workers the highest one (gw2, whichever registered first) runs _WAIT_GROUPS, then
+    _LATE_GROUPS, and nothing else, and the other two never run them; with two, a waiting group is a group like
+    the rest."""
     cp = [f"tests/chaos/test_control_plane.py::t{i}" for i in range(6)]
-    rest = ["tests/chaos/test_signals.py::a", "tests/server/test_fanout.py::a",
-            "tests/integration/test_real_pipeline.py::a", *(f"tests/unit/test_bad_input.py::t{i}" for i in range(5))]
-    collection = rest[:3] + cp + rest[3:]
+    late = ["tests/chaos/test_signals.py::a", "tests/unit/test_proc_gpu.py::a"]
+    rest = ["tests/server/test_fanout.py::a", "tests/integration/test_real_pipeline.py::a",
+            *(f"tests/unit/test_bad_input.py::t{i}" for i in range(5))]
+    collection = [*late[:1], *rest[:2], *cp, *rest[2:], *late[1:]]
     waiting = {collection.index(x) for x in cp}
-    assert set(_WAIT_GROUPS) == {group_of(cp[0])}
+    later = {collection.index(x) for x in late}
+    assert set(_WAIT_GROUPS) == {group_of(cp[0])} and set(_LATE_GROUPS) == {group_of(x) for x in late}
     gw2, gw0, gw1 = _scheduled(["gw2", "gw0", "gw1"], collection)
-    assert set(gw2.sent) == waiting and gw2.shutting_down
-    assert sorted(gw0.sent + gw1.sent) == sorted(set(range(len(collection))) - waiting)
+    assert set(gw2.sent) == waiting | later and gw2.shutting_down
+    assert gw2.sent[:len(cp)] == sorted(waiting)  # the control plane first
+    assert sorted(gw0.sent + gw1.sent) == sorted(set(range(len(collection))) - waiting - later)
     two = _scheduled(["gw0", "gw1"], collection)
     assert sorted(two[0].sent + two[1].sent) == list(range(len(collection)))
     assert any(waiting <= set(n.sent) for n in two)  # whole, on one worker
+
+
+def test_a_waiter_holds_itself_to_one_core_for_a_late_group_only():
+    """The waiter stays on every core for the control plane and takes one core from its first late test on
+    (what its engines and trainers then start with); a computing worker's pin (pytest_configure) is untouched."""
+    import os
+    import subprocess
+    import sys
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core here: nothing to hold to")
+    probe = ("import os, sys; from types import SimpleNamespace as N; from tests.conftest import pytest_runtest_setup as s; "
+             "[s(N(nodeid=n)) or print(len(os.sched_getaffinity(0))) for n in sys.argv[1:]]")
+    ids = ["tests/chaos/test_control_plane.py::t", "tests/chaos/test_signals.py::t", "tests/integration/test_train.py::t"]
+    env = {**os.environ, "PYTEST_XDIST_WORKER": "gw2", "PYTEST_XDIST_WORKER_COUNT": "3"}
+    out = subprocess.run([sys.executable, "-c", probe, *ids], env=env, capture_output=True, text=True, check=True)
+    n = len(os.sched_getaffinity(0))
+    assert out.stdout.split() == [str(n), "1", "1"], out.stdout + out.stderr
+    env["PYTEST_XDIST_WORKER"] = "gw1"
+    out = subprocess.run([sys.executable, "-c", probe, *ids], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [str(n)] * 3, out.stdout + out.stderr
