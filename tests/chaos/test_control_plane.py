@@ -185,7 +185,7 @@ def _plan(cfg):
 def undisturbed(tiny_target, tmp_path_factory):
     """The same extraction, undisturbed and without Prefect (the stage function): what every run must equal.
     Its 6 shards run as one group, in one engine child (the stage runs groups one after another, an engine start
-    each; the bytes do not depend on the grouping, tests/integration/test_concurrency.py compares them the same
+    each; the records do not depend on the grouping, tests/integration/test_concurrency.py compares them the same
     way): `groups` are the disturbed runs' two, planned from the same prepare."""
     from eagle3_pipeline.core.config import load_config
     from eagle3_pipeline.pipeline.stages import stage_extract
@@ -201,6 +201,17 @@ def undisturbed(tiny_target, tmp_path_factory):
 
 
 GROUPING = ("shards_per_group", "parallel_groups")  # config.extract keys the reference differs in (one group)
+
+
+def published_as_undisturbed(run, undisturbed) -> dict:
+    """Every shard published, the manifest the undisturbed one's (its grouping and file hashes aside) and the
+    records the same (tests/helpers/store.same_records). Returns the run's manifest."""
+    m = run.manifest()
+    assert [s["status"] for s in m["shards"]] == ["published"] * len(m["shards"]), m["shards"]
+    assert manifest_content(run.dir, GROUPING, file_hashes=False) == \
+        manifest_content(undisturbed.dir, GROUPING, file_hashes=False)
+    same_records(run.dir, undisturbed.dir)
+    return m
 
 
 # ------------------------------------------------------------------------------- one disturbed run
@@ -277,11 +288,7 @@ def active_slots(client, settle_s: float) -> tuple[int, float]:
 
 def check_outcome(run: Run, undisturbed, what: str, max_reruns: int) -> dict:
     took = run.finish()
-    m = run.manifest()
-    assert [s["status"] for s in m["shards"]] == ["published"] * len(m["shards"]), m["shards"]
-    assert manifest_content(run.dir, GROUPING, file_hashes=False) == \
-        manifest_content(undisturbed.dir, GROUPING, file_hashes=False)
-    same_records(run.dir, undisturbed.dir)
+    m = published_as_undisturbed(run, undisturbed)
     runs = run.group_runs()
     by_group: dict[tuple, list] = {}
     for r in runs:
@@ -462,12 +469,8 @@ def rescheduled_and_done(client, fr, plane) -> list[str]:
 
 
 def each_group_ran_once(run, client, undisturbed) -> list:
-    """Everything published with the undisturbed bytes, one completed run per group, all slots free."""
-    m = run.manifest()
-    assert [s["status"] for s in m["shards"]] == ["published"] * len(m["shards"]), m["shards"]
-    assert manifest_content(run.dir, GROUPING, file_hashes=False) == \
-        manifest_content(undisturbed.dir, GROUPING, file_hashes=False)
-    same_records(run.dir, undisturbed.dir)
+    """Everything published with the undisturbed records, one completed run per group, all slots free."""
+    published_as_undisturbed(run, undisturbed)
     runs = run.group_runs()
     assert len(runs) == len(undisturbed.groups), [(r.name, r.state.name) for r in runs]  # none submitted twice
     assert all(r.state.is_completed() for r in runs), [(r.name, r.state.name) for r in runs]
