@@ -38,12 +38,12 @@ from eagle3_pipeline.tiny.target import TinyTargetConfig, build_tiny_target
 from eagle3_pipeline.train.stage import RECORD_NAME, TrainResult
 from eagle3_pipeline.vocab.stage import VocabResult
 from flows.hub_auth import use_hub_secret
-from flows.local_server import EarlyServer
+from flows.local_server import STARTUP_TIMEOUT_S, EarlyServer
 
 # A run without PREFECT_API_URL starts a temporary Prefect server and waits for it Prefect's 20 s by default;
 # on a loaded 2-core machine its start-up took longer and `eagle3 run` failed before any stage ran
 # ("Timed out while attempting to connect to ephemeral Prefect API server"). Set before Prefect is imported.
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", STARTUP_TIMEOUT_S)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="eagle3-pipeline: target LLM + chat data -> EAGLE-3 draft")
 console = Console()

@@ -17,6 +17,9 @@ import time
 
 PORTS = range(8000, 9000)  # where Prefect's temporary servers listen
 PORT_TAKEN = 3  # uvicorn's exit code when its port is taken
+# how long a command waits for its temporary server (Prefect's default, 20 s, was too short on a loaded
+# 2-core machine: "Timed out while attempting to connect to ephemeral Prefect API server")
+STARTUP_TIMEOUT_S = "180"
 
 
 def _die_with(parent: int):

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import psutil
 
+from flows.local_server import STARTUP_TIMEOUT_S
+
 ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = textwrap.dedent("""
@@ -41,8 +43,11 @@ CHILD = textwrap.dedent("""
 
 def _child(case: str, tmp_path: Path, **env_extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_")}
+    # the start-up wait `eagle3 run` sets: at Prefect's 20 s default, Prefect's own server timed out on a loaded
+    # CI machine after the early one died (stop 59)
     env.update(PREFECT_HOME=str(tmp_path / f"prefect-{case}"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               PYTHONPATH=str(ROOT), **env_extra)
+               PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=STARTUP_TIMEOUT_S, PYTHONPATH=str(ROOT),
+               **env_extra)
     p = subprocess.run([sys.executable, "-c", CHILD, case], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
