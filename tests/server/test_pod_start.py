@@ -105,7 +105,7 @@ def test_fanout_waits_for_a_slow_pod_and_gives_up_an_unschedulable_one(client, d
     assert f"shards {version.groups[1]}" in failed[0] and "never started" in failed[0], failed
     assert "Unschedulable: 0/4 nodes are available: 4 Insufficient nvidia.com/gpu" in failed[0], failed
     assert f"within {deadline:.0f}s" in failed[0]
-    assert took < deadline + 30, took  # the start deadline, not the Job's (hours)
+    assert took < deadline + 120, took  # the start deadline, not the Job's (hours); slack for a loaded CI machine
     (never,) = [fid for fid, how in pods.script.items() if how == "never"]
     (slow,) = [fid for fid, how in pods.script.items() if how == 6.0]
     assert pods.deleted == [never]  # its Job is gone: nothing waits on for a node
@@ -141,7 +141,7 @@ def test_a_stage_run_whose_pod_never_starts_fails_with_the_pods_reason(client, d
     t0 = time.time()
     state = wait_final(fr.id, jv["deadline_seconds"], type("Log", (), {"warning": staticmethod(lines.append)}), start)
     took = time.time() - t0
-    assert jv["pod_watch_timeout_seconds"] <= took < jv["pod_watch_timeout_seconds"] + 20, took
+    assert jv["pod_watch_timeout_seconds"] <= took < jv["pod_watch_timeout_seconds"] + 120, took  # not the Job's hours
     assert state.is_cancelling() or state.is_cancelled(), state
     assert reason in state.message and "never started" in state.message, state.message
     assert start.never_started and reason in start.never_started
