@@ -69,6 +69,11 @@ def is_waiter(worker: str, count: int) -> bool:
     return count >= 3 and int(worker.removeprefix("gw")) >= 2
 
 
+def _this_worker() -> tuple[str | None, int]:
+    """(this xdist worker's id or None outside xdist, the number of workers)."""
+    return os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+
+
 def _waiters_group(scope: str) -> bool:
     return scope in _WAIT_GROUPS or scope in _LATE_GROUPS
 
@@ -76,7 +81,7 @@ def _waiters_group(scope: str) -> bool:
 def pytest_runtest_setup(item):
     """A waiter starting a _LATE_GROUPS test holds itself, and so everything it starts from then on, to the last
     core (pytest_configure's reason): a late group computes as much as it waits, unlike the control plane."""
-    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    worker, count = _this_worker()
     if worker is None or not is_waiter(worker, count) or group_of(item.nodeid) not in _LATE_GROUPS:
         return
     cores = sorted(os.sched_getaffinity(0))
@@ -90,7 +95,7 @@ def pytest_configure(config):
     train/worker.py), so engines and trainers run one thread each instead of two that wait on each other across
     two busy workers (docs/decisions/one-core-per-worker.md). The waiters stay on every core until a late group
     (pytest_runtest_setup)."""
-    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    worker, count = _this_worker()
     if worker is None or count < 3 or is_waiter(worker, count):
         return
     cores = sorted(os.sched_getaffinity(0))

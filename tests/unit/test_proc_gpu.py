@@ -47,7 +47,7 @@ def test_gpu_gate_ends_a_leftover_engine_of_ours():
     try:
         # an orphan once its launching shell has exited: on a loaded core that can take longer than a fixed pause
         deadline = time.monotonic() + 30
-        while (found := pid in {p.pid for p, _ in find_leftovers()}) is False and time.monotonic() < deadline:
+        while not (found := pid in {p.pid for p, _ in find_leftovers()}) and time.monotonic() < deadline:
             time.sleep(0.25)
         assert found
         res = gpu_gate(log=lambda m: None)
