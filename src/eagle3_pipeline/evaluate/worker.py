@@ -22,9 +22,11 @@ from eagle3_pipeline.core.proc import emit_event
 from eagle3_pipeline.core.progress import LineProgress
 from eagle3_pipeline.core.store import write_json
 from eagle3_pipeline.engine import surface
-from eagle3_pipeline.engine.build import build_llm, eagle3_config
+from eagle3_pipeline.engine.build import ENGINE_PRELOAD, build_llm, eagle3_config
 from eagle3_pipeline.evaluate.implementation import Implementation
 from eagle3_pipeline.evaluate.implementation import installed as installed_implementation
+
+FORK_PRELOAD = ENGINE_PRELOAD  # what a fork server imports before forking this worker (core/forkserver.py)
 
 PLAIN = "plain"  # label of the run without speculation (the lossless reference)
 NGRAM = "ngram"  # label of the n-gram (prompt lookup) baseline run

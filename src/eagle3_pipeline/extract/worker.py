@@ -23,6 +23,7 @@ from eagle3_pipeline.core.store import durable_files
 from eagle3_pipeline.data.tokenized import load_tokenized
 from eagle3_pipeline.engine import runner, state_sketch
 from eagle3_pipeline.engine.build import (
+    ENGINE_PRELOAD,
     FINGERPRINT_ENGINE_KWARGS,
     build_llm,
     extract_hidden_states_config,
@@ -49,6 +50,9 @@ from eagle3_pipeline.records.contracts import (
     write_record,
 )
 from eagle3_pipeline.records.layout import Shard
+
+# what a fork server imports before forking this worker (core/forkserver.py)
+FORK_PRELOAD = (*ENGINE_PRELOAD, "eagle3_pipeline.extract.connector", "vllm.v1.spec_decode.extract_hidden_states")
 
 KILL_AFTER_ENV = "EAGLE3_TEST_KILL_AFTER_SHARDS"
 RECORD_DELAY_ENV = "EAGLE3_TEST_RECORD_DELAY_S"

@@ -19,7 +19,7 @@ from eagle3_pipeline.core.progress import LineProgress
 from eagle3_pipeline.core.store import atomic_write_text
 from eagle3_pipeline.data.chat import other_argument_form
 from eagle3_pipeline.data.tokenized import load_tokenizer
-from eagle3_pipeline.engine.build import build_llm
+from eagle3_pipeline.engine.build import ENGINE_PRELOAD, build_llm
 from eagle3_pipeline.regenerate import turns as T
 from eagle3_pipeline.regenerate.job import (
     QUARANTINE_DIR,
@@ -32,6 +32,7 @@ from eagle3_pipeline.regenerate.job import (
 )
 
 KILL_AFTER_ENV = "EAGLE3_TEST_REGENERATE_KILL_AFTER_SHARDS"
+FORK_PRELOAD = ENGINE_PRELOAD  # what a fork server imports before forking this worker (core/forkserver.py)
 
 
 # ---------------------------------------------------------------- capability (child only: imports vLLM)

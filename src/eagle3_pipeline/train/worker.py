@@ -28,6 +28,11 @@ from eagle3_pipeline.train.job import TrainJob, TrainOutput, UntrainedOutput
 from eagle3_pipeline.train.window import ShardWindow
 from eagle3_pipeline.train.window_sampler import WindowSampler, window_transfer
 
+# what a fork server imports before forking this worker (core/forkserver.py): torch.distributed and speculators
+FORK_PRELOAD = ("torch.distributed", "torch.optim._muon", "datasets", "safetensors.torch", "speculators.models.eagle3",
+                "speculators.models.eagle3.data", "speculators.train.checkpointer", "speculators.train.cli",
+                "speculators.train.dataloader", "speculators.train.distributed", "speculators.train.trainer")
+
 ATTN_IMPL = {"sdpa": "sdpa", "eager": "eager", "flex_attention": "simple_flex_attention"}
 KILL_ENV = "EAGLE3_TRAIN_KILL_AT"
 STEP_DELAY_ENV = "EAGLE3_TEST_STEP_DELAY_S"

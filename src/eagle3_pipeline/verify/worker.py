@@ -24,6 +24,10 @@ from eagle3_pipeline.core.proc import emit_event
 from eagle3_pipeline.core.store import write_json
 from eagle3_pipeline.records.families import known_model_type, layer_config, text_config
 
+# what a fork server imports before forking this worker (core/forkserver.py): torch and transformers' models
+FORK_PRELOAD = ("torch", "safetensors.torch", "transformers", "transformers.models.llama.modeling_llama",
+                "transformers.models.qwen3.modeling_qwen3")
+
 BUDGET_EXIT = 3
 HS_FILE, RESULT_FILE = "reference.safetensors", "result.json"
 _ST_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,

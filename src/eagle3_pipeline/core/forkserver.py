@@ -1,0 +1,352 @@
+"""Children started by a fork of a process that has made their imports once (a fork server), not a new interpreter.
+
+Off unless EAGLE3_FORK_SERVER names a directory: the test suite turns it on (a vLLM or speculators import is ~6 CPU s,
+paid by hundreds of short-lived children); a GPU node never needs it. Owns `start(argv, env)` (a ForkedChild, or
+None: spawn it) and the server's loop. A server serves one import-time environment (`signature`); docs/decisions/
+fork-server.md has what a forked child shares with its server and what it cannot have.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import faulthandler
+import fcntl
+import hashlib
+import importlib
+import json
+import os
+import runpy
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ENV = "EAGLE3_FORK_SERVER"
+OWNER_FILE = "owner"  # the pid whose end ends every server of the directory
+IDLE_S = 300.0  # a server that forked nothing for this long ends
+START_S = 120.0  # a server's imports are done within this, or its children are spawned
+# what the environment may hold differently from the server's: read by a child at run time, never at import
+RUN_TIME = ("EAGLE3_", "PREFECT_", "PYTEST_", "PYTHONUNBUFFERED", "PYTHONFAULTHANDLER", "TQDM_DISABLE", "TMPDIR",
+            "COV_", "_")
+MAX_MSG = 1 << 20
+# threads a server may hold: pyarrow's jemalloc purger (jemalloc's fork handlers stop it and reset it in the child)
+FORK_SAFE_THREADS = ("jemalloc_bg_thd",)
+# a child's own markers (core/proc.py): left out of the server's environment, which is no engine's
+MARKERS = ("EAGLE3_PIPELINE_CHILD", "EAGLE3_PIPELINE_LAUNCHER")
+PACKAGES = ("eagle3_pipeline.",)  # only our own workers, and of them those that say what to preload (FORK_PRELOAD)
+
+
+def signature(env: dict[str, str]) -> str:
+    """The server a child with `env` can fork from: every variable a package may read at import, and the interpreter."""
+    fixed = sorted((k, v) for k, v in env.items() if not k.startswith(RUN_TIME))
+    return hashlib.sha256(json.dumps([sys.executable, fixed]).encode()).hexdigest()[:16]
+
+
+def module_of(argv: list[str]) -> str | None:
+    """The module of `python -u -m module args...` run by this interpreter, else None (not forkable)."""
+    if len(argv) >= 4 and argv[0] == sys.executable and argv[1:3] == ["-u", "-m"] and argv[3].startswith(PACKAGES):
+        return argv[3]
+    return None
+
+
+class ForkedChild:
+    """A forked child seen like subprocess.Popen: `pid` (its own process group), `stdout` (its output, text),
+    `poll()`, `wait(timeout)`, `returncode` (negative: the signal that ended it). The server reports the exit."""
+
+    def __init__(self, pid: int, conn: socket.socket, out_fd: int):
+        self.pid, self._conn, self.returncode = pid, conn, None
+        self.stdout = open(out_fd, errors="replace", buffering=1)  # noqa: SIM115
+
+    def _read(self, timeout: float | None) -> None:
+        if self.returncode is not None:
+            return
+        self._conn.settimeout(timeout)
+        try:
+            data = self._conn.recv(MAX_MSG)
+        except (TimeoutError, BlockingIOError):  # no word yet (a timeout of 0: non-blocking)
+            return
+        finally:
+            self._conn.settimeout(None)
+        if data:
+            self.returncode = int(json.loads(data)["rc"])
+        else:  # the server ended first: the child's exit is not known; wait until it is gone
+            while _alive(self.pid) and (timeout is None or timeout > 0):
+                time.sleep(0.1)
+                timeout = None if timeout is None else timeout - 0.1
+            if _alive(self.pid):
+                return
+            self.returncode = 255
+        self._conn.close()
+
+    def poll(self) -> int | None:
+        self._read(0.0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._read(timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(f"forked child {self.pid}", timeout or 0)
+        return self.returncode
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def start(argv: list[str], env: dict[str, str]) -> ForkedChild | None:
+    """`argv` forked by the server of its environment (started first when there is none), or None when it is to
+    be spawned: no EAGLE3_FORK_SERVER, not `python -u -m`, or no server could take it (it says why on stderr)."""
+    root, module = env.get(ENV), module_of(argv)
+    if not root or module is None or not (Path(root) / OWNER_FILE).exists():
+        return None
+    key = signature(env)
+    conn = _connect(Path(root), key, env)
+    if conn is None:
+        return None
+    r, w = os.pipe()
+    null = os.open(os.devnull, os.O_RDONLY)
+    try:
+        umask = os.umask(0o022)
+        os.umask(umask)
+        req = {"module": module, "args": argv[4:], "env": env, "cwd": os.getcwd(), "umask": umask,
+               "cpus": sorted(os.sched_getaffinity(0))}
+        socket.send_fds(conn, [json.dumps(req).encode()], [null, w])
+        reply = json.loads(conn.recv(MAX_MSG) or b'{"refused": "the server ended"}')
+    except OSError as e:
+        reply = {"refused": f"{type(e).__name__}: {e}"}
+    finally:
+        os.close(w)
+        os.close(null)
+    if "pid" not in reply:
+        os.close(r)
+        conn.close()
+        print(f"fork server: {module} spawned instead: {reply.get('refused')}", file=sys.stderr, flush=True)
+        return None
+    return ForkedChild(int(reply["pid"]), conn, r)
+
+
+def _connect(root: Path, key: str, env: dict[str, str]) -> socket.socket | None:
+    """A connection to the server of `key`, starting it (one starter at a time) when none answers."""
+    path = root / f"{key}.sock"
+    conn = _try_connect(path)
+    if conn is not None:
+        return conn
+    with open(root / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        conn = _try_connect(path)
+        if conn is None and not (root / f"{key}.failed").exists():
+            conn = _start_server(root, key, env)
+    return conn
+
+
+def _try_connect(path: Path) -> socket.socket | None:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        conn.connect(str(path))
+    except OSError:
+        conn.close()
+        return None
+    return conn
+
+
+def _start_server(root: Path, key: str, env: dict[str, str]) -> socket.socket | None:
+    """Spawn the server of `key` in its own session with `env`, wait for it."""
+    server_env = {k: v for k, v in env.items() if k not in MARKERS}
+    log = open(root / f"{key}.log", "ab")  # noqa: SIM115
+    subprocess.Popen([sys.executable, "-u", "-m", __name__, str(root), key], env=server_env, stdout=log,
+                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+    log.close()
+    end = time.monotonic() + START_S
+    while time.monotonic() < end:
+        conn = _try_connect(root / f"{key}.sock")
+        if conn is not None:
+            return conn
+        if (root / f"{key}.failed").exists():
+            return None
+        time.sleep(0.05)
+    (root / f"{key}.failed").write_text(f"no answer in {START_S:.0f} s\n")
+    return None
+
+
+# ---- the server -------------------------------------------------------------------------------------------------
+
+_IMPORTED: list[str] = []  # the modules this server preloaded
+_START_ENV: dict[str, str] = {}  # the server's environment before its imports: the one its children share
+
+
+def _other_threads() -> list[str]:
+    """The names of this process's threads but the main one and those that are fork-safe by design."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            if int(tid) != os.getpid() and (name := Path(f"/proc/self/task/{tid}/comm").read_text().strip()) \
+                    not in FORK_SAFE_THREADS:
+                names.append(name)
+    return names
+
+
+def _preload(module: str) -> str | None:
+    """Import `module` and what it names in FORK_PRELOAD here, once; the reason a child cannot be forked, or None."""
+    try:
+        _IMPORTED.append(module)
+        mod = importlib.import_module(module)
+        if not hasattr(mod, "FORK_PRELOAD"):
+            return f"{module} has no FORK_PRELOAD: it is not written to be forked"
+        for name in mod.FORK_PRELOAD:
+            importlib.import_module(name)
+    except BaseException as e:  # noqa: BLE001
+        return f"importing {module} in the server failed: {type(e).__name__}: {e}"
+    return _unsafe()
+
+
+def _unsafe() -> str | None:
+    """Why this server cannot fork (from now on: an import cannot be undone), or None."""
+    if others := _other_threads():  # a fork keeps one thread: a pool another thread holds (OpenMP's) would hang it
+        return f"the server runs {len(others) + 1} threads ({', '.join(others)}) after importing {', '.join(_IMPORTED)}"
+    return None
+
+
+def serve(root: Path, key: str) -> None:
+    """Accept requests on `<root>/<key>.sock` until the owner is gone, the directory is, or IDLE_S pass idle."""
+    owner = int((root / OWNER_FILE).read_text())
+    path = root / f"{key}.sock"
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()  # a server that ended without removing it (its starter holds the lock now)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(path))
+    listener.listen(64)
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ)
+    refused: dict[str, str | None] = {}
+    last = time.monotonic()
+    print(f"fork server {key}: ready, pid {os.getpid()}, owner {owner}", flush=True)
+    try:
+        while _alive(owner) and (root / OWNER_FILE).exists() and time.monotonic() - last < IDLE_S:
+            for sk, _ in sel.select(timeout=1.0):
+                if sk.fileobj is listener:
+                    conn, _ = listener.accept()
+                    _request(conn, sel, listener, refused)
+                    last = time.monotonic()
+                else:  # a child's pidfd: it ended
+                    _report(sel, sk)
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+def _report(sel: selectors.BaseSelector, sk: selectors.SelectorKey) -> None:
+    """Reap an ended child and send its exit code to the connection that asked for it."""
+    pid, conn = sk.data
+    sel.unregister(sk.fileobj)
+    os.close(sk.fd)
+    _, status = os.waitpid(pid, 0)
+    with contextlib.suppress(OSError):
+        conn.send(json.dumps({"rc": os.waitstatus_to_exitcode(status)}).encode())
+    conn.close()
+
+
+def _request(conn: socket.socket, sel: selectors.BaseSelector, listener: socket.socket,
+             refused: dict[str, str | None]) -> None:
+    """Fork the child a request asks for and watch it (its pidfd), or answer why not."""
+    msg, fds, _, _ = socket.recv_fds(conn, MAX_MSG, 2)
+    req = json.loads(msg)
+    module = req["module"]
+    if module not in refused:
+        refused[module] = _preload(module)
+    why = refused[module] or _unsafe() or (None if signature(req["env"]) == signature(_START_ENV)
+                                          else "environment differs")
+    if why is not None or len(fds) != 2:
+        for fd in fds:
+            os.close(fd)
+        conn.send(json.dumps({"refused": why or "no output pipe"}).encode())
+        print(f"fork server: {module} refused: {why}", flush=True)
+        conn.close()
+        return
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:
+        for sk in list(sel.get_map().values()):  # the other children's pidfds and connections are not its own
+            if sk.data:
+                os.close(sk.fd)
+                sk.data[1].close()
+        sel.close()
+        listener.close()
+        conn.close()
+        _child(req, fds)
+    for fd in fds:
+        os.close(fd)
+    sel.register(os.pidfd_open(pid), selectors.EVENT_READ, (pid, conn))
+    conn.send(json.dumps({"pid": pid}).encode())
+    print(f"fork server: {module} forked, pid {pid}", flush=True)
+
+
+def _child(req: dict, fds: list[int]) -> None:
+    """In the fork: its own session, stdin/stdout/stderr, directory and environment, then `python -m` of the module."""
+    rc = 1
+    try:
+        os.setsid()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.dup2(fds[0], 0)
+        os.dup2(fds[1], 1)
+        os.dup2(fds[1], 2)
+        for fd in fds:
+            os.close(fd)
+        os.chdir(req["cwd"])
+        os.umask(req["umask"])
+        os.sched_setaffinity(0, req["cpus"])  # a spawned child has its starter's cores, not the server's
+        made = {k: v for k, v in os.environ.items() if _START_ENV.get(k) != v}  # what the imports set, kept
+        os.environ.clear()
+        os.environ.update(req["env"] | made)
+        if os.environ.get("PYTHONFAULTHANDLER"):
+            faulthandler.enable()
+        if "numpy" in sys.modules:  # numpy's global generator is not reseeded by a fork (random's is)
+            sys.modules["numpy"].random.seed()
+        sys.argv = [req["module"], *req["args"]]
+        try:
+            runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
+            rc = 0
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if not isinstance(e.code, int | None):
+                print(e.code, file=sys.stderr)
+        atexit._run_exitfuncs()
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(rc)
+
+
+def main(argv: list[str]) -> int:
+    root, key = Path(argv[0]), argv[1]
+    _START_ENV.update(os.environ)
+    # OpenBLAS (numpy's, OpenCV's) starts its threads when loaded: one thread here, so that any other thread an
+    # import starts is seen (_unsafe); the children have it in their environment (made by the server)
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        serve(root, key)
+    except SystemExit:
+        return 0
+    except BaseException:
+        traceback.print_exc()
+        (root / f"{key}.failed").write_text(traceback.format_exc())
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,26 @@
+"""A worker for tests/unit/test_forkserver.py: says where and how it runs, then exits with the code it is given,
+sleeps, or raises. FORK_PRELOAD names what its fork server imports first."""
+
+import json
+import os
+import sys
+import time
+
+FORK_PRELOAD = ("json",)
+
+
+def main(argv: list[str]) -> int:
+    what = argv[0]
+    print("fork child: " + json.dumps({
+        "pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0), "pgid": os.getpgid(0), "cwd": os.getcwd(),
+        "argv": sys.argv[1:], "probe": os.environ.get("EAGLE3_TEST_PROBE"), "cpus": sorted(os.sched_getaffinity(0)),
+        "main": sys.modules["__main__"].__spec__.name}), flush=True)
+    if what == "sleep":
+        time.sleep(120)
+    if what == "raise":
+        raise ValueError("layer 3 expected [4, 8], found [4]")
+    return int(what)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,117 @@
+"""Fork servers (core/forkserver.py): a forked child is started, watched, timed out and reported as a spawned one is,
+with its own session, directory, environment and cores; a server forks only what it can fork safely and says why
+it spawned the rest. Real servers, real forks, through core/proc.run_child."""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from eagle3_pipeline.core import forkserver
+from eagle3_pipeline.core.proc import ChildFailed, ChildTimedOut, python_child, run_child
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def servers(tmp_path, monkeypatch):
+    """A fork-server directory owned by this process, our test workers allowed; its servers end with the test."""
+    root = tmp_path / "forks"
+    root.mkdir()
+    (root / forkserver.OWNER_FILE).write_text(str(os.getpid()))
+    monkeypatch.setenv(forkserver.ENV, str(root))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the test workers, from any directory
+    monkeypatch.setattr(forkserver, "PACKAGES", (*forkserver.PACKAGES, "tests.helpers."))
+    yield root
+    (root / forkserver.OWNER_FILE).unlink()
+    for sock in root.glob("*.sock"):
+        _wait_gone(sock)
+
+
+def _wait_gone(path, s=10.0):
+    end = time.monotonic() + s
+    while path.exists() and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not path.exists(), f"{path}: the server did not end with its owner"
+
+
+def _said(lines) -> dict:
+    (line,) = [x for x in lines if "fork child: {" in x]
+    return json.loads(line.split("fork child: ", 1)[1])
+
+
+def _run(*args, env=None, **kw):
+    lines = []
+    res = run_child(python_child("tests.helpers.fork_child", *args), name="fc", timeout_s=kw.pop("timeout_s", 120),
+                    on_line=lines.append, env=env, **kw)
+    return res, _said(lines)
+
+
+def test_a_forked_child_runs_as_a_spawned_one_would(servers, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cpus = sorted(os.sched_getaffinity(0))
+    _, first = _run("0", env={"EAGLE3_TEST_PROBE": "one"})
+    res, second = _run("0", "extra", env={"EAGLE3_TEST_PROBE": "two"})
+    assert res.returncode == 0
+    (sock,) = servers.glob("*.sock")  # one server, started by the first child's request
+    server = psutil.Process(first["ppid"])
+    assert "eagle3_pipeline.core.forkserver" in " ".join(server.cmdline())
+    assert second["ppid"] == first["ppid"] != os.getpid()  # both forked by it, not spawned by us
+    for said, probe in ((first, "one"), (second, "two")):
+        assert said["sid"] == said["pgid"] == said["pid"]  # its own session and process group, as spawned
+        assert said["cwd"] == str(tmp_path) and said["probe"] == probe and said["cpus"] == cpus
+        assert said["main"] == "tests.helpers.fork_child"
+    assert second["argv"] == ["0", "extra"]
+
+
+def test_exit_codes_tracebacks_and_deadlines_of_a_forked_child(servers):
+    with pytest.raises(ChildFailed, match="exited with code 3"):
+        _run("3")
+    with pytest.raises(ChildFailed) as err:
+        _run("raise")
+    assert "ValueError: layer 3 expected [4, 8], found [4]" in str(err.value)  # the traceback reached the parent
+    lines = []
+    t0 = time.monotonic()
+    with pytest.raises(ChildTimedOut):
+        run_child(python_child("tests.helpers.fork_child", "sleep"), name="fc", timeout_s=3, on_line=lines.append)
+    assert time.monotonic() - t0 < 60
+    said = _said(lines)
+    assert said["ppid"] != os.getpid()  # forked
+    assert not psutil.pid_exists(said["pid"])  # killed with its group and reaped by its server
+
+
+def test_another_import_environment_gets_its_own_server(servers):
+    _, a = _run("0")
+    _, b = _run("0", env={"OMP_NUM_THREADS": "1"})  # read by OpenMP when torch loads: not the first server's
+    _, c = _run("0", env={"EAGLE3_TEST_PROBE": "x"})  # read at run time: the first server's
+    assert len(list(servers.glob("*.sock"))) == 2
+    assert a["ppid"] == c["ppid"] != b["ppid"]
+
+
+def test_what_cannot_be_forked_is_spawned_and_said(servers, capfd):
+    _, forked = _run("0")
+    # a module that does not say what to preload
+    run_child(python_child("tests.helpers.thread_at_import"), name="fc", timeout_s=120)
+    err = capfd.readouterr().err
+    assert "fork server: tests.helpers.thread_at_import spawned instead: " in err and "has no FORK_PRELOAD" in err
+    # one whose preload leaves a thread in the server: a fork keeps only the forking thread (a pool another thread
+    # holds, OpenMP's, would hang the child); the server forks nothing from then on, and says why each time
+    for module in ("tests.helpers.fork_child_threads", "tests.helpers.fork_child"):
+        lines = []
+        run_child(python_child(module, "0"), name="fc", timeout_s=120, on_line=lines.append)
+        err = capfd.readouterr().err
+        assert f"fork server: {module} spawned instead: the server runs " in err, err
+        assert "2 threads (python) after importing tests.helpers.fork_child, tests.helpers.thread_at_import" in err
+    assert _said(lines)["ppid"] == os.getpid()  # spawned by us
+    assert forked["ppid"] != os.getpid()
+
+
+def test_no_directory_no_fork(monkeypatch):
+    monkeypatch.delenv(forkserver.ENV, raising=False)
+    assert forkserver.start(python_child("eagle3_pipeline.extract.worker", "job.json"), dict(os.environ)) is None
+    assert forkserver.module_of([sys.executable, "-u", "-m", "vllm.entrypoints.openai.api_server"]) is None
+    assert forkserver.module_of(["torchrun", "-m", "eagle3_pipeline.train.worker"]) is None
