@@ -31,19 +31,24 @@ OWNER_FILE = "owner"  # the pid whose end ends every server of the directory
 IDLE_S = 300.0  # a server that forked nothing for this long ends
 START_S = 120.0  # a server's imports are done within this, or its children are spawned
 # what the environment may hold differently from the server's: read by a child at run time, never at import
-RUN_TIME = ("EAGLE3_", "PREFECT_", "PYTEST_", "PYTHONUNBUFFERED", "PYTHONFAULTHANDLER", "TQDM_DISABLE", "TMPDIR",
-            "COV_", "_")
+RUN_TIME = ("EAGLE3_", "PREFECT_", "PYTEST_", "PYTHONUNBUFFERED", "PYTHONFAULTHANDLER", "TQDM_DISABLE", "COV_", "_",
+            # vLLM's, read when an engine starts (vllm.envs reads lazily; no module reads these at import)
+            "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "VLLM_PLUGINS", "VLLM_USE_V2_MODEL_RUNNER")
+# what importing vLLM (and OpenCV, which it imports) sets in os.environ: a starter that imported vLLM passes them on,
+# one that did not does not; not compared, a child gets its starter's value, else the one the server's imports set
+IMPORT_MADE = ("AITER_SITUV2_A4W4", "LD_LIBRARY_PATH", "PYTORCH_NVML_BASED_CUDA_CHECK", "TILELANG_CLEANUP_TEMP_FILES",
+               "TORCHINDUCTOR_COMPILE_THREADS", "TRITON_CACHE_AUTOTUNING")
 MAX_MSG = 1 << 20
 # threads a server may hold: pyarrow's jemalloc purger (jemalloc's fork handlers stop it and reset it in the child)
 FORK_SAFE_THREADS = ("jemalloc_bg_thd",)
-# a child's own markers (core/proc.py): left out of the server's environment, which is no engine's
+# a child's own markers (core/proc.py): run-time settings, never in a server's environment (it is no engine)
 MARKERS = ("EAGLE3_PIPELINE_CHILD", "EAGLE3_PIPELINE_LAUNCHER")
 PACKAGES = ("eagle3_pipeline.",)  # only our own workers, and of them those that say what to preload (FORK_PRELOAD)
 
 
 def signature(env: dict[str, str]) -> str:
     """The server a child with `env` can fork from: every variable a package may read at import, and the interpreter."""
-    fixed = sorted((k, v) for k, v in env.items() if not k.startswith(RUN_TIME))
+    fixed = sorted((k, v) for k, v in env.items() if not k.startswith(RUN_TIME) and k not in IMPORT_MADE)
     return hashlib.sha256(json.dumps([sys.executable, fixed]).encode()).hexdigest()[:16]
 
 
@@ -161,8 +166,10 @@ def _try_connect(path: Path) -> socket.socket | None:
 
 
 def _start_server(root: Path, key: str, env: dict[str, str]) -> socket.socket | None:
-    """Spawn the server of `key` in its own session with `env`, wait for it."""
-    server_env = {k: v for k, v in env.items() if k not in MARKERS}
+    """Spawn the server of `key` in its own session, with what its imports may read of `env` (not a child's
+    run-time settings: a test that looks for its processes by them must not find the server), wait for it."""
+    server_env = {k: v for k, v in env.items() if not k.startswith(RUN_TIME)}
+    (root / f"{key}.env.json").write_text(json.dumps(server_env, indent=1, sort_keys=True))
     log = open(root / f"{key}.log", "ab")  # noqa: SIM115
     subprocess.Popen([sys.executable, "-u", "-m", __name__, str(root), key], env=server_env, stdout=log,
                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True)
@@ -305,7 +312,9 @@ def _child(req: dict, fds: list[int]) -> None:
         os.chdir(req["cwd"])
         os.umask(req["umask"])
         os.sched_setaffinity(0, req["cpus"])  # a spawned child has its starter's cores, not the server's
-        made = {k: v for k, v in os.environ.items() if _START_ENV.get(k) != v}  # what the imports set, kept
+        # what the server's imports set stays (it is what they did), but a starter's own IMPORT_MADE value
+        made = {k: v for k, v in os.environ.items() if _START_ENV.get(k) != v and not (k in IMPORT_MADE and
+                                                                                      k in req["env"])}
         os.environ.clear()
         os.environ.update(req["env"] | made)
         if os.environ.get("PYTHONFAULTHANDLER"):
