@@ -29,7 +29,8 @@ def servers(tmp_path, monkeypatch):
     yield root
     (root / forkserver.OWNER_FILE).unlink()
     for sock in root.glob("*.sock"):
-        _wait_gone(sock)
+        if not sock.with_suffix(".failed").exists():  # an ended server's socket stays
+            _wait_gone(sock)
 
 
 def _wait_gone(path, s=10.0):
@@ -115,3 +116,20 @@ def test_no_directory_no_fork(monkeypatch):
     assert forkserver.start(python_child("eagle3_pipeline.extract.worker", "job.json"), dict(os.environ)) is None
     assert forkserver.module_of([sys.executable, "-u", "-m", "vllm.entrypoints.openai.api_server"]) is None
     assert forkserver.module_of(["torchrun", "-m", "eagle3_pipeline.train.worker"]) is None
+
+
+def test_a_server_that_does_not_answer_is_ended_and_not_asked_again(servers, monkeypatch, capfd):
+    monkeypatch.setattr(forkserver, "START_S", 3.0)
+    t0 = time.monotonic()
+    lines = []
+    run_child(python_child("tests.helpers.fork_child_slow"), name="fc", timeout_s=120, on_line=lines.append)
+    assert time.monotonic() - t0 < 25  # not the 30 s of the server's import
+    assert "fork server: tests.helpers.fork_child_slow spawned instead: the server did not answer in 3 s" in \
+        capfd.readouterr().err
+    assert lines == ["[fc] fork child: spawned"]
+    (failed,) = servers.glob("*.failed")
+    server = psutil.Process(int(failed.with_suffix(".pid").read_text()))
+    server.wait(timeout=10)  # ended (it raises while the server runs)
+    # not asked again: spawned, and said
+    run_child(python_child("tests.helpers.fork_child_slow"), name="fc", timeout_s=120)
+    assert "spawned instead: its server failed" in capfd.readouterr().err

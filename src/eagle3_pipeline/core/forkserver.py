@@ -118,6 +118,9 @@ def start(argv: list[str], env: dict[str, str]) -> ForkedChild | None:
     key = signature(env)
     conn = _connect(Path(root), key, env)
     if conn is None:
+        failed = Path(root) / f"{key}.failed"
+        why = f"its server failed ({failed})" if failed.exists() else "no server"
+        print(f"fork server: {module} spawned instead: {why}", file=sys.stderr, flush=True)
         return None
     r, w = os.pipe()
     null = os.open(os.devnull, os.O_RDONLY)
@@ -127,7 +130,11 @@ def start(argv: list[str], env: dict[str, str]) -> ForkedChild | None:
         req = {"module": module, "args": argv[4:], "env": env, "cwd": os.getcwd(), "umask": umask,
                "cpus": sorted(os.sched_getaffinity(0))}
         socket.send_fds(conn, [json.dumps(req).encode()], [null, w])
+        conn.settimeout(START_S)  # the first request of a server waits for its imports
         reply = json.loads(conn.recv(MAX_MSG) or b'{"refused": "the server ended"}')
+        conn.settimeout(None)
+    except TimeoutError:
+        reply = {"refused": _give_up(Path(root), key)}
     except OSError as e:
         reply = {"refused": f"{type(e).__name__}: {e}"}
     finally:
@@ -139,6 +146,15 @@ def start(argv: list[str], env: dict[str, str]) -> ForkedChild | None:
         print(f"fork server: {module} spawned instead: {reply.get('refused')}", file=sys.stderr, flush=True)
         return None
     return ForkedChild(int(reply["pid"]), conn, r)
+
+
+def _give_up(root: Path, key: str) -> str:
+    """A server that did not answer in START_S: no request goes to it again, and it is ended (what it forked has a
+    session of its own and stays)."""
+    (root / f"{key}.failed").write_text(f"no answer in {START_S:.0f} s\n")
+    with contextlib.suppress(OSError, ValueError):
+        os.killpg(int((root / f"{key}.pid").read_text()), signal.SIGKILL)
+    return f"the server did not answer in {START_S:.0f} s"
 
 
 def _connect(root: Path, key: str, env: dict[str, str]) -> socket.socket | None:
@@ -182,7 +198,7 @@ def _start_server(root: Path, key: str, env: dict[str, str]) -> socket.socket | 
         if (root / f"{key}.failed").exists():
             return None
         time.sleep(0.05)
-    (root / f"{key}.failed").write_text(f"no answer in {START_S:.0f} s\n")
+    _give_up(root, key)
     return None
 
 
@@ -237,6 +253,7 @@ def serve(root: Path, key: str) -> None:
     sel.register(listener, selectors.EVENT_READ)
     refused: dict[str, str | None] = {}
     last = time.monotonic()
+    (root / f"{key}.pid").write_text(str(os.getpid()))
     print(f"fork server {key}: ready, pid {os.getpid()}, owner {owner}", flush=True)
     try:
         while _alive(owner) and (root / OWNER_FILE).exists() and time.monotonic() - last < IDLE_S:

@@ -99,7 +99,7 @@ def child_main(main: Callable[[list[str]], int]) -> None:
     exit_child(rc)
 
 
-def kill_group(pgid: int, grace_s: float = 10.0, leader: subprocess.Popen | None = None) -> None:
+def kill_group(pgid: int, grace_s: float = 10.0, leader: subprocess.Popen | forkserver.ForkedChild | None = None) -> None:
     """SIGTERM the process group, wait up to `grace_s`, then SIGKILL whatever is left. `leader`: the
     group's leader when it is our child; it is reaped while waiting (an unreaped zombie still counts
     as a member of its group, so without it every kill waited the whole grace period)."""
@@ -130,7 +130,7 @@ def kill_group(pgid: int, grace_s: float = 10.0, leader: subprocess.Popen | None
         logging.getLogger("eagle3_pipeline").warning("process group %d: %s still running 10 s after SIGKILL", pgid, live)
 
 
-def _live_members(pgid: int, leader: subprocess.Popen | None) -> list[int]:
+def _live_members(pgid: int, leader: subprocess.Popen | forkserver.ForkedChild | None) -> list[int]:
     """Pids of the group's members that are not zombies (reaping the leader when it is our child)."""
     if leader is not None:
         leader.poll()
@@ -254,7 +254,7 @@ class BackgroundChild:
                  tail_lines: int = 60):
         self.argv, self.name, self.log_path = argv, name, log_path
         self._args = (on_line, env, tail_lines)
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | forkserver.ForkedChild | None = None
 
     def __enter__(self) -> BackgroundChild:
         on_line, env, tail_lines = self._args
