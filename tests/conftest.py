@@ -37,9 +37,11 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # group starts last; xdist's own reorder (most tests first) is turned off for that.
 # _WAIT_GROUPS: groups that mostly wait (outages, heartbeats, paced records: their process tree's CPU
 # seconds about half their wall seconds, docs/testing.md "Suite time"). With more than two workers (`make test`
-# runs three) the workers past gw1 run only them and then _LATE_GROUPS, beside the two that run everything else on
-# one core each (pytest_configure), so their waiting overlaps the others' work; on two workers they are groups
-# like the rest.
+# runs three) the workers past gw1 run only them, beside the two that run everything else on one core each
+# (pytest_configure), so their waiting overlaps the others' work; on two workers they are groups like the rest.
+# The chaos `processes` group, which computes about as much as it waits, is the first a computing worker takes: with
+# the children forked elsewhere the computing workers ended ~300 s before a waiter that ran it after the control
+# plane (docs/decisions/fork-server.md).
 _GROUP_RULES = (("tests/chaos/test_control_plane.py", "tests/chaos/test_control_plane.py"),
                 ("tests/chaos/", "processes"), ("tests/unit/test_proc_gpu.py", "processes"), ("tests/server/", "server"))
 _GROUP_ORDER = ("tests/chaos/test_control_plane.py", "processes", "server", "tests/integration/test_real_pipeline.py",
@@ -52,11 +54,6 @@ _GROUP_ORDER = ("tests/chaos/test_control_plane.py", "processes", "server", "tes
 # the pinned workers' (four workers, the chaos `processes` group and the engine modules on two waiters: 1,680 s
 # and 3,085 CPU s against 1,597 s and 2,683; docs/decisions/one-core-per-worker.md)
 _WAIT_GROUPS = ("tests/chaos/test_control_plane.py",)
-# _LATE_GROUPS: what the waiter runs after _WAIT_GROUPS, held to one core (pytest_runtest_setup), and the computing
-# workers never do. The control plane took 711 s of a 1,737 s run and its worker then sat idle; the chaos
-# `processes` group waits about as much as it computes (kill windows, signals, a lost node: ~600 s wall, ~360
-# CPU s), so beside a computing worker on one core it fills that worker's waits.
-_LATE_GROUPS = ("processes",)
 # Every other group starts the pipeline's worker children through fork servers (core/forkserver.py: ~7 CPU s of
 # imports saved per child); these spawn them as production does: their tests kill process trees, find leftovers by
 # their environment and run the gpu-gate, which a forked child's inherited /proc environment would hide
@@ -71,8 +68,7 @@ def group_of(nodeid: str) -> str:
 
 
 def is_waiter(worker: str, count: int) -> bool:
-    """With three workers or more, gw0 and gw1 compute and every later worker is a waiter (_WAIT_GROUPS, then
-    _LATE_GROUPS)."""
+    """With three workers or more, gw0 and gw1 compute and every later worker is a waiter (_WAIT_GROUPS)."""
     return count >= 3 and int(worker.removeprefix("gw")) >= 2
 
 
@@ -82,24 +78,16 @@ def _this_worker() -> tuple[str | None, int]:
 
 
 def _waiters_group(scope: str) -> bool:
-    return scope in _WAIT_GROUPS or scope in _LATE_GROUPS
+    return scope in _WAIT_GROUPS
 
 
 def pytest_runtest_setup(item):
-    """A waiter starting a _LATE_GROUPS test holds itself, and so everything it starts from then on, to the last
-    core (pytest_configure's reason): a late group computes as much as it waits, unlike the control plane.
-    A _SPAWN_GROUPS test's children are spawned, every other's forked where they can be (_fork_servers)."""
+    """A _SPAWN_GROUPS test's children are spawned, every other's forked where they can be (_fork_servers)."""
     root = item.config.stash.get(_FORK_ROOT, None)
     if root is not None and group_of(item.nodeid) in _SPAWN_GROUPS:
         os.environ.pop(forkserver.ENV, None)
     elif root is not None:
         os.environ[forkserver.ENV] = root
-    worker, count = _this_worker()
-    if worker is None or not is_waiter(worker, count) or group_of(item.nodeid) not in _LATE_GROUPS:
-        return
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) > 1:
-        os.sched_setaffinity(0, {cores[-1]})
 
 
 _FORK_ROOT = pytest.StashKey[str]()
@@ -125,8 +113,7 @@ def pytest_configure(config):
     """With three workers or more, gw0 and gw1 each run on one core of their own: every process they start
     inherits the affinity, and the product sizes its threads from it (engine/build.py cpu_bind_spec,
     train/worker.py), so engines and trainers run one thread each instead of two that wait on each other across
-    two busy workers (docs/decisions/one-core-per-worker.md). The waiters stay on every core until a late group
-    (pytest_runtest_setup)."""
+    two busy workers (docs/decisions/one-core-per-worker.md). The waiters stay on every core."""
     _fork_servers(config)
     worker, count = _this_worker()
     if worker is None or count < 3 or is_waiter(worker, count):
@@ -146,8 +133,7 @@ def pytest_xdist_make_scheduler(config, log):
     order (above): xdist would otherwise reorder them by their number of tests, which sent the 3-test,
     10-minute real-target module out late. (Its `loadgroup` cannot be used: it renames node ids through
     `item._nodeid`, which pytest 9 no longer reads.) With three workers or more, the waiters (is_waiter) run
-    only the groups of _WAIT_GROUPS and _LATE_GROUPS and the others never do: their waits overlap the others'
-    work."""
+    only the groups of _WAIT_GROUPS and the others never do: their waits overlap the others' work."""
     if config.getvalue("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -164,9 +150,7 @@ def pytest_xdist_make_scheduler(config, log):
             return is_waiter(node.gateway.id, len(self.nodes)) == _waiters_group(scope)
 
         def _assign_work_unit(self, node) -> None:
-            mine = [s for s in self.workqueue if self._mine(node, s)]
-            late = len(self.nodes) >= 3  # a waiter's late groups after its waiting ones; on two, groups like the rest
-            scope = min(mine, key=lambda s: late and s in _LATE_GROUPS, default=None)
+            scope = next((s for s in self.workqueue if self._mine(node, s)), None)
             if scope is None:  # nothing left for this worker's kind; the others take the rest
                 if not self._pending_of(self.assigned_work[node]):
                     node.shutdown()

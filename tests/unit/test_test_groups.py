@@ -6,9 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
-
-from tests.conftest import _GROUP_ORDER, _LATE_GROUPS, _WAIT_GROUPS, group_of, pytest_xdist_make_scheduler
+from tests.conftest import _GROUP_ORDER, _SPAWN_GROUPS, _WAIT_GROUPS, group_of, pytest_xdist_make_scheduler
 
 
 def test_leftover_process_tests_share_a_group_and_the_control_plane_has_its_own():
@@ -74,45 +72,46 @@ def _scheduled(names: list[str], collection: list[str]) -> list[_Node]:
     return nodes
 
 
-def test_a_third_worker_runs_the_waiting_groups_then_the_late_ones():
-    """With three workers the highest one (gw2, whichever registered first) runs _WAIT_GROUPS, then
-    _LATE_GROUPS, and nothing else, and the other two never run them; with two, a waiting group is a group like
-    the rest."""
+def test_a_third_worker_runs_only_the_waiting_groups():
+    """With three workers the highest one (gw2, whichever registered first) runs _WAIT_GROUPS and nothing else, and
+    the other two never run them, the chaos `processes` group first of all; with two, a waiting group is a group
+    like the rest."""
     cp = [f"tests/chaos/test_control_plane.py::t{i}" for i in range(6)]
-    late = ["tests/chaos/test_signals.py::a", "tests/unit/test_proc_gpu.py::a"]
+    chaos = ["tests/chaos/test_signals.py::a", "tests/unit/test_proc_gpu.py::a"]
     rest = ["tests/server/test_fanout.py::a", "tests/integration/test_real_pipeline.py::a",
             *(f"tests/unit/test_bad_input.py::t{i}" for i in range(5))]
-    collection = [*late[:1], *rest[:2], *cp, *rest[2:], *late[1:]]
+    collection = [*cp, *chaos, *rest]  # the collection's order: _GROUP_ORDER
     waiting = {collection.index(x) for x in cp}
-    later = {collection.index(x) for x in late}
-    assert set(_WAIT_GROUPS) == {group_of(cp[0])} and set(_LATE_GROUPS) == {group_of(x) for x in late}
+    assert set(_WAIT_GROUPS) == {group_of(cp[0])}
     gw2, gw0, gw1 = _scheduled(["gw2", "gw0", "gw1"], collection)
-    assert set(gw2.sent) == waiting | later and gw2.shutting_down
-    assert gw2.sent[:len(cp)] == sorted(waiting)  # the control plane first
-    assert sorted(gw0.sent + gw1.sent) == sorted(set(range(len(collection))) - waiting - later)
+    assert set(gw2.sent) == waiting and gw2.shutting_down
+    assert sorted(gw0.sent + gw1.sent) == sorted(set(range(len(collection))) - waiting)
+    first = gw0 if collection.index(chaos[0]) in gw0.sent else gw1
+    assert first.sent[:len(chaos)] == [collection.index(x) for x in chaos]  # whole, and first on its worker
     two = _scheduled(["gw0", "gw1"], collection)
     assert sorted(two[0].sent + two[1].sent) == list(range(len(collection)))
     assert any(waiting <= set(n.sent) for n in two)  # whole, on one worker
 
 
-def test_a_waiter_holds_itself_to_one_core_for_a_late_group_only():
-    """The waiter stays on every core for the control plane and takes one core from its first late test on
-    (what its engines and trainers then start with); a computing worker's pin (pytest_configure) is untouched."""
+def test_the_process_tree_groups_spawn_and_the_others_fork():
+    """A test of _SPAWN_GROUPS (the control plane, the chaos `processes` group) runs without EAGLE3_FORK_SERVER, so
+    its children are spawned as in production; any other test with it."""
     import os
-    import subprocess
-    import sys
 
-    if (os.cpu_count() or 1) < 2:
-        pytest.skip("one core here: nothing to hold to")
-    # the probe starts on every core (this test may run on a computing worker, held to one)
-    probe = ("import os, sys; from types import SimpleNamespace as N; from tests.conftest import pytest_runtest_setup as s; "
-             "os.sched_setaffinity(0, range(os.cpu_count())); "
-             "[s(N(nodeid=n)) or print(len(os.sched_getaffinity(0))) for n in sys.argv[1:]]")
-    ids = ["tests/chaos/test_control_plane.py::t", "tests/chaos/test_signals.py::t", "tests/integration/test_train.py::t"]
-    env = {**os.environ, "PYTEST_XDIST_WORKER": "gw2", "PYTEST_XDIST_WORKER_COUNT": "3"}
-    out = subprocess.run([sys.executable, "-c", probe, *ids], env=env, capture_output=True, text=True, check=True)
-    n = os.cpu_count()
-    assert out.stdout.split() == [str(n), "1", "1"], out.stdout + out.stderr
-    env["PYTEST_XDIST_WORKER"] = "gw1"
-    out = subprocess.run([sys.executable, "-c", probe, *ids], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == [str(n)] * 3, out.stdout + out.stderr
+    from eagle3_pipeline.core import forkserver
+    from tests.conftest import _FORK_ROOT, pytest_runtest_setup
+
+    assert {group_of("tests/chaos/test_signals.py::t"), "tests/chaos/test_control_plane.py"} == set(_SPAWN_GROUPS)
+    config = SimpleNamespace(stash={_FORK_ROOT: "/tmp/e3fork-test"})
+    saved = os.environ.get(forkserver.ENV)
+    try:
+        seen = []
+        for nodeid in ("tests/integration/test_train.py::t", "tests/chaos/test_control_plane.py::t",
+                       "tests/unit/test_proc_gpu.py::t", "tests/server/test_fanout.py::t"):
+            pytest_runtest_setup(SimpleNamespace(nodeid=nodeid, config=config))
+            seen.append(os.environ.get(forkserver.ENV))
+        assert seen == ["/tmp/e3fork-test", None, None, "/tmp/e3fork-test"]
+    finally:
+        os.environ.pop(forkserver.ENV, None)
+        if saved is not None:
+            os.environ[forkserver.ENV] = saved
