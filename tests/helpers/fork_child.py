@@ -17,6 +17,9 @@ def main(argv: list[str]) -> int:
         "main": sys.modules["__main__"].__spec__.name}), flush=True)
     if what == "sleep":
         time.sleep(120)
+    if what == "nap":
+        time.sleep(4)
+        return 0
     if what == "raise":
         raise ValueError("layer 3 expected [4, 8], found [4]")
     return int(what)

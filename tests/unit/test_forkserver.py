@@ -2,6 +2,7 @@
 with its own session, directory, environment and cores; a server forks only what it can fork safely and says why
 it spawned the rest. Real servers, real forks, through core/proc.run_child."""
 
+import contextlib
 import json
 import os
 import sys
@@ -133,3 +134,12 @@ def test_a_server_that_does_not_answer_is_ended_and_not_asked_again(servers, mon
     # not asked again: spawned, and said
     run_child(python_child("tests.helpers.fork_child_slow"), name="fc", timeout_s=120)
     assert "spawned instead: its server failed" in capfd.readouterr().err
+
+
+def test_a_server_is_idle_only_with_no_child_running(servers, monkeypatch):
+    monkeypatch.setattr(forkserver, "IDLE_S", 1.0)  # given to the server when it starts
+    res, said = _run("nap")  # 4 s: longer than the server may idle
+    assert res.returncode == 0 and said["ppid"] != os.getpid()  # forked, and its exit reported, not lost
+    (pid,) = (int(p.read_text()) for p in servers.glob("*.pid"))
+    with contextlib.suppress(psutil.NoSuchProcess):
+        psutil.Process(pid).wait(timeout=10)  # then idle: ended (it raises while the server runs)

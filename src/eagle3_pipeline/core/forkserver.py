@@ -28,7 +28,7 @@ from pathlib import Path
 
 ENV = "EAGLE3_FORK_SERVER"
 OWNER_FILE = "owner"  # the pid whose end ends every server of the directory
-IDLE_S = 300.0  # a server that forked nothing for this long ends
+IDLE_S = 300.0  # a server with no child running that forked nothing for this long ends
 START_S = 120.0  # a server's imports are done within this, or its children are spawned
 # what the environment may hold differently from the server's: read by a child at run time, never at import
 RUN_TIME = ("EAGLE3_", "PREFECT_", "PYTEST_", "PYTHONUNBUFFERED", "PYTHONFAULTHANDLER", "TQDM_DISABLE", "COV_", "_",
@@ -187,7 +187,7 @@ def _start_server(root: Path, key: str, env: dict[str, str]) -> socket.socket | 
     server_env = {k: v for k, v in env.items() if not k.startswith(RUN_TIME)}
     (root / f"{key}.env.json").write_text(json.dumps(server_env, indent=1, sort_keys=True))
     log = open(root / f"{key}.log", "ab")  # noqa: SIM115
-    subprocess.Popen([sys.executable, "-u", "-m", __name__, str(root), key], env=server_env, stdout=log,
+    subprocess.Popen([sys.executable, "-u", "-m", __name__, str(root), key, str(IDLE_S)], env=server_env, stdout=log,
                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True)
     log.close()
     end = time.monotonic() + START_S
@@ -240,8 +240,8 @@ def _unsafe() -> str | None:
     return None
 
 
-def serve(root: Path, key: str) -> None:
-    """Accept requests on `<root>/<key>.sock` until the owner is gone, the directory is, or IDLE_S pass idle."""
+def serve(root: Path, key: str, idle_s: float = IDLE_S) -> None:
+    """Accept requests on `<root>/<key>.sock` until the owner is gone, the directory is, or `idle_s` pass idle."""
     owner = int((root / OWNER_FILE).read_text())
     path = root / f"{key}.sock"
     with contextlib.suppress(FileNotFoundError):
@@ -256,7 +256,7 @@ def serve(root: Path, key: str) -> None:
     (root / f"{key}.pid").write_text(str(os.getpid()))
     print(f"fork server {key}: ready, pid {os.getpid()}, owner {owner}", flush=True)
     try:
-        while _alive(owner) and (root / OWNER_FILE).exists() and time.monotonic() - last < IDLE_S:
+        while _alive(owner) and (root / OWNER_FILE).exists() and time.monotonic() - last < idle_s:
             for sk, _ in sel.select(timeout=1.0):
                 if sk.fileobj is listener:
                     conn, _ = listener.accept()
@@ -264,6 +264,8 @@ def serve(root: Path, key: str) -> None:
                     last = time.monotonic()
                 else:  # a child's pidfd: it ended
                     _report(sel, sk)
+            if len(sel.get_map()) > 1:  # a child still runs: its exit is to be reported, so the server is not idle
+                last = time.monotonic()
     finally:
         with contextlib.suppress(OSError):
             path.unlink()
@@ -357,14 +359,14 @@ def _child(req: dict, fds: list[int]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    root, key = Path(argv[0]), argv[1]
+    root, key, idle_s = Path(argv[0]), argv[1], float(argv[2])
     _START_ENV.update(os.environ)
     # OpenBLAS (numpy's, OpenCV's) starts its threads when loaded: one thread here, so that any other thread an
     # import starts is seen (_unsafe); the children have it in their environment (made by the server)
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        serve(root, key)
+        serve(root, key, idle_s)
     except SystemExit:
         return 0
     except BaseException:
