@@ -31,7 +31,6 @@ from eagle3_pipeline.core import forkserver
 from eagle3_pipeline.core.errors import StageTimeout
 
 EVENT_PREFIX = "@@eagle3-event "
-# Marker put in the environment of every child so that gpu-gate can find leftovers of ours.
 # Which of a child's lines reach the console and the run log (the log file gets every line, and a failure's
 # message carries the last ones): the pipeline's own ("extract worker: ...", "reference: layer 7 ...", lower-case
 # words and a colon, our convention) and anything that reads as an error. vLLM's, torch's and the trainer's own
@@ -48,8 +47,9 @@ def console_line(line: str) -> bool:
             or os.environ.get(VERBOSE_ENV) == "all")
 
 
+# CHILD_MARKER_ENV, in every child's environment: how the gpu-gate finds leftovers of ours; LAUNCHER_ENV, the pid of
+# the process that launched the child: a child whose launcher is gone is a leftover
 CHILD_MARKER_ENV, LAUNCHER_ENV = forkserver.MARKERS
-# LAUNCHER_ENV: the pid of the process that launched the child: a child whose launcher is gone is a leftover.
 
 
 class ChildFailed(RuntimeError):
