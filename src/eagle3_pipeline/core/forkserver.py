@@ -26,6 +26,8 @@ import time
 import traceback
 from pathlib import Path
 
+import psutil
+
 ENV = "EAGLE3_FORK_SERVER"
 OWNER_FILE = "owner"  # the pid whose end ends every server of the directory
 IDLE_S = 300.0  # a server with no child running that forked nothing for this long ends
@@ -80,10 +82,10 @@ class ForkedChild:
         if data:
             self.returncode = int(json.loads(data)["rc"])
         else:  # the server ended first: the child's exit is not known; wait until it is gone
-            while _alive(self.pid) and (timeout is None or timeout > 0):
+            while psutil.pid_exists(self.pid) and (timeout is None or timeout > 0):
                 time.sleep(0.1)
                 timeout = None if timeout is None else timeout - 0.1
-            if _alive(self.pid):
+            if psutil.pid_exists(self.pid):
                 return
             self.returncode = 255
         self._conn.close()
@@ -97,16 +99,6 @@ class ForkedChild:
         if self.returncode is None:
             raise subprocess.TimeoutExpired(f"forked child {self.pid}", timeout or 0)
         return self.returncode
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def start(argv: list[str], env: dict[str, str]) -> ForkedChild | None:
@@ -256,11 +248,11 @@ def serve(root: Path, key: str, idle_s: float = IDLE_S) -> None:
     (root / f"{key}.pid").write_text(str(os.getpid()))
     print(f"fork server {key}: ready, pid {os.getpid()}, owner {owner}", flush=True)
     try:
-        while _alive(owner) and (root / OWNER_FILE).exists() and time.monotonic() - last < idle_s:
+        while psutil.pid_exists(owner) and (root / OWNER_FILE).exists() and time.monotonic() - last < idle_s:
             for sk, _ in sel.select(timeout=1.0):
                 if sk.fileobj is listener:
                     conn, _ = listener.accept()
-                    _request(conn, sel, listener, refused)
+                    _request(conn, sel, listener, key, refused)
                     last = time.monotonic()
                 else:  # a child's pidfd: it ended
                     _report(sel, sk)
@@ -282,7 +274,7 @@ def _report(sel: selectors.BaseSelector, sk: selectors.SelectorKey) -> None:
     conn.close()
 
 
-def _request(conn: socket.socket, sel: selectors.BaseSelector, listener: socket.socket,
+def _request(conn: socket.socket, sel: selectors.BaseSelector, listener: socket.socket, key: str,
              refused: dict[str, str | None]) -> None:
     """Fork the child a request asks for and watch it (its pidfd), or answer why not."""
     msg, fds, _, _ = socket.recv_fds(conn, MAX_MSG, 2)
@@ -290,8 +282,8 @@ def _request(conn: socket.socket, sel: selectors.BaseSelector, listener: socket.
     module = req["module"]
     if module not in refused:
         refused[module] = _preload(module)
-    why = refused[module] or _unsafe() or (None if signature(req["env"]) == signature(_START_ENV)
-                                          else "environment differs")
+    # the server's own signature is its name: its environment is its first starter's without the run-time settings
+    why = refused[module] or _unsafe() or (None if signature(req["env"]) == key else "environment differs")
     if why is not None or len(fds) != 2:
         for fd in fds:
             os.close(fd)
