@@ -198,6 +198,7 @@ def _start_server(root: Path, key: str, env: dict[str, str]) -> socket.socket | 
 
 _IMPORTED: list[str] = []  # the modules this server preloaded
 _START_ENV: dict[str, str] = {}  # the server's environment before its imports: the one its children share
+_START_PATH0: list[str] = []  # sys.path[0] as `-m` set it: the directory the server started in
 
 
 def _other_threads() -> list[str]:
@@ -321,6 +322,8 @@ def _child(req: dict, fds: list[int]) -> None:
         for fd in fds:
             os.close(fd)
         os.chdir(req["cwd"])
+        if sys.path[:1] == _START_PATH0:  # `-m` puts the child's own directory first, not the server's
+            sys.path[0] = req["cwd"]
         os.umask(req["umask"])
         os.sched_setaffinity(0, req["cpus"])  # a spawned child has its starter's cores, not the server's
         # what the server's imports set stays (it is what they did), but a starter's own IMPORT_MADE value
@@ -353,6 +356,7 @@ def _child(req: dict, fds: list[int]) -> None:
 def main(argv: list[str]) -> int:
     root, key, idle_s = Path(argv[0]), argv[1], float(argv[2])
     _START_ENV.update(os.environ)
+    _START_PATH0[:] = sys.path[:1]
     # OpenBLAS (numpy's, OpenCV's) starts its threads when loaded: one thread here, so that any other thread an
     # import starts is seen (_unsafe); the children have it in their environment (made by the server)
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
