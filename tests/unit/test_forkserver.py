@@ -101,6 +101,29 @@ def test_another_import_environment_gets_its_own_server(servers):
     assert a["ppid"] == c["ppid"] != b["ppid"]
 
 
+def test_a_child_imports_from_its_own_directory_and_pythonpath(servers, tmp_path, monkeypatch, capfd):
+    """PYTHONPATH is not part of a server's name: a child with another one is forked with the import path `python -m`
+    would give it, unless an entry of it holds a module the server imported from elsewhere (then it is spawned)."""
+    extra, shadow = tmp_path / "extra", tmp_path / "shadow"
+    extra.mkdir()
+    shadow.mkdir()
+    (shadow / "json.py").write_text("raise SystemExit('the shadowing json')\n")  # fork_child preloads the real one
+    _, a = _run("0")
+    pythonpath = os.pathsep.join([str(ROOT), "extra", ""])  # a relative entry, and an empty one: the directory
+    for cwd in (ROOT, tmp_path):
+        monkeypatch.chdir(cwd)
+        _, forked = _run("0", env={"PYTHONPATH": pythonpath})
+        _, spawned = _run("0", env={"PYTHONPATH": pythonpath, forkserver.ENV: ""})
+        assert forked["ppid"] == a["ppid"] != os.getpid() == spawned["ppid"]
+        assert forked["path"] == spawned["path"] and forked["path"][:3] == [str(cwd), str(ROOT), str(cwd / "extra")]
+    assert len(list(servers.glob("*.sock"))) == 1
+    with pytest.raises(ChildFailed, match="the shadowing json"):  # what a spawned child does
+        _run("0", env={"PYTHONPATH": os.pathsep.join([str(shadow), str(ROOT)])})
+    err = capfd.readouterr().err
+    assert "fork server: tests.helpers.fork_child spawned instead: its import path would take json from " \
+           f"{shadow / 'json.py'}" in err, err
+
+
 def test_what_cannot_be_forked_is_spawned_and_said(servers, capfd):
     _, forked = _run("0")
     # a module that does not say what to preload

@@ -14,6 +14,7 @@ import faulthandler
 import fcntl
 import hashlib
 import importlib
+import importlib.machinery
 import json
 import os
 import runpy
@@ -38,9 +39,13 @@ RUN_TIME = ("EAGLE3_", "PREFECT_", "PYTEST_", "PYTHONUNBUFFERED", "PYTHONFAULTHA
             "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "VLLM_PLUGINS", "VLLM_USE_V2_MODEL_RUNNER")
 # what importing vLLM (and OpenCV, which it imports) sets in os.environ: a starter that imported vLLM passes them on,
 # one that did not does not; not compared, a child gets its starter's value, else the one the server's imports set
+# the import path a child rebuilds for itself (_child): `python -m` puts its directory first, then these entries
+IMPORT_PATH = ("PYTHONPATH",)
 IMPORT_MADE = ("AITER_SITUV2_A4W4", "LD_LIBRARY_PATH", "PYTORCH_NVML_BASED_CUDA_CHECK", "TILELANG_CLEANUP_TEMP_FILES",
                "TORCHINDUCTOR_COMPILE_THREADS", "TRITON_CACHE_AUTOTUNING")
 MAX_MSG = 1 << 20
+SUFFIXES = (*importlib.machinery.EXTENSION_SUFFIXES, *importlib.machinery.SOURCE_SUFFIXES,
+            *importlib.machinery.BYTECODE_SUFFIXES)  # a module's files, in the order the path finder tries them
 # threads a server may hold: pyarrow's jemalloc purger (jemalloc's fork handlers stop it and reset it in the child)
 FORK_SAFE_THREADS = ("jemalloc_bg_thd",)
 # a child's own markers (core/proc.py): run-time settings, never in a server's environment (it is no engine)
@@ -50,7 +55,7 @@ PACKAGES = ("eagle3_pipeline.",)  # only our own workers, and of them those that
 
 def signature(env: dict[str, str]) -> str:
     """The server a child with `env` can fork from: every variable a package may read at import, and the interpreter."""
-    fixed = sorted((k, v) for k, v in env.items() if not k.startswith(RUN_TIME) and k not in IMPORT_MADE)
+    fixed = sorted((k, v) for k, v in env.items() if not k.startswith(RUN_TIME) and k not in IMPORT_MADE + IMPORT_PATH)
     return hashlib.sha256(json.dumps([sys.executable, fixed]).encode()).hexdigest()[:16]
 
 
@@ -198,7 +203,8 @@ def _start_server(root: Path, key: str, env: dict[str, str]) -> socket.socket | 
 
 _IMPORTED: list[str] = []  # the modules this server preloaded
 _START_ENV: dict[str, str] = {}  # the server's environment before its imports: the one its children share
-_START_PATH0: list[str] = []  # sys.path[0] as `-m` set it: the directory the server started in
+_START_HEAD: list[str] = []  # the head of the server's import path (_head): its start directory and PYTHONPATH
+_REBUILDS: list[bool] = [False]  # whether a child may rebuild the head for its own (the server's path begins with it)
 
 
 def _other_threads() -> list[str]:
@@ -224,6 +230,63 @@ def _preload(module: str) -> str | None:
     except BaseException as e:  # noqa: BLE001
         return f"importing {module} in the server failed: {type(e).__name__}: {e}"
     return _unsafe()
+
+
+def _head(cwd: str, pythonpath: str | None) -> list[str]:
+    """The first entries of a `python -m` child's import path: its directory, then PYTHONPATH's entries made
+    absolute from it (an empty one is the directory), each once (`site` drops the repeats, but not of the first)."""
+    entries = [os.path.normpath(os.path.join(cwd, e)) for e in (pythonpath.split(os.pathsep) if pythonpath else [])]
+    return [cwd, *dict.fromkeys(entries)]
+
+
+def _holds(entry: str, names: frozenset[str], name: str) -> str | None:
+    """Where import path `entry` (its file `names`) holds top-level module `name`, as the path finder looks: a
+    package's directory, else a module's file (extension, source, bytecode), else a namespace portion's directory."""
+    d = os.path.join(entry, name)
+    is_dir = name in names and os.path.isdir(d)
+    if is_dir and any(os.path.isfile(os.path.join(d, f"__init__{x}")) for x in SUFFIXES):
+        return d
+    return next((os.path.join(entry, name + x) for x in SUFFIXES if name + x in names), d if is_dir else None)
+
+
+def _listing(entry: str) -> frozenset[str]:
+    try:
+        return frozenset(os.listdir(entry))
+    except OSError:
+        return frozenset()
+
+
+def _shadowed(head: list[str]) -> str | None:
+    """Why a child whose import path starts with `head` (_head) would not import the modules this server has: one
+    of its entries holds a top-level module of the same name elsewhere, or the server took one from its own head
+    and the child's holds none; or the server's path cannot be rebuilt for it. None: they are the ones it would."""
+    if head == _START_HEAD:
+        return None
+    if not _REBUILDS[0] or sys.path[:len(_START_HEAD)] != _START_HEAD:
+        return "the server's import path cannot be rebuilt for another directory or PYTHONPATH"
+    child, server = [(e, _listing(e)) for e in head], [(e, _listing(e)) for e in _START_HEAD]
+    for name, mod in list(sys.modules.items()):
+        if "." in name or not (where := _location(mod)):
+            continue
+        theirs = next((h for e, names in child if (h := _holds(e, names, name))), None)
+        if theirs != where and (theirs is not None or any(_holds(e, names, name) == where for e, names in server)):
+            return f"its import path would take {name} from {theirs or 'elsewhere'}, not {where}"
+    return None
+
+
+def _interpreter_path() -> list[str]:
+    """The import path's entries that are the interpreter's own (standard library, site-packages)."""
+    return [p for p in sys.path if p.startswith((sys.base_prefix + os.sep, sys.prefix + os.sep))]
+
+
+def _location(mod) -> str | None:
+    """A top-level module's directory (a package) or file, as _holds names it; None for a built-in. A namespace
+    package of several portions has no one place: any entry of a child's head that holds one differs from it."""
+    file = getattr(mod, "__file__", None)
+    if file:
+        return os.path.dirname(file) if os.path.basename(file).startswith("__init__.") else file
+    path = list(getattr(mod, "__path__", None) or [])
+    return (path[0] if len(path) == 1 else f"the namespace {os.pathsep.join(path)}") if path else None
 
 
 def _unsafe() -> str | None:
@@ -284,7 +347,8 @@ def _request(conn: socket.socket, sel: selectors.BaseSelector, listener: socket.
     if module not in refused:
         refused[module] = _preload(module)
     # the server's own signature is its name: its environment is its first starter's without the run-time settings
-    why = refused[module] or _unsafe() or (None if signature(req["env"]) == key else "environment differs")
+    why = refused[module] or _unsafe() or (None if signature(req["env"]) == key else "environment differs") \
+        or _shadowed(_head(req["cwd"], req["env"].get("PYTHONPATH")))
     if why is not None or len(fds) != 2:
         for fd in fds:
             os.close(fd)
@@ -322,8 +386,9 @@ def _child(req: dict, fds: list[int]) -> None:
         for fd in fds:
             os.close(fd)
         os.chdir(req["cwd"])
-        if sys.path[:1] == _START_PATH0:  # `-m` puts the child's own directory first, not the server's
-            sys.path[0] = req["cwd"]
+        head = _head(req["cwd"], req["env"].get("PYTHONPATH"))
+        if head != _START_HEAD:  # its own directory and PYTHONPATH first, as `python -m` would put them (_shadowed)
+            sys.path[:] = head + [p for p in sys.path[len(_START_HEAD):] if p not in head[1:]]
         os.umask(req["umask"])
         os.sched_setaffinity(0, req["cpus"])  # a spawned child has its starter's cores, not the server's
         # what the server's imports set stays (it is what they did), but a starter's own IMPORT_MADE value
@@ -356,7 +421,9 @@ def _child(req: dict, fds: list[int]) -> None:
 def main(argv: list[str]) -> int:
     root, key, idle_s = Path(argv[0]), argv[1], float(argv[2])
     _START_ENV.update(os.environ)
-    _START_PATH0[:] = sys.path[:1]
+    _START_HEAD[:] = _head(os.getcwd(), os.environ.get("PYTHONPATH"))
+    # an entry that is also the interpreter's own was dropped from its place after the head: not rebuilt
+    _REBUILDS[0] = sys.path[:len(_START_HEAD)] == _START_HEAD and not set(_START_HEAD[1:]) & set(_interpreter_path())
     # OpenBLAS (numpy's, OpenCV's) starts its threads when loaded: one thread here, so that any other thread an
     # import starts is seen (_unsafe); the children have it in their environment (made by the server)
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
