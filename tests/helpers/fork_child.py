@@ -12,7 +12,8 @@ FORK_PRELOAD = ("json",)
 def main(argv: list[str]) -> int:
     what = argv[0]
     print("fork child: " + json.dumps({
-        "pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0), "pgid": os.getpgid(0), "cwd": os.getcwd(), "path0": sys.path[0], "path": sys.path,
+        "pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0), "pgid": os.getpgid(0), "cwd": os.getcwd(),
+        "path": sys.path,
         "argv": sys.argv[1:], "probe": os.environ.get("EAGLE3_TEST_PROBE"), "cpus": sorted(os.sched_getaffinity(0)),
         "main": sys.modules["__main__"].__spec__.name}), flush=True)
     if what == "sleep":

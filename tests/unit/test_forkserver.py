@@ -68,12 +68,12 @@ def test_a_forked_child_runs_as_a_spawned_one_would(servers, tmp_path, monkeypat
         assert said["cwd"] == str(tmp_path) and said["probe"] == probe and said["cpus"] == cpus
         assert said["main"] == "tests.helpers.fork_child"
     assert second["argv"] == ["0", "extra"]
-    assert first["path0"] == str(tmp_path)  # `python -m`'s first import path: the child's directory
+    assert first["path"][0] == str(tmp_path)  # `python -m`'s first import path: the child's directory
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
     _, third = _run("0")
-    assert third["ppid"] == first["ppid"] and third["cwd"] == third["path0"] == str(elsewhere)  # not the server's
+    assert third["ppid"] == first["ppid"] and third["cwd"] == third["path"][0] == str(elsewhere)  # not the server's
 
 
 def test_exit_codes_tracebacks_and_deadlines_of_a_forked_child(servers):

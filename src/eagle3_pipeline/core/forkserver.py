@@ -37,10 +37,10 @@ START_S = 120.0  # a server's imports are done within this, or its children are 
 RUN_TIME = ("EAGLE3_", "PREFECT_", "PYTEST_", "PYTHONUNBUFFERED", "PYTHONFAULTHANDLER", "TQDM_DISABLE", "COV_", "_",
             # vLLM's, read when an engine starts (vllm.envs reads lazily; no module reads these at import)
             "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "VLLM_PLUGINS", "VLLM_USE_V2_MODEL_RUNNER")
-# what importing vLLM (and OpenCV, which it imports) sets in os.environ: a starter that imported vLLM passes them on,
-# one that did not does not; not compared, a child gets its starter's value, else the one the server's imports set
 # the import path a child rebuilds for itself (_child): `python -m` puts its directory first, then these entries
 IMPORT_PATH = ("PYTHONPATH",)
+# what importing vLLM (and OpenCV, which it imports) sets in os.environ: a starter that imported vLLM passes them on,
+# one that did not does not; not compared, a child gets its starter's value, else the one the server's imports set
 IMPORT_MADE = ("AITER_SITUV2_A4W4", "LD_LIBRARY_PATH", "PYTORCH_NVML_BASED_CUDA_CHECK", "TILELANG_CLEANUP_TEMP_FILES",
                "TORCHINDUCTOR_COMPILE_THREADS", "TRITON_CACHE_AUTOTUNING")
 MAX_MSG = 1 << 20
