@@ -44,8 +44,6 @@ IMPORT_PATH = ("PYTHONPATH",)
 IMPORT_MADE = ("AITER_SITUV2_A4W4", "LD_LIBRARY_PATH", "PYTORCH_NVML_BASED_CUDA_CHECK", "TILELANG_CLEANUP_TEMP_FILES",
                "TORCHINDUCTOR_COMPILE_THREADS", "TRITON_CACHE_AUTOTUNING")
 MAX_MSG = 1 << 20
-SUFFIXES = (*importlib.machinery.EXTENSION_SUFFIXES, *importlib.machinery.SOURCE_SUFFIXES,
-            *importlib.machinery.BYTECODE_SUFFIXES)  # a module's files, in the order the path finder tries them
 # threads a server may hold: pyarrow's jemalloc purger (jemalloc's fork handlers stop it and reset it in the child)
 FORK_SAFE_THREADS = ("jemalloc_bg_thd",)
 # a child's own markers (core/proc.py): run-time settings, never in a server's environment (it is no engine)
@@ -239,21 +237,16 @@ def _head(cwd: str, pythonpath: str | None) -> list[str]:
     return [cwd, *dict.fromkeys(entries)]
 
 
-def _holds(entry: str, names: frozenset[str], name: str) -> str | None:
-    """Where import path `entry` (its file `names`) holds top-level module `name`, as the path finder looks: a
-    package's directory, else a module's file (extension, source, bytecode), else a namespace portion's directory."""
-    d = os.path.join(entry, name)
-    is_dir = name in names and os.path.isdir(d)
-    if is_dir and any(os.path.isfile(os.path.join(d, f"__init__{x}")) for x in SUFFIXES):
-        return d
-    return next((os.path.join(entry, name + x) for x in SUFFIXES if name + x in names), d if is_dir else None)
-
-
-def _listing(entry: str) -> frozenset[str]:
-    try:
-        return frozenset(os.listdir(entry))
-    except OSError:
-        return frozenset()
+def _found(name: str, entries: list[str]) -> str | None:
+    """Where the path finder, searching only `entries`, finds top-level module `name`: a package's directory, a
+    module's file or a namespace's portions (as _location names them), or None."""
+    spec = importlib.machinery.PathFinder.find_spec(name, entries)
+    if spec is None:
+        return None
+    if spec.origin and spec.has_location:
+        return os.path.dirname(spec.origin) if spec.submodule_search_locations is not None else spec.origin
+    path = list(spec.submodule_search_locations or [])
+    return (path[0] if len(path) == 1 else f"the namespace {os.pathsep.join(path)}") if path else None
 
 
 def _shadowed(head: list[str]) -> str | None:
@@ -264,12 +257,11 @@ def _shadowed(head: list[str]) -> str | None:
         return None
     if not _REBUILDS[0] or sys.path[:len(_START_HEAD)] != _START_HEAD:
         return "the server's import path cannot be rebuilt for another directory or PYTHONPATH"
-    child, server = [(e, _listing(e)) for e in head], [(e, _listing(e)) for e in _START_HEAD]
     for name, mod in list(sys.modules.items()):
         if "." in name or not (where := _location(mod)):
             continue
-        theirs = next((h for e, names in child if (h := _holds(e, names, name))), None)
-        if theirs != where and (theirs is not None or any(_holds(e, names, name) == where for e, names in server)):
+        theirs = _found(name, head)
+        if theirs != where and (theirs is not None or _found(name, _START_HEAD) == where):
             return f"its import path would take {name} from {theirs or 'elsewhere'}, not {where}"
     return None
 
@@ -280,7 +272,7 @@ def _interpreter_path() -> list[str]:
 
 
 def _location(mod) -> str | None:
-    """A top-level module's directory (a package) or file, as _holds names it; None for a built-in. A namespace
+    """A top-level module's directory (a package) or file, as _found names it; None for a built-in. A namespace
     package of several portions has no one place: any entry of a child's head that holds one differs from it."""
     file = getattr(mod, "__file__", None)
     if file:
