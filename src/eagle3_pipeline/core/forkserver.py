@@ -12,6 +12,7 @@ import atexit
 import contextlib
 import faulthandler
 import fcntl
+import gc
 import hashlib
 import importlib
 import importlib.machinery
@@ -338,6 +339,10 @@ def _request(conn: socket.socket, sel: selectors.BaseSelector, listener: socket.
     module = req["module"]
     if module not in refused:
         refused[module] = _preload(module)
+        # the imports to the collector's permanent generation: a child's collections (vLLM makes three per engine
+        # start) pass over only what the child made, and leave the shared pages alone (engine/build.freeze_heap)
+        gc.collect()
+        gc.freeze()
     # the server's own signature is its name: its environment is its first starter's without the run-time settings
     why = refused[module] or _unsafe() or (None if signature(req["env"]) == key else "environment differs") \
         or _shadowed(_head(req["cwd"], req["env"].get("PYTHONPATH")))
