@@ -1,5 +1,5 @@
-"""An engine start of the tiny target with the heap frozen first (engine/build.freeze_heap) against without,
-alternating in one run, each in a fresh Python process that has made an engine child's imports
+"""An engine start of the tiny target with the heap frozen first (core/heap.freeze, as engine/build.build_llm does)
+against without, alternating in one run, each in a fresh Python process that has made an engine child's imports
 (engine/build.ENGINE_PRELOAD) as a fork server's child has them.
 
 vLLM collects the whole heap three times while it starts an engine; frozen first, those collections pass over only
@@ -34,13 +34,13 @@ def cpu():
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
 frozen = sys.argv[2] == "frozen"
-own = build.freeze_heap
+own = build.heap.freeze
 took = []
 def timed():
     c = cpu()
     own()
     took.append(cpu() - c)
-build.freeze_heap = timed if frozen else (lambda: None)
+build.heap.freeze = timed if frozen else (lambda: None)
 c, t = cpu(), time.perf_counter()
 llm = build.build_llm(EngineConfig(), TargetConfig(model=sys.argv[1], dtype="float32"), max_model_len=1024)
 print("BENCH " + json.dumps({"cpu_s": cpu() - c, "wall_s": time.perf_counter() - t, "freeze_s": sum(took)}))

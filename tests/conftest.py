@@ -12,13 +12,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from eagle3_pipeline.core import forkserver
+from eagle3_pipeline.core import forkserver, heap
 from tests.helpers.store import small_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+heap.tune()  # the test workers import vLLM, torch and Prefect too (core/heap.py)
 
 # `make test` runs the suite on three pytest-xdist workers (`-n 3 --dist loadscope`; the third, see
 # _WAIT_GROUPS below): the serial suite kept

@@ -1,6 +1,7 @@
 """A worker for tests/unit/test_forkserver.py: says where and how it runs, then exits with the code it is given,
 sleeps, or raises. FORK_PRELOAD names what its fork server imports first."""
 
+import gc
 import json
 import os
 import sys
@@ -15,7 +16,8 @@ def main(argv: list[str]) -> int:
         "pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0), "pgid": os.getpgid(0), "cwd": os.getcwd(),
         "path": sys.path,
         "argv": sys.argv[1:], "probe": os.environ.get("EAGLE3_TEST_PROBE"), "cpus": sorted(os.sched_getaffinity(0)),
-        "main": sys.modules["__main__"].__spec__.name}), flush=True)
+        "main": sys.modules["__main__"].__spec__.name, "gc_frozen": gc.get_freeze_count(),
+        "gc_threshold": gc.get_threshold()}), flush=True)
     if what == "sleep":
         time.sleep(120)
     if what == "nap":

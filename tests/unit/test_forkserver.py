@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from eagle3_pipeline.core import forkserver
+from eagle3_pipeline.core import forkserver, heap
 from eagle3_pipeline.core.proc import ChildFailed, ChildTimedOut, python_child, run_child
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,6 +68,8 @@ def test_a_forked_child_runs_as_a_spawned_one_would(servers, tmp_path, monkeypat
         assert said["cwd"] == str(tmp_path) and said["probe"] == probe and said["cpus"] == cpus
         assert said["main"] == "tests.helpers.fork_child"
     assert second["argv"] == ["0", "extra"]
+    # the server's imports frozen before its first fork, and its collector thresholds, are the child's (core/heap.py)
+    assert first["gc_frozen"] > 1000 and first["gc_threshold"] == list(heap.THRESHOLDS)
     assert first["path"][0] == str(tmp_path)  # `python -m`'s first import path: the child's directory
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

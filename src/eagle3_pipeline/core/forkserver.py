@@ -12,7 +12,6 @@ import atexit
 import contextlib
 import faulthandler
 import fcntl
-import gc
 import hashlib
 import importlib
 import importlib.machinery
@@ -29,6 +28,8 @@ import traceback
 from pathlib import Path
 
 import psutil
+
+from eagle3_pipeline.core import heap
 
 ENV = "EAGLE3_FORK_SERVER"
 OWNER_FILE = "owner"  # the pid whose end ends every server of the directory
@@ -340,9 +341,8 @@ def _request(conn: socket.socket, sel: selectors.BaseSelector, listener: socket.
     if module not in refused:
         refused[module] = _preload(module)
         # the imports to the collector's permanent generation: a child's collections (vLLM makes three per engine
-        # start) pass over only what the child made, and leave the shared pages alone (engine/build.freeze_heap)
-        gc.collect()
-        gc.freeze()
+        # start) pass over only what the child made, and leave the pages it shares with the server alone
+        heap.freeze()
     # the server's own signature is its name: its environment is its first starter's without the run-time settings
     why = refused[module] or _unsafe() or (None if signature(req["env"]) == key else "environment differs") \
         or _shadowed(_head(req["cwd"], req["env"].get("PYTHONPATH")))
@@ -417,6 +417,7 @@ def _child(req: dict, fds: list[int]) -> None:
 
 def main(argv: list[str]) -> int:
     root, key, idle_s = Path(argv[0]), argv[1], float(argv[2])
+    heap.tune()  # for its imports and, through the fork, its children's
     _START_ENV.update(os.environ)
     _START_HEAD[:] = _head(os.getcwd(), os.environ.get("PYTHONPATH"))
     # an entry that is also the interpreter's own was dropped from its place after the head: not rebuilt

@@ -11,7 +11,6 @@ More: docs/internals.md, "engine/build.py".
 
 from __future__ import annotations
 
-import gc
 import importlib.metadata as md
 import json
 import logging
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import psutil
 
+from eagle3_pipeline.core import heap
 from eagle3_pipeline.core.config import EngineConfig, TargetConfig
 from eagle3_pipeline.engine import runner
 from eagle3_pipeline.engine.cpu_isa import allow_amx
@@ -188,19 +188,12 @@ def build_llm(engine: EngineConfig, target: TargetConfig, *, max_model_len: int,
     if kv_transfer_config is not None:
         kwargs["kv_transfer_config"] = kv_transfer_config
     kwargs.update(overrides)
-    freeze_heap()
+    # vLLM collects the whole heap three times while an engine starts (twice in its model loader, once before it
+    # freezes the heap itself): frozen first, those pass over only what the start made. A start of the tiny target
+    # after an engine child's imports, 2.04 CPU s, takes 1.29 (0.36 of it this collection; bench/engine_start_gc.py).
+    # vLLM unfreezes at engine shutdown (EngineCore.shutdown), so each build freezes again
+    heap.freeze()
     return _proven(lambda: LLM(**kwargs))
-
-
-def freeze_heap() -> None:
-    """Collect once, then move every object alive to the collector's permanent generation (`gc.freeze`). vLLM
-    collects the whole heap three times while an engine starts (twice in its model loader, once before it freezes
-    the heap itself), and the heap is mostly imports. Frozen first, those collections pass over only what the start
-    made: a start of the tiny target after an engine child's imports, 2.04 CPU s, takes 1.29 (0.36 of it this
-    collection; bench/engine_start_gc.py). vLLM unfreezes at engine shutdown (`EngineCore.shutdown`), so each build
-    freezes again; nothing alive is freed by it, and what was garbage is collected first."""
-    gc.collect()
-    gc.freeze()
 
 
 _SAID: set[str] = set()  # the runner proofs this process has printed

@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from eagle3_pipeline.core import heap
 from eagle3_pipeline.core.config import EngineConfig, TargetConfig
 from eagle3_pipeline.core.faults import take_fault
 from eagle3_pipeline.core.proc import emit_event
@@ -314,6 +315,7 @@ def _implementation(run: EvalRunSpec) -> Implementation | None:
 
 
 def main(argv: list[str]) -> int:
+    heap.tune()  # before the imports main makes
     job = EvalJob.model_validate_json(Path(argv[0]).read_text())
     print(f"evaluate worker: VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND')}, "
           f"in-process engine core: {os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING') == '0'}", flush=True)

@@ -15,6 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from eagle3_pipeline.core import heap
 from eagle3_pipeline.core.config import EngineConfig, TargetConfig
 from eagle3_pipeline.core.errors import EnvironmentProblem
 from eagle3_pipeline.core.proc import child_main, emit_event
@@ -403,6 +404,7 @@ def _start_engine(job: ExtractJob, ds, max_len: int) -> _Engine:
 
 
 def main(argv: list[str]) -> int:
+    heap.tune()  # before the imports main makes
     job = ExtractJob.model_validate_json(Path(argv[0]).read_text())
     t_start = time.time()
     # engine.engine_env (in the parent) decided the in-process engine core and the OpenMP settings

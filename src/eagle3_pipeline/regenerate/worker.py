@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle3_pipeline.core import heap
 from eagle3_pipeline.core.config import RegenerateConfig, hub_token
 from eagle3_pipeline.core.proc import child_main, emit_event
 from eagle3_pipeline.core.progress import LineProgress
@@ -269,6 +270,7 @@ def _shard_rows(job: RegenerateJob) -> dict[int, list]:
 
 
 def main(argv: list[str]) -> int:
+    heap.tune()  # before the imports main makes
     job = RegenerateJob.model_validate_json(Path(argv[0]).read_text())
     t_start = time.time()
     print(f"regenerate worker: VLLM_CPU_OMP_THREADS_BIND={os.environ.get('VLLM_CPU_OMP_THREADS_BIND')}, "

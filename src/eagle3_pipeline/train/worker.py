@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 
+from eagle3_pipeline.core import heap
 from eagle3_pipeline.core.config import TrainConfig
 from eagle3_pipeline.core.faults import take_fault
 from eagle3_pipeline.core.proc import emit_event
@@ -649,6 +650,7 @@ MODES = {"train": run_train, "untrained": run_untrained}
 
 
 def main(argv: list[str]) -> int:
+    heap.tune()  # before the imports main makes
     if len(argv) != 2:
         print("usage: python -m eagle3_pipeline.train.worker JOB.json", file=sys.stderr)
         return 2

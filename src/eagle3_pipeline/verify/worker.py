@@ -19,6 +19,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from eagle3_pipeline.core import heap
 from eagle3_pipeline.core.config import TargetConfig
 from eagle3_pipeline.core.proc import emit_event
 from eagle3_pipeline.core.store import write_json
@@ -363,6 +364,7 @@ def _write(out_dir: Path, res: ReferenceOutput) -> None:
 
 
 def main(argv: list[str]) -> int:
+    heap.tune()  # before the imports main makes
     job = ReferenceJob(**json.loads(Path(argv[0]).read_text()))
     t0 = time.time()
     try:
