@@ -23,6 +23,6 @@ def tune() -> None:
 def freeze() -> None:
     """Collect once, then move every object alive to the permanent generation (`gc.freeze`): later collections
     pass over only what was made after it. Nothing alive is freed by it, and what was garbage is collected first.
-    Before an engine start (engine/build.build_llm) and before a fork server's first fork (core/forkserver.py)."""
+    Before each engine start (engine/build.build_llm) and after each of a fork server's preloads (core/forkserver.py)."""
     gc.collect()
     gc.freeze()
