@@ -22,6 +22,8 @@ from rich.console import Console
 from rich.table import Table
 
 from bench_results import record, spread  # bench/ is sys.path[0] when run as a script
+from eagle3_pipeline.core.config import EngineConfig
+from eagle3_pipeline.engine.build import engine_env
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = """
@@ -48,8 +50,8 @@ print("BENCH " + json.dumps({"cpu_s": cpu() - c, "wall_s": time.perf_counter() -
 
 
 def one(way: str) -> dict:
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0",
-           "TORCHDYNAMO_DISABLE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+    # an engine child's environment, as the stages give it (engine_env), with the suite's 1 GiB KV cache
+    env = {**os.environ, **engine_env(EngineConfig()), "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
     out = subprocess.run([sys.executable, "-c", CHILD, str(ROOT / ".cache" / "tiny-target"), way], env=env,
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("BENCH ")]
