@@ -63,9 +63,10 @@ class _Sampler:
 _SAMPLER: list[_Sampler] = []
 
 
-def _record(nodeid: str, phase: str, wall: float, cpu: float, demand: float) -> None:
-    line = {"test": nodeid, "phase": phase, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
-            "demand_s": round(demand, 1)}
+def _record(nodeid: str, phase: str, start: float, cpu: float, demand: float) -> None:
+    line = {"test": nodeid, "phase": phase, "wall_s": round(time.time() - start, 1), "cpu_s": round(cpu, 1),
+            "demand_s": round(demand, 1), "start": round(start, 1),  # with the worker: each worker's timeline
+            "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}
     with open(os.environ.get("EAGLE3_CPUTIME_OUT", "cputime.jsonl"), "a") as f:
         f.write(json.dumps(line) + "\n")
 
@@ -75,7 +76,7 @@ def _measured(item, phase: str):
         _SAMPLER.append(_Sampler())
     t0, c0, d0 = time.time(), tree_cpu(), _SAMPLER[0].demand
     yield
-    _record(item.nodeid, phase, time.time() - t0, tree_cpu() - c0, _SAMPLER[0].demand - d0)
+    _record(item.nodeid, phase, t0, tree_cpu() - c0, _SAMPLER[0].demand - d0)
 
 
 @pytest.hookimpl(hookwrapper=True)
