@@ -93,6 +93,30 @@ def test_a_third_worker_runs_only_the_waiting_groups():
     assert any(waiting <= set(n.sent) for n in two)  # whole, on one worker
 
 
+def test_the_waiter_is_shut_down_once_its_groups_are_sent_so_it_runs_its_last_test_then():
+    """An xdist worker runs its next-to-last test's successor only when it is sent more or told to shut down (pytest
+    needs `nextitem`). The waiter, whose groups are all sent while the computing workers still have groups to run,
+    is told to shut down then, not when it has nothing pending: otherwise its last control-plane test waited until
+    every other group had finished (600 s of a 1,242 s run, then 83 s alone at the end)."""
+    cp = [f"tests/chaos/test_control_plane.py::t{i}" for i in range(6)]
+    rest = [f"tests/integration/test_m{i}.py::a" for i in range(8)]
+    values = {"dist": "loadscope", "tx": ["3*popen"], "numprocesses": None, "maxworkerrestart": None}
+    option = SimpleNamespace(loadscopereorder=True, **values)
+    config = SimpleNamespace(option=option, getvalue=lambda name: getattr(option, name))
+    sched = pytest_xdist_make_scheduler(config, log=None)
+    nodes = [_Node(n) for n in ("gw0", "gw1", "gw2")]
+    for n in nodes:
+        sched.add_node(n)
+        sched.add_node_collection(n, [*cp, *rest])
+    sched.schedule()
+    gw2 = nodes[2]
+    assert sorted(gw2.sent) == list(range(len(cp)))
+    for i in gw2.sent[:-1]:  # gw0 and gw1 still busy with their first groups
+        sched.mark_test_complete(gw2, i)
+    assert sched.workqueue and gw2.shutting_down  # so the worker runs its last test now
+    assert not nodes[0].shutting_down and not nodes[1].shutting_down
+
+
 def test_the_process_tree_groups_spawn_and_the_others_fork():
     """A test of _SPAWN_GROUPS (the control plane, the chaos `processes` group) runs without EAGLE3_FORK_SERVER, so
     its children are spawned as in production; any other test with it."""
