@@ -26,7 +26,8 @@ KINDS = (("pytest worker", r"execnet|-c import sys;exec"), ("pytest", r"-m pytes
          ("torchrun", r"torchrun|torch\.distributed\.run"), ("vllm serve", r"vllm\.entrypoints\.openai"),
          ("eagle3 CLI", r"bin/eagle3 "), ("prefect worker", r"prefect worker"), ("prefect flow run", r"prefect\.engine"),
          ("engine/rank (multiprocessing)", r"multiprocessing"),
-         ("spawned stage worker", r"-m eagle3_pipeline\.\S+"), ("install/build", r"\buv\b|compileall|pip|make|cmake"),
+         ("spawned stage worker", r"-m eagle3_pipeline\.\S+"),
+         ("install/build", r"\buv\b|compileall|bytecode\.py|pip|make|cmake"),
          ("kernel threads", r"^$"))
 
 
@@ -83,12 +84,18 @@ def main(argv: list[str]) -> int:
     b0, t0 = _busy_jiffies(), time.time()
     sample(seen, t0)
     proc = subprocess.Popen(cmd)
+    timeline, last = [], (t0, b0)  # [seconds since t0, cores busy machine-wide since the sample before]
     while proc.poll() is None:
         sample(seen, t0)
         time.sleep(EVERY_S)
+        now = (time.time(), _busy_jiffies())
+        timeline.append([round(now[0] - t0, 1),
+                         round((now[1] - last[1]) / os.sysconf("SC_CLK_TCK") / (now[0] - last[0]), 2)])
+        last = now
     busy_s, wall_s = (_busy_jiffies() - b0) / os.sysconf("SC_CLK_TCK"), time.time() - t0
     procs = list(seen.values())
-    out.write_text(json.dumps({"wall_s": wall_s, "busy_cpu_s": busy_s, "rc": proc.returncode, "procs": procs}))
+    out.write_text(json.dumps({"wall_s": wall_s, "busy_cpu_s": busy_s, "rc": proc.returncode, "procs": procs,
+                                "busy_timeline": timeline}))
     print(table(procs, busy_s, wall_s))
     return proc.returncode
 
