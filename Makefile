@@ -25,6 +25,9 @@ VLLM_STAMP := $(if $(filter 0.32,$(VLLM)),,-vllm$(VLLM))
 STAMP := $(VENV)/.installed-$(STACK)$(VLLM_STAMP)
 GPU_REINSTALL := --reinstall-package torch --reinstall-package vllm
 BYTECODE_ALL := $(VENV)/.bytecode-all
+# the suite's garbage-collector thresholds in every Python process of the venv whose environment says
+# EAGLE3_TEST_GC=1 (tests/conftest.py sets it): vLLM's and Prefect's processes too, from their first import
+TEST_GC_PTH := $(VENV)/.test-gc-pth
 UV := $(VENV)/.uv/bin/uv
 TINY := .cache/tiny-target
 TINY_MOE := .cache/tiny-moe
@@ -164,10 +167,14 @@ TEST_WORKERS ?= 3
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope)
 # The linter first, right after the install (a second, before the targets are built): ruff from the `test` extra,
 # its rules in pyproject.toml [tool.ruff] (docs/testing.md, "The linter").
-test: $(STAMP) lint $(BYTECODE_ALL) tiny tiny-moe smollm2 browser postgres
+$(TEST_GC_PTH): $(STAMP) tests/helpers/eagle3_test_gc.pth
+	cp tests/helpers/eagle3_test_gc.pth "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
+	touch $@
+
+test: $(STAMP) lint $(BYTECODE_ALL) $(TEST_GC_PTH) tiny tiny-moe smollm2 browser postgres
 	$(PY) -m pytest tests -q -p no:cacheprovider --timeout 3600 --durations=25 $(XDIST)
 
-test-fast: $(STAMP) lint $(BYTECODE_ALL)
+test-fast: $(STAMP) lint $(BYTECODE_ALL) $(TEST_GC_PTH)
 	$(PY) -m pytest tests/unit -q -p no:cacheprovider
 
 lint: $(STAMP)

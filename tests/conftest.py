@@ -16,10 +16,14 @@ from eagle3_pipeline.core import forkserver, heap
 from tests.helpers.store import small_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
+TEST_GC_ENV = "EAGLE3_TEST_GC"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 heap.tune()  # the test workers import vLLM, torch and Prefect too (core/heap.py)
+# and every process the suite starts, vLLM's and Prefect's included (tests/helpers/eagle3_test_gc.pth, which
+# `make test` puts in the venv: the same thresholds from a process's first import); docs/testing.md "Suite time"
+os.environ.setdefault(TEST_GC_ENV, "1")
 
 # `make test` runs the suite on three pytest-xdist workers (`-n 3 --dist loadscope`; the third, see
 # _WAIT_GROUPS below): the serial suite kept

@@ -14,6 +14,7 @@ import pytest
 
 from eagle3_pipeline.core import forkserver, heap
 from eagle3_pipeline.core.proc import ChildFailed, ChildTimedOut, python_child, run_child
+from tests.conftest import TEST_GC_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,6 +26,7 @@ def servers(tmp_path, monkeypatch):
     root.mkdir()
     (root / forkserver.OWNER_FILE).write_text(str(os.getpid()))
     monkeypatch.setenv(forkserver.ENV, str(root))
+    monkeypatch.delenv(TEST_GC_ENV, raising=False)  # the thresholds a child has are then the server's own (heap.tune)
     monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the test workers, from any directory
     monkeypatch.setattr(forkserver, "PACKAGES", (*forkserver.PACKAGES, "tests.helpers."))
     yield root

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import gc
+import json
+import os
+import re
 import subprocess
 import sys
+import sysconfig
 import weakref
 from pathlib import Path
 
 from eagle3_pipeline.core import heap
+from tests.conftest import TEST_GC_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,7 +50,30 @@ def test_freeze_collects_the_garbage_first_and_keeps_what_is_alive():
         gc.unfreeze()
 
 
+def _thresholds(code: str, **env: str) -> list[int]:
+    """gc's thresholds after `code` in a fresh interpreter of the venv, without the suite's EAGLE3_TEST_GC unless
+    given."""
+    base = {k: v for k, v in os.environ.items() if k != TEST_GC_ENV}
+    out = subprocess.run([sys.executable, "-c", f"import gc; {code}; print(list(gc.get_threshold()))"], cwd=ROOT,
+                         env={**base, **env}, capture_output=True, text=True, check=True).stdout
+    return json.loads(out)
+
+
 def test_the_eagle3_command_and_flow_runs_tune_through_the_flows_package():
-    out = subprocess.run([sys.executable, "-c", "import gc, flows; print(list(gc.get_threshold()))"], cwd=ROOT,
-                         capture_output=True, text=True, check=True).stdout
-    assert out.strip() == str(list(heap.THRESHOLDS))
+    assert _thresholds("pass") == [700, 10, 10]  # Python's own: nothing else set them
+    assert _thresholds("import flows") == list(heap.THRESHOLDS)
+
+
+def test_the_suites_processes_get_the_thresholds_from_their_start_and_only_the_suites():
+    """tests/helpers/eagle3_test_gc.pth, which `make test` copies into the venv: every Python process whose
+    environment says EAGLE3_TEST_GC=1 (the suite's: tests/conftest.py) starts with our thresholds, vLLM's and
+    Prefect's processes included; any other keeps Python's, and a higher gen-0 threshold of its own stays."""
+    pth = ROOT / "tests" / "helpers" / "eagle3_test_gc.pth"
+    assert [int(x) for x in re.search(r"set_threshold\((\d+), (\d+), (\d+)\)", pth.read_text()).groups()] == \
+        list(heap.THRESHOLDS)
+    installed = Path(sysconfig.get_paths()["purelib"]) / pth.name
+    assert installed.is_file() and installed.read_text() == pth.read_text(), \
+        f"{installed} is missing or stale: `make test` (or `make test-fast`) copies {pth} there"
+    assert _thresholds("pass", **{TEST_GC_ENV: "1"}) == list(heap.THRESHOLDS)
+    assert _thresholds("pass", **{TEST_GC_ENV: "0"}) == [700, 10, 10]
+    assert _thresholds("pass") == [700, 10, 10]
