@@ -45,7 +45,9 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 # Bytecode is compiled once here and never written at run time: concurrent writers left truncated .pyc files
 # (docs/decisions/bytecode-compiled-once.md). BYTECODE_SKIP: what a tiny-default run never imports; make test compiles it.
-BYTECODE_SKIP := /site-packages/(.+/)?tests/|/site-packages/(anthropic|numba|llvmlite|pip|playwright|apprise|sentry_sdk|mcp|mcp_types|dns|dateparser|_pytest|mistral_common|docker|lark|execnet|xdist|depyf|lmformatenforcer|supervisor|cyclopts|rich_rst|ruamel|oauthlib)/
+# SITE_TESTS: the installed packages' own test suites, which nothing here imports (compiled by neither pass)
+SITE_TESTS := /site-packages/(.+/)?tests/
+BYTECODE_SKIP := $(SITE_TESTS)|/site-packages/(anthropic|numba|llvmlite|pip|playwright|apprise|sentry_sdk|mcp|mcp_types|dns|dateparser|_pytest|mistral_common|docker|lark|execnet|xdist|depyf|lmformatenforcer|supervisor|cyclopts|rich_rst|ruamel|oauthlib)/
 # timestamp-checked like Python's own (not hash-checked, which SOURCE_DATE_EPOCH would choose); a file that
 # does not compile (py2 leftovers in some packages) keeps none. infra/bytecode.py: compileall's own compiler on every
 # core, each process given a whole share of the files (compileall -j 0 sends them one at a time: ~30% more CPU)
@@ -112,9 +114,9 @@ $(VENV)/.installed-gpu$(VLLM_STAMP): pyproject.toml $(GPU_LOCK)
 	rm -f $(VENV)/.installed-cpu $(filter-out $@,$(wildcard $(VENV)/.installed-gpu*))
 	touch $@
 
-# the bytecode the install left out (without -f: what is compiled already is only checked)
+# the bytecode the install left out but SITE_TESTS (without -f: what is compiled already is only checked)
 $(BYTECODE_ALL): $(STAMP)
-	$(COMPILE) $(VENV)/lib/python3*/site-packages || true
+	$(COMPILE) -x '$(SITE_TESTS)' $(VENV)/lib/python3*/site-packages || true
 	touch $(BYTECODE_ALL)
 
 tiny: $(TINY)/tiny_target.json
