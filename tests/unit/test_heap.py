@@ -67,7 +67,7 @@ def test_the_eagle3_command_and_flow_runs_tune_through_the_flows_package():
 def test_the_suites_processes_get_the_thresholds_from_their_start_and_only_the_suites():
     """tests/helpers/eagle3_test_gc.pth, which `make test` copies into the venv: every Python process whose
     environment says EAGLE3_TEST_GC=1 (the suite's: tests/conftest.py) starts with our thresholds, vLLM's and
-    Prefect's processes included; any other keeps Python's, and a higher gen-0 threshold of its own stays."""
+    Prefect's processes included; any other (and one run with EAGLE3_TEST_GC=0) keeps Python's."""
     pth = ROOT / "tests" / "helpers" / "eagle3_test_gc.pth"
     assert [int(x) for x in re.search(r"set_threshold\((\d+), (\d+), (\d+)\)", pth.read_text()).groups()] == \
         list(heap.THRESHOLDS)
