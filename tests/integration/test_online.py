@@ -20,6 +20,7 @@ import pytest
 
 from eagle3_pipeline.core.config import load_config
 from eagle3_pipeline.core.proc import CHILD_MARKER_ENV, LAUNCHER_ENV
+from eagle3_pipeline.engine.build import vllm_is_cpu_build
 from eagle3_pipeline.verify.stage import VerifyFailed
 from tests.helpers.stack import expected_runner
 from tests.helpers.store import describe_processes, processes_with_env
@@ -92,7 +93,10 @@ def test_online_training_takes_every_row_from_the_server(llama_online):
     server_log = (Path(on.work_dir) / "server.log").read_text()
     assert "Application startup complete" in server_log
     assert "lean prompt scores in place" in server_log  # the server's engine scores rows as extraction does
-    assert any(ln.startswith("online: server ready in") for ln in lines)
+    ready = [ln for ln in lines if ln.startswith("online: server ready in")]
+    assert len(ready) == 1, lines
+    if vllm_is_cpu_build():  # one rank: the API server and the engine core, which runs the model itself (no worker)
+        assert ready[0].endswith("(processes: API server, VLLM::EngineCore, resource tracker)"), ready
     # before the first row: the server's engine built the V1 runner (pinned by server_env) and both hooks ran in it
     assert any(ln == f"online: server runner {expected_runner()}, hooks live: "
                "state_sketch, prompt_scores" for ln in lines), [ln for ln in lines if "runner" in ln]

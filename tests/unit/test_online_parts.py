@@ -44,7 +44,12 @@ def test_server_logprobs_become_the_fingerprint_the_extract_engine_writes():
 
 
 def test_server_argv_carries_the_engine_settings(tmp_path):
-    from eagle3_pipeline.engine.build import extract_hidden_states_config, server_argv
+    from eagle3_pipeline.engine.build import (
+        CPU_ONE_PROCESS_EXECUTOR,
+        extract_hidden_states_config,
+        server_argv,
+        vllm_is_cpu_build,
+    )
 
     argv = server_argv(ExtractConfig(gpu_memory_utilization=0.2), TargetConfig(model="/m", trust_remote_code=True),
                        max_model_len=600, port=8123, speculative_config=extract_hidden_states_config([2, 4, 8]),
@@ -64,6 +69,22 @@ def test_server_argv_carries_the_engine_settings(tmp_path):
 
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[4:])
     assert args.max_num_seqs == 8 and args.enable_chunked_prefill is False and args.trust_remote_code is True
+    # one rank on the CPU build: vLLM's one-process executor by its class name (build.cpu_executor_kwargs), which
+    # vLLM resolves to that class; more ranks keep vLLM's choice (tests/integration/test_online.py counts the
+    # server's processes)
+    if vllm_is_cpu_build():
+        from types import SimpleNamespace
+
+        from vllm.v1.executor.abstract import Executor
+        from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+        assert args.distributed_executor_backend == CPU_ONE_PROCESS_EXECUTOR
+        named = SimpleNamespace(parallel_config=SimpleNamespace(distributed_executor_backend=CPU_ONE_PROCESS_EXECUTOR))
+        assert Executor.get_class(named) is UniProcExecutor
+    else:
+        assert "--distributed-executor-backend" not in argv
+    tp2 = server_argv(ExtractConfig(tensor_parallel_size=2), TargetConfig(model="/m"), max_model_len=600, port=1)
+    assert "--distributed-executor-backend" not in tp2
     # an MLA target in float32 (engine.cpu_mla_kwargs): the backend's option and name parse too
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 64, "vocab_size": 99, "kv_lora_rank": 512}))
     mla = server_argv(ExtractConfig(), TargetConfig(model=str(tmp_path), dtype="float32"), max_model_len=600, port=1)

@@ -102,6 +102,23 @@ def cpu_build_kwargs() -> dict:
     return {"compilation_config": CPU_COMPILATION_CONFIG} if vllm_is_cpu_build() else {}
 
 
+# vLLM's one-process executor named by its class. On the CPU build vLLM swaps the executor "uni" for its
+# multiprocessing one whenever the engine core has a process of its own (a server: platforms/cpu.py), which adds a
+# worker process that imports vLLM and torch once more and holds the model. The engine core's process is spawned
+# after vLLM set what its CPU workers need (LD_PRELOAD, thread settings), so it runs the model itself as well: a
+# tensor-parallel-1 server is two processes, not three (bench/server_processes.py; docs/internals.md)
+CPU_ONE_PROCESS_EXECUTOR = "vllm.v1.executor.uniproc_executor.UniProcExecutor"
+
+
+def cpu_executor_kwargs(engine: EngineConfig) -> dict:
+    """The executor of a CPU server whose model fits one process (tensor parallel 1): `CPU_ONE_PROCESS_EXECUTOR`
+    (`server_argv`). Empty on GPU builds, where vLLM's default for one rank is that executor already, and for more
+    ranks. `build_llm` needs none: its CPU engines of one rank have the engine core in-process, where vLLM keeps "uni"."""
+    if engine.tensor_parallel_size == 1 and vllm_is_cpu_build():
+        return {"distributed_executor_backend": CPU_ONE_PROCESS_EXECUTOR}
+    return {}
+
+
 def cpu_mla_kwargs(target: TargetConfig) -> dict:
     """vLLM keyword arguments for an MLA target (config.json with `kv_lora_rank`) run in float32 on the
     CPU build: vLLM's reference MLA backend, CPU_MLA. Wherever the CPU has AMX, vLLM prefers its AMX MLA
@@ -274,7 +291,8 @@ def server_argv(engine: EngineConfig, target: TargetConfig, *, max_model_len: in
         trust_remote_code=target.trust_remote_code or None, tensor_parallel_size=engine.tensor_parallel_size,
         gpu_memory_utilization=engine.gpu_memory_utilization, max_model_len=max_model_len,
         enforce_eager=engine.enforce_eager or None, seed=0, speculative_config=speculative_config,
-        kv_transfer_config=kv_transfer_config, **cpu_build_kwargs(), **cpu_mla_kwargs(target))
+        kv_transfer_config=kv_transfer_config, **cpu_build_kwargs(), **cpu_mla_kwargs(target),
+        **cpu_executor_kwargs(engine))
     kwargs.update(overrides)
     argv = [sys.executable, "-u", "-m", "vllm.entrypoints.openai.api_server", "--model", target.model,
             "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log"]

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 from pydantic import BaseModel
 
 from eagle3_pipeline.core.config import ExtractConfig, PipelineConfig, TargetConfig
@@ -166,10 +167,25 @@ class HiddenStateServer:
             self.__exit__(None, None, None)  # the server's group and its scratch dir go with the failure
             raise
         self.start_s = round(time.time() - t0, 2)
-        self.log(f"online: server ready in {self.start_s:.1f}s at {self.endpoint}")
+        self.log(f"online: server ready in {self.start_s:.1f}s at {self.endpoint} (processes: "
+                 f"{', '.join(self.processes())})")
         self.sampler = _PeakSampler(self.scratch)
         self.sampler.start()
         return self
+
+    def processes(self) -> list[str]:
+        """The server's processes now, named: "API server", then each descendant by the title vLLM gives it
+        (VLLM::EngineCore, VLLM::Worker...) or what it runs (multiprocessing's resource tracker)."""
+        assert self.child is not None and self.child.proc is not None
+        names = []
+        try:
+            for p in psutil.Process(self.child.proc.pid).children(recursive=True):
+                cmd = p.cmdline()
+                names.append("resource tracker" if "resource_tracker" in " ".join(cmd)
+                             else cmd[0].strip() if cmd and cmd[0].startswith("VLLM::") else p.name())
+        except psutil.Error:
+            pass
+        return ["API server", *sorted(names)]
 
     def _wait_ready(self) -> None:
         assert self.child is not None
