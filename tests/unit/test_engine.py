@@ -9,6 +9,7 @@ from eagle3_pipeline.engine.build import (
     build_llm,
     cpu_bind_spec,
     cpu_build_kwargs,
+    cpu_executor_kwargs,
     cpu_mla_kwargs,
     eagle3_config,
     engine_env,
@@ -90,14 +91,15 @@ def test_build_llm_for_extract_passes_what_the_extract_worker_always_did(llm_kwa
         speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
                             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 5, 8]}}},
         kv_transfer_config={"kv_connector": "Conn", "kv_connector_module_path": "mod.path", "kv_role": "kv_producer",
-                            "kv_connector_extra_config": {"shared_storage_path": "/scratch"}}, **cpu_build_kwargs())
+                            "kv_connector_extra_config": {"shared_storage_path": "/scratch"}}, **cpu_build_kwargs(),
+        **cpu_executor_kwargs(engine))  # {}: two ranks
 
 
 def test_build_llm_for_evaluate_passes_what_the_evaluate_worker_always_did(llm_kwargs):
     engine = EvaluateConfig().engine()
     common = dict(model="/m", tokenizer="/m", revision="r1", dtype="bfloat16", trust_remote_code=False,
                   tensor_parallel_size=1, gpu_memory_utilization=0.3, max_model_len=77, enforce_eager=True,
-                  seed=0, disable_log_stats=False, **cpu_build_kwargs())
+                  seed=0, disable_log_stats=False, **cpu_build_kwargs(), **cpu_executor_kwargs(engine))
     draft = build_llm(engine, TARGET, max_model_len=77, speculative_config=eagle3_config("/d", 3),
                       disable_log_stats=False)
     assert draft == {**common, "speculative_config": {"method": "eagle3", "model": "/d", "num_speculative_tokens": 3}}

@@ -103,17 +103,19 @@ def cpu_build_kwargs() -> dict:
 
 
 # vLLM's one-process executor named by its class. On the CPU build vLLM swaps the executor "uni" for its
-# multiprocessing one whenever the engine core has a process of its own (a server: platforms/cpu.py), which adds a
-# worker process that imports vLLM and torch once more and holds the model. The engine core's process is spawned
-# after vLLM set what its CPU workers need (LD_PRELOAD, thread settings), so it runs the model itself as well: a
-# tensor-parallel-1 server is two processes, not three (bench/server_processes.py; docs/internals.md)
+# multiprocessing one whenever the engine core has a process of its own (a server; `engine_in_process: false`;
+# platforms/cpu.py), which adds a worker process that imports vLLM and torch once more and holds the model. The
+# engine core's process is spawned after vLLM set what its CPU workers need (LD_PRELOAD, thread settings), so it
+# runs the model itself as well: an engine of one rank in its own process is one process, as on a GPU, not two
+# (bench/server_processes.py; docs/internals.md)
 CPU_ONE_PROCESS_EXECUTOR = "vllm.v1.executor.uniproc_executor.UniProcExecutor"
 
 
 def cpu_executor_kwargs(engine: EngineConfig) -> dict:
-    """The executor of a CPU server whose model fits one process (tensor parallel 1): `CPU_ONE_PROCESS_EXECUTOR`
-    (`server_argv`). Empty on GPU builds, where vLLM's default for one rank is that executor already, and for more
-    ranks. `build_llm` needs none: its CPU engines of one rank have the engine core in-process, where vLLM keeps "uni"."""
+    """The executor of a CPU engine of one rank (tensor parallel 1): `CPU_ONE_PROCESS_EXECUTOR`, for `server_argv`
+    and `build_llm` (which matters where the engine core has its own process, `engine_in_process: false`; in-process
+    vLLM keeps "uni", the same class). Empty on GPU builds, where vLLM's default for one rank is that executor
+    already, and for more ranks."""
     if engine.tensor_parallel_size == 1 and vllm_is_cpu_build():
         return {"distributed_executor_backend": CPU_ONE_PROCESS_EXECUTOR}
     return {}
@@ -201,6 +203,7 @@ def build_llm(engine: EngineConfig, target: TargetConfig, *, max_model_len: int,
         tensor_parallel_size=engine.tensor_parallel_size, gpu_memory_utilization=engine.gpu_memory_utilization,
         max_model_len=max_model_len, enforce_eager=engine.enforce_eager, seed=0,
         speculative_config=speculative_config, **cpu_build_kwargs(), **cpu_mla_kwargs(target),
+        **cpu_executor_kwargs(engine),
     )
     if kv_transfer_config is not None:
         kwargs["kv_transfer_config"] = kv_transfer_config
