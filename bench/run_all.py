@@ -17,6 +17,7 @@ Runs each bench script as its own process (their own tables print as they go), i
   startup   bench/startup_bytecode.py     process start-up with the venv's bytecode ÷ compiling from source
   children  bench/child_start.py          a child's imports: forked from a process that made them ÷ a fresh spawn
   forks     bench/fork_server.py          a whole extract child: forked by core/forkserver.py ÷ spawned
+  servers   bench/server_processes.py     a CPU server's start: the one-process executor by class ÷ vLLM's choice
   run       `eagle3 run` on configs/tiny-cpu.yaml (what `make run` runs) into a fresh store, then again
             (the reuse path), wall time of each
 Every ratio is the median over >= 5 alternating rounds, printed with its min-max (bench_results.spread).
@@ -58,6 +59,7 @@ BENCHES = {
     "startup": (["bench/startup_bytecode.py", "--rounds", "5"], ["--rounds", "1"]),
     "children": (["bench/child_start.py", "--rounds", "5"], ["--rounds", "1"]),
     "forks": (["bench/fork_server.py", "--rounds", "5"], ["--rounds", "1"]),
+    "servers": (["bench/server_processes.py", "--rounds", "5"], ["--rounds", "1"]),
 }
 
 

@@ -91,7 +91,7 @@ def main() -> None:
         t.add_column(c)
     t.add_row(*(f"{out[k]['median']:.2f} ({out[k]['min']:.2f}-{out[k]['max']:.2f})" for k in cols))
     Console(width=170).print(t)
-    record("server_processes", out)
+    record("servers", out)
 
 
 if __name__ == "__main__":
