@@ -201,8 +201,8 @@ SURFACE: tuple[Item, ...] = (
     Item("vllm.utils.argparse_utils:FlexibleArgumentParser", "engine/nodes.serve_parser: vLLM's own parser"),
     Item("vllm.logger:configure_logging_from_args", "engine/nodes.serve: logging as `vllm serve` sets it"),
     Item("env:VLLM_ENABLE_V1_MULTIPROCESSING", "build.engine_env: the engine core in the child (CPU)"),
-    Item("vllm.v1.executor.uniproc_executor:UniProcExecutor", "build.CPU_ONE_PROCESS_EXECUTOR: a server's executor "
-         "by class name (CPU)", stack="cpu"),
+    Item("vllm.v1.executor.uniproc_executor:UniProcExecutor", "build.CPU_ONE_PROCESS_EXECUTOR: the executor of an "
+         "engine of one rank, by class name (CPU)", stack="cpu"),
     Item("vllm.v1.executor.abstract:Executor.get_class", "build.cpu_executor_kwargs: vLLM resolves an executor "
          "named by its class (CPU)", stack="cpu"),
     Item("env:VLLM_CPU_OMP_THREADS_BIND", "build.engine_env: threads over every core (CPU)"),
