@@ -24,6 +24,18 @@ def spread(values: list[float]) -> dict:
         if values else {"median": None, "min": None, "max": None, "n": 0}
 
 
+def spread_table(title: str, cols: dict[str, str], out: dict) -> None:
+    """Print one row of `out`'s spreads (`cols`: key -> column header) as "median (min-max)" under `title`."""
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title)
+    for c in cols.values():
+        t.add_column(c)
+    t.add_row(*(f"{out[k]['median']:.2f} ({out[k]['min']:.2f}-{out[k]['max']:.2f})" for k in cols))
+    Console(width=170).print(t)
+
+
 def tiny_default_data(work: Path) -> dict:
     """The tiny default (configs/tiny-cpu.yaml) prepared, extracted and its vocab built in a store under
     `work` (content-addressed: a second call reuses it): {"cfg", "prep", "version", "ext", "voc"}."""

@@ -18,10 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
-
-from bench_results import record, spread  # bench/ is sys.path[0] when run as a script
+from bench_results import record, spread, spread_table  # bench/ is sys.path[0] when run as a script
 from eagle3_pipeline.core.config import EngineConfig
 from eagle3_pipeline.engine.build import engine_env
 
@@ -75,15 +72,12 @@ def main() -> None:
            "cpu_ratio": spread([b["cpu_s"] / a["cpu_s"] for a, b in zip(p, f)]),
            "cpu_saved_s": spread([a["cpu_s"] - b["cpu_s"] for a, b in zip(p, f)]),
            "plain_wall_s": spread([r["wall_s"] for r in p]), "frozen_wall_s": spread([r["wall_s"] for r in f])}
-    t = Table(title=f"an engine start of the tiny target after an engine child's imports, {args.rounds} alternating "
-                    "rounds: median (min-max)")
+    title = (f"an engine start of the tiny target after an engine child's imports, {args.rounds} alternating "
+             "rounds: median (min-max)")
     cols = {"plain_cpu_s": "plain CPU (s)", "frozen_cpu_s": "frozen CPU (s)", "freeze_cpu_s": "of it the freeze (s)",
             "cpu_ratio": "frozen ÷ plain (CPU)", "cpu_saved_s": "CPU saved (s)", "plain_wall_s": "plain wall (s)",
             "frozen_wall_s": "frozen wall (s)"}
-    for c in cols.values():
-        t.add_column(c)
-    t.add_row(*(f"{out[k]['median']:.2f} ({out[k]['min']:.2f}-{out[k]['max']:.2f})" for k in cols))
-    Console(width=170).print(t)
+    spread_table(title, cols, out)
     record("engine_start_gc", out)
 
 

@@ -21,10 +21,8 @@ import urllib.request
 from pathlib import Path
 
 import psutil
-from rich.console import Console
-from rich.table import Table
 
-from bench_results import record, spread  # bench/ is sys.path[0] when run as a script
+from bench_results import record, spread, spread_table  # bench/ is sys.path[0] when run as a script
 from eagle3_pipeline.core.config import ExtractConfig, TargetConfig
 from eagle3_pipeline.engine.build import server_argv, server_env, vllm_is_cpu_build
 from eagle3_pipeline.train.online import free_port
@@ -81,16 +79,13 @@ def main() -> None:
            "cpu_ratio": spread([b["cpu_s"] / a["cpu_s"] for a, b in zip(v, o)]),
            "vllm_wall_s": spread([r["wall_s"] for r in v]), "one_wall_s": spread([r["wall_s"] for r in o]),
            "wall_ratio": spread([b["wall_s"] / a["wall_s"] for a, b in zip(v, o)])}
-    t = Table(title=f"a CPU server of the tiny target until it answers, {args.rounds} alternating rounds: median "
-                    f"(min-max); processes: vLLM's choice {out['vllm_processes']}, one-process executor "
-                    f"{out['one_processes']}")
+    title = (f"a CPU server of the tiny target until it answers, {args.rounds} alternating rounds: median "
+             f"(min-max); processes: vLLM's choice {out['vllm_processes']}, one-process executor "
+             f"{out['one_processes']}")
     cols = {"vllm_cpu_s": "vLLM's choice CPU (s)", "one_cpu_s": "one-process CPU (s)", "cpu_ratio": "one ÷ vLLM (CPU)",
             "vllm_wall_s": "vLLM's choice wall (s)", "one_wall_s": "one-process wall (s)",
             "wall_ratio": "one ÷ vLLM (wall)"}
-    for c in cols.values():
-        t.add_column(c)
-    t.add_row(*(f"{out[k]['median']:.2f} ({out[k]['min']:.2f}-{out[k]['max']:.2f})" for k in cols))
-    Console(width=170).print(t)
+    spread_table(title, cols, out)
     record("servers", out)
 
 
