@@ -60,10 +60,11 @@ _GROUP_ORDER = ("tests/chaos/test_control_plane.py", "processes", "server", "tes
 # and 3,085 CPU s against 1,597 s and 2,683; docs/decisions/one-core-per-worker.md)
 _WAIT_GROUPS = ("tests/chaos/test_control_plane.py",)
 # Every other group starts the pipeline's worker children through fork servers (core/forkserver.py: ~7 CPU s of
-# imports saved per child); these spawn them as production does: their tests kill process trees, find leftovers by
-# their environment and run the gpu-gate, which a forked child's inherited /proc environment would hide
-# (docs/decisions/fork-server.md). EAGLE3_TEST_FORK_SERVER=0 spawns every child.
-_SPAWN_GROUPS = ("processes", "tests/chaos/test_control_plane.py")
+# imports saved per child; a forked child shows its own command line and environment in /proc, so the gpu-gate and
+# the chaos finders see it as a spawned one). The control plane spawns them as production does: its tests kill a
+# Prefect worker with every process under it, as a lost node loses them, and a forked child is under its server, not
+# under the flow run that asked for it (docs/decisions/fork-server.md). EAGLE3_TEST_FORK_SERVER=0 spawns every child.
+_SPAWN_GROUPS = ("tests/chaos/test_control_plane.py",)
 
 
 def group_of(nodeid: str) -> str:

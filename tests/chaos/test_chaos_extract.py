@@ -92,7 +92,7 @@ def test_engine_child_killed(trial, small_reference, tag, tmp_path, monkeypatch)
     print(f"trial {trial}: SIGKILL the engine child {delay:.2f}s into {phase}"
           f"{' (separate engine-core process)' if separate_core else ''}")
 
-    killer = DelayedKill(child_running(WORKER), delay)
+    killer = DelayedKill(child_running(WORKER, tag), delay)
     lines: list[str] = []
 
     def log(line: str) -> None:

@@ -76,7 +76,7 @@ def test_trainer_killed(trial, inputs, reference, tag, tmp_path, monkeypatch):
     save = out / "checkpoints"
     print(f"trial {trial}: SIGKILL the trainer child {delay:.2f}s after {trigger!r} ({phase})")
 
-    killer = DelayedKill(child_running(TRAINER), delay)
+    killer = DelayedKill(child_running(TRAINER, tag), delay)
     lines: list[str] = []
     monkeypatch.setenv("EAGLE3_CHILD_OUTPUT", "all")  # the triggers are the trainer library's own lines (proc.py)
 

@@ -39,7 +39,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.helpers.postgres import PostgresCluster, pg_bin
-from tests.helpers.server import BIN, GPU_LIMIT, POOL, ROOT, Proc, free_port, run_cmd, stop_all
+from tests.helpers.server import BIN, GPU_LIMIT, POOL, ROOT, Proc, free_port, node_processes, run_cmd, stop_all
 from tests.helpers.store import manifest_content, same_records, small_overrides
 
 pytestmark = [pytest.mark.timeout(900),
@@ -354,8 +354,8 @@ def test_worker_killed_mid_group(plane, client, undisturbed, tiny_target, tmp_pa
     first = run.wait_published(1)[0]
     victim_run = run.running_group(first)
     assert victim_run is not None, [(r.name, r.state.name) for r in run.group_runs()]
-    # the worker whose flow-run process runs it: kill the worker and everything under it (the flow-run
-    # process and its engine child, which starts its own session) at once, as a lost node would
+    # the worker whose flow-run process runs it: kill the worker and everything it started (the flow-run
+    # process and its engine child, which starts its own session: node_processes) at once, as a lost node would
     victim = None
     for name, w in plane.nodes.items():
         for p in psutil.Process(w.p.pid).children(recursive=True):
@@ -366,14 +366,14 @@ def test_worker_killed_mid_group(plane, client, undisturbed, tiny_target, tmp_pa
                 pass
     assert victim is not None, plane.tails()
     w = plane.nodes[victim]
-    procs = [psutil.Process(w.p.pid), *psutil.Process(w.p.pid).children(recursive=True)]
+    procs = node_processes(w.p.pid)
     for p in procs:
         try:
             p.send_signal(signal.SIGKILL)
         except psutil.Error:
             pass
     psutil.wait_procs(procs, timeout=10)
-    print(f"\nkilled {victim} and {len(procs) - 1} process(es) under it running {victim_run.name} "
+    print(f"\nkilled {victim} and {len(procs) - 1} process(es) it started, running {victim_run.name} "
           f"(shards {victim_run.parameters['shard_ids']}) with shards {run.published()} published")
     plane.start_node(victim)  # the worker restarts (its pod/service comes back); the lost run stays Running
     out = check_outcome(run, undisturbed, "worker killed", max_reruns=1)

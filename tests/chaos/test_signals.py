@@ -74,15 +74,17 @@ def _published(m: dict | None) -> dict[int, int]:
     return {s["index"]: s["attempts"] for s in (m or {}).get("shards", []) if s["status"] == "published"}
 
 
-def _tree(pid: int) -> dict[int, tuple[float, str]]:
-    """pid -> (create time, command line) of the process and all its descendants."""
+def _tree(pid: int, tag: str) -> dict[int, tuple[float, str]]:
+    """pid -> (create time, command line) of the process, all its descendants and every other process with the
+    test's tag (a worker child forked by a fork server is no descendant of the command that asked for it)."""
     import psutil
 
     out = {}
-    root = psutil.Process(pid)
-    for p in [root, *root.children(recursive=True)]:
+    descendants = [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    for member in dict.fromkeys([pid, *descendants, *processes_with_env(TAG_ENV, tag)]):
         try:
-            out[p.pid] = (p.create_time(), " ".join(p.cmdline()))
+            p = psutil.Process(member)
+            out[member] = (p.create_time(), " ".join(p.cmdline()))
         except psutil.Error:
             pass
     return out
@@ -140,7 +142,7 @@ def signal_mid_extraction(kind: str, sig: int, root: Path, overrides: list[str],
             if set(now) - set(before):
                 break
             time.sleep(0.1)
-        tree = _tree(proc.pid)
+        tree = _tree(proc.pid, tag)
         proc.send_signal(sig)
         t_sig = time.time()
         rc = proc.wait(timeout=300)
@@ -209,7 +211,7 @@ def test_kill_9_of_eagle3_run_leaves_no_process(signal_store, tiny_target, tmp_p
             if set(_published(_manifest(store))) - set(before):
                 break
             time.sleep(0.1)
-        tree = _tree(proc.pid)
+        tree = _tree(proc.pid, tag)
         proc.kill()
         proc.wait(timeout=60)
     finally:

@@ -38,16 +38,18 @@ def trial_rng(kind: str, trial: int) -> random.Random:
     return random.Random(f"{kind}-{SEED + trial}")
 
 
-def child_running(marker: str) -> Callable[[], int | None]:
-    """A finder for DelayedKill: the pid of this process's descendant whose command line contains
-    `marker` (the engine worker or trainer module), or None while there is none."""
+def child_running(marker: str, tag: str) -> Callable[[], int | None]:
+    """A finder for DelayedKill: the pid of a process of this trial (`tag` in its environment) whose command line
+    contains `marker` (the engine worker or trainer module), or None while there is none. By what /proc shows, as
+    the gpu-gate finds ours: a child forked by a fork server is no descendant of this process, but shows its own
+    command line and environment there as a spawned one does (core/forkserver.py `_show`)."""
     def find() -> int | None:
         import psutil
 
-        for p in psutil.Process().children(recursive=True):
+        for pid in processes_with_env(TAG_ENV, tag):
             try:
-                if marker in " ".join(p.cmdline()):
-                    return p.pid
+                if marker in " ".join(psutil.Process(pid).cmdline()):
+                    return pid
             except psutil.Error:
                 pass
         return None

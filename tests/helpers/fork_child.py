@@ -10,6 +10,12 @@ import time
 FORK_PRELOAD = ("json",)
 
 
+def _proc(name: str) -> list[str]:
+    """This process's command line or environment as /proc shows it to others: up to the room's blank end."""
+    with open(f"/proc/self/{name}", "rb") as f:
+        return f.read().decode(errors="surrogateescape").split("\0\0", 1)[0].rstrip("\0").split("\0")
+
+
 def main(argv: list[str]) -> int:
     what = argv[0]
     print("fork child: " + json.dumps({
@@ -17,7 +23,8 @@ def main(argv: list[str]) -> int:
         "path": sys.path,
         "argv": sys.argv[1:], "probe": os.environ.get("EAGLE3_TEST_PROBE"), "cpus": sorted(os.sched_getaffinity(0)),
         "main": sys.modules["__main__"].__spec__.name, "gc_frozen": gc.get_freeze_count(),
-        "gc_threshold": gc.get_threshold()}), flush=True)
+        "gc_threshold": gc.get_threshold(), "env": dict(os.environ), "proc_cmdline": _proc("cmdline"),
+        "proc_environ": _proc("environ")}), flush=True)
     if what == "sleep":
         time.sleep(120)
     if what == "nap":

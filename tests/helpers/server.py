@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -46,12 +47,12 @@ class Proc:
             time.sleep(0.5)
 
     def stop(self, grace: float = 15.0) -> None:
-        """SIGTERM the process group and every descendant (engine children start their own
+        """SIGTERM the process group and every process it started (node_processes: engine children start their own
         sessions), then SIGKILL what is left after `grace` seconds."""
         import psutil
 
         try:
-            procs = [psutil.Process(self.p.pid), *psutil.Process(self.p.pid).children(recursive=True)]
+            procs = node_processes(self.p.pid)
         except psutil.NoSuchProcess:
             procs = []
         groups = {self.p.pid}
@@ -75,6 +76,28 @@ class Proc:
         except subprocess.TimeoutExpired:
             pass
         self._f.close()
+
+
+def node_processes(pid: int) -> list:
+    """What a lost node loses with process `pid`: it, its descendants, and every worker child one of them launched
+    through a fork server (core/forkserver.py: under its server, not its launcher; our LAUNCHER_ENV names the
+    launcher), with theirs. Raises psutil.NoSuchProcess when `pid` is gone."""
+    import psutil
+
+    from eagle3_pipeline.core.proc import LAUNCHER_ENV
+
+    root = psutil.Process(pid)
+    members = {p.pid: p for p in [root, *root.children(recursive=True)]}
+    launched = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if (launcher := p.environ().get(LAUNCHER_ENV, "")).isdigit():
+                launched.append((int(launcher), p))
+    while grown := [p for launcher, p in launched if launcher in members and p.pid not in members]:
+        for p in grown:
+            with contextlib.suppress(psutil.Error):
+                members.update({q.pid: q for q in [p, *p.children(recursive=True)]})
+    return list(members.values())
 
 
 def stop_all(procs: list[Proc], grace: float = 15.0) -> None:

@@ -13,7 +13,14 @@ import psutil
 import pytest
 
 from eagle3_pipeline.core import forkserver, heap
-from eagle3_pipeline.core.proc import ChildFailed, ChildTimedOut, python_child, run_child
+from eagle3_pipeline.core.proc import (
+    CHILD_MARKER_ENV,
+    LAUNCHER_ENV,
+    ChildFailed,
+    ChildTimedOut,
+    python_child,
+    run_child,
+)
 from tests.conftest import TEST_GC_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,6 +85,27 @@ def test_a_forked_child_runs_as_a_spawned_one_would(servers, tmp_path, monkeypat
     monkeypatch.chdir(elsewhere)
     _, third = _run("0")
     assert third["ppid"] == first["ppid"] and third["cwd"] == third["path"][0] == str(elsewhere)  # not the server's
+
+
+def test_a_forked_child_reads_in_proc_as_a_spawned_one(servers, capfd):
+    """The gpu-gate finds our leftovers, and the chaos tests their trials' processes, by their command line and
+    environment in /proc: a forked child's are its own (written into the room its server keeps), not the server's."""
+    _, forked = _run("0", env={"EAGLE3_TEST_PROBE": "proc"})
+    _, spawned = _run("0", env={"EAGLE3_TEST_PROBE": "proc", forkserver.ENV: ""})
+    assert forked["ppid"] != os.getpid() == spawned["ppid"]
+    for said in (forked, spawned):
+        assert said["proc_cmdline"] == [sys.executable, "-u", "-m", "tests.helpers.fork_child", "0"]
+        assert dict(x.split("=", 1) for x in said["proc_environ"]) == said["env"]
+        assert said["env"][CHILD_MARKER_ENV] == "fc" and said["env"][LAUNCHER_ENV] == str(os.getpid())
+    server = psutil.Process(forked["ppid"])  # its own reads true too: the room blanked
+    assert server.cmdline()[:4] == [sys.executable, "-u", "-m", "eagle3_pipeline.core.forkserver"]
+    assert not any("..." in x for x in server.cmdline()) and forkserver.ROOM_VAR not in server.environ()
+    # in a session of its own and no descendant of its starter: what it forks is spared by no gpu-gate as its own
+    assert server.pid not in {c.pid for c in psutil.Process().children(recursive=True)}
+    assert os.getsid(server.pid) == server.pid
+    res, big = _run("0", env={"EAGLE3_TEST_BIG": "x" * forkserver.ROOM_ENV})
+    assert res.returncode == 0 and big["ppid"] == os.getpid()  # spawned, and said why
+    assert "fork server: tests.helpers.fork_child spawned instead: its environment (" in capfd.readouterr().err
 
 
 def test_exit_codes_tracebacks_and_deadlines_of_a_forked_child(servers):

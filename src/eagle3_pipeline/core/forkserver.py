@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import faulthandler
 import fcntl
 import hashlib
@@ -51,6 +52,10 @@ FORK_SAFE_THREADS = ("jemalloc_bg_thd",)
 # a child's own markers (core/proc.py): run-time settings, never in a server's environment (it is no engine)
 MARKERS = ("EAGLE3_PIPELINE_CHILD", "EAGLE3_PIPELINE_LAUNCHER")
 PACKAGES = ("eagle3_pipeline.",)  # only our own workers, and of them those that say what to preload (FORK_PRELOAD)
+# the room a server keeps at the end of its command line and of its environment (an argument and a variable of that
+# many bytes, blanked once it runs): a child writes its own there (_show), so /proc shows what a spawned one's would
+ROOM_ARG, ROOM_ENV = 16 * 1024, 64 * 1024
+ROOM_VAR = "EAGLE3_FORK_ROOM"
 
 
 def signature(env: dict[str, str]) -> str:
@@ -184,13 +189,17 @@ def _start_server(root: Path, key: str, env: dict[str, str]) -> socket.socket | 
     server_env = {k: v for k, v in env.items() if not k.startswith(RUN_TIME)}
     (root / f"{key}.env.json").write_text(json.dumps(server_env, indent=1, sort_keys=True))
     log = open(root / f"{key}.log", "ab")  # noqa: SIM115
-    subprocess.Popen([sys.executable, "-u", "-m", __name__, str(root), key, str(IDLE_S)], env=server_env, stdout=log,
-                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+    # the room last of each (_blank_room); the process started forks the server and ends (_detach)
+    starter = subprocess.Popen([sys.executable, "-u", "-m", __name__, str(root), key, str(IDLE_S), "." * ROOM_ARG],
+                               env={**server_env, ROOM_VAR: "." * ROOM_ENV}, stdout=log, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True)
     log.close()
     end = time.monotonic() + START_S
     while time.monotonic() < end:
+        starter.poll()
         conn = _try_connect(root / f"{key}.sock")
         if conn is not None:
+            starter.wait()
             return conn
         if (root / f"{key}.failed").exists():
             return None
@@ -346,6 +355,8 @@ def _request(conn: socket.socket, sel: selectors.BaseSelector, listener: socket.
     # the server's own signature is its name: its environment is its first starter's without the run-time settings
     why = refused[module] or _unsafe() or (None if signature(req["env"]) == key else "environment differs") \
         or _shadowed(_head(req["cwd"], req["env"].get("PYTHONPATH")))
+    req["argv"], req["env"] = [sys.executable, "-u", "-m", module, *req["args"]], _child_env(req["env"])
+    why = why or _no_room(req["argv"], req["env"])
     if why is not None or len(fds) != 2:
         for fd in fds:
             os.close(fd)
@@ -371,6 +382,61 @@ def _request(conn: socket.socket, sel: selectors.BaseSelector, listener: socket.
     print(f"fork server: {module} forked, pid {pid}", flush=True)
 
 
+def _child_env(env: dict[str, str]) -> dict[str, str]:
+    """A child's environment: its starter's, and what the server's imports set (it is what they did), but a
+    starter's own IMPORT_MADE value."""
+    made = {k: v for k, v in os.environ.items() if _START_ENV.get(k) != v and not (k in IMPORT_MADE and k in env)}
+    return env | made
+
+
+def _block(items: list[str]) -> bytes:
+    return b"".join(x.encode(errors="surrogateescape") + b"\0" for x in items)
+
+
+def _areas() -> tuple[tuple[int, int], tuple[int, int]]:
+    """(start, end) of this process's command line and of its environment in its memory, as /proc reads them."""
+    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    arg_start, arg_end, env_start, env_end = (int(x) for x in fields[45:49])  # stat fields 48-51
+    return (arg_start, arg_end), (env_start, env_end)
+
+
+_AREAS: list[tuple[int, int]] = []  # the server's (and so its children's) command-line and environment memory
+
+
+def _no_room(argv: list[str], env: dict[str, str]) -> str | None:
+    """Why a child's command line or environment would not fit where /proc reads them (_show), or None."""
+    if not _AREAS:
+        return "the server keeps no room for a child's command line and environment"
+    for what, block, (start, end) in zip(("command line", "environment"), (_block(argv), _block(
+            [f"{k}={v}" for k, v in env.items()])), _AREAS, strict=True):
+        if len(block) > end - start:
+            return f"its {what} ({len(block)} bytes) does not fit the server's room ({end - start})"
+    return None
+
+
+def _show(argv: list[str], env: dict[str, str]) -> None:
+    """Write `argv` and `env` where /proc reads this process's command line and environment (the rest blank), so
+    that the gpu-gate and a test find a forked child by them as they find a spawned one. Only in a child whose C
+    environment no longer points there (os.environ was cleared and refilled: every variable a copy)."""
+    for block, (start, end) in zip((_block(argv), _block([f"{k}={v}" for k, v in env.items()])), _AREAS, strict=True):
+        ctypes.memmove(start, block.ljust(end - start, b"\0"), end - start)
+
+
+def _blank_room(argv: list[str]) -> None:
+    """The server's start: note its two areas and blank the room at their ends (the last argument and ROOM_VAR, each
+    after everything the C library may still point to), so that its own command line and environment read true."""
+    (arg_start, arg_end), (env_start, env_end) = _areas()
+    room = f"{ROOM_VAR}={os.environ.pop(ROOM_VAR, '')}\0".encode()
+    if argv[-1] != "." * ROOM_ARG or room[-ROOM_ENV - 1:] != b"." * ROOM_ENV + b"\0" \
+            or ctypes.string_at(arg_start, arg_end - arg_start) != _block(argv) \
+            or ctypes.string_at(env_end - len(room), len(room)) != room:
+        return  # started without the room where it belongs: its children are spawned instead (_no_room)
+    _AREAS[:] = [(arg_start, arg_end), (env_start, env_end)]
+    kept = _block(argv[:-1])
+    ctypes.memset(arg_start + len(kept), 0, arg_end - arg_start - len(kept))
+    ctypes.memset(env_end - len(room), 0, len(room))
+
+
 def _child(req: dict, fds: list[int]) -> None:
     """In the fork: its own session, stdin/stdout/stderr, directory and environment, then `python -m` of the module."""
     rc = 1
@@ -388,11 +454,9 @@ def _child(req: dict, fds: list[int]) -> None:
             sys.path[:] = head + [p for p in sys.path[len(_START_HEAD):] if p not in head[1:]]
         os.umask(req["umask"])
         os.sched_setaffinity(0, req["cpus"])  # a spawned child has its starter's cores, not the server's
-        # what the server's imports set stays (it is what they did), but a starter's own IMPORT_MADE value
-        made = {k: v for k, v in os.environ.items() if _START_ENV.get(k) != v and not (k in IMPORT_MADE and
-                                                                                      k in req["env"])}
-        os.environ.clear()
-        os.environ.update(req["env"] | made)
+        os.environ.clear()  # every C-level variable is a copy from now on: the old environment's memory is free
+        os.environ.update(req["env"])
+        _show(req["argv"], req["env"])
         if os.environ.get("PYTHONFAULTHANDLER"):
             faulthandler.enable()
         if "numpy" in sys.modules:  # numpy's global generator is not reseeded by a fork (random's is)
@@ -415,8 +479,18 @@ def _child(req: dict, fds: list[int]) -> None:
         os._exit(rc)
 
 
+def _detach() -> None:
+    """The server in a session of its own, no starter's descendant: what it forks is not under any process the
+    gpu-gate spares as its own (gpu/stage._protected), as a spawned child whose starter ended is not."""
+    if os.fork():
+        os._exit(0)
+    os.setsid()
+
+
 def main(argv: list[str]) -> int:
     root, key, idle_s = Path(argv[0]), argv[1], float(argv[2])
+    _detach()
+    _blank_room(sys.orig_argv)
     heap.tune()  # for its imports and, through the fork, its children's
     _START_ENV.update(os.environ)
     _START_HEAD[:] = _head(os.getcwd(), os.environ.get("PYTHONPATH"))
