@@ -59,14 +59,6 @@ _GROUP_ORDER = ("tests/chaos/test_control_plane.py", "processes", "server", "tes
 # the pinned workers' (four workers, the chaos `processes` group and the engine modules on two waiters: 1,680 s
 # and 3,085 CPU s against 1,597 s and 2,683; docs/decisions/one-core-per-worker.md)
 _WAIT_GROUPS = ("tests/chaos/test_control_plane.py",)
-# Every other group starts the pipeline's worker children through fork servers (core/forkserver.py: ~7 CPU s of
-# imports saved per child; a forked child shows its own command line and environment in /proc, so the gpu-gate and
-# the chaos finders see it as a spawned one). The control plane spawns them as production does: its tests kill a
-# Prefect worker with every process under it, as a lost node loses them, and a forked child is under its server, not
-# under the flow run that asked for it (docs/decisions/fork-server.md). EAGLE3_TEST_FORK_SERVER=0 spawns every child.
-_SPAWN_GROUPS = ("tests/chaos/test_control_plane.py",)
-
-
 def group_of(nodeid: str) -> str:
     """The group (see above) of a test id: the worker that runs one of its tests runs all of them."""
     module = nodeid.split("::", 1)[0]
@@ -88,11 +80,12 @@ def _waiters_group(scope: str) -> bool:
 
 
 def pytest_runtest_setup(item):
-    """A _SPAWN_GROUPS test's children are spawned, every other's forked where they can be (_fork_servers)."""
+    """Every test's worker children are forked where they can be (_fork_servers), whatever a test before it left in
+    the environment. A forked child shows its own command line and environment in /proc (core/forkserver.py), so the
+    gpu-gate and the chaos tests find it as a spawned one; the tests find a trial's processes by its tag and a node's
+    by tests/helpers/server.node_processes, not by the tree (docs/decisions/fork-server.md)."""
     root = item.config.stash.get(_FORK_ROOT, None)
-    if root is not None and group_of(item.nodeid) in _SPAWN_GROUPS:
-        os.environ.pop(forkserver.ENV, None)
-    elif root is not None:
+    if root is not None:
         os.environ[forkserver.ENV] = root
 
 

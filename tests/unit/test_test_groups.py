@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from tests.conftest import _GROUP_ORDER, _SPAWN_GROUPS, _WAIT_GROUPS, group_of, pytest_xdist_make_scheduler
+from tests.conftest import _GROUP_ORDER, _WAIT_GROUPS, group_of, pytest_xdist_make_scheduler
 
 
 def test_leftover_process_tests_share_a_group_and_the_control_plane_has_its_own():
@@ -117,16 +117,15 @@ def test_the_waiter_is_shut_down_once_its_groups_are_sent_so_it_runs_its_last_te
     assert not nodes[0].shutting_down and not nodes[1].shutting_down
 
 
-def test_the_control_plane_spawns_and_the_others_fork():
-    """A test of _SPAWN_GROUPS (the control plane, whose tests kill a worker's whole process tree) runs without
-    EAGLE3_FORK_SERVER, so its children are spawned as in production; any other test with it, the chaos `processes`
-    group's too (a forked child shows its own command line and environment in /proc: core/forkserver.py)."""
+def test_every_test_forks_its_children():
+    """Every test runs with EAGLE3_FORK_SERVER naming its pytest process's fork-server directory, the chaos groups'
+    too (a forked child shows its own command line and environment in /proc: core/forkserver.py), even after a test
+    that took it away."""
     import os
 
     from eagle3_pipeline.core import forkserver
     from tests.conftest import _FORK_ROOT, pytest_runtest_setup
 
-    assert set(_SPAWN_GROUPS) == {"tests/chaos/test_control_plane.py"}
     config = SimpleNamespace(stash={_FORK_ROOT: "/tmp/e3fork-test"})
     saved = os.environ.get(forkserver.ENV)
     try:
@@ -135,7 +134,8 @@ def test_the_control_plane_spawns_and_the_others_fork():
                        "tests/unit/test_proc_gpu.py::t", "tests/server/test_fanout.py::t"):
             pytest_runtest_setup(SimpleNamespace(nodeid=nodeid, config=config))
             seen.append(os.environ.get(forkserver.ENV))
-        assert seen == ["/tmp/e3fork-test", None, "/tmp/e3fork-test", "/tmp/e3fork-test"]
+            os.environ.pop(forkserver.ENV, None)
+        assert seen == ["/tmp/e3fork-test"] * 4
     finally:
         os.environ.pop(forkserver.ENV, None)
         if saved is not None:
