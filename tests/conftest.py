@@ -59,6 +59,8 @@ _GROUP_ORDER = ("tests/chaos/test_control_plane.py", "processes", "server", "tes
 # the pinned workers' (four workers, the chaos `processes` group and the engine modules on two waiters: 1,680 s
 # and 3,085 CPU s against 1,597 s and 2,683; docs/decisions/one-core-per-worker.md)
 _WAIT_GROUPS = ("tests/chaos/test_control_plane.py",)
+
+
 def group_of(nodeid: str) -> str:
     """The group (see above) of a test id: the worker that runs one of its tests runs all of them."""
     module = nodeid.split("::", 1)[0]

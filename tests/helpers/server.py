@@ -95,8 +95,9 @@ def node_processes(pid: int) -> list:
                 launched.append((int(launcher), p))
     while grown := [p for launcher, p in launched if launcher in members and p.pid not in members]:
         for p in grown:
+            members[p.pid] = p  # first: a child that ends meanwhile is not asked for again
             with contextlib.suppress(psutil.Error):
-                members.update({q.pid: q for q in [p, *p.children(recursive=True)]})
+                members.update({q.pid: q for q in p.children(recursive=True)})
     return list(members.values())
 
 
