@@ -68,7 +68,7 @@ def table(procs: list[dict], busy_s: float, wall_s: float) -> str:
     by: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     cmd_of = {p["pid"]: p["cmd"] for p in procs}
     for p in procs:  # a forked child shows its own command line (core/forkserver.py): its parent says it was forked
-        forked = re.search(r"forkserver", cmd_of.get(p["ppid"], ""))
+        forked = "forkserver" in cmd_of.get(p["ppid"], "")
         row = by["fork server + its children" if forked else kind_of(p["cmd"])]
         row[0] += p.get("cpu_s", 0.0)
         row[1] += 1

@@ -355,8 +355,9 @@ def _request(conn: socket.socket, sel: selectors.BaseSelector, listener: socket.
     # the server's own signature is its name: its environment is its first starter's without the run-time settings
     why = refused[module] or _unsafe() or (None if signature(req["env"]) == key else "environment differs") \
         or _shadowed(_head(req["cwd"], req["env"].get("PYTHONPATH")))
-    req["argv"], req["env"] = [sys.executable, "-u", "-m", module, *req["args"]], _child_env(req["env"])
-    why = why or _no_room(req["argv"], req["env"])
+    req["env"] = _child_env(req["env"])
+    req["shown"] = _proc_blocks([sys.executable, "-u", "-m", module, *req["args"]], req["env"])
+    why = why or _no_room(req["shown"])
     if why is not None or len(fds) != 2:
         for fd in fds:
             os.close(fd)
@@ -403,22 +404,26 @@ def _areas() -> tuple[tuple[int, int], tuple[int, int]]:
 _AREAS: list[tuple[int, int]] = []  # the server's (and so its children's) command-line and environment memory
 
 
-def _no_room(argv: list[str], env: dict[str, str]) -> str | None:
-    """Why a child's command line or environment would not fit where /proc reads them (_show), or None."""
+def _proc_blocks(argv: list[str], env: dict[str, str]) -> tuple[bytes, bytes]:
+    """A child's command line and environment as /proc shows them (the bytes _show writes)."""
+    return _block(argv), _block([f"{k}={v}" for k, v in env.items()])
+
+
+def _no_room(blocks: tuple[bytes, bytes]) -> str | None:
+    """Why a child's command line or environment (_proc_blocks) would not fit where /proc reads them, or None."""
     if not _AREAS:
         return "the server keeps no room for a child's command line and environment"
-    for what, block, (start, end) in zip(("command line", "environment"), (_block(argv), _block(
-            [f"{k}={v}" for k, v in env.items()])), _AREAS, strict=True):
+    for what, block, (start, end) in zip(("command line", "environment"), blocks, _AREAS, strict=True):
         if len(block) > end - start:
             return f"its {what} ({len(block)} bytes) does not fit the server's room ({end - start})"
     return None
 
 
-def _show(argv: list[str], env: dict[str, str]) -> None:
-    """Write `argv` and `env` where /proc reads this process's command line and environment (the rest blank), so
+def _show(blocks: tuple[bytes, bytes]) -> None:
+    """Write `blocks` (_proc_blocks) where /proc reads this process's command line and environment (the rest blank), so
     that the gpu-gate and a test find a forked child by them as they find a spawned one. Only in a child whose C
     environment no longer points there (os.environ was cleared and refilled: every variable a copy)."""
-    for block, (start, end) in zip((_block(argv), _block([f"{k}={v}" for k, v in env.items()])), _AREAS, strict=True):
+    for block, (start, end) in zip(blocks, _AREAS, strict=True):
         ctypes.memmove(start, block.ljust(end - start, b"\0"), end - start)
 
 
@@ -456,7 +461,7 @@ def _child(req: dict, fds: list[int]) -> None:
         os.sched_setaffinity(0, req["cpus"])  # a spawned child has its starter's cores, not the server's
         os.environ.clear()  # every C-level variable is a copy from now on: the old environment's memory is free
         os.environ.update(req["env"])
-        _show(req["argv"], req["env"])
+        _show(req["shown"])
         if os.environ.get("PYTHONFAULTHANDLER"):
             faulthandler.enable()
         if "numpy" in sys.modules:  # numpy's global generator is not reseeded by a fork (random's is)
