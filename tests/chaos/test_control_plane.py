@@ -38,8 +38,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from eagle3_pipeline.core.ports import free_port
 from tests.helpers.postgres import PostgresCluster, pg_bin
-from tests.helpers.server import BIN, GPU_LIMIT, POOL, ROOT, Proc, free_port, node_processes, run_cmd, stop_all
+from tests.helpers.server import BIN, GPU_LIMIT, POOL, ROOT, Proc, node_processes, run_cmd, stop_all
 from tests.helpers.store import manifest_content, same_records, small_overrides
 
 pytestmark = [pytest.mark.timeout(900),

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.helpers.server import free_port
+from eagle3_pipeline.core.ports import free_port
 
 
 def pg_bin() -> Path | None:

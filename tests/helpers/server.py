@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -109,12 +108,6 @@ def stop_all(procs: list[Proc], grace: float = 15.0) -> None:
 
     with ThreadPoolExecutor(max_workers=max(len(procs), 1)) as pool:
         list(pool.map(lambda p: p.stop(grace), procs))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_cmd(cmd: list[str], env: dict, timeout: float = 180) -> str:

@@ -25,8 +25,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from eagle3_pipeline.core.ports import free_port
 from tests.helpers.prefect_events import events_to
-from tests.helpers.server import BIN, GPU_LIMIT, POOL, ROOT, Proc, free_port, run_cmd, stop_all
+from tests.helpers.server import BIN, GPU_LIMIT, POOL, ROOT, Proc, run_cmd, stop_all
 
 # ------------------------------------------------------------------------------- fixtures
 

@@ -120,14 +120,27 @@ def test_background_child_that_dies_says_why(tmp_path):
     assert "bg-dies exited with code 3" in msg and "boom: no such model" in msg and str(tmp_path / "bg.log") in msg
 
 
-def test_a_server_that_cannot_start_names_the_cause(tiny_target, tmp_path):
+def test_a_server_that_cannot_start_names_the_cause(tiny_target, tmp_path, monkeypatch):
     """A target directory without weights: the server dies during start-up; the stage says so with the
-    server's own last lines, instead of waiting for its start-up deadline."""
+    server's own last lines, instead of waiting for its start-up deadline.
+
+    Its first port is taken between the pick and the server's bind (CI once lost a run to that race, another
+    test's process took it): that start is tried again on another port, and the second names the real cause."""
     import shutil
+    import socket
 
     from eagle3_pipeline.records.contracts import model_dims
     from eagle3_pipeline.records.layout import ExtractVersion
-    from eagle3_pipeline.train.online import HiddenStateServer, OnlineServerFailed
+    from eagle3_pipeline.train import online
+    from eagle3_pipeline.train.online import ADDRESS_IN_USE, HiddenStateServer, OnlineServerFailed
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    taken = holder.getsockname()[1]
+    picks = [taken]
+    real_pick = online.free_port
+    monkeypatch.setattr(online, "free_port", lambda: picks.pop(0) if picks else real_pick())
 
     model = tmp_path / "no-weights"
     model.mkdir()
@@ -138,11 +151,16 @@ def test_a_server_that_cannot_start_names_the_cause(tiny_target, tmp_path):
     version = ExtractVersion(content_key="k", dir=str(tmp_path / "v"), prepare_version="p", tokenized_dir=str(tmp_path),
                              layer_ids=[2, 4, 5, 8], dims=model_dims(TargetConfig(model=str(tiny_target))), rows=1,
                              rows_per_shard=1, shards=[], groups=[])
-    with pytest.raises(OnlineServerFailed) as ei:
+    lines: list[str] = []
+    with holder, pytest.raises(OnlineServerFailed) as ei:
         with HiddenStateServer(ExtractConfig(), target, version, tmp_path / "work", max_model_len=256,
-                               start_timeout_s=600, log=lambda m: None):
+                               start_timeout_s=600, log=lines.append):
             pass
     msg = str(ei.value)
+    assert not isinstance(ei.value, online.PortTaken), msg
+    retried = [m for m in lines if "was taken by another process" in m]
+    assert len(retried) == 1 and f"port {taken} " in retried[0] and "try 2 of 3" in retried[0], lines
+    assert ADDRESS_IN_USE in (tmp_path / "work" / f"server.port-{taken}-taken.log").read_text()
     assert "died while starting" in msg and "server.log" in msg and "exited with code" in msg, msg
     assert "first error in the log: RuntimeError: Cannot find any model weights" in msg, msg
     assert not (tmp_path / "work" / "server_hidden_states").exists()

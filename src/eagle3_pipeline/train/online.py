@@ -10,7 +10,6 @@ import fcntl
 import json
 import os
 import shutil
-import socket
 import threading
 import time
 import urllib.error
@@ -25,6 +24,7 @@ from pydantic import BaseModel
 
 from eagle3_pipeline.core.config import ExtractConfig, PipelineConfig, TargetConfig
 from eagle3_pipeline.core.errors import EnvironmentProblem
+from eagle3_pipeline.core.ports import free_port
 from eagle3_pipeline.core.proc import BackgroundChild
 from eagle3_pipeline.core.store import write_json
 from eagle3_pipeline.data.tokenized import load_tokenized
@@ -68,15 +68,19 @@ class OnlineServerFailed(EnvironmentProblem):
     carries the tail of its log."""
 
 
+class PortTaken(OnlineServerFailed):
+    """The server's port was free when picked and taken by another process before the server bound it (the
+    server imports vLLM in between, seconds on a busy node): started again on another, `PORT_TRIES` in all."""
+
+
+PORT_TRIES = 3
+ADDRESS_IN_USE = "[Errno 98] Address already in use"
+SERVER_LOG = "server.log"  # the start in progress; one whose port was taken is kept as server.port-N-taken.log
+
+
 class OnlineRequestFailed(EnvironmentProblem):
     """The server answered a row's request with an HTTP error (its engine failed on the request, or
     died): the message names the row's length, the status and the server's own error text."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _dir_bytes(path: Path) -> int:
@@ -137,6 +141,16 @@ class HiddenStateServer:
         return self.target.model  # the served model name (engine.server_argv)
 
     def __enter__(self) -> HiddenStateServer:
+        for attempt in range(1, PORT_TRIES):
+            try:
+                return self._start()
+            except PortTaken:
+                kept = (self.work_dir / SERVER_LOG).rename(self.work_dir / f"server.port-{self.port}-taken.log")
+                self.log(f"online: port {self.port} was taken by another process before the server bound it (log "
+                         f"{kept}); starting again on another port (try {attempt + 1} of {PORT_TRIES})")
+        return self._start()
+
+    def _start(self) -> HiddenStateServer:
         shutil.rmtree(self.scratch, ignore_errors=True)
         self.scratch.mkdir(parents=True)
         cfg = self.cfg
@@ -148,7 +162,7 @@ class HiddenStateServer:
                                                                       str(self.scratch)),
                            max_num_seqs=cfg.max_num_seqs, enable_chunked_prefill=False, enable_prefix_caching=False,
                            **batched, **FINGERPRINT_ENGINE_KWARGS)
-        log_path = self.work_dir / "server.log"
+        log_path = self.work_dir / SERVER_LOG
         self.log(f"online: starting a vLLM server of {self.target.model} on 127.0.0.1:{self.port} (layers "
                  f"{self.version.layer_ids}, max_num_seqs {cfg.max_num_seqs}, log {log_path})")
         t0 = time.time()
@@ -192,7 +206,11 @@ class HiddenStateServer:
         deadline = time.time() + self.start_timeout_s
         while True:
             if not self.child.alive():
-                raise OnlineServerFailed(f"online: the vLLM server died while starting: {self.child.describe_exit()}")
+                why = self.child.describe_exit()
+                taken = f"first error in the log: OSError: {ADDRESS_IN_USE}" in why
+                raise (PortTaken if taken else OnlineServerFailed)(
+                    f"online: the vLLM server died while starting{f' (port {self.port} taken)' if taken else ''}: "
+                    f"{why}")
             try:
                 with urllib.request.urlopen(f"{self.endpoint}/models", timeout=2) as r:
                     served = [m["id"] for m in json.loads(r.read())["data"]]

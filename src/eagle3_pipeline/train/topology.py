@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import sys
 import uuid
 from collections.abc import Mapping
@@ -19,6 +18,7 @@ from collections.abc import Mapping
 from pydantic import BaseModel
 
 from eagle3_pipeline.core.config import TrainConfig
+from eagle3_pipeline.core.ports import free_port
 
 WORKER = "eagle3_pipeline.train.worker"
 # Set by the GPU job template for a train set's pods (infra/k8s-gpu-job-template.json, docs/kubernetes.md):
@@ -57,12 +57,6 @@ class TrainSet(BaseModel):
     node_rank: int = 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def agent_argv(cfg: TrainConfig, endpoint: str, set_id: str, node_rank: int, local_addr: str | None,
                job_path: str) -> list[str]:
     """One node's torchrun agent: c10d rendezvous at `endpoint`, node 0 hosting its store (is_host, so that
@@ -93,7 +87,7 @@ def train_set(cfg: TrainConfig, job_path: str, environ: Mapping[str, str] = os.e
         addr = environ.get(LOCAL_ADDR_ENV) or None
         argv = [agent_argv(cfg, endpoint, set_id, i, addr if i == rank else None, job_path) for i in range(cfg.nodes)]
         return TrainSet(id=set_id, endpoint=endpoint, nodes=cfg.nodes, argv=argv, local=False, node_rank=rank)
-    endpoint, set_id = f"127.0.0.1:{_free_port()}", f"local-{uuid.uuid4().hex[:12]}"
+    endpoint, set_id = f"127.0.0.1:{free_port()}", f"local-{uuid.uuid4().hex[:12]}"
     argv = [agent_argv(cfg, endpoint, set_id, i, "127.0.0.1", job_path) for i in range(cfg.nodes)]
     return TrainSet(id=set_id, endpoint=endpoint, nodes=cfg.nodes, argv=argv, local=True)
 
