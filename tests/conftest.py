@@ -92,22 +92,31 @@ def pytest_runtest_setup(item):
 
 
 _FORK_ROOT = pytest.StashKey[str]()
+_FORK_OWNER = pytest.StashKey[bool]()
 
 
 def _fork_servers(config) -> None:
-    """This process owns a directory of fork servers (core/forkserver.py) that its tests' children use; they end
-    with it (pytest_unconfigure removes the owner file)."""
+    """The session's directory of fork servers (core/forkserver.py), which its tests' children use: made by the
+    process that starts the suite (xdist's controller, or the one pytest process) and shared by its workers, so a
+    server of one import environment forks every worker's children. A directory per worker started 12 servers in
+    rehearsal 27 (~7 CPU s of imports each) for 7 environments. The servers end with the owner (pytest_unconfigure
+    removes the owner file)."""
     if os.environ.get("EAGLE3_TEST_FORK_SERVER", "1") == "0":
+        return
+    shared = os.environ.get(forkserver.ENV)
+    if os.environ.get("PYTEST_XDIST_WORKER") and shared and (Path(shared) / forkserver.OWNER_FILE).exists():
+        config.stash[_FORK_ROOT] = shared  # the controller's: it owns it
         return
     root = Path(tempfile.mkdtemp(prefix="e3fork-"))
     (root / forkserver.OWNER_FILE).write_text(str(os.getpid()))
     config.stash[_FORK_ROOT] = os.environ[forkserver.ENV] = str(root)
+    config.stash[_FORK_OWNER] = True
 
 
 def pytest_unconfigure(config):
     root = config.stash.get(_FORK_ROOT, None)
-    if root is not None:  # the servers see their owner file gone and end within a second; their logs stay
-        (Path(root) / forkserver.OWNER_FILE).unlink(missing_ok=True)
+    if root is not None and config.stash.get(_FORK_OWNER, False):  # its servers see the owner file gone and end
+        (Path(root) / forkserver.OWNER_FILE).unlink(missing_ok=True)  # within a second; their logs stay
 
 
 def pytest_configure(config):

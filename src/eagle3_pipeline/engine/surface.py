@@ -193,7 +193,7 @@ SURFACE: tuple[Item, ...] = (
     Item("text:vllm.plugins:vllm.general_plugins", "our plugins' entry-point group (pyproject.toml)"),
     Item("text:vllm.model_executor.model_loader.default_loader:Loading weights took %.2f seconds",
          "build.guard_load_time_log rewrites this log line"),
-    Item("vllm.entrypoints.openai.api_server", "build.server_argv runs this module (online training)"),
+    Item("vllm.entrypoints.openai.api_server", "engine/api_server.py runs this module (online training's server)"),
     Item("vllm.entrypoints.cli.serve:ServeSubcommand", "engine/nodes.serve_parser: a node of an engine set"),
     Item("vllm.entrypoints.cli.serve:ServeSubcommand.subparser_init", "engine/nodes.serve_parser: `vllm serve`'s options"),
     Item("vllm.entrypoints.cli.serve:ServeSubcommand.cmd", "engine/nodes.serve: `vllm serve`'s dispatch"),
