@@ -39,7 +39,10 @@ START_S = 120.0  # a server's imports are done within this, or its children are 
 # what the environment may hold differently from the server's: read by a child at run time, never at import
 RUN_TIME = ("EAGLE3_", "PREFECT_", "PYTEST_", "PYTHONUNBUFFERED", "PYTHONFAULTHANDLER", "TQDM_DISABLE", "COV_", "_",
             # vLLM's, read when an engine starts (vllm.envs reads lazily; no module reads these at import)
-            "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "VLLM_PLUGINS", "VLLM_USE_V2_MODEL_RUNNER")
+            "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "VLLM_PLUGINS", "VLLM_USE_V2_MODEL_RUNNER",
+            # read by an engine's build only (vllm/v1/engine/llm_engine.py): an in-process engine child (0) and an
+            # online server (unset) share a server
+            "VLLM_ENABLE_V1_MULTIPROCESSING")
 # the import path a child rebuilds for itself (_child): `python -m` puts its directory first, then these entries
 IMPORT_PATH = ("PYTHONPATH",)
 # what importing vLLM (and OpenCV, which it imports) sets in os.environ: a starter that imported vLLM passes them on,
