@@ -6,6 +6,7 @@ ExtractVersion of layout.py and the ExtractResult. Helpers live in the package t
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,6 +25,12 @@ heap.tune()  # the test workers import vLLM, torch and Prefect too (core/heap.py
 # and every process the suite starts, vLLM's and Prefect's included (tests/helpers/eagle3_test_gc.pth, which
 # `make test` puts in the venv: the same thresholds from a process's first import); docs/testing.md "Suite time"
 os.environ.setdefault(TEST_GC_ENV, "1")
+# the venv's commands first on PATH, as in an activated venv, for every process the suite starts: the server tests'
+# Prefect workers need `prefect` and `eagle3` there, and a fork server serves one PATH (core/forkserver.signature),
+# so with PATH set for those workers alone, their children had fork servers of their own (rehearsal 30: 2 of 10)
+BIN = str(Path(sys.executable).parent)
+if os.environ.get("PATH", "").split(os.pathsep)[0] != BIN:
+    os.environ["PATH"] = os.pathsep.join([BIN, os.environ.get("PATH", "")])
 
 # `make test` runs the suite on three pytest-xdist workers (`-n 3 --dist loadscope`; the third, see
 # _WAIT_GROUPS below): the serial suite kept

@@ -85,8 +85,7 @@ class ControlPlane:
                            "EAGLE3_GPU_LEASE_S": LEASE_S, "PYTHONPATH": str(ROOT),
                            # the server answers 500 (not 503) while PostgreSQL refuses connections: without
                            # this, workers exit after 3 failed polls and take their flow runs with them
-                           "PREFECT_CLIENT_RETRY_EXTRA_CODES": "500",
-                           "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
+                           "PREFECT_CLIENT_RETRY_EXTRA_CODES": "500"}  # BIN is first on PATH (tests/conftest.py)
         self.server: Proc | None = None
         self.nodes: dict[str, Proc] = {}
         self.starts = 0

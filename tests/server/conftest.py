@@ -48,7 +48,7 @@ def prefect_server(tmp_path_factory):
     client_env = {**base, "PREFECT_API_URL": api, "PREFECT_HOME": str(home / "client"),
                   "PREFECT_LOCAL_STORAGE_PATH": str(home / "results"),  # else ~/.prefect/storage, shared
                   "PREFECT_WORKER_QUERY_SECONDS": "2", "EAGLE3_PIPELINE_HOME": str(ROOT),
-                  "EAGLE3_FANOUT_POLL_S": "2", "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
+                  "EAGLE3_FANOUT_POLL_S": "2"}  # BIN is first on PATH (tests/conftest.py)
     t0 = time.time()
     workers: list[Proc] = []  # started by _workers, stopped with the server
     server = Proc("server", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
