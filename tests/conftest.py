@@ -6,7 +6,6 @@ ExtractVersion of layout.py and the ExtractResult. Helpers live in the package t
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from eagle3_pipeline.core import forkserver, heap
+from tests.helpers.server import BIN
 from tests.helpers.store import small_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,9 +28,8 @@ os.environ.setdefault(TEST_GC_ENV, "1")
 # the venv's commands first on PATH, as in an activated venv, for every process the suite starts: the server tests'
 # Prefect workers need `prefect` and `eagle3` there, and a fork server serves one PATH (core/forkserver.signature),
 # so with PATH set for those workers alone, their children had fork servers of their own (rehearsal 30: 2 of 10)
-BIN = str(Path(sys.executable).parent)
-if os.environ.get("PATH", "").split(os.pathsep)[0] != BIN:
-    os.environ["PATH"] = os.pathsep.join([BIN, os.environ.get("PATH", "")])
+if os.environ.get("PATH", "").split(os.pathsep)[0] != str(BIN):
+    os.environ["PATH"] = os.pathsep.join([str(BIN), os.environ.get("PATH", "")])
 
 # `make test` runs the suite on three pytest-xdist workers (`-n 3 --dist loadscope`; the third, see
 # _WAIT_GROUPS below): the serial suite kept
