@@ -8,7 +8,8 @@ Two kinds of kill, each in a fresh extract dir over the small run's tokenized da
                  process group, as a lost node or `kill -9` of the flow would; its engine child (own
                  session) is orphaned and must be ended by the gpu-gate.
 Kill moments alternate between engine start-up (a random delay after the child appears, up to 60% of
-the reference's start-up time) and extraction (a random delay after "engine ready" while the child
+the reference's start-up time, and at "engine ready" at the latest: a forked child can start far sooner than
+the reference did) and extraction (a random delay after "engine ready" while the child
 writes records; EAGLE3_TEST_RECORD_DELAY_S paces it so the kill lands mid-shard on any machine).
 After each kill: no partial file under a final name (every hs_*.safetensors present holds the reference's
 record: store.record_matches), every published shard hashes to the manifest, the gpu-gate leaves no
@@ -47,6 +48,10 @@ def _kill_window(rng, ref, trial: int) -> tuple[str, float]:
     if trial % 2 == 0:
         return "init", rng.uniform(0.5, 0.6 * man["children"][0]["engine_start_s"])
     return "work", rng.uniform(0.0, 0.8 * man["num_rows"] * RECORD_DELAY_S)
+
+
+def _when(killer: DelayedKill) -> str:
+    return " (at engine ready: this start was shorter than the drawn delay)" if killer.early else ""
 
 
 def _check_after_kill(out: Path, ref) -> dict:
@@ -99,6 +104,8 @@ def test_engine_child_killed(trial, small_reference, tag, tmp_path, monkeypatch)
         lines.append(line)
         if (phase == "init" and line.startswith("extract: child ")) or (phase == "work" and "engine ready" in line):
             killer.trigger.set()
+        if phase == "init" and "engine ready" in line:
+            killer.latest.set()
 
     monkeypatch.setenv(RECORD_DELAY_ENV, str(RECORD_DELAY_S))
     try:
@@ -111,7 +118,7 @@ def test_engine_child_killed(trial, small_reference, tag, tmp_path, monkeypatch)
 
     m = _check_after_kill(out, ref)
     published = [s["index"] for s in m["shards"] if s["status"] == "published"]
-    print(f"trial {trial}: killed with shards {published} published")
+    print(f"trial {trial}: killed with shards {published} published{_when(killer)}")
     if phase == "init" and not any("engine ready" in line for line in lines):
         assert published == []  # killed before its engine was ready: nothing can be published (a loaded
         # machine may start the engine sooner than the reference's start-up the delay was drawn from)
@@ -155,6 +162,8 @@ def test_parent_killed(trial, small_reference, tag, tmp_path):
             lines.append(line.rstrip("\n"))
             if (phase == "init" and line.startswith("extract: child ")) or (phase == "work" and "engine ready" in line):
                 killer.trigger.set()
+            if phase == "init" and "engine ready" in line:
+                killer.latest.set()
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
@@ -170,8 +179,8 @@ def test_parent_killed(trial, small_reference, tag, tmp_path):
     published = [s["index"] for s in m["shards"] if s["status"] == "published"]
     assert m["children"][-1]["status"] == "running"  # nobody was left to close the attempt
     gate, before = gate_after_kill(tag)
-    print(f"trial {trial}: killed with shards {published} published; processes of the trial alive before the "
-          f"gate: {len(before)}; the gate ended {gate.killed}")
+    print(f"trial {trial}: killed with shards {published} published{_when(killer)}; processes of the trial alive "
+          f"before the gate: {len(before)}; the gate ended {gate.killed}")
     resumed = _resume_and_compare(ref, out)
     assert any("was abandoned" in x for x in resumed), resumed
     m = json.loads((out / "manifest.json").read_text())

@@ -84,13 +84,16 @@ def gate_after_kill(tag: str, log: Callable[[str], None] = print):
 
 
 class DelayedKill:
-    """SIGKILLs a process `delay` seconds after `trigger` is set. `target()` returns the pid (or the
-    process group id, with `group=True`) to kill, or None while it does not exist yet (polled)."""
+    """SIGKILLs a process `delay` seconds after `trigger` is set, or as soon as `latest` is set if that comes
+    first (a phase's end: the kill still lands before the work it targets is done, however fast this start
+    was). `target()` returns the pid (or the process group id, with `group=True`) to kill, or None while it
+    does not exist yet (polled). `early` says whether `latest` cut the delay short."""
 
     def __init__(self, target: Callable[[], int | None], delay: float, group: bool = False):
-        self.trigger = threading.Event()
+        self.trigger, self.latest = threading.Event(), threading.Event()
         self.target, self.delay, self.group = target, delay, group
         self.killed: int | None = None
+        self.early = False
         self.at: str = "not killed"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -100,7 +103,7 @@ class DelayedKill:
         while not self.trigger.wait(0.05):
             if self._stop.is_set():
                 return
-        time.sleep(self.delay)
+        self.early = self.latest.wait(self.delay)
         while not self._stop.is_set():
             pid = self.target()
             if pid is not None:
