@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from eagle3_pipeline.core import forkserver, heap
+from eagle3_pipeline.preflight import import_memo
 from tests.helpers.server import BIN
 from tests.helpers.store import small_overrides
 
@@ -119,6 +120,15 @@ def _fork_servers(config) -> None:
     config.stash[_FORK_OWNER] = True
 
 
+def _preflight_memo() -> None:
+    """One directory of preflight's import-probe memos for the session (preflight/import_memo.py), made by the process
+    that starts the suite and inherited by its workers and everything they start: the first preflight of the session
+    imports vLLM and speculators, the ~16 `eagle3 run`s and flow runs after it on the same installed files do not
+    (~5 CPU s each), and no memo of another session or of the user's cache is read."""
+    if not os.environ.get(import_memo.ENV):
+        os.environ[import_memo.ENV] = tempfile.mkdtemp(prefix="e3preflight-")
+
+
 def pytest_unconfigure(config):
     root = config.stash.get(_FORK_ROOT, None)
     if root is not None and config.stash.get(_FORK_OWNER, False):  # its servers see the owner file gone and end
@@ -131,6 +141,7 @@ def pytest_configure(config):
     train/worker.py), so engines and trainers run one thread each instead of two that wait on each other across
     two busy workers (docs/decisions/one-core-per-worker.md). The waiters stay on every core."""
     _fork_servers(config)
+    _preflight_memo()
     worker, count = _this_worker()
     if worker is None or count < 3 or is_waiter(worker, count):
         return

@@ -25,6 +25,7 @@ from eagle3_pipeline.engine import runner as engine_runner
 from eagle3_pipeline.engine import surface
 from eagle3_pipeline.engine.build import engine_env
 from eagle3_pipeline.engine.start import MemoryPlan, describe, memory_plan, what_fits
+from eagle3_pipeline.preflight import import_memo
 from eagle3_pipeline.records.contracts import (
     ContractError,
     ModelDims,
@@ -136,6 +137,23 @@ def architecture_problems(dims: ModelDims) -> list[str]:
                         f"hidden states (no SupportsEagle3): extract_hidden_states cannot capture layers of this model")
     return problems or [f"architectures {dims.architectures}: none is in the installed vLLM's model registry "
                         f"({len(ModelRegistry.get_supported_archs())} architectures known); a newer vLLM may have it"]
+
+
+def import_problems(dims: ModelDims, log: Log) -> list[str]:
+    """REQUIRED_APIS and the target's model class (architecture_problems), proven by importing them, unless the
+    same probe passed on the same installed files before (import_memo: a pass is remembered, a failure never)."""
+    checks = {"apis": REQUIRED_APIS, "architectures": dims.architectures}
+    memo = import_memo.key(checks, sorted({mod for mod, _, _ in REQUIRED_APIS.values()}))
+    if (when := import_memo.recall(memo)) is not None:
+        log(f"preflight: vLLM's and speculators' APIs and the model class passed their import probe at {when} on "
+            f"these installed files: not imported again ({import_memo.ENV}=off imports them every time)")
+        return []
+    problems = [f"{name}: {err}" for name, (mod, attr, params) in REQUIRED_APIS.items()
+                if (err := _check_api(mod, attr, params))]
+    problems += architecture_problems(dims)
+    if not problems:
+        import_memo.remember(memo)
+    return problems
 
 
 def engine_surface_problems(cfg: PipelineConfig, flavour: str) -> list[str]:
@@ -341,10 +359,6 @@ def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=prin
             problems.append(f"{pkg} is not installed (tested: {want})")
         elif have.split("+")[0] != want:
             warnings.append(f"{pkg} {have} is not the tested {want}")
-    for name, (mod, attr, params) in REQUIRED_APIS.items():
-        err = _check_api(mod, attr, params)
-        if err:
-            problems.append(f"{name}: {err}")
     problems += engine_surface_problems(cfg, flavour)
     problems += host.gpu_host_problems() if flavour == "gpu" else []
     try:
@@ -357,7 +371,7 @@ def preflight(cfg: PipelineConfig, tokens_estimate: int, out_dir: Path, log=prin
     except ContractError as e:
         problems.append(str(e))
     problems += _model_files_problems(cfg, dims.vocab_size)
-    problems += architecture_problems(dims)
+    problems += import_problems(dims, log)
     if flavour == "cpu" and dims.mla and dims.head_dim != 576:
         problems.append(f"MLA head size kv_lora_rank + qk_rope_head_dim = {dims.head_dim}: vLLM's CPU MLA kernel "
                         f"takes 576 only (512 + 64, as in DeepSeek-V3 / Kimi-K2)")
