@@ -18,6 +18,7 @@ Runs each bench script as its own process (their own tables print as they go), i
   children  bench/child_start.py          a child's imports: forked from a process that made them ÷ a fresh spawn
   forks     bench/fork_server.py          a whole extract child: forked by core/forkserver.py ÷ spawned
   servers   bench/server_processes.py     a CPU server's start: the one-process executor by class ÷ vLLM's choice
+  preflight bench/preflight_memo.py       a process running preflight: with the import memo ÷ without (off)
   run       `eagle3 run` on configs/tiny-cpu.yaml (what `make run` runs) into a fresh store, then again
             (the reuse path), wall time of each
 Every ratio is the median over >= 5 alternating rounds, printed with its min-max (bench_results.spread).
@@ -60,6 +61,7 @@ BENCHES = {
     "children": (["bench/child_start.py", "--rounds", "5"], ["--rounds", "1"]),
     "forks": (["bench/fork_server.py", "--rounds", "5"], ["--rounds", "1"]),
     "servers": (["bench/server_processes.py", "--rounds", "5"], ["--rounds", "1"]),
+    "preflight": (["bench/preflight_memo.py", "--rounds", "5"], ["--rounds", "1"]),
 }
 
 
@@ -192,6 +194,9 @@ def ratio_rows(res: dict) -> list[tuple[str, str, str]]:
     if d := data("forks"):
         rows.append(("an extract child, forked by the fork server ÷ spawned (wall)", _spread(d["wall_ratio"]),
                      f"saves {_spread(d['cpu_saved_s'], False, '.1f')} CPU s per child (machine-wide)"))
+    if d := data("preflight"):
+        rows.append(("a process running preflight, import memo ÷ off (CPU)", _spread(d["cpu_ratio"]),
+                     f"saves {_spread(d['cpu_saved_s'], False, '.1f')} CPU s per process"))
     if d := data("run"):
         rows.append(("make run wall time, fresh store", f"{d['fresh_s'] / 60:.1f} min",
                      f"<= 2.5 min; τ {d['fresh_tau']:.2f} (untrained {d['untrained_tau']:.2f})"))
