@@ -65,7 +65,7 @@ _GROUP_ORDER = ("tests/chaos/test_control_plane.py", "processes", "server", "tes
 # the control plane only: a waiter is not pinned, and a computing group there ran its two-thread engines against
 # the pinned workers' (four workers, the chaos `processes` group and the engine modules on two waiters: 1,680 s
 # and 3,085 CPU s against 1,597 s and 2,683; docs/decisions/one-core-per-worker.md)
-_WAIT_GROUPS = ("tests/chaos/test_control_plane.py",)
+_WAIT_GROUPS = ("tests/chaos/test_control_plane.py", "server")
 
 
 def group_of(nodeid: str) -> str:
