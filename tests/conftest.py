@@ -47,8 +47,8 @@ if os.environ.get("PATH", "").split(os.pathsep)[0] != str(BIN):
 #   "server": tests/server/, which share one real Prefect server with its workers and deployments.
 # Groups are handed out longest first (their seconds in the last full run, docs/testing.md), so no long
 # group starts last; xdist's own reorder (most tests first) is turned off for that.
-# _WAIT_GROUPS: groups that mostly wait (outages, heartbeats, paced records: their process tree's CPU
-# seconds about half their wall seconds, docs/testing.md "Suite time"). With more than two workers (`make test`
+# _WAIT_GROUPS: groups that mostly wait (outages, heartbeats, paced records, Prefect's polls and hand-offs: their
+# process tree's CPU seconds about half their wall seconds, docs/testing.md "Suite time"). With more than two workers (`make test`
 # runs three) the workers past gw1 run only them, beside the two that run everything else on one core each
 # (pytest_configure), so their waiting overlaps the others' work; on two workers they are groups like the rest.
 # The chaos `processes` group, which computes about as much as it waits, is the first a computing worker takes: with
@@ -62,9 +62,11 @@ _GROUP_ORDER = ("tests/chaos/test_control_plane.py", "processes", "server", "tes
                 "tests/integration/test_extract.py", "tests/integration/test_verify.py", "tests/integration/test_train.py",
                 "tests/integration/test_speculators_interop.py", "tests/integration/test_extract_flow.py",
                 "tests/integration/test_evaluate_sets.py", "tests/integration/test_poison.py")
-# the control plane only: a waiter is not pinned, and a computing group there ran its two-thread engines against
-# the pinned workers' (four workers, the chaos `processes` group and the engine modules on two waiters: 1,680 s
-# and 3,085 CPU s against 1,597 s and 2,683; docs/decisions/one-core-per-worker.md)
+# the control plane, then the server group (its Prefect hand-offs kept a pinned core ~0.5 busy for ~6 min; on the
+# waiter after the control plane, rehearsal 35: pytest 1,057 s against 1,093 in 33 and 34, the machine 1.90 cores
+# busy against 1.80; docs/testing.md "Stop 68"). No computing group: a waiter is not pinned, and a computing group
+# there ran its two-thread engines against the pinned workers' (four workers, the chaos `processes` group and the
+# engine modules on two waiters: 1,680 s and 3,085 CPU s against 1,597 s and 2,683; docs/decisions/one-core-per-worker.md)
 _WAIT_GROUPS = ("tests/chaos/test_control_plane.py", "server")
 
 
