@@ -20,10 +20,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
-
-from bench_results import record, spread  # bench/ is sys.path[0] when run as a script
+from bench_results import record, spread, spread_table  # bench/ is sys.path[0] when run as a script
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = textwrap.dedent("""
@@ -65,15 +62,10 @@ def main() -> None:
            "vllm_imported": {w: sorted({r[2] for r in got[w]}) for w in got},
            "cpu_ratio": spread([m[1] / o[1] for m, o in zip(got["memo"], got["off"])]),
            "cpu_saved_s": spread([o[1] - m[1] for m, o in zip(got["memo"], got["off"])])}
-    t = Table(title=f"a process running preflight on the tiny default, {args.rounds} alternating rounds: median (min-max)")
-    cols = {"off_wall_s": "off: wall (s)", "memo_wall_s": "memo: wall (s)", "off_cpu_s": "off: CPU (s)",
-            "memo_cpu_s": "memo: CPU (s)", "cpu_ratio": "memo ÷ off (CPU)", "cpu_saved_s": "CPU saved (s)"}
-    for c in cols.values():
-        t.add_column(c)
-    t.add_column("vLLM imported (off / memo)")
-    t.add_row(*(f"{out[k]['median']:.2f} ({out[k]['min']:.2f}-{out[k]['max']:.2f})" for k in cols),
-              f"{out['vllm_imported']['off']} / {out['vllm_imported']['memo']}")
-    Console(width=170).print(t)
+    spread_table(f"a process running preflight on the tiny default, {args.rounds} alternating rounds: median (min-max)",
+                 {"off_wall_s": "off: wall (s)", "memo_wall_s": "memo: wall (s)", "off_cpu_s": "off: CPU (s)",
+                  "memo_cpu_s": "memo: CPU (s)", "cpu_ratio": "memo ÷ off (CPU)", "cpu_saved_s": "CPU saved (s)"}, out)
+    print(f"vLLM imported: off {out['vllm_imported']['off']}, memo {out['vllm_imported']['memo']}")
     record("preflight_memo", out)
 
 
