@@ -97,3 +97,12 @@ def test_a_new_install_or_an_edited_module_is_another_key(tmp_path, monkeypatch)
     st = (pkg / "__init__.py").stat()
     os.utime(pkg / "__init__.py", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # edited in place
     assert import_memo.key({"a": 1}, ["e3fakepkg"]) != second
+
+
+def test_no_home_directory_keeps_no_memo(monkeypatch):
+    monkeypatch.delenv(import_memo.ENV, raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(import_memo.os.path, "expanduser", lambda p: p)  # what it returns when it finds no home
+    assert import_memo.memo_dir() is None
+    monkeypatch.setenv("XDG_CACHE_HOME", "/c")
+    assert import_memo.memo_dir() == import_memo.Path("/c/eagle3-pipeline/preflight")

