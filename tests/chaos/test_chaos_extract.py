@@ -50,6 +50,15 @@ def _kill_window(rng, ref, trial: int) -> tuple[str, float]:
     return "work", rng.uniform(0.0, 0.8 * man["num_rows"] * RECORD_DELAY_S)
 
 
+def _watch(killer: DelayedKill, phase: str, line: str) -> None:
+    """Start the kill's clock at its phase's line (the child's start, or "engine ready" for the work phase); an
+    init-phase kill lands at "engine ready" at the latest."""
+    if (phase == "init" and line.startswith("extract: child ")) or (phase == "work" and "engine ready" in line):
+        killer.trigger.set()
+    if phase == "init" and "engine ready" in line:
+        killer.latest.set()
+
+
 def _when(killer: DelayedKill) -> str:
     return " (at engine ready: this start was shorter than the drawn delay)" if killer.early else ""
 
@@ -102,10 +111,7 @@ def test_engine_child_killed(trial, small_reference, tag, tmp_path, monkeypatch)
 
     def log(line: str) -> None:
         lines.append(line)
-        if (phase == "init" and line.startswith("extract: child ")) or (phase == "work" and "engine ready" in line):
-            killer.trigger.set()
-        if phase == "init" and "engine ready" in line:
-            killer.latest.set()
+        _watch(killer, phase, line)
 
     monkeypatch.setenv(RECORD_DELAY_ENV, str(RECORD_DELAY_S))
     try:
@@ -160,10 +166,7 @@ def test_parent_killed(trial, small_reference, tag, tmp_path):
     def pump():
         for line in proc.stdout:
             lines.append(line.rstrip("\n"))
-            if (phase == "init" and line.startswith("extract: child ")) or (phase == "work" and "engine ready" in line):
-                killer.trigger.set()
-            if phase == "init" and "engine ready" in line:
-                killer.latest.set()
+            _watch(killer, phase, line)
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
